@@ -1,0 +1,1 @@
+"""`mpiscale bench NAME`: each benchmark measures a baseline in the same run."""

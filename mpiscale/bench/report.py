@@ -1,0 +1,67 @@
+"""Benchmark reporting: machine facts, an aligned table, and a JSON record."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def machine() -> dict:
+    """Cores, CPU model and GPU (if any) of this machine."""
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = None
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        result = subprocess.run(query, capture_output=True, text=True, check=False)
+        gpu = result.stdout.strip().splitlines()[0] if result.returncode == 0 and result.stdout.strip() else None
+    return {
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "cpu": model,
+        "gpu": gpu,
+        "python": sys.version.split()[0],
+    }
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Render rows as a right-aligned text table."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def write_json(path: str | Path, name: str, world_size: int, results: dict) -> Path:
+    """Write one benchmark record with the command, world size and machine."""
+    record = {
+        "benchmark": name,
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "world_size": world_size,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **results,
+    }
+    path = Path(path)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

@@ -1,0 +1,71 @@
+"""The ``mpiscale`` command: ``doctor``, ``demo``, ``bench NAME``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import checks, report
+
+    text, status = report(checks())
+    print(text)
+    return status
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .apps.demo import demo
+    from .runtime import run
+
+    summary = run(lambda system: demo(system, tokens=args.tokens, laps=args.laps))
+    if summary.get("greeting") is not None or summary["ranks"] == 1:
+        print(f"demo ok: {summary['ranks']} ranks, {summary['token_hops']} token hops, "
+              f"allreduce {summary['allreduce']}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .runtime import run
+
+    if args.name == "pingpong":
+        from .bench.pingpong import run_pingpong
+
+        run(lambda system: run_pingpong(system, args.json or "bench-pingpong.json", quick=args.quick))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser (every option documented in --help)."""
+    top = argparse.ArgumentParser(
+        prog="mpiscale",
+        description="Actor runtime on MPI. Run jobs under launch/mpiscale-run -n N -- mpiscale ...",
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+
+    doctor = commands.add_parser("doctor", help="report MPI, h5py, numba/CUDA support and how to fix gaps")
+    doctor.set_defaults(handler=_doctor)
+
+    demo = commands.add_parser("demo", help="runtime demo: actors pass tokens round a ring, then allreduce")
+    demo.add_argument("--tokens", type=int, default=100, help="tokens each rank starts (default: 100)")
+    demo.add_argument("--laps", type=int, default=3, help="laps of the ring each token makes (default: 3)")
+    demo.set_defaults(handler=_demo)
+
+    bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
+    bench.add_argument("name", choices=["pingpong"], help="pingpong: actor ask/tell vs raw mpi4py (2 ranks)")
+    bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
+    bench.set_defaults(handler=_bench)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    for name in ("tokens", "laps"):
+        if getattr(args, name, 1) < 1:
+            parser().error(f"--{name} must be at least 1")
+    return args.handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`mpiscale doctor`: what this machine offers mpiscale, and how to fix what is missing."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from dataclasses import dataclass
+
+
+@dataclass
+class Check:
+    """One line of the report: what was checked, what was found, how to fix it."""
+
+    name: str
+    ok: bool
+    found: str
+    fix: str = ""
+    required: bool = True
+
+
+def _version(module: str) -> str | None:
+    try:
+        return getattr(importlib.import_module(module), "__version__", "installed")
+    except ImportError:
+        return None
+
+
+SETUP = "run launch/setup.sh"
+
+
+def _mpi_checks() -> list[Check]:
+    try:
+        from mpi4py import MPI
+    except ImportError as error:
+        return [Check("mpi4py", False, f"not importable ({error})", SETUP)]
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
+    library = MPI.Get_library_version().splitlines()[0].strip().rstrip(",")
+    major, minor = MPI.Get_version()
+    level = levels.get(MPI.Query_thread(), "unknown")
+    return [
+        Check("MPI library", True, f"{library} (MPI {major}.{minor})"),
+        Check("mpi4py", True, _version("mpi4py") or "?"),
+        Check(
+            "MPI thread level",
+            level in ("serialized", "multiple"),
+            level,
+            "set MPISCALE_THREAD_LEVEL=multiple; background checkpoint writes need it",
+            required=False,
+        ),
+    ]
+
+
+def _h5py_check() -> Check:
+    try:
+        import h5py
+    except ImportError:
+        return Check("h5py (parallel)", False, "not installed", SETUP)
+    mpi = bool(h5py.get_config().mpi)
+    found = f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, MPI {'yes' if mpi else 'NO'}"
+    return Check("h5py (parallel)", mpi, found, "rebuild h5py against parallel HDF5: remove .venv and run launch/setup.sh")
+
+
+def _numba_checks() -> list[Check]:
+    version = _version("numba")
+    if version is None:
+        return [Check("numba", False, "not installed", SETUP)]
+    from numba import cuda
+
+    gpu = cuda.is_available()
+    found = "available" if gpu else "no GPU visible (CPU kernels are used; NUMBA_ENABLE_CUDASIM=1 simulates CUDA)"
+    return [Check("numba", True, version), Check("CUDA (numba.cuda)", True, found, required=False)]
+
+
+def _optional(name: str, module: str, fix: str) -> Check:
+    version = _version(module)
+    return Check(name, version is not None, version or "not installed", fix, required=False)
+
+
+def _program(name: str, fix: str, required: bool) -> Check:
+    path = shutil.which(name)
+    return Check(name, path is not None, path or "not found", fix, required=required)
+
+
+def checks() -> list[Check]:
+    """Run every check (imports MPI, so call it in the process that will use MPI)."""
+    return [
+        *_mpi_checks(),
+        _h5py_check(),
+        *_numba_checks(),
+        _optional("aiomqtt", "aiomqtt", SETUP),
+        _optional("torch", "torch", SETUP),
+        _program("mpirun", "apt-get install openmpi-bin (launch/setup.sh does it)", required=True),
+        _program("mosquitto", "apt-get install mosquitto (launch/setup.sh does it)", required=False),
+        _program("srun", "only needed on a Slurm cluster", required=False),
+    ]
+
+
+def report(results: list[Check]) -> tuple[str, int]:
+    """The printed report and the exit status (1 if a required check failed)."""
+    width = max(len(c.name) for c in results)
+    lines, failed = [], False
+    for check in results:
+        mark = "ok  " if check.ok else ("FAIL" if check.required else "warn")
+        lines.append(f"[{mark}] {check.name.ljust(width)}  {check.found}")
+        if not check.ok and check.fix:
+            lines.append(f"       {' ' * width}  fix: {check.fix}")
+        failed |= check.required and not check.ok
+    lines.append("mpiscale doctor: " + ("problems found (see FAIL lines)" if failed else "ready"))
+    return "\n".join(lines), int(failed)

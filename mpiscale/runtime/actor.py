@@ -1,0 +1,260 @@
+"""Actors: the base class, references that travel in messages, and mailboxes.
+
+An actor is an object whose public methods are its message handlers (``async``
+or plain). Each actor has one mailbox and one consumer task, so it handles one
+message at a time, in arrival order; a handler may ``await`` other actors
+without blocking its rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .errors import ActorStopped, Failure
+
+if TYPE_CHECKING:
+    from .system import ActorSystem
+
+log = logging.getLogger(__name__)
+
+_current_system: ActorSystem | None = None
+
+
+def current_system() -> ActorSystem:
+    """The ActorSystem of this rank; references use it to send."""
+    if _current_system is None:
+        raise RuntimeError("no mpiscale ActorSystem is running on this rank; start one with mpiscale.run(main)")
+    return _current_system
+
+
+def set_current_system(system: ActorSystem | None) -> None:
+    global _current_system
+    _current_system = system
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a failed actor at most ``max_restarts`` times within ``window_s`` seconds."""
+
+    max_restarts: int = 3
+    window_s: float = 60.0
+
+
+class Actor:
+    """Base class for actors. Public methods are handlers; ``on_start``/``on_stop`` are hooks.
+
+    Set ``restart_policy`` on the class (or pass ``restart=`` to spawn) to have a
+    failed ``tell`` restart the actor with its original arguments instead of
+    ending the job.
+    """
+
+    restart_policy: ClassVar[RestartPolicy | None] = None
+    #: This actor's own reference, set before ``on_start``.
+    ref: ActorRef
+    #: The rank's ActorSystem, set before ``on_start``.
+    system: ActorSystem
+
+    async def on_start(self) -> None:
+        """Called before the first message (and after each restart)."""
+
+    async def on_stop(self) -> None:
+        """Called once when the system shuts down."""
+
+
+@dataclass(frozen=True)
+class ActorRef:
+    """The address of an actor: (rank, name). Picklable, so it can be sent in messages."""
+
+    rank: int
+    name: str
+
+    async def ask(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call ``method`` on the actor and await its result (or its exception).
+
+        ``timeout`` (seconds) raises :class:`~mpiscale.AskTimeout` when no reply comes.
+        """
+        return await current_system().ask(self, method, args, kwargs, timeout)
+
+    def tell(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """Send ``method(*args)`` without waiting for a result.
+
+        The returned future resolves once the message buffers may be reused
+        (arrays are sent without a copy); ignoring it is fine.
+        """
+        return current_system().tell(self, method, args, kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.rank}"
+
+
+@dataclass(frozen=True)
+class ActorGroup:
+    """One actor of the same name on every rank, as made by ``spawn_group``."""
+
+    name: str
+    size: int
+
+    def __getitem__(self, rank: int) -> ActorRef:
+        if not 0 <= rank < self.size:
+            raise IndexError(f"group {self.name!r} has ranks 0..{self.size - 1}, not {rank}")
+        return ActorRef(rank, self.name)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[ActorRef]:
+        return (ActorRef(rank, self.name) for rank in range(self.size))
+
+    async def ask_all(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list:
+        """Ask every member; the results in rank order."""
+        return list(await asyncio.gather(*(ref.ask(method, *args, timeout=timeout, **kwargs) for ref in self)))
+
+    def tell_all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Tell every member."""
+        for ref in self:
+            ref.tell(method, *args, **kwargs)
+
+
+@dataclass
+class Message:
+    """A message in a mailbox; ``reply_to`` is (rank, ask id) for an ask, else None."""
+
+    method: str
+    args: tuple
+    kwargs: dict
+    reply_to: tuple[int, int] | None
+    sender: int
+
+
+@dataclass
+class ActorCell:
+    """The runtime side of one actor: instance, mailbox, consumer task, supervision."""
+
+    system: ActorSystem
+    ref: ActorRef
+    cls: type
+    args: tuple
+    kwargs: dict
+    policy: RestartPolicy | None
+    mailbox: deque = field(default_factory=deque)
+    instance: Any = None
+    current: str | None = None  # method being handled
+    busy_since: float | None = None
+    restarts: list[float] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    _waiter: asyncio.Future | None = None
+
+    def __post_init__(self) -> None:
+        self.instance = self._create()
+
+    @property
+    def idle(self) -> bool:
+        return not self.mailbox and self.current is None
+
+    def post(self, message: Message) -> None:
+        self.mailbox.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run(), name=f"actor {self.ref}")
+
+    def describe(self) -> str:
+        state = "idle"
+        if self.current is not None:
+            state = f"handling {self.current!r} for {time.monotonic() - self.busy_since:.3f}s"
+        return f"actor {self.ref.name!r} ({self.cls.__qualname__}): mailbox {len(self.mailbox)}, {state}"
+
+    def origin(self, method: str) -> str:
+        s = self.system
+        return f"rank {s.rank} on host {s.host}, actor {self.ref.name!r} ({self.cls.__qualname__}.{method})"
+
+    def fail_pending(self) -> None:
+        """Answer every queued ask with ActorStopped (used at shutdown)."""
+        while self.mailbox:
+            message = self.mailbox.popleft()
+            if message.reply_to is not None:
+                error = ActorStopped(f"actor {self.ref} stopped before handling {message.method!r}")
+                self.system.reply(message.reply_to, Failure.capture(error, self.origin(message.method)))
+
+    def _create(self) -> Any:
+        instance = self.cls(*self.args, **self.kwargs)
+        instance.ref = self.ref
+        instance.system = self.system
+        return instance
+
+    async def _run(self) -> None:
+        await self._start_instance()
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.mailbox:
+                self._waiter = loop.create_future()
+                await self._waiter
+                self._waiter = None
+                continue
+            message = self.mailbox.popleft()
+            self.current, self.busy_since = message.method, time.monotonic()
+            try:
+                await self._handle(message)
+            finally:
+                self.current = self.busy_since = None
+
+    async def _start_instance(self) -> None:
+        try:
+            await self.instance.on_start()
+        except Exception as error:
+            self.system.fail(error, f"on_start of actor {self.ref} ({self.cls.__qualname__}) failed")
+
+    def _handler(self, method: str):
+        handler = None if method.startswith("_") else getattr(self.instance, method, None)
+        if handler is None or not callable(handler) or method in ("on_start", "on_stop"):
+            raise AttributeError(f"actor {self.ref.name!r} ({self.cls.__qualname__}) has no handler {method!r}")
+        return handler
+
+    async def _handle(self, message: Message) -> None:
+        try:
+            result = self._handler(message.method)(*message.args, **message.kwargs)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as error:
+            if message.reply_to is not None:
+                self.system.reply(message.reply_to, Failure.capture(error, self.origin(message.method)))
+            else:
+                await self._supervise(error, message)
+            return
+        if message.reply_to is not None:
+            self.system.reply(message.reply_to, result)
+
+    async def _supervise(self, error: Exception, message: Message) -> None:
+        """A failed tell: restart within the policy's limits, else escalate (end the job)."""
+        now = time.monotonic()
+        policy = self.policy
+        where = f"actor {self.ref} ({self.cls.__qualname__}) failed in tell {message.method!r} from rank {message.sender}"
+        if policy is None:
+            self.system.fail(error, f"{where}; it has no restart policy, so the failure escalates")
+            return
+        self.restarts = [t for t in self.restarts if now - t < policy.window_s]
+        if len(self.restarts) >= policy.max_restarts:
+            self.system.fail(
+                error, f"{where}; restart limit reached ({policy.max_restarts} in {policy.window_s:g}s)"
+            )
+            return
+        self.restarts.append(now)
+        log.warning(
+            "%s: %s: %s; restarting (%d/%d in %gs)",
+            where, type(error).__name__, error, len(self.restarts), policy.max_restarts, policy.window_s,
+        )
+        try:
+            self.instance = self._create()
+        except Exception as create_error:
+            self.system.fail(create_error, f"restarting actor {self.ref} failed")
+            return
+        await self._start_instance()

@@ -1,0 +1,217 @@
+"""Awaitable collectives on non-blocking MPI, so actors keep serving while they run.
+
+All ranks of a communicator must start its collectives in the same order, as in
+MPI. Each :class:`Communicator` wraps its own duplicate of the MPI communicator,
+so collectives never match the runtime's point-to-point traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import transport
+from .config import RuntimeConfig
+from .progress import ProgressEngine
+
+_INT_MAX = 2**31 - 1
+
+
+class CollectiveMismatch(ValueError):
+    """Ranks passed different shapes, dtypes or operations to the same collective."""
+
+
+class Communicator:
+    """Awaitable collectives over one MPI communicator."""
+
+    def __init__(self, MPI, comm, engine: ProgressEngine, config: RuntimeConfig, name: str) -> None:
+        self._MPI = MPI
+        self.comm = comm
+        self._engine = engine
+        self._config = config
+        self.name = name
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
+
+    async def _wait(self, request, what: str, keep: object = None) -> None:
+        await self._engine.wait(request, f"{what} on {self.name}", keep)
+
+    def _op(self, op: str):
+        try:
+            return self._ops[op]
+        except KeyError:
+            raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(self._ops)}") from None
+
+    @staticmethod
+    def _array(array: np.ndarray, what: str) -> np.ndarray:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"{what} takes a numpy array, got {type(array).__name__}")
+        if array.dtype.hasobject:
+            raise TypeError(f"{what} cannot reduce object arrays")
+        if array.size > _INT_MAX:
+            raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {_INT_MAX}; split the array")
+        return np.ascontiguousarray(array)
+
+    async def _check(self, what: str, signature: str) -> None:
+        """Fail identically on every rank if the ranks disagree on ``signature``."""
+        if not self._config.check_collectives or self.size == 1:
+            return
+        digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little", signed=True)
+        mine = np.array([digest], dtype=np.int64)
+        every = np.empty(self.size, dtype=np.int64)
+        await self._wait(self.comm.Iallgather(mine, every), f"{what} check")
+        if (every != every[0]).any():
+            odd = [int(r) for r in np.flatnonzero(every != every[0])]
+            raise CollectiveMismatch(
+                f"{what} on {self.name}: ranks disagree on shape/dtype/op (this rank {self.rank} passed "
+                f"{signature}); ranks whose arguments differ from rank 0's: {odd}"
+            )
+
+    async def barrier(self) -> None:
+        """Wait until every rank has reached the barrier."""
+        await self._wait(self.comm.Ibarrier(), "barrier")
+
+    async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
+        data = self._array(array, "allreduce")
+        await self._check("allreduce", f"{data.dtype}{data.shape} {op}")
+        mpi_op = self._op(op)
+        if out is array and data is array:
+            await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
+            return array
+        result = np.empty_like(data) if out is None else out
+        await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
+        return result
+
+    async def reduce(self, array: np.ndarray, op: str = "sum", root: int = 0, in_place: bool = False) -> np.ndarray | None:
+        """Reduce onto ``root``; returns the result there and None elsewhere."""
+        data = self._array(array, "reduce")
+        await self._check("reduce", f"{data.dtype}{data.shape} {op} root={root}")
+        mpi_op = self._op(op)
+        if self.rank != root:
+            await self._wait(self.comm.Ireduce(data, None, mpi_op, root), "reduce", keep=data)
+            return None
+        if in_place and data is array:
+            await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, array, mpi_op, root), "reduce")
+            return array
+        result = np.empty_like(data)
+        await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
+        return result
+
+    async def bcast_array(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """Broadcast ``root``'s array into ``array`` on every rank (same shape everywhere)."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
+            raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
+        await self._check("bcast_array", f"{array.dtype}{array.shape} root={root}")
+        await self._wait(self.comm.Ibcast(array, root), "bcast")
+        return array
+
+    async def bcast(self, obj: object = None, root: int = 0) -> object:
+        """Broadcast any picklable object (arrays travel without pickling their data)."""
+        MPI = self._MPI
+        if self.rank == root:
+            encoded = transport.encode(obj, 0, self._config.inline_bytes)
+            frame = memoryview(encoded.frame)
+            length = np.array([frame.nbytes], dtype=np.int64)
+        else:
+            length = np.empty(1, dtype=np.int64)
+        await self._wait(self.comm.Ibcast(length, root), "bcast")
+        if self.rank != root:
+            frame = transport.allocate(int(length[0]))
+        await self._wait(self.comm.Ibcast([frame, MPI.BYTE], root), "bcast")
+        header = transport.decode_frame(frame)
+        if header.inline_parts is not None:
+            return obj if self.rank == root else transport.deserialize(header.inline_parts)
+        parts = encoded.parts if self.rank == root else [transport.allocate(n) for n in header.sizes]
+        for part in parts:
+            for piece in transport.chunks(part, self._config.chunk_bytes):
+                await self._wait(self.comm.Ibcast([piece, MPI.BYTE], root), "bcast")
+        return obj if self.rank == root else transport.deserialize(parts)
+
+    async def allgather(self, array: np.ndarray) -> np.ndarray:
+        """Stack every rank's array (same shape and dtype): result shape (size, *shape)."""
+        data = self._array(array, "allgather")
+        await self._check("allgather", f"{data.dtype}{data.shape}")
+        result = np.empty((self.size, *data.shape), dtype=data.dtype)
+        await self._wait(self.comm.Iallgather(data, result), "allgather", keep=data)
+        return result
+
+    async def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:
+        """Stack every rank's array on ``root``; None elsewhere."""
+        data = self._array(array, "gather")
+        await self._check("gather", f"{data.dtype}{data.shape} root={root}")
+        result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
+        await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
+        return result
+
+    async def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""
+        data = self._array(array, "reduce_scatter")
+        if data.ndim == 0:
+            raise ValueError("reduce_scatter needs an array with at least one dimension")
+        await self._check("reduce_scatter", f"{data.dtype}{data.shape} {op}")
+        rows = [len(block) for block in np.array_split(np.empty(data.shape[0]), self.size)]
+        row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
+        counts = [r * row_elements for r in rows]
+        result = np.empty((rows[self.rank], *data.shape[1:]), dtype=data.dtype)
+        request = self.comm.Ireduce_scatter(data, result, counts, self._op(op))
+        await self._wait(request, "reduce_scatter", keep=data)
+        return result
+
+
+@dataclass
+class Hierarchy:
+    """World, node-local and node-leader communicators, and the two-level allreduce."""
+
+    world: Communicator
+    node: Communicator
+    leaders: Communicator | None  # None on ranks that do not lead their node
+    node_index: int
+    node_count: int
+
+    async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+        """Reduce inside each node, allreduce among node leaders, broadcast inside each node.
+
+        Same result as ``world.allreduce`` up to floating-point summation order;
+        only one rank per node talks across nodes.
+        """
+        result = np.array(array, copy=True, order="C") if out is None else out
+        if out is not None and out is not array:
+            np.copyto(out, array)
+        await self.node.reduce(result, op, root=0, in_place=True)
+        if self.leaders is not None:
+            await self.leaders.allreduce(result, op, out=result)
+        await self.node.bcast_array(result, root=0)
+        return result
+
+
+def build_hierarchy(MPI, world_comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
+    """Create the communicators (collective over ``world_comm``; call once at start-up)."""
+    rank = world_comm.Get_rank()
+    if config.ranks_per_node:
+        node_comm = world_comm.Split(rank // config.ranks_per_node, rank)
+    else:
+        node_comm = world_comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    is_leader = node_comm.Get_rank() == 0
+    leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
+    # Number the nodes by their leader's order among the leaders.
+    index = np.array([leader_comm.Get_rank() if is_leader else 0], dtype=np.int64)
+    node_comm.Bcast(index, 0)
+    count = np.array([leader_comm.Get_size() if is_leader else 0], dtype=np.int64)
+    world_comm.Allreduce(MPI.IN_PLACE, count, MPI.MAX)
+    leaders = None
+    if is_leader:
+        leaders = Communicator(MPI, leader_comm, engine, config, "leaders")
+    return Hierarchy(
+        world=Communicator(MPI, world_comm.Dup(), engine, config, "world"),
+        node=Communicator(MPI, node_comm, engine, config, f"node{int(index[0])}"),
+        leaders=leaders,
+        node_index=int(index[0]),
+        node_count=int(count[0]),
+    )

@@ -1,0 +1,101 @@
+"""Runtime settings, read from ``MPISCALE_*`` environment variables.
+
+Every knob has a default that works on a laptop and on a cluster node; the
+trade-offs are documented in ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+_THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the runtime polls, chunks messages, groups ranks into nodes and shuts down."""
+
+    #: After the last MPI activity, poll without sleeping for this long (µs).
+    #: Longer = lower latency for bursts, more CPU spent while waiting.
+    spin_us: int = 500
+    #: Longest sleep between polls of an idle rank (µs). Bounds the added
+    #: latency of the first message after a quiet period, and the idle CPU use.
+    max_sleep_us: int = 2000
+    #: Messages whose parts add up to at most this many bytes travel as one MPI
+    #: message; larger ones send each buffer separately, without a copy.
+    inline_bytes: int = 65536
+    #: Largest single MPI message (bytes); bigger buffers are split, which is
+    #: how messages over 2 GiB travel with an MPI-3 library.
+    chunk_bytes: int = 1 << 30
+    #: Group ranks into "nodes" of this many consecutive ranks instead of asking
+    #: MPI which ranks share memory; 0 = ask MPI. Lets one machine test hierarchy.
+    ranks_per_node: int = 0
+    #: Seconds a SIGTERM/SIGINT shutdown may spend draining before it exits anyway.
+    shutdown_timeout_s: float = 10.0
+    #: Check that all ranks pass the same shape, dtype and op to a collective.
+    check_collectives: bool = True
+    #: Keep freed large buffers in the heap so large messages avoid page faults
+    #: (see ``mpiscale.runtime.memory``).
+    malloc_tuning: bool = True
+    #: MPI thread level requested at initialisation.
+    thread_level: str = "multiple"
+
+    def __post_init__(self) -> None:
+        if self.thread_level not in _THREAD_LEVELS:
+            raise ValueError(
+                f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}"
+            )
+        for name in ("spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")
+        if self.chunk_bytes < 1:
+            raise ValueError(f"MPISCALE_CHUNK_BYTES must be >= 1, got {self.chunk_bytes}")
+        if self.shutdown_timeout_s <= 0:
+            raise ValueError(f"MPISCALE_SHUTDOWN_TIMEOUT_S must be > 0, got {self.shutdown_timeout_s}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> RuntimeConfig:
+        """Build a config from ``MPISCALE_<FIELD>`` variables, defaults elsewhere."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for field in fields(cls):
+            raw = environ.get(f"MPISCALE_{field.name.upper()}")
+            if raw is None:
+                continue
+            try:
+                values[field.name] = _parse(raw, field.type)
+            except ValueError:
+                raise ValueError(
+                    f"MPISCALE_{field.name.upper()}={raw!r} is not a valid {field.type}"
+                ) from None
+        return cls(**values)
+
+
+def _parse(raw: str, type_name: object) -> object:
+    kind = str(type_name)
+    if kind == "bool":
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(raw)
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    return raw
+
+
+def load_mpi(config: RuntimeConfig):
+    """Import ``mpi4py.MPI`` with the configured thread level (initialises MPI once)."""
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.thread_level = config.thread_level
+    from mpi4py import MPI
+
+    return MPI

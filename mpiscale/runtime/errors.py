@@ -1,0 +1,63 @@
+"""Exceptions the runtime raises, and how a remote failure is carried back."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+
+class RemoteTraceback(Exception):
+    """The traceback of a failure on another rank, chained as ``__cause__``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class RemoteError(RuntimeError):
+    """Stands in for a remote exception that could not be pickled."""
+
+
+class AskTimeout(TimeoutError):
+    """An ``ask`` got no reply within its deadline."""
+
+
+class ActorNotFound(LookupError):
+    """No actor of that name lives on the addressed rank."""
+
+
+class ActorStopped(RuntimeError):
+    """The actor was stopped (or the system is shutting down) before it replied."""
+
+
+@dataclass
+class Failure:
+    """A handler's exception as it travels back to the asker."""
+
+    error: BaseException
+    traceback_text: str
+    origin: str  # "rank 1 on host node07, actor 'worker' (Worker.step)"
+
+    @classmethod
+    def capture(cls, error: BaseException, origin: str) -> Failure:
+        text = "".join(traceback.format_exception(error))
+        return cls(error, text, origin)
+
+    def picklable(self) -> Failure:
+        """This failure, or a :class:`RemoteError` copy if the exception cannot be pickled."""
+        import pickle
+
+        try:
+            pickle.dumps(self.error, protocol=5)
+            return self
+        except Exception:
+            substitute = RemoteError(f"{type(self.error).__qualname__}: {self.error}")
+            return Failure(substitute, self.traceback_text, self.origin)
+
+    def raise_here(self):
+        """Raise the original exception type, chained to the remote traceback."""
+        cause = RemoteTraceback(f"\n\nRemote traceback from {self.origin}:\n\n{self.traceback_text}")
+        raise self.error from cause

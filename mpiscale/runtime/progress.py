@@ -1,0 +1,244 @@
+"""The progress engine: turns MPI requests into asyncio awaitables.
+
+One engine per rank runs as an asyncio task. Each turn it
+
+1. matches newly arrived frames with ``Improbe`` and posts their receives,
+2. tests every pending request with one ``Testsome`` call and runs the
+   completion callbacks (resolving futures, posting part receives),
+3. hands completed inbound messages to the runtime, in the order each source
+   sent them.
+
+Polling trades latency against CPU: right after any activity (or a local send)
+the engine polls continuously for ``spin_us``, yielding the core to other
+processes with ``sched_yield`` each turn (so oversubscribed ranks stay fast);
+after that it sleeps, doubling the sleep up to ``max_sleep_us``. An idle rank
+therefore costs a few hundred short wake-ups per second, not a core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import transport
+from .config import RuntimeConfig
+
+Deliver = Callable[[int, object], None]
+_BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
+
+
+@dataclass
+class _Pending:
+    """One MPI request and what to do when it completes."""
+
+    request: object
+    on_done: Callable[[], None]
+    what: str
+    started: float = field(default_factory=time.monotonic)
+    keep: object = None  # buffers that must stay alive until completion
+
+
+@dataclass
+class _Inbound:
+    """A message from one source being received: its frame, then its parts."""
+
+    source: int
+    frame: memoryview
+    parts: list | None = None
+    missing: int = -1  # part receives still outstanding; -1 until the frame arrived
+
+
+class ProgressEngine:
+    """Drives all non-blocking MPI traffic of one rank from the asyncio loop."""
+
+    def __init__(self, MPI, comm, config: RuntimeConfig, deliver: Deliver) -> None:
+        self._MPI = MPI
+        self._comm = comm
+        self._config = config
+        self._deliver = deliver
+        self._tag_ub = comm.Get_attr(MPI.TAG_UB)
+        self._pending: list[_Pending] = []
+        self._inbound: dict[int, deque[_Inbound]] = {}
+        self._send_seq: dict[int, int] = {}
+        self._status = MPI.Status()
+        self._last_activity = time.monotonic()
+        self._sleeper: asyncio.Future | None = None
+        self._stopped = False
+        self.messages_sent = 0
+        self.messages_received = 0
+
+    # ------------------------------------------------------------------ API
+    def send(self, dest: int, obj: object) -> asyncio.Future:
+        """Send ``obj`` to rank ``dest``; the future resolves when the buffers are reusable."""
+        seq = self._send_seq.get(dest, 0)
+        self._send_seq[dest] = seq + 1
+        encoded = transport.encode(obj, seq, self._config.inline_bytes)
+        MPI, comm = self._MPI, self._comm
+        self.messages_sent += 1
+        done = asyncio.get_running_loop().create_future()
+        frame_request = comm.Isend([encoded.frame, MPI.BYTE], dest, transport.FRAME_TAG)
+        if not encoded.parts and frame_request.Test():  # small message, already on its way
+            done.set_result(encoded.nbytes)
+            self.kick()
+            return done
+        requests = [frame_request]
+        if encoded.parts:
+            tag = transport.data_tag(seq, self._tag_ub)
+            for part in encoded.parts:
+                for piece in transport.chunks(part, self._config.chunk_bytes):
+                    requests.append(comm.Isend([piece, MPI.BYTE], dest, tag))
+        remaining = [len(requests)]
+
+        def one_done() -> None:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not done.done():
+                done.set_result(encoded.nbytes)
+
+        what = f"send to rank {dest} (seq {seq}, {encoded.nbytes} bytes)"
+        for request in requests:
+            self._pending.append(_Pending(request, one_done, what, keep=encoded))
+        self.kick()
+        return done
+
+    def wait(self, request, what: str, keep: object = None) -> asyncio.Future:
+        """An awaitable for one MPI request (collectives use this)."""
+        future = asyncio.get_running_loop().create_future()
+
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        self._pending.append(_Pending(request, resolve, what, keep=keep))
+        self.kick()
+        return future
+
+    def kick(self) -> None:
+        """Note local activity: poll continuously again for the spin window."""
+        self._last_activity = time.monotonic()
+        sleeper = self._sleeper
+        if sleeper is not None and not sleeper.done():
+            sleeper.set_result(None)
+
+    @property
+    def idle(self) -> bool:
+        """True when no request is pending and no inbound message is partial."""
+        return not self._pending and not any(self._inbound.values())
+
+    def describe(self) -> list[str]:
+        """One line per pending request, oldest first (for diagnostics)."""
+        now = time.monotonic()
+        return [f"{p.what}: pending {now - p.started:.3f}s" for p in self._pending]
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.kick()
+
+    async def run(self) -> None:
+        """Poll until :meth:`stop`; an exception in a callback ends the task with it."""
+        loop = asyncio.get_running_loop()
+        spin = self._config.spin_us * 1e-6
+        max_sleep = self._config.max_sleep_us * 1e-6
+        clock = time.monotonic
+        sleep = 0.0
+        while not self._stopped:
+            now = clock()
+            if now - self._last_activity < spin:
+                # Spinning: poll in a tight loop for a short burst before giving
+                # the event loop back; other ready tasks wait at most one burst.
+                sleep = 0.0
+                burst_end = now + _BURST_S
+                while not self._poll():
+                    if clock() > burst_end:
+                        os.sched_yield()
+                        break
+                else:
+                    self._last_activity = clock()
+                await asyncio.sleep(0)
+                continue
+            if self._poll():
+                self._last_activity = clock()
+                await asyncio.sleep(0)
+                continue
+            sleep = min(max(sleep * 2, 50e-6), max_sleep)
+            self._sleeper = loop.create_future()
+            handle = loop.call_later(sleep, _resolve, self._sleeper)
+            await self._sleeper
+            handle.cancel()
+            self._sleeper = None
+
+    # ------------------------------------------------------------ internals
+    def _poll(self) -> bool:
+        progressed = self._match_frames()
+        if self._pending:
+            progressed |= self._test_pending()
+        return progressed
+
+    def _match_frames(self) -> bool:
+        MPI, comm, status = self._MPI, self._comm, self._status
+        matched = False
+        while True:
+            message = comm.Improbe(MPI.ANY_SOURCE, transport.FRAME_TAG, status)
+            if message is None:
+                return matched
+            matched = True
+            source = status.Get_source()
+            frame = transport.allocate(status.Get_count(MPI.BYTE))
+            inbound = _Inbound(source, frame)
+            self._inbound.setdefault(source, deque()).append(inbound)
+            request = message.Irecv([frame, MPI.BYTE])
+            if request.Test():  # eager data is already here
+                self._frame_arrived(inbound)
+            else:
+                self._pending.append(
+                    _Pending(request, lambda m=inbound: self._frame_arrived(m), f"frame from rank {source}")
+                )
+
+    def _test_pending(self) -> bool:
+        pending = self._pending
+        indices = self._MPI.Request.Testsome([p.request for p in pending])
+        if not indices:
+            return False
+        done = [pending[i] for i in indices]
+        keep = set(indices)
+        self._pending = [p for i, p in enumerate(pending) if i not in keep]
+        for item in done:
+            item.on_done()
+        return True
+
+    def _frame_arrived(self, inbound: _Inbound) -> None:
+        header = transport.decode_frame(inbound.frame)
+        if header.inline_parts is not None:
+            inbound.parts = header.inline_parts
+            inbound.missing = 0
+            self._deliver_ready(inbound.source)
+            return
+        MPI, comm = self._MPI, self._comm
+        tag = transport.data_tag(header.seq, self._tag_ub)
+        inbound.parts = [transport.allocate(size) for size in header.sizes]
+        pieces = [p for part in inbound.parts for p in transport.chunks(part, self._config.chunk_bytes)]
+        inbound.missing = len(pieces)
+        what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"
+        for piece in pieces:
+            request = comm.Irecv([piece, MPI.BYTE], inbound.source, tag)
+            self._pending.append(_Pending(request, lambda m=inbound: self._part_arrived(m), what))
+
+    def _part_arrived(self, inbound: _Inbound) -> None:
+        inbound.missing -= 1
+        if inbound.missing == 0:
+            self._deliver_ready(inbound.source)
+
+    def _deliver_ready(self, source: int) -> None:
+        queue = self._inbound[source]
+        while queue and queue[0].missing == 0:
+            inbound = queue.popleft()
+            self.messages_received += 1
+            self._deliver(source, transport.deserialize(inbound.parts))
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)

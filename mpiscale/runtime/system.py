@@ -1,0 +1,410 @@
+"""ActorSystem: one per rank. Routes messages, runs ``main``, ends the job cleanly.
+
+``run(main)`` is called by every rank. It returns once ``main`` has returned on
+every rank and no message is in flight anywhere (checked with a two-wave
+message-count consensus on a private communicator). An unhandled failure on
+any rank prints one report and aborts the whole job; SIGTERM/SIGINT drains and
+exits non-zero; SIGUSR1 prints diagnostics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import io
+import itertools
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
+from .collectives import Communicator, Hierarchy, build_hierarchy
+from .config import RuntimeConfig, load_mpi
+from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure
+from .eventloop import new_event_loop
+from .memory import keep_freed_memory
+from .progress import ProgressEngine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SYSTEM_ACTOR = "mpiscale.system"
+_MESSAGE, _REPLY = 0, 1
+
+
+@dataclass
+class _PendingAsk:
+    future: asyncio.Future
+    ref: ActorRef
+    method: str
+    started: float
+
+
+class _SystemActor(Actor):
+    """Built-in actor on every rank that spawns actors for other ranks."""
+
+    def spawn(self, cls: type, args: tuple, kwargs: dict, name: str | None, restart: RestartPolicy | None) -> ActorRef:
+        return self.system.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
+
+
+class ActorSystem:
+    """The runtime of one rank: actors, messaging, collectives, lifecycle."""
+
+    def __init__(self, MPI, config: RuntimeConfig) -> None:
+        self._MPI = MPI
+        self.config = config
+        world = MPI.COMM_WORLD
+        self.rank: int = world.Get_rank()
+        self.size: int = world.Get_size()
+        self.host: str = MPI.Get_processor_name()
+        self._p2p = world.Dup()
+        self._control = world.Dup()
+        self._engine = ProgressEngine(MPI, self._p2p, config, self._on_envelope)
+        #: World, node-local and node-leader communicators (see ``Hierarchy``).
+        self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
+        self._cells: dict[str, ActorCell] = {}
+        self._asks: dict[int, _PendingAsk] = {}
+        self._ask_ids = itertools.count()
+        self._names = itertools.count()
+        self._stopping = False
+        self._failing = False
+        self._dropped = 0
+        self._main_task: asyncio.Task | None = None
+
+    # ----------------------------------------------------------- properties
+    @property
+    def world(self) -> Communicator:
+        """Awaitable collectives over all ranks."""
+        return self.hierarchy.world
+
+    @property
+    def node(self) -> Communicator:
+        """Awaitable collectives over the ranks of this node."""
+        return self.hierarchy.node
+
+    @property
+    def leaders(self) -> Communicator | None:
+        """Collectives over one rank per node; None on ranks that do not lead a node."""
+        return self.hierarchy.leaders
+
+    # -------------------------------------------------------------- spawning
+    def spawn_local(
+        self, cls: type, *args: Any, name: str | None = None, restart: RestartPolicy | None = None, **kwargs: Any
+    ) -> ActorRef:
+        """Create an actor on this rank and start its mailbox."""
+        if not (isinstance(cls, type) and issubclass(cls, Actor)):
+            raise TypeError(f"spawn needs a subclass of mpiscale.Actor, got {cls!r}")
+        if name is None:
+            name = f"{cls.__name__}-{next(self._names)}"
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"actor names are non-empty strings, got {name!r}")
+        if name in self._cells:
+            raise ValueError(f"an actor named {name!r} already lives on rank {self.rank}")
+        ref = ActorRef(self.rank, name)
+        policy = restart if restart is not None else cls.restart_policy
+        cell = ActorCell(self, ref, cls, args, kwargs, policy)
+        self._cells[name] = cell
+        cell.start()
+        return ref
+
+    async def spawn(
+        self,
+        cls: type,
+        *args: Any,
+        name: str | None = None,
+        rank: int | None = None,
+        restart: RestartPolicy | None = None,
+        **kwargs: Any,
+    ) -> ActorRef:
+        """Create an actor on ``rank`` (default: this rank). The class must be importable there."""
+        if rank is None or rank == self.rank:
+            return self.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
+        return await ActorRef(rank, SYSTEM_ACTOR).ask("spawn", cls, args, kwargs, name, restart)
+
+    async def spawn_group(
+        self, cls: type, *args: Any, name: str, restart: RestartPolicy | None = None, **kwargs: Any
+    ) -> ActorGroup:
+        """Collective: every rank spawns one ``cls`` named ``name``; returns when all exist."""
+        self.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
+        await self.world.barrier()
+        return ActorGroup(name, self.size)
+
+    # ------------------------------------------------------------- messaging
+    def _check_rank(self, ref: ActorRef) -> None:
+        if not 0 <= ref.rank < self.size:
+            raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {self.size} ranks")
+
+    def _post(self, rank: int, envelope: tuple) -> asyncio.Future:
+        if rank == self.rank:
+            self._on_envelope(rank, envelope)
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(0)
+            return future
+        return self._engine.send(rank, envelope)
+
+    async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any:
+        """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
+        self._check_rank(ref)
+        ask_id = next(self._ask_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._asks[ask_id] = _PendingAsk(future, ref, method, time.monotonic())
+        try:
+            self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id))
+            if timeout is None:
+                value, failed = await future
+            else:
+                value, failed = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            raise AskTimeout(f"no reply from actor {ref} to {method!r} within {timeout:g}s") from None
+        finally:
+            self._asks.pop(ask_id, None)
+        if failed:
+            value.raise_here()
+        return value
+
+    def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
+        """Send a one-way message; see :meth:`ActorRef.tell`."""
+        self._check_rank(ref)
+        return self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, -1))
+
+    def reply(self, reply_to: tuple[int, int], value: Any) -> None:
+        """Answer an ask with a value or a :class:`Failure`."""
+        rank, ask_id = reply_to
+        failed = isinstance(value, Failure)
+        if failed and rank != self.rank:
+            value = value.picklable()
+        try:
+            self._post(rank, (_REPLY, ask_id, value, failed))
+        except Exception as error:  # the result could not be pickled
+            if failed:
+                raise
+            failure = Failure.capture(error, f"rank {self.rank} on host {self.host}, sending a reply").picklable()
+            self._post(rank, (_REPLY, ask_id, failure, True))
+
+    def _on_envelope(self, source: int, envelope: tuple) -> None:
+        if envelope[0] == _REPLY:
+            _, ask_id, value, failed = envelope
+            pending = self._asks.pop(ask_id, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_result((value, failed))
+            return
+        _, name, method, args, kwargs, ask_id = envelope
+        reply_to = (source, ask_id) if ask_id >= 0 else None
+        cell = self._cells.get(name)
+        origin = f"rank {self.rank} on host {self.host}"
+        if self._stopping:
+            if reply_to is not None:
+                error = ActorStopped(f"rank {self.rank} is shutting down; {name!r} did not handle {method!r}")
+                self.reply(reply_to, Failure.capture(error, origin))
+            else:
+                self._dropped += 1
+            return
+        if cell is None:
+            error = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
+            if reply_to is not None:
+                self.reply(reply_to, Failure.capture(error, origin))
+            else:
+                self.fail(error, "a tell was addressed to an actor that does not exist")
+            return
+        cell.post(Message(method, args, kwargs, reply_to, source))
+
+    # ------------------------------------------------------------- lifecycle
+    def _locally_idle(self) -> bool:
+        return not self._asks and all(cell.idle for cell in self._cells.values())
+
+    async def _until_locally_idle(self) -> None:
+        delay = 0.0
+        while not self._locally_idle():
+            await asyncio.sleep(delay)
+            delay = min(delay * 2 or 1e-4, 5e-3)
+
+    async def _until_quiet(self) -> None:
+        """Return when every rank is idle and every sent message was delivered."""
+        MPI = self._MPI
+        previous = None
+        while True:
+            await self._until_locally_idle()
+            counts = np.array([self._engine.messages_sent, self._engine.messages_received], dtype=np.int64)
+            await self._engine.wait(self._control.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM), "termination vote")
+            current = (int(counts[0]), int(counts[1]))
+            if current[0] == current[1] and current == previous:
+                return
+            previous = current
+
+    async def _stop_actors(self) -> None:
+        for cell in self._cells.values():
+            try:
+                await cell.instance.on_stop()
+            except Exception:
+                log.exception("on_stop of actor %s failed", cell.ref)
+            if cell.task is not None:
+                cell.task.cancel()
+        await asyncio.gather(*(c.task for c in self._cells.values() if c.task), return_exceptions=True)
+
+    async def _drain_engine(self, deadline: float) -> bool:
+        while not self._engine.idle and time.monotonic() < deadline:
+            await asyncio.sleep(1e-3)
+        return self._engine.idle
+
+    def _free(self) -> None:
+        h = self.hierarchy
+        for comm in (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None, self._control, self._p2p):
+            if comm is not None:
+                comm.Free()
+
+    def fail(self, error: BaseException, context: str) -> None:
+        """Print one failure report for this rank and abort the whole job."""
+        if self._failing:
+            return
+        self._failing = True
+        text = "".join(traceback.format_exception(error))
+        bar = "=" * 72
+        report = (
+            f"\n{bar}\nmpiscale: job failed on rank {self.rank} of {self.size} "
+            f"(host {self.host}, pid {os.getpid()})\n{context}\n\n{text}{bar}\n"
+            f"mpiscale: aborting all {self.size} ranks\n"
+        )
+        sys.stdout.flush()
+        sys.stderr.write(report)
+        sys.stderr.flush()
+        self._MPI.COMM_WORLD.Abort(1)
+
+    def diagnostics(self) -> str:
+        """What this rank is doing: pending MPI requests and asks, mailboxes, task stacks."""
+        now = time.monotonic()
+        engine = self._engine
+        lines = [
+            f"==== mpiscale diagnostics: rank {self.rank} of {self.size} on {self.host} (pid {os.getpid()}) ====",
+            f"state: {'stopping' if self._stopping else 'running'}; messages sent {engine.messages_sent}, "
+            f"received {engine.messages_received}",
+            "pending MPI requests:",
+        ]
+        lines += [f"  {line}" for line in engine.describe()] or ["  none"]
+        lines.append("pending asks:")
+        lines += [
+            f"  ask #{i} to {p.ref} {p.method!r}: waiting {now - p.started:.3f}s" for i, p in self._asks.items()
+        ] or ["  none"]
+        lines.append("actors:")
+        lines += [f"  {cell.describe()}" for cell in self._cells.values()]
+        lines.append("asyncio tasks:")
+        for task in asyncio.all_tasks():
+            stream = io.StringIO()
+            task.print_stack(file=stream)
+            lines.append("  " + stream.getvalue().rstrip().replace("\n", "\n  "))
+        return "\n".join(lines) + "\n"
+
+    def dump_diagnostics(self) -> None:
+        """Write :meth:`diagnostics` to stderr (also done on SIGUSR1)."""
+        sys.stderr.write(self.diagnostics())
+        sys.stderr.flush()
+
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        if self._stopping:
+            sys.stderr.write(f"mpiscale: rank {self.rank}: second {name}, exiting now\n")
+            os._exit(128 + signum)
+        self._stopping = True
+        sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, draining and shutting down\n")
+        if self._main_task is not None:
+            self._main_task.cancel()
+        asyncio.get_running_loop().create_task(self._shutdown(128 + signum), name="shutdown")
+
+    async def _shutdown(self, code: int) -> None:
+        deadline = time.monotonic() + self.config.shutdown_timeout_s
+        for cell in self._cells.values():
+            cell.fail_pending()
+        while any(cell.current for cell in self._cells.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(1e-3)
+        drained = await self._drain_engine(deadline)
+        sys.stderr.write(
+            f"mpiscale: rank {self.rank}: shutdown {'drained' if drained else 'timed out'}; "
+            f"{self._dropped} incoming tells refused; exit status {code}\n"
+        )
+        _finalize_and_exit(self._MPI, code, self.config.shutdown_timeout_s)
+
+    async def _run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
+        loop = asyncio.get_running_loop()
+        engine_task = loop.create_task(self._engine.run(), name="mpiscale progress engine")
+        engine_task.add_done_callback(self._engine_finished)
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        for signum in signals[:2]:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+        self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
+        try:
+            self._main_task = loop.create_task(main(self), name="main")
+            try:
+                result = await self._main_task
+            except asyncio.CancelledError:
+                await asyncio.Event().wait()  # the shutdown task exits the process
+            except Exception as error:
+                self.fail(error, "main raised an exception")
+            await self._until_quiet()
+            await self._stop_actors()
+            await self._drain_engine(time.monotonic() + self.config.shutdown_timeout_s)
+            self._engine.stop()
+            await engine_task
+            self._free()
+            return result
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+
+    def _engine_finished(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.fail(task.exception(), "the progress engine failed while handling MPI traffic")
+
+
+def _finalize_and_exit(MPI, code: int, timeout: float) -> None:
+    """Finalize MPI, but exit anyway if a dead peer makes finalization hang."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    watchdog = threading.Timer(timeout, os._exit, (code,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        MPI.Finalize()
+    finally:
+        os._exit(code)
+
+
+def _setup_logging(rank: int) -> None:
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    verbose = os.environ.get("MPISCALE_LOG_ALL_RANKS", "0") not in ("", "0")
+    root.setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
+
+
+def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | None = None) -> T:
+    """Start this rank's ActorSystem and run ``await main(system)`` on it.
+
+    Every rank calls ``run``. It returns ``main``'s result on this rank once
+    ``main`` has returned on all ranks and no message is in flight.
+    """
+    config = config or RuntimeConfig.from_env()
+    if config.malloc_tuning:
+        keep_freed_memory()
+    MPI = load_mpi(config)
+    system = ActorSystem(MPI, config)
+    _setup_logging(system.rank)
+    set_current_system(system)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            return runner.run(system._run_main(main))
+    finally:
+        set_current_system(None)

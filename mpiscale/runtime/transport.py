@@ -1,0 +1,251 @@
+"""Message encoding: one Python object <-> one frame plus zero-copy buffer parts.
+
+A message is pickled with protocol 5. Contiguous numpy arrays and CPU torch
+tensors become *out-of-band* buffers, so their bytes are never copied into the
+pickle. On the wire a message is:
+
+* a **frame** (one MPI message on ``FRAME_TAG``): a fixed header, the size of
+  every part, and - for small messages - the parts themselves, inline;
+* otherwise each part follows as its own MPI message(s) on a data tag derived
+  from the message's sequence number, split into chunks of at most
+  ``chunk_bytes`` so that buffers over 2 GiB travel with an MPI-3 library.
+
+Part 0 is the pickle stream; parts 1.. are the out-of-band buffers.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+FRAME_TAG = 1
+_DATA_TAG_BASE = 2
+_MAGIC = 0x4353504D  # "MPSC"
+_HEADER = struct.Struct("<IIQ")  # magic, number of parts (high bit: inline), sequence
+_INLINE_BIT = 1 << 31
+_SIZE_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
+_ALIGN = 64
+
+
+class TransportError(RuntimeError):
+    """A frame that this runtime cannot decode (corrupt or from another program)."""
+
+
+def data_tag(seq: int, tag_upper_bound: int) -> int:
+    """The MPI tag that carries the buffer parts of message ``seq``."""
+    return _DATA_TAG_BASE + seq % (tag_upper_bound - _DATA_TAG_BASE + 1)
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _rebuild_array(buffer: pickle.PickleBuffer, code: str, shape: tuple, fortran: bool) -> np.ndarray:
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        dtype = _DTYPES[code] = np.dtype(code)
+    array = np.frombuffer(buffer, dtype=dtype)
+    if len(shape) == 1:
+        return array
+    return array.reshape(shape, order="F" if fortran else "C")
+
+
+_DTYPE_CODES: dict[np.dtype, str | None] = {}
+
+
+def _dtype_code(dtype: np.dtype) -> str | None:
+    """``dtype.str`` for plain dtypes, None for object/structured/sub-array ones (cached)."""
+    code = _DTYPE_CODES.get(dtype, False)
+    if code is False:
+        plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
+        code = _DTYPE_CODES[dtype] = dtype.str if plain else None
+    return code
+
+
+def _reduce_array(array: np.ndarray):
+    """Send a plain-dtype array as one out-of-band buffer (strided arrays are made contiguous)."""
+    code = _dtype_code(array.dtype)
+    if code is None:
+        return array.__reduce_ex__(5)
+    flags = array.flags
+    fortran = False
+    if not flags.c_contiguous:
+        fortran = flags.f_contiguous
+        if not fortran:
+            array = np.ascontiguousarray(array)
+    return _rebuild_array, (pickle.PickleBuffer(array), code, array.shape, fortran)
+
+
+def _rebuild_tensor(array: np.ndarray, dtype_name: str, requires_grad: bool, parameter: bool):
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if dtype_name == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _reduce_tensor(tensor):
+    """Send a CPU tensor as a numpy view, so its storage goes out of band."""
+    import torch
+
+    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
+        return tensor.__reduce_ex__(5)
+    if tensor.requires_grad and tensor.grad_fn is not None:
+        return tensor.__reduce_ex__(5)  # torch raises its own clear error for non-leaf tensors
+    data = tensor.detach().contiguous()
+    dtype_name = str(data.dtype).removeprefix("torch.")
+    if data.dtype == torch.bfloat16:
+        data = data.view(torch.int16)
+    try:
+        array = data.numpy()
+    except (TypeError, RuntimeError):
+        return tensor.__reduce_ex__(5)
+    parameter = isinstance(tensor, torch.nn.Parameter)
+    return _rebuild_tensor, (array, dtype_name, tensor.requires_grad, parameter)
+
+
+class _Serializer:
+    """A reusable protocol-5 pickler: reuse saves a microsecond per small message.
+
+    Its dispatch table sends numpy arrays (and CPU torch tensors, once torch is
+    imported) out of band without numpy's slower generic reduce.
+    """
+
+    def __init__(self) -> None:
+        self._stream = io.BytesIO()
+        self._buffers: list[pickle.PickleBuffer] = []
+        self._table: dict = {np.ndarray: _reduce_array}
+        self._pickler = pickle.Pickler(self._stream, protocol=5, buffer_callback=self._buffers.append)
+        self._pickler.dispatch_table = self._table
+        self._busy = False
+
+    def _register_torch(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.Tensor not in self._table:
+            self._table[torch.Tensor] = _reduce_tensor
+            self._table[torch.nn.Parameter] = _reduce_tensor
+
+    def __call__(self, obj: object) -> list:
+        if self._busy:  # re-entered from a reducer: use a fresh one
+            return _Serializer()(obj)
+        self._register_torch()
+        self._busy = True
+        stream, buffers = self._stream, self._buffers
+        try:
+            stream.seek(0)
+            stream.truncate()
+            self._pickler.clear_memo()
+            self._pickler.dump(obj)
+            parts = [memoryview(stream.getvalue())] + [buffer.raw() for buffer in buffers]
+        finally:
+            buffers.clear()
+            self._busy = False
+        return parts
+
+
+serialize = _Serializer()
+serialize.__doc__ = "Pickle an object into parts: the pickle stream, then its out-of-band buffers."
+
+
+@dataclass
+class Encoded:
+    """An encoded message ready to send: the frame and, unless inline, its parts."""
+
+    frame: bytes
+    parts: list[memoryview]  # empty when the parts are inline in the frame
+    nbytes: int  # total payload bytes (all parts)
+
+
+def deserialize(parts: list) -> object:
+    """Inverse of :func:`serialize`."""
+    return pickle.loads(parts[0], buffers=parts[1:])
+
+
+def _size_table(count: int) -> struct.Struct:
+    return _SIZE_TABLES[count] if count < len(_SIZE_TABLES) else struct.Struct(f"<{count}Q")
+
+
+def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
+    """Serialize ``obj`` and build its frame; small messages carry their parts inline.
+
+    In an inline frame the pickle stream follows the part table directly and
+    each buffer starts at a 64-byte aligned offset.
+    """
+    parts = serialize(obj)
+    sizes = [part.nbytes for part in parts]
+    total = sum(sizes)
+    count = len(parts)
+    if total > inline_bytes:
+        head = _HEADER.pack(_MAGIC, count, seq) + _size_table(count).pack(*sizes)
+        return Encoded(head, parts, total)
+    pieces = [_HEADER.pack(_MAGIC, count | _INLINE_BIT, seq), _size_table(count).pack(*sizes), parts[0]]
+    offset = _HEADER.size + 8 * count + sizes[0]
+    for part, size in zip(parts[1:], sizes[1:]):
+        padding = -offset % _ALIGN
+        pieces += [bytes(padding), part]
+        offset += padding + size
+    return Encoded(b"".join(pieces), [], total)
+
+
+@dataclass
+class FrameHeader:
+    """What a receiver learns from a frame: sequence, part sizes, inline parts if any."""
+
+    seq: int
+    sizes: list[int]
+    inline_parts: list[memoryview] | None
+
+
+def decode_frame(frame: memoryview) -> FrameHeader:
+    """Parse a frame; raise :class:`TransportError` if it is not one of ours."""
+    length = len(frame)
+    if length < _HEADER.size:
+        raise TransportError(f"frame of {length} bytes is shorter than the header")
+    magic, count, seq = _HEADER.unpack_from(frame)
+    if magic != _MAGIC:
+        raise TransportError(f"frame starts with {magic:#x}, not an mpiscale frame")
+    inline = count & _INLINE_BIT
+    count &= ~_INLINE_BIT
+    offset = _HEADER.size + 8 * count
+    if length < offset:
+        raise TransportError("frame is shorter than its part table")
+    sizes = _size_table(count).unpack_from(frame, _HEADER.size)
+    if not inline:
+        return FrameHeader(seq, list(sizes), None)
+    parts = [frame[offset : offset + sizes[0]]]
+    offset += sizes[0]
+    for size in sizes[1:]:
+        offset += -offset % _ALIGN
+        parts.append(frame[offset : offset + size])
+        offset += size
+    if offset > length:
+        raise TransportError("frame is shorter than its inline parts")
+    return FrameHeader(seq, list(sizes), parts)
+
+
+def chunks(part: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
+    """Split a byte buffer into pieces of at most ``chunk_bytes`` (at least one piece)."""
+    if part.nbytes == 0:
+        yield part
+        return
+    for start in range(0, part.nbytes, chunk_bytes):
+        yield part[start : start + chunk_bytes]
+
+
+def allocate(size: int) -> memoryview:
+    """A writable receive buffer of ``size`` bytes, at least 16-byte aligned.
+
+    Small buffers are bytearrays (cheapest to make); large ones are left
+    uninitialised, so no time is spent zeroing memory MPI will overwrite.
+    """
+    if size <= 65536:
+        return memoryview(bytearray(size))
+    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
