@@ -17,7 +17,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable
@@ -38,6 +37,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
+_FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
 _MESSAGE, _REPLY = 0, 1
 
 
@@ -261,12 +261,15 @@ class ActorSystem:
             if comm is not None:
                 comm.Free()
 
-    def fail(self, error: BaseException, context: str) -> None:
-        """Print one failure report for this rank and abort the whole job."""
+    def fail(self, error: BaseException, context: str, status: int = 1) -> None:
+        """Print one failure report for this rank and abort the whole job with ``status``."""
         if self._failing:
             return
         self._failing = True
-        text = "".join(traceback.format_exception(error))
+        if isinstance(error, SystemExit):  # a deliberate exit: its message is the report
+            text = f"{error.code}\n"
+        else:
+            text = "".join(traceback.format_exception(error))
         bar = "=" * 72
         report = (
             f"\n{bar}\nmpiscale: job failed on rank {self.rank} of {self.size} "
@@ -276,7 +279,7 @@ class ActorSystem:
         sys.stdout.flush()
         sys.stderr.write(report)
         sys.stderr.flush()
-        self._MPI.COMM_WORLD.Abort(1)
+        self._MPI.COMM_WORLD.Abort(status)
 
     def diagnostics(self) -> str:
         """What this rank is doing: pending MPI requests and asks, mailboxes, task stacks."""
@@ -329,7 +332,7 @@ class ActorSystem:
             f"mpiscale: rank {self.rank}: shutdown {'drained' if drained else 'timed out'}; "
             f"{self._dropped} incoming tells refused; exit status {code}\n"
         )
-        _finalize_and_exit(self._MPI, code, self.config.shutdown_timeout_s)
+        _finalize_and_exit(self._MPI, code)
 
     async def _run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
@@ -342,11 +345,16 @@ class ActorSystem:
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
         try:
-            self._main_task = loop.create_task(main(self), name="main")
+            self._main_task = loop.create_task(_exit_as_exception(main(self)), name="main")
             try:
                 result = await self._main_task
             except asyncio.CancelledError:
                 await asyncio.Event().wait()  # the shutdown task exits the process
+            except _MainExit as exit_request:
+                code = exit_request.exit.code
+                if code not in (0, None):
+                    self.fail(exit_request.exit, "main exited", code if isinstance(code, int) else 1)
+                result = None
             except Exception as error:
                 self.fail(error, "main raised an exception")
             await self._until_quiet()
@@ -366,13 +374,31 @@ class ActorSystem:
             self.fail(task.exception(), "the progress engine failed while handling MPI traffic")
 
 
-def _finalize_and_exit(MPI, code: int, timeout: float) -> None:
-    """Finalize MPI, but exit anyway if a dead peer makes finalization hang."""
+class _MainExit(Exception):
+    """Carries a SystemExit out of ``main``: asyncio would re-raise it out of the loop."""
+
+    def __init__(self, exit_request: SystemExit) -> None:
+        super().__init__(exit_request.code)
+        self.exit = exit_request
+
+
+async def _exit_as_exception(coroutine: Awaitable[T]) -> T:
+    try:
+        return await coroutine
+    except SystemExit as exit_request:
+        raise _MainExit(exit_request) from None
+
+
+def _finalize_and_exit(MPI, code: int) -> None:
+    """Finalize MPI, but let the kernel end the process if a departed peer makes that hang.
+
+    The watchdog is SIGALRM with its default action, not a Python timer: a
+    blocked ``MPI_Finalize`` may hold the interpreter, so no Python code could run.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
-    watchdog = threading.Timer(timeout, os._exit, (code,))
-    watchdog.daemon = True
-    watchdog.start()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_FINALIZE_GRACE_S)
     try:
         MPI.Finalize()
     finally:

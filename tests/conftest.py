@@ -1,0 +1,86 @@
+"""Shared helpers: run a program under real mpirun with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "launch" / "mpiscale-run"
+PROGRAMS = REPO / "tests" / "mpi" / "programs"
+
+
+@dataclass
+class Job:
+    """A finished MPI job: exit status, output streams and wall time."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+_MPI_RUNTIME_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_")
+
+
+def launch(ranks: int, command: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start ``command`` on ``ranks`` ranks through the project's launcher, in its own process group.
+
+    MPI variables of this process are dropped: a unit test that initialised an
+    MPI singleton leaves some behind, and mpirun would mistake them for a job.
+    """
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_RUNTIME_PREFIXES)}
+    environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        [str(LAUNCHER), "-n", str(ranks), "--", *command], env=environment, text=True,
+        start_new_session=True, cwd=REPO, stdout=popen.pop("stdout", subprocess.PIPE),
+        stderr=popen.pop("stderr", subprocess.PIPE), **popen,
+    )
+
+
+def start_mpi(program: str, ranks: int, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start ``tests/mpi/programs/<program>`` on ``ranks`` ranks."""
+    return launch(ranks, [sys.executable, str(PROGRAMS / program), *args], env=env, **popen)
+
+
+def finish(process: subprocess.Popen, what: str, timeout: float) -> Job:
+    """Wait for a job; on timeout ask every rank for diagnostics, kill it, and fail naming it."""
+    start = time.monotonic()
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # mpirun forwards it: every rank dumps its state
+        time.sleep(2)
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"HUNG: {what} did not finish within {timeout}s; rank diagnostics follow\n"
+            f"--- stdout ---\n{(stdout or '')[-6000:]}\n--- stderr ---\n{(stderr or '')[-12000:]}"
+        )
+    return Job(process.returncode, stdout or "", stderr or "", time.monotonic() - start)
+
+
+def run_mpi(program: str, ranks: int, *args: str, timeout: float = 90, env: dict | None = None) -> Job:
+    """Run a program to completion under mpirun with a hard timeout."""
+    return finish(start_mpi(program, ranks, *args, env=env), f"{program} {' '.join(args)} on {ranks} ranks", timeout)
+
+
+def assert_ok(job: Job) -> None:
+    assert job.returncode == 0, f"exit status {job.returncode}\n{job.output[-10000:]}"
+
+
+@pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
+def ranks(request) -> int:
+    """Run the test at 2 and at 4 ranks (4 oversubscribes this 2-core machine)."""
+    return request.param

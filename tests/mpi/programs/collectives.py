@@ -1,0 +1,108 @@
+"""Awaitable collectives, checked against numpy, while actors keep exchanging messages."""
+
+import asyncio
+import os
+
+import numpy as np
+
+import mpiscale
+from mpiscale import CollectiveMismatch
+
+
+class Counter(mpiscale.Actor):
+    def __init__(self):
+        self.count = 0
+
+    def hit(self, payload):
+        self.count += 1
+
+    def total(self) -> int:
+        return self.count
+
+
+async def chatter(system, counters, stop: asyncio.Event) -> int:
+    """Tell other ranks' counters continuously until told to stop."""
+    sent = 0
+    while not stop.is_set():
+        for ref in counters:
+            if ref.rank != system.rank:
+                ref.tell("hit", np.full(100, sent))
+                sent += 1
+        await asyncio.sleep(0)
+    return sent
+
+
+async def main(system):
+    rank, size = system.rank, system.size
+    counters = await system.spawn_group(Counter, name="counter")
+    stop = asyncio.Event()
+    chat = asyncio.create_task(chatter(system, counters, stop))
+    world = system.world
+    rng = np.random.default_rng(1234)
+    everyone = [rng.random((5, 3)) for _ in range(size)]  # the same on every rank
+    mine = everyone[rank]
+
+    for _ in range(5):
+        total = await world.allreduce(mine)
+        assert np.allclose(total, sum(everyone))
+        assert np.allclose(await world.allreduce(mine, op="max"), np.max(everyone, axis=0))
+        assert np.allclose(await world.allreduce(mine, op="min"), np.min(everyone, axis=0))
+        inplace = mine.copy()
+        assert await world.allreduce(inplace, out=inplace) is inplace
+        assert np.allclose(inplace, sum(everyone))
+        assert np.array_equal(await world.allgather(mine), np.stack(everyone))
+        gathered = await world.gather(mine, root=size - 1)
+        assert (gathered is None) == (rank != size - 1)
+        if gathered is not None:
+            assert np.array_equal(gathered, np.stack(everyone))
+        reduced = await world.reduce(mine, root=0)
+        assert (reduced is None) == (rank != 0)
+        if reduced is not None:
+            assert np.allclose(reduced, sum(everyone))
+        rows = np.arange(size * 2 + 1, dtype=np.float64)[:, None] * np.ones(3) * (rank + 1)
+        block = await world.reduce_scatter(rows)
+        expected = np.array_split(np.arange(size * 2 + 1.0)[:, None] * np.ones(3) * sum(range(1, size + 1)), size)
+        assert np.allclose(block, expected[rank])
+        message = {"step": 3, "weights": np.arange(6.0).reshape(2, 3), "big": np.ones(50_000)}
+        got = await world.bcast(message if rank == 1 else None, root=1)
+        assert got["step"] == 3 and np.array_equal(got["weights"], message["weights"]) and got["big"].sum() == 50_000
+        buffer = np.arange(4.0) if rank == 0 else np.zeros(4)
+        await world.bcast_array(buffer)
+        assert np.array_equal(buffer, np.arange(4.0))
+        await world.barrier()
+
+    # Node-local and leader communicators, and the two-level allreduce.
+    h = system.hierarchy
+    per_node = int(os.environ.get("MPISCALE_RANKS_PER_NODE", "0"))
+    if per_node:
+        assert h.node_count == -(-size // per_node), h.node_count
+        assert h.node.size == min(per_node, size - h.node_index * per_node)
+        assert h.node_index == rank // per_node
+    assert (h.leaders is not None) == (h.node.rank == 0)
+    two_level = await h.allreduce(mine)
+    assert np.allclose(two_level, sum(everyone))
+    ints = np.arange(7, dtype=np.int64) * (rank + 1)
+    assert np.array_equal(await h.allreduce(ints), np.arange(7) * sum(range(1, size + 1)))
+
+    # Ranks that pass different shapes get the same clear error, not a hang.
+    try:
+        await world.allreduce(np.ones(3 if rank == 0 else 4))
+    except CollectiveMismatch as error:
+        assert "ranks whose arguments differ from rank 0's" in str(error)
+    else:
+        raise AssertionError("mismatch not detected")
+
+    stop.set()
+    sent = await chat
+    sent_total = await world.allreduce(np.array([sent], dtype=np.int64))
+    await world.barrier()
+    while True:  # every tell sent during the collectives arrives
+        received = await world.allreduce(np.array([await counters[rank].ask("total")], dtype=np.int64))
+        if received[0] == sent_total[0]:
+            break
+        await asyncio.sleep(0.01)
+    if rank == 0:
+        print(f"collectives ok on {size} ranks, {h.node_count} nodes, {int(sent_total[0])} tells meanwhile")
+
+
+mpiscale.run(main)

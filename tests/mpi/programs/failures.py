@@ -1,0 +1,49 @@
+"""Jobs that must end with a non-zero status and one report, never hang."""
+
+import asyncio
+import sys
+
+import mpiscale
+from mpiscale import ActorRef, RestartPolicy
+
+
+class Fragile(mpiscale.Actor):
+    restart_policy = RestartPolicy(max_restarts=1, window_s=60)
+
+    def crash(self):
+        raise ValueError("crash in a tell")
+
+
+class Waiter(mpiscale.Actor):
+    def wait(self):
+        return "never"
+
+
+async def main(system):
+    scenario = sys.argv[1]
+    await system.spawn_group(Fragile, name="fragile")
+    await system.spawn_group(Waiter, name="waiter")
+    if scenario == "main-raises":
+        if system.rank == 1:
+            await asyncio.sleep(0.2)
+            raise KeyError("rank 1 lost its data")
+        await ActorRef(1, "waiter").ask("wait")  # ranks blocked on the failing rank
+        await asyncio.sleep(3600)
+    elif scenario == "restart-limit":
+        if system.rank == 0:
+            for _ in range(3):
+                ActorRef(1, "fragile").tell("crash")
+        await asyncio.sleep(3600)
+    elif scenario == "unknown-actor":
+        if system.rank == 0:
+            ActorRef(1, "nobody").tell("hello")
+        await asyncio.sleep(3600)
+    elif scenario == "no-policy":
+        if system.rank == 0:
+            ActorRef(system.size - 1, "waiter").tell("wait", "unexpected argument")
+        await asyncio.sleep(3600)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+
+
+mpiscale.run(main)

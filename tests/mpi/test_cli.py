@@ -1,0 +1,50 @@
+"""The command line: doctor, the demo under mpirun, the pingpong benchmark, the launcher."""
+
+import json
+import subprocess
+import sys
+
+from conftest import LAUNCHER, assert_ok, finish, launch
+
+MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
+
+
+def mpiscale(ranks: int, *args: str, timeout: float = 120):
+    process = launch(ranks, [*MPISCALE, *args])
+    return finish(process, f"mpiscale {' '.join(args)} on {ranks} ranks", timeout)
+
+
+def test_doctor_reports_ready():
+    result = subprocess.run([*MPISCALE, "doctor"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "MPI library" in result.stdout and "MPI yes" in result.stdout
+    assert "mpiscale doctor: ready" in result.stdout
+
+
+def test_demo(ranks):
+    job = mpiscale(ranks, "demo", "--tokens", "20")
+    assert_ok(job)
+    assert f"demo ok: {ranks} ranks, {20 * ranks * 3 * ranks} token hops" in job.stdout
+    assert f"from rank {ranks - 1}" in job.stderr  # the remotely spawned greeter answered
+
+
+def test_bench_pingpong_writes_json(tmp_path):
+    out = tmp_path / "pp.json"
+    job = mpiscale(2, "bench", "pingpong", "--quick", "--json", str(out), timeout=300)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 2 and record["machine"]["cores"] >= 1
+    sizes = [row["bytes"] for row in record["round_trip"]]
+    assert sizes[0] == 8 and sizes[-1] == 16 << 20
+    assert all(row["raw_rtt_s"] > 0 and row["ask_rtt_s"] > 0 for row in record["round_trip"])
+    assert record["one_way"]["tell_msgs_per_s"] > 0 and "ask/raw" in job.stdout
+
+
+def test_bench_pingpong_refuses_wrong_world_size():
+    job = mpiscale(4, "bench", "pingpong", "--quick")
+    assert job.returncode != 0 and "needs exactly 2 ranks" in job.output
+
+
+def test_launcher_rejects_bad_rank_count():
+    result = subprocess.run([str(LAUNCHER), "-n", "zero", "--", "true"], capture_output=True, text=True)
+    assert result.returncode == 2 and "positive number of ranks" in result.stderr

@@ -1,0 +1,86 @@
+"""Idle CPU, diagnostics on SIGUSR1, SIGTERM shutdown, draining at exit, > 2 GiB messages."""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import assert_ok, finish, run_mpi, start_mpi
+
+
+def test_idle_rank_does_not_spin(ranks):
+    job = run_mpi("idle.py", ranks)
+    assert_ok(job)
+    assert "idle ok" in job.stdout, job.stdout
+
+
+def test_run_returns_after_in_flight_messages_are_handled(ranks):
+    job = run_mpi("drain.py", ranks)
+    assert_ok(job)
+    assert job.stdout.count("drained") == ranks
+
+
+def _wait_for_pids(folder: Path, ranks: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = [folder / f"rank{r}.pid" for r in range(ranks)]
+        if all(f.exists() and f.read_text() for f in files):
+            return [int(f.read_text()) for f in files]
+        time.sleep(0.05)
+    pytest.fail(f"ranks did not start within {timeout}s")
+
+
+def _wait_for_text(path: Path, text: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = path.read_text()
+        if text in content:
+            return content
+        time.sleep(0.05)
+    pytest.fail(f"{text!r} did not appear within {timeout}s:\n{path.read_text()[-5000:]}")
+
+
+def test_sigusr1_prints_diagnostics_and_the_job_goes_on(ranks, tmp_path):
+    err = tmp_path / "stderr.txt"
+    with err.open("w") as stderr:
+        process = start_mpi("signals.py", ranks, "usr1", str(tmp_path), stderr=stderr)
+        pids = _wait_for_pids(tmp_path, ranks)
+        time.sleep(0.3)  # let the holds start
+        os.kill(pids[1], signal.SIGUSR1)
+        text = _wait_for_text(err, "asyncio tasks:")
+        (tmp_path / "release").touch()
+        job = finish(process, "signals.py usr1", timeout=60)
+    assert_ok(job)
+    assert "released ok" in job.stdout
+    assert f"mpiscale diagnostics: rank 1 of {ranks}" in text
+    assert "pending asks:" in text and "'hold'" in text  # rank 1's own pending ask
+    assert "actor 'holder' (Holder): mailbox 0, handling 'hold'" in text
+    assert "pending MPI requests:" in text
+    assert "Stack for <Task" in text  # asyncio task stacks
+    assert "Current thread" in text or "Thread 0x" in text  # C-level stacks, even if the loop were stuck
+
+
+@pytest.mark.parametrize("who", ["all", "one"])
+def test_sigterm_drains_and_exits_nonzero(ranks, tmp_path, who):
+    process = start_mpi("signals.py", ranks, "term", str(tmp_path))
+    pids = _wait_for_pids(tmp_path, ranks)
+    time.sleep(0.5)
+    start = time.monotonic()
+    for pid in pids if who == "all" else pids[-1:]:
+        os.kill(pid, signal.SIGTERM)
+    job = finish(process, f"signals.py term ({who})", timeout=60)
+    assert job.returncode != 0
+    assert time.monotonic() - start < 20
+    target = ranks - 1
+    assert f"mpiscale: rank {target}: SIGTERM received, draining and shutting down" in job.stderr, job.stderr
+    assert f"mpiscale: rank {target}: shutdown drained" in job.stderr, job.stderr
+    if who == "all":
+        assert job.stderr.count("SIGTERM received") == ranks
+        assert "exit status 143" in job.stderr
+
+
+def test_message_over_2_gib():
+    job = run_mpi("huge.py", 2, timeout=180)
+    assert_ok(job)
+    assert f"huge ok: {2**31 + 4099} bytes" in job.stdout

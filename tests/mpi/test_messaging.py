@@ -1,0 +1,16 @@
+"""Actor messaging across real MPI ranks."""
+
+from conftest import assert_ok, run_mpi
+
+
+def test_order_payloads_spawn(ranks):
+    job = run_mpi("messaging.py", ranks)
+    assert_ok(job)
+    assert f"messaging ok on {ranks} ranks" in job.stdout
+
+
+def test_large_buffers_are_chunked(ranks):
+    """Buffers above MPISCALE_CHUNK_BYTES travel as several MPI messages and reassemble."""
+    job = run_mpi("messaging.py", ranks, "chunked", env={"MPISCALE_CHUNK_BYTES": "4096", "MPISCALE_INLINE_BYTES": "0"})
+    assert_ok(job)
+    assert "messaging ok" in job.stdout
