@@ -20,8 +20,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     summary = run(lambda system: demo(system, tokens=args.tokens, laps=args.laps))
     if summary.get("greeting") is not None or summary["ranks"] == 1:
-        print(f"demo ok: {summary['ranks']} ranks, {summary['token_hops']} token hops, "
-              f"allreduce {summary['allreduce']}")
+        print(
+            f"demo ok: {summary['ranks']} ranks, {summary['token_hops']} token hops, allreduce {summary['allreduce']}"
+        )
     return 0
 
 

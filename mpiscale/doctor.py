@@ -62,7 +62,9 @@ def _h5py_check() -> Check:
         return Check("h5py (parallel)", False, "not installed", SETUP)
     mpi = bool(h5py.get_config().mpi)
     found = f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, MPI {'yes' if mpi else 'NO'}"
-    return Check("h5py (parallel)", mpi, found, "rebuild h5py against parallel HDF5: remove .venv and run launch/setup.sh")
+    return Check(
+        "h5py (parallel)", mpi, found, "rebuild h5py against parallel HDF5: remove .venv and run launch/setup.sh"
+    )
 
 
 def _numba_checks() -> list[Check]:

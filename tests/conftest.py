@@ -43,9 +43,14 @@ def launch(ranks: int, command: list[str], env: dict | None = None, **popen) -> 
     environment = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_RUNTIME_PREFIXES)}
     environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     return subprocess.Popen(
-        [str(LAUNCHER), "-n", str(ranks), "--", *command], env=environment, text=True,
-        start_new_session=True, cwd=REPO, stdout=popen.pop("stdout", subprocess.PIPE),
-        stderr=popen.pop("stderr", subprocess.PIPE), **popen,
+        [str(LAUNCHER), "-n", str(ranks), "--", *command],
+        env=environment,
+        text=True,
+        start_new_session=True,
+        cwd=REPO,
+        stdout=popen.pop("stdout", subprocess.PIPE),
+        stderr=popen.pop("stderr", subprocess.PIPE),
+        **popen,
     )
 
 

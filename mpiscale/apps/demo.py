@@ -82,9 +82,21 @@ async def demo(system: ActorSystem, tokens: int = 100, laps: int = 3) -> dict:
         "greeting": greeting,
     }
     if system.rank == 0:
-        log.info("ring: %d tokens x %d laps on %d ranks: %d hops in %.2fs (%.0f hops/s)",
-                 tokens * system.size, laps, system.size, summary["token_hops"], ring_s, summary["hops_per_s"])
+        log.info(
+            "ring: %d tokens x %d laps on %d ranks: %d hops in %.2fs (%.0f hops/s)",
+            tokens * system.size,
+            laps,
+            system.size,
+            summary["token_hops"],
+            ring_s,
+            summary["hops_per_s"],
+        )
         log.info("remote spawn: %s", greeting)
-        log.info("allreduce over %d ranks: %s; two-level over %d nodes: %s",
-                 system.size, flat.tolist(), system.hierarchy.node_count, two_level.tolist())
+        log.info(
+            "allreduce over %d ranks: %s; two-level over %d nodes: %s",
+            system.size,
+            flat.tolist(),
+            system.hierarchy.node_count,
+            two_level.tolist(),
+        )
     return summary

@@ -156,8 +156,12 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
     results = {
         "baseline": "mpi4py Comm.Send/Recv on numpy buffers (same run, same payload)",
         "round_trip": records,
-        "one_way": {"messages": count, "raw_msgs_per_s": raw_rate, "tell_msgs_per_s": tell_rate,
-                    "ratio": tell_rate / raw_rate},
+        "one_way": {
+            "messages": count,
+            "raw_msgs_per_s": raw_rate,
+            "tell_msgs_per_s": tell_rate,
+            "ratio": tell_rate / raw_rate,
+        },
         "targets": targets,
     }
     path = write_json(json_path, "pingpong", system.size, results)

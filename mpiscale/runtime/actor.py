@@ -237,20 +237,25 @@ class ActorCell:
         """A failed tell: restart within the policy's limits, else escalate (end the job)."""
         now = time.monotonic()
         policy = self.policy
-        where = f"actor {self.ref} ({self.cls.__qualname__}) failed in tell {message.method!r} from rank {message.sender}"
+        where = (
+            f"actor {self.ref} ({self.cls.__qualname__}) failed in tell {message.method!r} from rank {message.sender}"
+        )
         if policy is None:
             self.system.fail(error, f"{where}; it has no restart policy, so the failure escalates")
             return
         self.restarts = [t for t in self.restarts if now - t < policy.window_s]
         if len(self.restarts) >= policy.max_restarts:
-            self.system.fail(
-                error, f"{where}; restart limit reached ({policy.max_restarts} in {policy.window_s:g}s)"
-            )
+            self.system.fail(error, f"{where}; restart limit reached ({policy.max_restarts} in {policy.window_s:g}s)")
             return
         self.restarts.append(now)
         log.warning(
             "%s: %s: %s; restarting (%d/%d in %gs)",
-            where, type(error).__name__, error, len(self.restarts), policy.max_restarts, policy.window_s,
+            where,
+            type(error).__name__,
+            error,
+            len(self.restarts),
+            policy.max_restarts,
+            policy.window_s,
         )
         try:
             self.instance = self._create()

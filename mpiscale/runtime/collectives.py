@@ -89,7 +89,9 @@ class Communicator:
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
 
-    async def reduce(self, array: np.ndarray, op: str = "sum", root: int = 0, in_place: bool = False) -> np.ndarray | None:
+    async def reduce(
+        self, array: np.ndarray, op: str = "sum", root: int = 0, in_place: bool = False
+    ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere."""
         data = self._array(array, "reduce")
         await self._check("reduce", f"{data.dtype}{data.shape} {op} root={root}")

@@ -43,9 +43,7 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         if self.thread_level not in _THREAD_LEVELS:
-            raise ValueError(
-                f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}"
-            )
+            raise ValueError(f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}")
         for name in ("spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node"):
             if getattr(self, name) < 0:
                 raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")
@@ -66,9 +64,7 @@ class RuntimeConfig:
             try:
                 values[field.name] = _parse(raw, field.type)
             except ValueError:
-                raise ValueError(
-                    f"MPISCALE_{field.name.upper()}={raw!r} is not a valid {field.type}"
-                ) from None
+                raise ValueError(f"MPISCALE_{field.name.upper()}={raw!r} is not a valid {field.type}") from None
         return cls(**values)
 
 

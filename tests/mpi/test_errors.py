@@ -15,7 +15,12 @@ def test_remote_errors_deadlines_supervision(ranks):
     [
         ("main-raises", 1, "main raised an exception", "KeyError: 'rank 1 lost its data'"),
         ("restart-limit", 1, "restart limit reached (1 in 60s)", "ValueError: crash in a tell"),
-        ("unknown-actor", 1, "a tell was addressed to an actor that does not exist", "ActorNotFound: no actor 'nobody'"),
+        (
+            "unknown-actor",
+            1,
+            "a tell was addressed to an actor that does not exist",
+            "ActorNotFound: no actor 'nobody'",
+        ),
         ("no-policy", -1, "it has no restart policy, so the failure escalates", "TypeError"),
     ],
 )

@@ -17,8 +17,13 @@ def test_defaults_work_without_environment():
 
 def test_environment_overrides():
     config = RuntimeConfig.from_env(
-        {"MPISCALE_SPIN_US": "50", "MPISCALE_RANKS_PER_NODE": "2", "MPISCALE_CHECK_COLLECTIVES": "off",
-         "MPISCALE_SHUTDOWN_TIMEOUT_S": "2.5", "MPISCALE_THREAD_LEVEL": "funneled"}
+        {
+            "MPISCALE_SPIN_US": "50",
+            "MPISCALE_RANKS_PER_NODE": "2",
+            "MPISCALE_CHECK_COLLECTIVES": "off",
+            "MPISCALE_SHUTDOWN_TIMEOUT_S": "2.5",
+            "MPISCALE_THREAD_LEVEL": "funneled",
+        }
     )
     assert (config.spin_us, config.ranks_per_node, config.check_collectives) == (50, 2, False)
     assert config.shutdown_timeout_s == 2.5 and config.thread_level == "funneled"

@@ -63,11 +63,21 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, np.ndarray):
-        return (type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape
-                and np.array_equal(a, b) and b.flags.writeable)
+        return (
+            type(b) is np.ndarray
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and np.array_equal(a, b)
+            and b.flags.writeable
+        )
     if isinstance(a, torch.Tensor):
-        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a, b) and a.requires_grad == b.requires_grad)
+        return (
+            type(a) is type(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+            and a.requires_grad == b.requires_grad
+        )
     return a == b
 
 
