@@ -6,7 +6,7 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MPISCALE_VENV:-$REPO/.venv}"
-APT_PACKAGES=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config mosquitto procps)
+APT_PACKAGES=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config mosquitto)
 
 say() { printf '[setup] %s\n' "$*"; }
 

@@ -1,36 +1,11 @@
-"""mpiscale: an actor-model async runtime on MPI for HPC batch jobs."""
+"""mpiscale: an actor-model async runtime on MPI for HPC batch jobs.
 
-from .runtime import (
-    Actor,
-    ActorGroup,
-    ActorNotFound,
-    ActorRef,
-    ActorStopped,
-    ActorSystem,
-    AskTimeout,
-    CollectiveMismatch,
-    RemoteError,
-    RemoteTraceback,
-    RestartPolicy,
-    RuntimeConfig,
-    run,
-)
+The runtime's public API (``Actor``, ``ActorRef``, ``run``, ...) is re-exported here.
+"""
+
+from . import runtime
+from .runtime import *  # noqa: F403  (the list lives in mpiscale.runtime.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Actor",
-    "ActorGroup",
-    "ActorNotFound",
-    "ActorRef",
-    "ActorStopped",
-    "ActorSystem",
-    "AskTimeout",
-    "CollectiveMismatch",
-    "RemoteError",
-    "RemoteTraceback",
-    "RestartPolicy",
-    "RuntimeConfig",
-    "run",
-    "__version__",
-]
+__all__ = [*runtime.__all__, "__version__"]

@@ -11,8 +11,10 @@ One engine per rank runs as an asyncio task. Each turn it
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
 processes with ``sched_yield`` each turn (so oversubscribed ranks stay fast);
-after that it sleeps, doubling the sleep up to ``max_sleep_us``. An idle rank
-therefore costs a few hundred short wake-ups per second, not a core.
+after that it sleeps a quarter of the time it has been idle, up to
+``max_sleep_us``. An idle rank therefore costs a few hundred short wake-ups per
+second, not a core, and the latency a sleep adds stays proportional to the
+quiet time before it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .config import RuntimeConfig
 
 Deliver = Callable[[int, object], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
+_SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its idle time so far
+_MIN_SLEEP_S = 20e-6
 
 
 @dataclass
@@ -143,13 +147,12 @@ class ProgressEngine:
         spin = self._config.spin_us * 1e-6
         max_sleep = self._config.max_sleep_us * 1e-6
         clock = time.monotonic
-        sleep = 0.0
         while not self._stopped:
             now = clock()
-            if now - self._last_activity < spin:
+            idle = now - self._last_activity
+            if idle < spin:
                 # Spinning: poll in a tight loop for a short burst before giving
                 # the event loop back; other ready tasks wait at most one burst.
-                sleep = 0.0
                 burst_end = now + _BURST_S
                 while not self._poll():
                     if clock() > burst_end:
@@ -163,9 +166,12 @@ class ProgressEngine:
                 self._last_activity = clock()
                 await asyncio.sleep(0)
                 continue
-            sleep = min(max(sleep * 2, 50e-6), max_sleep)
+            # Sleep a fraction of the time already spent idle: the latency this
+            # adds stays proportional, so two ranks waiting on each other cannot
+            # ratchet each other up to the longest sleep.
+            delay = min(max(idle * _SLEEP_FRACTION, _MIN_SLEEP_S), max_sleep)
             self._sleeper = loop.create_future()
-            handle = loop.call_later(sleep, _resolve, self._sleeper)
+            handle = loop.call_later(delay, _resolve, self._sleeper)
             await self._sleeper
             handle.cancel()
             self._sleeper = None

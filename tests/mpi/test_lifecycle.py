@@ -61,23 +61,25 @@ def test_sigusr1_prints_diagnostics_and_the_job_goes_on(ranks, tmp_path):
     assert "Current thread" in text or "Thread 0x" in text  # C-level stacks, even if the loop were stuck
 
 
-@pytest.mark.parametrize("who", ["all", "one"])
-def test_sigterm_drains_and_exits_nonzero(ranks, tmp_path, who):
+@pytest.mark.parametrize(
+    "who, signum", [("all", signal.SIGTERM), ("one", signal.SIGTERM), ("all", signal.SIGINT)], ids=str
+)
+def test_signal_drains_and_exits_nonzero(ranks, tmp_path, who, signum):
     process = start_mpi("signals.py", ranks, "term", str(tmp_path))
     pids = _wait_for_pids(tmp_path, ranks)
     time.sleep(0.5)
     start = time.monotonic()
     for pid in pids if who == "all" else pids[-1:]:
-        os.kill(pid, signal.SIGTERM)
-    job = finish(process, f"signals.py term ({who})", timeout=60)
+        os.kill(pid, signum)
+    job = finish(process, f"signals.py term ({who}, {signum.name})", timeout=60)
     assert job.returncode != 0
     assert time.monotonic() - start < 20
     target = ranks - 1
-    assert f"mpiscale: rank {target}: SIGTERM received, draining and shutting down" in job.stderr, job.stderr
+    assert f"mpiscale: rank {target}: {signum.name} received, draining and shutting down" in job.stderr, job.stderr
     assert f"mpiscale: rank {target}: shutdown drained" in job.stderr, job.stderr
     if who == "all":
-        assert job.stderr.count("SIGTERM received") == ranks
-        assert "exit status 143" in job.stderr
+        assert job.stderr.count(f"{signum.name} received") == ranks
+        assert f"exit status {128 + signum}" in job.stderr
 
 
 def test_message_over_2_gib():

@@ -112,6 +112,11 @@ async def main(system):
     third = echoes[(rank + 2) % size]
     assert same(sent, await relays[(rank + 1) % size].ask("relay", third, sent))
 
+    # tell's future resolves once the buffers may be reused: the byte count sent.
+    big = np.ones(100_000)
+    assert await recorders[(rank + 1) % size].tell("sequences") >= 0
+    assert await echoes[(rank + 1) % size].tell("echo", big) >= big.nbytes
+
     # Same-rank messages never touch MPI: the very same object arrives, unserialized.
     assert await echoes[rank].ask("echo", sent) is sent
 
