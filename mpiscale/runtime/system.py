@@ -30,7 +30,6 @@ from .collectives import Communicator, Hierarchy, build_hierarchy
 from .config import RuntimeConfig, load_mpi
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure
 from .eventloop import new_event_loop
-from .memory import keep_freed_memory
 from .progress import ProgressEngine
 
 log = logging.getLogger(__name__)
@@ -139,6 +138,10 @@ class ActorSystem:
         return ActorGroup(name, self.size)
 
     # ------------------------------------------------------------- messaging
+    @property
+    def _origin(self) -> str:
+        return f"rank {self.rank} on host {self.host}"
+
     def _check_rank(self, ref: ActorRef) -> None:
         if not 0 <= ref.rank < self.size:
             raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {self.size} ranks")
@@ -187,7 +190,7 @@ class ActorSystem:
         except Exception as error:  # the result could not be pickled
             if failed:
                 raise
-            failure = Failure.capture(error, f"rank {self.rank} on host {self.host}, sending a reply").picklable()
+            failure = Failure.capture(error, f"{self._origin}, sending a reply").picklable()
             self._post(rank, (_REPLY, ask_id, failure, True))
 
     def _on_envelope(self, source: int, envelope: tuple) -> None:
@@ -200,18 +203,17 @@ class ActorSystem:
         _, name, method, args, kwargs, ask_id = envelope
         reply_to = (source, ask_id) if ask_id >= 0 else None
         cell = self._cells.get(name)
-        origin = f"rank {self.rank} on host {self.host}"
         if self._stopping:
             if reply_to is not None:
                 error = ActorStopped(f"rank {self.rank} is shutting down; {name!r} did not handle {method!r}")
-                self.reply(reply_to, Failure.capture(error, origin))
+                self.reply(reply_to, Failure.capture(error, self._origin))
             else:
                 self._dropped += 1
             return
         if cell is None:
             error = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
             if reply_to is not None:
-                self.reply(reply_to, Failure.capture(error, origin))
+                self.reply(reply_to, Failure.capture(error, self._origin))
             else:
                 self.fail(error, "a tell was addressed to an actor that does not exist")
             return
@@ -423,8 +425,6 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     ``main`` has returned on all ranks and no message is in flight.
     """
     config = config or RuntimeConfig.from_env()
-    if config.malloc_tuning:
-        keep_freed_memory()
     MPI = load_mpi(config)
     system = ActorSystem(MPI, config)
     _setup_logging(system.rank)

@@ -120,6 +120,10 @@ async def main(system):
     # Same-rank messages never touch MPI: the very same object arrives, unserialized.
     assert await echoes[rank].ask("echo", sent) is sent
 
+    # Whole groups: ask_all answers in rank order; tell_all reaches every member.
+    assert await echoes.ask_all("echo", rank) == [rank] * size
+    assert len(echoes) == size and [ref.rank for ref in echoes] == list(range(size))
+
     # Remote spawn: rank 0 places an actor on the last rank; everyone uses it.
     if rank == 0:
         ref = await system.spawn(Echo, name="spawned", rank=size - 1)
