@@ -25,6 +25,9 @@ class RuntimeConfig:
     #: Messages whose parts add up to at most this many bytes travel as one MPI
     #: message; larger ones send each buffer separately, without a copy.
     inline_bytes: int = 65536
+    #: Bytes of large (>= 1 MiB) receive buffers kept for reuse once user code
+    #: drops them; 0 disables the pool (every large message gets fresh memory).
+    pool_bytes: int = 256 << 20
     #: Largest single MPI message (bytes); bigger buffers are split, which is
     #: how messages over 2 GiB travel with an MPI-3 library.
     chunk_bytes: int = 1 << 30
@@ -44,7 +47,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.thread_level not in _THREAD_LEVELS:
             raise ValueError(f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}")
-        for name in ("spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node"):
+        for name in ("spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node", "pool_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.chunk_bytes < 1:

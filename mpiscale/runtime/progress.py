@@ -71,6 +71,7 @@ class ProgressEngine:
         self._status = MPI.Status()
         self._last_activity = time.monotonic()
         self._sleeper: asyncio.Future | None = None
+        self._pool = transport.BufferPool(config.pool_bytes)
         self._stopped = False
         self.messages_sent = 0
         self.messages_received = 0
@@ -224,7 +225,7 @@ class ProgressEngine:
             return
         MPI, comm = self._MPI, self._comm
         tag = transport.data_tag(header.seq, self._tag_ub)
-        inbound.parts = [transport.allocate(size) for size in header.sizes]
+        inbound.parts = [transport.allocate(size, self._pool) for size in header.sizes]
         pieces = [p for part in inbound.parts for p in transport.chunks(part, self._config.chunk_bytes)]
         inbound.missing = len(pieces)
         what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"

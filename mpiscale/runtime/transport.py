@@ -240,12 +240,55 @@ def chunks(part: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
         yield part[start : start + chunk_bytes]
 
 
-def allocate(size: int) -> memoryview:
+class BufferPool:
+    """Recycles large receive buffers once nothing refers to them any more.
+
+    A received array is a view of its receive buffer and is handed to user code,
+    so the buffer cannot be given back explicitly. The pool keeps its own
+    reference and treats a buffer as free when that is the only one left
+    (CPython reference counting). Reusing memory that is already mapped spares a
+    large message the page faults, and kernel zeroing, of fresh pages.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._buffers: list[np.ndarray] = []
+        self._held = 0
+
+    def take(self, size: int) -> memoryview:
+        """A free pooled buffer of exactly ``size`` bytes, else a new one (pooled if it fits)."""
+        for buffer in self._buffers:
+            if buffer.nbytes == size and sys.getrefcount(buffer) == _FREE_REFCOUNT:
+                return memoryview(buffer).cast("B")
+        buffer = np.empty(size, dtype=np.uint8)
+        if self._held + size > self.max_bytes:
+            self._drop_free()
+        if self._held + size <= self.max_bytes:
+            self._buffers.append(buffer)
+            self._held += size
+        return memoryview(buffer).cast("B")
+
+    def _drop_free(self) -> None:
+        kept = [b for b in self._buffers if sys.getrefcount(b) > _FREE_REFCOUNT]
+        self._buffers = kept
+        self._held = sum(b.nbytes for b in kept)
+
+
+# getrefcount of a free pooled buffer seen from a loop over the pool: the pool's
+# list entry, the loop variable and getrefcount's own argument.
+_FREE_REFCOUNT = 3
+_POOL_MIN_BYTES = 1 << 20
+
+
+def allocate(size: int, pool: BufferPool | None = None) -> memoryview:
     """A writable receive buffer of ``size`` bytes, at least 16-byte aligned.
 
     Small buffers are bytearrays (cheapest to make); large ones are left
-    uninitialised, so no time is spent zeroing memory MPI will overwrite.
+    uninitialised (no time spent zeroing what MPI overwrites) and come from
+    ``pool`` when one is given.
     """
     if size <= 65536:
         return memoryview(bytearray(size))
+    if pool is not None and size >= _POOL_MIN_BYTES:
+        return pool.take(size)
     return memoryview(np.empty(size, dtype=np.uint8)).cast("B")

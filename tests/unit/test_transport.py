@@ -98,3 +98,37 @@ def test_truncated_inline_frame_is_rejected():
     encoded = transport.encode(np.arange(100), seq=1, inline_bytes=65536)
     with pytest.raises(transport.TransportError):
         transport.decode_frame(memoryview(encoded.frame[:-8]))
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers():
+    pool = transport.BufferPool(max_bytes=64 << 20)
+    size = 2 << 20
+    first = pool.take(size)
+    in_use = np.frombuffer(first, dtype=np.float64)  # user code keeps a view
+    del first
+    second = pool.take(size)
+    assert not np.shares_memory(np.frombuffer(second, np.uint8), in_use), "handed out a buffer still in use"
+    del second
+    # an array rebuilt by unpickling keeps its buffer busy too
+    parts = transport.serialize(np.arange(size // 8, dtype=np.float64))
+    buffer = pool.take(parts[1].nbytes)
+    buffer[:] = parts[1]
+    received = transport.deserialize([parts[0], buffer])
+    del buffer
+    third = pool.take(size)
+    assert not np.shares_memory(np.frombuffer(third, np.uint8), received)
+    assert not np.shares_memory(np.frombuffer(third, np.uint8), in_use)
+    held = pool._held
+    del third, received, in_use
+    again = pool.take(size)
+    assert pool._held == held, "a free buffer was not reused"
+    assert np.frombuffer(again, np.uint8).nbytes == size
+
+
+def test_buffer_pool_respects_its_limit():
+    pool = transport.BufferPool(max_bytes=5 << 20)
+    taken = [pool.take(2 << 20) for _ in range(4)]  # 8 MiB in use, only 4 MiB may be pooled
+    assert pool._held <= 5 << 20 and len(taken) == 4
+    del taken
+    pool.take(3 << 20)  # frees the unreferenced ones to make room
+    assert pool._held <= 5 << 20
