@@ -29,10 +29,16 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .runtime import run
 
+    json_path = args.json or f"bench-{args.name}.json"
     if args.name == "pingpong":
         from .bench.pingpong import run_pingpong
 
-        run(lambda system: run_pingpong(system, args.json or "bench-pingpong.json", quick=args.quick))
+        run(lambda system: run_pingpong(system, json_path, quick=args.quick))
+    elif args.name == "random":
+        from .bench.sample_random import run_sample_random
+
+        samples = args.samples or (200_000 if args.quick else 4_000_000)
+        run(lambda system: run_sample_random(system, json_path, samples, quick=args.quick))
     return 0
 
 
@@ -53,7 +59,13 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
-    bench.add_argument("name", choices=["pingpong"], help="pingpong: actor ask/tell vs raw mpi4py (2 ranks)")
+    bench.add_argument(
+        "name",
+        choices=["pingpong", "random"],
+        help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
+        "random: per-sample random parameters vs a numpy generator per sample (any ranks)",
+    )
+    bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
     bench.set_defaults(handler=_bench)
@@ -62,8 +74,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for name in ("tokens", "laps"):
-        if getattr(args, name, 1) < 1:
+    for name in ("tokens", "laps", "samples"):
+        if (getattr(args, name, 1) or 1) < 1:
             parser().error(f"--{name} must be at least 1")
     return args.handler(args)
 

@@ -48,3 +48,13 @@ def test_bench_pingpong_refuses_wrong_world_size():
 def test_launcher_rejects_bad_rank_count():
     result = subprocess.run([str(LAUNCHER), "-n", "zero", "--", "true"], capture_output=True, text=True)
     assert result.returncode == 2 and "positive number of ranks" in result.stderr
+
+
+def test_bench_random_writes_json(ranks, tmp_path):
+    out = tmp_path / "random.json"
+    job = mpiscale(ranks, "bench", "random", "--quick", "--json", str(out), timeout=180)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["world_size"] == ranks and record["samples"] == 200_000
+    assert record["baseline_samples_per_s"] > 0 and record["ours_samples_per_s"] > 0
+    assert "vs baseline" in job.stdout

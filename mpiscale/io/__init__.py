@@ -1,0 +1,5 @@
+"""Parallel I/O and data-pipeline helpers."""
+
+from .sample_random import SampleRandom
+
+__all__ = ["SampleRandom"]

@@ -1,0 +1,1 @@
+"""Numba kernels, one module per family."""
