@@ -15,6 +15,7 @@ import numpy as np
 
 from ..io.sample_random import SampleRandom
 from ..runtime import ActorSystem
+from ..runtime.collectives import block_rows
 from .report import table, write_json
 
 PARAMETERS = 8  # random parameters per sample (e.g. crop, flip, colour jitter)
@@ -36,8 +37,9 @@ async def run_sample_random(system: ActorSystem, json_path: str, samples: int, q
     threads = numba.get_num_threads()
     if system.size > 1:
         numba.set_num_threads(1)
-    share = np.array_split(np.arange(samples), system.size)[system.rank]
-    mine = range(int(share[0]), int(share[-1]) + 1) if len(share) else range(0)
+    rows = block_rows(samples, system.size)
+    first = sum(rows[: system.rank])
+    mine = range(first, first + rows[system.rank])
     streams.uniform(0, mine[:10], PARAMETERS)  # compile outside the timing
     await system.world.barrier()
     start = time.perf_counter()

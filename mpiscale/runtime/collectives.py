@@ -19,6 +19,12 @@ from .progress import ProgressEngine
 _INT_MAX = 2**31 - 1
 
 
+def block_rows(total: int, parts: int) -> list[int]:
+    """Rows of each of ``parts`` consecutive blocks of ``total`` rows, as ``np.array_split`` splits them."""
+    base, extra = divmod(total, parts)
+    return [base + (part < extra) for part in range(parts)]
+
+
 class CollectiveMismatch(ValueError):
     """Ranks passed different shapes, dtypes or operations to the same collective."""
 
@@ -158,7 +164,7 @@ class Communicator:
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         await self._check("reduce_scatter", f"{data.dtype}{data.shape} {op}")
-        rows = [len(block) for block in np.array_split(np.empty(data.shape[0]), self.size)]
+        rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]
         result = np.empty((rows[self.rank], *data.shape[1:]), dtype=data.dtype)
