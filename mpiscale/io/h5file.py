@@ -1,0 +1,94 @@
+"""Opening and stamping mpiscale HDF5 files, with errors that name the file and dataset.
+
+Every file the project writes carries ``mpiscale_version``, ``format``,
+``created``, ``world_size`` and ``config`` (JSON) attributes; readers check
+``format`` so a file from elsewhere is refused with a clear message instead of
+being misread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+
+import h5py
+import numpy as np
+
+DATASET_FORMAT = "mpiscale.dataset/1"
+INDEX_FORMAT = "mpiscale.dataset-index/1"
+CHECKPOINT_FORMAT = "mpiscale.checkpoint/1"
+SHARD_FORMAT = "mpiscale.checkpoint-shard/1"
+
+
+class DataFileError(ValueError):
+    """An mpiscale HDF5 file is missing, unreadable, of another format, or lacks a dataset."""
+
+    def __init__(self, path: str | os.PathLike, message: str, dataset: str | None = None) -> None:
+        self.path = os.fspath(path)
+        self.dataset = dataset
+        where = f"{self.path}:{dataset}" if dataset else self.path
+        super().__init__(f"{where}: {message}")
+
+
+def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | None = None) -> None:
+    """Write the attributes every mpiscale file carries."""
+    from .. import __version__
+
+    file.attrs["mpiscale_version"] = __version__
+    file.attrs["format"] = file_format
+    file.attrs["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    file.attrs["world_size"] = int(world_size)
+    file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
+
+
+def open_file(path: str | os.PathLike, formats: tuple[str, ...], comm=None) -> h5py.File:
+    """Open ``path`` read-only (collectively with the MPI driver when ``comm`` is given) and check its format."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataFileError(path, "no such file")
+    try:
+        if comm is not None:
+            file = h5py.File(path, "r", driver="mpio", comm=comm)
+        else:
+            file = h5py.File(path, "r")
+    except OSError as error:
+        raise DataFileError(path, f"not a readable HDF5 file (truncated or corrupt?): {error}") from error
+    found = file.attrs.get("format")
+    if isinstance(found, bytes):
+        found = found.decode()
+    if found not in formats:
+        file.close()
+        expected = " or ".join(formats)
+        what = f"format attribute {found!r}" if found is not None else "no format attribute"
+        raise DataFileError(path, f"not an mpiscale file of format {expected} ({what})")
+    return file
+
+
+def dataset(file: h5py.File, name: str) -> h5py.Dataset:
+    """The dataset ``name`` of ``file``, or a DataFileError naming both."""
+    try:
+        node = file[name]
+    except KeyError:
+        names = ", ".join(sorted(file.keys())) or "none"
+        raise DataFileError(file.filename, f"no dataset {name!r} (datasets: {names})", name) from None
+    if not isinstance(node, h5py.Dataset):
+        raise DataFileError(file.filename, "is a group, not a dataset", name)
+    return node
+
+
+def check_array(path: str, name: str, shape: tuple, dtype: np.dtype, expect_shape=None, expect_dtype=None) -> None:
+    """Raise DataFileError if a stored array's trailing shape or dtype is not what the caller expects."""
+    if expect_dtype is not None and np.dtype(expect_dtype) != dtype:
+        raise DataFileError(path, f"dtype is {dtype}, expected {np.dtype(expect_dtype)}", name)
+    if expect_shape is not None and tuple(expect_shape) != tuple(shape[1:]):
+        raise DataFileError(path, f"rows have shape {tuple(shape[1:])}, expected {tuple(expect_shape)}", name)
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file or directory to stable storage."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,77 @@
+"""Collective reads and writes of row ranges of an HDF5 dataset.
+
+h5py's high-level slicing skips the HDF5 call for an empty selection, which
+would leave the other ranks waiting inside a collective transfer. These helpers
+use the low-level API so that a rank with no rows still takes part (with an
+empty selection), and they split large transfers into rounds of at most
+``max_bytes`` per rank (MPI-IO counts are 32-bit), the same number of rounds on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import h5py
+import numpy as np
+
+MAX_TRANSFER_BYTES = 256 << 20
+
+
+def _transfer_list() -> h5py.h5p.PropDXID:
+    plist = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    plist.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+    return plist
+
+
+def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm) -> tuple[int, int]:
+    """(number of rounds, the same on every rank; rows per round)."""
+    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+    per_round = max(1, max_bytes // max(row_bytes, 1))
+    mine = math.ceil(rows / per_round)
+    if comm is None:
+        return mine, per_round
+    from mpi4py import MPI
+
+    return comm.allreduce(mine, op=MPI.MAX), per_round
+
+
+def _spaces(dset: h5py.Dataset, start: int, rows: int):
+    file_space = dset.id.get_space()
+    memory_space = h5py.h5s.create_simple((max(rows, 1), *dset.shape[1:]))
+    if rows:
+        file_space.select_hyperslab((start,) + (0,) * (dset.ndim - 1), (rows, *dset.shape[1:]))
+    else:
+        file_space.select_none()
+        memory_space.select_none()
+    return memory_space, file_space
+
+
+def write_rows(
+    dset: h5py.Dataset, start: int, data: np.ndarray, comm=None, max_bytes: int = MAX_TRANSFER_BYTES
+) -> None:
+    """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given."""
+    data = np.ascontiguousarray(data, dtype=dset.dtype)
+    rounds, per_round = _rounds(dset, len(data), max_bytes, comm)
+    plist = _transfer_list() if comm is not None else None
+    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
+    for round_index in range(rounds):
+        lo = min(round_index * per_round, len(data))
+        hi = min(lo + per_round, len(data))
+        memory_space, file_space = _spaces(dset, start + lo, hi - lo)
+        dset.id.write(memory_space, file_space, data[lo:hi] if hi > lo else placeholder, dxpl=plist)
+
+
+def read_rows(dset: h5py.Dataset, start: int, stop: int, comm=None, max_bytes: int = MAX_TRANSFER_BYTES) -> np.ndarray:
+    """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call)."""
+    rows = max(stop - start, 0)
+    out = np.empty((rows, *dset.shape[1:]), dtype=dset.dtype)
+    rounds, per_round = _rounds(dset, rows, max_bytes, comm)
+    plist = _transfer_list() if comm is not None else None
+    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
+    for round_index in range(rounds):
+        lo = min(round_index * per_round, rows)
+        hi = min(lo + per_round, rows)
+        memory_space, file_space = _spaces(dset, start + lo, hi - lo)
+        dset.id.read(memory_space, file_space, out[lo:hi] if hi > lo else placeholder, dxpl=plist)
+    return out

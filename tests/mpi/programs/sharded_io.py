@@ -1,0 +1,96 @@
+"""Sharded datasets and the batch reader across world sizes, uneven and empty slices.
+
+Writes one file at this world size, two more as jobs of other sizes (split
+sub-communicators), indexes them, and checks every read against the values the
+rows were built from.
+"""
+
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+import mpiscale
+from mpiscale.io import BatchReader, ShardedDataset, epoch_order, read_dataset, write_dataset, write_index
+
+
+def rows(ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The values of global rows ``ids``: every row is different and knows its id."""
+    ids = np.asarray(ids, dtype=np.int64)
+    x = (ids[:, None, None] * 10 + np.arange(6).reshape(3, 2)).astype(np.float32)
+    return {"x": x, "y": ids * 7 % 5}
+
+
+async def main(system):
+    directory = Path(sys.argv[1])
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.rank, comm.size
+    # Shard a: this world size, rank r holds r rows (rank 0 none).
+    first = rank * (rank - 1) // 2
+    shapes = write_dataset(directory / "a.h5", rows(np.arange(first, first + rank)), comm)
+    total_a = size * (size - 1) // 2
+    assert shapes["x"] == (total_a, 3, 2), shapes
+    # Shards b and c: "earlier jobs" of 1 and size-1 ranks.
+    alone = rank == 0
+    part = comm.Split(0 if alone else 1, rank)
+    if alone:
+        write_dataset(directory / "b.h5", rows(np.arange(total_a, total_a + 5)), part)
+    else:
+        start = total_a + 5 + 2 * part.rank
+        write_dataset(directory / "c.h5", rows(np.arange(start, start + 2)), part)
+    comm.Barrier()
+    total = total_a + 5 + 2 * (size - 1)
+    if rank == 0:
+        write_index(directory / "all.h5", [directory / name for name in ("a.h5", "b.h5", "c.h5")])
+        with h5py.File(directory / "all.h5", "r") as plain:  # a notebook's view: one array
+            assert np.array_equal(plain["x"][:], rows(np.arange(total))["x"])
+    comm.Barrier()
+
+    # Collective read of my block, from the index and from one file.
+    mine = read_dataset(directory / "all.h5", "x", comm)
+    everything = np.concatenate(comm.allgather(mine))
+    assert np.array_equal(everything, rows(np.arange(total))["x"]), "collective read differs"
+    assert len(read_dataset(directory / "a.h5", "y", comm)) == len(np.array_split(np.arange(total_a), size)[rank])
+
+    # Batches: the global order depends only on (seed, epoch), never on the world size.
+    for shuffle, prefetch, cache in ((True, 2, 1 << 20), (False, 0, 256), (True, 1, 0)):
+        with BatchReader(directory / "all.h5", ["x", "y"], 4, comm, shuffle, 11, False, prefetch, cache, 64) as reader:
+            for epoch in (0, 3):
+                seen = [(b.step, b.ids, b.data) for b in reader.epoch(epoch)]
+                assert [s for s, _, _ in seen] == list(range(reader.steps))
+                for _, ids, data in seen:
+                    for name, values in rows(ids).items():
+                        assert np.array_equal(data[name], values), f"batch rows differ for {name}"
+                gathered = comm.gather([ids for _, ids, _ in seen])
+                if rank == 0:
+                    order = epoch_order(total, epoch, 11, shuffle)
+                    for step in range(reader.steps):
+                        joined = np.concatenate([per_rank[step] for per_rank in gathered])
+                        assert np.array_equal(joined, order[step * 4 : (step + 1) * 4]), (shuffle, epoch, step)
+            resumed = [b.ids for b in reader.epoch(3, start_step=2)]
+            assert all(np.array_equal(a, b) for a, b in zip(resumed, [ids for _, ids, _ in seen][2:]))
+    assert not np.array_equal(epoch_order(total, 0, 11, True), epoch_order(total, 1, 11, True))
+
+    # More ranks than samples: one row in all; most ranks get empty slices and batches.
+    write_dataset(directory / "one.h5", rows(np.arange(1) if rank == size - 1 else np.arange(0)), comm)
+    got = read_dataset(directory / "one.h5", "y", comm)
+    assert len(got) == (1 if rank == 0 else 0), got
+    with ShardedDataset(directory / "one.h5", "x", comm) as one:
+        assert one.shape == (1, 3, 2) and len(one.read_collective(0, 0)) == 0
+    with BatchReader(directory / "one.h5", ["y"], 3, comm, shuffle=True) as reader:
+        batches = list(reader.epoch(0))
+        assert len(batches) == 1 and len(batches[0].ids) == (1 if rank == 0 else 0)
+    # Ranks that disagree on a dtype all get the same clear error, not a hang.
+    try:
+        write_dataset(directory / "bad.h5", {"x": np.zeros((1, 2), np.float32 if rank else np.float64)}, comm)
+    except ValueError as error:
+        assert "must agree" in str(error), error
+    else:
+        raise AssertionError("mismatched dtypes were accepted")
+    if rank == 0:
+        print(f"sharded io ok on {size} ranks")
+
+
+mpiscale.run(main)

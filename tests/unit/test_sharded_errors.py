@@ -1,0 +1,76 @@
+"""Bad dataset files get an error naming the file and dataset (one process, serial h5py)."""
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiscale.io import BatchReader, DataFileError, ShardedDataset, read_dataset, write_dataset, write_index
+
+
+@pytest.fixture
+def good(tmp_path):
+    path = tmp_path / "good.h5"
+    write_dataset(path, {"x": np.arange(12, dtype=np.float32).reshape(6, 2), "y": np.arange(5)})
+    return path
+
+
+def test_serial_round_trip(good):
+    assert np.array_equal(read_dataset(good, "x"), np.arange(12, dtype=np.float32).reshape(6, 2))
+    with ShardedDataset(good, "x") as data:
+        assert data.shape == (6, 2) and np.array_equal(data.read(2, 4), [[4, 5], [6, 7]])
+        with pytest.raises(IndexError, match="good.h5:x"):
+            data.read(4, 9)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataFileError, match="nope.h5: no such file"):
+        ShardedDataset(tmp_path / "nope.h5", "x")
+
+
+def test_missing_dataset(good):
+    with pytest.raises(DataFileError, match=r"good.h5:z: no dataset 'z' \(datasets: x, y\)"):
+        ShardedDataset(good, "z")
+
+
+def test_wrong_dtype_and_shape(good):
+    with pytest.raises(DataFileError, match="good.h5:x: dtype is float32, expected float64"):
+        read_dataset(good, "x", dtype=np.float64)
+    with pytest.raises(DataFileError, match=r"good.h5:x: rows have shape \(2,\), expected \(3,\)"):
+        read_dataset(good, "x", row_shape=(3,))
+
+
+def test_not_an_mpiscale_file(tmp_path):
+    path = tmp_path / "foreign.h5"
+    with h5py.File(path, "w") as file:
+        file["x"] = np.zeros(3)
+    with pytest.raises(DataFileError, match="foreign.h5: not an mpiscale file .*no format attribute"):
+        read_dataset(path, "x")
+
+
+def test_truncated_file(good):
+    size = good.stat().st_size
+    with open(good, "r+b") as file:
+        file.truncate(size // 2)
+    with pytest.raises(DataFileError, match="good.h5: not a readable HDF5 file"):
+        read_dataset(good, "x")
+
+
+def test_index_of_shards(tmp_path, good):
+    other = tmp_path / "other.h5"
+    write_dataset(other, {"x": np.full((2, 2), -1, np.float32), "y": np.arange(2)})
+    index = tmp_path / "index.h5"
+    assert write_index(index, [good, other])["x"] == (8, 2)
+    with ShardedDataset(index, "x") as data:
+        assert np.array_equal(data.read(5, 7), [[10, 11], [-1, -1]])
+    with pytest.raises(ValueError, match="differ in length"):
+        BatchReader(index, ["x", "y"], 2)
+    other.unlink()
+    with pytest.raises(DataFileError, match="other.h5: no such file"):
+        ShardedDataset(index, "x")
+
+
+def test_index_refuses_mismatched_shards(tmp_path, good):
+    odd = tmp_path / "odd.h5"
+    write_dataset(odd, {"x": np.zeros((2, 3), np.float32), "y": np.arange(2)})
+    with pytest.raises(DataFileError, match="odd.h5:x: row shape or dtype differs"):
+        write_index(tmp_path / "index.h5", [good, odd])
