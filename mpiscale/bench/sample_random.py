@@ -57,8 +57,12 @@ async def run_sample_random(system: ActorSystem, json_path: str, samples: int, q
     used_threads = 1 if system.size > 1 else threads
     rows = [
         ["numpy Generator(Philox) per sample, 1 rank", baseline_samples, baseline_rate, 1.0],
-        [f"mpiscale SampleRandom, {system.size} rank(s) x {used_threads} thread(s)", samples, ours_rate,
-         ours_rate / baseline_rate],
+        [
+            f"mpiscale SampleRandom, {system.size} rank(s) x {used_threads} thread(s)",
+            samples,
+            ours_rate,
+            ours_rate / baseline_rate,
+        ],
     ]
     print(f"{PARAMETERS} uniform parameters per sample, batches of {BATCH} samples; {len(mine)} samples on rank 0")
     print(table(["generator", "samples", "samples/s", "vs baseline"], rows))

@@ -57,7 +57,11 @@ def uniform53(key: np.ndarray, epoch: np.uint64, block_base: np.uint64, ids: np.
 def block_words(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
     """The four output words for one counter and key (for known-answer tests)."""
     w = philox4x32_10(
-        np.uint64(counter[0]), np.uint64(counter[1]), np.uint64(counter[2]), np.uint64(counter[3]),
-        np.uint64(key[0]), np.uint64(key[1]),
+        np.uint64(counter[0]),
+        np.uint64(counter[1]),
+        np.uint64(counter[2]),
+        np.uint64(counter[3]),
+        np.uint64(key[0]),
+        np.uint64(key[1]),
     )
     return np.array([w[0], w[1], w[2], w[3]], dtype=np.uint32)

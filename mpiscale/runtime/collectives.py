@@ -199,27 +199,33 @@ class Hierarchy:
         return result
 
 
+def split_nodes(MPI, comm, ranks_per_node: int = 0):
+    """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
+
+    Nodes are the shared-memory domains, or blocks of ``ranks_per_node``
+    consecutive ranks when that is set (to simulate several nodes on one
+    machine). Nodes are numbered in the order of their lowest rank.
+    """
+    rank = comm.Get_rank()
+    if ranks_per_node:
+        node_comm = comm.Split(rank // ranks_per_node, rank)
+    else:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    first = node_comm.bcast(rank, 0)  # the node's lowest rank (node ranks follow world order)
+    firsts = sorted(set(comm.allgather(first)))
+    return node_comm, firsts.index(first), len(firsts)
+
+
 def build_hierarchy(MPI, world_comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
     """Create the communicators (collective over ``world_comm``; call once at start-up)."""
-    rank = world_comm.Get_rank()
-    if config.ranks_per_node:
-        node_comm = world_comm.Split(rank // config.ranks_per_node, rank)
-    else:
-        node_comm = world_comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    node_comm, index, count = split_nodes(MPI, world_comm, config.ranks_per_node)
     is_leader = node_comm.Get_rank() == 0
-    leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, rank)
-    # Number the nodes by their leader's order among the leaders.
-    index = np.array([leader_comm.Get_rank() if is_leader else 0], dtype=np.int64)
-    node_comm.Bcast(index, 0)
-    count = np.array([leader_comm.Get_size() if is_leader else 0], dtype=np.int64)
-    world_comm.Allreduce(MPI.IN_PLACE, count, MPI.MAX)
-    leaders = None
-    if is_leader:
-        leaders = Communicator(MPI, leader_comm, engine, config, "leaders")
+    leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
+    leaders = Communicator(MPI, leader_comm, engine, config, "leaders") if is_leader else None
     return Hierarchy(
         world=Communicator(MPI, world_comm.Dup(), engine, config, "world"),
-        node=Communicator(MPI, node_comm, engine, config, f"node{int(index[0])}"),
+        node=Communicator(MPI, node_comm, engine, config, f"node{index}"),
         leaders=leaders,
-        node_index=int(index[0]),
-        node_count=int(count[0]),
+        node_index=index,
+        node_count=count,
     )

@@ -132,4 +132,3 @@ def test_buffer_pool_respects_its_limit():
     del taken
     pool.take(3 << 20)  # frees the unreferenced ones to make room
     assert pool._held <= 5 << 20
-

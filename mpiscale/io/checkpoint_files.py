@@ -1,0 +1,155 @@
+"""Where checkpoint files live and how each kind is written and read.
+
+Shared directory (level 3, and the commit records)::
+
+    step-00000120.json   manifest: arrays, row blocks, checksums, levels, metadata
+    step-00000120.h5     parallel HDF5 file with every array at its global shape
+    latest               the step of the newest committed checkpoint
+
+Node-local directory (levels 1 and 2), one per node::
+
+    node-0/step-00000120/rank-00003.h5          rank 3's own shard
+    node-0/step-00000120/copy-of-rank-00001.h5  the partner copy of a rank on another node
+
+Every file is written under a temporary name, flushed, then renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, fsync_path, open_file, stamp
+from .rows import read_rows, write_rows
+
+_STEP = re.compile(r"^step-(\d{8,})\.json$")
+_SHARD = re.compile(r"^(rank|copy-of-rank)-(\d+)\.h5$")
+
+
+def checksum(array: np.ndarray) -> int:
+    """CRC-32 of an array's bytes in C order."""
+    return zlib.crc32(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+
+
+def write_atomically(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    fsync_path(path.parent)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of one checkpoint series."""
+
+    shared: Path
+    local: Path | None
+
+    def manifest(self, step: int) -> Path:
+        return self.shared / f"step-{step:08d}.json"
+
+    def shared_file(self, step: int) -> Path:
+        return self.shared / f"step-{step:08d}.h5"
+
+    @property
+    def latest(self) -> Path:
+        return self.shared / "latest"
+
+    def node_dir(self, node: int) -> Path:
+        assert self.local is not None
+        return self.local / f"node-{node}"
+
+    def step_dir(self, node: int, step: int) -> Path:
+        return self.node_dir(node) / f"step-{step:08d}"
+
+    def shard(self, node: int, step: int, rank: int, copy: bool = False) -> Path:
+        return self.step_dir(node, step) / f"{'copy-of-rank' if copy else 'rank'}-{rank:05d}.h5"
+
+    def committed_steps(self) -> list[int]:
+        """Steps with a manifest in the shared directory, newest first."""
+        found = [int(m.group(1)) for m in map(_STEP.match, os.listdir(self.shared)) if m]
+        return sorted(found, reverse=True)
+
+    def shards_on_node(self, node: int, step: int) -> list[tuple[int, bool, str]]:
+        """(writer rank, is a partner copy, path) of every shard of ``step`` on ``node``."""
+        try:
+            names = os.listdir(self.step_dir(node, step))
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in sorted(names):
+            match = _SHARD.match(name)
+            if match:
+                found.append((int(match.group(2)), match.group(1) != "rank", str(self.step_dir(node, step) / name)))
+        return found
+
+
+def write_shard(path: Path, step: int, rank: int, world_size: int, arrays: dict[str, np.ndarray]) -> None:
+    """Write one rank's shard (serial HDF5) atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    with h5py.File(temporary, "w") as file:
+        stamp(file, SHARD_FORMAT, world_size, {"step": step, "rank": rank})
+        for name, array in arrays.items():
+            file.create_dataset(name, data=array)
+    fsync_path(temporary)
+    os.replace(temporary, path)
+    fsync_path(path.parent)
+
+
+def read_shard(path: str, names: list[str]) -> dict[str, np.ndarray]:
+    """Arrays ``names`` of a shard file (DataFileError if missing, truncated, foreign or incomplete)."""
+    with open_file(path, (SHARD_FORMAT,)) as file:
+        return {name: dataset(file, name)[()] for name in names}
+
+
+def write_shared(
+    path: Path, comm, world_size: int, manifest: dict, sharded: dict[str, tuple[int, np.ndarray]], replicated: dict
+) -> None:
+    """Collectively write the level-3 file: every array at its global shape, then flush and rename.
+
+    ``sharded`` maps names to (first global row, this rank's rows); ``replicated``
+    holds the arrays rank 0 writes (other ranks pass the same names).
+    """
+    temporary = path.with_name(path.name + ".tmp")
+    rank = comm.Get_rank()
+    with h5py.File(temporary, "w", driver="mpio", comm=comm) as file:
+        stamp(file, CHECKPOINT_FORMAT, world_size, {"step": manifest["step"]})
+        file.attrs["manifest"] = json.dumps(manifest)
+        for name in sorted(sharded):
+            entry = manifest["arrays"][name]
+            target = file.create_dataset(name, shape=tuple(entry["shape"]), dtype=np.dtype(entry["dtype"]))
+            start, rows = sharded[name]
+            write_rows(target, start, rows, comm)
+        for name in sorted(replicated):
+            entry = manifest["arrays"][name]
+            target = file.create_dataset(name, shape=tuple(entry["shape"]), dtype=np.dtype(entry["dtype"]))
+            if rank == 0:  # independent write: dataset creation is collective, the data need not be
+                target[()] = replicated[name]
+        file.flush()  # MPI_File_sync on every rank
+    if rank == 0:
+        fsync_path(temporary)
+        os.replace(temporary, path)
+        fsync_path(path.parent)
+    comm.Barrier()
+
+
+def read_shared_rows(file: h5py.File, name: str, start: int, stop: int, comm) -> np.ndarray:
+    """Rows ``start:stop`` of a level-3 array, collectively."""
+    return read_rows(dataset(file, name), start, stop, comm)
+
+
+def open_shared(path: Path, comm) -> h5py.File:
+    """Open a level-3 file collectively, checking its format."""
+    return open_file(path, (CHECKPOINT_FORMAT,), comm)
