@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import sys
+import time
 
 import h5py
 from conftest import PROGRAMS, assert_ok, finish, launch, run_mpi
@@ -113,15 +114,14 @@ def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path):
     env = {"MPISCALE_RANKS_PER_NODE": "1"}
     args = [sys.executable, str(PROGRAMS / PROGRAM), "kill", str(tmp_path / "shared"), str(tmp_path / "local")]
     process = launch(ranks, args, env=env)
-    victim = None
-    for line in process.stdout:
-        match = re.match(r"in flight pid=(\d+) rank=1", line)
-        if match:
-            victim = int(match.group(1))
+    pid_file, victim, deadline = tmp_path / "shared" / "victim.pid", None, time.monotonic() + 60
+    while victim is None and process.poll() is None and time.monotonic() < deadline:
+        if pid_file.exists():
+            victim = int(pid_file.read_text())
             os.kill(victim, signal.SIGKILL)
-            break
+        time.sleep(0.005)
     result = finish(process, "checkpoint kill job", 60)
-    assert victim is not None and result.returncode != 0
+    assert victim is not None and result.returncode != 0, result.output[-5000:]
     assert not (tmp_path / "shared" / "step-00000002.json").exists(), "the kill came too late to test anything"
     assert (tmp_path / "shared" / "latest").read_text().strip() == "1"
     other = 3 if ranks == 2 else 2

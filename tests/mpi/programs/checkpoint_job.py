@@ -6,7 +6,7 @@ usage: checkpoint_job.py MODE SHARED_DIR LOCAL_DIR [STEP...]
   delta            saves 101 (full), 102 and 103 (deltas: "x" is unchanged, so only the full save stores it)
   fail-async       make the shared directory unusable, save in the background, expect the error everywhere
   no-close         save in the background, break the shared directory, exit without close()
-  kill             save step 1, start a large background save of step 2, print pid and wait to be killed
+  kill             save step 1, start a large background save of step 2, write rank 1's pid to victim.pid, wait
 The state of step s is a pure function of s, so any job can check what another saved.
 """
 
@@ -120,7 +120,9 @@ async def main(system):
         checkpoints.background = True
         big = np.random.default_rng(0).standard_normal((1 << 22, 4))  # 128 MiB: the write takes a while
         save(checkpoints, 2, comm, rows=len(big), x=big)
-        print(f"in flight pid={os.getpid()} rank={comm.rank}", flush=True)
+        if comm.rank == 1:  # tell the test whom to kill, now that the background write is under way
+            Path(shared, "victim.tmp").write_text(str(os.getpid()))
+            os.rename(Path(shared, "victim.tmp"), Path(shared, "victim.pid"))
         time.sleep(60)
         raise AssertionError("not killed")
 
