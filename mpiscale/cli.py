@@ -39,6 +39,16 @@ def _bench(args: argparse.Namespace) -> int:
 
         samples = args.samples or (200_000 if args.quick else 4_000_000)
         run(lambda system: run_sample_random(system, json_path, samples, quick=args.quick))
+    elif args.name == "checkpoint":
+        from .bench.checkpoint import run_checkpoint_bench
+
+        size_mib = args.size_mib or (128 if args.quick else 1024)
+        repeats = 1 if args.quick else 3
+
+        async def bench_checkpoint(system):
+            return run_checkpoint_bench(system.world.comm, json_path, args.dir, size_mib << 20, repeats)
+
+        run(bench_checkpoint)
     return 0
 
 
@@ -61,11 +71,16 @@ def parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
         "name",
-        choices=["pingpong", "random"],
+        choices=["pingpong", "random", "checkpoint"],
         help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
-        "random: per-sample random parameters vs a numpy generator per sample (any ranks)",
+        "random: per-sample random parameters vs a numpy generator per sample (any ranks); "
+        "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
     )
     bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
+    bench.add_argument("--size-mib", type=int, help="checkpoint: total state in MiB (default: 1024; 128 with --quick)")
+    bench.add_argument(
+        "--dir", default="bench-checkpoint", help="checkpoint: scratch directory, removed after (default: %(default)s)"
+    )
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
     bench.set_defaults(handler=_bench)

@@ -1,4 +1,4 @@
-"""The command line: doctor, the demo under mpirun, the pingpong benchmark, the launcher."""
+"""The command line: doctor, the demo under mpirun, the benchmarks, the launcher."""
 
 import json
 import subprocess
@@ -58,3 +58,14 @@ def test_bench_random_writes_json(ranks, tmp_path):
     assert record["world_size"] == ranks and record["samples"] == 200_000
     assert record["baseline_samples_per_s"] > 0 and record["ours_samples_per_s"] > 0
     assert "vs baseline" in job.stdout
+
+
+def test_bench_checkpoint_writes_json(ranks, tmp_path):
+    out, scratch = tmp_path / "checkpoint.json", tmp_path / "scratch"
+    job = mpiscale(ranks, "bench", "checkpoint", "--quick", "--size-mib", "32", "--dir", str(scratch), "--json", str(out))
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["world_size"] == ranks and record["bytes"] == 32 << 20
+    assert all(seconds > 0 for seconds in [*record["baseline_seconds"].values(), *record["ours_seconds"].values()])
+    assert record["level3_write_vs_disk"] > 0 and "caller blocked" in job.stdout
+    assert not scratch.exists(), "the scratch directory is left behind"

@@ -1,0 +1,174 @@
+"""Checkpoint bandwidth: level 1, level 3 and background saves against the disk itself.
+
+Baselines measured in the same run, by rank 0 alone while the others wait:
+numpy ``tofile`` + fsync of the same number of bytes (the disk's own write
+bandwidth), ``fromfile`` of that file, and ``torch.save`` + fsync of the same
+arrays. Ours: every rank saves its rows of the global state. The page cache is
+dropped before each read when the system allows it (root on Linux); otherwise
+reads are from memory and the table says so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ..io import Checkpointer
+from ..runtime.collectives import block_rows
+from .report import table, write_json
+
+ROW = 1 << 14  # float64 values per row: 128 KiB rows
+
+
+def _drop_page_cache() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _timed(comm, action: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """Seconds from a barrier until the slowest rank finished ``action``."""
+    if before is not None and comm.rank == 0:
+        before()
+    comm.Barrier()
+    start = time.perf_counter()
+    action()
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=_max())
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _raw_baselines(arrays: list[np.ndarray], directory: Path, repeats: int) -> dict[str, float]:
+    """Seconds for numpy tofile+fsync, fromfile, and torch.save+fsync of ``arrays`` (one process)."""
+    import torch
+
+    raw, torch_path = directory / "raw.bin", directory / "state.pt"
+    tensors = {f"part{i}": torch.from_numpy(a) for i, a in enumerate(arrays)}
+
+    def tofile() -> None:
+        with open(raw, "wb") as file:
+            for array in arrays:
+                array.tofile(file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def torch_save() -> None:
+        with open(torch_path, "wb") as file:
+            torch.save(tensors, file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def median(action: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+        times = []
+        for _ in range(repeats):
+            if before:
+                before()
+            start = time.perf_counter()
+            action()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    results = {
+        "raw_write": median(tofile),
+        "raw_read": median(lambda: np.fromfile(raw, dtype=np.float64), _drop_page_cache),
+        "torch_save": median(torch_save),
+    }
+    raw.unlink()
+    torch_path.unlink()
+    return results
+
+
+def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int, repeats: int) -> dict | None:
+    """All ranks call; rank 0 prints the table and writes JSON (and returns the record)."""
+    base = Path(directory)
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+    comm.Barrier()
+    rows = block_rows(max(total_bytes // (ROW * 8), comm.size), comm.size)[comm.rank]
+    mine = np.random.default_rng(comm.rank).standard_normal((rows, ROW))
+    total = comm.allreduce(mine.nbytes)
+    everything = None
+    baselines = {}
+    if comm.rank == 0:  # the same bytes, held by one process, for the baselines
+        everything = [np.random.default_rng(r).standard_normal((n, ROW)) for r, n in enumerate(block_rows(total // (ROW * 8), comm.size))]
+        baselines = _raw_baselines(everything, base, repeats)
+        del everything
+    comm.Barrier()
+    results: dict[str, list[float]] = {name: [] for name in ("l1_write", "l3_write", "async_blocked", "async_total", "l1_read", "l3_read")}
+    cache_dropped = False
+    level1 = Checkpointer(base / "l1", comm, keep=1, local_dir=base / "local", partner=False, shared_every=0, background=False)
+    level3 = Checkpointer(base / "l3", comm, keep=1, background=False)
+    background = Checkpointer(base / "async", comm, keep=1, background=True)
+    for repeat in range(repeats):
+        step = repeat + 1
+        results["l1_write"].append(_timed(comm, lambda: level1.save(step, {"weights": mine})))
+        results["l3_write"].append(_timed(comm, lambda: level3.save(step, {"weights": mine})))
+        blocked = _timed(comm, lambda: background.save(step, {"weights": mine}))
+        results["async_blocked"].append(blocked)
+        results["async_total"].append(blocked + _timed(comm, background.wait))
+        cache_dropped = comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0)
+        results["l1_read"].append(_timed(comm, level1.load))
+        cache_dropped = comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0) and cache_dropped
+        results["l3_read"].append(_timed(comm, level3.load))
+    for checkpoints in (level1, level3, background):
+        checkpoints.close()
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+        return _report(comm.size, json_path, total, baselines, {k: statistics.median(v) for k, v in results.items()}, cache_dropped)
+    return None
+
+
+def _report(size: int, json_path: str, total: int, baselines: dict, ours: dict, cache_dropped: bool) -> dict:
+    gb = total / 1e9
+
+    def rate(seconds: float) -> float:
+        return gb / seconds
+
+    raw_w, raw_r = rate(baselines["raw_write"]), rate(baselines["raw_read"])
+    rows = [
+        ["numpy tofile + fsync, 1 process (disk)", "write", baselines["raw_write"], raw_w, 1.0],
+        ["torch.save + fsync, 1 process", "write", baselines["torch_save"], rate(baselines["torch_save"]), rate(baselines["torch_save"]) / raw_w],
+        [f"level 1 (node-local shards), {size} ranks", "write", ours["l1_write"], rate(ours["l1_write"]), rate(ours["l1_write"]) / raw_w],
+        [f"level 3 (parallel HDF5), {size} ranks", "write", ours["l3_write"], rate(ours["l3_write"]), rate(ours["l3_write"]) / raw_w],
+        [f"level 3 in background, {size} ranks: whole save", "write", ours["async_total"], rate(ours["async_total"]), rate(ours["async_total"]) / raw_w],
+        [f"level 3 in background, {size} ranks: caller blocked", "write", ours["async_blocked"], None, None],
+        ["numpy fromfile, 1 process (disk)", "read", baselines["raw_read"], raw_r, 1.0],
+        [f"level 1 load, {size} ranks", "read", ours["l1_read"], rate(ours["l1_read"]), rate(ours["l1_read"]) / raw_r],
+        [f"level 3 load, {size} ranks", "read", ours["l3_read"], rate(ours["l3_read"]), rate(ours["l3_read"]) / raw_r],
+    ]  # fmt: skip
+    print(f"checkpoint of {total / 2**30:.2f} GiB of float64 rows over {size} ranks; medians; "
+          f"page cache {'dropped before reads' if cache_dropped else 'NOT dropped: reads come from memory'}")  # fmt: skip
+    print(table(["what", "op", "seconds", "GB/s", "vs disk"], [[c if c is not None else "-" for c in r] for r in rows]))
+    blocked_share = ours["async_blocked"] / ours["l3_write"]
+    l3_share = rate(ours["l3_write"]) / raw_w
+    print(f"level-3 write: {l3_share:.0%} of the disk's bandwidth (target >= 50%); "
+          f"background save blocks the caller {blocked_share:.1%} of a synchronous save (target < 10%)")  # fmt: skip
+    results = {
+        "baseline": "numpy tofile+fsync / fromfile of the same bytes by one process; torch.save+fsync of the same arrays",
+        "bytes": total,
+        "page_cache_dropped": cache_dropped,
+        "baseline_seconds": baselines,
+        "ours_seconds": ours,
+        "level3_write_vs_disk": l3_share,
+        "async_blocked_vs_sync": blocked_share,
+        "level1_write_vs_disk": rate(ours["l1_write"]) / raw_w,
+        "torch_save_vs_disk": rate(baselines["torch_save"]) / raw_w,
+    }
+    path = write_json(json_path, "checkpoint", size, results)
+    print(f"wrote {path}")
+    return results
