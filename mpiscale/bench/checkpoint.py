@@ -15,6 +15,7 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -105,20 +106,23 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
     everything = None
     baselines = {}
     if comm.rank == 0:  # the same bytes, held by one process, for the baselines
-        everything = [np.random.default_rng(r).standard_normal((n, ROW)) for r, n in enumerate(block_rows(total // (ROW * 8), comm.size))]
+        counts = block_rows(total // (ROW * 8), comm.size)
+        everything = [np.random.default_rng(r).standard_normal((n, ROW)) for r, n in enumerate(counts)]
         baselines = _raw_baselines(everything, base, repeats)
         del everything
     comm.Barrier()
-    results: dict[str, list[float]] = {name: [] for name in ("l1_write", "l3_write", "async_blocked", "async_total", "l1_read", "l3_read")}
+    names = ("l1_write", "l3_write", "async_blocked", "async_total", "l1_read", "l3_read")
+    results: dict[str, list[float]] = {name: [] for name in names}
     cache_dropped = False
-    level1 = Checkpointer(base / "l1", comm, keep=1, local_dir=base / "local", partner=False, shared_every=0, background=False)
+    local = base / "local"
+    level1 = Checkpointer(base / "l1", comm, keep=1, local_dir=local, partner=False, shared_every=0, background=False)
     level3 = Checkpointer(base / "l3", comm, keep=1, background=False)
     background = Checkpointer(base / "async", comm, keep=1, background=True)
-    for repeat in range(repeats):
-        step = repeat + 1
-        results["l1_write"].append(_timed(comm, lambda: level1.save(step, {"weights": mine})))
-        results["l3_write"].append(_timed(comm, lambda: level3.save(step, {"weights": mine})))
-        blocked = _timed(comm, lambda: background.save(step, {"weights": mine}))
+    for step in range(1, repeats + 1):
+        state = {"weights": mine}
+        results["l1_write"].append(_timed(comm, partial(level1.save, step, state)))
+        results["l3_write"].append(_timed(comm, partial(level3.save, step, state)))
+        blocked = _timed(comm, partial(background.save, step, state))
         results["async_blocked"].append(blocked)
         results["async_total"].append(blocked + _timed(comm, background.wait))
         cache_dropped = comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0)
@@ -129,45 +133,49 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
         checkpoints.close()
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-        return _report(comm.size, json_path, total, baselines, {k: statistics.median(v) for k, v in results.items()}, cache_dropped)
+        return _report(
+            comm.size, json_path, total, baselines, {k: statistics.median(v) for k, v in results.items()}, cache_dropped
+        )
     return None
 
 
 def _report(size: int, json_path: str, total: int, baselines: dict, ours: dict, cache_dropped: bool) -> dict:
-    gb = total / 1e9
+    def row(what: str, op: str, seconds: float, disk_seconds: float | None) -> list:
+        if disk_seconds is None:
+            return [what, op, seconds, "-", "-"]
+        return [what, op, seconds, total / 1e9 / seconds, disk_seconds / seconds]
 
-    def rate(seconds: float) -> float:
-        return gb / seconds
-
-    raw_w, raw_r = rate(baselines["raw_write"]), rate(baselines["raw_read"])
+    write, read = baselines["raw_write"], baselines["raw_read"]
     rows = [
-        ["numpy tofile + fsync, 1 process (disk)", "write", baselines["raw_write"], raw_w, 1.0],
-        ["torch.save + fsync, 1 process", "write", baselines["torch_save"], rate(baselines["torch_save"]), rate(baselines["torch_save"]) / raw_w],
-        [f"level 1 (node-local shards), {size} ranks", "write", ours["l1_write"], rate(ours["l1_write"]), rate(ours["l1_write"]) / raw_w],
-        [f"level 3 (parallel HDF5), {size} ranks", "write", ours["l3_write"], rate(ours["l3_write"]), rate(ours["l3_write"]) / raw_w],
-        [f"level 3 in background, {size} ranks: whole save", "write", ours["async_total"], rate(ours["async_total"]), rate(ours["async_total"]) / raw_w],
-        [f"level 3 in background, {size} ranks: caller blocked", "write", ours["async_blocked"], None, None],
-        ["numpy fromfile, 1 process (disk)", "read", baselines["raw_read"], raw_r, 1.0],
-        [f"level 1 load, {size} ranks", "read", ours["l1_read"], rate(ours["l1_read"]), rate(ours["l1_read"]) / raw_r],
-        [f"level 3 load, {size} ranks", "read", ours["l3_read"], rate(ours["l3_read"]), rate(ours["l3_read"]) / raw_r],
-    ]  # fmt: skip
-    print(f"checkpoint of {total / 2**30:.2f} GiB of float64 rows over {size} ranks; medians; "
-          f"page cache {'dropped before reads' if cache_dropped else 'NOT dropped: reads come from memory'}")  # fmt: skip
-    print(table(["what", "op", "seconds", "GB/s", "vs disk"], [[c if c is not None else "-" for c in r] for r in rows]))
+        row("numpy tofile + fsync, 1 process (disk)", "write", write, write),
+        row("torch.save + fsync, 1 process", "write", baselines["torch_save"], write),
+        row(f"level 1 (node-local shards), {size} ranks", "write", ours["l1_write"], write),
+        row(f"level 3 (parallel HDF5), {size} ranks", "write", ours["l3_write"], write),
+        row(f"level 3 in background, {size} ranks: whole save", "write", ours["async_total"], write),
+        row(f"level 3 in background, {size} ranks: caller blocked", "write", ours["async_blocked"], None),
+        row("numpy fromfile, 1 process (disk)", "read", read, read),
+        row(f"level 1 load, {size} ranks", "read", ours["l1_read"], read),
+        row(f"level 3 load, {size} ranks", "read", ours["l3_read"], read),
+    ]
+    cache = "dropped before reads" if cache_dropped else "NOT dropped: reads come from memory"
+    print(f"checkpoint of {total / 2**30:.2f} GiB of float64 rows over {size} ranks; medians; page cache {cache}")
+    print(table(["what", "op", "seconds", "GB/s", "vs disk"], rows))
     blocked_share = ours["async_blocked"] / ours["l3_write"]
-    l3_share = rate(ours["l3_write"]) / raw_w
-    print(f"level-3 write: {l3_share:.0%} of the disk's bandwidth (target >= 50%); "
-          f"background save blocks the caller {blocked_share:.1%} of a synchronous save (target < 10%)")  # fmt: skip
+    level3_share = write / ours["l3_write"]
+    print(
+        f"level-3 write: {level3_share:.0%} of the disk's bandwidth (target >= 50%); background save blocks "
+        f"the caller {blocked_share:.1%} of a synchronous save (target < 10%)"
+    )
     results = {
-        "baseline": "numpy tofile+fsync / fromfile of the same bytes by one process; torch.save+fsync of the same arrays",
+        "baseline": "one process: numpy tofile+fsync and fromfile of the same bytes; torch.save+fsync of the arrays",
         "bytes": total,
         "page_cache_dropped": cache_dropped,
         "baseline_seconds": baselines,
         "ours_seconds": ours,
-        "level3_write_vs_disk": l3_share,
+        "level3_write_vs_disk": level3_share,
         "async_blocked_vs_sync": blocked_share,
-        "level1_write_vs_disk": rate(ours["l1_write"]) / raw_w,
-        "torch_save_vs_disk": rate(baselines["torch_save"]) / raw_w,
+        "level1_write_vs_disk": write / ours["l1_write"],
+        "torch_save_vs_disk": write / baselines["torch_save"],
     }
     path = write_json(json_path, "checkpoint", size, results)
     print(f"wrote {path}")

@@ -4,7 +4,7 @@ from .checkpoint import Checkpointer, CheckpointError, Restored
 from .h5file import DataFileError
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
-from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
+from .sharded import ShardedDataset, rank_rows, read_dataset, write_dataset, write_index
 
 __all__ = [
     "Batch",
@@ -16,6 +16,7 @@ __all__ = [
     "SampleRandom",
     "ShardedDataset",
     "epoch_order",
+    "rank_rows",
     "read_dataset",
     "write_dataset",
     "write_index",

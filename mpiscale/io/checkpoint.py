@@ -53,7 +53,7 @@ from .checkpoint_files import (
     write_shard,
     write_shared,
 )
-from .h5file import CHECKPOINT_FORMAT, DataFileError, dataset
+from .h5file import CHECKPOINT_FORMAT, DataFileError, dataset, settle_background_io, track_background_io
 from .redistribute import MAX_MESSAGE_BYTES, redistribute
 from .sharded import rank_rows
 
@@ -178,6 +178,7 @@ class Checkpointer:
         started = time.perf_counter()
         sharded, replicated, meta = dict(sharded or {}), dict(replicated or {}), dict(meta or {})
         self.wait()
+        settle_background_io()  # other checkpointers' writes: background collectives go one at a time
         problem = self._invalid(step, sharded, replicated, meta)
         signature = (
             step,
@@ -206,6 +207,7 @@ class Checkpointer:
         self._last_step = step
         job.blocked = time.perf_counter() - started
         self._in_flight = self._pool.submit(self._write, job)
+        track_background_io(self._in_flight)
         if not self.background:
             self.wait()
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from concurrent.futures import Future, wait
 from datetime import UTC, datetime
 
 import h5py
@@ -19,6 +21,36 @@ DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
 CHECKPOINT_FORMAT = "mpiscale.checkpoint/1"
 SHARD_FORMAT = "mpiscale.checkpoint-shard/1"
+
+
+_background: set[Future] = set()
+_background_lock = threading.Lock()
+
+
+def track_background_io(future: Future) -> None:
+    """Register a background task that makes collective HDF5 calls (a checkpoint write)."""
+    with _background_lock:
+        _background.add(future)
+    future.add_done_callback(_forget)
+
+
+def _forget(future: Future) -> None:
+    with _background_lock:
+        _background.discard(future)
+
+
+def settle_background_io() -> None:
+    """Wait for background collective HDF5 work before this thread makes a collective HDF5 call.
+
+    h5py lets one thread at a time into HDF5. If one rank's main thread entered
+    a collective call (say, closing an MPI-IO file) while its checkpoint thread
+    waited for its turn, and another rank did the opposite, both would wait
+    forever. Letting the background work finish first gives every rank the
+    same order. Its errors are not consumed here; the checkpointer raises them.
+    """
+    with _background_lock:
+        pending = list(_background)
+    wait(pending)
 
 
 class DataFileError(ValueError):
@@ -49,6 +81,7 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...], comm=None) -> h
         raise DataFileError(path, "no such file")
     try:
         if comm is not None:
+            settle_background_io()
             file = h5py.File(path, "r", driver="mpio", comm=comm)
         else:
             file = h5py.File(path, "r")

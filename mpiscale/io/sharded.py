@@ -19,7 +19,17 @@ import h5py
 import numpy as np
 
 from ..runtime.collectives import block_rows
-from .h5file import DATASET_FORMAT, INDEX_FORMAT, DataFileError, check_array, dataset, fsync_path, open_file, stamp
+from .h5file import (
+    DATASET_FORMAT,
+    INDEX_FORMAT,
+    DataFileError,
+    check_array,
+    dataset,
+    fsync_path,
+    open_file,
+    settle_background_io,
+    stamp,
+)
 from .rows import read_rows, write_rows
 
 
@@ -39,6 +49,10 @@ def write_dataset(
     dtypes must agree. The file appears under ``path`` only once complete.
     """
     path = os.fspath(path)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(
+            f"write_dataset {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist"
+        )
     size = comm.Get_size() if comm is not None else 1
     rank = comm.Get_rank() if comm is not None else 0
     layout = {name: (len(array), array.shape[1:], np.asarray(array).dtype.str) for name, array in arrays.items()}
@@ -51,6 +65,7 @@ def write_dataset(
             )
     temporary = f"{path}.tmp"
     kwargs = {"driver": "mpio", "comm": comm} if comm is not None else {}
+    settle_background_io()
     shapes = {}
     with h5py.File(temporary, "w", **kwargs) as file:
         stamp(file, DATASET_FORMAT, size, config)
@@ -193,6 +208,7 @@ class ShardedDataset:
     def read_collective(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` with collective I/O: every rank of ``comm`` calls, with any ranges."""
         self._check(start, stop)
+        settle_background_io()
         parts = []
         for s in self._segments:
             lo, hi = max(start, s.start), min(stop, s.stop)
@@ -208,6 +224,8 @@ class ShardedDataset:
 
     def close(self) -> None:
         """Close the files (collective when opened with ``comm``)."""
+        if self._comm is not None:
+            settle_background_io()
         for file in self._files:
             file.close()
         self._files.clear()

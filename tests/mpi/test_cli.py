@@ -62,7 +62,9 @@ def test_bench_random_writes_json(ranks, tmp_path):
 
 def test_bench_checkpoint_writes_json(ranks, tmp_path):
     out, scratch = tmp_path / "checkpoint.json", tmp_path / "scratch"
-    job = mpiscale(ranks, "bench", "checkpoint", "--quick", "--size-mib", "32", "--dir", str(scratch), "--json", str(out))
+    job = mpiscale(
+        ranks, "bench", "checkpoint", "--quick", "--size-mib", "32", "--dir", str(scratch), "--json", str(out)
+    )
     assert_ok(job)
     record = json.loads(out.read_text())
     assert record["world_size"] == ranks and record["bytes"] == 32 << 20
