@@ -180,11 +180,13 @@ class Checkpointer:
         self.wait()
         settle_background_io()  # other checkpointers' writes: background collectives go one at a time
         problem = self._invalid(step, sharded, replicated, meta)
-        signature = (
-            step,
-            sorted((name, a.dtype.str, a.shape[1:]) for name, a in sharded.items()),
-            sorted((name, a.dtype.str, a.shape) for name, a in replicated.items()),
-        )
+        signature = None
+        if problem is None:
+            signature = (
+                step,
+                sorted((name, a.dtype.str, a.shape[1:]) for name, a in sharded.items()),
+                sorted((name, a.dtype.str, a.shape) for name, a in replicated.items()),
+            )
         every = self._front.allgather((problem, signature))
         problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
         if problems:

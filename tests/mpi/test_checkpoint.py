@@ -104,6 +104,12 @@ def test_background_failure_surfaces_on_every_rank(ranks, tmp_path):
     ]
 
 
+def test_ranks_that_disagree_all_refuse(ranks, tmp_path):
+    result = job(ranks, "mismatch", tmp_path)
+    assert_ok(result)
+    assert sorted(re.findall(r"rank (\d+) refused", result.stdout)) == [str(r) for r in range(ranks)]
+
+
 def test_background_failure_at_exit_fails_the_job(tmp_path):
     result = job(2, "no-close", tmp_path)
     assert result.returncode != 0

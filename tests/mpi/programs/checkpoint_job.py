@@ -6,6 +6,7 @@ usage: checkpoint_job.py MODE SHARED_DIR LOCAL_DIR [STEP...]
   delta            saves 101 (full), 102 and 103 (deltas: "x" is unchanged, so only the full save stores it)
   fail-async       make the shared directory unusable, save in the background, expect the error everywhere
   no-close         save in the background, break the shared directory, exit without close()
+  mismatch         rank 1 passes another dtype: every rank must refuse the save
   kill             save step 1, start a large background save of step 2, write rank 1's pid to victim.pid, wait
 The state of step s is a pure function of s, so any job can check what another saved.
 """
@@ -114,6 +115,13 @@ async def main(system):
             Path(shared, "step-00000001.h5.tmp").mkdir()  # the level-3 temporary file cannot be created
         comm.Barrier()
         save(checkpoints, 1, comm)
+    elif mode == "mismatch":
+        with Checkpointer(shared, comm) as checkpoints:
+            try:
+                checkpoints.save(1, sharded={"x": np.zeros((2, 3), np.float32 if comm.rank == 1 else np.float64)})
+            except ValueError as error:
+                assert "ranks disagree on the step, array names, dtypes or row shapes" in str(error), error
+                print(f"rank {comm.rank} refused")
     elif mode == "kill":
         checkpoints = Checkpointer(shared, comm, local_dir=local, background=False)
         save(checkpoints, 1, comm)

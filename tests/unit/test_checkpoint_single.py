@@ -1,0 +1,67 @@
+"""Checkpointer in one process (MPI singleton): argument checks, round trip, retention, missing steps."""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from mpiscale.io import Checkpointer, CheckpointError
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF, keep=2) as made:
+        yield made
+
+
+def test_nothing_to_load_is_none_but_a_missing_step_is_an_error(checkpoints):
+    assert checkpoints.load() is None
+    with pytest.raises(CheckpointError, match="no checkpoint of step 5"):
+        checkpoints.load(5)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"sharded": {"x": [1, 2]}}, "'x' is a list, not a numpy array"),
+        ({"sharded": {"x": np.array([object()])}}, "holds Python objects"),
+        ({"sharded": {"x": np.float64(1.0)}}, "is a float64, not a numpy array"),
+        ({"sharded": {"x": np.array(1.0)}}, "needs at least one dimension"),
+        ({"sharded": {"a/b": np.zeros(2)}}, "without '/'"),
+        ({"sharded": {"x": np.zeros(2)}, "replicated": {"x": np.zeros(2)}}, "both sharded and replicated"),
+        ({"meta": {"when": object()}}, "meta is not JSON-serializable"),
+    ],
+)
+def test_bad_arguments_are_refused(checkpoints, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        checkpoints.save(1, **arguments)
+
+
+def test_round_trip_retention_and_step_order(checkpoints, tmp_path):
+    for step in (1, 2, 3):
+        checkpoints.save(step, sharded={"x": np.arange(6.0).reshape(3, 2) * step}, meta={"step": step})
+    with pytest.raises(ValueError, match="step 3 is not after the last saved or loaded step 3"):
+        checkpoints.save(3)
+    restored = checkpoints.load()
+    assert restored.step == 3 and restored.meta == {"step": 3}
+    assert np.array_equal(restored.sharded["x"], np.arange(6.0).reshape(3, 2) * 3)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "latest",
+        "step-00000002.h5",
+        "step-00000002.json",
+        "step-00000003.h5",
+        "step-00000003.json",
+    ]
+    manifest = json.loads((tmp_path / "ckpt" / "step-00000003.json").read_text())
+    assert manifest["arrays"]["x"]["blocks"][0][:2] == [0, 3] and manifest["levels"] == ["shared"]
+    assert checkpoints.load(2).step == 2
+
+
+def test_a_manifest_newer_than_latest_is_ignored(checkpoints, tmp_path):
+    """A crash between the manifest's rename and the `latest` update leaves the older step current."""
+    checkpoints.save(1, sharded={"x": np.zeros(2)})
+    checkpoints.save(2, sharded={"x": np.ones(2)})
+    checkpoints.wait()
+    (tmp_path / "ckpt" / "latest").write_text("1\n")
+    assert checkpoints.load().step == 1
