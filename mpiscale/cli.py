@@ -39,6 +39,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         samples = args.samples or (200_000 if args.quick else 4_000_000)
         run(lambda system: run_sample_random(system, json_path, samples, quick=args.quick))
+    elif args.name == "omp":
+        from .bench.omp import run_omp_bench
+
+        run_omp_bench(json_path, quick=args.quick)
     elif args.name == "checkpoint":
         from .bench.checkpoint import run_checkpoint_bench
 
@@ -71,10 +75,11 @@ def parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
         "name",
-        choices=["pingpong", "random", "checkpoint"],
+        choices=["pingpong", "random", "checkpoint", "omp"],
         help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
         "random: per-sample random parameters vs a numpy generator per sample (any ranks); "
-        "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
+        "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks); "
+        "omp: Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)",
     )
     bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
     bench.add_argument("--size-mib", type=int, help="checkpoint: total state in MiB (default: 1024; 128 with --quick)")

@@ -71,3 +71,12 @@ def test_bench_checkpoint_writes_json(ranks, tmp_path):
     assert all(seconds > 0 for seconds in [*record["baseline_seconds"].values(), *record["ours_seconds"].values()])
     assert record["level3_write_vs_disk"] > 0 and "caller blocked" in job.stdout
     assert not scratch.exists(), "the scratch directory is left behind"
+
+
+def test_bench_omp_writes_json(tmp_path):
+    out = tmp_path / "omp.json"
+    result = subprocess.run([*MPISCALE, "bench", "omp", "--quick", "--json", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(out.read_text())
+    assert [s["atoms"] for s in record["settings"]] == [50, 256]
+    assert all(s["baseline_signals_per_s"] > 0 and s["ours_signals_per_s_1_thread"] > 0 for s in record["settings"])

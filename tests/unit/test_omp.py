@@ -1,0 +1,65 @@
+"""Batch-OMP kernel against scikit-learn's orthogonal_mp_gram, exact recovery, and bad input."""
+
+import numpy as np
+import pytest
+from sklearn.linear_model import orthogonal_mp_gram
+
+from mpiscale.dictlearn import omp_encode, omp_encode_gram
+
+
+def dictionary(atoms: int, features: int, seed: int = 0) -> np.ndarray:
+    atoms_rows = np.random.default_rng(seed).standard_normal((atoms, features))
+    return atoms_rows / np.linalg.norm(atoms_rows, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize(("atoms", "features", "nonzero"), [(50, 20, 3), (256, 64, 8), (30, 30, 30), (12, 40, 1)])
+def test_same_codes_as_scikit_learn(atoms, features, nonzero):
+    d = dictionary(atoms, features)
+    signals = np.random.default_rng(1).standard_normal((700, features))  # several chunks, one partial
+    ours = omp_encode(signals, d, nonzero)
+    reference = orthogonal_mp_gram(d @ d.T, (signals @ d.T).T, n_nonzero_coefs=nonzero).T
+    assert np.allclose(ours, reference, atol=1e-9, rtol=1e-9)
+    assert (np.count_nonzero(ours, axis=1) <= nonzero).all()
+
+
+def test_unnormalised_atoms_match_too():
+    d = dictionary(40, 16) * np.linspace(0.5, 3.0, 40)[:, None]
+    signals = np.random.default_rng(2).standard_normal((300, 16))
+    reference = orthogonal_mp_gram(d @ d.T, (signals @ d.T).T, n_nonzero_coefs=5).T
+    assert np.allclose(omp_encode(signals, d, 5), reference, atol=1e-9)
+
+
+def test_exact_recovery_with_orthonormal_atoms():
+    basis = np.linalg.qr(np.random.default_rng(3).standard_normal((32, 32)))[0].T  # 32 orthonormal atoms
+    codes = np.zeros((200, 32))
+    rng = np.random.default_rng(4)
+    for row in codes:
+        row[rng.choice(32, 4, replace=False)] = rng.uniform(1, 2, 4) * rng.choice([-1, 1], 4)
+    assert np.allclose(omp_encode(codes @ basis, basis, 4), codes, atol=1e-12)
+
+
+def test_zero_signal_and_dependent_atoms_stop_early():
+    d = dictionary(6, 3)
+    codes = omp_encode(np.zeros((2, 3)), d, 3)
+    assert not codes.any()
+    duplicated = np.vstack([d[:2], d[:2]])  # atoms 2, 3 repeat 0, 1: a 3rd atom is never independent
+    x = d[:1] + 2 * d[1:2]
+    codes = omp_encode(x, duplicated, 4)
+    assert np.count_nonzero(codes) == 2 and np.allclose(codes @ duplicated, x)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda d, x: omp_encode(x, d, 0), "between 1 and the number of atoms"),
+        (lambda d, x: omp_encode(x, d, 9), "between 1 and the number of atoms"),
+        (lambda d, x: omp_encode(np.where(x > 1, np.nan, x), d, 2), "signals holds .* NaN"),
+        (lambda d, x: omp_encode(x[:, :3], d, 2), "disagree"),
+        (lambda d, x: omp_encode(x, np.vstack([d[:7], np.zeros(5)]), 2), r"atoms \[7\] are zero"),
+        (lambda d, x: omp_encode_gram(d @ d.T, x, 2), r"correlations must be \(signals, 8\)"),
+    ],
+)
+def test_bad_input(call, message):
+    d, x = dictionary(8, 5), np.random.default_rng(5).standard_normal((10, 5)) * 3
+    with pytest.raises(ValueError, match=message):
+        call(d, x)
