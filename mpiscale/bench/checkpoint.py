@@ -36,21 +36,14 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def _timed(comm, action: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+def _timed(comm, action: Callable[[], object]) -> float:
     """Seconds from a barrier until the slowest rank finished ``action``."""
-    if before is not None and comm.rank == 0:
-        before()
+    from mpi4py import MPI
+
     comm.Barrier()
     start = time.perf_counter()
     action()
-    elapsed = time.perf_counter() - start
-    return comm.allreduce(elapsed, op=_max())
-
-
-def _max():
-    from mpi4py import MPI
-
-    return MPI.MAX
+    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
 def _raw_baselines(arrays: list[np.ndarray], directory: Path, repeats: int) -> dict[str, float]:
@@ -113,7 +106,7 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
     comm.Barrier()
     names = ("l1_write", "l3_write", "async_blocked", "async_total", "l1_read", "l3_read")
     results: dict[str, list[float]] = {name: [] for name in names}
-    cache_dropped = False
+    drops = []  # whether rank 0 could drop the page cache before each load
     local = base / "local"
     level1 = Checkpointer(base / "l1", comm, keep=1, local_dir=local, partner=False, shared_every=0, background=False)
     level3 = Checkpointer(base / "l3", comm, keep=1, background=False)
@@ -125,17 +118,15 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
         blocked = _timed(comm, partial(background.save, step, state))
         results["async_blocked"].append(blocked)
         results["async_total"].append(blocked + _timed(comm, background.wait))
-        cache_dropped = comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0)
-        results["l1_read"].append(_timed(comm, level1.load))
-        cache_dropped = comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0) and cache_dropped
-        results["l3_read"].append(_timed(comm, level3.load))
+        for name, checkpoints in (("l1_read", level1), ("l3_read", level3)):
+            drops.append(comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0))
+            results[name].append(_timed(comm, checkpoints.load))
     for checkpoints in (level1, level3, background):
         checkpoints.close()
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
-        return _report(
-            comm.size, json_path, total, baselines, {k: statistics.median(v) for k, v in results.items()}, cache_dropped
-        )
+        medians = {name: statistics.median(times) for name, times in results.items()}
+        return _report(comm.size, json_path, total, baselines, medians, all(drops))
     return None
 
 

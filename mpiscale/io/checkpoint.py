@@ -34,6 +34,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,16 @@ def _agree(comm, error: BaseException | None, what: str, kind: type[CheckpointEr
     failed = [message for message in comm.allgather(mine) if message]
     if failed:
         raise kind(f"{what} failed: " + "; ".join(failed)) from error
+
+
+def _run_agreed(comm, what: str, action: Callable[[], object]) -> None:
+    """Run one phase of a save on this rank; if it failed on any rank, raise on every rank."""
+    error = None
+    try:
+        action()
+    except Exception as failure:  # agreed below, so every rank raises
+        error = failure
+    _agree(comm, error, what)
 
 
 class Checkpointer:
@@ -268,39 +279,28 @@ class Checkpointer:
         stored = [name for name, entry in manifest["arrays"].items() if entry["stored_in"] == job.step]
         mine_sharded = {n: job.sharded[n] for n in stored if n in job.sharded}
         mine_replicated = {n: job.replicated[n] for n in stored if n in job.replicated_specs and rank == 0}
+        step, shard_arrays = job.step, {**mine_sharded, **mine_replicated}
+
+        def write_level3() -> None:
+            sharded = {n: (manifest["arrays"][n]["blocks"][rank][0], rows) for n, rows in mine_sharded.items()}
+            replicated = {n: job.replicated.get(n) for n in stored if n in job.replicated_specs}
+            write_shared(self.layout.shared_file(step), comm, self.size, manifest, sharded, replicated)
+
+        def commit() -> None:
+            if rank == 0:
+                write_atomically(self.layout.manifest(step), json.dumps(manifest, indent=1).encode())
+                write_atomically(self.layout.latest, f"{step}\n".encode())
+
         if "local" in levels:
-            error = None
-            try:
-                path = self.layout.shard(self.node, job.step, rank)
-                write_shard(path, job.step, rank, self.size, {**mine_sharded, **mine_replicated})
-            except Exception as failure:  # agreed below, so every rank raises
-                error = failure
-            _agree(comm, error, f"level-1 save of step {job.step}")
+            path = self.layout.shard(self.node, step, rank)
+            _run_agreed(
+                comm, f"level-1 save of step {step}", lambda: write_shard(path, step, rank, self.size, shard_arrays)
+            )
         if "partner" in levels:
-            error = None
-            try:
-                self._copy_to_partner(job.step)
-            except Exception as failure:
-                error = failure
-            _agree(comm, error, f"level-2 partner copy of step {job.step}")
+            _run_agreed(comm, f"level-2 partner copy of step {step}", lambda: self._copy_to_partner(step))
         if "shared" in levels:
-            error = None
-            try:
-                starts = {n: manifest["arrays"][n]["blocks"][rank][0] for n in mine_sharded}
-                sharded = {n: (starts[n], rows) for n, rows in mine_sharded.items()}
-                replicated = {n: job.replicated.get(n) for n in stored if n in job.replicated_specs}
-                write_shared(self.layout.shared_file(job.step), comm, self.size, manifest, sharded, replicated)
-            except Exception as failure:
-                error = failure
-            _agree(comm, error, f"level-3 save of step {job.step}")
-        error = None
-        if rank == 0:
-            try:
-                write_atomically(self.layout.manifest(job.step), json.dumps(manifest, indent=1).encode())
-                write_atomically(self.layout.latest, f"{job.step}\n".encode())
-            except Exception as failure:
-                error = failure
-        _agree(comm, error, f"commit of checkpoint step {job.step}")
+            _run_agreed(comm, f"level-3 save of step {step}", write_level3)
+        _run_agreed(comm, f"commit of checkpoint step {step}", commit)
         if full:
             self._base, self._deltas = manifest, 0
         else:

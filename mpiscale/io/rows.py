@@ -47,31 +47,28 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
     return memory_space, file_space
 
 
+def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm, max_bytes: int, write: bool) -> None:
+    """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
+    rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
+    plist = _transfer_list() if comm is not None else None
+    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
+    move = dset.id.write if write else dset.id.read
+    for round_index in range(rounds):
+        lo = min(round_index * per_round, len(buffer))
+        hi = min(lo + per_round, len(buffer))
+        memory_space, file_space = _spaces(dset, start + lo, hi - lo)
+        move(memory_space, file_space, buffer[lo:hi] if hi > lo else placeholder, dxpl=plist)
+
+
 def write_rows(
     dset: h5py.Dataset, start: int, data: np.ndarray, comm=None, max_bytes: int = MAX_TRANSFER_BYTES
 ) -> None:
     """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given."""
-    data = np.ascontiguousarray(data, dtype=dset.dtype)
-    rounds, per_round = _rounds(dset, len(data), max_bytes, comm)
-    plist = _transfer_list() if comm is not None else None
-    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
-    for round_index in range(rounds):
-        lo = min(round_index * per_round, len(data))
-        hi = min(lo + per_round, len(data))
-        memory_space, file_space = _spaces(dset, start + lo, hi - lo)
-        dset.id.write(memory_space, file_space, data[lo:hi] if hi > lo else placeholder, dxpl=plist)
+    _transfer(dset, start, np.ascontiguousarray(data, dtype=dset.dtype), comm, max_bytes, write=True)
 
 
 def read_rows(dset: h5py.Dataset, start: int, stop: int, comm=None, max_bytes: int = MAX_TRANSFER_BYTES) -> np.ndarray:
     """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call)."""
-    rows = max(stop - start, 0)
-    out = np.empty((rows, *dset.shape[1:]), dtype=dset.dtype)
-    rounds, per_round = _rounds(dset, rows, max_bytes, comm)
-    plist = _transfer_list() if comm is not None else None
-    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
-    for round_index in range(rounds):
-        lo = min(round_index * per_round, rows)
-        hi = min(lo + per_round, rows)
-        memory_space, file_space = _spaces(dset, start + lo, hi - lo)
-        dset.id.read(memory_space, file_space, out[lo:hi] if hi > lo else placeholder, dxpl=plist)
+    out = np.empty((max(stop - start, 0), *dset.shape[1:]), dtype=dset.dtype)
+    _transfer(dset, start, out, comm, max_bytes, write=False)
     return out

@@ -21,6 +21,16 @@ _DEPENDENT = 1e-10  # relative pivot below which a new atom is linearly dependen
 
 
 @njit(cache=True, inline="always")
+def _forward_solve(chol, size, values):
+    """Solve L y = values in place, L being the first ``size`` rows of the lower-triangular ``chol``."""
+    for row in range(size):
+        total = values[row]
+        for col in range(row):
+            total -= chol[row, col] * values[col]
+        values[row] = total / chol[row, row]
+
+
+@njit(cache=True, inline="always")
 def _code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, chosen, out):
     atoms = gram.shape[0]
     alpha[:] = correlations
@@ -36,12 +46,11 @@ def _code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, 
             break
         diagonal = gram[best, best]
         # Forward-solve L w = G[support, best]; the new Cholesky row is (w, sqrt(G_bb - w.w)).
+        for row in range(size):
+            work[row] = gram[support[row], best]
+        _forward_solve(chol, size, work)
         norm = 0.0
         for row in range(size):
-            total = gram[support[row], best]
-            for col in range(row):
-                total -= chol[row, col] * work[col]
-            work[row] = total / chol[row, row]
             norm += work[row] * work[row]
         pivot = diagonal - norm
         if pivot <= _DEPENDENT * diagonal:
@@ -54,10 +63,8 @@ def _code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, 
         size += 1
         # Solve L L^T gamma = correlations[support].
         for row in range(size):
-            total = correlations[support[row]]
-            for col in range(row):
-                total -= chol[row, col] * work[col]
-            work[row] = total / chol[row, row]
+            work[row] = correlations[support[row]]
+        _forward_solve(chol, size, work)
         for row in range(size - 1, -1, -1):
             total = work[row]
             for col in range(row + 1, size):
