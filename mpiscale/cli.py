@@ -26,6 +26,31 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dictlearn(args: argparse.Namespace) -> int:
+    from .dictlearn.config import load_config, option_fields
+    from .dictlearn.learner import learn
+    from .runtime import run
+
+    overrides = {f.name: getattr(args, f.name) for f in option_fields()}
+    try:
+        config = load_config(args.config, overrides)
+    except ValueError as error:
+        print(f"mpiscale dictlearn: {error}", file=sys.stderr)
+        return 2
+    run(lambda system: learn(system, config))
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .dictlearn.results import plot, summarize
+
+    print(summarize(args.results))
+    if args.plot:
+        plot(args.results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .runtime import run
 
@@ -43,6 +68,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.omp import run_omp_bench
 
         run_omp_bench(json_path, quick=args.quick)
+    elif args.name == "dictlearn":
+        from .bench.dictlearn import run_dictlearn_bench
+
+        run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
     elif args.name == "checkpoint":
         from .bench.checkpoint import run_checkpoint_bench
 
@@ -72,24 +101,57 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--laps", type=int, default=3, help="laps of the ring each token makes (default: 3)")
     demo.set_defaults(handler=_demo)
 
+    learn = commands.add_parser(
+        "dictlearn",
+        help="distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
+        description="Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is "
+        "not given. Settings come from the defaults, then --config FILE.toml, then these options.",
+    )
+    _add_config_options(learn)
+    learn.set_defaults(handler=_dictlearn)
+
+    inspect = commands.add_parser("inspect", help="summarize a dictlearn results file; --plot draws it")
+    inspect.add_argument("results", help="the results.h5 of a dictlearn run")
+    inspect.add_argument("--plot", metavar="FILE.png", help="draw learning curves (and atoms of image patches)")
+    inspect.set_defaults(handler=_inspect)
+
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
         "name",
-        choices=["pingpong", "random", "checkpoint", "omp"],
+        choices=["pingpong", "random", "checkpoint", "omp", "dictlearn"],
         help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
         "random: per-sample random parameters vs a numpy generator per sample (any ranks); "
         "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks); "
-        "omp: Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)",
+        "omp: Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun); "
+        "dictlearn: time to reach scikit-learn MiniBatchDictionaryLearning's error, and OMP throughput (any ranks)",
     )
     bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
     bench.add_argument("--size-mib", type=int, help="checkpoint: total state in MiB (default: 1024; 128 with --quick)")
     bench.add_argument(
-        "--dir", default="bench-checkpoint", help="checkpoint: scratch directory, removed after (default: %(default)s)"
+        "--dir",
+        default="bench-scratch",
+        help="checkpoint, dictlearn: scratch directory for data and checkpoints (default: %(default)s)",
     )
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")
     bench.set_defaults(handler=_bench)
     return top
+
+
+def _add_config_options(command: argparse.ArgumentParser) -> None:
+    """One option per DictLearnConfig field (default None: only given options override the config file)."""
+    from .dictlearn.config import DictLearnConfig, option_fields
+
+    command.add_argument("--config", metavar="FILE.toml", help="settings file (top level or a [dictlearn] table)")
+    defaults = DictLearnConfig()
+    for option in option_fields():
+        flag = "--" + option.name.replace("_", "-")
+        default = getattr(defaults, option.name)
+        text = f"{option.metadata['help']} (default: {default!r})"
+        if isinstance(default, bool):
+            command.add_argument(flag, action="store_true", default=None, help=text)
+        else:
+            command.add_argument(flag, type=type(default), metavar=option.name.upper(), help=text)
 
 
 def main(argv: list[str] | None = None) -> int:

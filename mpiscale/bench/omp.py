@@ -32,48 +32,67 @@ def _best_rate(action, signals: int, repeats: int) -> float:
     return signals / best
 
 
-def run_omp_bench(json_path: str, quick: bool = False) -> dict:
-    """Print the table, write JSON, return the record."""
+def measure_omp(name: str, atoms: int, features: int, nonzero: int, signals: int, repeats: int) -> dict:
+    """Signals/s of scikit-learn (one BLAS thread) and ours (one, then all Numba threads) on one setting."""
     from sklearn.linear_model import orthogonal_mp_gram
     from threadpoolctl import threadpool_limits
 
     threads = numba.get_num_threads()
-    repeats = 1 if quick else 3
-    rows, records = [], []
-    for name, atoms, features, nonzero, signals in SETTINGS:
-        signals = signals // 10 if quick else signals
-        rng = np.random.default_rng(0)
-        dictionary = rng.standard_normal((atoms, features))
-        dictionary /= np.linalg.norm(dictionary, axis=1, keepdims=True)
-        data = rng.standard_normal((signals, features))
-        gram, correlations = dictionary @ dictionary.T, data @ dictionary.T
-        omp_encode_gram(gram, correlations[:10], nonzero)  # compile outside the timing
-        theirs = partial(orthogonal_mp_gram, gram, correlations.T, n_nonzero_coefs=nonzero)
-        ours = partial(omp_encode_gram, gram, correlations, nonzero)
-        with threadpool_limits(1):
-            baseline = _best_rate(theirs, signals, repeats)
-        numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    dictionary = rng.standard_normal((atoms, features))
+    dictionary /= np.linalg.norm(dictionary, axis=1, keepdims=True)
+    data = rng.standard_normal((signals, features))
+    gram, correlations = dictionary @ dictionary.T, data @ dictionary.T
+    omp_encode_gram(gram, correlations[:10], nonzero)  # compile outside the timing
+    theirs = partial(orthogonal_mp_gram, gram, correlations.T, n_nonzero_coefs=nonzero)
+    ours = partial(omp_encode_gram, gram, correlations, nonzero)
+    with threadpool_limits(1):
+        baseline = _best_rate(theirs, signals, repeats)
+    numba.set_num_threads(1)
+    try:
         ours_one = _best_rate(ours, signals, repeats)
+    finally:
         numba.set_num_threads(threads)
-        ours_all = _best_rate(ours, signals, repeats)
-        setting = f"{name}: K={atoms}, n={features}, L={nonzero}"
-        rows.append([setting, signals, baseline, ours_one, ours_one / baseline, threads, ours_all])
-        records.append(
-            {
-                "setting": name,
-                "atoms": atoms,
-                "features": features,
-                "nonzero": nonzero,
-                "signals": signals,
-                "baseline_signals_per_s": baseline,
-                "ours_signals_per_s_1_thread": ours_one,
-                "ratio_1_thread": ours_one / baseline,
-                "threads": threads,
-                "ours_signals_per_s_all_threads": ours_all,
-            }
-        )
-    headers = ["setting", "signals", "sklearn/s (1 core)", "ours/s (1 core)", "ratio", "threads", "ours/s (all)"]
-    print(table(headers, rows))
+    ours_all = _best_rate(ours, signals, repeats)
+    return {
+        "setting": name,
+        "atoms": atoms,
+        "features": features,
+        "nonzero": nonzero,
+        "signals": signals,
+        "baseline_signals_per_s": baseline,
+        "ours_signals_per_s_1_thread": ours_one,
+        "ratio_1_thread": ours_one / baseline,
+        "threads": threads,
+        "ours_signals_per_s_all_threads": ours_all,
+    }
+
+
+OMP_HEADERS = ["setting", "signals", "sklearn/s (1 core)", "ours/s (1 core)", "ratio", "threads", "ours/s (all)"]
+
+
+def omp_row(record: dict) -> list:
+    """A table row of ``measure_omp``'s record."""
+    setting = f"{record['setting']}: K={record['atoms']}, n={record['features']}, L={record['nonzero']}"
+    return [
+        setting,
+        record["signals"],
+        record["baseline_signals_per_s"],
+        record["ours_signals_per_s_1_thread"],
+        record["ratio_1_thread"],
+        record["threads"],
+        record["ours_signals_per_s_all_threads"],
+    ]
+
+
+def run_omp_bench(json_path: str, quick: bool = False) -> dict:
+    """Print the table, write JSON, return the record."""
+    repeats = 1 if quick else 3
+    records = [
+        measure_omp(name, atoms, features, nonzero, signals // 10 if quick else signals, repeats)
+        for name, atoms, features, nonzero, signals in SETTINGS
+    ]
+    print(table(OMP_HEADERS, [omp_row(r) for r in records]))
     path = write_json(
         json_path,
         "omp",

@@ -1,5 +1,6 @@
-"""Distributed sparse dictionary learning: sparse coding now; the learning job comes next."""
+"""Distributed sparse dictionary learning: sparse coders, the online and MOD learners, results files."""
 
-from .coding import omp_encode, omp_encode_gram
+from .coding import lasso_encode, lasso_encode_gram, omp_encode, omp_encode_gram
+from .config import DictLearnConfig, load_config
 
-__all__ = ["omp_encode", "omp_encode_gram"]
+__all__ = ["DictLearnConfig", "lasso_encode", "lasso_encode_gram", "load_config", "omp_encode", "omp_encode_gram"]

@@ -20,66 +20,80 @@ _CHUNK = 128  # signals per work-array allocation
 _DEPENDENT = 1e-10  # relative pivot below which a new atom is linearly dependent on the chosen ones
 
 
-@njit(cache=True, inline="always")
-def _forward_solve(chol, size, values):
-    """Solve L y = values in place, L being the first ``size`` rows of the lower-triangular ``chol``."""
-    for row in range(size):
-        total = values[row]
-        for col in range(row):
-            total -= chol[row, col] * values[col]
-        values[row] = total / chol[row, row]
+def build_code_one(compile_function):
+    """OMP of one signal, compiled by ``compile_function`` (``njit`` here, ``cuda.jit(device=True)`` for GPUs).
 
+    The steps are written once, with plain loops only, so both targets compile
+    the same source and give the same codes.
+    """
 
-@njit(cache=True, inline="always")
-def _code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, chosen, out):
-    atoms = gram.shape[0]
-    alpha[:] = correlations
-    chosen[:] = False
-    size = 0
-    for _ in range(n_nonzero):
-        best, best_value = -1, 0.0
+    def forward_solve(chol, size, values):
+        """Solve L y = values in place, L being the first ``size`` rows of the lower-triangular ``chol``."""
+        for row in range(size):
+            total = values[row]
+            for col in range(row):
+                total -= chol[row, col] * values[col]
+            values[row] = total / chol[row, row]
+
+    solve = compile_function(forward_solve)
+
+    def code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, chosen, out):
+        atoms = gram.shape[0]
         for k in range(atoms):
-            value = abs(alpha[k])
-            if not chosen[k] and value > best_value:
-                best, best_value = k, value
-        if best < 0 or best_value <= 1e-14:  # the residual is (numerically) orthogonal to every atom
-            break
-        diagonal = gram[best, best]
-        # Forward-solve L w = G[support, best]; the new Cholesky row is (w, sqrt(G_bb - w.w)).
-        for row in range(size):
-            work[row] = gram[support[row], best]
-        _forward_solve(chol, size, work)
-        norm = 0.0
-        for row in range(size):
-            norm += work[row] * work[row]
-        pivot = diagonal - norm
-        if pivot <= _DEPENDENT * diagonal:
-            break
-        for col in range(size):
-            chol[size, col] = work[col]
-        chol[size, size] = math.sqrt(pivot)
-        support[size] = best
-        chosen[best] = True
-        size += 1
-        # Solve L L^T gamma = correlations[support].
-        for row in range(size):
-            work[row] = correlations[support[row]]
-        _forward_solve(chol, size, work)
-        for row in range(size - 1, -1, -1):
-            total = work[row]
-            for col in range(row + 1, size):
-                total -= chol[col, row] * gamma[col]
-            gamma[row] = total / chol[row, row]
-        # alpha = correlations - G[:, support] gamma (G is symmetric: read rows, contiguously).
-        alpha[:] = correlations
-        for j in range(size):
-            atom_row = gram[support[j]]
-            weight = gamma[j]
+            alpha[k] = correlations[k]
+            chosen[k] = False
+        size = 0
+        for _ in range(n_nonzero):
+            best, best_value = -1, 0.0
             for k in range(atoms):
-                alpha[k] -= atom_row[k] * weight
-    out[:] = 0.0
-    for j in range(size):
-        out[support[j]] = gamma[j]
+                value = abs(alpha[k])
+                if not chosen[k] and value > best_value:
+                    best, best_value = k, value
+            if best < 0 or best_value <= 1e-14:  # the residual is (numerically) orthogonal to every atom
+                break
+            diagonal = gram[best, best]
+            # Forward-solve L w = G[support, best]; the new Cholesky row is (w, sqrt(G_bb - w.w)).
+            for row in range(size):
+                work[row] = gram[support[row], best]
+            solve(chol, size, work)
+            norm = 0.0
+            for row in range(size):
+                norm += work[row] * work[row]
+            pivot = diagonal - norm
+            if pivot <= _DEPENDENT * diagonal:
+                break
+            for col in range(size):
+                chol[size, col] = work[col]
+            chol[size, size] = math.sqrt(pivot)
+            support[size] = best
+            chosen[best] = True
+            size += 1
+            # Solve L L^T gamma = correlations[support].
+            for row in range(size):
+                work[row] = correlations[support[row]]
+            solve(chol, size, work)
+            for row in range(size - 1, -1, -1):
+                total = work[row]
+                for col in range(row + 1, size):
+                    total -= chol[col, row] * gamma[col]
+                gamma[row] = total / chol[row, row]
+            # alpha = correlations - G[:, support] gamma (G is symmetric: read rows, contiguously).
+            for k in range(atoms):
+                alpha[k] = correlations[k]
+            for j in range(size):
+                atom_row = gram[support[j]]
+                weight = gamma[j]
+                for k in range(atoms):
+                    alpha[k] -= atom_row[k] * weight
+        for k in range(atoms):
+            out[k] = 0.0
+        for j in range(size):
+            out[support[j]] = gamma[j]
+
+    return compile_function(code_one)
+
+
+_code_one = build_code_one(njit(inline="always"))
 
 
 @njit(parallel=True, cache=True)

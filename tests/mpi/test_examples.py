@@ -29,3 +29,34 @@ def test_training_resumes_on_another_world_size(tmp_path):
     assert "resumed" not in straight
     final = [line for line in (resumed, straight) for line in line.splitlines() if line.startswith("weights")]
     assert final[0] == final[1], final
+
+
+def test_image_patch_dictionary(tmp_path):
+    """The image-patch example writes its data set; dictlearn learns from it with the example TOML; inspect plots."""
+    patches = tmp_path / "patches.h5"
+    script = REPO / "examples" / "image_patches.py"
+    job = finish(launch(2, [sys.executable, str(script), str(patches), "--per-image", "2000"]), "image_patches", 90)
+    assert_ok(job)
+    assert "/patches (4000, 64)" in job.stdout
+    out = tmp_path / "atoms.h5"
+    config = REPO / "examples" / "dictlearn-patches.toml"
+    learn = [
+        sys.executable,
+        "-m",
+        "mpiscale.cli",
+        "dictlearn",
+        "--config",
+        str(config),
+        "--data",
+        f"{patches}:/patches",
+    ]
+    learn += ["--out", str(out), "--iterations", "40", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    job = finish(launch(2, learn), "dictlearn on image patches", 120)
+    assert_ok(job)
+    assert "wrote" in job.stdout and (tmp_path / "ckpt").is_dir()
+    image = tmp_path / "atoms.png"
+    job = finish(
+        launch(1, [sys.executable, "-m", "mpiscale.cli", "inspect", str(out), "--plot", str(image)]), "inspect", 60
+    )
+    assert_ok(job)
+    assert "256 atoms of 64 features" in job.stdout and image.stat().st_size > 10_000

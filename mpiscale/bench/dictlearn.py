@@ -1,0 +1,161 @@
+"""Dictionary learning end to end: time to reach scikit-learn's final error, plus OMP throughput.
+
+In one run, on the same planted data set (written through ``mpiscale.io``):
+
+1. OMP throughput of our kernel against ``orthogonal_mp_gram`` (rank 0, one core);
+2. scikit-learn's ``MiniBatchDictionaryLearning`` (rank 0, all cores through
+   BLAS; the other ranks sleep) for a fixed number of epochs: its fit time and
+   the whole-data error of its dictionary, coded by OMP at the same sparsity;
+3. our job on all ranks, stopping once its whole-data error (evaluated every
+   few iterations, outside the clock) reaches that error: the training time to
+   get there, and the share of it spent in the allreduce.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import numpy as np
+
+from ..dictlearn.coding import omp_encode
+from ..dictlearn.config import DictLearnConfig
+from ..dictlearn.learner import learn
+from ..dictlearn.synthetic import SIGNALS, write_planted_dataset
+from ..io import read_dataset
+from .omp import OMP_HEADERS, measure_omp, omp_row
+from .report import table, write_json
+
+FULL = {"atoms": 256, "features": 64, "sparsity": 8, "samples": 10_000, "epochs": 5}
+QUICK = {"atoms": 64, "features": 32, "sparsity": 4, "samples": 2_000, "epochs": 2}
+BATCH, SNR_DB, EVAL_EVERY, SEED = 256, 20.0, 5, 0
+MAX_EPOCHS_FACTOR = 4  # ours may run up to this many times scikit-learn's epochs before giving up
+
+
+def _relative_error(signals: np.ndarray, dictionary: np.ndarray, sparsity: int) -> float:
+    codes = omp_encode(signals, dictionary, sparsity)
+    return float(np.linalg.norm(signals - codes @ dictionary) / np.linalg.norm(signals))
+
+
+@contextmanager
+def _every_core() -> Iterator[int]:
+    """Let this process's threads (and BLAS) use every core, whatever core mpirun bound the rank to."""
+    from threadpoolctl import threadpool_limits
+
+    cores = set(range(os.cpu_count() or 1))
+    threads = {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
+    for tid in threads:
+        with suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cores)
+    try:
+        with threadpool_limits(len(cores)):
+            yield len(cores)
+    finally:
+        for tid, affinity in threads.items():
+            with suppress(OSError):
+                os.sched_setaffinity(tid, affinity)
+
+
+def _scikit_learn(path: str, setting: dict) -> dict:
+    from sklearn.decomposition import MiniBatchDictionaryLearning
+
+    signals = read_dataset(path, SIGNALS)
+    model = MiniBatchDictionaryLearning(
+        n_components=setting["atoms"], batch_size=BATCH, max_iter=setting["epochs"], random_state=SEED
+    )
+    with _every_core() as cores:
+        started = time.perf_counter()
+        model.fit(signals)
+        seconds = time.perf_counter() - started
+    error = _relative_error(signals, model.components_, setting["sparsity"])
+    return {"seconds": seconds, "error": error, "cores": cores}
+
+
+async def run_dictlearn_bench(system, json_path: str, workdir: str, quick: bool = False) -> dict | None:
+    """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    setting = QUICK if quick else FULL
+    directory = Path(workdir)
+    if system.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    await system.world.barrier()
+    data = str(directory / "bench-dictlearn-data.h5")
+    write_planted_dataset(
+        data, setting["samples"], setting["features"], setting["atoms"], setting["sparsity"], SNR_DB, SEED, comm
+    )
+    omp = baseline = None
+    if system.rank == 0:
+        name = f"planted {setting['features']}x{setting['atoms']}"
+        omp = measure_omp(name, setting["atoms"], setting["features"], setting["sparsity"], 10_000, 1 if quick else 3)
+        baseline = _scikit_learn(data, setting)
+    target = await system.world.bcast(baseline["error"] if baseline else None)  # idle ranks sleep, not spin
+    steps = setting["samples"] // BATCH
+    config = DictLearnConfig(
+        data=f"{data}:/{SIGNALS}",
+        atoms=setting["atoms"],
+        sparsity=setting["sparsity"],
+        batch_size=BATCH,
+        iterations=steps * setting["epochs"] * MAX_EPOCHS_FACTOR,
+        seed=SEED,
+        out=str(directory / "bench-dictlearn-results.h5"),
+        progress_every=0,
+        eval_every=EVAL_EVERY,
+        target_error=target,
+    )
+    started = time.perf_counter()
+    summary = await learn(system, config)
+    wall = time.perf_counter() - started
+    if system.rank != 0:
+        return None
+    return _report(json_path, system.size, setting, omp, baseline, summary, config, wall)
+
+
+def _report(json_path, ranks, setting, omp, baseline, summary, config, wall) -> dict:
+    import h5py
+
+    with h5py.File(config.out, "r") as file:
+        metrics = {name: file["metrics"][name][()] for name in ("time_s", "comm_s", "full_error")}
+    reached = summary["stop_reason"] == "target_error"
+    seconds = float(metrics["time_s"][-1])
+    comm_share = float(metrics["comm_s"].sum() / seconds) if seconds > 0 else 0.0
+    ours = {
+        "ranks": ranks,
+        "reached": reached,
+        "iterations": int(len(metrics["time_s"])),
+        "train_seconds": seconds,
+        "wall_seconds_with_setup_and_evaluation": wall,
+        "final_error": float(metrics["full_error"][~np.isnan(metrics["full_error"])][-1]),
+        "communication_share": comm_share,
+        "speedup": baseline["seconds"] / seconds if reached else None,
+    }
+    print(table(OMP_HEADERS, [omp_row(omp)]))
+    headers = [
+        "ranks",
+        "sklearn s",
+        "sklearn error",
+        "ours s to reach",
+        "ours error",
+        "speedup",
+        "comm share",
+        "wall s",
+    ]
+    row = [ranks, baseline["seconds"], baseline["error"], seconds if reached else "not reached"]
+    row += [ours["final_error"], ours["speedup"] or "-", f"{comm_share:.1%}", wall]
+    print(f"\nsetting: {setting} (batch {BATCH}, {SNR_DB:g} dB noise); errors: whole data set, OMP at L non-zeros")
+    print(table(headers, [row]))
+    results = {
+        "setting": setting | {"batch_size": BATCH, "snr_db": SNR_DB, "eval_every": EVAL_EVERY},
+        "omp": omp,
+        "baseline": {"what": "sklearn MiniBatchDictionaryLearning, all cores (BLAS threads)"} | baseline,
+        "ours": ours,
+    }
+    path = write_json(json_path, "dictlearn", ranks, results)
+    print(f"wrote {path}")
+    for leftover in (config.out, config.data_path[0]):
+        os.remove(leftover)
+    return results

@@ -1,0 +1,138 @@
+"""Settings of a dictionary-learning job: one dataclass, loaded from TOML, overridden from the command line.
+
+Every field has a default that runs on a laptop (the K-SVD synthetic setting)
+and a help text that ``mpiscale dictlearn --help`` shows.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+METHODS = ("online", "mod")
+CODERS = ("omp", "lasso")
+
+
+def _option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DictLearnConfig:
+    """What to learn from, how, and where the results go."""
+
+    data: str = _option("", "FILE.h5:/dataset of signals (rows); empty = generate the planted synthetic set")
+    atoms: int = _option(50, "dictionary size K")
+    sparsity: int = _option(3, "OMP: non-zeros per code L (also the sparsity at which errors are reported)")
+    batch_size: int = _option(256, "online: global mini-batch size B (split over the ranks)")
+    iterations: int = _option(400, "online: mini-batches; mod: passes over the whole data set")
+    method: str = _option("online", "online (Mairal et al. 2009, mini-batches) or mod (batch, whole data set)")
+    coder: str = _option("omp", "sparse coder: omp (Batch-OMP, L non-zeros) or lasso (L1 penalty alpha)")
+    alpha: float = _option(0.1, "lasso: L1 penalty of the codes")
+    device: str = _option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present)")
+    seed: int = _option(0, "seed of the initial dictionary, the batch order and the synthetic data")
+    forgetting: float = _option(10.0, "online: past statistics weigh (1 - 1/t)^FORGETTING at iteration t")
+    replace_after: int = _option(3, "replace an atom unused in this many consecutive batches")
+    max_replace: int = _option(4, "most atoms replaced per iteration (by the worst-coded signals of the batch)")
+    duplicate_cosine: float = _option(0.99, "replace one of two atoms whose |cosine| exceeds this (1 = never)")
+    out: str = _option("results.h5", "results file (written at the end, atomically)")
+    checkpoint_every: int = _option(0, "checkpoint every N iterations (0 = never)")
+    checkpoint_dir: str = _option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
+    resume: bool = _option(False, "continue from the newest checkpoint in the checkpoint directory")
+    progress_every: float = _option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    eval_every: int = _option(0, "compute the error on the whole data set every N iterations (0 = never)")
+    target_error: float = _option(0.0, "stop once the whole-data relative error is at most this (needs eval_every)")
+    samples: int = _option(1500, "synthetic: number of signals")
+    features: int = _option(20, "synthetic: signal length")
+    planted_atoms: int = _option(0, "synthetic: atoms of the planted dictionary (0 = ATOMS)")
+    snr_db: float = _option(math.inf, "synthetic: signal-to-noise ratio in dB (inf = no noise)")
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("atoms", "sparsity", "batch_size", "iterations", "max_replace", "replace_after"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("checkpoint_every", "eval_every", "samples", "features", "planted_atoms"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
+        if self.sparsity > self.atoms:
+            problems.append(
+                f"sparsity {self.sparsity} exceeds the number of atoms {self.atoms}: a code cannot use more"
+            )
+        if self.method not in METHODS:
+            problems.append(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.coder not in CODERS:
+            problems.append(f"coder must be one of {', '.join(CODERS)}, got {self.coder!r}")
+        if not (self.alpha > 0 and math.isfinite(self.alpha)):
+            problems.append(f"alpha must be a positive number, got {self.alpha}")
+        if not (self.forgetting >= 0 and math.isfinite(self.forgetting)):
+            problems.append(f"forgetting must be a number >= 0, got {self.forgetting}")
+        if not 0 < self.duplicate_cosine <= 1:
+            problems.append(f"duplicate_cosine must be in (0, 1], got {self.duplicate_cosine}")
+        if self.target_error and not self.eval_every:
+            problems.append("target_error needs eval_every > 0 (the whole-data error is what it is compared with)")
+        if self.data and ":" not in self.data:
+            problems.append(f"data must be FILE.h5:/dataset, got {self.data!r} (add the dataset name after a colon)")
+        if not self.data:
+            if self.features < 1 or self.samples < 1:
+                problems.append("the synthetic data set needs samples and features of at least 1")
+            if self.sparsity > self.planted:
+                problems.append(f"synthetic: {self.sparsity} non-zeros need at least as many planted atoms")
+        if problems:
+            raise ValueError("dictlearn settings: " + "; ".join(problems))
+
+    @property
+    def planted(self) -> int:
+        """Atoms of the planted synthetic dictionary."""
+        return self.planted_atoms or self.atoms
+
+    @property
+    def data_path(self) -> tuple[str, str]:
+        """(file, dataset name) of the signals; the synthetic file sits beside ``out``."""
+        if self.data:
+            path, _, name = self.data.rpartition(":")
+            return path, name.lstrip("/")
+        return str(Path(self.out).with_suffix(".synthetic.h5")), "signals"
+
+    @property
+    def checkpoints(self) -> str:
+        """The checkpoint directory."""
+        return self.checkpoint_dir or str(Path(self.out).with_suffix(".checkpoints"))
+
+    def to_dict(self) -> dict:
+        """Plain values (for results files and checkpoints)."""
+        return asdict(self)
+
+
+def option_fields() -> list:
+    """The dataclass fields, in order (the command line offers one option per field)."""
+    return list(fields(DictLearnConfig))
+
+
+def load_config(path: str | None, overrides: dict) -> DictLearnConfig:
+    """Defaults, then the TOML file (top level or a [dictlearn] table), then ``overrides`` (not None)."""
+    values: dict = {}
+    if path:
+        try:
+            with open(path, "rb") as stream:
+                document = tomllib.load(stream)
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"config file {path} is not valid TOML: {error}") from None
+        values = document.get("dictlearn", document)
+        known = {f.name for f in option_fields()}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"config file {path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")
+    values.update({name: value for name, value in overrides.items() if value is not None})
+    defaults = DictLearnConfig()
+    for name, value in values.items():
+        expected = type(getattr(defaults, name))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            values[name] = float(value)
+        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            raise ValueError(f"{name} must be {expected.__name__}, got {value!r}")
+    return DictLearnConfig(**values)

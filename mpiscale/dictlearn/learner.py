@@ -1,0 +1,260 @@
+"""The distributed dictionary-learning job: every rank codes its slice, one allreduce, the same update everywhere.
+
+``learn(system, config)`` runs on every rank inside ``mpiscale.run``. Each
+iteration a rank reads its part of the global mini-batch, sparse-codes it,
+fills its part of the batch statistics and awaits one allreduce; every rank
+then applies the same update to the same sums, so the dictionaries stay
+identical and the result does not depend on the number of ranks (up to the
+order in which the allreduce adds). Checkpoints hold the whole learner state,
+so a resumed run, on any number of ranks, continues exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..io import BatchReader, Checkpointer
+from ..io.checkpoint import CheckpointError
+from ..kernels.threads import share_cores
+from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
+from .config import DictLearnConfig
+from .data import check_data, initial_dictionary, online_batches, resident_block
+from .progress import ProgressLine
+from .results import METRICS, write_results
+from .synthetic import write_planted_dataset
+from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
+
+log = logging.getLogger(__name__)
+
+_REPORT_GRACE_S = 5.0  # how long other ranks leave rank 0 to report an error all ranks found
+
+#: Settings a checkpoint must share with the run that resumes it.
+_COMPATIBLE = ("atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting")
+
+
+@dataclass
+class History:
+    """Per-iteration metrics (lists of floats) and per-iteration atom usage."""
+
+    metrics: dict[str, list] = field(default_factory=lambda: {name: [] for name in METRICS})
+    usage: list = field(default_factory=list)
+
+    def arrays(self, atoms: int) -> dict[str, np.ndarray]:
+        arrays = {f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()}
+        arrays["usage"] = np.asarray(self.usage, dtype=np.int32).reshape(-1, atoms)
+        return arrays
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> History:
+        history = cls()
+        for name in METRICS:
+            history.metrics[name] = arrays[f"metric_{name}"].tolist()
+        history.usage = list(arrays["usage"])
+        return history
+
+
+def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str) -> np.ndarray:
+    gram = dictionary @ dictionary.T
+    correlations = signals @ dictionary.T
+    if config.coder == "lasso":
+        return lasso_encode_gram(gram, correlations, config.alpha)
+    return omp_encode_gram(gram, correlations, config.sparsity, device)
+
+
+async def _whole_data_error(system, config, dictionary, block, device: str) -> float:
+    ids, rows = block
+    codes = _code(config, dictionary, rows, device)
+    residual = rows - codes @ dictionary
+    sums = np.array([np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows)])
+    await system.world.allreduce(sums, out=sums)
+    return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
+
+
+def _prepare_data(config: DictLearnConfig, comm) -> tuple[object, np.ndarray | None]:
+    path, name = config.data_path
+    planted = None
+    if not config.data:
+        planted = write_planted_dataset(
+            path, config.samples, config.features, config.planted, config.sparsity, config.snr_db, config.seed, comm
+        )
+    info = check_data(path, name, config.atoms, config.sparsity, config.batch_size, comm)
+    return info, planted
+
+
+def _check_output(config: DictLearnConfig) -> None:
+    directory = os.path.dirname(os.path.abspath(config.out))
+    if not os.path.isdir(directory):
+        raise ValueError(f"the results file's directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"the results file's directory {directory} is not writable")
+
+
+def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
+    restored = checkpoints.load()
+    if restored is None:
+        return None
+    if not config.resume:
+        raise CheckpointError(
+            f"{config.checkpoints} already holds checkpoints (newest: iteration {restored.step}); "
+            "pass --resume to continue from them, or choose another --checkpoint-dir"
+        )
+    saved = restored.meta.get("config", {})
+    expected = _compatibility(config, info)
+    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
+    if differences:
+        raise CheckpointError(
+            f"the checkpoint in {config.checkpoints} belongs to another job ({'; '.join(differences)})"
+        )
+    arrays = restored.replicated
+    state = DictionaryState(arrays["dictionary"], arrays["a"], arrays["b"], arrays["idle"])
+    return restored.step, state, History.from_arrays(arrays)
+
+
+async def learn(system, config: DictLearnConfig) -> dict:
+    """Run the job on every rank; returns a summary (the same on every rank).
+
+    Bad input (data, sizes, checkpoints) ends the job with one message and no
+    traceback: every rank finds the same problem, rank 0 reports it, and the
+    others wait a moment for rank 0 to end the job.
+    """
+    try:
+        return await _learn(system, config)
+    except (ValueError, CheckpointError) as error:
+        if system.rank != 0:
+            await asyncio.sleep(_REPORT_GRACE_S)
+        raise SystemExit(f"mpiscale dictlearn: {error}") from None
+
+
+async def _learn(system, config: DictLearnConfig) -> dict:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    device = resolve_device(config.device) if config.coder == "omp" else "cpu"
+    threads = share_cores(comm)
+    _check_output(config)
+    info, planted = _prepare_data(config, comm)
+    state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
+    history, start = History(), 0
+    checkpoints = None
+    if config.checkpoint_every or config.resume:
+        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        restored = _restore(config, info, checkpoints)
+        if restored is not None:
+            start, state, history = restored
+            if rank == 0:
+                print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
+        elif config.resume and rank == 0:
+            log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
+    try:
+        summary = await _iterate(system, config, info, state, history, start, checkpoints, device)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
+    await _agree_on_dictionary(system, state)
+    summary["world_size"] = size
+    summary["threads"] = threads
+    if rank == 0:
+        hosts = sorted(set(comm.gather(socket.gethostname(), 0)))
+        write_results(config, info, state.dictionary, history, planted, summary, size, hosts, device)
+        rate = summary.get("recovery_rate")
+        recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
+        print(f"wrote {config.out}: {summary['iterations']} iterations on {size} ranks{recovered}", flush=True)
+    else:
+        comm.gather(socket.gethostname(), 0)
+    comm.Barrier()
+    return summary
+
+
+async def _iterate(system, config, info, state, history, start, checkpoints, device) -> dict:
+    rank, size = system.rank, system.size
+    stats = BatchStatistics(config.atoms, info.features, size, config.max_replace)
+    alpha = config.alpha if config.coder == "lasso" else 0.0
+    block = resident_block(info, system.world.comm) if config.method == "mod" or config.eval_every else None
+    reader = None
+    if config.method == "online":
+        reader = BatchReader(
+            info.path, [info.name], config.batch_size, system.world.comm, shuffle=True, seed=config.seed, drop_last=True
+        )
+        batches = online_batches(reader, info.name, start)
+    progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)
+    previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
+    clock = time.perf_counter()
+    stop_reason = "iterations"
+    try:
+        for iteration in range(start, config.iterations):
+            began = time.perf_counter()
+            ids, signals = (await anext(batches)) if reader is not None else block
+            read = time.perf_counter()
+            codes = _code(config, state.dictionary, signals, device)
+            stats.fill(rank, ids, signals, codes, state.dictionary, alpha)
+            coded = time.perf_counter()
+            await system.world.allreduce(stats.buffer, out=stats.buffer)
+            reduced = time.perf_counter()
+            if config.method == "online":
+                online_update(state, stats, iteration, config.forgetting)
+            else:
+                mod_update(state, stats)
+            replace = atoms_to_replace(state, stats.usage, config.replace_after, config.duplicate_cosine)
+            replaced = replace_atoms(state, replace, stats.worst_signals()) if replace else 0
+            updated = time.perf_counter()
+            full_error = math.nan
+            if config.eval_every and (iteration + 1) % config.eval_every == 0:
+                full_error = await _whole_data_error(system, config, state.dictionary, block, device)
+            elapsed = previous_time + (updated - clock)
+            clock_pause = time.perf_counter()
+            signals_seen = stats.sum("signals")
+            row = {
+                "objective": (0.5 * stats.sum("residual") + alpha * stats.sum("l1")) / max(signals_seen, 1.0),
+                "error": math.sqrt(stats.sum("residual") / stats.sum("energy")) if stats.sum("energy") > 0 else 0.0,
+                "sparsity": stats.sum("nonzeros") / max(signals_seen, 1.0),
+                "unused": float(np.count_nonzero(stats.usage == 0)),
+                "replaced": float(replaced),
+                "read_s": read - began,
+                "compute_s": coded - read,
+                "comm_s": reduced - coded,
+                "update_s": updated - reduced,
+                "time_s": elapsed,
+                "full_error": full_error,
+            }
+            for name, value in row.items():
+                history.metrics[name].append(value)
+            history.usage.append(stats.usage.astype(np.int32))
+            progress.update(iteration + 1, row, signals_seen)
+            if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
+                meta = {"config": _compatibility(config, info)}
+                checkpoints.save(iteration + 1, replicated=state.arrays() | history.arrays(config.atoms), meta=meta)
+            clock += time.perf_counter() - clock_pause  # evaluation, progress and checkpoints do not count as training
+            if config.target_error and full_error <= config.target_error:
+                stop_reason = "target_error"
+                break
+    finally:
+        if reader is not None:
+            await batches.aclose()
+            reader.close()
+    progress.finish()
+    return {"iterations": len(history.usage), "stop_reason": stop_reason}
+
+
+def _compatibility(config: DictLearnConfig, info) -> dict:
+    values = {name: getattr(config, name) for name in _COMPATIBLE}
+    return values | {"features": info.features, "samples": info.samples}
+
+
+async def _agree_on_dictionary(system, state: DictionaryState) -> None:
+    """Check that every rank ended with the very same dictionary; if not, take rank 0's and say so."""
+    digest = np.array([zlib.crc32(state.dictionary.tobytes())], dtype=np.int64)
+    every = await system.world.allgather(digest)
+    if (every != every[0]).any():
+        if system.rank == 0:
+            log.warning("ranks ended with dictionaries that differ in the last bits; keeping rank 0's")
+        await system.world.bcast_array(state.dictionary, 0)

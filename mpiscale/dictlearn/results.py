@@ -1,0 +1,166 @@
+"""The results file of a dictionary-learning job (``mpiscale.dictlearn-results/1``), its summary and plots.
+
+Layout, all readable with plain h5py:
+
+- ``/dictionary`` (atoms x features), the learned unit-norm atoms;
+- ``/metrics/<name>`` one value per iteration (see ``METRICS``) and
+  ``/metrics/atom_usage`` (iterations x atoms), codes using each atom per batch;
+- ``/planted_dictionary`` for synthetic data, with the attribute ``recovery_rate``;
+- attributes: the usual mpiscale ones (version, format, created, world size,
+  config), plus ``hosts``, ``device``, ``data``, ``samples``, ``features``,
+  ``stop_reason`` and ``patch_shape`` when the data set has one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import h5py
+import numpy as np
+
+from ..io.h5file import fsync_path, open_file, stamp
+
+RESULTS_FORMAT = "mpiscale.dictlearn-results/1"
+METRICS = (
+    "objective",  # mean over the batch of 0.5 ||x - cD||^2 (+ alpha ||c||_1 for lasso), before the update
+    "error",  # relative reconstruction error of the batch, ||X - CD||_F / ||X||_F
+    "sparsity",  # mean non-zeros per code
+    "unused",  # atoms no code of the batch used
+    "replaced",  # atoms replaced after the update
+    "read_s",  # seconds waiting for the batch
+    "compute_s",  # seconds coding and computing the statistics
+    "comm_s",  # seconds in the allreduce (waiting for slower ranks included)
+    "update_s",  # seconds in the dictionary update and replacement
+    "time_s",  # training seconds since the start, at the end of the iteration
+    "full_error",  # relative error on the whole data set (NaN where not evaluated)
+)
+
+
+def write_results(config, info, dictionary, history, planted, summary, world_size, hosts, device) -> None:
+    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete."""
+    from .synthetic import recovery_rate
+
+    temporary = f"{config.out}.tmp"
+    with h5py.File(temporary, "w") as file:
+        stamp(file, RESULTS_FORMAT, world_size, config.to_dict())
+        file.create_dataset("dictionary", data=dictionary)
+        metrics = file.create_group("metrics")
+        for name, values in history.metrics.items():
+            metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
+        metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+        if planted is not None:
+            file.create_dataset("planted_dictionary", data=planted)
+            rate = recovery_rate(planted, dictionary)
+            file.attrs["recovery_rate"] = rate
+            summary["recovery_rate"] = rate
+        file.attrs["hosts"] = json.dumps(hosts)
+        file.attrs["device"] = device
+        file.attrs["numba_threads_per_rank"] = summary["threads"]
+        file.attrs["data"] = f"{info.path}:{info.name}"
+        file.attrs["samples"], file.attrs["features"] = info.samples, info.features
+        file.attrs["stop_reason"] = summary["stop_reason"]
+        shape = _patch_shape(info)
+        if shape is not None:
+            file.attrs["patch_shape"] = shape
+    fsync_path(temporary)
+    os.replace(temporary, config.out)
+    fsync_path(os.path.dirname(os.path.abspath(config.out)))
+
+
+def _patch_shape(info) -> list[int] | None:
+    """The ``patch_shape`` the data file's config names (image patches), if any."""
+    from ..io.h5file import DATASET_FORMAT, INDEX_FORMAT
+
+    with open_file(info.path, (DATASET_FORMAT, INDEX_FORMAT)) as file:
+        shape = json.loads(file.attrs.get("config", "{}")).get("patch_shape")
+    return [int(v) for v in shape] if shape else None
+
+
+def summarize(path: str) -> str:
+    """A short text report of a results file."""
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        config = json.loads(file.attrs["config"])
+        metrics = {name: file["metrics"][name][()] for name in METRICS if name in file["metrics"]}
+        atoms, features = file["dictionary"].shape
+        lines = [
+            f"{path}: {atoms} atoms of {features} features, learned by {config['method']} with {config['coder']} "
+            f"on {file.attrs['world_size']} ranks ({', '.join(json.loads(file.attrs['hosts']))}), "
+            f"mpiscale {file.attrs['mpiscale_version']}, {file.attrs['created']}",
+            f"data: {file.attrs['data']} ({file.attrs['samples']} signals); device {file.attrs['device']}; "
+            f"stopped by {file.attrs['stop_reason']}",
+        ]
+        iterations = len(metrics["objective"])
+        if iterations:
+            compute = metrics["compute_s"].sum() + metrics["update_s"].sum()
+            communication = metrics["comm_s"].sum()
+            busy = compute + communication + metrics["read_s"].sum()
+            lines += [
+                f"iterations: {iterations}; training time {metrics['time_s'][-1]:.2f} s",
+                f"last iteration: objective {metrics['objective'][-1]:.4e}, error {metrics['error'][-1]:.4f}, "
+                f"non-zeros {metrics['sparsity'][-1]:.2f}, unused atoms {int(metrics['unused'][-1])}",
+                f"time shares: compute {compute / busy:.1%}, communication {communication / busy:.1%}, "
+                f"reading {metrics['read_s'].sum() / busy:.1%}",
+                f"atoms replaced in all: {int(metrics['replaced'].sum())}",
+            ]
+            evaluated = metrics["full_error"][~np.isnan(metrics["full_error"])]
+            if len(evaluated):
+                lines.append(f"whole-data error: {evaluated[-1]:.4f} (evaluated {len(evaluated)} times)")
+        if "recovery_rate" in file.attrs:
+            lines.append(f"planted atoms recovered (|cos| > 0.99): {file.attrs['recovery_rate']:.1%}")
+    return "\n".join(lines)
+
+
+def plot(path: str, image: str) -> None:
+    """Learning curves, and the atoms as an image grid when they are image patches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        metrics = {name: file["metrics"][name][()] for name in METRICS}
+        dictionary = file["dictionary"][()]
+        shape = tuple(file.attrs["patch_shape"]) if "patch_shape" in file.attrs else _square(dictionary.shape[1])
+    panels = 3 if shape is not None else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    iterations = np.arange(1, len(metrics["objective"]) + 1)
+    axes[0].semilogy(iterations, metrics["objective"], label="objective (batch)")
+    axes[0].semilogy(iterations, metrics["error"], label="relative error (batch)")
+    evaluated = ~np.isnan(metrics["full_error"])
+    if evaluated.any():
+        axes[0].semilogy(iterations[evaluated], metrics["full_error"][evaluated], "o-", label="relative error (all)")
+    axes[0].set_xlabel("iteration")
+    axes[0].legend()
+    axes[1].plot(iterations, metrics["unused"], label="unused atoms")
+    axes[1].plot(iterations, np.cumsum(metrics["replaced"]), label="atoms replaced (total)")
+    axes[1].set_xlabel("iteration")
+    axes[1].legend()
+    if shape is not None:
+        axes[2].imshow(_grid(dictionary, shape), cmap="gray", interpolation="nearest")
+        axes[2].set_title(f"{len(dictionary)} atoms")
+        axes[2].axis("off")
+    figure.tight_layout()
+    figure.savefig(image, dpi=120)
+    plt.close(figure)
+
+
+def _square(features: int) -> tuple[int, int] | None:
+    side = math.isqrt(features)
+    return (side, side) if side * side == features and side > 1 else None
+
+
+def _grid(dictionary: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Atoms as tiles (each scaled to its own range) with a one-pixel border."""
+    height, width = shape[0], shape[1]
+    columns = math.ceil(math.sqrt(len(dictionary)))
+    rows = math.ceil(len(dictionary) / columns)
+    canvas = np.ones((rows * (height + 1) + 1, columns * (width + 1) + 1))
+    for index, atom in enumerate(dictionary):
+        tile = atom[: height * width].reshape(height, width)
+        span = tile.max() - tile.min()
+        tile = (tile - tile.min()) / span if span > 0 else np.zeros_like(tile)
+        r, c = divmod(index, columns)
+        canvas[1 + r * (height + 1) : (r + 1) * (height + 1), 1 + c * (width + 1) : (c + 1) * (width + 1)] = tile
+    return canvas

@@ -1,0 +1,156 @@
+"""One iteration's statistics (a single flat buffer, summed over the ranks) and the dictionary updates.
+
+Every rank fills its part of a ``BatchStatistics`` buffer from its slice of the
+batch, one allreduce sums the buffers, and every rank then applies the same
+update to the same numbers, so the dictionaries stay identical without ever
+being sent. The buffer also carries each rank's worst-coded signals (in that
+rank's own slot, zeros elsewhere), so choosing replacement atoms costs no extra
+collective and picks the same signals whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..kernels.dict_update import block_coordinate_update
+
+_UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
+
+
+class BatchStatistics:
+    """Views into one float64 buffer: A, B, atom usage, sums, and replacement candidates."""
+
+    SUMS = ("signals", "energy", "residual", "nonzeros", "l1")
+
+    def __init__(self, atoms: int, features: int, ranks: int, candidates: int) -> None:
+        shapes = {
+            "a": (atoms, atoms),
+            "b": (atoms, features),
+            "usage": (atoms,),
+            "sums": (len(self.SUMS),),
+            "candidates": (ranks, candidates, features + 2),  # (residual energy, sample id, residual)
+        }
+        self.buffer = np.zeros(sum(int(np.prod(s)) for s in shapes.values()))
+        offset = 0
+        for name, shape in shapes.items():
+            count = int(np.prod(shape))
+            setattr(self, name, self.buffer[offset : offset + count].reshape(shape))
+            offset += count
+
+    def fill(
+        self, rank: int, ids: np.ndarray, signals: np.ndarray, codes: np.ndarray, dictionary: np.ndarray, alpha: float
+    ) -> None:
+        """This rank's contribution from its signals and their codes."""
+        self.buffer[:] = 0.0
+        np.matmul(codes.T, codes, out=self.a)
+        np.matmul(codes.T, signals, out=self.b)
+        nonzero = codes != 0
+        self.usage[:] = nonzero.sum(axis=0)
+        residual = signals - codes @ dictionary
+        energy = np.einsum("sf,sf->s", residual, residual)
+        self.sums[:] = (len(signals), np.einsum("sf,sf->", signals, signals), energy.sum(), nonzero.sum(), 0.0)
+        if alpha:
+            self.sums[4] = np.abs(codes).sum()
+        worst = np.lexsort((ids, -energy))[: self.candidates.shape[1]]
+        slot = self.candidates[rank]
+        slot[:, 0] = -1.0  # empty slots lose to any real signal
+        slot[: len(worst), 0] = energy[worst]
+        slot[: len(worst), 1] = ids[worst]
+        slot[: len(worst), 2:] = residual[worst]
+
+    def sum(self, name: str) -> float:
+        """One of the summed scalars ``SUMS``."""
+        return float(self.sums[self.SUMS.index(name)])
+
+    def worst_signals(self) -> np.ndarray:
+        """Residuals of the globally worst-coded signals, worst first (ties: lower sample id first)."""
+        rows = self.candidates.reshape(-1, self.candidates.shape[2])
+        rows = rows[rows[:, 0] > 0]
+        order = np.lexsort((rows[:, 1], -rows[:, 0]))
+        return rows[order, 2:]
+
+
+@dataclass
+class DictionaryState:
+    """What the learner carries from one iteration to the next (and checkpoints)."""
+
+    dictionary: np.ndarray  # atoms x features, unit rows
+    a: np.ndarray  # atoms x atoms, the (decayed) sum of c c^T
+    b: np.ndarray  # atoms x features, the (decayed) sum of c x^T
+    idle: np.ndarray  # atoms: consecutive batches in which each atom was not used
+
+    @classmethod
+    def start(cls, dictionary: np.ndarray) -> DictionaryState:
+        atoms, features = dictionary.shape
+        return cls(dictionary, np.zeros((atoms, atoms)), np.zeros((atoms, features)), np.zeros(atoms, np.int64))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"dictionary": self.dictionary, "a": self.a, "b": self.b, "idle": self.idle}
+
+
+def forgetting_factor(iteration: int, rate: float) -> float:
+    """Weight ``(1 - 1/t)^rate`` of the past statistics at (0-based) ``iteration`` (Mairal et al., 2010, 3.4).
+
+    The statistics then remember about the last ``t / rate`` batches: early
+    codes, made with a poor dictionary, fade out quickly.
+    """
+    return (1.0 - 1.0 / (iteration + 1)) ** rate
+
+
+def online_update(state: DictionaryState, stats: BatchStatistics, iteration: int, rate: float) -> None:
+    """Fold the batch into the decayed statistics, then one block-coordinate sweep over the atoms."""
+    beta = forgetting_factor(iteration, rate)
+    signals = max(stats.sum("signals"), 1.0)
+    state.a *= beta
+    state.a += stats.a / signals
+    state.b *= beta
+    state.b += stats.b / signals
+    block_coordinate_update(state.dictionary, state.a, state.b, _UNUSED_WEIGHT)
+
+
+def mod_update(state: DictionaryState, stats: BatchStatistics) -> None:
+    """Method of optimal directions: D = (C^T C)^-1 C^T X on the whole data set, atoms rescaled to unit norm."""
+    state.a[:] = stats.a
+    state.b[:] = stats.b
+    used = np.diag(stats.a) > _UNUSED_WEIGHT
+    if not used.any():
+        return
+    a = stats.a[np.ix_(used, used)]
+    ridge = 1e-10 * max(np.trace(a) / len(a), 1e-300)
+    solved = np.linalg.solve(a + ridge * np.eye(len(a)), stats.b[used])
+    norms = np.linalg.norm(solved, axis=1, keepdims=True)
+    keep = norms[:, 0] > 0
+    rows = np.flatnonzero(used)[keep]
+    state.dictionary[rows] = solved[keep] / norms[keep]
+
+
+def atoms_to_replace(state: DictionaryState, usage: np.ndarray, replace_after: int, duplicate_cosine: float) -> list:
+    """Atoms idle for ``replace_after`` batches, and the less used of each near-duplicate pair."""
+    state.idle[:] = np.where(usage == 0, state.idle + 1, 0)
+    chosen = set(np.flatnonzero(state.idle >= replace_after).tolist())
+    if duplicate_cosine < 1:
+        weight = np.diag(state.a)
+        cosine = np.abs(state.dictionary @ state.dictionary.T)
+        first, second = np.nonzero(np.triu(cosine > duplicate_cosine, k=1))
+        for i, j in zip(first.tolist(), second.tolist()):
+            if i not in chosen and j not in chosen:
+                chosen.add(j if weight[j] <= weight[i] else i)
+    return sorted(chosen)
+
+
+def replace_atoms(state: DictionaryState, atoms: list, residuals: np.ndarray) -> int:
+    """Point atoms at the worst-coded residuals (one each, in order); forget their statistics. Returns how many."""
+    count = 0
+    for atom, residual in zip(atoms, residuals):
+        norm = np.linalg.norm(residual)
+        if norm <= 0:
+            break
+        state.dictionary[atom] = residual / norm
+        state.a[atom, :] = 0.0
+        state.a[:, atom] = 0.0
+        state.b[atom] = 0.0
+        state.idle[atom] = 0
+        count += 1
+    return count

@@ -1,0 +1,185 @@
+"""`mpiscale dictlearn` as users run it: real mpirun jobs, real parallel HDF5 data, results and checkpoints."""
+
+import json
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from conftest import assert_ok, finish, launch, run_mpi
+
+KSVD = ["--atoms", "50", "--sparsity", "3", "--samples", "1500", "--features", "20"]
+
+
+def dictlearn(ranks: int, out, *options: str, timeout: float = 120):
+    """Run the job writing ``out``; returns the finished job (not checked)."""
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(out), "--progress-every", "0", *options]
+    return finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
+
+
+def learned(out) -> np.ndarray:
+    with h5py.File(out, "r") as file:
+        return file["dictionary"][()]
+
+
+def test_ksvd_setting_recovers_the_planted_dictionary(tmp_path, ranks):
+    """K-SVD's experiment (20 features, 50 atoms, 3 non-zeros, 1,500 signals, no noise): >= 90% recovered."""
+    out = tmp_path / "results.h5"
+    job = dictlearn(ranks, out, *KSVD, "--iterations", "300", "--progress-every", "0.2")
+    assert_ok(job)
+    assert "iteration 300/300" in job.stdout and "signals/s" in job.stdout and "ETA" in job.stdout
+    with h5py.File(out, "r") as file:
+        assert file.attrs["format"] == "mpiscale.dictlearn-results/1"
+        assert file.attrs["world_size"] == ranks
+        assert file.attrs["recovery_rate"] >= 0.9, file.attrs["recovery_rate"]
+        assert json.loads(file.attrs["config"])["atoms"] == 50
+        assert file["dictionary"].shape == (50, 20) and file["planted_dictionary"].shape == (50, 20)
+        assert np.allclose(np.linalg.norm(file["dictionary"][()], axis=1), 1.0)
+        metrics = file["metrics"]
+        assert metrics["objective"].shape == (300,) and metrics["atom_usage"].shape == (300, 50)
+        assert metrics["error"][-20:].mean() < 0.5 * metrics["error"][:20].mean()
+        assert (metrics["sparsity"][()] <= 3).all() and (metrics["comm_s"][()] > 0).all()
+    print(f"recovered at {ranks} ranks, no noise: {file_rate(out):.0%}")
+
+
+def file_rate(out) -> float:
+    with h5py.File(out, "r") as file:
+        return float(file.attrs["recovery_rate"])
+
+
+def test_recovery_at_20_db_noise_is_reported(tmp_path):
+    out = tmp_path / "noisy.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "300", "--snr-db", "20"))
+    rate = file_rate(out)
+    print(f"recovered at 20 dB: {rate:.0%}")
+    assert rate >= 0.8
+
+
+def test_same_dictionary_on_1_2_and_4_ranks(tmp_path):
+    """The global batches and the summed statistics do not depend on the number of ranks."""
+    dictionaries = []
+    for ranks in (1, 2, 4):
+        out = tmp_path / f"ranks{ranks}.h5"
+        assert_ok(dictlearn(ranks, out, *KSVD, "--iterations", "150"))
+        dictionaries.append(learned(out))
+    assert np.abs(dictionaries[0] - dictionaries[1]).max() < 1e-9
+    assert np.abs(dictionaries[0] - dictionaries[2]).max() < 1e-9
+
+
+def test_killed_run_resumes_on_another_world_size(tmp_path):
+    """Rank 1 SIGKILLed after the checkpoint of iteration 60; resumed on 4 ranks it ends as an uninterrupted run."""
+    options = [*KSVD, "--iterations", "150", "--checkpoint-every", "20", "--snr-db", "20"]
+    crashed = run_mpi("dictlearn_crash.py", 2, "60", "--out", str(tmp_path / "a.h5"), *options, timeout=120)
+    assert crashed.returncode != 0 and not (tmp_path / "a.h5").exists()
+    resumed = dictlearn(4, tmp_path / "a.h5", *options, "--resume")
+    assert_ok(resumed)
+    assert "resumed from the checkpoint of iteration 60" in resumed.stdout
+    assert_ok(dictlearn(3, tmp_path / "b.h5", *options))
+    assert np.abs(learned(tmp_path / "a.h5") - learned(tmp_path / "b.h5")).max() < 1e-9
+    with h5py.File(tmp_path / "a.h5", "r") as file:
+        assert file["metrics"]["objective"].shape == (150,)
+
+
+@pytest.fixture(scope="module")
+def signals_file(tmp_path_factory):
+    """A real data set (written collectively by a 2-rank job), plus a copy with one NaN."""
+    directory = tmp_path_factory.mktemp("data")
+    out = directory / "make.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "1"))
+    data = directory / "make.synthetic.h5"
+    with h5py.File(data, "r") as source:
+        signals = source["signals"][()]
+    broken = directory / "nan.h5"
+    with h5py.File(data, "r") as source, h5py.File(broken, "w") as target:
+        for name, value in source.attrs.items():
+            target.attrs[name] = value
+        signals[777, 3] = np.nan
+        target["signals"] = signals
+    return data, broken
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--data", "{data}:/missing"], "no dataset 'missing'"),
+        (["--data", "{nan}:/signals"], "signal 777 holds NaN"),
+        (["--data", "{data}:/signals", "--atoms", "2000"], "2000 atoms need at least as many signals"),
+        (["--data", "{data}:/signals", "--sparsity", "60", "--atoms", "60"], "sparsity 60 exceeds the signal length"),
+        (["--data", "{data}:/signals", "--atoms", "10", "--sparsity", "11"], "sparsity 11 exceeds the number of atoms"),
+        (["--data", "{data}"], "must be FILE.h5:/dataset"),
+    ],
+    ids=["dataset", "nan", "atoms", "sparsity-features", "sparsity-atoms", "no-dataset-name"],
+)
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, signals_file, options, message):
+    data, broken = signals_file
+    out = tmp_path / "results.h5"
+    out.write_bytes(b"an older result")
+    options = [o.format(data=data, nan=broken) for o in options]
+    job = dictlearn(2, out, *options, "--checkpoint-every", "5")
+    assert job.returncode != 0
+    assert message in job.stderr, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr
+    assert out.read_bytes() == b"an older result"
+    assert not (tmp_path / "results.checkpoints").exists() or not any((tmp_path / "results.checkpoints").glob("step-*"))
+
+
+def test_incompatible_or_unasked_checkpoints_are_refused(tmp_path, signals_file):
+    data, _ = signals_file
+    out = tmp_path / "results.h5"
+    base = ["--data", f"{data}:/signals", "--iterations", "20", "--checkpoint-every", "10"]
+    assert_ok(dictlearn(2, out, *base))
+    before = out.read_bytes()
+    job = dictlearn(2, out, *base, "--atoms", "40", "--resume")
+    assert job.returncode != 0 and "belongs to another job (atoms: checkpoint 50, now 40)" in job.stderr
+    job = dictlearn(2, out, *base)
+    assert job.returncode != 0 and "pass --resume" in job.stderr
+    assert out.read_bytes() == before
+
+
+def test_mod_and_lasso_variants_learn(tmp_path):
+    mod = tmp_path / "mod.h5"
+    assert_ok(dictlearn(2, mod, *KSVD, "--method", "mod", "--iterations", "30"))
+    lasso = tmp_path / "lasso.h5"
+    assert_ok(dictlearn(2, lasso, *KSVD, "--coder", "lasso", "--alpha", "0.05", "--iterations", "200"))
+    for out in (mod, lasso):
+        with h5py.File(out, "r") as file:
+            error = file["metrics"]["error"][()]
+            assert error[-5:].mean() < 0.6 * error[:3].mean(), error
+            assert file.attrs["recovery_rate"] >= 0.5
+    with h5py.File(lasso, "r") as file:
+        assert file["metrics"]["sparsity"][-1] > 3  # the L1 penalty, not L, sets the sparsity
+
+
+def test_inspect_prints_a_summary_and_plots(tmp_path):
+    out = tmp_path / "results.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "50", "--eval-every", "10"))
+    image = tmp_path / "curves.png"
+    job = finish(
+        launch(1, [sys.executable, "-m", "mpiscale.cli", "inspect", str(out), "--plot", str(image)]), "inspect", 60
+    )
+    assert_ok(job)
+    assert "50 atoms of 20 features" in job.stdout and "planted atoms recovered" in job.stdout
+    assert "whole-data error" in job.stdout and "communication" in job.stdout
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reconstruction_error_no_worse_than_scikit_learn(tmp_path, signals_file):
+    """At equal sparsity (OMP, 3 non-zeros, on every signal), our dictionary reconstructs at least as well."""
+    from sklearn.decomposition import MiniBatchDictionaryLearning
+
+    from mpiscale.dictlearn import omp_encode
+
+    data, _ = signals_file
+    out = tmp_path / "ours.h5"
+    assert_ok(dictlearn(2, out, "--data", f"{data}:/signals", "--atoms", "50", "--iterations", "60"))
+    with h5py.File(data, "r") as file:
+        signals = file["signals"][()]
+    theirs = MiniBatchDictionaryLearning(n_components=50, batch_size=256, max_iter=10, random_state=0).fit(signals)
+
+    def error(dictionary):
+        codes = omp_encode(signals, dictionary, 3)
+        return np.linalg.norm(signals - codes @ dictionary) / np.linalg.norm(signals)
+
+    ours, reference = error(learned(out)), error(theirs.components_)
+    print(f"relative error at 3 non-zeros: ours {ours:.4f}, scikit-learn {reference:.4f}")
+    assert ours <= reference

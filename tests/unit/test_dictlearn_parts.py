@@ -1,0 +1,145 @@
+"""Dictionary-learning parts in one process: Lasso coder, updates, statistics, replacement, settings."""
+
+import numpy as np
+import pytest
+from sklearn.decomposition import sparse_encode
+
+from mpiscale.dictlearn import lasso_encode
+from mpiscale.dictlearn.config import DictLearnConfig, load_config
+from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
+from mpiscale.dictlearn.update import (
+    BatchStatistics,
+    DictionaryState,
+    atoms_to_replace,
+    forgetting_factor,
+    mod_update,
+    replace_atoms,
+)
+from mpiscale.kernels.dict_update import block_coordinate_update
+
+
+def test_lasso_matches_scikit_learn():
+    d = planted_dictionary(50, 20, 1)
+    x = np.random.default_rng(2).standard_normal((300, 20))
+    ours = lasso_encode(x, d, 0.3, max_sweeps=10_000, tol=1e-12)
+    theirs = sparse_encode(x, d, algorithm="lasso_cd", alpha=0.3, max_iter=100_000)
+
+    def objective(codes):
+        return 0.5 * ((x - codes @ d) ** 2).sum() + 0.3 * np.abs(codes).sum()
+
+    assert objective(ours) <= objective(theirs) * (1 + 1e-9)
+    assert np.abs(ours - theirs).max() < 2e-3  # scikit-learn stops at its own tolerance
+    assert 1 < np.count_nonzero(ours) / len(x) < 50
+
+
+def test_lasso_refuses_a_bad_penalty():
+    d = planted_dictionary(5, 4, 0)
+    with pytest.raises(ValueError, match="alpha must be a positive number"):
+        lasso_encode(np.ones((2, 4)), d, 0.0)
+
+
+def exact_problem(atoms=30, features=16, signals=400, nonzeros=3):
+    """Sparse codes and signals they make exactly: the planted dictionary is the one minimiser."""
+    planted = planted_dictionary(atoms, features, 5)
+    rng = np.random.default_rng(6)
+    codes = np.zeros((signals, atoms))
+    for row in codes:
+        row[rng.choice(atoms, nonzeros, replace=False)] = rng.standard_normal(nonzeros)
+    return planted, codes @ planted, codes
+
+
+def test_block_coordinate_update_keeps_the_minimiser_and_returns_to_it():
+    planted, x, codes = exact_problem()
+    a, b = codes.T @ codes, codes.T @ x
+    fixed = planted.copy()
+    block_coordinate_update(fixed, a, b, 1e-12)
+    assert np.allclose(fixed, planted, atol=1e-12)
+    moved = planted + 0.05 * np.random.default_rng(0).standard_normal(planted.shape)
+    moved /= np.linalg.norm(moved, axis=1, keepdims=True)
+    for _ in range(200):
+        block_coordinate_update(moved, a, b, 1e-12)
+    assert np.abs(moved - planted).max() < 1e-6
+
+
+def test_mod_update_solves_for_the_dictionary():
+    planted, x, codes = exact_problem()
+    stats = BatchStatistics(30, 16, 1, 2)
+    stats.fill(0, np.arange(len(x)), x, codes, planted, 0.0)
+    state = DictionaryState.start(np.eye(30, 16))
+    mod_update(state, stats)
+    assert np.abs(state.dictionary - planted).max() < 1e-8
+
+
+def test_forgetting_factor():
+    assert forgetting_factor(0, 10.0) == 0.0
+    assert forgetting_factor(9, 1.0) == pytest.approx(0.9)
+    assert forgetting_factor(99, 10.0) == pytest.approx(0.99**10)
+
+
+def test_statistics_and_worst_signals_do_not_depend_on_the_split():
+    planted, x, _ = exact_problem()
+    codes = np.random.default_rng(3).standard_normal((len(x), 30)) * (
+        np.random.default_rng(4).random((len(x), 30)) < 0.1
+    )
+    ids = np.arange(len(x))
+    whole = BatchStatistics(30, 16, 1, 4)
+    whole.fill(0, ids, x, codes, planted, 0.0)
+    parts = [BatchStatistics(30, 16, 3, 4) for _ in range(3)]
+    for rank, chunk in enumerate(np.array_split(ids, 3)):
+        parts[rank].fill(rank, chunk, x[chunk], codes[chunk], planted, 0.0)
+    summed = BatchStatistics(30, 16, 3, 4)
+    summed.buffer[:] = sum(p.buffer for p in parts)
+    assert np.allclose(summed.a, whole.a) and np.allclose(summed.b, whole.b)
+    assert (summed.usage == whole.usage).all() and summed.sum("signals") == len(x)
+    assert np.allclose(summed.worst_signals()[:4], whole.worst_signals())  # the union of every rank's 4 worst
+    residual = ((x - codes @ planted) ** 2).sum(axis=1)
+    worst = np.argsort(-residual)[:4]
+    assert np.allclose(whole.worst_signals(), (x - codes @ planted)[worst])
+
+
+def test_idle_and_duplicate_atoms_are_replaced_by_the_worst_residuals():
+    dictionary = planted_dictionary(6, 5, 0)
+    dictionary[4] = dictionary[1]  # a duplicate
+    state = DictionaryState.start(dictionary)
+    state.a[np.diag_indices(6)] = [1, 5, 1, 1, 2, 1]
+    usage = np.array([3, 3, 0, 3, 3, 3])
+    assert atoms_to_replace(state, usage, 2, 0.99) == [4]  # atom 2 idle once only; atom 4 the less used twin
+    assert atoms_to_replace(state, usage, 2, 0.99) == [2, 4]
+    residuals = np.random.default_rng(1).standard_normal((1, 5))
+    assert replace_atoms(state, [2, 4], residuals) == 1  # one candidate signal, one replacement
+    assert np.allclose(state.dictionary[2], residuals[0] / np.linalg.norm(residuals[0]))
+    assert state.a[2].sum() == 0 and state.idle[2] == 0
+
+
+def test_recovery_rate():
+    planted = planted_dictionary(10, 8, 0)
+    assert recovery_rate(planted, -planted[::-1]) == 1.0
+    assert recovery_rate(planted, planted[:5]) == 0.5
+
+
+def test_config_from_toml_with_overrides(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[dictlearn]\natoms = 64\nsparsity = 4\ndata = "x.h5:/signals"\n')
+    config = load_config(str(path), {"sparsity": 5, "iterations": None})
+    assert (config.atoms, config.sparsity, config.iterations) == (64, 5, DictLearnConfig().iterations)
+    assert config.data_path == ("x.h5", "signals")
+    path.write_text("atom = 3\n")
+    with pytest.raises(ValueError, match=r"unknown settings \['atom'\]"):
+        load_config(str(path), {})
+    path.write_text('atoms = "many"\n')
+    with pytest.raises(ValueError, match="atoms must be int"):
+        load_config(str(path), {})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"sparsity": 9, "atoms": 8}, "sparsity 9 exceeds the number of atoms 8"),
+        ({"method": "ksvd"}, "method must be one of"),
+        ({"target_error": 0.1}, "target_error needs eval_every"),
+        ({"batch_size": 0}, "batch_size must be at least 1"),
+    ],
+)
+def test_config_errors(values, message):
+    with pytest.raises(ValueError, match=message):
+        DictLearnConfig(**values)

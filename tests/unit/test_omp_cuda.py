@@ -1,0 +1,37 @@
+"""The numba.cuda Batch-OMP kernel gives the CPU kernel's codes (run on the CUDA simulator, no GPU needed)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from numba import config
+    from mpiscale.dictlearn.coding import omp_encode, resolve_device
+
+    assert config.ENABLE_CUDASIM
+    assert resolve_device("auto") == "cpu", "the simulator must never be picked automatically"
+    rng = np.random.default_rng(0)
+    for atoms, features, nonzero, signals in [(12, 8, 4, 40), (6, 6, 6, 9), (10, 5, 1, 7)]:
+        d = rng.standard_normal((atoms, features))
+        d /= np.linalg.norm(d, axis=1, keepdims=True)
+        x = rng.standard_normal((signals, features))
+        gpu, cpu = omp_encode(x, d, nonzero, device="cuda"), omp_encode(x, d, nonzero, device="cpu")
+        assert np.allclose(gpu, cpu, atol=1e-12), (atoms, np.abs(gpu - cpu).max())
+        assert (np.count_nonzero(gpu, axis=1) <= nonzero).all()
+    twins = np.vstack([d[:2], d[:2]])  # dependent atoms: both kernels stop at two
+    x = d[:1] + 2 * d[1:2]
+    assert np.count_nonzero(omp_encode(x, twins, 4, device="cuda")) == 2
+    assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
+    print("cuda kernel matches")
+    """
+)
+
+
+def test_cuda_kernel_matches_cpu_kernel_on_the_simulator():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cuda kernel matches" in done.stdout
