@@ -3,7 +3,9 @@
 Both code the same signals against the same dictionary from the same Gram
 matrix and correlations (computed once, outside the timing): scikit-learn's
 ``orthogonal_mp_gram`` limited to one BLAS thread, and ours with one Numba
-thread. A row with all of this machine's cores shows how ours scales.
+thread. A column with all of this machine's cores shows how ours scales, and
+one with the ``numba.cuda`` kernel when a real GPU is present (transfers of the
+correlations and codes included).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numba
 import numpy as np
 
 from ..dictlearn import omp_encode_gram
+from ..kernels.omp_cuda import cuda_usable
 from .report import table, write_json
 
 SETTINGS = (  # (name, atoms, features, non-zeros, signals)
@@ -54,6 +57,11 @@ def measure_omp(name: str, atoms: int, features: int, nonzero: int, signals: int
     finally:
         numba.set_num_threads(threads)
     ours_all = _best_rate(ours, signals, repeats)
+    gpu = None
+    if cuda_usable():
+        on_gpu = partial(omp_encode_gram, gram, correlations, nonzero, "cuda")
+        on_gpu()  # compile and warm the device outside the timing
+        gpu = _best_rate(on_gpu, signals, repeats)
     return {
         "setting": name,
         "atoms": atoms,
@@ -65,10 +73,20 @@ def measure_omp(name: str, atoms: int, features: int, nonzero: int, signals: int
         "ratio_1_thread": ours_one / baseline,
         "threads": threads,
         "ours_signals_per_s_all_threads": ours_all,
+        "ours_signals_per_s_gpu": gpu,
     }
 
 
-OMP_HEADERS = ["setting", "signals", "sklearn/s (1 core)", "ours/s (1 core)", "ratio", "threads", "ours/s (all)"]
+OMP_HEADERS = [
+    "setting",
+    "signals",
+    "sklearn/s (1 core)",
+    "ours/s (1 core)",
+    "ratio",
+    "threads",
+    "ours/s (all)",
+    "ours/s (GPU)",
+]
 
 
 def omp_row(record: dict) -> list:
@@ -82,6 +100,7 @@ def omp_row(record: dict) -> list:
         record["ratio_1_thread"],
         record["threads"],
         record["ours_signals_per_s_all_threads"],
+        record["ours_signals_per_s_gpu"] or "no GPU",
     ]
 
 

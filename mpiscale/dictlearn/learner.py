@@ -24,7 +24,7 @@ import numpy as np
 
 from ..io import BatchReader, Checkpointer
 from ..io.checkpoint import CheckpointError
-from ..kernels.threads import share_cores
+from ..kernels.threads import host_placement, share_cores
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import check_data, initial_dictionary, online_batches, resident_block
@@ -140,7 +140,13 @@ async def _learn(system, config: DictLearnConfig) -> dict:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     device = resolve_device(config.device) if config.coder == "omp" else "cpu"
-    threads = share_cores(comm)
+    rank_on_host, ranks_on_host = host_placement(comm)
+    threads = share_cores(ranks_on_host)
+    gpu = None
+    if device == "cuda":
+        from ..kernels.omp_cuda import select_gpu
+
+        gpu = select_gpu(rank_on_host)
     _check_output(config)
     info, planted = _prepare_data(config, comm)
     state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
@@ -163,14 +169,14 @@ async def _learn(system, config: DictLearnConfig) -> dict:
     await _agree_on_dictionary(system, state)
     summary["world_size"] = size
     summary["threads"] = threads
+    placement = comm.gather((socket.gethostname(), device if gpu is None else f"cuda:{gpu}"), 0)
     if rank == 0:
-        hosts = sorted(set(comm.gather(socket.gethostname(), 0)))
-        write_results(config, info, state.dictionary, history, planted, summary, size, hosts, device)
+        hosts = sorted({host for host, _ in placement})
+        devices = [label for _, label in placement]
+        write_results(config, info, state.dictionary, history, planted, summary, size, hosts, devices)
         rate = summary.get("recovery_rate")
         recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
         print(f"wrote {config.out}: {summary['iterations']} iterations on {size} ranks{recovered}", flush=True)
-    else:
-        comm.gather(socket.gethostname(), 0)
     comm.Barrier()
     return summary
 

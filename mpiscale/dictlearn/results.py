@@ -38,7 +38,7 @@ METRICS = (
 )
 
 
-def write_results(config, info, dictionary, history, planted, summary, world_size, hosts, device) -> None:
+def write_results(config, info, dictionary, history, planted, summary, world_size, hosts, devices) -> None:
     """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete."""
     from .synthetic import recovery_rate
 
@@ -56,7 +56,7 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
             file.attrs["recovery_rate"] = rate
             summary["recovery_rate"] = rate
         file.attrs["hosts"] = json.dumps(hosts)
-        file.attrs["device"] = device
+        file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
         file.attrs["numba_threads_per_rank"] = summary["threads"]
         file.attrs["data"] = f"{info.path}:{info.name}"
         file.attrs["samples"], file.attrs["features"] = info.samples, info.features

@@ -26,6 +26,13 @@ def cuda_usable() -> bool:
     return not config.ENABLE_CUDASIM and cuda.is_available()
 
 
+def select_gpu(rank_on_host: int) -> int:
+    """Use GPU ``rank_on_host`` modulo the GPUs present (one rank per GPU); returns its index."""
+    index = rank_on_host % len(cuda.gpus)
+    cuda.select_device(index)
+    return index
+
+
 @cuda.jit
 def _omp_kernel(gram, correlations, n_nonzero, codes, alpha, chol, support, gamma, work, chosen):
     signal = cuda.grid(1)

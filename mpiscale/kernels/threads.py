@@ -16,16 +16,18 @@ import numba
 from threadpoolctl import threadpool_limits
 
 
-def share_cores(comm) -> int:
-    """Set this rank's Numba and BLAS thread counts from the ranks sharing its host (collective).
-
-    Returns the Numba thread count.
-    """
+def host_placement(comm) -> tuple[int, int]:
+    """(this rank's index among the ranks on its host, how many ranks share the host); collective."""
     from mpi4py import MPI
 
     host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = host.Get_size()
+    placement = host.Get_rank(), host.Get_size()
     host.Free()
+    return placement
+
+
+def share_cores(ranks_here: int) -> int:
+    """Set this rank's Numba and BLAS thread counts for ``ranks_here`` ranks on the host; returns Numba's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = max(1, cores // ranks_here)
     if not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ):

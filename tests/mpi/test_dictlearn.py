@@ -183,3 +183,15 @@ def test_reconstruction_error_no_worse_than_scikit_learn(tmp_path, signals_file)
     ours, reference = error(learned(out)), error(theirs.components_)
     print(f"relative error at 3 non-zeros: ours {ours:.4f}, scikit-learn {reference:.4f}")
     assert ours <= reference
+
+
+def test_cuda_device_learns_the_cpu_dictionary_on_the_simulator(tmp_path):
+    """--device cuda end to end (GPU choice per rank, kernel, provenance), on Numba's CUDA simulator."""
+    options = [*KSVD, "--iterations", "6", "--batch-size", "64"]
+    assert_ok(dictlearn(2, tmp_path / "cpu.h5", *options, "--device", "cpu"))
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(tmp_path / "gpu.h5"), *options]
+    job = finish(launch(2, [*command, "--device", "cuda"], env={"NUMBA_ENABLE_CUDASIM": "1"}), "cuda dictlearn", 180)
+    assert_ok(job)
+    assert np.abs(learned(tmp_path / "gpu.h5") - learned(tmp_path / "cpu.h5")).max() < 1e-9
+    with h5py.File(tmp_path / "gpu.h5", "r") as file:
+        assert file.attrs["device"] == "cuda:0"

@@ -8,8 +8,9 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import numpy as np
-    from numba import config
+    from numba import config, cuda
     from mpiscale.dictlearn.coding import omp_encode, resolve_device
+    from mpiscale.kernels.omp_cuda import select_gpu
 
     assert config.ENABLE_CUDASIM
     assert resolve_device("auto") == "cpu", "the simulator must never be picked automatically"
@@ -25,6 +26,7 @@ SCRIPT = textwrap.dedent(
     x = d[:1] + 2 * d[1:2]
     assert np.count_nonzero(omp_encode(x, twins, 4, device="cuda")) == 2
     assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
+    assert select_gpu(3) == 3 % len(cuda.gpus)  # the ranks of a host take the GPUs round-robin
     print("cuda kernel matches")
     """
 )
