@@ -27,7 +27,7 @@ from ..io.checkpoint import CheckpointError
 from ..kernels.threads import host_placement, share_cores
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
-from .data import check_data, initial_dictionary, online_batches, resident_block
+from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .progress import ProgressLine
 from .results import METRICS, write_results
 from .synthetic import write_planted_dataset
@@ -71,7 +71,7 @@ def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, 
 
 
 async def _whole_data_error(system, config, dictionary, block, device: str) -> float:
-    ids, rows = block
+    _, rows = block
     codes = _code(config, dictionary, rows, device)
     residual = rows - codes @ dictionary
     sums = np.array([np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows)])
@@ -119,77 +119,98 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[
     return restored.step, state, History.from_arrays(arrays)
 
 
+@dataclass
+class _Job:
+    """Everything checked and loaded before the first iteration."""
+
+    comm: object
+    info: DataInfo
+    planted: np.ndarray | None
+    state: DictionaryState
+    history: History
+    start: int
+    checkpoints: Checkpointer | None
+    device: str
+    device_label: str
+    threads: int
+
+
 async def learn(system, config: DictLearnConfig) -> dict:
     """Run the job on every rank; returns a summary (the same on every rank).
 
-    Bad input (data, sizes, checkpoints) ends the job with one message and no
-    traceback: every rank finds the same problem, rank 0 reports it, and the
-    others wait a moment for rank 0 to end the job.
+    Bad input (data, sizes, output directory, checkpoints, device) ends the job
+    before the first iteration with one message and no traceback: every rank
+    finds the same problem, rank 0 reports it, and the others wait a moment for
+    rank 0 to end the job. Errors during the iterations keep their tracebacks.
     """
     try:
-        return await _learn(system, config)
+        job = _prepare(system, config)
     except (ValueError, CheckpointError) as error:
         if system.rank != 0:
             await asyncio.sleep(_REPORT_GRACE_S)
         raise SystemExit(f"mpiscale dictlearn: {error}") from None
+    try:
+        summary = await _iterate(system, config, job)
+    finally:
+        if job.checkpoints is not None:
+            job.checkpoints.close()
+    await _agree_on_dictionary(system, job.state)
+    summary["world_size"] = system.size
+    summary["threads"] = job.threads
+    placement = job.comm.gather((socket.gethostname(), job.device_label), 0)
+    if system.rank == 0:
+        hosts = sorted({host for host, _ in placement})
+        devices = [label for _, label in placement]
+        write_results(
+            config, job.info, job.state.dictionary, job.history, job.planted, summary, system.size, hosts, devices
+        )
+        rate = summary.get("recovery_rate")
+        recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
+        print(f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}", flush=True)
+    job.comm.Barrier()
+    return summary
 
 
-async def _learn(system, config: DictLearnConfig) -> dict:
+def _prepare(system, config: DictLearnConfig) -> _Job:
+    """Check the input, pick cores and device, load the data's first atoms or the newest checkpoint (collective)."""
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    comm = MPI.COMM_WORLD  # blocking I/O and checks; the iterations' allreduce goes through system.world
     device = resolve_device(config.device) if config.coder == "omp" else "cpu"
     rank_on_host, ranks_on_host = host_placement(comm)
     threads = share_cores(ranks_on_host)
-    gpu = None
+    label = device
     if device == "cuda":
         from ..kernels.omp_cuda import select_gpu
 
-        gpu = select_gpu(rank_on_host)
+        label = f"cuda:{select_gpu(rank_on_host)}"
     _check_output(config)
     info, planted = _prepare_data(config, comm)
     state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
-    history, start = History(), 0
-    checkpoints = None
+    history, start, checkpoints = History(), 0, None
     if config.checkpoint_every or config.resume:
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
         restored = _restore(config, info, checkpoints)
         if restored is not None:
             start, state, history = restored
-            if rank == 0:
+            if system.rank == 0:
                 print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
-        elif config.resume and rank == 0:
+        elif config.resume and system.rank == 0:
             log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
-    try:
-        summary = await _iterate(system, config, info, state, history, start, checkpoints, device)
-    finally:
-        if checkpoints is not None:
-            checkpoints.close()
-    await _agree_on_dictionary(system, state)
-    summary["world_size"] = size
-    summary["threads"] = threads
-    placement = comm.gather((socket.gethostname(), device if gpu is None else f"cuda:{gpu}"), 0)
-    if rank == 0:
-        hosts = sorted({host for host, _ in placement})
-        devices = [label for _, label in placement]
-        write_results(config, info, state.dictionary, history, planted, summary, size, hosts, devices)
-        rate = summary.get("recovery_rate")
-        recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
-        print(f"wrote {config.out}: {summary['iterations']} iterations on {size} ranks{recovered}", flush=True)
-    comm.Barrier()
-    return summary
+    return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads)
 
 
-async def _iterate(system, config, info, state, history, start, checkpoints, device) -> dict:
+async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
     rank, size = system.rank, system.size
+    info, state, history = job.info, job.state, job.history
+    start, checkpoints, device = job.start, job.checkpoints, job.device
     stats = BatchStatistics(config.atoms, info.features, size, config.max_replace)
     alpha = config.alpha if config.coder == "lasso" else 0.0
-    block = resident_block(info, system.world.comm) if config.method == "mod" or config.eval_every else None
+    block = resident_block(info, job.comm) if config.method == "mod" or config.eval_every else None
     reader = None
     if config.method == "online":
         reader = BatchReader(
-            info.path, [info.name], config.batch_size, system.world.comm, shuffle=True, seed=config.seed, drop_last=True
+            info.path, [info.name], config.batch_size, job.comm, shuffle=True, seed=config.seed, drop_last=True
         )
         batches = online_batches(reader, info.name, start)
     progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)
@@ -216,30 +237,23 @@ async def _iterate(system, config, info, state, history, start, checkpoints, dev
             full_error = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:
                 full_error = await _whole_data_error(system, config, state.dictionary, block, device)
-            elapsed = previous_time + (updated - clock)
-            clock_pause = time.perf_counter()
-            signals_seen = stats.sum("signals")
-            row = {
-                "objective": (0.5 * stats.sum("residual") + alpha * stats.sum("l1")) / max(signals_seen, 1.0),
-                "error": math.sqrt(stats.sum("residual") / stats.sum("energy")) if stats.sum("energy") > 0 else 0.0,
-                "sparsity": stats.sum("nonzeros") / max(signals_seen, 1.0),
-                "unused": float(np.count_nonzero(stats.usage == 0)),
+            row = stats.metrics(alpha) | {
                 "replaced": float(replaced),
                 "read_s": read - began,
                 "compute_s": coded - read,
                 "comm_s": reduced - coded,
                 "update_s": updated - reduced,
-                "time_s": elapsed,
+                "time_s": previous_time + (updated - clock),
                 "full_error": full_error,
             }
             for name, value in row.items():
                 history.metrics[name].append(value)
             history.usage.append(stats.usage.astype(np.int32))
-            progress.update(iteration + 1, row, signals_seen)
+            progress.update(iteration + 1, row, stats.sum("signals"))
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 meta = {"config": _compatibility(config, info)}
                 checkpoints.save(iteration + 1, replicated=state.arrays() | history.arrays(config.atoms), meta=meta)
-            clock += time.perf_counter() - clock_pause  # evaluation, progress and checkpoints do not count as training
+            clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
             if config.target_error and full_error <= config.target_error:
                 stop_reason = "target_error"
                 break

@@ -10,6 +10,7 @@ collective and picks the same signals whatever the number of ranks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,17 @@ class BatchStatistics:
     def sum(self, name: str) -> float:
         """One of the summed scalars ``SUMS``."""
         return float(self.sums[self.SUMS.index(name)])
+
+    def metrics(self, alpha: float) -> dict[str, float]:
+        """The batch's objective, relative error, mean non-zeros per code and unused atoms."""
+        signals = max(self.sum("signals"), 1.0)
+        energy = self.sum("energy")
+        return {
+            "objective": (0.5 * self.sum("residual") + alpha * self.sum("l1")) / signals,
+            "error": math.sqrt(self.sum("residual") / energy) if energy > 0 else 0.0,
+            "sparsity": self.sum("nonzeros") / signals,
+            "unused": float(np.count_nonzero(self.usage == 0)),
+        }
 
     def worst_signals(self) -> np.ndarray:
         """Residuals of the globally worst-coded signals, worst first (ties: lower sample id first)."""

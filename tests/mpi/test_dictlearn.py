@@ -1,7 +1,9 @@
 """`mpiscale dictlearn` as users run it: real mpirun jobs, real parallel HDF5 data, results and checkpoints."""
 
 import json
+import signal
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -195,3 +197,26 @@ def test_cuda_device_learns_the_cpu_dictionary_on_the_simulator(tmp_path):
     assert np.abs(learned(tmp_path / "gpu.h5") - learned(tmp_path / "cpu.h5")).max() < 1e-9
     with h5py.File(tmp_path / "gpu.h5", "r") as file:
         assert file.attrs["device"] == "cuda:0"
+
+
+def test_sigterm_stops_the_job_and_it_resumes(tmp_path):
+    """Preemption as Slurm does it: SIGTERM mid-run ends the job within seconds; the resumed run matches."""
+    options = [*KSVD, "--checkpoint-every", "50", "--snr-db", "20"]
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(tmp_path / "a.h5"), *options]
+    process = launch(2, [*command, "--iterations", "1000000"])
+    latest = tmp_path / "a.checkpoints" / "latest"
+    deadline = time.monotonic() + 60
+    while not (latest.exists() and int(latest.read_text()) >= 100) and time.monotonic() < deadline:
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    stopped = finish(process, "dictlearn after SIGTERM", 30)
+    assert stopped.returncode != 0 and "SIGTERM received" in stopped.stderr
+    step = int(latest.read_text())
+    total = str(step + 40)
+    resumed = dictlearn(4, tmp_path / "a.h5", *options, "--iterations", total, "--resume")
+    assert_ok(resumed)
+    assert f"resumed from the checkpoint of iteration {step}" in resumed.stdout
+    assert_ok(dictlearn(3, tmp_path / "b.h5", *options, "--iterations", total))
+    assert np.abs(learned(tmp_path / "a.h5") - learned(tmp_path / "b.h5")).max() < 1e-9
