@@ -41,21 +41,42 @@ _REPORT_GRACE_S = 5.0  # how long other ranks leave rank 0 to report an error al
 _COMPATIBLE = ("atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting")
 
 
+_USAGE_ROWS = 1000  # about this many rows of atom usage per run, whatever its length
+
+
 @dataclass
 class History:
-    """Per-iteration metrics (lists of floats) and per-iteration atom usage."""
+    """Per-iteration metrics, and atom usage summed over every ``usage_every`` iterations (bounded size)."""
 
+    usage_every: int
     metrics: dict[str, list] = field(default_factory=lambda: {name: [] for name in METRICS})
     usage: list = field(default_factory=list)
 
+    @classmethod
+    def start(cls, iterations: int) -> History:
+        return cls(max(1, math.ceil(iterations / _USAGE_ROWS)))
+
+    @property
+    def iterations(self) -> int:
+        return len(self.metrics["objective"])
+
+    def record(self, iteration: int, row: dict[str, float], usage: np.ndarray) -> None:
+        """Append iteration ``iteration``'s metrics and add its atom usage to its row."""
+        for name, value in row.items():
+            self.metrics[name].append(value)
+        if iteration // self.usage_every == len(self.usage):
+            self.usage.append(np.zeros(len(usage), dtype=np.int64))
+        self.usage[-1] += usage.astype(np.int64)
+
     def arrays(self, atoms: int) -> dict[str, np.ndarray]:
         arrays = {f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()}
-        arrays["usage"] = np.asarray(self.usage, dtype=np.int32).reshape(-1, atoms)
+        arrays["usage"] = np.asarray(self.usage, dtype=np.int64).reshape(-1, atoms)
+        arrays["usage_every"] = np.array([self.usage_every], dtype=np.int64)
         return arrays
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray]) -> History:
-        history = cls()
+        history = cls(int(arrays["usage_every"][0]))
         for name in METRICS:
             history.metrics[name] = arrays[f"metric_{name}"].tolist()
         history.usage = list(arrays["usage"])
@@ -187,7 +208,7 @@ def _prepare(system, config: DictLearnConfig) -> _Job:
     _check_output(config)
     info, planted = _prepare_data(config, comm)
     state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
-    history, start, checkpoints = History(), 0, None
+    history, start, checkpoints = History.start(config.iterations), 0, None
     if config.checkpoint_every or config.resume:
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
         restored = _restore(config, info, checkpoints)
@@ -246,9 +267,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
                 "time_s": previous_time + (updated - clock),
                 "full_error": full_error,
             }
-            for name, value in row.items():
-                history.metrics[name].append(value)
-            history.usage.append(stats.usage.astype(np.int32))
+            history.record(iteration, row, stats.usage)
             progress.update(iteration + 1, row, stats.sum("signals"))
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 meta = {"config": _compatibility(config, info)}
@@ -262,7 +281,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
             await batches.aclose()
             reader.close()
     progress.finish()
-    return {"iterations": len(history.usage), "stop_reason": stop_reason}
+    return {"iterations": history.iterations, "stop_reason": stop_reason}
 
 
 def _compatibility(config: DictLearnConfig, info) -> dict:

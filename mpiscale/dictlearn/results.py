@@ -4,7 +4,8 @@ Layout, all readable with plain h5py:
 
 - ``/dictionary`` (atoms x features), the learned unit-norm atoms;
 - ``/metrics/<name>`` one value per iteration (see ``METRICS``) and
-  ``/metrics/atom_usage`` (iterations x atoms), codes using each atom per batch;
+  ``/metrics/atom_usage`` (rows x atoms): codes using each atom, summed over the
+  ``every`` iterations (an attribute; about 1,000 rows per run) of each row;
 - ``/planted_dictionary`` for synthetic data, with the attribute ``recovery_rate``;
 - attributes: the usual mpiscale ones (version, format, created, world size,
   config), plus ``hosts``, ``device``, ``data``, ``samples``, ``features``,
@@ -49,7 +50,8 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
         metrics = file.create_group("metrics")
         for name, values in history.metrics.items():
             metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-        metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+        usage = metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+        usage.attrs["every"] = history.usage_every
         if planted is not None:
             file.create_dataset("planted_dictionary", data=planted)
             rate = recovery_rate(planted, dictionary)

@@ -39,6 +39,7 @@ def test_ksvd_setting_recovers_the_planted_dictionary(tmp_path, ranks):
         assert np.allclose(np.linalg.norm(file["dictionary"][()], axis=1), 1.0)
         metrics = file["metrics"]
         assert metrics["objective"].shape == (300,) and metrics["atom_usage"].shape == (300, 50)
+        assert metrics["atom_usage"][()].sum() == round(metrics["sparsity"][()].sum() * 256)
         assert metrics["error"][-20:].mean() < 0.5 * metrics["error"][:20].mean()
         assert (metrics["sparsity"][()] <= 3).all() and (metrics["comm_s"][()] > 0).all()
     print(f"recovered at {ranks} ranks, no noise: {file_rate(out):.0%}")
@@ -78,8 +79,9 @@ def test_killed_run_resumes_on_another_world_size(tmp_path):
     assert "resumed from the checkpoint of iteration 60" in resumed.stdout
     assert_ok(dictlearn(3, tmp_path / "b.h5", *options))
     assert np.abs(learned(tmp_path / "a.h5") - learned(tmp_path / "b.h5")).max() < 1e-9
-    with h5py.File(tmp_path / "a.h5", "r") as file:
-        assert file["metrics"]["objective"].shape == (150,)
+    with h5py.File(tmp_path / "a.h5", "r") as a, h5py.File(tmp_path / "b.h5", "r") as b:
+        assert a["metrics"]["objective"].shape == (150,)
+        assert np.array_equal(a["metrics"]["atom_usage"][()], b["metrics"]["atom_usage"][()])
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ from sklearn.decomposition import sparse_encode
 
 from mpiscale.dictlearn import lasso_encode
 from mpiscale.dictlearn.config import DictLearnConfig, load_config
+from mpiscale.dictlearn.learner import History
+from mpiscale.dictlearn.results import METRICS
 from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
 from mpiscale.dictlearn.update import (
     BatchStatistics,
@@ -143,3 +145,15 @@ def test_config_from_toml_with_overrides(tmp_path):
 def test_config_errors(values, message):
     with pytest.raises(ValueError, match=message):
         DictLearnConfig(**values)
+
+
+def test_history_sums_atom_usage_over_rows_and_survives_a_checkpoint():
+    history = History.start(2500)  # about 1,000 rows: 3 iterations per row
+    assert history.usage_every == 3
+    row = dict.fromkeys(METRICS, 0.5)
+    for iteration in range(7):
+        history.record(iteration, row, np.array([iteration, 1]))
+    assert np.array_equal(np.array(history.usage), [[0 + 1 + 2, 3], [3 + 4 + 5, 3], [6, 1]])
+    again = History.from_arrays(history.arrays(2))
+    again.record(7, row, np.array([7, 1]))
+    assert again.iterations == 8 and np.array_equal(again.usage[-1], [6 + 7, 2])
