@@ -25,7 +25,7 @@ class DictLearnConfig:
 
     data: str = _option("", "FILE.h5:/dataset of signals (rows); empty = generate the planted synthetic set")
     atoms: int = _option(50, "dictionary size K")
-    sparsity: int = _option(3, "OMP: non-zeros per code L (also the sparsity at which errors are reported)")
+    sparsity: int = _option(3, "OMP: non-zeros per code L (the synthetic data use as many)")
     batch_size: int = _option(256, "online: global mini-batch size B (split over the ranks)")
     iterations: int = _option(400, "online: mini-batches; mod: passes over the whole data set")
     method: str = _option("online", "online (Mairal et al. 2009, mini-batches) or mod (batch, whole data set)")
