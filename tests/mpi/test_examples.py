@@ -2,6 +2,7 @@
 
 import sys
 
+import h5py
 from conftest import REPO, assert_ok, finish, launch
 
 
@@ -54,6 +55,10 @@ def test_image_patch_dictionary(tmp_path):
     job = finish(launch(2, learn), "dictlearn on image patches", 120)
     assert_ok(job)
     assert "wrote" in job.stdout and (tmp_path / "ckpt").is_dir()
+    with h5py.File(out, "r") as file:
+        error = file["metrics"]["error"][()]
+        assert error[-10:].mean() < 0.9 * error[:3].mean(), error  # the patches are learned, not just read
+        assert list(file.attrs["patch_shape"]) == [8, 8]
     image = tmp_path / "atoms.png"
     job = finish(
         launch(1, [sys.executable, "-m", "mpiscale.cli", "inspect", str(out), "--plot", str(image)]), "inspect", 60
