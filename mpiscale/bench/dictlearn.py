@@ -126,7 +126,7 @@ def _report(json_path, ranks, setting, omp, baseline, summary, config, wall) -> 
     ours = {
         "ranks": ranks,
         "reached": reached,
-        "iterations": int(len(metrics["time_s"])),
+        "iterations": summary["iterations"],
         "train_seconds": seconds,
         "wall_seconds_with_setup_and_evaluation": wall,
         "final_error": float(metrics["full_error"][~np.isnan(metrics["full_error"])][-1]),

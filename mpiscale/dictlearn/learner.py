@@ -18,7 +18,7 @@ import os
 import socket
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +28,9 @@ from ..kernels.threads import host_placement, share_cores
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
+from .history import History
 from .progress import ProgressLine
-from .results import METRICS, write_results
+from .results import write_results
 from .synthetic import write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
@@ -39,48 +40,6 @@ _REPORT_GRACE_S = 5.0  # how long other ranks leave rank 0 to report an error al
 
 #: Settings a checkpoint must share with the run that resumes it.
 _COMPATIBLE = ("atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting")
-
-
-_USAGE_ROWS = 1000  # about this many rows of atom usage per run, whatever its length
-
-
-@dataclass
-class History:
-    """Per-iteration metrics, and atom usage summed over every ``usage_every`` iterations (bounded size)."""
-
-    usage_every: int
-    metrics: dict[str, list] = field(default_factory=lambda: {name: [] for name in METRICS})
-    usage: list = field(default_factory=list)
-
-    @classmethod
-    def start(cls, iterations: int) -> History:
-        return cls(max(1, math.ceil(iterations / _USAGE_ROWS)))
-
-    @property
-    def iterations(self) -> int:
-        return len(self.metrics["objective"])
-
-    def record(self, iteration: int, row: dict[str, float], usage: np.ndarray) -> None:
-        """Append iteration ``iteration``'s metrics and add its atom usage to its row."""
-        for name, value in row.items():
-            self.metrics[name].append(value)
-        if iteration // self.usage_every == len(self.usage):
-            self.usage.append(np.zeros(len(usage), dtype=np.int64))
-        self.usage[-1] += usage.astype(np.int64)
-
-    def arrays(self, atoms: int) -> dict[str, np.ndarray]:
-        arrays = {f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()}
-        arrays["usage"] = np.asarray(self.usage, dtype=np.int64).reshape(-1, atoms)
-        arrays["usage_every"] = np.array([self.usage_every], dtype=np.int64)
-        return arrays
-
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> History:
-        history = cls(int(arrays["usage_every"][0]))
-        for name in METRICS:
-            history.metrics[name] = arrays[f"metric_{name}"].tolist()
-        history.usage = list(arrays["usage"])
-        return history
 
 
 def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str) -> np.ndarray:
@@ -267,7 +226,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
                 "time_s": previous_time + (updated - clock),
                 "full_error": full_error,
             }
-            history.record(iteration, row, stats.usage)
+            history.record(row, stats.usage)
             progress.update(iteration + 1, row, stats.sum("signals"))
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 meta = {"config": _compatibility(config, info)}

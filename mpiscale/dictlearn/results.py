@@ -3,9 +3,10 @@
 Layout, all readable with plain h5py:
 
 - ``/dictionary`` (atoms x features), the learned unit-norm atoms;
-- ``/metrics/<name>`` one value per iteration (see ``METRICS``) and
-  ``/metrics/atom_usage`` (rows x atoms): codes using each atom, summed over the
-  ``every`` iterations (an attribute; about 1,000 rows per run) of each row;
+- ``/metrics/<name>`` (see ``history.METRICS``), ``/metrics/atom_usage`` (rows x
+  atoms, codes using each atom) and ``/metrics/iteration`` (the iteration ending
+  each row): one row per ``every`` iterations (an attribute of ``/metrics``), so
+  about 1,000 rows per run and one per iteration for runs up to 1,000;
 - ``/planted_dictionary`` for synthetic data, with the attribute ``recovery_rate``;
 - attributes: the usual mpiscale ones (version, format, created, world size,
   config), plus ``hosts``, ``device``, ``data``, ``samples``, ``features``,
@@ -22,21 +23,9 @@ import h5py
 import numpy as np
 
 from ..io.h5file import fsync_path, open_file, stamp
+from .history import METRICS
 
 RESULTS_FORMAT = "mpiscale.dictlearn-results/1"
-METRICS = (
-    "objective",  # mean over the batch of 0.5 ||x - cD||^2 (+ alpha ||c||_1 for lasso), before the update
-    "error",  # relative reconstruction error of the batch, ||X - CD||_F / ||X||_F
-    "sparsity",  # mean non-zeros per code
-    "unused",  # atoms no code of the batch used
-    "replaced",  # atoms replaced after the update
-    "read_s",  # seconds waiting for the batch
-    "compute_s",  # seconds coding and computing the statistics
-    "comm_s",  # seconds in the allreduce (waiting for slower ranks included)
-    "update_s",  # seconds in the dictionary update and replacement
-    "time_s",  # training seconds since the start, at the end of the iteration
-    "full_error",  # relative error on the whole data set (NaN where not evaluated)
-)
 
 
 def write_results(config, info, dictionary, history, planted, summary, world_size, hosts, devices) -> None:
@@ -48,10 +37,12 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
         stamp(file, RESULTS_FORMAT, world_size, config.to_dict())
         file.create_dataset("dictionary", data=dictionary)
         metrics = file.create_group("metrics")
+        metrics.attrs["every"] = history.every
         for name, values in history.metrics.items():
             metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-        usage = metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
-        usage.attrs["every"] = history.usage_every
+        metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+        metrics.create_dataset("iteration", data=history.row_ends())
+        file.attrs["iterations"] = history.iterations
         if planted is not None:
             file.create_dataset("planted_dictionary", data=planted)
             rate = recovery_rate(planted, dictionary)
@@ -93,14 +84,14 @@ def summarize(path: str) -> str:
             f"data: {file.attrs['data']} ({file.attrs['samples']} signals); device {file.attrs['device']}; "
             f"stopped by {file.attrs['stop_reason']}",
         ]
-        iterations = len(metrics["objective"])
+        iterations = int(file.attrs["iterations"])
         if iterations:
             compute = metrics["compute_s"].sum() + metrics["update_s"].sum()
             communication = metrics["comm_s"].sum()
             busy = compute + communication + metrics["read_s"].sum()
             lines += [
                 f"iterations: {iterations}; training time {metrics['time_s'][-1]:.2f} s",
-                f"last iteration: objective {metrics['objective'][-1]:.4e}, error {metrics['error'][-1]:.4f}, "
+                f"last {_row_span(file)}: objective {metrics['objective'][-1]:.4e}, error {metrics['error'][-1]:.4f}, "
                 f"non-zeros {metrics['sparsity'][-1]:.2f}, unused atoms {int(metrics['unused'][-1])}",
                 f"time shares: compute {compute / busy:.1%}, communication {communication / busy:.1%}, "
                 f"reading {metrics['read_s'].sum() / busy:.1%}",
@@ -123,11 +114,11 @@ def plot(path: str, image: str) -> None:
 
     with open_file(path, (RESULTS_FORMAT,)) as file:
         metrics = {name: file["metrics"][name][()] for name in METRICS}
+        iterations = file["metrics"]["iteration"][()]
         dictionary = file["dictionary"][()]
         shape = tuple(file.attrs["patch_shape"]) if "patch_shape" in file.attrs else _square(dictionary.shape[1])
     panels = 3 if shape is not None else 2
     figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
-    iterations = np.arange(1, len(metrics["objective"]) + 1)
     axes[0].semilogy(iterations, metrics["objective"], label="objective (batch)")
     axes[0].semilogy(iterations, metrics["error"], label="relative error (batch)")
     evaluated = ~np.isnan(metrics["full_error"])
@@ -146,6 +137,11 @@ def plot(path: str, image: str) -> None:
     figure.tight_layout()
     figure.savefig(image, dpi=120)
     plt.close(figure)
+
+
+def _row_span(file) -> str:
+    every = int(file["metrics"].attrs["every"])
+    return "iteration" if every == 1 else f"{every} iterations (means)"
 
 
 def _square(features: int) -> tuple[int, int] | None:

@@ -39,6 +39,7 @@ def test_ksvd_setting_recovers_the_planted_dictionary(tmp_path, ranks):
         assert np.allclose(np.linalg.norm(file["dictionary"][()], axis=1), 1.0)
         metrics = file["metrics"]
         assert metrics["objective"].shape == (300,) and metrics["atom_usage"].shape == (300, 50)
+        assert file.attrs["iterations"] == 300 and list(metrics["iteration"][-2:]) == [299, 300]
         assert metrics["atom_usage"][()].sum() == round(metrics["sparsity"][()].sum() * 256)
         assert metrics["error"][-20:].mean() < 0.5 * metrics["error"][:20].mean()
         assert (metrics["sparsity"][()] <= 3).all() and (metrics["comm_s"][()] > 0).all()
@@ -82,6 +83,18 @@ def test_killed_run_resumes_on_another_world_size(tmp_path):
     with h5py.File(tmp_path / "a.h5", "r") as a, h5py.File(tmp_path / "b.h5", "r") as b:
         assert a["metrics"]["objective"].shape == (150,)
         assert np.array_equal(a["metrics"]["atom_usage"][()], b["metrics"]["atom_usage"][()])
+
+
+def test_long_runs_keep_about_a_thousand_rows_of_metrics(tmp_path):
+    out = tmp_path / "long.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "2500", "--checkpoint-every", "1000"))
+    with h5py.File(out, "r") as file:
+        metrics = file["metrics"]
+        assert metrics.attrs["every"] == 3 and metrics["objective"].shape == (834,)
+        assert list(metrics["iteration"][-2:]) == [2499, 2500]
+        per_row = np.diff(metrics["iteration"][()], prepend=0)  # iterations in each row
+        assert metrics["atom_usage"][()].sum() == round((metrics["sparsity"][()] * per_row).sum() * 256)
+        assert file.attrs["iterations"] == 2500
 
 
 @pytest.fixture(scope="module")

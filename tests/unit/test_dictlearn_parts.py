@@ -1,13 +1,14 @@
 """Dictionary-learning parts in one process: Lasso coder, updates, statistics, replacement, settings."""
 
+import math
+
 import numpy as np
 import pytest
 from sklearn.decomposition import sparse_encode
 
 from mpiscale.dictlearn import lasso_encode
 from mpiscale.dictlearn.config import DictLearnConfig, load_config
-from mpiscale.dictlearn.learner import History
-from mpiscale.dictlearn.results import METRICS
+from mpiscale.dictlearn.history import METRICS, History
 from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
 from mpiscale.dictlearn.update import (
     BatchStatistics,
@@ -147,13 +148,19 @@ def test_config_errors(values, message):
         DictLearnConfig(**values)
 
 
-def test_history_sums_atom_usage_over_rows_and_survives_a_checkpoint():
+def test_history_rows_combine_iterations_and_survive_a_checkpoint():
     history = History.start(2500)  # about 1,000 rows: 3 iterations per row
-    assert history.usage_every == 3
-    row = dict.fromkeys(METRICS, 0.5)
+    assert history.every == 3
     for iteration in range(7):
-        history.record(iteration, row, np.array([iteration, 1]))
+        values = dict.fromkeys(METRICS, float(iteration)) | {"full_error": 0.5 if iteration == 1 else math.nan}
+        history.record(values, np.array([iteration, 1]))
     assert np.array_equal(np.array(history.usage), [[0 + 1 + 2, 3], [3 + 4 + 5, 3], [6, 1]])
+    assert history.metrics["objective"] == [1.0, 4.0, 6.0]  # means
+    assert history.metrics["comm_s"] == [3.0, 12.0, 6.0]  # sums
+    assert history.metrics["time_s"] == [2.0, 5.0, 6.0]  # last values
+    assert history.metrics["full_error"][0] == 0.5 and math.isnan(history.metrics["full_error"][1])
+    assert list(history.row_ends()) == [3, 6, 7]
     again = History.from_arrays(history.arrays(2))
-    again.record(7, row, np.array([7, 1]))
+    again.record(dict.fromkeys(METRICS, 7.0), np.array([7, 1]))
     assert again.iterations == 8 and np.array_equal(again.usage[-1], [6 + 7, 2])
+    assert again.metrics["objective"][-1] == 6.5
