@@ -21,13 +21,20 @@ _UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
 
 
 class BatchStatistics:
-    """Views into one float64 buffer: A, B, atom usage, sums, and replacement candidates."""
+    """Views into one float64 buffer: A (its upper triangle), B, atom usage, sums, and replacement candidates.
+
+    A is symmetric, so only its upper triangle travels: for 256 atoms of 64
+    values that makes the buffer 40% smaller. ``unpack`` rebuilds the full ``a``
+    after the allreduce.
+    """
 
     SUMS = ("signals", "energy", "residual", "nonzeros", "l1")
 
     def __init__(self, atoms: int, features: int, ranks: int, candidates: int) -> None:
+        self._upper = np.triu_indices(atoms)
+        self.a = np.zeros((atoms, atoms))
         shapes = {
-            "a": (atoms, atoms),
+            "a_upper": (len(self._upper[0]),),
             "b": (atoms, features),
             "usage": (atoms,),
             "sums": (len(self.SUMS),),
@@ -46,6 +53,7 @@ class BatchStatistics:
         """This rank's contribution from its signals and their codes."""
         self.buffer[:] = 0.0
         np.matmul(codes.T, codes, out=self.a)
+        self.a_upper[:] = self.a[self._upper]
         np.matmul(codes.T, signals, out=self.b)
         nonzero = codes != 0
         self.usage[:] = nonzero.sum(axis=0)
@@ -60,6 +68,11 @@ class BatchStatistics:
         slot[: len(worst), 0] = energy[worst]
         slot[: len(worst), 1] = ids[worst]
         slot[: len(worst), 2:] = residual[worst]
+
+    def unpack(self) -> None:
+        """The full, exactly symmetric ``a`` from the (summed) upper triangle in the buffer."""
+        self.a[self._upper] = self.a_upper
+        self.a.T[self._upper] = self.a_upper
 
     def sum(self, name: str) -> float:
         """One of the summed scalars ``SUMS``."""

@@ -68,6 +68,7 @@ def test_mod_update_solves_for_the_dictionary():
     planted, x, codes = exact_problem()
     stats = BatchStatistics(30, 16, 1, 2)
     stats.fill(0, np.arange(len(x)), x, codes, planted, 0.0)
+    stats.unpack()
     state = DictionaryState.start(np.eye(30, 16))
     mod_update(state, stats)
     assert np.abs(state.dictionary - planted).max() < 1e-8
@@ -92,6 +93,8 @@ def test_statistics_and_worst_signals_do_not_depend_on_the_split():
         parts[rank].fill(rank, chunk, x[chunk], codes[chunk], planted, 0.0)
     summed = BatchStatistics(30, 16, 3, 4)
     summed.buffer[:] = sum(p.buffer for p in parts)
+    summed.unpack()
+    assert (summed.a == summed.a.T).all()
     assert np.allclose(summed.a, whole.a) and np.allclose(summed.b, whole.b)
     assert (summed.usage == whole.usage).all() and summed.sum("signals") == len(x)
     assert np.allclose(summed.worst_signals()[:4], whole.worst_signals())  # the union of every rank's 4 worst
