@@ -3,7 +3,7 @@
 Numba's parallel kernels and OpenBLAS each start one thread per core by
 default. With several ranks on one host that oversubscribes the cores many
 times over, and idle worker threads spin while an MPI collective waits: on
-this 2-core machine four ranks ran 30 times slower because of Numba's threads
+this 2-core machine four ranks ran 14 times slower because of Numba's threads
 and another 8 times slower because of OpenBLAS's. An explicit
 ``NUMBA_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is left alone.
 """
