@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import h5py
 import numpy as np
 
-from ..io.h5file import fsync_path, open_file, stamp
+from ..io.h5file import open_file, publish, stamp
 from .history import METRICS
 
 RESULTS_FORMAT = "mpiscale.dictlearn-results/1"
@@ -57,9 +56,7 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
         shape = _patch_shape(info)
         if shape is not None:
             file.attrs["patch_shape"] = shape
-    fsync_path(temporary)
-    os.replace(temporary, config.out)
-    fsync_path(os.path.dirname(os.path.abspath(config.out)))
+    publish(temporary, config.out)
 
 
 def _patch_shape(info) -> list[int] | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, fsync_path, open_file, stamp
+from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, open_file, publish, stamp
 from .rows import read_rows, write_rows
 
 _STEP = re.compile(r"^step-(\d{8,})\.json$")
@@ -43,10 +43,7 @@ def write_atomically(path: Path, data: bytes | memoryview) -> None:
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
         file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    fsync_path(path.parent)
+    publish(temporary, path)
 
 
 @dataclass(frozen=True)
@@ -103,9 +100,7 @@ def write_shard(path: Path, step: int, rank: int, world_size: int, arrays: dict[
         stamp(file, SHARD_FORMAT, world_size, {"step": step, "rank": rank})
         for name, array in arrays.items():
             file.create_dataset(name, data=array)
-    fsync_path(temporary)
-    os.replace(temporary, path)
-    fsync_path(path.parent)
+    publish(temporary, path)
 
 
 def read_shard(path: str, names: list[str]) -> dict[str, np.ndarray]:
@@ -139,9 +134,7 @@ def write_shared(
                 target[()] = replicated[name]
         file.flush()  # MPI_File_sync on every rank
     if rank == 0:
-        fsync_path(temporary)
-        os.replace(temporary, path)
-        fsync_path(path.parent)
+        publish(temporary, path)
     comm.Barrier()
 
 

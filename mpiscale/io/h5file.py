@@ -125,3 +125,13 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def publish(temporary: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Make the complete file ``temporary`` appear as ``path``: flush it, rename it, flush the directory.
+
+    Readers see the old ``path`` or the whole new one, even after a crash.
+    """
+    fsync_path(temporary)
+    os.replace(temporary, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))

@@ -25,8 +25,8 @@ from .h5file import (
     DataFileError,
     check_array,
     dataset,
-    fsync_path,
     open_file,
+    publish,
     settle_background_io,
     stamp,
 )
@@ -76,9 +76,7 @@ def write_dataset(
             write_rows(target, sum(counts[:rank]), np.asarray(arrays[name]), comm)
             shapes[name] = shape
     if rank == 0:
-        fsync_path(temporary)
-        os.replace(temporary, path)
-        fsync_path(os.path.dirname(os.path.abspath(path)))
+        publish(temporary, path)
     if comm is not None:
         comm.Barrier()
     return shapes
@@ -131,8 +129,7 @@ def write_index(path: str | os.PathLike, shards: list[str | os.PathLike]) -> dic
                 start += rows
             file.create_virtual_dataset(name, virtual)
             shapes[name] = shape
-    fsync_path(temporary)
-    os.replace(temporary, path)
+    publish(temporary, path)
     return shapes
 
 
