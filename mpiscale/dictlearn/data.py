@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, ShardedDataset, rank_rows
+from ..io import BatchReader, ShardedDataset, rank_rows, read_dataset
 from ..io.h5file import DataFileError
 
 _SCAN_ROWS = 1 << 16  # rows per collective read while scanning for NaN
@@ -89,6 +89,5 @@ async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncIte
 def resident_block(info: DataInfo, comm) -> tuple[np.ndarray, np.ndarray]:
     """(global ids, rows) of this rank's block of the whole data set, read collectively."""
     start, stop = rank_rows(info.samples, comm.Get_size(), comm.Get_rank())
-    with ShardedDataset(info.path, info.name, comm) as data:
-        rows = np.asarray(data.read_collective(start, stop), dtype=np.float64)
+    rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64)
     return np.arange(start, stop, dtype=np.int64), rows

@@ -59,7 +59,7 @@ async def _whole_data_error(system, config, dictionary, block, device: str) -> f
     return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
 
-def _prepare_data(config: DictLearnConfig, comm) -> tuple[object, np.ndarray | None]:
+def _prepare_data(config: DictLearnConfig, comm) -> tuple[DataInfo, np.ndarray | None]:
     path, name = config.data_path
     planted = None
     if not config.data:
@@ -79,14 +79,17 @@ def _check_output(config: DictLearnConfig) -> None:
 
 
 def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
+    if not config.resume:
+        steps = checkpoints.steps()
+        if steps:
+            raise CheckpointError(
+                f"{config.checkpoints} already holds checkpoints (newest: iteration {steps[0]}); "
+                "pass --resume to continue from them, or choose another --checkpoint-dir"
+            )
+        return None
     restored = checkpoints.load()
     if restored is None:
         return None
-    if not config.resume:
-        raise CheckpointError(
-            f"{config.checkpoints} already holds checkpoints (newest: iteration {restored.step}); "
-            "pass --resume to continue from them, or choose another --checkpoint-dir"
-        )
     saved = restored.meta.get("config", {})
     expected = _compatibility(config, info)
     differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]

@@ -409,6 +409,11 @@ class Checkpointer:
         return kept
 
     # ---------------------------------------------------------------- loading
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, newest first, without reading them (collective)."""
+        self.wait()
+        return self._front.bcast(self.layout.committed_steps() if self.rank == 0 else None, 0)
+
     def load(self, step: int | None = None, rows: dict[str, tuple[int, int]] | None = None) -> Restored | None:
         """Restore the newest usable checkpoint (or ``step``), resharded onto this world (collective).
 

@@ -16,7 +16,7 @@ def checkpoints(tmp_path):
 
 
 def test_nothing_to_load_is_none_but_a_missing_step_is_an_error(checkpoints):
-    assert checkpoints.load() is None
+    assert checkpoints.load() is None and checkpoints.steps() == []
     with pytest.raises(CheckpointError, match="no checkpoint of step 5"):
         checkpoints.load(5)
 
@@ -65,3 +65,9 @@ def test_a_manifest_newer_than_latest_is_ignored(checkpoints, tmp_path):
     checkpoints.wait()
     (tmp_path / "ckpt" / "latest").write_text("1\n")
     assert checkpoints.load().step == 1
+
+
+def test_steps_lists_committed_checkpoints_newest_first(checkpoints):
+    for step in (3, 7):
+        checkpoints.save(step, replicated={"w": np.full(4, step, dtype=np.float64)})
+    assert checkpoints.steps() == [7, 3]  # waits for the background write of step 7
