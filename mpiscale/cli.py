@@ -1,4 +1,4 @@
-"""The ``mpiscale`` command: ``doctor``, ``demo``, ``bench NAME``."""
+"""The ``mpiscale`` command: ``doctor``, ``demo``, ``dictlearn``, ``index``, ``inspect``, ``bench NAME``."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ def _dictlearn(args: argparse.Namespace) -> int:
     return 0
 
 
+def _index(args: argparse.Namespace) -> int:
+    from .io import DataFileError, write_index
+    from .io.sources import resolve_files
+
+    try:
+        files = [path for pattern in args.files for path in resolve_files(pattern)]
+        shapes = write_index(args.index, files, [args.dataset] if args.dataset else None)
+    except (DataFileError, ValueError) as error:
+        print(f"mpiscale index: {error}", file=sys.stderr)
+        return 2
+    arrays = ", ".join(f"/{name} {shape}" for name, shape in shapes.items())
+    print(f"wrote {args.index}: {len(files)} files as one data set: {arrays}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .dictlearn.results import plot, summarize
 
@@ -72,6 +87,10 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.dictlearn import run_dictlearn_bench
 
         run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
+    elif args.name == "reader":
+        from .bench.reader import run_reader_bench
+
+        run(lambda system: run_reader_bench(system, json_path, args.dir, quick=args.quick))
     elif args.name == "checkpoint":
         from .bench.checkpoint import run_checkpoint_bench
 
@@ -110,6 +129,17 @@ def parser() -> argparse.ArgumentParser:
     _add_config_options(learn)
     learn.set_defaults(handler=_dictlearn)
 
+    index = commands.add_parser(
+        "index",
+        help="present several HDF5 files as one data set (an index file with a virtual data set)",
+        description="Write INDEX.h5, which mpiscale reads as the rows of FILES in order (globs are expanded in "
+        "numeric order: run-2 before run-10), and plain h5py reads through a virtual data set.",
+    )
+    index.add_argument("index", metavar="INDEX.h5", help="the index file to write")
+    index.add_argument("files", nargs="+", metavar="FILE", help="HDF5 files (or quoted globs) in row order")
+    index.add_argument("--dataset", metavar="/PATH", help="the data set to index (default: every data set)")
+    index.set_defaults(handler=_index)
+
     inspect = commands.add_parser("inspect", help="summarize a dictlearn results file; --plot draws it")
     inspect.add_argument("results", help="the results.h5 of a dictlearn run")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw learning curves (and atoms of image patches)")
@@ -118,19 +148,21 @@ def parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
         "name",
-        choices=["pingpong", "random", "checkpoint", "omp", "dictlearn"],
+        choices=["pingpong", "random", "checkpoint", "omp", "dictlearn", "reader"],
         help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
         "random: per-sample random parameters vs a numpy generator per sample (any ranks); "
         "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks); "
         "omp: Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun); "
-        "dictlearn: time to reach scikit-learn MiniBatchDictionaryLearning's error, and OMP throughput (any ranks)",
+        "dictlearn: time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, time "
+        "per iteration, OMP throughput (any ranks); "
+        "reader: read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and streamed",
     )
     bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
     bench.add_argument("--size-mib", type=int, help="checkpoint: total state in MiB (default: 1024; 128 with --quick)")
     bench.add_argument(
         "--dir",
         default="bench-scratch",
-        help="checkpoint, dictlearn: scratch directory for data and checkpoints (default: %(default)s)",
+        help="checkpoint, dictlearn, reader: scratch directory for data and checkpoints (default: %(default)s)",
     )
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")

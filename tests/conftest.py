@@ -85,6 +85,17 @@ def assert_ok(job: Job) -> None:
     assert job.returncode == 0, f"exit status {job.returncode}\n{job.output[-10000:]}"
 
 
+def real_gpu() -> bool:
+    """Whether Numba sees a real CUDA GPU (asked in a child process: the simulator must not leak in)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    probe = "from numba import cuda; print(cuda.is_available())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    found = done.stdout.strip() == "True"
+    if not found and os.environ.get("MPISCALE_REQUIRE_GPU") == "1":
+        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but Numba finds no CUDA GPU: {done.stdout}{done.stderr[-2000:]}")
+    return found
+
+
 @pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
 def ranks(request) -> int:
     """Run the test at 2 and at 4 ranks (4 oversubscribes this 2-core machine)."""

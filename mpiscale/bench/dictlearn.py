@@ -1,4 +1,4 @@
-"""Dictionary learning end to end: time to reach scikit-learn's final error, plus OMP throughput.
+"""Dictionary learning end to end: time to reach the baselines' errors, time per iteration, OMP throughput.
 
 In one run, on the same planted data set (written through ``mpiscale.io``):
 
@@ -6,9 +6,14 @@ In one run, on the same planted data set (written through ``mpiscale.io``):
 2. scikit-learn's ``MiniBatchDictionaryLearning`` (rank 0, all cores through
    BLAS; the other ranks sleep) for a fixed number of epochs: its fit time and
    the whole-data error of its dictionary, coded by OMP at the same sparsity;
-3. our job on all ranks, stopping once its whole-data error (evaluated every
-   few iterations, outside the clock) reaches that error: the training time to
-   get there, and the share of it spent in the allreduce.
+3. SPAMS ``trainDL`` (Mairal's own C++ online dictionary learning, OMP coding,
+   ``mode=3``), when the optional ``spams-bin`` package is installed: a fixed
+   number of mini-batches on all cores, its time per iteration and its error
+   by the same scorer;
+4. our job on all ranks, stopping once its whole-data error (evaluated every
+   few iterations, outside the clock) reaches the lower baseline error: the
+   training time to reach each baseline's error, the time per iteration, and
+   the shares of reading and of the allreduce.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ FULL = {"atoms": 256, "features": 64, "sparsity": 8, "samples": 10_000, "epochs"
 QUICK = {"atoms": 64, "features": 32, "sparsity": 4, "samples": 2_000, "epochs": 2}
 BATCH, SNR_DB, EVAL_EVERY, SEED = 256, 20.0, 5, 0
 MAX_EPOCHS_FACTOR = 4  # ours may run up to this many times scikit-learn's epochs before giving up
+SPAMS_ITERATIONS = {"full": 200, "quick": 40}
 
 
 def _relative_error(signals: np.ndarray, dictionary: np.ndarray, sparsity: int) -> float:
@@ -74,6 +80,27 @@ def _scikit_learn(path: str, setting: dict) -> dict:
     return {"seconds": seconds, "error": error, "cores": cores}
 
 
+def _spams(path: str, setting: dict, iterations: int) -> dict | None:
+    """SPAMS trainDL (OMP coding, mode 3) for ``iterations`` mini-batches on all cores; None if not installed."""
+    try:
+        import spams
+    except ImportError:
+        return None
+    signals = read_dataset(path, SIGNALS)
+    columns = np.asfortranarray(signals.T)  # SPAMS takes one signal per column
+    with _every_core() as cores:
+        started = time.perf_counter()
+        dictionary = spams.trainDL(
+            columns, K=setting["atoms"], lambda1=setting["sparsity"], mode=3, iter=iterations, batchsize=BATCH,
+            numThreads=cores, verbose=False,
+        )  # fmt: skip
+        seconds = time.perf_counter() - started
+    atoms = np.ascontiguousarray(dictionary.T)
+    atoms /= np.maximum(np.linalg.norm(atoms, axis=1, keepdims=True), 1e-300)
+    error = _relative_error(signals, atoms, setting["sparsity"])
+    return {"seconds": seconds, "iterations": iterations, "per_iteration": seconds / iterations, "error": error}
+
+
 async def run_dictlearn_bench(system, json_path: str, workdir: str, quick: bool = False) -> dict | None:
     """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
     from mpi4py import MPI
@@ -88,12 +115,14 @@ async def run_dictlearn_bench(system, json_path: str, workdir: str, quick: bool 
     write_planted_dataset(
         data, setting["samples"], setting["features"], setting["atoms"], setting["sparsity"], SNR_DB, SEED, comm
     )
-    omp = baseline = None
+    omp = baseline = reference = None
     if system.rank == 0:
         name = f"planted {setting['features']}x{setting['atoms']}"
         omp = measure_omp(name, setting["atoms"], setting["features"], setting["sparsity"], 10_000, 1 if quick else 3)
         baseline = _scikit_learn(data, setting)
-    target = await system.world.bcast(baseline["error"] if baseline else None)  # idle ranks sleep, not spin
+        reference = _spams(data, setting, SPAMS_ITERATIONS["quick" if quick else "full"])
+    errors = [b["error"] for b in (baseline, reference) if b] if system.rank == 0 else None
+    target = await system.world.bcast(min(errors) if errors else None)  # idle ranks sleep, not spin
     steps = setting["samples"] // BATCH
     config = DictLearnConfig(
         data=f"{data}:/{SIGNALS}",
@@ -108,50 +137,67 @@ async def run_dictlearn_bench(system, json_path: str, workdir: str, quick: bool 
         target_error=target,
     )
     started = time.perf_counter()
-    summary = await learn(system, config)
+    await learn(system, config)
     wall = time.perf_counter() - started
     if system.rank != 0:
         return None
-    return _report(json_path, system.size, setting, omp, baseline, summary, config, wall)
+    return _report(json_path, system.size, setting, omp, {"sklearn": baseline, "spams": reference}, config, wall)
 
 
-def _report(json_path, ranks, setting, omp, baseline, summary, config, wall) -> dict:
+def _time_to(metrics: dict, error: float) -> float | None:
+    """Training seconds at the first evaluation whose whole-data error is at most ``error``."""
+    reached = np.flatnonzero(metrics["full_error"] <= error)  # NaN (not evaluated) compares False
+    return float(metrics["time_s"][reached[0]]) if len(reached) else None
+
+
+def _report(json_path, ranks, setting, omp, baselines, config, wall) -> dict:
     import h5py
 
     with h5py.File(config.out, "r") as file:
-        metrics = {name: file["metrics"][name][()] for name in ("time_s", "comm_s", "full_error")}
-    reached = summary["stop_reason"] == "target_error"
+        names = ("time_s", "comm_s", "read_s", "full_error", "iteration")
+        metrics = {name: file["metrics"][name][()] for name in names}
     seconds = float(metrics["time_s"][-1])
-    comm_share = float(metrics["comm_s"].sum() / seconds) if seconds > 0 else 0.0
+    iterations = int(metrics["iteration"][-1])
     ours = {
         "ranks": ranks,
-        "reached": reached,
-        "iterations": summary["iterations"],
+        "iterations": iterations,
         "train_seconds": seconds,
+        "per_iteration": seconds / iterations,
         "wall_seconds_with_setup_and_evaluation": wall,
         "final_error": float(metrics["full_error"][~np.isnan(metrics["full_error"])][-1]),
-        "communication_share": comm_share,
-        "speedup": baseline["seconds"] / seconds if reached else None,
+        "communication_share": float(metrics["comm_s"].sum() / seconds) if seconds > 0 else 0.0,
+        "reading_share": float(metrics["read_s"].sum() / seconds) if seconds > 0 else 0.0,
     }
     print(table(OMP_HEADERS, [omp_row(omp)]))
-    headers = [
-        "ranks",
-        "sklearn s",
-        "sklearn error",
-        "ours s to reach",
-        "ours error",
-        "speedup",
-        "comm share",
-        "wall s",
-    ]
-    row = [ranks, baseline["seconds"], baseline["error"], seconds if reached else "not reached"]
-    row += [ours["final_error"], ours["speedup"] or "-", f"{comm_share:.1%}", wall]
+    headers = ["baseline", "its s", "its s/iter", "its error", "ours s to reach", "speedup", "ours s/iter", "ratio"]
+    rows = []
+    for name, baseline in baselines.items():
+        if baseline is None:
+            print(f"\n{name}: not installed (pip install spams-bin), so not measured")
+            continue
+        reach = _time_to(metrics, baseline["error"])
+        baseline["ours_seconds_to_reach"] = reach
+        baseline["speedup"] = baseline["seconds"] / reach if reach else None
+        per_iteration = baseline.get("per_iteration")
+        baseline["per_iteration_ratio"] = per_iteration / ours["per_iteration"] if per_iteration else None
+        rows.append(
+            [name, baseline["seconds"], per_iteration or "-", baseline["error"], reach or "not reached"]
+            + [baseline["speedup"] or "-", ours["per_iteration"], baseline["per_iteration_ratio"] or "-"]
+        )
     print(f"\nsetting: {setting} (batch {BATCH}, {SNR_DB:g} dB noise); errors: whole data set, OMP at L non-zeros")
-    print(table(headers, [row]))
+    shares = f"communication {ours['communication_share']:.1%}, reading {ours['reading_share']:.1%}"
+    print(f"ours on {ranks} ranks: {iterations} iterations in {seconds:.3g} s to error {ours['final_error']:.4f}; "
+          f"{shares}; wall {wall:.3g} s")  # fmt: skip
+    print(table(headers, rows))
     results = {
         "setting": setting | {"batch_size": BATCH, "snr_db": SNR_DB, "eval_every": EVAL_EVERY},
         "omp": omp,
-        "baseline": {"what": "sklearn MiniBatchDictionaryLearning, all cores (BLAS threads)"} | baseline,
+        "baselines": {
+            "sklearn": {"what": "sklearn MiniBatchDictionaryLearning, all cores (BLAS threads)"} | baselines["sklearn"],
+            "spams": {"what": "SPAMS trainDL mode=3 (OMP), all cores"} | baselines["spams"]
+            if baselines["spams"]
+            else None,
+        },
         "ours": ours,
     }
     path = write_json(json_path, "dictlearn", ranks, results)

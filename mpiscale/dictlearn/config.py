@@ -11,8 +11,11 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..io.sources import split_spec
+
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
+IN_MEMORY = ("auto", "yes", "no")
 
 
 def _option(default, help: str):
@@ -23,7 +26,12 @@ def _option(default, help: str):
 class DictLearnConfig:
     """What to learn from, how, and where the results go."""
 
-    data: str = _option("", "FILE.h5:/dataset of signals (rows); empty = generate the planted synthetic set")
+    data: str = _option(
+        "",
+        "signals, one per row: FILE.h5:/path/to/dataset (any HDF5 file; the dataset may be omitted when it is "
+        "the file's only one), a quoted glob 'run-*.h5:/X', a list FILES.txt:/X (one path a line), or FILE.npy; "
+        "empty = generate the planted synthetic set",
+    )
     atoms: int = _option(50, "dictionary size K")
     sparsity: int = _option(3, "OMP: non-zeros per code L (the synthetic data use as many)")
     batch_size: int = _option(256, "online: global mini-batch size B (split over the ranks)")
@@ -37,6 +45,12 @@ class DictLearnConfig:
     replace_after: int = _option(3, "replace an atom unused in this many consecutive batches")
     max_replace: int = _option(4, "most atoms replaced per iteration (by the worst-coded signals of the batch)")
     duplicate_cosine: float = _option(0.99, "replace one of two atoms whose |cosine| exceeds this (1 = never)")
+    in_memory: str = _option(
+        "auto", "keep the signals in memory: yes, no (stream them), or auto (when they fit in half the free memory)"
+    )
+    shuffle_window_mib: float = _option(
+        64.0, "online: data larger than this many MiB of float64 rows are shuffled in windows of this size"
+    )
     out: str = _option("results.h5", "results file (written at the end, atomically)")
     checkpoint_every: int = _option(0, "checkpoint every N iterations (0 = never)")
     checkpoint_dir: str = _option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
@@ -63,6 +77,10 @@ class DictLearnConfig:
             )
         if self.method not in METHODS:
             problems.append(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.in_memory not in IN_MEMORY:
+            problems.append(f"in_memory must be one of {', '.join(IN_MEMORY)}, got {self.in_memory!r}")
+        if not (self.shuffle_window_mib > 0 and math.isfinite(self.shuffle_window_mib)):
+            problems.append(f"shuffle_window_mib must be a positive number, got {self.shuffle_window_mib}")
         if self.coder not in CODERS:
             problems.append(f"coder must be one of {', '.join(CODERS)}, got {self.coder!r}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
@@ -73,8 +91,6 @@ class DictLearnConfig:
             problems.append(f"duplicate_cosine must be in (0, 1], got {self.duplicate_cosine}")
         if self.target_error and not self.eval_every:
             problems.append("target_error needs eval_every > 0 (the whole-data error is what it is compared with)")
-        if self.data and ":" not in self.data:
-            problems.append(f"data must be FILE.h5:/dataset, got {self.data!r} (add the dataset name after a colon)")
         if not self.data:
             if self.features < 1 or self.samples < 1:
                 problems.append("the synthetic data set needs samples and features of at least 1")
@@ -92,9 +108,17 @@ class DictLearnConfig:
     def data_path(self) -> tuple[str, str]:
         """(file, dataset name) of the signals; the synthetic file sits beside ``out``."""
         if self.data:
-            path, _, name = self.data.rpartition(":")
-            return path, name.lstrip("/")
+            return split_spec(self.data)
         return str(Path(self.out).with_suffix(".synthetic.h5")), "signals"
+
+    def shuffle_window(self, features: int) -> int:
+        """Rows in a shuffle window for signals of ``features`` values."""
+        return max(1, int(self.shuffle_window_mib * 2**20) // (8 * features))
+
+    @property
+    def keep_in_memory(self) -> bool | None:
+        """The reader's ``in_memory``: True, False, or None to decide by the free memory."""
+        return {"auto": None, "yes": True, "no": False}[self.in_memory]
 
     @property
     def checkpoints(self) -> str:

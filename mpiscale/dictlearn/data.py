@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -10,42 +11,58 @@ import numpy as np
 from ..io import BatchReader, ShardedDataset, rank_rows, read_dataset
 from ..io.h5file import DataFileError
 
-_SCAN_ROWS = 1 << 16  # rows per collective read while scanning for NaN
+_SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
 
 
 @dataclass
 class DataInfo:
-    """What the checks learned: the number of signals and their length."""
+    """What the checks learned: where the signals are, how many, their length and their shape."""
 
     path: str
     name: str
     samples: int
     features: int
+    patch_shape: list[int] | None = None  # image patches: the rows' 2-D shape, for plots
+
+    @property
+    def spec(self) -> str:
+        """The data as a user names it: FILE:/dataset (or just the file for .npy)."""
+        return f"{self.path}:/{self.name}" if self.name else self.path
 
 
 def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int, comm) -> DataInfo:
     """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity.
 
-    Raises ``DataFileError`` or ``ValueError`` naming the file and the fix; every
-    rank raises the same error because every rank sees the same totals.
+    Signals are the rows of any numeric data set; further axes are flattened
+    (an N x 8 x 8 stack of patches is N signals of 64 values). Raises
+    ``DataFileError`` or ``ValueError`` naming the file and the fix; every rank
+    raises the same error because every rank sees the same totals.
     """
     from mpi4py import MPI
 
     with ShardedDataset(path, name, comm) as data:
-        if len(data.shape) != 2:
-            raise DataFileError(path, f"signals must be a 2-D array (signals, features), got shape {data.shape}", name)
-        if not np.issubdtype(data.dtype, np.floating) and not np.issubdtype(data.dtype, np.integer):
+        name = data.name
+        if len(data.shape) < 2:
+            raise DataFileError(
+                path, f"signals are rows: a 1-D array of {data.shape[0]} values is not a set of signals "
+                "(store it as signals x features)", name,
+            )  # fmt: skip
+        if data.dtype.kind not in "biuf":
             raise DataFileError(path, f"signals must be numbers, got dtype {data.dtype}", name)
-        samples, features = data.shape
+        samples, features = data.shape[0], int(np.prod(data.shape[1:]))
+        if not samples or not features:
+            raise DataFileError(path, f"holds no signals (shape {data.shape})", name)
+        patch_shape = _patch_shape(data)
         start, stop = rank_rows(samples, comm.Get_size(), comm.Get_rank())
         largest_block = -(-samples // comm.Get_size())
-        rounds = -(-largest_block // _SCAN_ROWS)  # the same on every rank: each read is collective
+        rows_per_read = max(1, _SCAN_BYTES // (features * data.dtype.itemsize))
+        rounds = -(-largest_block // rows_per_read)  # the same on every rank: each read is collective
         first_bad = samples
         for part in range(rounds):
-            lo = min(stop, start + part * _SCAN_ROWS)
-            hi = min(stop, lo + _SCAN_ROWS)
-            rows = data.read_collective(lo, hi)
-            bad = np.flatnonzero(~np.isfinite(rows).all(axis=1)) if rows.size else []
+            lo = min(stop, start + part * rows_per_read)
+            hi = min(stop, lo + rows_per_read)
+            rows = data.read_collective(lo, hi).reshape(hi - lo, features)
+            bad = np.flatnonzero(~np.isfinite(rows).all(axis=1)) if rows.size and data.dtype.kind == "f" else []
             if len(bad):
                 first_bad = min(first_bad, lo + int(bad[0]))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
@@ -62,7 +79,19 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int,
         problems.append(f"batch size {batch_size} exceeds the {samples} signals")
     if problems:
         raise ValueError(f"{path}:{name}: " + "; ".join(problems))
-    return DataInfo(path, name, samples, features)
+    return DataInfo(path, name, samples, features, patch_shape)
+
+
+def _patch_shape(data: ShardedDataset) -> list[int] | None:
+    """Rows that are 2-D arrays are image patches; so are rows of a file whose config names a ``patch_shape``."""
+    if len(data.shape) == 3:
+        return [int(v) for v in data.shape[1:]]
+    config = data.attrs().get("config")
+    try:
+        shape = json.loads(config).get("patch_shape") if config else None
+    except (ValueError, AttributeError):
+        return None
+    return [int(v) for v in shape] if shape else None
 
 
 def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm) -> np.ndarray:
@@ -70,7 +99,7 @@ def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm) -> np.ndarra
     rng = np.random.default_rng(seed)
     ids = np.sort(rng.choice(info.samples, atoms, replace=False))
     with ShardedDataset(info.path, info.name, comm) as data:
-        rows = np.array([data.read(int(i), int(i) + 1)[0] for i in ids], dtype=np.float64)
+        rows = np.array([data.read(int(i), int(i) + 1)[0] for i in ids], dtype=np.float64).reshape(atoms, -1)
     norms = np.linalg.norm(rows, axis=1)
     flat = norms <= 1e-12 * max(norms.max(), 1e-300)
     rows[flat] = rng.standard_normal((int(flat.sum()), info.features))
@@ -82,12 +111,13 @@ async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncIte
     epoch, step = divmod(start, reader.steps)
     while True:
         async for batch in reader.aepoch(epoch, step):
-            yield batch.ids, np.asarray(batch.data[name], dtype=np.float64)
+            signals = batch.data[name]
+            yield batch.ids, np.asarray(signals, dtype=np.float64).reshape(len(signals), -1)
         epoch, step = epoch + 1, 0
 
 
 def resident_block(info: DataInfo, comm) -> tuple[np.ndarray, np.ndarray]:
     """(global ids, rows) of this rank's block of the whole data set, read collectively."""
     start, stop = rank_rows(info.samples, comm.Get_size(), comm.Get_rank())
-    rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64)
+    rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64).reshape(stop - start, -1)
     return np.arange(start, stop, dtype=np.int64), rows

@@ -11,7 +11,6 @@ so a resumed run, on any number of ranks, continues exactly where it stopped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import os
@@ -36,10 +35,10 @@ from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_upda
 
 log = logging.getLogger(__name__)
 
-_REPORT_GRACE_S = 5.0  # how long other ranks leave rank 0 to report an error all ranks found
-
 #: Settings a checkpoint must share with the run that resumes it.
-_COMPATIBLE = ("atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting")
+_COMPATIBLE = (
+    "atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting", "shuffle_window_mib"
+)  # fmt: skip
 
 
 def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str) -> np.ndarray:
@@ -122,16 +121,16 @@ async def learn(system, config: DictLearnConfig) -> dict:
     """Run the job on every rank; returns a summary (the same on every rank).
 
     Bad input (data, sizes, output directory, checkpoints, device) ends the job
-    before the first iteration with one message and no traceback: every rank
-    finds the same problem, rank 0 reports it, and the others wait a moment for
-    rank 0 to end the job. Errors during the iterations keep their tracebacks.
+    before the first iteration with one message, no traceback and exit status
+    2: every rank finds the same problem, and the ranks agree on it before they
+    stop. Errors during the iterations keep their tracebacks.
     """
+    job, problem = None, None
     try:
         job = _prepare(system, config)
     except (ValueError, CheckpointError) as error:
-        if system.rank != 0:
-            await asyncio.sleep(_REPORT_GRACE_S)
-        raise SystemExit(f"mpiscale dictlearn: {error}") from None
+        problem = ValueError(f"mpiscale dictlearn: {error}")
+    await system.agree(problem, "the input and settings")
     try:
         summary = await _iterate(system, config, job)
     finally:
@@ -193,7 +192,15 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
     reader = None
     if config.method == "online":
         reader = BatchReader(
-            info.path, [info.name], config.batch_size, job.comm, shuffle=True, seed=config.seed, drop_last=True
+            info.path,
+            [info.name],
+            config.batch_size,
+            job.comm,
+            shuffle=True,
+            seed=config.seed,
+            drop_last=True,
+            shuffle_window=config.shuffle_window(info.features),
+            in_memory=config.keep_in_memory,
         )
         batches = online_batches(reader, info.name, start)
     progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)

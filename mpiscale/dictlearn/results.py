@@ -50,22 +50,12 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
         file.attrs["hosts"] = json.dumps(hosts)
         file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
         file.attrs["numba_threads_per_rank"] = summary["threads"]
-        file.attrs["data"] = f"{info.path}:{info.name}"
+        file.attrs["data"] = info.spec
         file.attrs["samples"], file.attrs["features"] = info.samples, info.features
         file.attrs["stop_reason"] = summary["stop_reason"]
-        shape = _patch_shape(info)
-        if shape is not None:
-            file.attrs["patch_shape"] = shape
+        if info.patch_shape is not None:
+            file.attrs["patch_shape"] = info.patch_shape
     publish(temporary, config.out)
-
-
-def _patch_shape(info) -> list[int] | None:
-    """The ``patch_shape`` the data file's config names (image patches), if any."""
-    from ..io.h5file import DATASET_FORMAT, INDEX_FORMAT
-
-    with open_file(info.path, (DATASET_FORMAT, INDEX_FORMAT)) as file:
-        shape = json.loads(file.attrs.get("config", "{}")).get("patch_shape")
-    return [int(v) for v in shape] if shape else None
 
 
 def summarize(path: str) -> str:

@@ -45,6 +45,7 @@ from ..runtime.collectives import split_nodes
 from ..runtime.config import RuntimeConfig
 from ..runtime.transport import chunks
 from .checkpoint_files import (
+    CHECKSUM,
     Layout,
     checksum,
     open_shared,
@@ -208,10 +209,11 @@ class Checkpointer:
                 f"checkpoint save of step {step}: ranks disagree on the step, array names, dtypes or row shapes "
                 f"(rank {self.rank} passes {signature}; ranks differing from this one: {odd})"
             )
+        keep = self._snapshot if self.background else _as_they_are  # a blocking save needs no copy
         job = _SaveJob(
             step=step,
-            sharded=self._snapshot(sharded, "s:"),
-            replicated=self._snapshot(replicated, "r:") if self.rank == 0 else {},
+            sharded=keep(sharded, "s:"),
+            replicated=keep(replicated, "r:") if self.rank == 0 else {},
             replicated_specs={name: (a.shape, a.dtype.str) for name, a in replicated.items()},
             meta=json.loads(json.dumps(meta)),
             index=self._saves,
@@ -332,6 +334,7 @@ class Checkpointer:
                 "shape": [start, *rows.shape[1:]],
                 "dtype": rows.dtype.str,
                 "blocks": blocks,
+                "checksum": CHECKSUM,
                 "stored_in": job.step,
             }
         for name, (shape, dtype) in job.replicated_specs.items():
@@ -340,12 +343,13 @@ class Checkpointer:
                 "shape": list(shape),
                 "dtype": dtype,
                 "blocks": [[0, 1, replicated_sums[name]]],
+                "checksum": CHECKSUM,
                 "stored_in": job.step,
             }
         if not full:
             for name, entry in arrays.items():
                 old = self._base["arrays"].get(name)
-                if old and all(old[k] == entry[k] for k in ("kind", "shape", "dtype", "blocks")):
+                if old and all(old.get(k) == entry[k] for k in ("kind", "shape", "dtype", "blocks", "checksum")):
                     arrays[name] = old
         from .. import __version__
 
@@ -610,11 +614,16 @@ class Checkpointer:
             os._exit(1)
 
 
+def _as_they_are(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The caller's arrays, C-contiguous: a synchronous save writes them before the caller goes on."""
+    return {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+
+
 def _verify(path: str, name: str, data: np.ndarray, entry: dict, rows: int | None, crc: int) -> None:
     shape = tuple(entry["shape"]) if rows is None else (rows, *entry["shape"][1:])
     if data.shape != shape or data.dtype != np.dtype(entry["dtype"]):
         raise DataFileError(path, f"holds {data.dtype}{data.shape}, the manifest says {entry['dtype']}{shape}", name)
-    if checksum(data) != crc:
+    if checksum(data, entry.get("checksum", "crc32")) != crc:
         raise DataFileError(path, "checksum mismatch: the data is corrupt", name)
 
 

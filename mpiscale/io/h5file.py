@@ -1,9 +1,9 @@
 """Opening and stamping mpiscale HDF5 files, with errors that name the file and dataset.
 
 Every file the project writes carries ``mpiscale_version``, ``format``,
-``created``, ``world_size`` and ``config`` (JSON) attributes; readers check
-``format`` so a file from elsewhere is refused with a clear message instead of
-being misread.
+``created``, ``world_size`` and ``config`` (JSON) attributes. Readers of the
+project's own kinds of file (indexes, checkpoints, results) check ``format``;
+input data is any HDF5 file, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -59,8 +59,12 @@ class DataFileError(ValueError):
     def __init__(self, path: str | os.PathLike, message: str, dataset: str | None = None) -> None:
         self.path = os.fspath(path)
         self.dataset = dataset
+        self.message = message
         where = f"{self.path}:{dataset}" if dataset else self.path
         super().__init__(f"{where}: {message}")
+
+    def __reduce__(self):  # travels between ranks (one rank lists the files, all raise)
+        return type(self), (self.path, self.message, self.dataset)
 
 
 def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | None = None) -> None:
@@ -74,11 +78,24 @@ def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | Non
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 
 
-def open_file(path: str | os.PathLike, formats: tuple[str, ...], comm=None) -> h5py.File:
-    """Open ``path`` read-only (collectively with the MPI driver when ``comm`` is given) and check its format."""
+def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, comm=None) -> h5py.File:
+    """Open ``path`` read-only (collectively with the MPI driver when ``comm`` is given).
+
+    ``formats``: the ``format`` attributes accepted (mpiscale's own kinds of
+    file); None accepts any HDF5 file. Every problem is a DataFileError naming
+    the file, raised before the MPI-IO layer sees a path it cannot open.
+    """
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataFileError(path, "is a directory, not an HDF5 file (give FILE.h5:/dataset)")
     if not os.path.exists(path):
         raise DataFileError(path, "no such file")
+    if not os.access(path, os.R_OK):
+        raise DataFileError(path, "is not readable (permission denied)")
+    if not h5py.is_hdf5(path):
+        if os.path.getsize(path) == 0:
+            raise DataFileError(path, "is empty")
+        raise DataFileError(path, "not an HDF5 file (no HDF5 signature: truncated, or another format?)")
     try:
         if comm is not None:
             settle_background_io()
@@ -87,9 +104,9 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...], comm=None) -> h
             file = h5py.File(path, "r")
     except OSError as error:
         raise DataFileError(path, f"not a readable HDF5 file (truncated or corrupt?): {error}") from error
-    found = file.attrs.get("format")
-    if isinstance(found, bytes):
-        found = found.decode()
+    if formats is None:
+        return file
+    found = file_format(file)
     if found not in formats:
         file.close()
         expected = " or ".join(formats)
@@ -98,16 +115,45 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...], comm=None) -> h
     return file
 
 
+def file_format(file: h5py.File) -> str | None:
+    """The ``format`` attribute mpiscale stamps on its files, or None (a file from elsewhere)."""
+    found = file.attrs.get("format")
+    return found.decode() if isinstance(found, bytes) else found if isinstance(found, str) else None
+
+
 def dataset(file: h5py.File, name: str) -> h5py.Dataset:
-    """The dataset ``name`` of ``file``, or a DataFileError naming both."""
+    """The dataset ``name`` of ``file`` (a path such as ``/run/3/X``), or a DataFileError naming both."""
+    name = name.strip("/") or "/"
     try:
         node = file[name]
     except KeyError:
-        names = ", ".join(sorted(file.keys())) or "none"
-        raise DataFileError(file.filename, f"no dataset {name!r} (datasets: {names})", name) from None
+        parent, _, _ = name.rpartition("/")
+        if parent and parent not in file:
+            message = f"no group {parent!r}"
+        else:
+            message = f"no dataset {name!r}"
+        raise DataFileError(file.filename, f"{message} (datasets: {describe_datasets(file)})", name) from None
     if not isinstance(node, h5py.Dataset):
-        raise DataFileError(file.filename, "is a group, not a dataset", name)
+        inside = describe_datasets(node)
+        raise DataFileError(file.filename, f"is a group, not a dataset (datasets in it: {inside})", name)
     return node
+
+
+def datasets_in(group: h5py.Group) -> list[str]:
+    """Paths of every dataset under ``group`` (visiting nested groups), in HDF5's name order."""
+    found: list[str] = []
+    group.visititems(lambda name, node: found.append(name) if isinstance(node, h5py.Dataset) else None)
+    return found
+
+
+def describe_datasets(group: h5py.Group, most: int = 12) -> str:
+    """A short list of the datasets under ``group`` with their shapes and dtypes, for error messages."""
+    names = datasets_in(group)
+    if not names:
+        return "none"
+    shown = [f"{name} {group[name].shape} {group[name].dtype}" for name in names[:most]]
+    more = f", and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(shown) + more
 
 
 def check_array(path: str, name: str, shape: tuple, dtype: np.dtype, expect_shape=None, expect_dtype=None) -> None:

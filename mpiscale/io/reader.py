@@ -1,37 +1,87 @@
-"""Rank-aware batch reader over sharded datasets, with prefetch and a bounded block cache.
+"""Rank-aware batch reader: the data in memory when it fits, else streamed in shuffle windows.
 
-The global order of an epoch depends only on ``(seed, epoch)``: in order
-(``shuffle=False``) or a permutation drawn from ``SampleRandom`` keys. Step
-``t`` covers positions ``[t*B, (t+1)*B)`` of that order for a global batch size
-``B``, and each rank takes its block of that step (as ``np.array_split``). So a
-job restarted on another number of ranks sees exactly the same global batches,
-and every rank runs the same number of steps (some batches may be empty when
-there are more ranks than samples in a step).
+The global order of an epoch depends only on ``(seed, epoch)`` and the shuffle
+window: in order (``shuffle=False``), a permutation of all samples (data sets
+no larger than the window), or, for larger data, a *block-shuffled* order: the
+rows are cut into blocks of ``window / 8`` rows, the blocks are permuted, and
+each run of 8 consecutive blocks (a window) is shuffled row by row. Step ``t``
+covers positions ``[t*B, (t+1)*B)`` of that order for a global batch size
+``B``, and each rank takes its block of that step (as ``np.array_split``). So
+a job restarted on another number of ranks sees exactly the same global
+batches, and every rank runs the same number of steps.
+
+Where the rows come from never changes them: when the arrays fit in memory
+(by default, half of the node's available memory shared by its ranks) every
+rank reads them once, collectively, and serves each batch from memory. Else
+one background thread reads each window as contiguous block reads, a window
+ahead of the one in use, and batches are gathered from the windows in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
-from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, rank_rows
 
-SHUFFLE_STREAM = 255  # SampleRandom stream reserved for the epoch permutation
+SHUFFLE_STREAM = 255  # SampleRandom stream reserved for the row order
+BLOCK_STREAM = 254  # ... and for the block order of windowed shuffles
+BLOCKS_PER_WINDOW = 8
+DEFAULT_WINDOW_BYTES = 64 << 20
+MEMORY_FRACTION = 0.5  # of the node's available memory that resident data may take
 
 
-def epoch_order(samples: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+@dataclass(frozen=True)
+class EpochPlan:
+    """The order of one epoch, and the windows it is read in.
+
+    ``windows[w]`` holds the ids of the blocks of window ``w``, sorted (the
+    order they are read in); ``window_starts[w]`` is the first position of the
+    order that window ``w`` supplies (with a final entry equal to the samples).
+    """
+
+    order: np.ndarray
+    block_rows: int
+    windows: list[np.ndarray]
+    window_starts: np.ndarray
+
+
+def epoch_plan(samples: int, epoch: int, seed: int, shuffle: bool, window: int | None = None) -> EpochPlan:
+    """The order of ``epoch`` and its windows: a pure function of the arguments (never of the world size)."""
+    ids = np.arange(samples, dtype=np.int64)
+    window = samples if window is None else max(1, min(window, samples))
+    block_rows = max(1, math.ceil(window / BLOCKS_PER_WINDOW))
+    blocks = np.arange(-(-samples // block_rows), dtype=np.int64)
+    random = SampleRandom(seed)
+    whole = window >= samples
+    if shuffle and not whole:
+        blocks = np.argsort(random.uniform(epoch, blocks, 1, stream=BLOCK_STREAM)[:, 0], kind="stable")
+    windows = [np.sort(blocks[i : i + BLOCKS_PER_WINDOW]) for i in range(0, len(blocks), BLOCKS_PER_WINDOW)]
+    if whole:
+        windows = [np.sort(blocks)]
+    keys = random.uniform(epoch, ids, 1, stream=SHUFFLE_STREAM)[:, 0] if shuffle else None
+    parts, starts = [], [0]
+    for blocks_of_window in windows:
+        rows = np.concatenate([ids[b * block_rows : (b + 1) * block_rows] for b in blocks_of_window])
+        if keys is not None:
+            rows = rows[np.argsort(keys[rows], kind="stable")]
+        parts.append(rows)
+        starts.append(starts[-1] + len(rows))
+    order = np.concatenate(parts) if parts else ids
+    return EpochPlan(order, block_rows, windows, np.asarray(starts, dtype=np.int64))
+
+
+def epoch_order(samples: int, epoch: int, seed: int, shuffle: bool, window: int | None = None) -> np.ndarray:
     """Global sample order of ``epoch``: a pure function of its arguments."""
-    if not shuffle:
-        return np.arange(samples, dtype=np.int64)
-    keys = SampleRandom(seed).uniform(epoch, np.arange(samples, dtype=np.int64), 1, stream=SHUFFLE_STREAM)
-    return np.argsort(keys[:, 0], kind="stable")
+    return epoch_plan(samples, epoch, seed, shuffle, window).order
 
 
 @dataclass
@@ -44,57 +94,48 @@ class Batch:
     data: dict[str, np.ndarray]
 
 
-class _BlockCache:
-    """Least-recently-used blocks of ``block_rows`` rows, at most ``max_bytes`` in all."""
+def available_memory() -> int:
+    """Bytes of memory the kernel says new allocations can take without swapping (MemAvailable)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
-    def __init__(self, source: ShardedDataset, block_rows: int, max_bytes: int) -> None:
-        self.source = source
-        self.block_rows = block_rows
-        self.max_bytes = max_bytes
-        self.blocks: OrderedDict[int, np.ndarray] = OrderedDict()
-        self.bytes = 0
-        self.reads = 0
 
-    def take(self, ids: np.ndarray) -> np.ndarray:
-        """Rows ``ids`` (any order), reading missing blocks in contiguous runs."""
-        out = np.empty((len(ids), *self.source.shape[1:]), dtype=self.source.dtype)
-        if not len(ids):
-            return out
-        block_of = ids // self.block_rows
-        self._load([int(b) for b in np.unique(block_of) if int(b) not in self.blocks])
-        by_block = np.argsort(block_of, kind="stable")
-        for group in np.split(by_block, np.flatnonzero(np.diff(block_of[by_block])) + 1):
-            block = int(block_of[group[0]])
-            self.blocks.move_to_end(block)
-            out[group] = self.blocks[block][ids[group] - block * self.block_rows]
-        self._evict()
-        return out
+class _Window:
+    """Rows of one window's blocks, in block order, with the map from sample id to row."""
 
-    def _load(self, missing: list[int]) -> None:
-        run_start = 0
-        for i in range(1, len(missing) + 1):
-            if i == len(missing) or missing[i] != missing[i - 1] + 1:
-                first, last = missing[run_start], missing[i - 1]
-                start = first * self.block_rows
-                rows = self.source.read(start, min((last + 1) * self.block_rows, len(self.source)))
-                self.reads += 1
-                for block in range(first, last + 1):
-                    piece = rows[(block - first) * self.block_rows : (block - first + 1) * self.block_rows]
-                    self.blocks[block] = piece
-                    self.bytes += piece.nbytes
-                run_start = i
+    def __init__(self, plan: EpochPlan, index: int, arrays: dict[str, np.ndarray]) -> None:
+        self.arrays = arrays
+        self.block_rows = plan.block_rows
+        blocks = plan.windows[index]
+        self.slot = np.full(int(blocks[-1]) + 1, -1, dtype=np.int64)
+        self.slot[blocks] = np.arange(len(blocks))
 
-    def _evict(self) -> None:
-        while self.bytes > self.max_bytes and self.blocks:
-            _, rows = self.blocks.popitem(last=False)
-            self.bytes -= rows.nbytes
+    def holds(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` this window holds."""
+        blocks = ids // self.block_rows
+        inside = blocks < len(self.slot)
+        inside[inside] = self.slot[blocks[inside]] >= 0
+        return inside
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (all held by this window) in its arrays."""
+        blocks = ids // self.block_rows
+        return self.slot[blocks] * self.block_rows + ids - blocks * self.block_rows
 
 
 class BatchReader:
-    """Batches of one or more same-length arrays of a sharded dataset, for this rank.
+    """Batches of one or more same-length arrays of a data set, for this rank.
 
-    ``batch_size`` is the *global* batch. Reads happen in one background thread,
-    ``prefetch`` steps ahead, through a cache of at most ``cache_bytes`` per array.
+    ``batch_size`` is the *global* batch. ``shuffle_window`` (rows) bounds the
+    shuffle of large data sets (default: 64 MiB of rows). ``in_memory``: True
+    reads the arrays once and keeps them, False streams windows, None (the
+    default) keeps them when they fit. ``prefetch``: windows read ahead while
+    streaming.
     """
 
     def __init__(
@@ -106,9 +147,9 @@ class BatchReader:
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
-        prefetch: int = 2,
-        cache_bytes: int = 256 << 20,
-        block_bytes: int = 1 << 20,
+        prefetch: int = 1,
+        shuffle_window: int | None = None,
+        in_memory: bool | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -119,6 +160,8 @@ class BatchReader:
         self.batch_size = batch_size
         self.shuffle, self.seed, self.drop_last, self.prefetch = shuffle, seed, drop_last, prefetch
         self._datasets: dict[str, ShardedDataset] = {}
+        self._resident: dict[str, np.ndarray] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         try:
             for name in names:
                 self._datasets[name] = ShardedDataset(path, name, comm)
@@ -130,11 +173,31 @@ class BatchReader:
             self.close()
             raise ValueError(f"{os.fspath(path)}: arrays differ in length {lengths}; a batch needs equal row counts")
         self.samples = next(iter(lengths.values()), 0)
-        self._caches = {}
-        for name, ds in self._datasets.items():
-            row_bytes = max(ds.dtype.itemsize * int(np.prod(ds.shape[1:], dtype=np.int64)), 1)
-            self._caches[name] = _BlockCache(ds, max(1, block_bytes // row_bytes), cache_bytes)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
+        row_bytes = sum(ds.dtype.itemsize * math.prod(ds.shape[1:]) for ds in self._datasets.values())
+        self.nbytes = row_bytes * self.samples
+        if shuffle_window is None:
+            shuffle_window = DEFAULT_WINDOW_BYTES // max(row_bytes, 1)
+        self.shuffle_window = max(int(shuffle_window), batch_size)
+        self.in_memory = self._fits(comm) if in_memory is None else bool(in_memory)
+        if self.in_memory:
+            self._resident = {name: ds.read_collective(0, len(ds)) for name, ds in self._datasets.items()}
+        else:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
+
+    def _fits(self, comm) -> bool:
+        """Whether every node can hold a copy of the data per rank in its share of memory (the same on every rank)."""
+        if comm is None:
+            return self.nbytes <= MEMORY_FRACTION * available_memory()
+        from mpi4py import MPI
+
+        from ..runtime.collectives import split_nodes
+        from ..runtime.config import RuntimeConfig
+
+        node, _, _ = split_nodes(MPI, comm, RuntimeConfig.from_env().ranks_per_node)
+        ranks_on_node = node.Get_size()
+        node.Free()
+        fits = self.nbytes * ranks_on_node <= MEMORY_FRACTION * available_memory()
+        return bool(comm.allreduce(int(fits), op=MPI.MIN))
 
     @property
     def steps(self) -> int:
@@ -142,47 +205,92 @@ class BatchReader:
         whole, rest = divmod(self.samples, self.batch_size)
         return whole + (1 if rest and not self.drop_last else 0)
 
+    def plan(self, epoch: int) -> EpochPlan:
+        """The order and windows of ``epoch``."""
+        return epoch_plan(self.samples, epoch, self.seed, self.shuffle, self.shuffle_window)
+
     def step_ids(self, order: np.ndarray, step: int) -> np.ndarray:
         """This rank's sample ids of global step ``step`` of an epoch with global ``order``."""
         step_rows = order[step * self.batch_size : (step + 1) * self.batch_size]
         start, stop = rank_rows(len(step_rows), self.size, self.rank)
         return step_rows[start:stop]
 
-    def _read(self, epoch: int, step: int, ids: np.ndarray) -> Batch:
-        return Batch(epoch, step, ids, {name: cache.take(ids) for name, cache in self._caches.items()})
+    def _read_window(self, plan: EpochPlan, index: int) -> _Window:
+        """Read window ``index`` as contiguous runs of its (sorted) blocks (in the reader thread)."""
+        blocks = plan.windows[index]
+        runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1)
+        spans = [(int(r[0]) * plan.block_rows, min((int(r[-1]) + 1) * plan.block_rows, self.samples)) for r in runs]
+        arrays = {}
+        for name, ds in self._datasets.items():
+            parts = [ds.read(start, stop) for start, stop in spans]
+            arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return _Window(plan, index, arrays)
 
-    def _futures(self, epoch: int, start_step: int) -> Iterator[Future]:
-        order = epoch_order(self.samples, epoch, self.seed, self.shuffle)
-        ahead: deque[Future] = deque()
-        steps = iter(range(start_step, self.steps))
+    def _steps(self, epoch: int, start_step: int) -> Iterator[tuple[list[Future], Callable[[], Batch]]]:
+        """For each step: the window reads it waits for, and how to assemble its batch."""
+        plan = self.plan(epoch)
+        if self._resident is not None:
+            for step in range(start_step, self.steps):
+                ids = self.step_ids(plan.order, step)
+                yield (
+                    [],
+                    lambda step=step, ids=ids: Batch(
+                        epoch, step, ids, {name: array[ids] for name, array in self._resident.items()}
+                    ),
+                )
+            return
+        windows: dict[int, Future] = {}
         try:
-            for step in steps:
-                ahead.append(self._pool.submit(self._read, epoch, step, self.step_ids(order, step)))
-                if len(ahead) > self.prefetch:
-                    yield ahead.popleft()
-            while ahead:
-                yield ahead.popleft()
+            for step in range(start_step, self.steps):
+                ids = self.step_ids(plan.order, step)
+                first = int(np.searchsorted(plan.window_starts, step * self.batch_size, "right")) - 1
+                last = int(np.searchsorted(plan.window_starts, (step + 1) * self.batch_size - 1, "right")) - 1
+                last = min(last, len(plan.windows) - 1)
+                for index in [w for w in windows if w < first]:
+                    windows.pop(index).cancel()
+                for index in range(first, min(last + self.prefetch, len(plan.windows) - 1) + 1):
+                    if index not in windows:
+                        windows[index] = self._pool.submit(self._read_window, plan, index)
+                needed = [windows[index] for index in range(first, last + 1)]
+                yield needed, lambda step=step, ids=ids, needed=needed: self._gather(plan, epoch, step, ids, needed)
         finally:
-            for future in ahead:
+            for future in windows.values():
                 future.cancel()
+
+    def _gather(self, plan: EpochPlan, epoch: int, step: int, ids: np.ndarray, needed: list[Future]) -> Batch:
+        loaded = [future.result() for future in needed]
+        if len(loaded) == 1:
+            rows = loaded[0].rows(ids)
+            return Batch(epoch, step, ids, {name: a[rows] for name, a in loaded[0].arrays.items()})
+        data = {name: np.empty((len(ids), *ds.shape[1:]), ds.dtype) for name, ds in self._datasets.items()}
+        for window in loaded:
+            mine = window.holds(ids)
+            rows = window.rows(ids[mine])
+            for name, array in window.arrays.items():
+                data[name][mine] = array[rows]
+        return Batch(epoch, step, ids, data)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """This rank's batches of ``epoch``, from ``start_step`` (to resume mid-epoch)."""
-        for future in self._futures(epoch, start_step):
-            yield future.result()
+        for _, assemble in self._steps(epoch, start_step):
+            yield assemble()
 
     async def aepoch(self, epoch: int, start_step: int = 0) -> AsyncIterator[Batch]:
-        """As ``epoch``, awaiting each batch so the event loop keeps serving actors."""
-        for future in self._futures(epoch, start_step):
-            yield await asyncio.wrap_future(future)
+        """As ``epoch``, awaiting window reads so the event loop keeps serving actors."""
+        for needed, assemble in self._steps(epoch, start_step):
+            for future in needed:
+                if not future.done():
+                    await asyncio.wrap_future(future)
+            yield assemble()
 
     def close(self) -> None:
         """Stop the reader thread and close the files (collective when opened with ``comm``)."""
-        if hasattr(self, "_pool"):
+        if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         for ds in self._datasets.values():
             ds.close()
         self._datasets.clear()
+        self._resident = None
 
     def __enter__(self) -> BatchReader:
         return self

@@ -2,11 +2,11 @@
 
 ``write_dataset`` is collective: each rank passes its own rows, and they land
 in global row order (rank 0's first) in one HDF5 file written with the MPI
-driver and collective I/O. ``write_index`` puts several such files (written by
-jobs of any world size) behind one index file; ``ShardedDataset`` reads a plain
-dataset file or an index the same way, so callers never see the shards. The
-index also holds an HDF5 virtual dataset per array, so plain serial ``h5py``
-reads it as one array.
+driver and collective I/O. ``write_index`` puts several HDF5 files (written by
+jobs of any world size, or by any other tool) behind one index file;
+``ShardedDataset`` reads a plain file, an index, a glob or a list of files the
+same way, so callers never see the shards. The index also holds an HDF5
+virtual dataset per array, so plain serial ``h5py`` reads it as one array.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from .h5file import (
     DataFileError,
     check_array,
     dataset,
+    datasets_in,
+    file_format,
     open_file,
     publish,
     settle_background_io,
     stamp,
 )
-from .rows import read_rows, write_rows
+from .rows import write_rows
+from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
 
 
 def rank_rows(total: int, size: int, rank: int) -> tuple[int, int]:
@@ -88,28 +91,44 @@ def _describe(layout: dict) -> str:
     )
 
 
-def write_index(path: str | os.PathLike, shards: list[str | os.PathLike]) -> dict[str, tuple[int, ...]]:
+def write_index(
+    path: str | os.PathLike, shards: list[str | os.PathLike], names: list[str] | None = None
+) -> dict[str, tuple[int, ...]]:
     """Write an index that presents the shard files, in order, as one dataset file (one process).
 
-    Shard paths are stored relative to the index, so the directory can move.
-    Returns the global shape of every array.
+    Shards are any HDF5 files (mpiscale's own or a user's); ``names`` picks the
+    data sets (paths such as ``/run/X``), by default every data set of the
+    first shard. Shard paths are stored relative to the index, so the
+    directory can move. Returns the global shape of every array.
     """
     path = os.fspath(path)
+    if not shards:
+        raise ValueError(f"write_index {path}: no shard files given")
     base = os.path.dirname(os.path.abspath(path))
     entries, layouts = [], []
     for shard in shards:
-        with open_file(shard, (DATASET_FORMAT,)) as file:
-            layouts.append({name: (ds.shape, ds.dtype) for name, ds in file.items()})
+        with open_file(shard) as file:
+            wanted = [n.strip("/") for n in names] if names else datasets_in(file)
+            if not wanted:
+                raise DataFileError(shard, "holds no data sets")
+            layout = {}
+            for name in wanted:
+                data = dataset(file, name)
+                if not data.shape:
+                    raise DataFileError(shard, f"is a scalar {data.dtype}, not rows", name)
+                layout[name] = (data.shape, data.dtype)
+            layouts.append(layout)
             entries.append({"path": os.path.relpath(os.path.abspath(shard), base)})
-    if not layouts:
-        raise ValueError(f"write_index {path}: no shard files given")
-    names = set(layouts[0])
+    first = layouts[0]
     for shard, layout in zip(shards, layouts):
-        if set(layout) != names:
-            raise DataFileError(shard, f"holds arrays {sorted(layout)}, the first shard {sorted(names)}")
-        for name in names:
-            if layout[name][0][1:] != layouts[0][name][0][1:] or layout[name][1] != layouts[0][name][1]:
-                raise DataFileError(shard, "row shape or dtype differs from the first shard", name)
+        if set(layout) != set(first):
+            raise DataFileError(shard, f"holds arrays {sorted(layout)}, the first shard {sorted(first)}")
+        for name, (shape, dtype) in layout.items():
+            if shape[1:] != first[name][0][1:] or dtype != first[name][1]:
+                raise DataFileError(
+                    shard, f"rows of {dtype}{shape[1:]} differ from the first shard's {first[name][1]}"
+                    f"{first[name][0][1:]}", name,
+                )  # fmt: skip
     for entry, layout in zip(entries, layouts):
         entry["rows"] = {name: int(shape[0]) for name, (shape, _) in layout.items()}
     shapes = {}
@@ -117,10 +136,10 @@ def write_index(path: str | os.PathLike, shards: list[str | os.PathLike]) -> dic
     with h5py.File(temporary, "w") as file:
         stamp(file, INDEX_FORMAT, 1, {"shards": len(entries)})
         file.attrs["shards"] = json.dumps(entries)
-        for name in sorted(names):
+        for name in sorted(first):
             total = sum(layout[name][0][0] for layout in layouts)
-            shape = (total, *layouts[0][name][0][1:])
-            virtual = h5py.VirtualLayout(shape=shape, dtype=layouts[0][name][1])
+            shape = (total, *first[name][0][1:])
+            virtual = h5py.VirtualLayout(shape=shape, dtype=first[name][1])
             start = 0
             for entry, layout in zip(entries, layouts):
                 rows = layout[name][0][0]
@@ -137,56 +156,115 @@ def write_index(path: str | os.PathLike, shards: list[str | os.PathLike]) -> dic
 class _Segment:
     start: int
     stop: int
-    dataset: h5py.Dataset
+    source: H5Source | NpySource
 
 
 class ShardedDataset:
-    """One array of a dataset file or index, read by global row ranges.
+    """One array of one or more input files, read by global row ranges as if it were one array.
 
-    With ``comm``, files are opened collectively with the MPI driver (every rank
-    of ``comm`` must construct it, and ``read_collective`` must be called by all);
-    ``read`` is independent and may run in a background thread.
+    ``path`` is a file, a glob, a text file listing files, or a list of paths
+    (see ``mpiscale.io.sources``); files are HDF5 of any origin (an mpiscale
+    index brings in its shards) or ``.npy``. ``name`` is the data set in each
+    HDF5 file; empty means the file's only data set. With ``comm``, HDF5 files
+    are opened collectively with the MPI driver (every rank of ``comm`` must
+    construct it, and ``read_collective`` must be called by all); ``read`` is
+    independent and may run in a background thread.
     """
 
-    def __init__(self, path: str | os.PathLike, name: str, comm=None, dtype=None, row_shape=None) -> None:
-        self.path = os.fspath(path)
-        self.name = name
+    def __init__(self, path: str | os.PathLike | list, name: str = "", comm=None, dtype=None, row_shape=None) -> None:
+        self.path = os.fspath(path) if not isinstance(path, list) else ", ".join(map(os.fspath, path))
+        self.name = name.strip("/")
         self._comm = comm
-        self._files: list[h5py.File] = []
+        self._sources: list[H5Source | NpySource] = []
         try:
-            self._segments = self._open()
+            self._segments = self._open(path)
         except BaseException:
             self.close()
             raise
-        first = self._segments[0].dataset
+        first = self._segments[0].source
         self.dtype: np.dtype = first.dtype
         self.shape: tuple[int, ...] = (self._segments[-1].stop, *first.shape[1:])
-        check_array(self.path, name, self.shape, self.dtype, row_shape, dtype)
+        check_array(self.path, self.name, self.shape, self.dtype, row_shape, dtype)
 
-    def _open(self) -> list[_Segment]:
-        top = open_file(self.path, (DATASET_FORMAT, INDEX_FORMAT), self._comm)
-        if top.attrs["format"] == DATASET_FORMAT:
-            self._files.append(top)
-            data = dataset(top, self.name)
-            return [_Segment(0, data.shape[0], data)]
-        entries = json.loads(top.attrs["shards"])
-        dataset(top, self.name)  # a clear error if the index lacks the array
-        top.close()
-        base = os.path.dirname(os.path.abspath(self.path))
+    def _open(self, path) -> list[_Segment]:
+        files = [os.fspath(p) for p in path] if isinstance(path, list) else None
+        if files is None:
+            found, problem = None, None
+            if self._comm is None or self._comm.Get_rank() == 0:
+                try:
+                    found = resolve_files(os.fspath(path))
+                except DataFileError as error:
+                    problem = error
+            if self._comm is not None:  # one listing for all ranks: a glob never differs between them
+                found, problem = self._comm.bcast((found, problem), 0)
+            if problem is not None:
+                raise problem
+            files = found
+        sources: list[H5Source | NpySource] = []
+        for file in files:
+            sources += self._open_file(file)
         segments, start = [], 0
-        for entry in entries:
-            shard = open_file(os.path.join(base, entry["path"]), (DATASET_FORMAT,), self._comm)
-            self._files.append(shard)
-            data = dataset(shard, self.name)
-            if data.shape[0] != entry["rows"][self.name]:
-                message = f"has {data.shape[0]} rows, the index says {entry['rows'][self.name]}"
-                raise DataFileError(shard.filename, message, self.name)
-            segments.append(_Segment(start, start + data.shape[0], data))
-            start += data.shape[0]
+        for source in sources:
+            if source.shape[1:] != sources[0].shape[1:] or source.dtype != sources[0].dtype:
+                raise DataFileError(
+                    source.path, f"rows of {source.dtype}{source.shape[1:]} differ from those of {sources[0].path} "
+                    f"({sources[0].dtype}{sources[0].shape[1:]}); files read as one data set must agree", self.name,
+                )  # fmt: skip
+            segments.append(_Segment(start, start + source.shape[0], source))
+            start += source.shape[0]
         return segments
+
+    def _open_file(self, path: str) -> list[H5Source | NpySource]:
+        if is_npy(path):
+            source = NpySource(path)
+            self._sources.append(source)
+            return [source]
+        file = open_file(path, None, self._comm)
+        if file_format(file) != INDEX_FORMAT:
+            try:
+                if not self.name:
+                    self.name = only_dataset(path, file)
+                source = H5Source(file, dataset(file, self.name))
+            except BaseException:
+                file.close()
+                raise
+            self._sources.append(source)
+            return [source]
+        try:
+            entries = json.loads(file.attrs["shards"])
+            if not self.name:
+                self.name = only_dataset(path, file)
+            dataset(file, self.name)  # a clear error if the index lacks the array
+        finally:
+            file.close()
+        base = os.path.dirname(os.path.abspath(path))
+        sources = []
+        for entry in entries:
+            shard = open_file(os.path.join(base, entry["path"]), None, self._comm)
+            try:
+                source = H5Source(shard, dataset(shard, self.name))
+            except BaseException:
+                shard.close()
+                raise
+            self._sources.append(source)
+            expected = entry["rows"].get(self.name, entry["rows"].get("/" + self.name))
+            if source.shape[0] != expected:
+                raise DataFileError(shard.filename, f"has {source.shape[0]} rows, the index says {expected}", self.name)
+            sources.append(source)
+        return sources
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    @property
+    def files(self) -> list[str]:
+        """The files behind the data set, in row order."""
+        return [segment.source.path for segment in self._segments]
+
+    def attrs(self) -> dict:
+        """Attributes of the first file (an empty dict for ``.npy``): mpiscale files keep their config here."""
+        first = self._segments[0].source
+        return dict(first.file.attrs) if isinstance(first, H5Source) else {}
 
     def _check(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.shape[0]:
@@ -196,7 +274,7 @@ class ShardedDataset:
         """Rows ``start:stop`` (independent I/O)."""
         self._check(start, stop)
         parts = [
-            read_rows(s.dataset, max(start, s.start) - s.start, min(stop, s.stop) - s.start)
+            s.source.read(max(start, s.start) - s.start, min(stop, s.stop) - s.start)
             for s in self._segments
             if max(start, s.start) < min(stop, s.stop)
         ]
@@ -211,7 +289,7 @@ class ShardedDataset:
             lo, hi = max(start, s.start), min(stop, s.stop)
             if hi < lo:
                 lo = hi = s.start
-            parts.append(read_rows(s.dataset, lo - s.start, hi - s.start, self._comm))
+            parts.append(s.source.read(lo - s.start, hi - s.start, self._comm))
         return self._join(parts)
 
     def _join(self, parts: list[np.ndarray]) -> np.ndarray:
@@ -223,9 +301,9 @@ class ShardedDataset:
         """Close the files (collective when opened with ``comm``)."""
         if self._comm is not None:
             settle_background_io()
-        for file in self._files:
-            file.close()
-        self._files.clear()
+        for source in self._sources:
+            source.close()
+        self._sources.clear()
 
     def __enter__(self) -> ShardedDataset:
         return self
@@ -234,7 +312,7 @@ class ShardedDataset:
         self.close()
 
 
-def read_dataset(path: str | os.PathLike, name: str, comm=None, dtype=None, row_shape=None) -> np.ndarray:
+def read_dataset(path: str | os.PathLike, name: str = "", comm=None, dtype=None, row_shape=None) -> np.ndarray:
     """This rank's block of rows of ``name`` (collective), split as ``np.array_split`` would."""
     with ShardedDataset(path, name, comm, dtype, row_shape) as data:
         size = comm.Get_size() if comm is not None else 1

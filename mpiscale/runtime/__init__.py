@@ -3,7 +3,7 @@
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .collectives import CollectiveMismatch, Communicator, Hierarchy
 from .config import RuntimeConfig
-from .errors import ActorNotFound, ActorStopped, AskTimeout, RemoteError, RemoteTraceback
+from .errors import ActorNotFound, ActorStopped, AskTimeout, JobRefused, RemoteError, RemoteTraceback
 from .system import ActorSystem, run
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "CollectiveMismatch",
     "Communicator",
     "Hierarchy",
+    "JobRefused",
     "RemoteError",
     "RemoteTraceback",
     "RestartPolicy",

@@ -21,6 +21,19 @@ class RemoteError(RuntimeError):
     """Stands in for a remote exception that could not be pickled."""
 
 
+class JobRefused(Exception):
+    """Every rank agreed that the job cannot go on (bad input or settings): raised on every rank.
+
+    The runtime prints the message once (on rank 0), shuts every rank down
+    cleanly and exits with ``status``: no ``MPI_Abort``, one message. Raise it
+    through :meth:`ActorSystem.agree`, which makes sure every rank raises it.
+    """
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class AskTimeout(TimeoutError):
     """An ``ask`` got no reply within its deadline."""
 

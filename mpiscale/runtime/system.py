@@ -28,7 +28,7 @@ import numpy as np
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
 from .collectives import Communicator, Hierarchy, build_hierarchy
 from .config import RuntimeConfig, load_mpi
-from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure
+from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
 from .eventloop import new_event_loop
 from .progress import ProgressEngine
 
@@ -78,6 +78,7 @@ class ActorSystem:
         self._failing = False
         self._dropped = 0
         self._main_task: asyncio.Task | None = None
+        self.exit_status = 0  # set when every rank refused the job (JobRefused)
 
     # ----------------------------------------------------------- properties
     @property
@@ -220,6 +221,40 @@ class ActorSystem:
         cell.post(Message(method, args, kwargs, reply_to, source))
 
     # ------------------------------------------------------------- lifecycle
+    async def agree(self, error: BaseException | None, what: str = "the checks", timeout: float | None = None) -> None:
+        """Collective: if ``error`` is set on any rank, raise :class:`JobRefused` on every rank.
+
+        The message is the lowest failing rank's. For checks every rank makes
+        before a job starts (input, settings, checkpoints), so that bad input
+        ends the job with one message and a clean exit. A rank that never
+        arrives (it failed elsewhere, or waits in another collective) cannot
+        hang the others: after ``timeout`` seconds (the shutdown timeout by
+        default) the job fails as for any unhandled error.
+        """
+        message = b"" if error is None else str(error).encode()
+        lengths = np.empty(self.size, dtype=np.int64)
+        mine = np.array([len(message) if error is not None else -1], dtype=np.int64)
+        timeout = self.config.shutdown_timeout_s if timeout is None else timeout
+        try:
+            await asyncio.wait_for(
+                self._engine.wait(self._control.Iallgather(mine, lengths), f"agreement on {what}"), timeout
+            )
+            failed = np.flatnonzero(lengths >= 0)
+            if not len(failed):
+                return
+            root = int(failed[0])
+            text = np.empty(lengths[root], np.uint8)
+            if root == self.rank:
+                text[:] = np.frombuffer(message, np.uint8)
+            await asyncio.wait_for(self._engine.wait(self._control.Ibcast(text, root), f"message of {what}"), timeout)
+        except TimeoutError:
+            if error is not None:
+                raise error from None
+            raise RuntimeError(
+                f"rank {self.rank}: other ranks did not reach the agreement on {what} within {timeout:g}s"
+            ) from None
+        raise JobRefused(text.tobytes().decode(errors="replace"))
+
     def _locally_idle(self) -> bool:
         return not self._asks and all(cell.idle for cell in self._cells.values())
 
@@ -348,8 +383,15 @@ class ActorSystem:
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
         try:
             self._main_task = loop.create_task(_exit_as_exception(main(self)), name="main")
+            refused: JobRefused | None = None
             try:
                 result = await self._main_task
+            except JobRefused as refusal:
+                refused, result, self.exit_status = refusal, None, refusal.status
+                if self.rank == 0:
+                    sys.stdout.flush()
+                    sys.stderr.write(f"{refusal}\n")
+                    sys.stderr.flush()
             except asyncio.CancelledError:
                 await asyncio.Event().wait()  # the shutdown task exits the process
             except _MainExit as exit_request:
@@ -359,7 +401,13 @@ class ActorSystem:
                 result = None
             except Exception as error:
                 self.fail(error, "main raised an exception")
-            await self._until_quiet()
+            if refused is None:
+                await self._until_quiet()
+            else:  # every rank should be here; if one is not, fail rather than wait for it
+                try:
+                    await asyncio.wait_for(self._until_quiet(), self.config.shutdown_timeout_s)
+                except TimeoutError:
+                    self.fail(refused, "main refused the job, but not every rank did")
             await self._stop_actors()
             await self._drain_engine(time.monotonic() + self.config.shutdown_timeout_s)
             self._engine.stop()
@@ -422,7 +470,9 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     """Start this rank's ActorSystem and run ``await main(system)`` on it.
 
     Every rank calls ``run``. It returns ``main``'s result on this rank once
-    ``main`` has returned on all ranks and no message is in flight.
+    ``main`` has returned on all ranks and no message is in flight. If every
+    rank raised :class:`JobRefused`, it prints the message once and raises
+    ``SystemExit`` with its status after a clean shutdown.
     """
     config = config or RuntimeConfig.from_env()
     MPI = load_mpi(config)
@@ -431,6 +481,9 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     set_current_system(system)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            return runner.run(system._run_main(main))
+            result = runner.run(system._run_main(main))
     finally:
         set_current_system(None)
+    if system.exit_status:
+        raise SystemExit(system.exit_status)
+    return result

@@ -8,7 +8,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import assert_ok, finish, launch, run_mpi
+from conftest import assert_ok, finish, launch, real_gpu, run_mpi
 
 KSVD = ["--atoms", "50", "--sparsity", "3", "--samples", "1500", "--features", "20"]
 
@@ -123,7 +123,7 @@ def signals_file(tmp_path_factory):
         (["--data", "{data}:/signals", "--atoms", "2000"], "2000 atoms need at least as many signals"),
         (["--data", "{data}:/signals", "--sparsity", "60", "--atoms", "60"], "sparsity 60 exceeds the signal length"),
         (["--data", "{data}:/signals", "--atoms", "10", "--sparsity", "11"], "sparsity 11 exceeds the number of atoms"),
-        (["--data", "{data}"], "must be FILE.h5:/dataset"),
+        (["--data", "{data}"], "holds 2 data sets; name one as"),
     ],
     ids=["dataset", "nan", "atoms", "sparsity-features", "sparsity-atoms", "no-dataset-name"],
 )
@@ -212,6 +212,20 @@ def test_cuda_device_learns_the_cpu_dictionary_on_the_simulator(tmp_path):
     assert np.abs(learned(tmp_path / "gpu.h5") - learned(tmp_path / "cpu.h5")).max() < 1e-9
     with h5py.File(tmp_path / "gpu.h5", "r") as file:
         assert file.attrs["device"] == "cuda:0"
+
+
+def test_cuda_device_learns_the_cpu_dictionary_on_a_real_gpu(tmp_path):
+    """--device cuda end to end on a real GPU, against the CPU run (skipped without one)."""
+    if not real_gpu():
+        pytest.skip("no CUDA GPU on this machine (make gpu-check runs this where there is one)")
+    options = [*KSVD, "--iterations", "100"]
+    assert_ok(dictlearn(2, tmp_path / "cpu.h5", *options, "--device", "cpu"))
+    assert_ok(dictlearn(2, tmp_path / "gpu.h5", *options, "--device", "cuda"))
+    difference = np.abs(learned(tmp_path / "gpu.h5") - learned(tmp_path / "cpu.h5")).max()
+    print(f"--device cuda against cpu after 100 iterations: largest difference {difference:.2e}")
+    assert difference < 1e-6
+    with h5py.File(tmp_path / "gpu.h5", "r") as file:
+        assert str(file.attrs["device"]).startswith("cuda:")
 
 
 def test_sigterm_stops_the_job_and_it_resumes(tmp_path):

@@ -1,9 +1,13 @@
-"""The numba.cuda Batch-OMP kernel gives the CPU kernel's codes (run on the CUDA simulator, no GPU needed)."""
+"""The numba.cuda Batch-OMP kernel gives the CPU kernel's codes: on the CUDA simulator (no GPU needed), and on a
+real GPU when there is one (`make gpu-check` sets MPISCALE_REQUIRE_GPU=1, so a missing GPU fails instead)."""
 
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+from conftest import real_gpu
 
 SCRIPT = textwrap.dedent(
     """
@@ -12,8 +16,13 @@ SCRIPT = textwrap.dedent(
     from mpiscale.dictlearn.coding import omp_encode, resolve_device
     from mpiscale.kernels.omp_cuda import select_gpu
 
-    assert config.ENABLE_CUDASIM
-    assert resolve_device("auto") == "cpu", "the simulator must never be picked automatically"
+    import sys
+    if sys.argv[1] == "simulator":
+        assert config.ENABLE_CUDASIM
+        assert resolve_device("auto") == "cpu", "the simulator must never be picked automatically"
+    else:
+        assert not config.ENABLE_CUDASIM and cuda.is_available(), "no usable CUDA GPU"
+        assert resolve_device("auto") == "cuda"
     rng = np.random.default_rng(0)
     for atoms, features, nonzero, signals in [(12, 8, 4, 40), (6, 6, 6, 9), (10, 5, 1, 7)]:
         d = rng.standard_normal((atoms, features))
@@ -34,6 +43,16 @@ SCRIPT = textwrap.dedent(
 
 def test_cuda_kernel_matches_cpu_kernel_on_the_simulator():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", SCRIPT, "simulator"], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cuda kernel matches" in done.stdout
+
+
+def test_cuda_kernel_matches_cpu_kernel_on_a_real_gpu():
+    if not real_gpu():
+        pytest.skip("no CUDA GPU on this machine (make gpu-check runs this where there is one)")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, "gpu"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "cuda kernel matches" in done.stdout

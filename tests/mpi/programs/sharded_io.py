@@ -54,9 +54,19 @@ async def main(system):
     assert np.array_equal(everything, rows(np.arange(total))["x"]), "collective read differs"
     assert len(read_dataset(directory / "a.h5", "y", comm)) == len(np.array_split(np.arange(total_a), size)[rank])
 
-    # Batches: the global order depends only on (seed, epoch), never on the world size.
-    for shuffle, prefetch, cache in ((True, 2, 1 << 20), (False, 0, 256), (True, 1, 0)):
-        with BatchReader(directory / "all.h5", ["x", "y"], 4, comm, shuffle, 11, False, prefetch, cache, 64) as reader:
+    # Batches: the global order depends only on (seed, epoch) and the window, never on the world size,
+    # nor on whether the rows are kept in memory or streamed a window at a time.
+    settings = [
+        (True, 1, None, None),
+        (False, 0, None, False),
+        (True, 0, 8, False),
+        (True, 2, 5, False),
+        (True, 1, 8, True),
+    ]
+    for shuffle, prefetch, window, in_memory in settings:
+        options = {"prefetch": prefetch, "shuffle_window": window, "in_memory": in_memory}
+        with BatchReader(directory / "all.h5", ["x", "y"], 4, comm, shuffle, 11, **options) as reader:
+            assert reader.in_memory == (in_memory is not False), "a small data set is kept in memory by default"
             for epoch in (0, 3):
                 seen = [(b.step, b.ids, b.data) for b in reader.epoch(epoch)]
                 assert [s for s, _, _ in seen] == list(range(reader.steps))
@@ -65,7 +75,7 @@ async def main(system):
                         assert np.array_equal(data[name], values), f"batch rows differ for {name}"
                 gathered = comm.gather([ids for _, ids, _ in seen])
                 if rank == 0:
-                    order = epoch_order(total, epoch, 11, shuffle)
+                    order = epoch_order(total, epoch, 11, shuffle, window)
                     for step in range(reader.steps):
                         joined = np.concatenate([per_rank[step] for per_rank in gathered])
                         assert np.array_equal(joined, order[step * 4 : (step + 1) * 4]), (shuffle, epoch, step)

@@ -1,0 +1,129 @@
+"""Where input rows come from: the files a data spec names, and one reader per file kind.
+
+A data spec is what a user types after ``--data``: ``FILE.h5:/path/to/dataset``,
+a glob (``'run-*.h5:/X'``), a text file listing paths (``files.txt:/X``, one path
+a line, relative to the list, ``#`` for comments), or NumPy ``.npy`` files
+(``data.npy``, ``'part-*.npy'``). Without a dataset name an HDF5 file must
+hold exactly one data set. Any HDF5 file is input, whoever wrote it; the
+``format`` attribute only tells mpiscale's own index files apart.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import h5py
+import numpy as np
+
+from .h5file import DataFileError, datasets_in, describe_datasets
+from .rows import read_rows
+
+LIST_SUFFIXES = (".txt", ".lst", ".list")
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    """(files, dataset name) of a data spec; the name is empty when none follows a colon."""
+    files, colon, name = spec.rpartition(":")
+    if not colon:
+        return spec, ""
+    return files, name.strip("/")
+
+
+def natural_key(path: str) -> list:
+    """Sort key that puts ``run-2`` before ``run-10``, so numbered files keep their numeric order."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
+def resolve_files(pattern: str) -> list[str]:
+    """The files a spec's file part names, in a stable order (one process; callers broadcast it)."""
+    if os.path.isfile(pattern) and pattern.endswith(LIST_SUFFIXES):
+        return _listed(pattern)
+    if os.path.exists(pattern) or not _GLOB_CHARS.search(pattern):
+        return [pattern]
+    matches = sorted((path for path in glob.glob(pattern) if os.path.isfile(path)), key=natural_key)
+    if not matches:
+        raise DataFileError(pattern, "no files match this pattern")
+    return matches
+
+
+def _listed(path: str) -> list[str]:
+    base = os.path.dirname(os.path.abspath(path))
+    try:
+        with open(path, encoding="utf-8") as stream:
+            lines = [line.split("#", 1)[0].strip() for line in stream]
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataFileError(path, f"cannot read the list of files: {error}") from error
+    files = [os.path.join(base, line) for line in lines if line]
+    if not files:
+        raise DataFileError(path, "the list of files is empty")
+    return files
+
+
+def is_npy(path: str) -> bool:
+    return path.endswith(".npy")
+
+
+class NpySource:
+    """Rows of a NumPy ``.npy`` file, memory-mapped (reads are copies of row ranges)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if os.path.isdir(path):
+            raise DataFileError(path, "is a directory, not a .npy file")
+        try:
+            self._array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise DataFileError(path, "no such file") from None
+        except (OSError, ValueError) as error:
+            raise DataFileError(path, f"not a readable .npy file: {error}") from error
+        if self._array.ndim == 0:
+            raise DataFileError(path, "holds a single value, not rows")
+        self.shape: tuple[int, ...] = self._array.shape
+        self.dtype: np.dtype = self._array.dtype
+
+    def read(self, start: int, stop: int, comm=None) -> np.ndarray:
+        return np.array(self._array[start:stop], order="C")
+
+    def close(self) -> None:
+        self._array = None
+
+
+class H5Source:
+    """Rows of one data set of an open HDF5 file.
+
+    Reads are collective when the file was opened with a communicator, except
+    for filtered (compressed, shuffled) data sets: HDF5 1.10's collective path
+    cannot decompress every filter (LZF reads fail), so those are read
+    independently.
+    """
+
+    def __init__(self, file: h5py.File, dataset: h5py.Dataset) -> None:
+        self.file = file
+        self.path = file.filename
+        self.dataset = dataset
+        if dataset.shape is None:
+            raise DataFileError(self.path, "is an empty (null) data set", dataset.name)
+        if not dataset.shape:
+            raise DataFileError(self.path, f"is a single {dataset.dtype} value, not rows", dataset.name)
+        self.shape: tuple[int, ...] = dataset.shape
+        self.dtype: np.dtype = dataset.dtype
+        self.filtered = dataset.id.get_create_plist().get_nfilters() > 0
+
+    def read(self, start: int, stop: int, comm=None) -> np.ndarray:
+        return read_rows(self.dataset, start, stop, None if self.filtered else comm)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def only_dataset(path: str, file: h5py.File) -> str:
+    """The name of the single data set of a file opened without a dataset name, or a clear error."""
+    names = datasets_in(file)
+    if len(names) != 1:
+        raise DataFileError(
+            path, f"holds {len(names)} data sets; name one as {path}:/NAME (data sets: {describe_datasets(file)})"
+        )
+    return names[0]

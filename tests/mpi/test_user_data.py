@@ -1,0 +1,175 @@
+"""`mpiscale dictlearn` on data as users bring it: files written by plain h5py (in another process), by
+HDF5's C library, as .npy, as many files; and bad input refused with one message and status 2."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import h5py
+import numpy as np
+import pytest
+from conftest import assert_ok, finish, launch
+from test_dictlearn import learned
+
+SETTINGS = ["--atoms", "24", "--sparsity", "3", "--iterations", "40", "--batch-size", "128", "--progress-every", "0"]
+
+# Written by a separate Python process with nothing but h5py and numpy, as a user's pipeline would.
+WRITER = textwrap.dedent(
+    """
+    import sys
+    import h5py, numpy as np
+    out = sys.argv[1]
+    i, j = np.meshgrid(np.arange(1200), np.arange(16), indexing="ij")
+    X = np.sin(0.37 * i + 1.3 * j) * np.cos(0.011 * i * (j % 5 + 1)) + 0.1 * np.cos(2.1 * i * j)
+    with h5py.File(f"{out}/plain.h5", "w") as f:
+        f["X"] = X
+    with h5py.File(f"{out}/layouts.h5", "w") as f:
+        f.create_dataset("chunked/X", data=X, chunks=(100, 16))
+        f.create_dataset("gzip/X", data=X, chunks=(64, 8), compression="gzip", shuffle=True)
+        f.create_dataset("lzf/X", data=X, chunks=(50, 16), compression="lzf")
+        f.create_dataset("big/endian/X", data=X.astype(">f8"))
+        f.create_dataset("float32/X", data=X.astype(np.float32))
+        f.create_dataset("int16/X", data=np.round(X * 1000).astype(np.int16))
+        f.create_dataset("patches/X", data=X.reshape(1200, 4, 4))
+        f.create_dataset("bad/one_d", data=X[:, 0])
+        f.create_dataset("bad/strings", data=np.full((40, 3), b"abc"))
+        f.create_dataset("bad/compound", data=np.zeros((40, 3), dtype=[("a", "f8"), ("b", "i4")]))
+        f.create_dataset("bad/empty", shape=(0, 16), dtype="f8")
+        f.create_dataset("bad/nan", data=np.where(i == 700, np.nan, X))
+    np.save(f"{out}/X.npy", X)
+    for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):
+        with h5py.File(f"{out}/run-{[2, 9, 10][part]}.h5", "w") as f:
+            f["sim/X"] = X[lo:hi]
+    with open(f"{out}/parts.txt", "w") as f:
+        f.write("# the same parts, listed\\nrun-2.h5\\nrun-9.h5\\nrun-10.h5\\n")
+    """
+)
+
+# The same values from HDF5's own C library: big-endian, chunked, shuffled and deflated, in nested groups.
+C_WRITER = textwrap.dedent(
+    """
+    #include <hdf5.h>
+    #include <math.h>
+    static double x[1200][16];
+    int main(int argc, char **argv) {
+        hsize_t dims[2] = {1200, 16}, chunk[2] = {128, 16};
+        for (int i = 0; i < 1200; i++)
+            for (int j = 0; j < 16; j++)
+                x[i][j] = sin(0.37 * i + 1.3 * j) * cos(0.011 * i * (j % 5 + 1)) + 0.1 * cos(2.1 * i * j);
+        hid_t file = H5Fcreate(argv[1], H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+        hid_t links = H5Pcreate(H5P_LINK_CREATE);
+        H5Pset_create_intermediate_group(links, 1);
+        hid_t space = H5Screate_simple(2, dims, NULL);
+        hid_t create = H5Pcreate(H5P_DATASET_CREATE);
+        H5Pset_chunk(create, 2, chunk);
+        H5Pset_shuffle(create);
+        H5Pset_deflate(create, 4);
+        hid_t data = H5Dcreate2(file, "/instrument/run1/X", H5T_IEEE_F64BE, space, links, create, H5P_DEFAULT);
+        H5Dwrite(data, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, x);
+        H5Dclose(data); H5Pclose(create); H5Sclose(space); H5Pclose(links); H5Fclose(file);
+        return 0;
+    }
+    """
+)
+
+
+def dictlearn(ranks: int, out, *options: str, timeout: float = 120):
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(out), *SETTINGS, *options]
+    return finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
+
+
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("user")
+    subprocess.run([sys.executable, "-c", WRITER, str(directory)], check=True, timeout=60)
+    indexed = subprocess.run(
+        [sys.executable, "-m", "mpiscale.cli", "index", str(directory / "index.h5"), str(directory / "run-*.h5")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert indexed.returncode == 0 and "3 files as one data set: /sim/X (1200, 16)" in indexed.stdout, indexed
+    compiler = shutil.which("h5pcc")
+    if compiler:
+        (directory / "writer.c").write_text(C_WRITER)
+        subprocess.run([compiler, "-o", "writer", "writer.c", "-lm"], cwd=directory, check=True, timeout=120)
+        subprocess.run([str(directory / "writer"), str(directory / "from_c.h5")], check=True, timeout=30)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(user_files, tmp_path_factory):
+    """The dictionary learned on 2 ranks from the plain contiguous float64 file."""
+    out = tmp_path_factory.mktemp("ref") / "plain.h5"
+    assert_ok(dictlearn(2, out, "--data", f"{user_files}/plain.h5:/X"))
+    with h5py.File(out, "r") as file:
+        error = file["metrics"]["error"][()]
+        assert error[-5:].mean() < 0.9 * error[:3].mean(), error  # it learns
+        assert file.attrs["data"] == f"{user_files}/plain.h5:/X"
+    return learned(out)
+
+
+@pytest.mark.parametrize(
+    ("ranks", "spec", "options"),
+    [
+        (1, "plain.h5", []),
+        (4, "plain.h5:/X", []),
+        (2, "plain.h5:/X", ["--in-memory", "no"]),
+        (2, "layouts.h5:/chunked/X", []),
+        (2, "layouts.h5:/gzip/X", []),
+        (4, "layouts.h5:/lzf/X", []),
+        (2, "layouts.h5:/big/endian/X", ["--in-memory", "no"]),
+        (2, "layouts.h5:/patches/X", []),
+        (2, "X.npy", []),
+        (4, "run-*.h5:/sim/X", []),
+        (2, "parts.txt:/sim/X", ["--in-memory", "no"]),
+        (2, "index.h5:/sim/X", []),
+        (2, "from_c.h5:/instrument/run1/X", []),
+    ],
+)
+def test_the_same_values_learn_the_same_dictionary_whatever_the_file(
+    tmp_path, user_files, reference, ranks, spec, options
+):
+    if spec.startswith("from_c") and not (user_files / "from_c.h5").exists():
+        pytest.skip("h5pcc (HDF5's compiler wrapper) is not installed")
+    out = tmp_path / "results.h5"
+    assert_ok(dictlearn(ranks, out, "--data", f"{user_files}/{spec}", *options))
+    assert np.abs(learned(out) - reference).max() < 1e-9
+    if "patches" in spec:
+        with h5py.File(out, "r") as file:
+            assert list(file.attrs["patch_shape"]) == [4, 4]
+
+
+@pytest.mark.parametrize("dataset", ["float32/X", "int16/X"])
+def test_narrow_types_learn(tmp_path, user_files, dataset):
+    out = tmp_path / "results.h5"
+    assert_ok(dictlearn(2, out, "--data", f"{user_files}/layouts.h5:/{dataset}"))
+    with h5py.File(out, "r") as file:
+        error = file["metrics"]["error"][()]
+        assert error[-5:].mean() < 0.9 * error[:3].mean(), error
+
+
+@pytest.mark.parametrize(
+    ("ranks", "spec", "message"),
+    [
+        (2, "layouts.h5:/nowhere/X", "layouts.h5:nowhere/X: no group 'nowhere'"),
+        (2, "layouts.h5:/gzip", "layouts.h5:gzip: is a group, not a dataset (datasets in it: X (1200, 16) float64)"),
+        (2, "layouts.h5:/bad/one_d", "a 1-D array of 1200 values is not a set of signals"),
+        (4, "layouts.h5:/bad/strings", "signals must be numbers, got dtype |S3"),
+        (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
+        (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
+        (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
+        (2, "layouts.h5", "holds 12 data sets; name one as"),
+        (4, ".", "is a directory, not an HDF5 file"),
+        (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
+        (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
+        (2, "WRITER.c:/X", "no such file"),
+    ],
+)
+def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):
+    job = dictlearn(ranks, tmp_path / "results.h5", "--data", f"{user_files}/{spec}")
+    assert job.returncode == 2, job.output[-3000:]
+    assert message in job.stderr, job.stderr[-3000:]
+    assert job.stderr.count("mpiscale dictlearn:") == 1, job.stderr[-3000:]
+    for noise in ("Traceback", "MPI_ABORT", "ORTE_ERROR_LOG", "SIGTERM", "non-zero", "-----"):
+        assert noise not in job.output, job.output[-3000:]
+    assert not (tmp_path / "results.h5").exists()

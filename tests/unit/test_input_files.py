@@ -1,0 +1,141 @@
+"""Data as users bring it: HDF5 written by plain h5py in many layouts, globs, lists, .npy (one process)."""
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiscale.io import BatchReader, DataFileError, ShardedDataset, epoch_order, read_dataset, write_index
+from mpiscale.io.reader import epoch_plan
+
+X = np.random.default_rng(5).standard_normal((240, 12))
+
+LAYOUTS = {
+    "contiguous": {},
+    "chunked": {"chunks": (7, 12)},
+    "gzip+shuffle": {"chunks": (32, 12), "compression": "gzip", "shuffle": True},
+    "lzf": {"chunks": (50, 6), "compression": "lzf"},
+    "float32 big-endian": {"dtype": ">f4"},
+    "float16": {"dtype": np.float16},
+    "int16": {"dtype": np.int16},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_any_layout_reads_as_written(tmp_path, layout):
+    options = dict(LAYOUTS[layout])
+    dtype = np.dtype(options.pop("dtype", np.float64))
+    values = (X * 100).astype(dtype) if dtype.kind == "i" else X.astype(dtype)
+    with h5py.File(tmp_path / "user.h5", "w") as file:
+        file.create_dataset("deep/inside/X", data=values, **options)
+    with ShardedDataset(tmp_path / "user.h5", "/deep/inside/X") as data:
+        assert data.shape == values.shape and data.dtype == values.dtype
+        assert np.array_equal(data.read(3, 200), values[3:200])
+    assert np.array_equal(read_dataset(tmp_path / "user.h5"), values)  # the only data set needs no name
+
+
+def test_rows_may_be_arrays(tmp_path):
+    patches = np.arange(5 * 4 * 4, dtype=np.uint8).reshape(5, 4, 4)
+    np.save(tmp_path / "patches.npy", patches)
+    assert np.array_equal(read_dataset(tmp_path / "patches.npy"), patches)
+
+
+def test_glob_reads_numbered_files_in_numeric_order(tmp_path):
+    for part in (1, 2, 10):  # sorted as text, run-10 would come before run-2
+        with h5py.File(tmp_path / f"run-{part}.h5", "w") as file:
+            file["X"] = np.full((part, 3), part, dtype=np.float32)
+    got = read_dataset(str(tmp_path / "run-*.h5"), "X")
+    assert list(got[:, 0]) == [1, 2, 2] + [10] * 10
+    with ShardedDataset(str(tmp_path / "run-*.h5"), "X") as data:
+        assert [f.rsplit("/", 1)[1] for f in data.files] == ["run-1.h5", "run-2.h5", "run-10.h5"]
+
+
+def test_list_file_with_relative_paths_and_comments(tmp_path):
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "b.npy", X[100:])
+    np.save(tmp_path / "data" / "a.npy", np.asfortranarray(X[:100]))  # Fortran order, as some tools write
+    (tmp_path / "data" / "files.txt").write_text("# training split\na.npy\n\nb.npy  # the rest\n")
+    assert np.array_equal(read_dataset(str(tmp_path / "data" / "files.txt")), X)
+
+
+def test_index_of_user_files_reads_as_one_array(tmp_path):
+    for part, rows in enumerate(np.array_split(X, 3)):
+        with h5py.File(tmp_path / f"part{part}.h5", "w") as file:
+            file.create_dataset("sim/X", data=rows, chunks=True, compression="gzip")
+            file["sim/other"] = np.zeros(len(rows))
+    shards = [tmp_path / f"part{part}.h5" for part in range(3)]
+    assert write_index(tmp_path / "all.h5", shards, ["/sim/X"]) == {"sim/X": X.shape}
+    assert np.array_equal(read_dataset(tmp_path / "all.h5", "/sim/X"), X)
+    with h5py.File(tmp_path / "all.h5", "r") as plain:  # a notebook's view, through the virtual data set
+        assert np.array_equal(plain["sim/X"][:], X)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: d.mkdir(), "is a directory"),
+        (lambda d: d.write_text(""), "is empty"),
+        (lambda d: d.write_bytes(b"x,y\n1,2\n"), "not an HDF5 file"),
+    ],
+    ids=["directory", "empty", "csv"],
+)
+def test_what_is_not_hdf5_is_named(tmp_path, make, message):
+    make(tmp_path / "data.h5")
+    with pytest.raises(DataFileError, match=f"data.h5: {message}"):
+        read_dataset(tmp_path / "data.h5", "X")
+
+
+def test_files_that_disagree_or_do_not_exist(tmp_path):
+    np.save(tmp_path / "a.npy", X)
+    np.save(tmp_path / "b.npy", X[:, :5])
+    with pytest.raises(DataFileError, match=r"b.npy: rows of float64\(5,\) differ from those of .*a.npy"):
+        read_dataset(str(tmp_path / "*.npy"))
+    with pytest.raises(DataFileError, match="no files match this pattern"):
+        read_dataset(str(tmp_path / "nothing-*.h5"), "X")
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(DataFileError, match="empty.txt: the list of files is empty"):
+        read_dataset(str(tmp_path / "empty.txt"), "X")
+    with h5py.File(tmp_path / "two.h5", "w") as file:
+        file["a"], file["b"] = X, X
+    with pytest.raises(DataFileError, match=r"holds 2 data sets; name one as .*two.h5:/NAME"):
+        read_dataset(tmp_path / "two.h5")
+    with pytest.raises(DataFileError, match="not a readable .npy file"):
+        (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY garbage")
+        read_dataset(tmp_path / "bad.npy")
+
+
+@pytest.mark.parametrize("window", [None, 64, 10, 1])
+def test_epoch_plan_is_a_permutation_read_window_by_window(window):
+    samples = 1000
+    plan = epoch_plan(samples, 3, 7, True, window)
+    assert np.array_equal(np.sort(plan.order), np.arange(samples))
+    assert plan.window_starts[-1] == samples
+    for index, blocks in enumerate(plan.windows):  # each window's positions hold exactly its blocks' rows
+        rows = plan.order[plan.window_starts[index] : plan.window_starts[index + 1]]
+        assert set(np.unique(rows // plan.block_rows)) == set(blocks)
+    if window is None:
+        assert len(plan.windows) == 1
+    else:
+        assert len(plan.windows) == -(-samples // (plan.block_rows * 8))
+        assert not np.array_equal(plan.order, epoch_order(samples, 4, 7, True, window))
+
+
+def test_small_data_is_shuffled_whole_whatever_the_window():
+    assert np.array_equal(epoch_order(50, 1, 2, True, None), epoch_order(50, 1, 2, True, 50))
+    assert np.array_equal(epoch_order(50, 1, 2, False, 8), np.arange(50))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_streaming_gives_the_batches_of_memory(tmp_path, window):
+    with h5py.File(tmp_path / "user.h5", "w") as file:
+        file.create_dataset("X", data=X, chunks=(16, 12), compression="gzip")
+        file["y"] = np.arange(len(X))
+    batches = {}
+    for in_memory in (True, False):
+        with BatchReader(tmp_path / "user.h5", ["X", "y"], 32, shuffle=True, seed=3, shuffle_window=window,
+                         in_memory=in_memory) as reader:  # fmt: skip
+            assert reader.in_memory is in_memory
+            batches[in_memory] = [b for epoch in (0, 1) for b in reader.epoch(epoch)]
+    for kept, streamed in zip(batches[True], batches[False]):
+        assert np.array_equal(kept.ids, streamed.ids) and np.array_equal(kept.data["y"], kept.ids)
+        assert np.array_equal(kept.data["X"], streamed.data["X"]) and np.array_equal(streamed.data["X"], X[kept.ids])
+    assert len(batches[True]) == 2 * 8
