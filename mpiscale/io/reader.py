@@ -12,7 +12,7 @@ batches, and every rank runs the same number of steps.
 
 Where the rows come from never changes them: when the arrays fit in memory
 (by default, half of the node's available memory shared by its ranks) every
-rank reads them once, collectively, and serves each batch from memory. Else
+rank reads them once and serves each batch from memory. Else
 one background thread reads each window as contiguous block reads, a window
 ahead of the one in use, and batches are gathered from the windows in memory.
 """
@@ -20,6 +20,7 @@ ahead of the one in use, and batches are gathered from the windows in memory.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -128,6 +129,17 @@ class _Window:
         return self.slot[blocks] * self.block_rows + ids - blocks * self.block_rows
 
 
+def _read_whole(data: ShardedDataset) -> np.ndarray:
+    """All rows, read by this rank alone (independent I/O; the ranks of a node share the page cache).
+
+    Measured against the alternatives for 256 MiB on 2 and 4 ranks: every rank
+    reading everything collectively made the MPI-IO layer exchange P times the
+    data (20x slower than the disk at 4 ranks), and a block per rank followed by
+    an allgather was 4x slower than the disk at 2 ranks.
+    """
+    return data.read(0, len(data))
+
+
 class BatchReader:
     """Batches of one or more same-length arrays of a data set, for this rank.
 
@@ -180,7 +192,7 @@ class BatchReader:
         self.shuffle_window = max(int(shuffle_window), batch_size)
         self.in_memory = self._fits(comm) if in_memory is None else bool(in_memory)
         if self.in_memory:
-            self._resident = {name: ds.read_collective(0, len(ds)) for name, ds in self._datasets.items()}
+            self._resident = {name: _read_whole(ds) for name, ds in self._datasets.items()}
         else:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
 
@@ -220,10 +232,14 @@ class BatchReader:
         blocks = plan.windows[index]
         runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1)
         spans = [(int(r[0]) * plan.block_rows, min((int(r[-1]) + 1) * plan.block_rows, self.samples)) for r in runs]
+        rows = sum(stop - start for start, stop in spans)
         arrays = {}
         for name, ds in self._datasets.items():
-            parts = [ds.read(start, stop) for start, stop in spans]
-            arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            arrays[name] = window = np.empty((rows, *ds.shape[1:]), ds.dtype)
+            filled = 0
+            for start, stop in spans:  # straight into the window: no second copy
+                ds.read(start, stop, out=window[filled : filled + stop - start])
+                filled += stop - start
         return _Window(plan, index, arrays)
 
     def _steps(self, epoch: int, start_step: int) -> Iterator[tuple[list[Future], Callable[[], Batch]]]:
@@ -240,12 +256,12 @@ class BatchReader:
                 )
             return
         windows: dict[int, Future] = {}
+        starts = plan.window_starts.tolist()
         try:
             for step in range(start_step, self.steps):
                 ids = self.step_ids(plan.order, step)
-                first = int(np.searchsorted(plan.window_starts, step * self.batch_size, "right")) - 1
-                last = int(np.searchsorted(plan.window_starts, (step + 1) * self.batch_size - 1, "right")) - 1
-                last = min(last, len(plan.windows) - 1)
+                first = bisect.bisect_right(starts, step * self.batch_size) - 1
+                last = min(bisect.bisect_right(starts, (step + 1) * self.batch_size - 1) - 1, len(plan.windows) - 1)
                 for index in [w for w in windows if w < first]:
                     windows.pop(index).cancel()
                 for index in range(first, min(last + self.prefetch, len(plan.windows) - 1) + 1):

@@ -270,15 +270,16 @@ class ShardedDataset:
         if not 0 <= start <= stop <= self.shape[0]:
             raise IndexError(f"{self.path}:{self.name}: rows {start}:{stop} outside 0:{self.shape[0]}")
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` (independent I/O)."""
+    def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``start:stop`` (independent I/O), into ``out`` when given (rows of this data set's dtype)."""
         self._check(start, stop)
-        parts = [
-            s.source.read(max(start, s.start) - s.start, min(stop, s.stop) - s.start)
-            for s in self._segments
-            if max(start, s.start) < min(stop, s.stop)
-        ]
-        return self._join(parts)
+        if out is None:
+            out = np.empty((stop - start, *self.shape[1:]), self.dtype)
+        for s in self._segments:
+            lo, hi = max(start, s.start), min(stop, s.stop)
+            if lo < hi:
+                s.source.read(lo - s.start, hi - s.start, out=out[lo - start : hi - start])
+        return out
 
     def read_collective(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` with collective I/O: every rank of ``comm`` calls, with any ranges."""

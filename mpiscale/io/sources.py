@@ -11,6 +11,7 @@ hold exactly one data set. Any HDF5 file is input, whoever wrote it; the
 from __future__ import annotations
 
 import glob
+import math
 import os
 import re
 
@@ -84,8 +85,11 @@ class NpySource:
         self.shape: tuple[int, ...] = self._array.shape
         self.dtype: np.dtype = self._array.dtype
 
-    def read(self, start: int, stop: int, comm=None) -> np.ndarray:
-        return np.array(self._array[start:stop], order="C")
+    def read(self, start: int, stop: int, comm=None, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.array(self._array[start:stop], order="C")
+        out[...] = self._array[start:stop]
+        return out
 
     def close(self) -> None:
         self._array = None
@@ -97,7 +101,10 @@ class H5Source:
     Reads are collective when the file was opened with a communicator, except
     for filtered (compressed, shuffled) data sets: HDF5 1.10's collective path
     cannot decompress every filter (LZF reads fail), so those are read
-    independently.
+    independently. Independent reads of a contiguous, unfiltered data set
+    bypass HDF5: the rows are one byte range of the file, read with ``pread``,
+    which releases the GIL (h5py holds it for the whole read), so a background
+    reader thread does not stall the compute thread.
     """
 
     def __init__(self, file: h5py.File, dataset: h5py.Dataset) -> None:
@@ -110,12 +117,42 @@ class H5Source:
             raise DataFileError(self.path, f"is a single {dataset.dtype} value, not rows", dataset.name)
         self.shape: tuple[int, ...] = dataset.shape
         self.dtype: np.dtype = dataset.dtype
-        self.filtered = dataset.id.get_create_plist().get_nfilters() > 0
+        create = dataset.id.get_create_plist()
+        self.filtered = create.get_nfilters() > 0
+        self._offset = None
+        if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered:
+            self._offset = dataset.id.get_offset()  # None until the data set's storage is allocated
+        self._row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
+        self._descriptor: int | None = None
 
-    def read(self, start: int, stop: int, comm=None) -> np.ndarray:
-        return read_rows(self.dataset, start, stop, None if self.filtered else comm)
+    def read(self, start: int, stop: int, comm=None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``start:stop``; collective over ``comm`` when given; into ``out`` (C-contiguous) when given."""
+        if comm is None and self._offset is not None:
+            if out is None:
+                out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+            return self._pread(start, stop, out)
+        rows = read_rows(self.dataset, start, stop, None if self.filtered else comm)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def _pread(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        if self._descriptor is None:
+            self._descriptor = os.open(self.path, os.O_RDONLY)
+        done, where = 0, self._offset + start * self._row_bytes
+        while done < len(view):
+            got = os.preadv(self._descriptor, [view[done:]], where + done)
+            if got == 0:
+                raise DataFileError(self.path, f"ends before row {stop} (truncated?)", self.dataset.name)
+            done += got
+        return out
 
     def close(self) -> None:
+        if self._descriptor is not None:
+            os.close(self._descriptor)
+            self._descriptor = None
         self.file.close()
 
 
