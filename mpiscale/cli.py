@@ -95,7 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .bench.checkpoint import run_checkpoint_bench
 
         size_mib = args.size_mib or (128 if args.quick else 1024)
-        repeats = 1 if args.quick else 3
+        repeats = 1 if args.quick else 5
 
         async def bench_checkpoint(system):
             return run_checkpoint_bench(system.world.comm, json_path, args.dir, size_mib << 20, repeats)

@@ -41,8 +41,10 @@ _COMPATIBLE = (
 )  # fmt: skip
 
 
-def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str) -> np.ndarray:
-    gram = dictionary @ dictionary.T
+def _code(
+    config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str, gram: np.ndarray | None = None
+) -> np.ndarray:
+    gram = dictionary @ dictionary.T if gram is None else gram
     correlations = signals @ dictionary.T
     if config.coder == "lasso":
         return lasso_encode_gram(gram, correlations, config.alpha)
@@ -205,6 +207,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
         batches = online_batches(reader, info.name, start)
     progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
+    gram = state.dictionary @ state.dictionary.T
     clock = time.perf_counter()
     stop_reason = "iterations"
     try:
@@ -212,7 +215,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
             began = time.perf_counter()
             ids, signals = (await anext(batches)) if reader is not None else block
             read = time.perf_counter()
-            codes = _code(config, state.dictionary, signals, device)
+            codes = _code(config, state.dictionary, signals, device, gram)
             stats.fill(rank, ids, signals, codes, state.dictionary, alpha)
             coded = time.perf_counter()
             await system.world.allreduce(stats.buffer, out=stats.buffer)
@@ -222,8 +225,11 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
                 online_update(state, stats, iteration, config.forgetting)
             else:
                 mod_update(state, stats)
-            replace = atoms_to_replace(state, stats.usage, config.replace_after, config.duplicate_cosine)
+            gram = state.dictionary @ state.dictionary.T  # for the duplicate check and the next batch's coder
+            replace = atoms_to_replace(state, stats.usage, config.replace_after, config.duplicate_cosine, gram)
             replaced = replace_atoms(state, replace, stats.worst_signals()) if replace else 0
+            if replaced:
+                gram = state.dictionary @ state.dictionary.T
             updated = time.perf_counter()
             full_error = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.dict_update import block_coordinate_update
+from ..kernels.code_statistics import accumulate_statistics, unpack_symmetric
+from ..kernels.dict_update import block_coordinate_update, near_duplicates
 
 _UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
 
@@ -31,10 +32,9 @@ class BatchStatistics:
     SUMS = ("signals", "energy", "residual", "nonzeros", "l1")
 
     def __init__(self, atoms: int, features: int, ranks: int, candidates: int) -> None:
-        self._upper = np.triu_indices(atoms)
         self.a = np.zeros((atoms, atoms))
         shapes = {
-            "a_upper": (len(self._upper[0]),),
+            "a_upper": (atoms * (atoms + 1) // 2,),
             "b": (atoms, features),
             "usage": (atoms,),
             "sums": (len(self.SUMS),),
@@ -52,14 +52,10 @@ class BatchStatistics:
     ) -> None:
         """This rank's contribution from its signals and their codes."""
         self.buffer[:] = 0.0
-        np.matmul(codes.T, codes, out=self.a)
-        self.a_upper[:] = self.a[self._upper]
-        np.matmul(codes.T, signals, out=self.b)
-        nonzero = codes != 0
-        self.usage[:] = nonzero.sum(axis=0)
-        residual = signals - codes @ dictionary
+        residual = np.empty_like(signals)
+        accumulate_statistics(codes, signals, dictionary, self.a_upper, self.b, self.usage, residual)
         energy = np.einsum("sf,sf->s", residual, residual)
-        self.sums[:] = (len(signals), np.einsum("sf,sf->", signals, signals), energy.sum(), nonzero.sum(), 0.0)
+        self.sums[:] = (len(signals), np.einsum("sf,sf->", signals, signals), energy.sum(), self.usage.sum(), 0.0)
         if alpha:
             self.sums[4] = np.abs(codes).sum()
         worst = np.lexsort((ids, -energy))[: self.candidates.shape[1]]
@@ -71,8 +67,7 @@ class BatchStatistics:
 
     def unpack(self) -> None:
         """The full, exactly symmetric ``a`` from the (summed) upper triangle in the buffer."""
-        self.a[self._upper] = self.a_upper
-        self.a.T[self._upper] = self.a_upper
+        unpack_symmetric(self.a_upper, self.a)
 
     def sum(self, name: str) -> float:
         """One of the summed scalars ``SUMS``."""
@@ -151,15 +146,18 @@ def mod_update(state: DictionaryState, stats: BatchStatistics) -> None:
     state.dictionary[rows] = solved[keep] / norms[keep]
 
 
-def atoms_to_replace(state: DictionaryState, usage: np.ndarray, replace_after: int, duplicate_cosine: float) -> list:
-    """Atoms idle for ``replace_after`` batches, and the less used of each near-duplicate pair."""
+def atoms_to_replace(
+    state: DictionaryState, usage: np.ndarray, replace_after: int, duplicate_cosine: float, gram: np.ndarray
+) -> list:
+    """Atoms idle for ``replace_after`` batches, and the less used of each near-duplicate pair.
+
+    ``gram`` is ``D D^T`` of the current dictionary (the coder of the next batch needs it too).
+    """
     state.idle[:] = np.where(usage == 0, state.idle + 1, 0)
     chosen = set(np.flatnonzero(state.idle >= replace_after).tolist())
     if duplicate_cosine < 1:
         weight = np.diag(state.a)
-        cosine = np.abs(state.dictionary @ state.dictionary.T)
-        first, second = np.nonzero(np.triu(cosine > duplicate_cosine, k=1))
-        for i, j in zip(first.tolist(), second.tolist()):
+        for i, j in near_duplicates(gram, duplicate_cosine).tolist():
             if i not in chosen and j not in chosen:
                 chosen.add(j if weight[j] <= weight[i] else i)
     return sorted(chosen)

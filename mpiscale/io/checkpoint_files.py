@@ -30,6 +30,10 @@ import numpy as np
 from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, open_file, publish, stamp
 from .rows import read_rows, write_rows
 
+#: Data sets of the level-3 file start on 1 MiB boundaries, and each rank writes its own contiguous
+#: block independently: at 4 ranks on 2 cores this was about twice as fast as collective (two-phase) I/O,
+#: whose aggregators copy every block once more.
+ALIGNMENT = 1 << 20
 _STEP = re.compile(r"^step-(\d{8,})\.json$")
 _SHARD = re.compile(r"^(rank|copy-of-rank)-(\d+)\.h5$")
 
@@ -119,24 +123,25 @@ def read_shard(path: str, names: list[str]) -> dict[str, np.ndarray]:
 def write_shared(
     path: Path, comm, world_size: int, manifest: dict, sharded: dict[str, tuple[int, np.ndarray]], replicated: dict
 ) -> None:
-    """Collectively write the level-3 file: every array at its global shape, then flush and rename.
+    """Write the level-3 file (collective open and close): every array at its global shape, then flush and rename.
 
     ``sharded`` maps names to (first global row, this rank's rows); ``replicated``
     holds the arrays rank 0 writes (other ranks pass the same names).
     """
     temporary = path.with_name(path.name + ".tmp")
     rank = comm.Get_rank()
-    with h5py.File(temporary, "w", driver="mpio", comm=comm) as file:
+    aligned = {"alignment_threshold": ALIGNMENT, "alignment_interval": ALIGNMENT}
+    with h5py.File(temporary, "w", driver="mpio", comm=comm, **aligned) as file:
         stamp(file, CHECKPOINT_FORMAT, world_size, {"step": manifest["step"]})
         file.attrs["manifest"] = json.dumps(manifest)
         for name in sorted(sharded):
             entry = manifest["arrays"][name]
-            target = file.create_dataset(name, shape=tuple(entry["shape"]), dtype=np.dtype(entry["dtype"]))
+            target = file.create_dataset(name, tuple(entry["shape"]), np.dtype(entry["dtype"]), fill_time="never")
             start, rows = sharded[name]
-            write_rows(target, start, rows, comm)
+            write_rows(target, start, rows)  # independent: each rank writes its one contiguous block
         for name in sorted(replicated):
             entry = manifest["arrays"][name]
-            target = file.create_dataset(name, shape=tuple(entry["shape"]), dtype=np.dtype(entry["dtype"]))
+            target = file.create_dataset(name, tuple(entry["shape"]), np.dtype(entry["dtype"]), fill_time="never")
             if rank == 0:  # independent write: dataset creation is collective, the data need not be
                 target[()] = replicated[name]
         file.flush()  # MPI_File_sync on every rank

@@ -75,7 +75,7 @@ def write_dataset(
         for name, (_, trailing, dtype) in layout.items():
             counts = [other[name][0] for other in every]
             shape = (sum(counts), *trailing)
-            target = file.create_dataset(name, shape=shape, dtype=np.dtype(dtype))
+            target = file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
             write_rows(target, sum(counts[:rank]), np.asarray(arrays[name]), comm)
             shapes[name] = shape
     if rank == 0:

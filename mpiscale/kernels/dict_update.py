@@ -45,3 +45,23 @@ def block_coordinate_update(dictionary: np.ndarray, a: np.ndarray, b: np.ndarray
         scale = 1.0 / math.sqrt(norm)
         for f in range(features):
             dictionary[j, f] = step[f] * scale
+
+
+@njit(cache=True)
+def near_duplicates(gram: np.ndarray, threshold: float) -> np.ndarray:
+    """Pairs ``(i, j)``, ``i < j``, with ``|gram[i, j]| > threshold``, in row-major order (no temporaries)."""
+    atoms = gram.shape[0]
+    found = 0
+    for i in range(atoms):
+        for j in range(i + 1, atoms):
+            if abs(gram[i, j]) > threshold:
+                found += 1
+    pairs = np.empty((found, 2), np.int64)
+    found = 0
+    for i in range(atoms):
+        for j in range(i + 1, atoms):
+            if abs(gram[i, j]) > threshold:
+                pairs[found, 0] = i
+                pairs[found, 1] = j
+                found += 1
+    return pairs

@@ -88,6 +88,9 @@ def test_statistics_and_worst_signals_do_not_depend_on_the_split():
     ids = np.arange(len(x))
     whole = BatchStatistics(30, 16, 1, 4)
     whole.fill(0, ids, x, codes, planted, 0.0)
+    whole.unpack()
+    assert np.allclose(whole.a, codes.T @ codes) and np.allclose(whole.b, codes.T @ x)  # the sparse kernel
+    assert (whole.usage == np.count_nonzero(codes, axis=0)).all()
     parts = [BatchStatistics(30, 16, 3, 4) for _ in range(3)]
     for rank, chunk in enumerate(np.array_split(ids, 3)):
         parts[rank].fill(rank, chunk, x[chunk], codes[chunk], planted, 0.0)
@@ -109,8 +112,9 @@ def test_idle_and_duplicate_atoms_are_replaced_by_the_worst_residuals():
     state = DictionaryState.start(dictionary)
     state.a[np.diag_indices(6)] = [1, 5, 1, 1, 2, 1]
     usage = np.array([3, 3, 0, 3, 3, 3])
-    assert atoms_to_replace(state, usage, 2, 0.99) == [4]  # atom 2 idle once only; atom 4 the less used twin
-    assert atoms_to_replace(state, usage, 2, 0.99) == [2, 4]
+    gram = state.dictionary @ state.dictionary.T
+    assert atoms_to_replace(state, usage, 2, 0.99, gram) == [4]  # atom 2 idle once only; atom 4 the less used twin
+    assert atoms_to_replace(state, usage, 2, 0.99, gram) == [2, 4]
     residuals = np.random.default_rng(1).standard_normal((1, 5))
     assert replace_atoms(state, [2, 4], residuals) == 1  # one candidate signal, one replacement
     assert np.allclose(state.dictionary[2], residuals[0] / np.linalg.norm(residuals[0]))
