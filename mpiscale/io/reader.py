@@ -23,7 +23,8 @@ import asyncio
 import bisect
 import math
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ BLOCK_STREAM = 254  # ... and for the block order of windowed shuffles
 BLOCKS_PER_WINDOW = 8
 DEFAULT_WINDOW_BYTES = 64 << 20
 MEMORY_FRACTION = 0.5  # of the node's available memory that resident data may take
+STEPS_AHEAD = 2  # batches assembled ahead of the caller when streaming
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,7 @@ class BatchReader:
         self._datasets: dict[str, ShardedDataset] = {}
         self._resident: dict[str, np.ndarray] | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._assembler: ThreadPoolExecutor | None = None
         try:
             for name in names:
                 self._datasets[name] = ShardedDataset(path, name, comm)
@@ -195,6 +198,7 @@ class BatchReader:
             self._resident = {name: _read_whole(ds) for name, ds in self._datasets.items()}
         else:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
+            self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
 
     def _fits(self, comm) -> bool:
         """Whether every node can hold a copy of the data per rank in its share of memory (the same on every rank)."""
@@ -242,20 +246,23 @@ class BatchReader:
                 filled += stop - start
         return _Window(plan, index, arrays)
 
-    def _steps(self, epoch: int, start_step: int) -> Iterator[tuple[list[Future], Callable[[], Batch]]]:
-        """For each step: the window reads it waits for, and how to assemble its batch."""
+    def _steps(self, epoch: int, start_step: int) -> Iterator[Future]:
+        """This rank's batches of ``epoch`` from ``start_step``, as futures, in order.
+
+        In memory: finished at once. Streamed: one thread reads windows (``prefetch``
+        ahead of the one in use) and another assembles batches ``STEPS_AHEAD`` steps
+        ahead, so the caller's thread only takes finished batches.
+        """
         plan = self.plan(epoch)
         if self._resident is not None:
             for step in range(start_step, self.steps):
                 ids = self.step_ids(plan.order, step)
-                yield (
-                    [],
-                    lambda step=step, ids=ids: Batch(
-                        epoch, step, ids, {name: array[ids] for name, array in self._resident.items()}
-                    ),
-                )
+                done: Future = Future()
+                done.set_result(Batch(epoch, step, ids, {name: a[ids] for name, a in self._resident.items()}))
+                yield done
             return
         windows: dict[int, Future] = {}
+        batches: deque[Future] = deque()
         starts = plan.window_starts.tolist()
         try:
             for step in range(start_step, self.steps):
@@ -263,14 +270,18 @@ class BatchReader:
                 first = bisect.bisect_right(starts, step * self.batch_size) - 1
                 last = min(bisect.bisect_right(starts, (step + 1) * self.batch_size - 1) - 1, len(plan.windows) - 1)
                 for index in [w for w in windows if w < first]:
-                    windows.pop(index).cancel()
+                    del windows[index]  # not cancelled: a batch assembled ahead may still wait for it
                 for index in range(first, min(last + self.prefetch, len(plan.windows) - 1) + 1):
                     if index not in windows:
                         windows[index] = self._pool.submit(self._read_window, plan, index)
                 needed = [windows[index] for index in range(first, last + 1)]
-                yield needed, lambda step=step, ids=ids, needed=needed: self._gather(plan, epoch, step, ids, needed)
+                batches.append(self._assembler.submit(self._gather, plan, epoch, step, ids, needed))
+                if len(batches) > STEPS_AHEAD:
+                    yield batches.popleft()
+            while batches:
+                yield batches.popleft()
         finally:
-            for future in windows.values():
+            for future in [*batches, *windows.values()]:
                 future.cancel()
 
     def _gather(self, plan: EpochPlan, epoch: int, step: int, ids: np.ndarray, needed: list[Future]) -> Batch:
@@ -288,21 +299,19 @@ class BatchReader:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """This rank's batches of ``epoch``, from ``start_step`` (to resume mid-epoch)."""
-        for _, assemble in self._steps(epoch, start_step):
-            yield assemble()
+        for batch in self._steps(epoch, start_step):
+            yield batch.result()
 
     async def aepoch(self, epoch: int, start_step: int = 0) -> AsyncIterator[Batch]:
-        """As ``epoch``, awaiting window reads so the event loop keeps serving actors."""
-        for needed, assemble in self._steps(epoch, start_step):
-            for future in needed:
-                if not future.done():
-                    await asyncio.wrap_future(future)
-            yield assemble()
+        """As ``epoch``, awaiting batches not yet read so the event loop keeps serving actors."""
+        for batch in self._steps(epoch, start_step):
+            yield batch.result() if batch.done() else await asyncio.wrap_future(batch)
 
     def close(self) -> None:
         """Stop the reader thread and close the files (collective when opened with ``comm``)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, self._assembler):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
         for ds in self._datasets.values():
             ds.close()
         self._datasets.clear()
