@@ -24,9 +24,10 @@ import bisect
 import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,19 @@ def _read_whole(data: ShardedDataset) -> np.ndarray:
     return data.read(0, len(data))
 
 
+def _ranks_on_host(comm) -> int:
+    """Ranks of ``comm`` that share this host (its memory and cores)."""
+    if comm is None:
+        return 1
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return host.Get_size()
+    finally:
+        host.Free()
+
+
 class BatchReader:
     """Batches of one or more same-length arrays of a data set, for this rank.
 
@@ -198,7 +212,8 @@ class BatchReader:
             self._resident = {name: _read_whole(ds) for name, ds in self._datasets.items()}
         else:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
-            self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
+            if _ranks_on_host(comm) <= (os.cpu_count() or 1):  # a thread more pays off only with a core per rank
+                self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
 
     def _fits(self, comm) -> bool:
         """Whether every node can hold a copy of the data per rank in its share of memory (the same on every rank)."""
@@ -246,20 +261,26 @@ class BatchReader:
                 filled += stop - start
         return _Window(plan, index, arrays)
 
-    def _steps(self, epoch: int, start_step: int) -> Iterator[Future]:
-        """This rank's batches of ``epoch`` from ``start_step``, as futures, in order.
+    def _steps(self, epoch: int, start_step: int) -> Iterator[tuple[list[Future], Callable[[], Batch]]]:
+        """For each step of ``epoch`` from ``start_step``: what it waits for, and how to get its batch.
 
-        In memory: finished at once. Streamed: one thread reads windows (``prefetch``
-        ahead of the one in use) and another assembles batches ``STEPS_AHEAD`` steps
-        ahead, so the caller's thread only takes finished batches.
+        In memory: nothing to wait for. Streamed: one thread reads windows
+        (``prefetch`` ahead of the one in use); when every rank of the host has
+        a core, another assembles batches ``STEPS_AHEAD`` steps ahead, so the
+        caller only takes finished batches. With more ranks than cores that
+        thread hand-off cost more than the assembly (measured: 7.8% of training
+        against 2.1% at 4 ranks on 2 cores), so the caller assembles.
         """
         plan = self.plan(epoch)
         if self._resident is not None:
             for step in range(start_step, self.steps):
                 ids = self.step_ids(plan.order, step)
-                done: Future = Future()
-                done.set_result(Batch(epoch, step, ids, {name: a[ids] for name, a in self._resident.items()}))
-                yield done
+                yield (
+                    [],
+                    lambda step=step, ids=ids: Batch(
+                        epoch, step, ids, {name: a[ids] for name, a in self._resident.items()}
+                    ),
+                )
             return
         windows: dict[int, Future] = {}
         batches: deque[Future] = deque()
@@ -275,11 +296,16 @@ class BatchReader:
                     if index not in windows:
                         windows[index] = self._pool.submit(self._read_window, plan, index)
                 needed = [windows[index] for index in range(first, last + 1)]
+                if self._assembler is None:
+                    yield needed, partial(self._gather, plan, epoch, step, ids, needed)
+                    continue
                 batches.append(self._assembler.submit(self._gather, plan, epoch, step, ids, needed))
                 if len(batches) > STEPS_AHEAD:
-                    yield batches.popleft()
+                    ready = batches.popleft()
+                    yield [ready], ready.result
             while batches:
-                yield batches.popleft()
+                ready = batches.popleft()
+                yield [ready], ready.result
         finally:
             for future in [*batches, *windows.values()]:
                 future.cancel()
@@ -299,13 +325,16 @@ class BatchReader:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
         """This rank's batches of ``epoch``, from ``start_step`` (to resume mid-epoch)."""
-        for batch in self._steps(epoch, start_step):
-            yield batch.result()
+        for _, assemble in self._steps(epoch, start_step):
+            yield assemble()
 
     async def aepoch(self, epoch: int, start_step: int = 0) -> AsyncIterator[Batch]:
         """As ``epoch``, awaiting batches not yet read so the event loop keeps serving actors."""
-        for batch in self._steps(epoch, start_step):
-            yield batch.result() if batch.done() else await asyncio.wrap_future(batch)
+        for needed, assemble in self._steps(epoch, start_step):
+            for future in needed:
+                if not future.done():
+                    await asyncio.wrap_future(future)
+            yield assemble()
 
     def close(self) -> None:
         """Stop the reader thread and close the files (collective when opened with ``comm``)."""
