@@ -220,7 +220,6 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
             coded = time.perf_counter()
             await system.world.allreduce(stats.buffer, out=stats.buffer)
             reduced = time.perf_counter()
-            stats.unpack()
             if config.method == "online":
                 online_update(state, stats, iteration, config.forgetting)
             else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.code_statistics import accumulate_statistics, unpack_symmetric
+from ..kernels.code_statistics import accumulate_statistics, fold_packed, unpack_symmetric
 from ..kernels.dict_update import block_coordinate_update, near_duplicates
 
 _UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
@@ -123,8 +123,7 @@ def online_update(state: DictionaryState, stats: BatchStatistics, iteration: int
     """Fold the batch into the decayed statistics, then one block-coordinate sweep over the atoms."""
     beta = forgetting_factor(iteration, rate)
     signals = max(stats.sum("signals"), 1.0)
-    state.a *= beta
-    state.a += stats.a / signals
+    fold_packed(state.a, stats.a_upper, beta, signals)  # straight from the packed sum: no unpacked copy
     state.b *= beta
     state.b += stats.b / signals
     block_coordinate_update(state.dictionary, state.a, state.b, _UNUSED_WEIGHT)
@@ -132,6 +131,7 @@ def online_update(state: DictionaryState, stats: BatchStatistics, iteration: int
 
 def mod_update(state: DictionaryState, stats: BatchStatistics) -> None:
     """Method of optimal directions: D = (C^T C)^-1 C^T X on the whole data set, atoms rescaled to unit norm."""
+    stats.unpack()
     state.a[:] = stats.a
     state.b[:] = stats.b
     used = np.diag(stats.a) > _UNUSED_WEIGHT

@@ -58,3 +58,16 @@ def unpack_symmetric(a_upper: np.ndarray, a: np.ndarray) -> None:
             a[i, j] = a_upper[index]
             a[j, i] = a_upper[index]
             index += 1
+
+
+@njit(cache=True)
+def fold_packed(a: np.ndarray, a_upper: np.ndarray, beta: float, count: float) -> None:
+    """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle, in one pass."""
+    atoms = a.shape[0]
+    index = 0
+    for i in range(atoms):
+        for j in range(i, atoms):
+            value = beta * a[i, j] + a_upper[index] / count
+            a[i, j] = value
+            a[j, i] = value
+            index += 1
