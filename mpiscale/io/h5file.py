@@ -54,7 +54,7 @@ def settle_background_io() -> None:
 
 
 class DataFileError(ValueError):
-    """An mpiscale HDF5 file is missing, unreadable, of another format, or lacks a dataset."""
+    """An input or mpiscale file is missing, unreadable, of another format, or lacks the data set asked for."""
 
     def __init__(self, path: str | os.PathLike, message: str, dataset: str | None = None) -> None:
         self.path = os.fspath(path)

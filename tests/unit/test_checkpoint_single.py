@@ -71,3 +71,27 @@ def test_steps_lists_committed_checkpoints_newest_first(checkpoints):
     for step in (3, 7):
         checkpoints.save(step, replicated={"w": np.full(4, step, dtype=np.float64)})
     assert checkpoints.steps() == [7, 3]  # waits for the background write of step 7
+
+
+def test_checkpoints_with_zlib_crc32_from_before_crc32c_still_load(tmp_path):
+    """Manifests without a "checksum" name were written with zlib's CRC-32: they load, and corruption is caught."""
+    import zlib
+
+    x = np.arange(12.0).reshape(6, 2)
+    with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF, keep=2, background=False) as checkpoints:
+        checkpoints.save(1, sharded={"x": x}, replicated={"lr": np.array(0.5)})
+    manifest_path = tmp_path / "ckpt" / "step-00000001.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert {entry["checksum"] for entry in manifest["arrays"].values()} == {"crc32c"}
+    old = {"x": x, "lr": np.array(0.5)}
+    for name, entry in manifest["arrays"].items():  # as the previous version wrote them
+        del entry["checksum"]
+        entry["blocks"][0][2] = zlib.crc32(np.ascontiguousarray(old[name]).tobytes())
+    manifest_path.write_text(json.dumps(manifest))
+    with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF) as checkpoints:
+        restored = checkpoints.load()
+        assert np.array_equal(restored.sharded["x"], x) and restored.replicated["lr"] == 0.5
+    manifest["arrays"]["x"]["blocks"][0][2] ^= 1  # a checksum that no longer matches
+    manifest_path.write_text(json.dumps(manifest))
+    with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF) as checkpoints, pytest.raises(CheckpointError):
+        checkpoints.load()
