@@ -25,28 +25,9 @@ import numpy as np
 
 from ..io import Checkpointer
 from ..runtime.collectives import block_rows
-from .report import table, write_json
+from .report import cold_cache, drop_page_cache, table, timed, write_json
 
 ROW = 1 << 14  # float64 values per row: 128 KiB rows
-
-
-def _drop_page_cache() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def _timed(comm, action: Callable[[], object]) -> float:
-    """Seconds from a barrier until the slowest rank finished ``action``."""
-    from mpi4py import MPI
-
-    comm.Barrier()
-    start = time.perf_counter()
-    action()
-    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
 
 
 def _write_raw(arrays: list[np.ndarray], path: Path) -> None:
@@ -86,7 +67,7 @@ def _raw_baselines(arrays: list[np.ndarray], directory: Path, repeats: int) -> d
 
     results = {
         "raw_write": median(tofile),
-        "raw_read": median(lambda: np.fromfile(raw, dtype=np.float64), _drop_page_cache),
+        "raw_read": median(lambda: np.fromfile(raw, dtype=np.float64), drop_page_cache),
         "torch_save": median(torch_save),
     }
     raw.unlink()
@@ -129,17 +110,17 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
         # deletes the previous one) ran at a quarter of the disk's speed, whichever of the two it was.
         levels = [("l1_write", level1), ("l3_write", level3)]
         for name, checkpoints in levels if step % 2 else levels[::-1]:
-            before = _timed(comm, lambda: _write_raw(everything, base / "raw.bin") if comm.rank == 0 else None)
-            results[name].append(_timed(comm, partial(checkpoints.save, step, state)))
-            after = _timed(comm, lambda: _write_raw(everything, base / "raw.bin") if comm.rank == 0 else None)
+            before = timed(comm, lambda: _write_raw(everything, base / "raw.bin") if comm.rank == 0 else None)
+            results[name].append(timed(comm, partial(checkpoints.save, step, state)))
+            after = timed(comm, lambda: _write_raw(everything, base / "raw.bin") if comm.rank == 0 else None)
             ratios[name].append((before + after) / 2 / results[name][-1])
             disk_pairs.append((before, after))
-        blocked = _timed(comm, partial(background.save, step, state))
+        blocked = timed(comm, partial(background.save, step, state))
         results["async_blocked"].append(blocked)
-        results["async_total"].append(blocked + _timed(comm, background.wait))
+        results["async_total"].append(blocked + timed(comm, background.wait))
         for name, checkpoints in (("l1_read", level1), ("l3_read", level3)):
-            drops.append(comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0))
-            results[name].append(_timed(comm, checkpoints.load))
+            drops.append(cold_cache(comm))
+            results[name].append(timed(comm, checkpoints.load))
     for checkpoints in (level1, level3, background):
         checkpoints.close()
     if comm.rank == 0:

@@ -25,8 +25,7 @@ import numpy as np
 from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..io import BatchReader, epoch_order
-from .checkpoint import _drop_page_cache
-from .report import table, write_json
+from .report import cold_cache, table, timed, write_json
 
 FEATURES, ATOMS, SPARSITY, BATCH = 64, 256, 8, 256
 FULL = {"rows": 1 << 19, "iterations": 1200, "window_mib": 8.0}  # 256 MiB: 16x the streaming reader's 16 MiB
@@ -49,20 +48,6 @@ def _write_user_file(path: Path, raw: Path, rows: int) -> None:
             block.tofile(flat)
         flat.flush()
         os.fsync(flat.fileno())
-
-
-def _timed(comm, action) -> float:
-    from mpi4py import MPI
-
-    comm.Barrier()
-    started = time.perf_counter()
-    action()
-    return comm.allreduce(time.perf_counter() - started, op=MPI.MAX)
-
-
-def _cold(comm) -> bool:
-    """Drop the page cache (rank 0) and tell every rank whether that worked."""
-    return bool(comm.bcast(_drop_page_cache() if comm.rank == 0 else None, 0))
 
 
 def _stream_epoch(path: Path, comm, window_rows: int) -> None:
@@ -101,15 +86,15 @@ async def run_reader_bench(system, json_path: str, workdir: str, quick: bool = F
     nbytes = setting["rows"] * FEATURES * 8
     epoch_order(BATCH, 0, 0, True)  # compile (or load) the shuffle's random-number kernel outside the timings
     window_rows = int(setting["window_mib"] * 2**20) // (8 * FEATURES)
-    cold = [_cold(comm)]
+    cold = [cold_cache(comm)]
     disk = comm.bcast(_timed_alone(raw) if comm.rank == 0 else None, 0)
-    cold.append(_cold(comm))
-    load = _timed(comm, lambda: BatchReader(data, ["X"], BATCH, comm, in_memory=True).close())
-    cold.append(_cold(comm))
-    stream = _timed(comm, lambda: _stream_epoch(data, comm, window_rows))
+    cold.append(cold_cache(comm))
+    load = timed(comm, lambda: BatchReader(data, ["X"], BATCH, comm, in_memory=True).close())
+    cold.append(cold_cache(comm))
+    stream = timed(comm, lambda: _stream_epoch(data, comm, window_rows))
     jobs = {}
     for mode in ("yes", "no"):
-        cold.append(_cold(comm))
+        cold.append(cold_cache(comm))
         config = DictLearnConfig(
             data=f"{data}:/X", atoms=ATOMS, sparsity=SPARSITY, batch_size=BATCH, iterations=setting["iterations"],
             in_memory=mode, shuffle_window_mib=setting["window_mib"], out=str(base / f"results-{mode}.h5"),

@@ -1,4 +1,4 @@
-"""Benchmark reporting: machine facts, an aligned table, and a JSON record."""
+"""Benchmark helpers: machine facts, an aligned table, a JSON record, collective timing, a cold page cache."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -65,3 +65,28 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
     path = Path(path)
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
+
+
+def timed(comm, action: Callable[[], object]) -> float:
+    """Seconds from a barrier until the slowest rank of ``comm`` finished ``action``."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    start = time.perf_counter()
+    action()
+    return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def drop_page_cache() -> bool:
+    """Flush and drop the page cache so the next read comes from the disk; False when not allowed (not root)."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cold_cache(comm) -> bool:
+    """Drop the page cache on rank 0 (one host: it is shared) and tell every rank whether that worked."""
+    return bool(comm.bcast(drop_page_cache() if comm.rank == 0 else None, 0))
