@@ -23,7 +23,8 @@ import numpy as np
 
 from ..io import BatchReader, Checkpointer
 from ..io.checkpoint import CheckpointError
-from ..kernels.threads import host_placement, share_cores
+from ..kernels.threads import share_cores
+from ..runtime.collectives import host_placement
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block

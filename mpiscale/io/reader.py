@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime.collectives import host_placement
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, rank_rows
 
@@ -143,19 +144,6 @@ def _read_whole(data: ShardedDataset) -> np.ndarray:
     return data.read(0, len(data))
 
 
-def _ranks_on_host(comm) -> int:
-    """Ranks of ``comm`` that share this host (its memory and cores)."""
-    if comm is None:
-        return 1
-    from mpi4py import MPI
-
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return host.Get_size()
-    finally:
-        host.Free()
-
-
 class BatchReader:
     """Batches of one or more same-length arrays of a data set, for this rank.
 
@@ -207,27 +195,22 @@ class BatchReader:
         if shuffle_window is None:
             shuffle_window = DEFAULT_WINDOW_BYTES // max(row_bytes, 1)
         self.shuffle_window = max(int(shuffle_window), batch_size)
-        self.in_memory = self._fits(comm) if in_memory is None else bool(in_memory)
+        ranks_on_host = host_placement(comm)[1] if comm is not None else 1
+        self.in_memory = self._fits(comm, ranks_on_host) if in_memory is None else bool(in_memory)
         if self.in_memory:
             self._resident = {name: _read_whole(ds) for name, ds in self._datasets.items()}
         else:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-reader")
-            if _ranks_on_host(comm) <= (os.cpu_count() or 1):  # a thread more pays off only with a core per rank
+            if ranks_on_host <= (os.cpu_count() or 1):  # a thread more pays off only with a core per rank
                 self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
 
-    def _fits(self, comm) -> bool:
-        """Whether every node can hold a copy of the data per rank in its share of memory (the same on every rank)."""
+    def _fits(self, comm, ranks_on_host: int) -> bool:
+        """Whether every host can hold a copy of the data per rank in its share of memory (the same on every rank)."""
+        fits = self.nbytes * ranks_on_host <= MEMORY_FRACTION * available_memory()
         if comm is None:
-            return self.nbytes <= MEMORY_FRACTION * available_memory()
+            return fits
         from mpi4py import MPI
 
-        from ..runtime.collectives import split_nodes
-        from ..runtime.config import RuntimeConfig
-
-        node, _, _ = split_nodes(MPI, comm, RuntimeConfig.from_env().ranks_per_node)
-        ranks_on_node = node.Get_size()
-        node.Free()
-        fits = self.nbytes * ranks_on_node <= MEMORY_FRACTION * available_memory()
         return bool(comm.allreduce(int(fits), op=MPI.MIN))
 
     @property

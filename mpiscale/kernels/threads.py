@@ -16,16 +16,6 @@ import numba
 from threadpoolctl import threadpool_limits
 
 
-def host_placement(comm) -> tuple[int, int]:
-    """(this rank's index among the ranks on its host, how many ranks share the host); collective."""
-    from mpi4py import MPI
-
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    placement = host.Get_rank(), host.Get_size()
-    host.Free()
-    return placement
-
-
 def share_cores(ranks_here: int) -> int:
     """Set this rank's Numba and BLAS thread counts for ``ranks_here`` ranks on the host; returns Numba's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -199,6 +199,19 @@ class Hierarchy:
         return result
 
 
+def host_placement(comm) -> tuple[int, int]:
+    """(this rank's index among the ranks on its host, how many ranks share the host); collective.
+
+    The real host (its memory and cores), even when nodes are simulated with ``ranks_per_node``.
+    """
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    placement = host.Get_rank(), host.Get_size()
+    host.Free()
+    return placement
+
+
 def split_nodes(MPI, comm, ranks_per_node: int = 0):
     """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
 
