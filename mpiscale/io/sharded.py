@@ -220,38 +220,36 @@ class ShardedDataset:
             self._sources.append(source)
             return [source]
         file = open_file(path, None, self._comm)
-        if file_format(file) != INDEX_FORMAT:
-            try:
-                if not self.name:
-                    self.name = only_dataset(path, file)
-                source = H5Source(file, dataset(file, self.name))
-            except BaseException:
-                file.close()
-                raise
-            self._sources.append(source)
-            return [source]
         try:
-            entries = json.loads(file.attrs["shards"])
             if not self.name:
                 self.name = only_dataset(path, file)
+            if file_format(file) != INDEX_FORMAT:
+                return [self._h5_source(file)]
+            entries = json.loads(file.attrs["shards"])
             dataset(file, self.name)  # a clear error if the index lacks the array
-        finally:
+        except BaseException:
             file.close()
+            raise
+        file.close()
         base = os.path.dirname(os.path.abspath(path))
         sources = []
         for entry in entries:
-            shard = open_file(os.path.join(base, entry["path"]), None, self._comm)
-            try:
-                source = H5Source(shard, dataset(shard, self.name))
-            except BaseException:
-                shard.close()
-                raise
-            self._sources.append(source)
-            expected = entry["rows"].get(self.name, entry["rows"].get("/" + self.name))
+            source = self._h5_source(open_file(os.path.join(base, entry["path"]), None, self._comm))
+            expected = entry["rows"][self.name]
             if source.shape[0] != expected:
-                raise DataFileError(shard.filename, f"has {source.shape[0]} rows, the index says {expected}", self.name)
+                raise DataFileError(source.path, f"has {source.shape[0]} rows, the index says {expected}", self.name)
             sources.append(source)
         return sources
+
+    def _h5_source(self, file: h5py.File) -> H5Source:
+        """This data set of an open file, kept for ``close`` (the file is closed if the data set is unusable)."""
+        try:
+            source = H5Source(file, dataset(file, self.name))
+        except BaseException:
+            file.close()
+            raise
+        self._sources.append(source)
+        return source
 
     def __len__(self) -> int:
         return self.shape[0]
