@@ -42,19 +42,17 @@ _COMPATIBLE = (
 )  # fmt: skip
 
 
-def _code(
-    config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str, gram: np.ndarray | None = None
-) -> np.ndarray:
-    gram = dictionary @ dictionary.T if gram is None else gram
+def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str, gram: np.ndarray):
+    """Codes of ``signals``; ``gram`` is ``D D^T`` of ``dictionary``, computed once per dictionary by the caller."""
     correlations = signals @ dictionary.T
     if config.coder == "lasso":
         return lasso_encode_gram(gram, correlations, config.alpha)
     return omp_encode_gram(gram, correlations, config.sparsity, device)
 
 
-async def _whole_data_error(system, config, dictionary, block, device: str) -> float:
+async def _whole_data_error(system, config, dictionary, block, device: str, gram: np.ndarray) -> float:
     _, rows = block
-    codes = _code(config, dictionary, rows, device)
+    codes = _code(config, dictionary, rows, device, gram)
     residual = rows - codes @ dictionary
     sums = np.array([np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows)])
     await system.world.allreduce(sums, out=sums)
@@ -233,7 +231,7 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
             updated = time.perf_counter()
             full_error = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:
-                full_error = await _whole_data_error(system, config, state.dictionary, block, device)
+                full_error = await _whole_data_error(system, config, state.dictionary, block, device, gram)
             row = stats.metrics(alpha) | {
                 "replaced": float(replaced),
                 "read_s": read - began,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.code_statistics import accumulate_statistics, fold_packed, unpack_symmetric
+from ..kernels.code_statistics import accumulate_statistics, fold_packed
 from ..kernels.dict_update import block_coordinate_update, near_duplicates
 
 _UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
@@ -67,7 +67,7 @@ class BatchStatistics:
 
     def unpack(self) -> None:
         """The full, exactly symmetric ``a`` from the (summed) upper triangle in the buffer."""
-        unpack_symmetric(self.a_upper, self.a)
+        fold_packed(self.a, self.a_upper, 0.0, 1.0)
 
     def sum(self, name: str) -> float:
         """One of the summed scalars ``SUMS``."""

@@ -49,25 +49,16 @@ def accumulate_statistics(
 
 
 @njit(cache=True)
-def unpack_symmetric(a_upper: np.ndarray, a: np.ndarray) -> None:
-    """The full symmetric matrix ``a`` from its packed upper triangle."""
-    atoms = a.shape[0]
-    index = 0
-    for i in range(atoms):
-        for j in range(i, atoms):
-            a[i, j] = a_upper[index]
-            a[j, i] = a_upper[index]
-            index += 1
-
-
-@njit(cache=True)
 def fold_packed(a: np.ndarray, a_upper: np.ndarray, beta: float, count: float) -> None:
-    """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle, in one pass."""
+    """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle, in one pass.
+
+    ``beta = 0, count = 1`` unpacks ``A`` into ``a`` (the old ``a`` is not read, so nothing of it survives).
+    """
     atoms = a.shape[0]
     index = 0
     for i in range(atoms):
         for j in range(i, atoms):
-            value = beta * a[i, j] + a_upper[index] / count
+            value = a_upper[index] / count if beta == 0.0 else beta * a[i, j] + a_upper[index] / count
             a[i, j] = value
             a[j, i] = value
             index += 1
