@@ -66,12 +66,12 @@ def epoch_plan(samples: int, epoch: int, seed: int, shuffle: bool, window: int |
     block_rows = max(1, math.ceil(window / BLOCKS_PER_WINDOW))
     blocks = np.arange(-(-samples // block_rows), dtype=np.int64)
     random = SampleRandom(seed)
-    whole = window >= samples
-    if shuffle and not whole:
-        blocks = np.argsort(random.uniform(epoch, blocks, 1, stream=BLOCK_STREAM)[:, 0], kind="stable")
-    windows = [np.sort(blocks[i : i + BLOCKS_PER_WINDOW]) for i in range(0, len(blocks), BLOCKS_PER_WINDOW)]
-    if whole:
-        windows = [np.sort(blocks)]
+    if window >= samples:  # shuffled whole: one window of every block (none for no rows)
+        windows = [blocks] if len(blocks) else []
+    else:
+        if shuffle:
+            blocks = np.argsort(random.uniform(epoch, blocks, 1, stream=BLOCK_STREAM)[:, 0], kind="stable")
+        windows = [np.sort(blocks[i : i + BLOCKS_PER_WINDOW]) for i in range(0, len(blocks), BLOCKS_PER_WINDOW)]
     keys = random.uniform(epoch, ids, 1, stream=SHUFFLE_STREAM)[:, 0] if shuffle else None
     parts, starts = [], [0]
     for blocks_of_window in windows:

@@ -122,6 +122,7 @@ def test_epoch_plan_is_a_permutation_read_window_by_window(window):
 def test_small_data_is_shuffled_whole_whatever_the_window():
     assert np.array_equal(epoch_order(50, 1, 2, True, None), epoch_order(50, 1, 2, True, 50))
     assert np.array_equal(epoch_order(50, 1, 2, False, 8), np.arange(50))
+    assert len(epoch_order(0, 0, 0, True)) == 0 and len(epoch_order(0, 0, 0, False, 8)) == 0  # no rows, no order
 
 
 @pytest.mark.parametrize("window", [None, 40])
