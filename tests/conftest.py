@@ -31,16 +31,15 @@ class Job:
         return self.stdout + self.stderr
 
 
-_MPI_RUNTIME_PREFIXES = ("OMPI_", "PMIX_", "OPAL_", "ORTE_")
+# The environment as the test session began, before any unit test initialised an MPI singleton in this
+# process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
+# own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
+SESSION_ENVIRONMENT = dict(os.environ)
 
 
 def launch(ranks: int, command: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """Start ``command`` on ``ranks`` ranks through the project's launcher, in its own process group.
-
-    MPI variables of this process are dropped: a unit test that initialised an
-    MPI singleton leaves some behind, and mpirun would mistake them for a job.
-    """
-    environment = {k: v for k, v in os.environ.items() if not k.startswith(_MPI_RUNTIME_PREFIXES)}
+    """Start ``command`` on ``ranks`` ranks through the project's launcher, in its own process group."""
+    environment = dict(SESSION_ENVIRONMENT)
     environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     return subprocess.Popen(
         [str(LAUNCHER), "-n", str(ranks), "--", *command],

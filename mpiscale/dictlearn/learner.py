@@ -24,7 +24,7 @@ import numpy as np
 from ..io import BatchReader, Checkpointer
 from ..io.checkpoint import CheckpointError
 from ..kernels.threads import share_cores
-from ..runtime.collectives import host_placement
+from ..runtime.collectives import host_placement, ranks_sharing_cores
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
@@ -160,8 +160,8 @@ def _prepare(system, config: DictLearnConfig) -> _Job:
 
     comm = MPI.COMM_WORLD  # blocking I/O and checks; the iterations' allreduce goes through system.world
     device = resolve_device(config.device) if config.coder == "omp" else "cpu"
-    rank_on_host, ranks_on_host = host_placement(comm)
-    threads = share_cores(ranks_on_host)
+    rank_on_host, _ = host_placement(comm)
+    threads = share_cores(ranks_sharing_cores(comm))
     label = device
     if device == "cuda":
         from ..kernels.omp_cuda import select_gpu

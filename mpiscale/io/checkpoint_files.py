@@ -27,7 +27,7 @@ import crc32c
 import h5py
 import numpy as np
 
-from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, open_file, publish, stamp
+from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp
 from .rows import read_rows, write_rows
 
 #: Data sets of the level-3 file start on 1 MiB boundaries, and each rank writes its own contiguous
@@ -131,7 +131,7 @@ def write_shared(
     temporary = path.with_name(path.name + ".tmp")
     rank = comm.Get_rank()
     aligned = {"alignment_threshold": ALIGNMENT, "alignment_interval": ALIGNMENT}
-    with h5py.File(temporary, "w", driver="mpio", comm=comm, **aligned) as file:
+    with h5py.File(temporary, "w", **file_access(comm), **aligned) as file:
         stamp(file, CHECKPOINT_FORMAT, world_size, {"step": manifest["step"]})
         file.attrs["manifest"] = json.dumps(manifest)
         for name in sorted(sharded):

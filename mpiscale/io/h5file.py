@@ -78,6 +78,23 @@ def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | Non
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 
 
+def file_access(comm) -> dict:
+    """``h5py.File`` keywords for a file every rank of ``comm`` opens: the MPI-IO driver.
+
+    A job of one rank (or no communicator) with an h5py built without MPI (a
+    workstation's pip wheel) opens files plainly, so single-rank jobs run
+    anywhere; a job of several ranks needs parallel HDF5 and says so.
+    """
+    if comm is None or (comm.Get_size() == 1 and not h5py.get_config().mpi):
+        return {}
+    if not h5py.get_config().mpi:
+        raise RuntimeError(
+            f"h5py {h5py.__version__} was built without MPI, so a job of {comm.Get_size()} ranks cannot share an "
+            "HDF5 file: rebuild it against parallel HDF5 (launch/setup.sh does), or run one rank"
+        )
+    return {"driver": "mpio", "comm": comm}
+
+
 def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, comm=None) -> h5py.File:
     """Open ``path`` read-only (collectively with the MPI driver when ``comm`` is given).
 
@@ -99,9 +116,7 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
     try:
         if comm is not None:
             settle_background_io()
-            file = h5py.File(path, "r", driver="mpio", comm=comm)
-        else:
-            file = h5py.File(path, "r")
+        file = h5py.File(path, "r", **file_access(comm))
     except OSError as error:
         raise DataFileError(path, f"not a readable HDF5 file (truncated or corrupt?): {error}") from error
     if formats is None:

@@ -50,7 +50,7 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
 def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm, max_bytes: int, write: bool) -> None:
     """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
     rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
-    plist = _transfer_list() if comm is not None else None
+    plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None
     placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
     move = dset.id.write if write else dset.id.read
     for round_index in range(rounds):

@@ -26,6 +26,7 @@ from .h5file import (
     check_array,
     dataset,
     datasets_in,
+    file_access,
     file_format,
     open_file,
     publish,
@@ -67,7 +68,7 @@ def write_dataset(
                 f"but rank {rank} passes {_describe(layout)}; names, row shapes and dtypes must agree"
             )
     temporary = f"{path}.tmp"
-    kwargs = {"driver": "mpio", "comm": comm} if comm is not None else {}
+    kwargs = file_access(comm)
     settle_background_io()
     shapes = {}
     with h5py.File(temporary, "w", **kwargs) as file:

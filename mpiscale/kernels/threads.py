@@ -1,4 +1,4 @@
-"""Share a host's cores among the ranks on it: Numba and BLAS threads per rank = cores / ranks on the host.
+"""Share a host's cores among the ranks on it: Numba and BLAS threads per rank = its cores / ranks sharing them.
 
 Numba's parallel kernels and OpenBLAS each start one thread per core by
 default. With several ranks on one host that oversubscribes the cores many
@@ -16,10 +16,14 @@ import numba
 from threadpoolctl import threadpool_limits
 
 
-def share_cores(ranks_here: int) -> int:
-    """Set this rank's Numba and BLAS thread counts for ``ranks_here`` ranks on the host; returns Numba's."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    threads = max(1, cores // ranks_here)
+def share_cores(ranks_sharing: int) -> int:
+    """Set Numba and BLAS threads to this rank's cores / the ranks that may run on them; returns Numba's.
+
+    ``ranks_sharing`` comes from ``runtime.collectives.ranks_sharing_cores``: 1
+    for a rank bound to cores of its own, the host's ranks for unbound ones.
+    """
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // ranks_sharing)
     if not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ):
         threadpool_limits(threads, user_api="blas")
     if "NUMBA_NUM_THREADS" in os.environ:

@@ -212,6 +212,24 @@ def host_placement(comm) -> tuple[int, int]:
     return placement
 
 
+def ranks_sharing_cores(comm) -> int:
+    """How many ranks of this host may run on this rank's cores, itself included (collective).
+
+    1 when the launcher bound each rank to cores of its own (``srun
+    --cpus-per-task``, ``mpirun --bind-to core``); every rank of the host when
+    they are unbound and share all its cores.
+    """
+    import os
+
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = os.sched_getaffinity(0)
+    sharing = sum(1 for other in host.allgather(mine) if other & mine)
+    host.Free()
+    return sharing
+
+
 def split_nodes(MPI, comm, ranks_per_node: int = 0):
     """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
 

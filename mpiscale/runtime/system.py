@@ -463,7 +463,9 @@ def _setup_logging(rank: int) -> None:
     handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     verbose = os.environ.get("MPISCALE_LOG_ALL_RANKS", "0") not in ("", "0")
-    root.setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
+    # INFO for mpiscale's own loggers only: numba.cuda's driver logs every allocation at INFO
+    root.setLevel(logging.WARNING)
+    logging.getLogger("mpiscale").setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
 
 
 def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | None = None) -> T:
