@@ -20,8 +20,11 @@ demo: setup
 ring: setup
 	$(RUN) -n $(RANKS) --ranks-per-node 2 -- .venv/bin/mpiscale demo
 
+# Style, the layer contract of setup.cfg ([importlinter]: docs/architecture.md, "Where new code goes"), and types.
 lint: setup
 	.venv/bin/ruff check mpiscale tests examples
+	.venv/bin/lint-imports
+	.venv/bin/mypy mpiscale
 
 test: setup lint
 	$(PY) -m pytest

@@ -4,8 +4,7 @@ The runtime's public API (``Actor``, ``ActorRef``, ``run``, ...) is re-exported 
 """
 
 from . import runtime
+from ._version import __version__
 from .runtime import *  # noqa: F403  (the list lives in mpiscale.runtime.__all__)
-
-__version__ = "0.1.0"
 
 __all__ = [*runtime.__all__, "__version__"]

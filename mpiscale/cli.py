@@ -42,8 +42,7 @@ def _dictlearn(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from .io import DataFileError, write_index
-    from .io.sources import resolve_files
+    from .io import DataFileError, resolve_files, write_index
 
     try:
         files = [path for pattern in args.files for path in resolve_files(pattern)]

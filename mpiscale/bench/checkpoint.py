@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io import Checkpointer
-from ..runtime.collectives import block_rows
+from ..ranks import Comm, block_rows
 from .report import cold_cache, drop_page_cache, table, timed, write_json
 
 ROW = 1 << 14  # float64 values per row: 128 KiB rows
@@ -75,7 +75,7 @@ def _raw_baselines(arrays: list[np.ndarray], directory: Path, repeats: int) -> d
     return results
 
 
-def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int, repeats: int) -> dict | None:
+def run_checkpoint_bench(comm: Comm, json_path: str, directory: str, total_bytes: int, repeats: int) -> dict | None:
     """All ranks call; rank 0 prints the table and writes JSON (and returns the record)."""
     base = Path(directory)
     if comm.rank == 0:
@@ -85,7 +85,7 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
     rows = block_rows(max(total_bytes // (ROW * 8), comm.size), comm.size)[comm.rank]
     mine = np.random.default_rng(comm.rank).standard_normal((rows, ROW))
     total = comm.allreduce(mine.nbytes)
-    everything = None
+    everything: list[np.ndarray] = []
     baselines = {}
     if comm.rank == 0:  # the same bytes, held by one process, for the baselines
         counts = block_rows(total // (ROW * 8), comm.size)
@@ -126,7 +126,7 @@ def run_checkpoint_bench(comm, json_path: str, directory: str, total_bytes: int,
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
         medians = {name: statistics.median(times) for name, times in results.items()}
-        paired = {name: statistics.median(values) for name, values in ratios.items()}
+        paired: dict[str, object] = {name: statistics.median(values) for name, values in ratios.items()}
         paired["disk_write_seconds"] = disk_pairs
         return _report(comm.size, json_path, total, baselines, medians, paired, all(drops))
     return None

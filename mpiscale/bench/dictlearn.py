@@ -31,6 +31,7 @@ from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..dictlearn.synthetic import SIGNALS, write_planted_dataset
 from ..io import read_dataset
+from ..runtime import ActorSystem
 from .omp import OMP_HEADERS, measure_omp, omp_row
 from .report import table, write_json
 
@@ -127,7 +128,7 @@ def _spams(path: str, setting: dict, iterations: int, workdir: Path) -> dict | N
     return result | {"cores": cores}
 
 
-async def run_dictlearn_bench(system, json_path: str, workdir: str, quick: bool = False) -> dict | None:
+async def run_dictlearn_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
     """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
     from mpi4py import MPI
 

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from ..ranks import Comm
 from ..runtime import Actor, ActorRef, ActorSystem
 from .report import table, write_json
 
@@ -42,7 +43,7 @@ def _repeats(size: int, quick: bool) -> int:
     return int(min(2000 if quick else 20000, max(5, budget // max(size, 1) // 4)))
 
 
-def _raw_round_trip(comm, size: int, repeats: int, batches: int) -> list[float]:
+def _raw_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
     """Per-round-trip seconds of blocking Send/Recv, one value per batch."""
     buffer = np.zeros(size, dtype=np.uint8)
     peer = 1 - comm.Get_rank()
@@ -62,7 +63,7 @@ def _raw_round_trip(comm, size: int, repeats: int, batches: int) -> list[float]:
     return results
 
 
-async def _loop_floor_round_trip(comm, size: int, repeats: int, batches: int) -> list[float]:
+async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
     """Round trip of a bare asyncio loop doing Isend/Improbe/Irecv: no pickling, no actors.
 
     The cost of driving MPI from an event loop at all; any asyncio runtime pays it.
@@ -115,7 +116,7 @@ async def _ask_round_trip(system: ActorSystem, size: int, repeats: int, batches:
     return results
 
 
-def _raw_stream(comm, count: int) -> float:
+def _raw_stream(comm: Comm, count: int) -> float:
     """Messages per second of back-to-back 8-byte Isend -> Recv."""
     buffer = np.zeros(8, dtype=np.uint8)
     comm.Barrier()

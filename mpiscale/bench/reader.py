@@ -19,17 +19,24 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..io import BatchReader, epoch_order
+from ..ranks import Comm
+from ..runtime import ActorSystem
 from .report import cold_cache, table, timed, write_json
 
 FEATURES, ATOMS, SPARSITY, BATCH = 64, 256, 8, 256
-FULL = {"rows": 1 << 19, "iterations": 1200, "window_mib": 8.0}  # 256 MiB: 16x the streaming reader's 16 MiB
-QUICK = {"rows": 1 << 16, "iterations": 300, "window_mib": 1.0}
+FULL: dict[str, Any] = {
+    "rows": 1 << 19,
+    "iterations": 1200,
+    "window_mib": 8.0,
+}  # 256 MiB: 16x the streaming reader's 16 MiB
+QUICK: dict[str, Any] = {"rows": 1 << 16, "iterations": 300, "window_mib": 1.0}
 
 
 def _write_user_file(path: Path, raw: Path, rows: int) -> None:
@@ -50,7 +57,7 @@ def _write_user_file(path: Path, raw: Path, rows: int) -> None:
         os.fsync(flat.fileno())
 
 
-def _stream_epoch(path: Path, comm, window_rows: int) -> None:
+def _stream_epoch(path: Path, comm: Comm, window_rows: int) -> None:
     with BatchReader(path, ["X"], BATCH, comm, shuffle=True, shuffle_window=window_rows, in_memory=False) as reader:
         for _ in reader.epoch(0):
             pass
@@ -71,7 +78,7 @@ def _shares(out: str) -> dict:
     }
 
 
-async def run_reader_bench(system, json_path: str, workdir: str, quick: bool = False) -> dict | None:
+async def run_reader_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
     """All ranks call; rank 0 prints the table and writes JSON."""
     from mpi4py import MPI
 

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..ranks import Comm
+
 
 def machine() -> dict:
     """Cores, CPU model and GPU (if any) of this machine."""
@@ -67,7 +69,7 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
     return path
 
 
-def timed(comm, action: Callable[[], object]) -> float:
+def timed(comm: Comm, action: Callable[[], object]) -> float:
     """Seconds from a barrier until the slowest rank of ``comm`` finished ``action``."""
     from mpi4py import MPI
 
@@ -87,6 +89,6 @@ def drop_page_cache() -> bool:
         return False
 
 
-def cold_cache(comm) -> bool:
+def cold_cache(comm: Comm) -> bool:
     """Drop the page cache on rank 0 (one host: it is shared) and tell every rank whether that worked."""
     return bool(comm.bcast(drop_page_cache() if comm.rank == 0 else None, 0))

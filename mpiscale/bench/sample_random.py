@@ -13,9 +13,9 @@ import time
 import numba
 import numpy as np
 
-from ..io.sample_random import SampleRandom
+from ..io import SampleRandom
+from ..ranks import rank_rows
 from ..runtime import ActorSystem
-from ..runtime.collectives import block_rows
 from .report import table, write_json
 
 PARAMETERS = 8  # random parameters per sample (e.g. crop, flip, colour jitter)
@@ -37,9 +37,7 @@ async def run_sample_random(system: ActorSystem, json_path: str, samples: int, q
     threads = numba.get_num_threads()
     if system.size > 1:
         numba.set_num_threads(1)
-    rows = block_rows(samples, system.size)
-    first = sum(rows[: system.rank])
-    mine = range(first, first + rows[system.rank])
+    mine = range(*rank_rows(samples, system.size, system.rank))
     streams.uniform(0, mine[:10], PARAMETERS)  # compile outside the timing
     await system.world.barrier()
     start = time.perf_counter()

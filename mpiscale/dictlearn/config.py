@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..io.sources import split_spec
+from ..io import split_spec
 
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, ShardedDataset, rank_rows, read_dataset
-from ..io.h5file import DataFileError
+from ..io import BatchReader, DataFileError, ShardedDataset, rank_rows, read_dataset
+from ..ranks import Comm
 
 _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
 
@@ -30,7 +30,7 @@ class DataInfo:
         return f"{self.path}:/{self.name}" if self.name else self.path
 
 
-def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int, comm) -> DataInfo:
+def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int, comm: Comm) -> DataInfo:
     """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity.
 
     Signals are the rows of any numeric data set; further axes are flattened
@@ -62,7 +62,9 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int,
             lo = min(stop, start + part * rows_per_read)
             hi = min(stop, lo + rows_per_read)
             rows = data.read_collective(lo, hi).reshape(hi - lo, features)
-            bad = np.flatnonzero(~np.isfinite(rows).all(axis=1)) if rows.size and data.dtype.kind == "f" else []
+            bad = np.empty(0, np.int64)
+            if rows.size and data.dtype.kind == "f":
+                bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
             if len(bad):
                 first_bad = min(first_bad, lo + int(bad[0]))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
@@ -94,7 +96,7 @@ def _patch_shape(data: ShardedDataset) -> list[int] | None:
     return [int(v) for v in shape] if shape else None
 
 
-def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm) -> np.ndarray:
+def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm: Comm) -> np.ndarray:
     """Distinct signals chosen by ``seed``, scaled to unit norm (zero ones become random directions)."""
     rng = np.random.default_rng(seed)
     ids = np.sort(rng.choice(info.samples, atoms, replace=False))
@@ -106,7 +108,7 @@ def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm) -> np.ndarra
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncGenerator[tuple[np.ndarray, np.ndarray]]:
     """(sample ids, signals) of this rank for iterations ``start``, ``start + 1``, ... across epochs."""
     epoch, step = divmod(start, reader.steps)
     while True:
@@ -116,7 +118,7 @@ async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncIte
         epoch, step = epoch + 1, 0
 
 
-def resident_block(info: DataInfo, comm) -> tuple[np.ndarray, np.ndarray]:
+def resident_block(info: DataInfo, comm: Comm) -> tuple[np.ndarray, np.ndarray]:
     """(global ids, rows) of this rank's block of the whole data set, read collectively."""
     start, stop = rank_rows(info.samples, comm.Get_size(), comm.Get_rank())
     rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64).reshape(stop - start, -1)

@@ -71,7 +71,9 @@ class History:
 
     def arrays(self, atoms: int) -> dict[str, np.ndarray]:
         """Plain arrays, for checkpoints."""
-        arrays = {f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()}
+        arrays: dict[str, np.ndarray] = {
+            f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()
+        }
         arrays["usage"] = np.asarray(self.usage, dtype=np.int64).reshape(-1, atoms)
         arrays["record"] = np.array([self.every, self.iterations], dtype=np.int64)
         return arrays

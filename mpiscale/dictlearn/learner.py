@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer
-from ..io.checkpoint import CheckpointError
+from ..io import BatchReader, Checkpointer, CheckpointError
 from ..kernels.threads import share_cores
-from ..runtime.collectives import host_placement, ranks_sharing_cores
+from ..ranks import Comm, host_placement, ranks_sharing_cores
+from ..runtime import ActorSystem
 from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
 from .progress import ProgressLine
-from .results import write_results
-from .synthetic import write_planted_dataset
+from .results import JobResults, write_results
+from .synthetic import recovery_rate, write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, 
     return omp_encode_gram(gram, correlations, config.sparsity, device)
 
 
-async def _whole_data_error(system, config, dictionary, block, device: str, gram: np.ndarray) -> float:
+async def _whole_data_error(system: ActorSystem, config, dictionary, block, device: str, gram: np.ndarray) -> float:
     _, rows = block
     codes = _code(config, dictionary, rows, device, gram)
     residual = rows - codes @ dictionary
@@ -59,7 +59,7 @@ async def _whole_data_error(system, config, dictionary, block, device: str, gram
     return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
 
-def _prepare_data(config: DictLearnConfig, comm) -> tuple[DataInfo, np.ndarray | None]:
+def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.ndarray | None]:
     path, name = config.data_path
     planted = None
     if not config.data:
@@ -106,7 +106,7 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[
 class _Job:
     """Everything checked and loaded before the first iteration."""
 
-    comm: object
+    comm: Comm
     info: DataInfo
     planted: np.ndarray | None
     state: DictionaryState
@@ -118,7 +118,7 @@ class _Job:
     threads: int
 
 
-async def learn(system, config: DictLearnConfig) -> dict:
+async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
     """Run the job on every rank; returns a summary (the same on every rank).
 
     Bad input (data, sizes, output directory, checkpoints, device) ends the job
@@ -132,6 +132,7 @@ async def learn(system, config: DictLearnConfig) -> dict:
     except (ValueError, CheckpointError) as error:
         problem = ValueError(f"mpiscale dictlearn: {error}")
     await system.agree(problem, "the input and settings")
+    assert job is not None  # the agreement raised on every rank otherwise
     try:
         summary = await _iterate(system, config, job)
     finally:
@@ -140,13 +141,24 @@ async def learn(system, config: DictLearnConfig) -> dict:
     await _agree_on_dictionary(system, job.state)
     summary["world_size"] = system.size
     summary["threads"] = job.threads
+    if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
+        summary["recovery_rate"] = recovery_rate(job.planted, job.state.dictionary)
     placement = job.comm.gather((socket.gethostname(), job.device_label), 0)
     if system.rank == 0:
-        hosts = sorted({host for host, _ in placement})
-        devices = [label for _, label in placement]
-        write_results(
-            config, job.info, job.state.dictionary, job.history, job.planted, summary, system.size, hosts, devices
+        results = JobResults(
+            config=config,
+            info=job.info,
+            dictionary=job.state.dictionary,
+            history=job.history,
+            planted=job.planted,
+            recovery_rate=summary.get("recovery_rate"),
+            world_size=system.size,
+            hosts=sorted({host for host, _ in placement}),
+            devices=[label for _, label in placement],
+            threads=job.threads,
+            stop_reason=summary["stop_reason"],
         )
+        write_results(results)
         rate = summary.get("recovery_rate")
         recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
         print(f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}", flush=True)
@@ -154,7 +166,7 @@ async def learn(system, config: DictLearnConfig) -> dict:
     return summary
 
 
-def _prepare(system, config: DictLearnConfig) -> _Job:
+def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
     """Check the input, pick cores and device, load the data's first atoms or the newest checkpoint (collective)."""
     from mpi4py import MPI
 
@@ -183,7 +195,7 @@ def _prepare(system, config: DictLearnConfig) -> _Job:
     return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads)
 
 
-async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
+async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
     rank, size = system.rank, system.size
     info, state, history = job.info, job.state, job.history
     start, checkpoints, device = job.start, job.checkpoints, job.device
@@ -212,7 +224,11 @@ async def _iterate(system, config: DictLearnConfig, job: _Job) -> dict:
     try:
         for iteration in range(start, config.iterations):
             began = time.perf_counter()
-            ids, signals = (await anext(batches)) if reader is not None else block
+            if reader is not None:
+                ids, signals = await anext(batches)
+            else:
+                assert block is not None  # "mod" keeps the whole data resident
+                ids, signals = block
             read = time.perf_counter()
             codes = _code(config, state.dictionary, signals, device, gram)
             stats.fill(rank, ids, signals, codes, state.dictionary, alpha)
@@ -263,7 +279,7 @@ def _compatibility(config: DictLearnConfig, info) -> dict:
     return values | {"features": info.features, "samples": info.samples}
 
 
-async def _agree_on_dictionary(system, state: DictionaryState) -> None:
+async def _agree_on_dictionary(system: ActorSystem, state: DictionaryState) -> None:
     """Check that every rank ended with the very same dictionary; if not, take rank 0's and say so."""
     digest = np.array([zlib.crc32(state.dictionary.tobytes())], dtype=np.int64)
     every = await system.world.allgather(digest)

@@ -17,23 +17,42 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
 
-from ..io.h5file import open_file, publish, stamp
-from .history import METRICS
+from ..io import open_file, publish, stamp
+from .config import DictLearnConfig
+from .data import DataInfo
+from .history import METRICS, History
 
 RESULTS_FORMAT = "mpiscale.dictlearn-results/1"
 
 
-def write_results(config, info, dictionary, history, planted, summary, world_size, hosts, devices) -> None:
-    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete."""
-    from .synthetic import recovery_rate
+@dataclass(frozen=True)
+class JobResults:
+    """What a finished job writes to its results file."""
 
+    config: DictLearnConfig
+    info: DataInfo
+    dictionary: np.ndarray
+    history: History
+    planted: np.ndarray | None  # synthetic data only
+    recovery_rate: float | None  # of the planted atoms, synthetic data only
+    world_size: int
+    hosts: list[str]
+    devices: list[str]  # one label per rank ("cpu", "cuda:0")
+    threads: int  # Numba threads per rank
+    stop_reason: str
+
+
+def write_results(results: JobResults) -> None:
+    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete."""
+    config, info, history, dictionary = results.config, results.info, results.history, results.dictionary
     temporary = f"{config.out}.tmp"
     with h5py.File(temporary, "w") as file:
-        stamp(file, RESULTS_FORMAT, world_size, config.to_dict())
+        stamp(file, RESULTS_FORMAT, results.world_size, config.to_dict())
         file.create_dataset("dictionary", data=dictionary)
         metrics = file.create_group("metrics")
         metrics.attrs["every"] = history.every
@@ -42,17 +61,16 @@ def write_results(config, info, dictionary, history, planted, summary, world_siz
         metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
         metrics.create_dataset("iteration", data=history.row_ends())
         file.attrs["iterations"] = history.iterations
-        if planted is not None:
-            file.create_dataset("planted_dictionary", data=planted)
-            rate = recovery_rate(planted, dictionary)
-            file.attrs["recovery_rate"] = rate
-            summary["recovery_rate"] = rate
-        file.attrs["hosts"] = json.dumps(hosts)
+        if results.planted is not None:
+            file.create_dataset("planted_dictionary", data=results.planted)
+            file.attrs["recovery_rate"] = results.recovery_rate
+        file.attrs["hosts"] = json.dumps(results.hosts)
+        devices = results.devices
         file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
-        file.attrs["numba_threads_per_rank"] = summary["threads"]
+        file.attrs["numba_threads_per_rank"] = results.threads
         file.attrs["data"] = info.spec
         file.attrs["samples"], file.attrs["features"] = info.samples, info.features
-        file.attrs["stop_reason"] = summary["stop_reason"]
+        file.attrs["stop_reason"] = results.stop_reason
         if info.patch_shape is not None:
             file.attrs["patch_shape"] = info.patch_shape
     publish(temporary, config.out)

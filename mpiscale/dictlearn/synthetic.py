@@ -14,7 +14,8 @@ import os
 
 import numpy as np
 
-from ..io import SampleRandom, rank_rows, write_dataset
+from ..io import SampleRandom, write_dataset
+from ..ranks import Comm, rank_rows, size_and_rank
 
 SIGNALS = "signals"
 PLANTED = "planted_dictionary"
@@ -52,13 +53,12 @@ def write_planted_dataset(
     nonzeros: int,
     snr_db: float,
     seed: int,
-    comm=None,
+    comm: Comm | None = None,
 ) -> np.ndarray:
     """Generate the data set into ``path`` (collective, each rank its block); returns the planted dictionary."""
     if nonzeros > atoms:
         raise ValueError(f"synthetic data: {nonzeros} non-zeros per signal need at least as many atoms, got {atoms}")
-    size = comm.Get_size() if comm is not None else 1
-    rank = comm.Get_rank() if comm is not None else 0
+    size, rank = size_and_rank(comm)
     dictionary = planted_dictionary(atoms, features, seed)
     start, stop = rank_rows(samples, size, rank)
     signals = planted_signals(dictionary, np.arange(start, stop, dtype=np.int64), nonzeros, snr_db, seed)

@@ -30,6 +30,11 @@ class BatchStatistics:
     """
 
     SUMS = ("signals", "energy", "residual", "nonzeros", "l1")
+    a_upper: np.ndarray
+    b: np.ndarray
+    usage: np.ndarray
+    sums: np.ndarray
+    candidates: np.ndarray
 
     def __init__(self, atoms: int, features: int, ranks: int, candidates: int) -> None:
         self.a = np.zeros((atoms, atoms))

@@ -1,10 +1,13 @@
 """Parallel I/O and data-pipeline helpers: sharded HDF5 datasets, checkpoints, batch reader, per-sample randomness."""
 
-from .checkpoint import Checkpointer, CheckpointError, Restored
-from .h5file import DataFileError
+from ..ranks import rank_rows
+from .checkpoint import Checkpointer, Restored
+from .errors import CheckpointError, DataFileError
+from .h5file import open_file, publish, stamp
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
-from .sharded import ShardedDataset, rank_rows, read_dataset, write_dataset, write_index
+from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
+from .sources import resolve_files, split_spec
 
 __all__ = [
     "Batch",
@@ -16,8 +19,13 @@ __all__ = [
     "SampleRandom",
     "ShardedDataset",
     "epoch_order",
+    "open_file",
+    "publish",
     "rank_rows",
     "read_dataset",
+    "resolve_files",
+    "split_spec",
+    "stamp",
     "write_dataset",
     "write_index",
 ]

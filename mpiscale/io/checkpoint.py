@@ -34,16 +34,15 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..runtime.collectives import split_nodes
-from ..runtime.config import RuntimeConfig
-from ..runtime.transport import chunks
+from .._version import __version__
+from ..ranks import Comm, agree, as_mpi, chunks, rank_rows, run_agreed, split_nodes
+from ..runtime import RuntimeConfig
 from .checkpoint_files import (
     CHECKSUM,
     Layout,
@@ -55,16 +54,12 @@ from .checkpoint_files import (
     write_shard,
     write_shared,
 )
-from .h5file import CHECKPOINT_FORMAT, DataFileError, dataset, settle_background_io, track_background_io
+from .errors import CheckpointError, DataFileError
+from .h5file import CHECKPOINT_FORMAT, dataset, settle_background_io, track_background_io
 from .redistribute import MAX_MESSAGE_BYTES, redistribute
-from .sharded import rank_rows
 
 log = logging.getLogger(__name__)
 _PARTNER_TAG = 29
-
-
-class CheckpointError(RuntimeError):
-    """A save failed (raised on every rank), or no checkpoint could be restored."""
 
 
 class _Unusable(CheckpointError):
@@ -94,31 +89,13 @@ class _SaveJob:
     blocked: float = 0.0
 
 
-def _agree(comm, error: BaseException | None, what: str, kind: type[CheckpointError] = CheckpointError) -> None:
-    """Raise ``kind`` on every rank if ``error`` is set on any rank."""
-    mine = None if error is None else f"rank {comm.Get_rank()}: {type(error).__name__}: {error}"
-    failed = [message for message in comm.allgather(mine) if message]
-    if failed:
-        raise kind(f"{what} failed: " + "; ".join(failed)) from error
-
-
-def _run_agreed(comm, what: str, action: Callable[[], object]) -> None:
-    """Run one phase of a save on this rank; if it failed on any rank, raise on every rank."""
-    error = None
-    try:
-        action()
-    except Exception as failure:  # agreed below, so every rank raises
-        error = failure
-    _agree(comm, error, what)
-
-
 class Checkpointer:
     """Saves and restores checkpoints of one job; every rank of ``comm`` constructs one."""
 
     def __init__(
         self,
         directory: str | os.PathLike,
-        comm,
+        comm: Comm,
         *,
         keep: int = 3,
         local_dir: str | os.PathLike | None = None,
@@ -141,12 +118,12 @@ class Checkpointer:
         self.layout = Layout(Path(directory), Path(local_dir) if local_dir is not None else None)
         self.keep, self.shared_every, self.background = keep, shared_every, background
         self.delta, self.full_every = delta, full_every
-        self._front = comm.Dup()  # collectives of the calling thread
-        self._back = comm.Dup()  # collectives of the background writer
+        self._front = as_mpi(comm).Dup()  # collectives of the calling thread
+        self._back = as_mpi(comm).Dup()  # collectives of the background writer
         self.rank, self.size = self._front.Get_rank(), self._front.Get_size()
         if ranks_per_node is None:
             ranks_per_node = RuntimeConfig.from_env().ranks_per_node
-        node_comm, self.node, self.nodes = split_nodes(MPI, self._front, ranks_per_node)
+        node_comm, self.node, self.nodes = split_nodes(self._front, ranks_per_node)
         self._node_leader = node_comm.Get_rank() == 0
         placement = self._front.allgather((self.node, node_comm.Get_rank()))
         node_comm.Free()
@@ -295,14 +272,19 @@ class Checkpointer:
 
         if "local" in levels:
             path = self.layout.shard(self.node, step, rank)
-            _run_agreed(
-                comm, f"level-1 save of step {step}", lambda: write_shard(path, step, rank, self.size, shard_arrays)
+            run_agreed(
+                comm,
+                f"level-1 save of step {step}",
+                lambda: write_shard(path, step, rank, self.size, shard_arrays),
+                CheckpointError,
             )
         if "partner" in levels:
-            _run_agreed(comm, f"level-2 partner copy of step {step}", lambda: self._copy_to_partner(step))
+            run_agreed(
+                comm, f"level-2 partner copy of step {step}", lambda: self._copy_to_partner(step), CheckpointError
+            )
         if "shared" in levels:
-            _run_agreed(comm, f"level-3 save of step {step}", write_level3)
-        _run_agreed(comm, f"commit of checkpoint step {step}", commit)
+            run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError)
+        run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError)
         if full:
             self._base, self._deltas = manifest, 0
         else:
@@ -346,13 +328,12 @@ class Checkpointer:
                 "checksum": CHECKSUM,
                 "stored_in": job.step,
             }
-        if not full:
+        base = None if full else self._base
+        if base is not None:
             for name, entry in arrays.items():
-                old = self._base["arrays"].get(name)
+                old = base["arrays"].get(name)
                 if old and all(old.get(k) == entry[k] for k in ("kind", "shape", "dtype", "blocks", "checksum")):
                     arrays[name] = old
-        from .. import __version__
-
         return {
             "format": CHECKPOINT_FORMAT,
             "mpiscale_version": __version__,
@@ -360,7 +341,7 @@ class Checkpointer:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "world_size": self.size,
             "levels": levels,
-            "base": None if full else self._base["step"],
+            "base": None if base is None else base["step"],
             "arrays": arrays,
             "meta": job.meta,
         }
@@ -400,9 +381,9 @@ class Checkpointer:
         steps = self.layout.committed_steps()
         manifests = {s: _read_manifest(self.layout.manifest(s)) for s in steps}
         kept = set(steps[: self.keep])
-        with_shared = [s for s in steps if manifests[s] and "shared" in manifests[s]["levels"]]
+        with_shared = [s for s, manifest in manifests.items() if manifest and "shared" in manifest["levels"]]
         kept.update(with_shared[:1])
-        kept.update(manifests[s]["base"] for s in list(kept) if manifests[s] and manifests[s]["base"] is not None)
+        kept.update(m["base"] for s in list(kept) if (m := manifests[s]) and m["base"] is not None)
         for entry in self.layout.shared.glob("step-*"):
             old = int(entry.name.split("-")[1].split(".")[0])
             if old <= step and old not in kept and entry.suffix != ".json":
@@ -495,7 +476,7 @@ class Checkpointer:
 
     def _fetch(self, source: dict, names: list[str], wanted: dict) -> tuple[dict[str, np.ndarray], str]:
         """Arrays ``names`` of one saved step: from node-local shards if every one is found, else shared."""
-        comm, bad = self._front, set()
+        comm, bad = self._front, set[str]()
         while "local" in source["levels"] and self.layout.local is not None:
             assignment = self._assign_shards(source, bad)
             if assignment is None:
@@ -555,12 +536,14 @@ class Checkpointer:
         return held, failed
 
     def _read_shared(self, source: dict, names: list[str], wanted: dict) -> dict[str, np.ndarray]:
-        comm, path, error, file = self._front, self.layout.shared_file(source["step"]), None, None
+        comm, path, file = self._front, self.layout.shared_file(source["step"]), None
+        error: Exception | None = None
         try:
             file = open_shared(path, comm)
         except DataFileError as failure:
             error = failure
-        _agree(comm, error, f"opening {path}", _Unusable)
+        agree(comm, error, f"opening {path}", _Unusable)
+        assert file is not None
         out = {}
         try:
             for name in names:
@@ -585,8 +568,8 @@ class Checkpointer:
                         error = error or failure
                 out[name] = data[start - lo : stop - lo]
         finally:
-            file.close()
-        _agree(comm, error, f"reading {path}", _Unusable)
+            file.close()  # opened on every rank: the agreement above raised otherwise
+        agree(comm, error, f"reading {path}", _Unusable)
         return out
 
     # --------------------------------------------------------------- lifetime

@@ -27,6 +27,7 @@ import crc32c
 import h5py
 import numpy as np
 
+from ..ranks import Comm
 from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp
 from .rows import read_rows, write_rows
 
@@ -49,7 +50,7 @@ def checksum(array: np.ndarray, algorithm: str = CHECKSUM) -> int:
     return CHECKSUMS[algorithm](memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
 
 
-def write_atomically(path: Path, data: bytes | memoryview) -> None:
+def write_atomically(path: Path, data: bytes | bytearray | memoryview) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
@@ -121,7 +122,12 @@ def read_shard(path: str, names: list[str]) -> dict[str, np.ndarray]:
 
 
 def write_shared(
-    path: Path, comm, world_size: int, manifest: dict, sharded: dict[str, tuple[int, np.ndarray]], replicated: dict
+    path: Path,
+    comm: Comm,
+    world_size: int,
+    manifest: dict,
+    sharded: dict[str, tuple[int, np.ndarray]],
+    replicated: dict,
 ) -> None:
     """Write the level-3 file (collective open and close): every array at its global shape, then flush and rename.
 
@@ -150,11 +156,11 @@ def write_shared(
     comm.Barrier()
 
 
-def read_shared_rows(file: h5py.File, name: str, start: int, stop: int, comm) -> np.ndarray:
+def read_shared_rows(file: h5py.File, name: str, start: int, stop: int, comm: Comm) -> np.ndarray:
     """Rows ``start:stop`` of a level-3 array, collectively."""
     return read_rows(dataset(file, name), start, stop, comm)
 
 
-def open_shared(path: Path, comm) -> h5py.File:
+def open_shared(path: Path, comm: Comm) -> h5py.File:
     """Open a level-3 file collectively, checking its format."""
     return open_file(path, (CHECKPOINT_FORMAT,), comm)

@@ -17,6 +17,10 @@ from datetime import UTC, datetime
 import h5py
 import numpy as np
 
+from .._version import __version__
+from ..ranks import Comm
+from .errors import DataFileError
+
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
 CHECKPOINT_FORMAT = "mpiscale.checkpoint/1"
@@ -53,24 +57,8 @@ def settle_background_io() -> None:
     wait(pending)
 
 
-class DataFileError(ValueError):
-    """An input or mpiscale file is missing, unreadable, of another format, or lacks the data set asked for."""
-
-    def __init__(self, path: str | os.PathLike, message: str, dataset: str | None = None) -> None:
-        self.path = os.fspath(path)
-        self.dataset = dataset
-        self.message = message
-        where = f"{self.path}:{dataset}" if dataset else self.path
-        super().__init__(f"{where}: {message}")
-
-    def __reduce__(self):  # travels between ranks (one rank lists the files, all raise)
-        return type(self), (self.path, self.message, self.dataset)
-
-
 def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | None = None) -> None:
     """Write the attributes every mpiscale file carries."""
-    from .. import __version__
-
     file.attrs["mpiscale_version"] = __version__
     file.attrs["format"] = file_format
     file.attrs["created"] = datetime.now(UTC).isoformat(timespec="seconds")
@@ -78,7 +66,7 @@ def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | Non
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 
 
-def file_access(comm) -> dict:
+def file_access(comm: Comm) -> dict:
     """``h5py.File`` keywords for a file every rank of ``comm`` opens: the MPI-IO driver.
 
     A job of one rank (or no communicator) with an h5py built without MPI (a
@@ -95,7 +83,7 @@ def file_access(comm) -> dict:
     return {"driver": "mpio", "comm": comm}
 
 
-def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, comm=None) -> h5py.File:
+def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, comm: Comm | None = None) -> h5py.File:
     """Open ``path`` read-only (collectively with the MPI driver when ``comm`` is given).
 
     ``formats``: the ``format`` attributes accepted (mpiscale's own kinds of

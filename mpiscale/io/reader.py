@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..runtime.collectives import host_placement
+from ..ranks import Comm, as_mpi, host_placement, rank_rows, size_and_rank
 from .sample_random import SampleRandom
-from .sharded import ShardedDataset, rank_rows
+from .sharded import ShardedDataset
 
 SHUFFLE_STREAM = 255  # SampleRandom stream reserved for the row order
 BLOCK_STREAM = 254  # ... and for the block order of windowed shuffles
@@ -159,7 +159,7 @@ class BatchReader:
         path: str | os.PathLike,
         names: list[str] | tuple[str, ...],
         batch_size: int,
-        comm=None,
+        comm: Comm | None = None,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
@@ -167,12 +167,12 @@ class BatchReader:
         shuffle_window: int | None = None,
         in_memory: bool | None = None,
     ) -> None:
+        comm = as_mpi(comm)
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 or more, got {prefetch}")
-        self.rank = comm.Get_rank() if comm is not None else 0
-        self.size = comm.Get_size() if comm is not None else 1
+        self.size, self.rank = size_and_rank(comm)
         self.batch_size = batch_size
         self.shuffle, self.seed, self.drop_last, self.prefetch = shuffle, seed, drop_last, prefetch
         self._datasets: dict[str, ShardedDataset] = {}
@@ -204,7 +204,7 @@ class BatchReader:
             if ranks_on_host <= (os.cpu_count() or 1):  # a thread more pays off only with a core per rank
                 self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
 
-    def _fits(self, comm, ranks_on_host: int) -> bool:
+    def _fits(self, comm: Comm, ranks_on_host: int) -> bool:
         """Whether every host can hold a copy of the data per rank in its share of memory (the same on every rank)."""
         fits = self.nbytes * ranks_on_host <= MEMORY_FRACTION * available_memory()
         if comm is None:
@@ -258,13 +258,10 @@ class BatchReader:
         if self._resident is not None:
             for step in range(start_step, self.steps):
                 ids = self.step_ids(plan.order, step)
-                yield (
-                    [],
-                    lambda step=step, ids=ids: Batch(
-                        epoch, step, ids, {name: a[ids] for name, a in self._resident.items()}
-                    ),
-                )
+                yield [], partial(self._resident_batch, epoch, step, ids)
             return
+        pool = self._pool
+        assert pool is not None  # streamed reading starts its window reader
         windows: dict[int, Future] = {}
         batches: deque[Future] = deque()
         starts = plan.window_starts.tolist()
@@ -277,7 +274,7 @@ class BatchReader:
                     del windows[index]  # not cancelled: a batch assembled ahead may still wait for it
                 for index in range(first, min(last + self.prefetch, len(plan.windows) - 1) + 1):
                     if index not in windows:
-                        windows[index] = self._pool.submit(self._read_window, plan, index)
+                        windows[index] = pool.submit(self._read_window, plan, index)
                 needed = [windows[index] for index in range(first, last + 1)]
                 if self._assembler is None:
                     yield needed, partial(self._gather, plan, epoch, step, ids, needed)
@@ -292,6 +289,10 @@ class BatchReader:
         finally:
             for future in [*batches, *windows.values()]:
                 future.cancel()
+
+    def _resident_batch(self, epoch: int, step: int, ids: np.ndarray) -> Batch:
+        assert self._resident is not None
+        return Batch(epoch, step, ids, {name: a[ids] for name, a in self._resident.items()})
 
     def _gather(self, plan: EpochPlan, epoch: int, step: int, ids: np.ndarray, needed: list[Future]) -> Batch:
         loaded = [future.result() for future in needed]

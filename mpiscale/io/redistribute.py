@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..runtime.transport import chunks
+from ..ranks import MAX_MESSAGE_BYTES, chunks
 
-MAX_MESSAGE_BYTES = 1 << 30
 _TAG = 23
 
 

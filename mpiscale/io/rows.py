@@ -15,6 +15,8 @@ import math
 import h5py
 import numpy as np
 
+from ..ranks import Comm
+
 MAX_TRANSFER_BYTES = 256 << 20
 
 
@@ -24,7 +26,7 @@ def _transfer_list() -> h5py.h5p.PropDXID:
     return plist
 
 
-def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm) -> tuple[int, int]:
+def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm: Comm) -> tuple[int, int]:
     """(number of rounds, the same on every rank; rows per round)."""
     row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
     per_round = max(1, max_bytes // max(row_bytes, 1))
@@ -47,7 +49,7 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
     return memory_space, file_space
 
 
-def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm, max_bytes: int, write: bool) -> None:
+def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm: Comm, max_bytes: int, write: bool) -> None:
     """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
     rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
     plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None
@@ -61,13 +63,15 @@ def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm, max_byte
 
 
 def write_rows(
-    dset: h5py.Dataset, start: int, data: np.ndarray, comm=None, max_bytes: int = MAX_TRANSFER_BYTES
+    dset: h5py.Dataset, start: int, data: np.ndarray, comm: Comm | None = None, max_bytes: int = MAX_TRANSFER_BYTES
 ) -> None:
     """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given."""
     _transfer(dset, start, np.ascontiguousarray(data, dtype=dset.dtype), comm, max_bytes, write=True)
 
 
-def read_rows(dset: h5py.Dataset, start: int, stop: int, comm=None, max_bytes: int = MAX_TRANSFER_BYTES) -> np.ndarray:
+def read_rows(
+    dset: h5py.Dataset, start: int, stop: int, comm: Comm | None = None, max_bytes: int = MAX_TRANSFER_BYTES
+) -> np.ndarray:
     """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call)."""
     out = np.empty((max(stop - start, 0), *dset.shape[1:]), dtype=dset.dtype)
     _transfer(dset, start, out, comm, max_bytes, write=False)

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import h5py
 import numpy as np
+from numpy.typing import DTypeLike
 
-from ..runtime.collectives import block_rows
+from ..ranks import Comm, as_mpi, rank_rows, size_and_rank
 from .h5file import (
     DATASET_FORMAT,
     INDEX_FORMAT,
@@ -37,28 +39,20 @@ from .rows import write_rows
 from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
 
 
-def rank_rows(total: int, size: int, rank: int) -> tuple[int, int]:
-    """Row range ``[start, stop)`` of ``rank`` when ``total`` rows are split into ``size`` blocks."""
-    rows = block_rows(total, size)
-    start = sum(rows[:rank])
-    return start, start + rows[rank]
-
-
 def write_dataset(
-    path: str | os.PathLike, arrays: dict[str, np.ndarray], comm=None, config: dict | None = None
+    path: str | os.PathLike, arrays: dict[str, np.ndarray], comm: Comm | None = None, config: dict | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Write each rank's rows of every array into one file (collective); returns the global shapes.
 
     Ranks may hold any number of rows (zero included), but trailing shapes and
     dtypes must agree. The file appears under ``path`` only once complete.
     """
-    path = os.fspath(path)
+    path, comm = os.fspath(path), as_mpi(comm)
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(
             f"write_dataset {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist"
         )
-    size = comm.Get_size() if comm is not None else 1
-    rank = comm.Get_rank() if comm is not None else 0
+    size, rank = size_and_rank(comm)
     layout = {name: (len(array), array.shape[1:], np.asarray(array).dtype.str) for name, array in arrays.items()}
     every = comm.allgather(layout) if comm is not None else [layout]
     for other_rank, other in enumerate(every):
@@ -93,7 +87,7 @@ def _describe(layout: dict) -> str:
 
 
 def write_index(
-    path: str | os.PathLike, shards: list[str | os.PathLike], names: list[str] | None = None
+    path: str | os.PathLike, shards: Sequence[str | os.PathLike], names: list[str] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Write an index that presents the shard files, in order, as one dataset file (one process).
 
@@ -106,7 +100,8 @@ def write_index(
     if not shards:
         raise ValueError(f"write_index {path}: no shard files given")
     base = os.path.dirname(os.path.abspath(path))
-    entries, layouts = [], []
+    entries: list[dict] = []
+    layouts = []
     for shard in shards:
         with open_file(shard) as file:
             wanted = [n.strip("/") for n in names] if names else datasets_in(file)
@@ -172,10 +167,17 @@ class ShardedDataset:
     independent and may run in a background thread.
     """
 
-    def __init__(self, path: str | os.PathLike | list, name: str = "", comm=None, dtype=None, row_shape=None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike | list,
+        name: str = "",
+        comm: Comm | None = None,
+        dtype: DTypeLike | None = None,
+        row_shape: tuple[int, ...] | None = None,
+    ) -> None:
         self.path = os.fspath(path) if not isinstance(path, list) else ", ".join(map(os.fspath, path))
         self.name = name.strip("/")
-        self._comm = comm
+        self._comm = as_mpi(comm)
         self._sources: list[H5Source | NpySource] = []
         try:
             self._segments = self._open(path)
@@ -200,7 +202,7 @@ class ShardedDataset:
                 found, problem = self._comm.bcast((found, problem), 0)
             if problem is not None:
                 raise problem
-            files = found
+            files = found or []
         sources: list[H5Source | NpySource] = []
         for file in files:
             sources += self._open_file(file)
@@ -217,9 +219,9 @@ class ShardedDataset:
 
     def _open_file(self, path: str) -> list[H5Source | NpySource]:
         if is_npy(path):
-            source = NpySource(path)
-            self._sources.append(source)
-            return [source]
+            npy = NpySource(path)
+            self._sources.append(npy)
+            return [npy]
         file = open_file(path, None, self._comm)
         try:
             if not self.name:
@@ -233,7 +235,7 @@ class ShardedDataset:
             raise
         file.close()
         base = os.path.dirname(os.path.abspath(path))
-        sources = []
+        sources: list[H5Source | NpySource] = []
         for entry in entries:
             source = self._h5_source(open_file(os.path.join(base, entry["path"]), None, self._comm))
             expected = entry["rows"][self.name]
@@ -312,10 +314,15 @@ class ShardedDataset:
         self.close()
 
 
-def read_dataset(path: str | os.PathLike, name: str = "", comm=None, dtype=None, row_shape=None) -> np.ndarray:
+def read_dataset(
+    path: str | os.PathLike,
+    name: str = "",
+    comm: Comm | None = None,
+    dtype: DTypeLike | None = None,
+    row_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
     """This rank's block of rows of ``name`` (collective), split as ``np.array_split`` would."""
     with ShardedDataset(path, name, comm, dtype, row_shape) as data:
-        size = comm.Get_size() if comm is not None else 1
-        rank = comm.Get_rank() if comm is not None else 0
+        size, rank = size_and_rank(comm)
         start, stop = rank_rows(len(data), size, rank)
         return data.read_collective(start, stop) if comm is not None else data.read(start, stop)

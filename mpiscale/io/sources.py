@@ -18,7 +18,9 @@ import re
 import h5py
 import numpy as np
 
-from .h5file import DataFileError, datasets_in, describe_datasets
+from ..ranks import Comm
+from .errors import DataFileError
+from .h5file import datasets_in, describe_datasets
 from .rows import read_rows
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
@@ -85,7 +87,7 @@ class NpySource:
         self.shape: tuple[int, ...] = self._array.shape
         self.dtype: np.dtype = self._array.dtype
 
-    def read(self, start: int, stop: int, comm=None, out: np.ndarray | None = None) -> np.ndarray:
+    def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
             return np.array(self._array[start:stop], order="C")
         out[...] = self._array[start:stop]
@@ -125,7 +127,7 @@ class H5Source:
         self._row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
         self._descriptor: int | None = None
 
-    def read(self, start: int, stop: int, comm=None, out: np.ndarray | None = None) -> np.ndarray:
+    def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Rows ``start:stop``; collective over ``comm`` when given; into ``out`` (C-contiguous) when given."""
         if comm is None and self._offset is not None:
             if out is None:

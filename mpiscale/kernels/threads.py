@@ -19,7 +19,7 @@ from threadpoolctl import threadpool_limits
 def share_cores(ranks_sharing: int) -> int:
     """Set Numba and BLAS threads to this rank's cores / the ranks that may run on them; returns Numba's.
 
-    ``ranks_sharing`` comes from ``runtime.collectives.ranks_sharing_cores``: 1
+    ``ranks_sharing`` comes from ``mpiscale.ranks.ranks_sharing_cores``: 1
     for a rank bound to cores of its own, the host's ranks for unbound ones.
     """
     cores = len(os.sched_getaffinity(0))

@@ -1,9 +1,18 @@
 """The actor runtime on MPI. Knows nothing about ML, HDF5 or MQTT."""
 
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
-from .collectives import CollectiveMismatch, Communicator, Hierarchy
+from .collectives import Communicator, Hierarchy
 from .config import RuntimeConfig
-from .errors import ActorNotFound, ActorStopped, AskTimeout, JobRefused, RemoteError, RemoteTraceback
+from .errors import (
+    ActorNotFound,
+    ActorStopped,
+    AskTimeout,
+    CollectiveMismatch,
+    JobRefused,
+    RemoteError,
+    RemoteTraceback,
+    TransportError,
+)
 from .system import ActorSystem, run
 
 __all__ = [
@@ -22,6 +31,7 @@ __all__ = [
     "RemoteTraceback",
     "RestartPolicy",
     "RuntimeConfig",
+    "TransportError",
     "current_system",
     "run",
 ]

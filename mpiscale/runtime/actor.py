@@ -146,7 +146,7 @@ class ActorCell:
     mailbox: deque = field(default_factory=deque)
     instance: Any = None
     current: str | None = None  # method being handled
-    busy_since: float | None = None
+    busy_since: float = 0.0  # when the current message began (meaningful while current is set)
     restarts: list[float] = field(default_factory=list)
     task: asyncio.Task | None = None
     _waiter: asyncio.Future | None = None
@@ -205,7 +205,7 @@ class ActorCell:
             try:
                 await self._handle(message)
             finally:
-                self.current = self.busy_since = None
+                self.current = None
 
     async def _start_instance(self) -> None:
         try:

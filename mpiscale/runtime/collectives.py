@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
+from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, split_nodes
 from . import transport
 from .config import RuntimeConfig
+from .errors import CollectiveMismatch
 from .progress import ProgressEngine
-
-_INT_MAX = 2**31 - 1
-
-
-def block_rows(total: int, parts: int) -> list[int]:
-    """Rows of each of ``parts`` consecutive blocks of ``total`` rows, as ``np.array_split`` splits them."""
-    base, extra = divmod(total, parts)
-    return [base + (part < extra) for part in range(parts)]
-
-
-class CollectiveMismatch(ValueError):
-    """Ranks passed different shapes, dtypes or operations to the same collective."""
 
 
 class Communicator:
     """Awaitable collectives over one MPI communicator."""
 
-    def __init__(self, MPI, comm, engine: ProgressEngine, config: RuntimeConfig, name: str) -> None:
+    def __init__(self, MPI: ModuleType, comm: Comm, engine: ProgressEngine, config: RuntimeConfig, name: str) -> None:
         self._MPI = MPI
         self.comm = comm
         self._engine = engine
@@ -60,8 +51,8 @@ class Communicator:
             raise TypeError(f"{what} takes a numpy array, got {type(array).__name__}")
         if array.dtype.hasobject:
             raise TypeError(f"{what} cannot reduce object arrays")
-        if array.size > _INT_MAX:
-            raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {_INT_MAX}; split the array")
+        if array.size > COUNT_LIMIT:
+            raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {COUNT_LIMIT}; split the array")
         return np.ascontiguousarray(array)
 
     async def _check(self, what: str, signature: str) -> None:
@@ -138,7 +129,7 @@ class Communicator:
             return obj if self.rank == root else transport.deserialize(header.inline_parts)
         parts = encoded.parts if self.rank == root else [transport.allocate(n) for n in header.sizes]
         for part in parts:
-            for piece in transport.chunks(part, self._config.chunk_bytes):
+            for piece in chunks(part, self._config.chunk_bytes):
                 await self._wait(self.comm.Ibcast([piece, MPI.BYTE], root), "bcast")
         return obj if self.rank == root else transport.deserialize(parts)
 
@@ -199,57 +190,9 @@ class Hierarchy:
         return result
 
 
-def host_placement(comm) -> tuple[int, int]:
-    """(this rank's index among the ranks on its host, how many ranks share the host); collective.
-
-    The real host (its memory and cores), even when nodes are simulated with ``ranks_per_node``.
-    """
-    from mpi4py import MPI
-
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    placement = host.Get_rank(), host.Get_size()
-    host.Free()
-    return placement
-
-
-def ranks_sharing_cores(comm) -> int:
-    """How many ranks of this host may run on this rank's cores, itself included (collective).
-
-    1 when the launcher bound each rank to cores of its own (``srun
-    --cpus-per-task``, ``mpirun --bind-to core``); every rank of the host when
-    they are unbound and share all its cores.
-    """
-    import os
-
-    from mpi4py import MPI
-
-    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    mine = os.sched_getaffinity(0)
-    sharing = sum(1 for other in host.allgather(mine) if other & mine)
-    host.Free()
-    return sharing
-
-
-def split_nodes(MPI, comm, ranks_per_node: int = 0):
-    """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
-
-    Nodes are the shared-memory domains, or blocks of ``ranks_per_node``
-    consecutive ranks when that is set (to simulate several nodes on one
-    machine). Nodes are numbered in the order of their lowest rank.
-    """
-    rank = comm.Get_rank()
-    if ranks_per_node:
-        node_comm = comm.Split(rank // ranks_per_node, rank)
-    else:
-        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
-    first = node_comm.bcast(rank, 0)  # the node's lowest rank (node ranks follow world order)
-    firsts = sorted(set(comm.allgather(first)))
-    return node_comm, firsts.index(first), len(firsts)
-
-
-def build_hierarchy(MPI, world_comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
+def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
     """Create the communicators (collective over ``world_comm``; call once at start-up)."""
-    node_comm, index, count = split_nodes(MPI, world_comm, config.ranks_per_node)
+    node_comm, index, count = split_nodes(world_comm, config.ranks_per_node)
     is_leader = node_comm.Get_rank() == 0
     leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
     leaders = Communicator(MPI, leader_comm, engine, config, "leaders") if is_leader else None

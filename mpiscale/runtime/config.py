@@ -7,7 +7,12 @@ trade-offs are documented in ``docs/architecture.md``.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from types import ModuleType
+from typing import Any
+
+from ..ranks import MAX_MESSAGE_BYTES
 
 _THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
 
@@ -30,7 +35,7 @@ class RuntimeConfig:
     pool_bytes: int = 256 << 20
     #: Largest single MPI message (bytes); bigger buffers are split, which is
     #: how messages over 2 GiB travel with an MPI-3 library.
-    chunk_bytes: int = 1 << 30
+    chunk_bytes: int = MAX_MESSAGE_BYTES
     #: Group ranks into "nodes" of this many consecutive ranks instead of asking
     #: MPI which ranks share memory; 0 = ask MPI. Lets one machine test hierarchy.
     ranks_per_node: int = 0
@@ -56,12 +61,12 @@ class RuntimeConfig:
             raise ValueError(f"MPISCALE_SHUTDOWN_TIMEOUT_S must be > 0, got {self.shutdown_timeout_s}")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> RuntimeConfig:
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
         """Build a config from ``MPISCALE_<FIELD>`` variables, defaults elsewhere."""
-        environ = os.environ if environ is None else environ
-        values: dict[str, object] = {}
+        source = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
         for field in fields(cls):
-            raw = environ.get(f"MPISCALE_{field.name.upper()}")
+            raw = source.get(f"MPISCALE_{field.name.upper()}")
             if raw is None:
                 continue
             try:
@@ -87,7 +92,7 @@ def _parse(raw: str, type_name: object) -> object:
     return raw
 
 
-def load_mpi(config: RuntimeConfig):
+def load_mpi(config: RuntimeConfig) -> ModuleType:
     """Import ``mpi4py.MPI`` with the configured thread level (initialises MPI once)."""
     import sys
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from typing import NoReturn
+
+from ..errors import MpiscaleError
 
 
-class RemoteTraceback(Exception):
+class RemoteTraceback(MpiscaleError):
     """The traceback of a failure on another rank, chained as ``__cause__``."""
 
     def __init__(self, text: str) -> None:
@@ -17,11 +20,11 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-class RemoteError(RuntimeError):
+class RemoteError(MpiscaleError, RuntimeError):
     """Stands in for a remote exception that could not be pickled."""
 
 
-class JobRefused(Exception):
+class JobRefused(MpiscaleError):
     """Every rank agreed that the job cannot go on (bad input or settings): raised on every rank.
 
     The runtime prints the message once (on rank 0), shuts every rank down
@@ -34,16 +37,24 @@ class JobRefused(Exception):
         self.status = status
 
 
-class AskTimeout(TimeoutError):
+class AskTimeout(MpiscaleError, TimeoutError):
     """An ``ask`` got no reply within its deadline."""
 
 
-class ActorNotFound(LookupError):
+class ActorNotFound(MpiscaleError, LookupError):
     """No actor of that name lives on the addressed rank."""
 
 
-class ActorStopped(RuntimeError):
+class ActorStopped(MpiscaleError, RuntimeError):
     """The actor was stopped (or the system is shutting down) before it replied."""
+
+
+class CollectiveMismatch(MpiscaleError, ValueError):
+    """Ranks passed different shapes, dtypes or operations to the same collective."""
+
+
+class TransportError(MpiscaleError, RuntimeError):
+    """A frame that this runtime cannot decode (corrupt or from another program)."""
 
 
 @dataclass
@@ -70,7 +81,7 @@ class Failure:
             substitute = RemoteError(f"{type(self.error).__qualname__}: {self.error}")
             return Failure(substitute, self.traceback_text, self.origin)
 
-    def raise_here(self):
+    def raise_here(self) -> NoReturn:
         """Raise the original exception type, chained to the remote traceback."""
         cause = RemoteTraceback(f"\n\nRemote traceback from {self.origin}:\n\n{self.traceback_text}")
         raise self.error from cause

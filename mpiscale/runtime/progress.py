@@ -25,11 +25,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
+from types import ModuleType
+from typing import Any
 
+from ..ranks import Comm, chunks
 from . import transport
 from .config import RuntimeConfig
 
-Deliver = Callable[[int, object], None]
+Deliver = Callable[[int, Any], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
 _SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its idle time so far
 _MIN_SLEEP_S = 20e-6
@@ -52,14 +56,14 @@ class _Inbound:
 
     source: int
     frame: memoryview
-    parts: list | None = None
+    parts: list = field(default_factory=list)
     missing: int = -1  # part receives still outstanding; -1 until the frame arrived
 
 
 class ProgressEngine:
     """Drives all non-blocking MPI traffic of one rank from the asyncio loop."""
 
-    def __init__(self, MPI, comm, config: RuntimeConfig, deliver: Deliver) -> None:
+    def __init__(self, MPI: ModuleType, comm: Comm, config: RuntimeConfig, deliver: Deliver) -> None:
         self._MPI = MPI
         self._comm = comm
         self._config = config
@@ -94,7 +98,7 @@ class ProgressEngine:
         if encoded.parts:
             tag = transport.data_tag(seq, self._tag_ub)
             for part in encoded.parts:
-                for piece in transport.chunks(part, self._config.chunk_bytes):
+                for piece in chunks(part, self._config.chunk_bytes):
                     requests.append(comm.Isend([piece, MPI.BYTE], dest, tag))
         remaining = [len(requests)]
 
@@ -109,7 +113,7 @@ class ProgressEngine:
         self.kick()
         return done
 
-    def wait(self, request, what: str, keep: object = None) -> asyncio.Future:
+    def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this)."""
         future = asyncio.get_running_loop().create_future()
 
@@ -201,7 +205,7 @@ class ProgressEngine:
                 self._frame_arrived(inbound)
             else:
                 self._pending.append(
-                    _Pending(request, lambda m=inbound: self._frame_arrived(m), f"frame from rank {source}")
+                    _Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}")
                 )
 
     def _test_pending(self) -> bool:
@@ -226,12 +230,12 @@ class ProgressEngine:
         MPI, comm = self._MPI, self._comm
         tag = transport.data_tag(header.seq, self._tag_ub)
         inbound.parts = [transport.allocate(size, self._pool) for size in header.sizes]
-        pieces = [p for part in inbound.parts for p in transport.chunks(part, self._config.chunk_bytes)]
+        pieces = [p for part in inbound.parts for p in chunks(part, self._config.chunk_bytes)]
         inbound.missing = len(pieces)
         what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"
         for piece in pieces:
             request = comm.Irecv([piece, MPI.BYTE], inbound.source, tag)
-            self._pending.append(_Pending(request, lambda m=inbound: self._part_arrived(m), what))
+            self._pending.append(_Pending(request, partial(self._part_arrived, inbound), what))
 
     def _part_arrived(self, inbound: _Inbound) -> None:
         inbound.missing -= 1

@@ -21,6 +21,7 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -58,7 +59,7 @@ class _SystemActor(Actor):
 class ActorSystem:
     """The runtime of one rank: actors, messaging, collectives, lifecycle."""
 
-    def __init__(self, MPI, config: RuntimeConfig) -> None:
+    def __init__(self, MPI: ModuleType, config: RuntimeConfig) -> None:
         self._MPI = MPI
         self.config = config
         world = MPI.COMM_WORLD
@@ -212,11 +213,11 @@ class ActorSystem:
                 self._dropped += 1
             return
         if cell is None:
-            error = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
+            missing = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
             if reply_to is not None:
-                self.reply(reply_to, Failure.capture(error, self._origin))
+                self.reply(reply_to, Failure.capture(missing, self._origin))
             else:
-                self.fail(error, "a tell was addressed to an actor that does not exist")
+                self.fail(missing, "a tell was addressed to an actor that does not exist")
             return
         cell.post(Message(method, args, kwargs, reply_to, source))
 
@@ -420,8 +421,9 @@ class ActorSystem:
                 loop.remove_signal_handler(signum)
 
     def _engine_finished(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.fail(task.exception(), "the progress engine failed while handling MPI traffic")
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self.fail(error, "the progress engine failed while handling MPI traffic")
 
 
 class _MainExit(Exception):

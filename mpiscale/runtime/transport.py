@@ -19,10 +19,11 @@ import io
 import pickle
 import struct
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from .errors import TransportError
 
 FRAME_TAG = 1
 _DATA_TAG_BASE = 2
@@ -31,10 +32,6 @@ _HEADER = struct.Struct("<IIQ")  # magic, number of parts (high bit: inline), se
 _INLINE_BIT = 1 << 31
 _SIZE_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
 _ALIGN = 64
-
-
-class TransportError(RuntimeError):
-    """A frame that this runtime cannot decode (corrupt or from another program)."""
 
 
 def data_tag(seq: int, tag_upper_bound: int) -> int:
@@ -60,11 +57,10 @@ _DTYPE_CODES: dict[np.dtype, str | None] = {}
 
 def _dtype_code(dtype: np.dtype) -> str | None:
     """``dtype.str`` for plain dtypes, None for object/structured/sub-array ones (cached)."""
-    code = _DTYPE_CODES.get(dtype, False)
-    if code is False:
+    if dtype not in _DTYPE_CODES:
         plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
-        code = _DTYPE_CODES[dtype] = dtype.str if plain else None
-    return code
+        _DTYPE_CODES[dtype] = dtype.str if plain else None
+    return _DTYPE_CODES[dtype]
 
 
 def _reduce_array(array: np.ndarray):
@@ -229,15 +225,6 @@ def decode_frame(frame: memoryview) -> FrameHeader:
     if offset > length:
         raise TransportError("frame is shorter than its inline parts")
     return FrameHeader(seq, list(sizes), parts)
-
-
-def chunks(part: memoryview, chunk_bytes: int) -> Iterator[memoryview]:
-    """Split a byte buffer into pieces of at most ``chunk_bytes`` (at least one piece)."""
-    if part.nbytes == 0:
-        yield part
-        return
-    for start in range(0, part.nbytes, chunk_bytes):
-        yield part[start : start + chunk_bytes]
 
 
 class BufferPool:

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import mpiscale
 from mpiscale.io import Checkpointer, CheckpointError
-from mpiscale.io.sharded import rank_rows
+from mpiscale.ranks import rank_rows
 
 ROWS = 23
 

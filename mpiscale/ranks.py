@@ -1,0 +1,134 @@
+"""Plain-MPI helpers that every layer shares: which rows a rank holds, its host and node, all-or-none failure.
+
+The lowest layer with ``mpiscale.errors``: it imports nothing else of the
+package, and works on raw mpi4py communicators (the runtime's
+``Communicator`` wraps one as ``.comm``). Functions marked *collective* must be
+called by every rank of the communicator. mpi4py is imported inside the
+functions that need it, so importing this module does not start MPI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Comm = Any
+"""A communicator: an ``mpi4py.MPI.Comm``, or the runtime's ``Communicator`` (``system.world``).
+
+Every function of io and the workloads that takes a ``comm`` accepts either;
+``as_mpi`` gives the mpi4py communicator underneath.
+"""
+
+COUNT_LIMIT = 2**31 - 1
+"""The most elements one MPI call may count (a C ``int``)."""
+
+MAX_MESSAGE_BYTES = 1 << 30
+"""Largest piece one message carries: buffers over 2 GiB go as several, whatever the MPI library."""
+
+
+def as_mpi(comm: Comm | None) -> Any:
+    """The mpi4py communicator of ``comm`` (a runtime ``Communicator`` wraps one as ``.comm``); None stays None."""
+    return getattr(comm, "comm", comm)
+
+
+def size_and_rank(comm: Comm | None) -> tuple[int, int]:
+    """``(size, rank)`` of ``comm``; ``(1, 0)`` without one (a serial caller)."""
+    return (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
+
+
+def block_rows(total: int, parts: int) -> list[int]:
+    """Rows of each of ``parts`` consecutive blocks of ``total`` rows, as ``np.array_split`` splits them."""
+    base, extra = divmod(total, parts)
+    return [base + (part < extra) for part in range(parts)]
+
+
+def rank_rows(total: int, size: int, rank: int) -> tuple[int, int]:
+    """Row range ``[start, stop)`` of ``rank`` when ``total`` rows are split into ``size`` blocks."""
+    rows = block_rows(total, size)
+    start = sum(rows[:rank])
+    return start, start + rows[rank]
+
+
+def chunks(part: memoryview, chunk_bytes: int = MAX_MESSAGE_BYTES) -> Iterator[memoryview]:
+    """Split a byte buffer into pieces of at most ``chunk_bytes`` (at least one piece)."""
+    if part.nbytes == 0:
+        yield part
+        return
+    for start in range(0, part.nbytes, chunk_bytes):
+        yield part[start : start + chunk_bytes]
+
+
+def host_placement(comm: Comm) -> tuple[int, int]:
+    """(this rank's index among the ranks on its host, how many ranks share the host); collective.
+
+    The real host (its memory and cores), even when nodes are simulated with ``ranks_per_node``.
+    """
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    placement = host.Get_rank(), host.Get_size()
+    host.Free()
+    return placement
+
+
+def ranks_sharing_cores(comm: Comm) -> int:
+    """How many ranks of this host may run on this rank's cores, itself included (collective).
+
+    1 when the launcher bound each rank to cores of its own (``srun
+    --cpus-per-task``, ``mpirun --bind-to core``); every rank of the host when
+    they are unbound and share all its cores.
+    """
+    from mpi4py import MPI
+
+    host = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    mine = os.sched_getaffinity(0)
+    sharing = sum(1 for other in host.allgather(mine) if other & mine)
+    host.Free()
+    return sharing
+
+
+def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
+    """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
+
+    Nodes are the shared-memory domains, or blocks of ``ranks_per_node``
+    consecutive ranks when that is set (to simulate several nodes on one
+    machine). Nodes are numbered in the order of their lowest rank.
+    """
+    from mpi4py import MPI
+
+    rank = comm.Get_rank()
+    if ranks_per_node:
+        node_comm = comm.Split(rank // ranks_per_node, rank)
+    else:
+        node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
+    first = node_comm.bcast(rank, 0)  # the node's lowest rank (node ranks follow world order)
+    firsts = sorted(set(comm.allgather(first)))
+    return node_comm, firsts.index(first), len(firsts)
+
+
+def agree(comm: Comm, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError) -> None:
+    """All ranks go on, or all raise ``kind`` naming every failing rank (collective, blocking).
+
+    The blocking form, for threads and set-up code outside the event loop;
+    ``ActorSystem.agree`` is the awaitable one for checks before a job starts.
+    """
+    mine = None
+    if isinstance(problem, BaseException):
+        mine = f"rank {comm.Get_rank()}: {type(problem).__name__}: {problem}"
+    elif problem is not None:
+        mine = f"rank {comm.Get_rank()}: {problem}"
+    failed = [message for message in comm.allgather(mine) if message]
+    if failed:
+        cause = problem if isinstance(problem, BaseException) else None
+        raise kind(f"{what} failed: " + "; ".join(failed)) from cause
+
+
+def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = RuntimeError) -> None:
+    """Run ``action`` on this rank; if it raised on any rank, raise ``kind`` on every rank (collective)."""
+    error = None
+    try:
+        action()
+    except Exception as failure:  # agreed below, so every rank raises
+        error = failure
+    agree(comm, error, what, kind)
