@@ -66,40 +66,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .runtime import run
+    from .bench.registry import BENCHMARKS
 
-    json_path = args.json or f"bench-{args.name}.json"
-    if args.name == "pingpong":
-        from .bench.pingpong import run_pingpong
-
-        run(lambda system: run_pingpong(system, json_path, quick=args.quick))
-    elif args.name == "random":
-        from .bench.sample_random import run_sample_random
-
-        samples = args.samples or (200_000 if args.quick else 4_000_000)
-        run(lambda system: run_sample_random(system, json_path, samples, quick=args.quick))
-    elif args.name == "omp":
-        from .bench.omp import run_omp_bench
-
-        run_omp_bench(json_path, quick=args.quick)
-    elif args.name == "dictlearn":
-        from .bench.dictlearn import run_dictlearn_bench
-
-        run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
-    elif args.name == "reader":
-        from .bench.reader import run_reader_bench
-
-        run(lambda system: run_reader_bench(system, json_path, args.dir, quick=args.quick))
-    elif args.name == "checkpoint":
-        from .bench.checkpoint import run_checkpoint_bench
-
-        size_mib = args.size_mib or (128 if args.quick else 1024)
-        repeats = 1 if args.quick else 5
-
-        async def bench_checkpoint(system):
-            return run_checkpoint_bench(system.world.comm, json_path, args.dir, size_mib << 20, repeats)
-
-        run(bench_checkpoint)
+    BENCHMARKS[args.name].start(args, args.json or f"bench-{args.name}.json")
     return 0
 
 
@@ -144,17 +113,11 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("--plot", metavar="FILE.png", help="draw learning curves (and atoms of image patches)")
     inspect.set_defaults(handler=_inspect)
 
+    from .bench.registry import BENCHMARKS
+
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
-        "name",
-        choices=["pingpong", "random", "checkpoint", "omp", "dictlearn", "reader"],
-        help="pingpong: actor ask/tell vs raw mpi4py (2 ranks); "
-        "random: per-sample random parameters vs a numpy generator per sample (any ranks); "
-        "checkpoint: level-1/level-3/background saves and loads vs the disk and torch.save (any ranks); "
-        "omp: Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun); "
-        "dictlearn: time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, time "
-        "per iteration, OMP throughput (any ranks); "
-        "reader: read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and streamed",
+        "name", choices=list(BENCHMARKS), help="; ".join(f"{b.name}: {b.what}" for b in BENCHMARKS.values())
     )
     bench.add_argument("--samples", type=int, help="random: samples to generate (default: 4,000,000)")
     bench.add_argument("--size-mib", type=int, help="checkpoint: total state in MiB (default: 1024; 128 with --quick)")

@@ -16,7 +16,7 @@ from functools import partial
 import numba
 import numpy as np
 
-from ..dictlearn import omp_encode_gram
+from ..dictlearn import correlations_of, gram_matrix, omp_encode_gram
 from ..kernels.omp_cuda import cuda_usable
 from .report import table, write_json
 
@@ -45,7 +45,7 @@ def measure_omp(name: str, atoms: int, features: int, nonzero: int, signals: int
     dictionary = rng.standard_normal((atoms, features))
     dictionary /= np.linalg.norm(dictionary, axis=1, keepdims=True)
     data = rng.standard_normal((signals, features))
-    gram, correlations = dictionary @ dictionary.T, data @ dictionary.T
+    gram, correlations = gram_matrix(dictionary), correlations_of(data, dictionary)
     omp_encode_gram(gram, correlations[:10], nonzero)  # compile outside the timing
     theirs = partial(orthogonal_mp_gram, gram, correlations.T, n_nonzero_coefs=nonzero)
     ours = partial(omp_encode_gram, gram, correlations, nonzero)

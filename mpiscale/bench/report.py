@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ..io import utc_timestamp
 from ..ranks import Comm
 
 
@@ -61,7 +62,7 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "world_size": world_size,
         "machine": machine(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "date": utc_timestamp(),
         **results,
     }
     path = Path(path)

@@ -16,6 +16,16 @@ from ..kernels.omp import batch_omp_gram
 DEVICES = ("auto", "cpu", "cuda")
 
 
+def gram_matrix(dictionary: np.ndarray) -> np.ndarray:
+    """``D D^T`` (atoms x atoms), the inner products of the atoms every coder here works from."""
+    return dictionary @ dictionary.T
+
+
+def correlations_of(signals: np.ndarray, dictionary: np.ndarray) -> np.ndarray:
+    """``X D^T`` (signals x atoms), each signal's inner product with each atom."""
+    return signals @ dictionary.T
+
+
 def _finite(name: str, array: np.ndarray) -> np.ndarray:
     array = np.ascontiguousarray(array, dtype=np.float64)
     if not np.isfinite(array).all():
@@ -59,7 +69,7 @@ def _checked_signals(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.nd
     if signals.ndim != 2 or dictionary.ndim != 2 or signals.shape[1] != dictionary.shape[1]:
         shapes = f"{signals.shape} and {dictionary.shape}"
         raise ValueError(f"signals (signals, features) and dictionary (atoms, features) disagree: {shapes}")
-    return dictionary @ dictionary.T, signals @ dictionary.T
+    return gram_matrix(dictionary), correlations_of(signals, dictionary)
 
 
 def omp_encode_gram(gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, device: str = "cpu") -> np.ndarray:

@@ -16,16 +16,15 @@ import math
 import os
 import socket
 import time
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer, CheckpointError
+from ..io import BatchReader, Checkpointer, CheckpointError, checksum
 from ..kernels.threads import share_cores
 from ..ranks import Comm, host_placement, ranks_sharing_cores
 from ..runtime import ActorSystem
-from .coding import lasso_encode_gram, omp_encode_gram, resolve_device
+from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
@@ -44,7 +43,7 @@ _COMPATIBLE = (
 
 def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str, gram: np.ndarray):
     """Codes of ``signals``; ``gram`` is ``D D^T`` of ``dictionary``, computed once per dictionary by the caller."""
-    correlations = signals @ dictionary.T
+    correlations = correlations_of(signals, dictionary)
     if config.coder == "lasso":
         return lasso_encode_gram(gram, correlations, config.alpha)
     return omp_encode_gram(gram, correlations, config.sparsity, device)
@@ -218,7 +217,7 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
         batches = online_batches(reader, info.name, start)
     progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
-    gram = state.dictionary @ state.dictionary.T
+    gram = gram_matrix(state.dictionary)
     clock = time.perf_counter()
     stop_reason = "iterations"
     try:
@@ -239,11 +238,11 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
                 online_update(state, stats, iteration, config.forgetting)
             else:
                 mod_update(state, stats)
-            gram = state.dictionary @ state.dictionary.T  # for the duplicate check and the next batch's coder
+            gram = gram_matrix(state.dictionary)  # for the duplicate check and the next batch's coder
             replace = atoms_to_replace(state, stats.usage, config.replace_after, config.duplicate_cosine, gram)
             replaced = replace_atoms(state, replace, stats.worst_signals()) if replace else 0
             if replaced:
-                gram = state.dictionary @ state.dictionary.T
+                gram = gram_matrix(state.dictionary)
             updated = time.perf_counter()
             full_error = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:
@@ -281,7 +280,7 @@ def _compatibility(config: DictLearnConfig, info) -> dict:
 
 async def _agree_on_dictionary(system: ActorSystem, state: DictionaryState) -> None:
     """Check that every rank ended with the very same dictionary; if not, take rank 0's and say so."""
-    digest = np.array([zlib.crc32(state.dictionary.tobytes())], dtype=np.int64)
+    digest = np.array([checksum(state.dictionary)], dtype=np.int64)
     every = await system.world.allgather(digest)
     if (every != every[0]).any():
         if system.rank == 0:

@@ -2,8 +2,9 @@
 
 from ..ranks import rank_rows
 from .checkpoint import Checkpointer, Restored
+from .checkpoint_files import checksum
 from .errors import CheckpointError, DataFileError
-from .h5file import open_file, publish, stamp
+from .h5file import open_file, publish, stamp, utc_timestamp
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
@@ -18,6 +19,7 @@ __all__ = [
     "Restored",
     "SampleRandom",
     "ShardedDataset",
+    "checksum",
     "epoch_order",
     "open_file",
     "publish",
@@ -26,6 +28,7 @@ __all__ = [
     "resolve_files",
     "split_spec",
     "stamp",
+    "utc_timestamp",
     "write_dataset",
     "write_index",
 ]

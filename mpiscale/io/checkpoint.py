@@ -55,7 +55,7 @@ from .checkpoint_files import (
     write_shared,
 )
 from .errors import CheckpointError, DataFileError
-from .h5file import CHECKPOINT_FORMAT, dataset, settle_background_io, track_background_io
+from .h5file import CHECKPOINT_FORMAT, dataset, settle_background_io, track_background_io, utc_timestamp
 from .redistribute import MAX_MESSAGE_BYTES, redistribute
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class Checkpointer:
         if future is not None:
             future.result()
 
-    def _write(self, job: _SaveJob) -> dict:
+    def _write(self, job: _SaveJob) -> None:
         """The background part of a save (same order of collectives on every rank)."""
         comm, rank, started = self._back, self.rank, time.perf_counter()
         full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
@@ -297,7 +297,6 @@ class Checkpointer:
                 job.step, "+".join(levels), "full" if full else f"delta on step {manifest['base']}", len(stored),
                 len(manifest["arrays"]), written / 2**20, time.perf_counter() - started, job.blocked,
             )  # fmt: skip
-        return manifest
 
     def _manifest(self, job: _SaveJob, full: bool, levels: list[str]) -> dict:
         comm = self._back
@@ -338,7 +337,7 @@ class Checkpointer:
             "format": CHECKPOINT_FORMAT,
             "mpiscale_version": __version__,
             "step": job.step,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "created": utc_timestamp(),
             "world_size": self.size,
             "levels": levels,
             "base": None if base is None else base["step"],

@@ -57,11 +57,16 @@ def settle_background_io() -> None:
     wait(pending)
 
 
+def utc_timestamp() -> str:
+    """Now, in UTC, as ISO 8601 to the second: every time mpiscale writes into a file or record."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
 def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | None = None) -> None:
     """Write the attributes every mpiscale file carries."""
     file.attrs["mpiscale_version"] = __version__
     file.attrs["format"] = file_format
-    file.attrs["created"] = datetime.now(UTC).isoformat(timespec="seconds")
+    file.attrs["created"] = utc_timestamp()
     file.attrs["world_size"] = int(world_size)
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 

@@ -54,7 +54,7 @@ class EpochPlan:
     """
 
     order: np.ndarray
-    block_rows: int
+    rows_per_block: int
     windows: list[np.ndarray]
     window_starts: np.ndarray
 
@@ -63,8 +63,8 @@ def epoch_plan(samples: int, epoch: int, seed: int, shuffle: bool, window: int |
     """The order of ``epoch`` and its windows: a pure function of the arguments (never of the world size)."""
     ids = np.arange(samples, dtype=np.int64)
     window = samples if window is None else max(1, min(window, samples))
-    block_rows = max(1, math.ceil(window / BLOCKS_PER_WINDOW))
-    blocks = np.arange(-(-samples // block_rows), dtype=np.int64)
+    rows_per_block = max(1, math.ceil(window / BLOCKS_PER_WINDOW))
+    blocks = np.arange(-(-samples // rows_per_block), dtype=np.int64)
     random = SampleRandom(seed)
     if window >= samples:  # shuffled whole: one window of every block (none for no rows)
         windows = [blocks] if len(blocks) else []
@@ -75,13 +75,13 @@ def epoch_plan(samples: int, epoch: int, seed: int, shuffle: bool, window: int |
     keys = random.uniform(epoch, ids, 1, stream=SHUFFLE_STREAM)[:, 0] if shuffle else None
     parts, starts = [], [0]
     for blocks_of_window in windows:
-        rows = np.concatenate([ids[b * block_rows : (b + 1) * block_rows] for b in blocks_of_window])
+        rows = np.concatenate([ids[b * rows_per_block : (b + 1) * rows_per_block] for b in blocks_of_window])
         if keys is not None:
             rows = rows[np.argsort(keys[rows], kind="stable")]
         parts.append(rows)
         starts.append(starts[-1] + len(rows))
     order = np.concatenate(parts) if parts else ids
-    return EpochPlan(order, block_rows, windows, np.asarray(starts, dtype=np.int64))
+    return EpochPlan(order, rows_per_block, windows, np.asarray(starts, dtype=np.int64))
 
 
 def epoch_order(samples: int, epoch: int, seed: int, shuffle: bool, window: int | None = None) -> np.ndarray:
@@ -115,22 +115,22 @@ class _Window:
 
     def __init__(self, plan: EpochPlan, index: int, arrays: dict[str, np.ndarray]) -> None:
         self.arrays = arrays
-        self.block_rows = plan.block_rows
+        self.rows_per_block = plan.rows_per_block
         blocks = plan.windows[index]
         self.slot = np.full(int(blocks[-1]) + 1, -1, dtype=np.int64)
         self.slot[blocks] = np.arange(len(blocks))
 
     def holds(self, ids: np.ndarray) -> np.ndarray:
         """Which of ``ids`` this window holds."""
-        blocks = ids // self.block_rows
+        blocks = ids // self.rows_per_block
         inside = blocks < len(self.slot)
         inside[inside] = self.slot[blocks[inside]] >= 0
         return inside
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (all held by this window) in its arrays."""
-        blocks = ids // self.block_rows
-        return self.slot[blocks] * self.block_rows + ids - blocks * self.block_rows
+        blocks = ids // self.rows_per_block
+        return self.slot[blocks] * self.rows_per_block + ids - blocks * self.rows_per_block
 
 
 def _read_whole(data: ShardedDataset) -> np.ndarray:
@@ -233,7 +233,9 @@ class BatchReader:
         """Read window ``index`` as contiguous runs of its (sorted) blocks (in the reader thread)."""
         blocks = plan.windows[index]
         runs = np.split(blocks, np.flatnonzero(np.diff(blocks) != 1) + 1)
-        spans = [(int(r[0]) * plan.block_rows, min((int(r[-1]) + 1) * plan.block_rows, self.samples)) for r in runs]
+        spans = [
+            (int(r[0]) * plan.rows_per_block, min((int(r[-1]) + 1) * plan.rows_per_block, self.samples)) for r in runs
+        ]
         rows = sum(stop - start for start, stop in spans)
         arrays = {}
         for name, ds in self._datasets.items():

@@ -87,19 +87,19 @@ class Communicator:
         return result
 
     async def reduce(
-        self, array: np.ndarray, op: str = "sum", root: int = 0, in_place: bool = False
+        self, array: np.ndarray, op: str = "sum", root: int = 0, out: np.ndarray | None = None
     ) -> np.ndarray | None:
-        """Reduce onto ``root``; returns the result there and None elsewhere."""
+        """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         data = self._array(array, "reduce")
         await self._check("reduce", f"{data.dtype}{data.shape} {op} root={root}")
         mpi_op = self._op(op)
         if self.rank != root:
             await self._wait(self.comm.Ireduce(data, None, mpi_op, root), "reduce", keep=data)
             return None
-        if in_place and data is array:
+        if out is array and data is array:
             await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, array, mpi_op, root), "reduce")
             return array
-        result = np.empty_like(data)
+        result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
         return result
 
@@ -183,7 +183,7 @@ class Hierarchy:
         result = np.array(array, copy=True, order="C") if out is None else out
         if out is not None and out is not array:
             np.copyto(out, array)
-        await self.node.reduce(result, op, root=0, in_place=True)
+        await self.node.reduce(result, op, root=0, out=result)
         if self.leaders is not None:
             await self.leaders.allreduce(result, op, out=result)
         await self.node.bcast_array(result, root=0)

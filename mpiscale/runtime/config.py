@@ -43,9 +43,6 @@ class RuntimeConfig:
     shutdown_timeout_s: float = 10.0
     #: Check that all ranks pass the same shape, dtype and op to a collective.
     check_collectives: bool = True
-    #: Keep freed large buffers in the heap so large messages avoid page faults
-    #: (see ``mpiscale.runtime.memory``).
-    malloc_tuning: bool = True
     #: MPI thread level requested at initialisation.
     thread_level: str = "multiple"
 

@@ -111,11 +111,11 @@ def test_epoch_plan_is_a_permutation_read_window_by_window(window):
     assert plan.window_starts[-1] == samples
     for index, blocks in enumerate(plan.windows):  # each window's positions hold exactly its blocks' rows
         rows = plan.order[plan.window_starts[index] : plan.window_starts[index + 1]]
-        assert set(np.unique(rows // plan.block_rows)) == set(blocks)
+        assert set(np.unique(rows // plan.rows_per_block)) == set(blocks)
     if window is None:
         assert len(plan.windows) == 1
     else:
-        assert len(plan.windows) == -(-samples // (plan.block_rows * 8))
+        assert len(plan.windows) == -(-samples // (plan.rows_per_block * 8))
         assert not np.array_equal(plan.order, epoch_order(samples, 4, 7, True, window))
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import sys
+import time
 
 import numpy as np
 import torch
@@ -24,6 +25,19 @@ class Recorder(Actor):
 
     def sequences(self):
         return self.seen
+
+
+class Tally(Actor):
+    """Counts the tells it gets, by sender."""
+
+    def __init__(self):
+        self.senders: list[int] = []
+
+    def add(self, sender: int):
+        self.senders.append(sender)
+
+    def received(self):
+        return sorted(self.senders)
 
 
 class Echo(Actor):
@@ -85,6 +99,7 @@ async def main(system):
     rank, size = system.rank, system.size
     recorders = await system.spawn_group(Recorder, name="recorder")
     echoes = await system.spawn_group(Echo, name="echo")
+    tallies = await system.spawn_group(Tally, name="tally")
     relays = await system.spawn_group(Relay, name="relay")
 
     # Ordering: every rank sends numbered tells to every recorder, mixing small
@@ -122,6 +137,11 @@ async def main(system):
 
     # Whole groups: ask_all answers in rank order; tell_all reaches every member.
     assert await echoes.ask_all("echo", rank) == [rank] * size
+    tallies.tell_all("add", rank)
+    deadline = time.monotonic() + 30
+    while (got := await tallies[rank].ask("received")) != list(range(size)):
+        assert time.monotonic() < deadline, f"tell_all: rank {rank}'s member heard from {got}, not every rank"
+        await asyncio.sleep(0.01)
     assert len(echoes) == size and [ref.rank for ref in echoes] == list(range(size))
 
     # Remote spawn: rank 0 places an actor on the last rank; everyone uses it.

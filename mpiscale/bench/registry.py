@@ -1,0 +1,90 @@
+"""The benchmarks ``mpiscale bench NAME`` runs: one entry each, its help line and how it starts.
+
+A new benchmark adds a module beside this one and one ``Benchmark`` below; the
+CLI builds its choices and help from ``BENCHMARKS``. Modules are imported only
+when their benchmark runs, so ``mpiscale --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..runtime import ActorSystem, run
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    what: str  # the help line: what is measured against which baseline, on how many ranks
+    start: Callable[[argparse.Namespace, str], object]  # (parsed options, JSON path)
+
+
+def _pingpong(args: argparse.Namespace, json_path: str) -> object:
+    from .pingpong import run_pingpong
+
+    return run(lambda system: run_pingpong(system, json_path, quick=args.quick))
+
+
+def _random(args: argparse.Namespace, json_path: str) -> object:
+    from .sample_random import run_sample_random
+
+    samples = args.samples or (200_000 if args.quick else 4_000_000)
+    return run(lambda system: run_sample_random(system, json_path, samples, quick=args.quick))
+
+
+def _checkpoint(args: argparse.Namespace, json_path: str) -> object:
+    from .checkpoint import run_checkpoint_bench
+
+    size_mib = args.size_mib or (128 if args.quick else 1024)
+    repeats = 1 if args.quick else 5
+
+    async def bench_checkpoint(system: ActorSystem) -> dict | None:
+        return run_checkpoint_bench(system.world.comm, json_path, args.dir, size_mib << 20, repeats)
+
+    return run(bench_checkpoint)
+
+
+def _omp(args: argparse.Namespace, json_path: str) -> object:
+    from .omp import run_omp_bench
+
+    return run_omp_bench(json_path, quick=args.quick)
+
+
+def _dictlearn(args: argparse.Namespace, json_path: str) -> object:
+    from .dictlearn import run_dictlearn_bench
+
+    return run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
+
+
+def _reader(args: argparse.Namespace, json_path: str) -> object:
+    from .reader import run_reader_bench
+
+    return run(lambda system: run_reader_bench(system, json_path, args.dir, quick=args.quick))
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    bench.name: bench
+    for bench in [
+        Benchmark("pingpong", "actor ask/tell vs raw mpi4py (2 ranks)", _pingpong),
+        Benchmark("random", "per-sample random parameters vs a numpy generator per sample (any ranks)", _random),
+        Benchmark(
+            "checkpoint",
+            "level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
+            _checkpoint,
+        ),
+        Benchmark("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)", _omp),
+        Benchmark(
+            "dictlearn",
+            "time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, time per "
+            "iteration, OMP throughput (any ranks)",
+            _dictlearn,
+        ),
+        Benchmark(
+            "reader",
+            "read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and streamed",
+            _reader,
+        ),
+    ]
+}
