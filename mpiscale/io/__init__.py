@@ -2,7 +2,7 @@
 
 from ..ranks import rank_rows
 from .checkpoint import Checkpointer, Restored
-from .checkpoint_files import checksum
+from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError
 from .h5file import open_file, publish, stamp, utc_timestamp
 from .reader import Batch, BatchReader, epoch_order

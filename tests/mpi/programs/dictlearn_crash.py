@@ -9,7 +9,7 @@ import sys
 import time
 
 from mpiscale.cli import main
-from mpiscale.io.checkpoint import Checkpointer
+from mpiscale.io import Checkpointer
 
 KILL_AT = int(sys.argv[1])
 _save = Checkpointer.save

@@ -27,9 +27,9 @@ import crc32c
 import h5py
 import numpy as np
 
-from ..ranks import Comm
-from .h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp
-from .rows import read_rows, write_rows
+from ...ranks import Comm
+from ..h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp
+from ..rows import read_rows, write_rows
 
 #: Data sets of the level-3 file start on 1 MiB boundaries, and each rank writes its own contiguous
 #: block independently: at 4 ranks on 2 cores this was about twice as fast as collective (two-phase) I/O,

@@ -1,0 +1,312 @@
+"""The Checkpointer: checks a save, snapshots its arrays, writes the levels in a background thread, commits, loads."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ...ranks import Comm, as_mpi, run_agreed, split_nodes
+from ...runtime import RuntimeConfig
+from ..errors import CheckpointError
+from ..h5file import settle_background_io, track_background_io
+from .files import (
+    Layout,
+    write_atomically,
+    write_shard,
+    write_shared,
+)
+from .manifest import SaveJob, build_manifest, nbytes
+from .partners import choose_partners, copy_to_partner
+from .restore import Restored, Restorer, Unusable
+from .retention import retire
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer:
+    """Saves and restores checkpoints of one job; every rank of ``comm`` constructs one."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        comm: Comm,
+        *,
+        keep: int = 3,
+        local_dir: str | os.PathLike | None = None,
+        partner: bool = True,
+        shared_every: int = 1,
+        background: bool = True,
+        delta: bool = False,
+        full_every: int = 8,
+        ranks_per_node: int | None = None,
+    ) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        if shared_every < 0 or (shared_every == 0 and local_dir is None):
+            raise ValueError("shared_every must be >= 1, or 0 (never) together with a local_dir")
+        if full_every < 1:
+            raise ValueError(f"full_every must be at least 1, got {full_every}")
+        from mpi4py import MPI
+
+        self._MPI = MPI
+        self.layout = Layout(Path(directory), Path(local_dir) if local_dir is not None else None)
+        self.keep, self.shared_every, self.background = keep, shared_every, background
+        self.delta, self.full_every = delta, full_every
+        self._front = as_mpi(comm).Dup()  # collectives of the calling thread
+        self._back = as_mpi(comm).Dup()  # collectives of the background writer
+        self.rank, self.size = self._front.Get_rank(), self._front.Get_size()
+        if ranks_per_node is None:
+            ranks_per_node = RuntimeConfig.from_env().ranks_per_node
+        node_comm, self.node, self.nodes = split_nodes(self._front, ranks_per_node)
+        self._node_leader = node_comm.Get_rank() == 0
+        placement = self._front.allgather((self.node, node_comm.Get_rank()))
+        node_comm.Free()
+        self._partner, self._senders = (
+            choose_partners(placement, self.rank, self.nodes) if partner and local_dir is not None else (None, [])
+        )
+        if partner and local_dir is not None and self.nodes == 1 and self.rank == 0:
+            log.warning("checkpoint: one node only, so there is no partner copy (level 2 is off)")
+        if self.rank == 0:
+            self.layout.shared.mkdir(parents=True, exist_ok=True)
+        if self.layout.local is not None and self._node_leader:
+            self.layout.node_dir(self.node).mkdir(parents=True, exist_ok=True)
+        self._front.Barrier()
+        self._restorer = Restorer(self.layout, self._front, self.node)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-checkpoint")
+        self._in_flight: Future | None = None
+        self._buffers: dict[str, np.ndarray] = {}
+        self._saves = 0
+        self._last_step: int | None = None
+        self._base: dict | None = None  # manifest of the last full save (background thread only)
+        self._deltas = 0
+        atexit.register(self._at_exit)
+
+    # ----------------------------------------------------------------- saving
+    def save(
+        self,
+        step: int,
+        sharded: dict[str, np.ndarray] | None = None,
+        replicated: dict[str, np.ndarray] | None = None,
+        meta: dict | None = None,
+    ) -> None:
+        """Checkpoint ``step`` (collective). Returns once the arrays are copied, or written if not background."""
+        started = time.perf_counter()
+        sharded, replicated, meta = dict(sharded or {}), dict(replicated or {}), dict(meta or {})
+        self.wait()
+        settle_background_io()  # other checkpointers' writes: background collectives go one at a time
+        problem = self._invalid(step, sharded, replicated, meta)
+        signature = None
+        if problem is None:
+            signature = (
+                step,
+                sorted((name, a.dtype.str, a.shape[1:]) for name, a in sharded.items()),
+                sorted((name, a.dtype.str, a.shape) for name, a in replicated.items()),
+            )
+        every = self._front.allgather((problem, signature))
+        problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
+        if problems:
+            raise ValueError("checkpoint save: " + "; ".join(problems))
+        odd = [r for r, (_, other) in enumerate(every) if other != signature]
+        if odd:
+            raise ValueError(
+                f"checkpoint save of step {step}: ranks disagree on the step, array names, dtypes or row shapes "
+                f"(rank {self.rank} passes {signature}; ranks differing from this one: {odd})"
+            )
+        keep = self._snapshot if self.background else _as_they_are  # a blocking save needs no copy
+        job = SaveJob(
+            step=step,
+            sharded=keep(sharded, "s:"),
+            replicated=keep(replicated, "r:") if self.rank == 0 else {},
+            replicated_specs={name: (a.shape, a.dtype.str) for name, a in replicated.items()},
+            meta=json.loads(json.dumps(meta)),
+            index=self._saves,
+        )
+        self._saves += 1
+        self._last_step = step
+        job.blocked = time.perf_counter() - started
+        self._in_flight = self._pool.submit(self._write, job)
+        track_background_io(self._in_flight)
+        if not self.background:
+            self.wait()
+
+    def _invalid(self, step, sharded: dict, replicated: dict, meta: dict) -> str | None:
+        if not isinstance(step, (int, np.integer)) or step < 0:
+            return f"step must be a non-negative integer, got {step!r}"
+        if self._last_step is not None and step <= self._last_step:
+            return f"step {step} is not after the last saved or loaded step {self._last_step}"
+        if set(sharded) & set(replicated):
+            return f"names used both sharded and replicated: {sorted(set(sharded) & set(replicated))}"
+        for name, array in [*sharded.items(), *replicated.items()]:
+            if not isinstance(name, str) or not name or "/" in name:
+                return f"array names must be non-empty strings without '/', got {name!r}"
+            if not isinstance(array, np.ndarray):
+                return f"{name!r} is a {type(array).__name__}, not a numpy array (convert tensors with .numpy())"
+            if array.dtype.hasobject:
+                return f"{name!r} holds Python objects; only plain numeric arrays can be checkpointed"
+        for name, array in sharded.items():
+            if array.ndim == 0:
+                return f"sharded array {name!r} needs at least one dimension (rows)"
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as error:
+            return f"meta is not JSON-serializable: {error}"
+        return None
+
+    def _snapshot(self, arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+        """Copy arrays into buffers kept from the previous save (no page faults after the first)."""
+        copies = {}
+        for name, array in arrays.items():
+            buffer = self._buffers.get(prefix + name)
+            if buffer is None or buffer.shape != array.shape or buffer.dtype != array.dtype:
+                buffer = np.empty(array.shape, array.dtype)
+            np.copyto(buffer, array)
+            self._buffers[prefix + name] = copies[name] = buffer
+        return copies
+
+    def wait(self) -> None:
+        """Wait for the background save; raise (on every rank) if it failed."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
+
+    def _write(self, job: SaveJob) -> None:
+        """The background part of a save (same order of collectives on every rank)."""
+        comm, rank, started = self._back, self.rank, time.perf_counter()
+        full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
+        levels = []
+        if self.layout.local is not None:
+            levels += ["local", "partner"] if self._partner is not None else ["local"]
+        if self.layout.local is None or (
+            self.shared_every and (job.index % self.shared_every == 0 or (self.delta and full))
+        ):
+            levels.append("shared")
+        manifest = build_manifest(comm, job, self.size, levels, None if full else self._base)
+        stored = [name for name, entry in manifest["arrays"].items() if entry["stored_in"] == job.step]
+        mine_sharded = {n: job.sharded[n] for n in stored if n in job.sharded}
+        mine_replicated = {n: job.replicated[n] for n in stored if n in job.replicated_specs and rank == 0}
+        step, shard_arrays = job.step, {**mine_sharded, **mine_replicated}
+
+        def write_level3() -> None:
+            sharded = {n: (manifest["arrays"][n]["blocks"][rank][0], rows) for n, rows in mine_sharded.items()}
+            replicated = {n: job.replicated.get(n) for n in stored if n in job.replicated_specs}
+            write_shared(self.layout.shared_file(step), comm, self.size, manifest, sharded, replicated)
+
+        def commit() -> None:
+            if rank == 0:
+                write_atomically(self.layout.manifest(step), json.dumps(manifest, indent=1).encode())
+                write_atomically(self.layout.latest, f"{step}\n".encode())
+
+        if "local" in levels:
+            path = self.layout.shard(self.node, step, rank)
+            run_agreed(
+                comm,
+                f"level-1 save of step {step}",
+                lambda: write_shard(path, step, rank, self.size, shard_arrays),
+                CheckpointError,
+            )
+        if "partner" in levels:
+            partner = self._partner
+            assert partner is not None  # the level is written only where a partner exists
+            run_agreed(
+                comm,
+                f"level-2 partner copy of step {step}",
+                lambda: copy_to_partner(comm, self.layout, self.node, step, partner, self._senders),
+                CheckpointError,
+            )
+        if "shared" in levels:
+            run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError)
+        run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError)
+        if full:
+            self._base, self._deltas = manifest, 0
+        else:
+            self._deltas += 1
+        retire(self.layout, comm, self.keep, job.step, self.node, self._node_leader)
+        if rank == 0:
+            written = sum(nbytes(manifest["arrays"][name]) for name in stored)
+            log.info(
+                "checkpoint step %d saved (%s, %s, %d of %d arrays): %.1f MiB in %.2f s; the caller was blocked %.3f s",
+                job.step, "+".join(levels), "full" if full else f"delta on step {manifest['base']}", len(stored),
+                len(manifest["arrays"]), written / 2**20, time.perf_counter() - started, job.blocked,
+            )  # fmt: skip
+
+    # ---------------------------------------------------------------- loading
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints, newest first, without reading them (collective)."""
+        self.wait()
+        return self._front.bcast(self.layout.committed_steps() if self.rank == 0 else None, 0)
+
+    def load(self, step: int | None = None, rows: dict[str, tuple[int, int]] | None = None) -> Restored | None:
+        """Restore the newest usable checkpoint (or ``step``), resharded onto this world (collective).
+
+        Each rank gets the rows ``rows[name]`` of each sharded array, by default
+        its block as ``np.array_split`` splits the rows. Returns None when there
+        is no checkpoint; raises CheckpointError when there are some but none
+        can be restored.
+        """
+        self.wait()
+        comm = self._front
+        manifests = comm.bcast(self._restorer.read_manifests() if self.rank == 0 else None, 0)
+        latest = max((s for s, m in manifests if m is not None), default=None)
+        tries = [(s, m) for s, m in manifests if (s == step if step is not None else True)]
+        if not tries:
+            if step is not None:
+                raise CheckpointError(f"no checkpoint of step {step} in {self.layout.shared}")
+            return None
+        by_step = {s: m for s, m in manifests if m is not None}
+        reasons = []
+        for candidate, manifest in tries:
+            started = time.perf_counter()
+            try:
+                if manifest is None:
+                    raise Unusable(f"its manifest {self.layout.manifest(candidate)} is unreadable")
+                restored = self._restorer.restore(manifest, by_step, rows or {})
+            except Unusable as error:
+                reasons.append(f"step {candidate}: {error}")
+                if self.rank == 0:
+                    log.warning("checkpoint step %d cannot be restored (%s); trying the previous one", candidate, error)
+                continue
+            if self.rank == 0:
+                took = time.perf_counter() - started
+                log.info("restored checkpoint step %d from %s in %.2f s", candidate, restored.sources, took)
+                if candidate != latest:
+                    log.warning("restored step %d, not the newest (%s)", candidate, latest)
+            self._last_step = restored.step
+            return restored
+        raise CheckpointError(f"no usable checkpoint in {self.layout.shared}: " + "; ".join(reasons))
+
+    # --------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Wait for the background save (raising its failure) and release resources (collective)."""
+        try:
+            self.wait()
+        finally:
+            atexit.unregister(self._at_exit)
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _at_exit(self) -> None:
+        try:
+            self.wait()
+        except Exception as error:  # never silent: the job must fail and say which checkpoint is missing
+            print(f"mpiscale: rank {self.rank}: the last checkpoint was NOT saved: {error}", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def _as_they_are(arrays: dict[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """The caller's arrays, C-contiguous: a synchronous save writes them before the caller goes on."""
+    return {name: np.ascontiguousarray(array) for name, array in arrays.items()}
