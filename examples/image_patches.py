@@ -16,7 +16,6 @@ the learned atoms as a grid of small images.
 import argparse
 
 import numpy as np
-from mpi4py import MPI
 from sklearn.datasets import load_sample_image
 from sklearn.feature_extraction.image import extract_patches_2d
 
@@ -44,11 +43,10 @@ async def main(system) -> None:
     options.add_argument("--per-image", type=int, default=20_000, help="patches cut from each photo (default: 20000)")
     options.add_argument("--seed", type=int, default=0, help="where the patches are cut (default: 0)")
     args = options.parse_args()
-    comm = MPI.COMM_WORLD
     rows = patches(args.side, args.per_image, args.seed)
-    start, stop = rank_rows(len(rows), comm.size, comm.rank)
+    start, stop = rank_rows(len(rows), system.size, system.rank)
     config = {"patch_shape": [args.side, args.side], "images": list(IMAGES), "seed": args.seed}
-    shapes = write_dataset(args.out, {"patches": rows[start:stop]}, comm, config=config)
+    shapes = write_dataset(args.out, {"patches": rows[start:stop]}, system.world, config=config)
     if system.rank == 0:
         print(
             f"wrote {args.out}: /patches {shapes['patches']} ({args.side}x{args.side} patches of {len(IMAGES)} photos)"

@@ -14,7 +14,6 @@ import argparse
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 import mpiscale
 from mpiscale.io import BatchReader, Checkpointer, SampleRandom, rank_rows, write_dataset
@@ -37,10 +36,10 @@ async def main(system) -> None:
     options.add_argument("--epochs", type=int, default=3)
     options.add_argument("--lr", type=float, default=0.05)
     args = options.parse_args()
-    comm = MPI.COMM_WORLD
+    comm = system.world  # the io calls take the runtime's communicator (or an mpi4py one)
     if system.rank == 0:
         args.workdir.mkdir(parents=True, exist_ok=True)
-    comm.Barrier()
+    await comm.barrier()
     data = args.workdir / "data.h5"
     if not data.exists():
         make_dataset(data, comm)

@@ -28,7 +28,7 @@ from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
-from .progress import ProgressLine
+from .progress_line import ProgressLine
 from .results import JobResults, write_results
 from .synthetic import recovery_rate, write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 
 import h5py
 import numpy as np
+from numpy.typing import DTypeLike
 
 from .._version import __version__
 from ..ranks import Comm
@@ -164,7 +165,14 @@ def describe_datasets(group: h5py.Group, most: int = 12) -> str:
     return ", ".join(shown) + more
 
 
-def check_array(path: str, name: str, shape: tuple, dtype: np.dtype, expect_shape=None, expect_dtype=None) -> None:
+def check_array(
+    path: str,
+    name: str,
+    shape: tuple,
+    dtype: np.dtype,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: DTypeLike | None = None,
+) -> None:
     """Raise DataFileError if a stored array's trailing shape or dtype is not what the caller expects."""
     if expect_dtype is not None and np.dtype(expect_dtype) != dtype:
         raise DataFileError(path, f"dtype is {dtype}, expected {np.dtype(expect_dtype)}", name)

@@ -28,7 +28,7 @@ class SampleRandom:
         self.seed = int(seed)
         self._key = np.array([self.seed & 0xFFFFFFFF, self.seed >> 32], dtype=np.uint64)
 
-    def uniform(self, epoch: int, sample_ids, count: int, stream: int = 0) -> np.ndarray:
+    def uniform(self, epoch: int, sample_ids: Iterable[int] | np.ndarray, count: int, stream: int = 0) -> np.ndarray:
         """Uniform doubles in [0, 1), shape ``(len(sample_ids), count)``."""
         ids = _ids(sample_ids)
         count = _count(count)
@@ -37,7 +37,7 @@ class SampleRandom:
             uniform53(self._key, np.uint64(_epoch(epoch)), np.uint64(_stream(stream) * _BLOCKS_PER_STREAM), ids, out)
         return out
 
-    def normal(self, epoch: int, sample_ids, count: int, stream: int = 0) -> np.ndarray:
+    def normal(self, epoch: int, sample_ids: Iterable[int] | np.ndarray, count: int, stream: int = 0) -> np.ndarray:
         """Standard normal doubles (Box-Muller on pairs of uniforms), shape ``(n, count)``."""
         count = _count(count)
         pairs = self.uniform(epoch, sample_ids, 2 * ((count + 1) // 2), stream)
@@ -48,7 +48,9 @@ class SampleRandom:
         normals[:, 1::2] = radius * np.sin(angle)
         return normals[:, :count]
 
-    def integers(self, epoch: int, sample_ids, count: int, low: int, high: int, stream: int = 0) -> np.ndarray:
+    def integers(
+        self, epoch: int, sample_ids: Iterable[int] | np.ndarray, count: int, low: int, high: int, stream: int = 0
+    ) -> np.ndarray:
         """Integers in [low, high), shape ``(n, count)``; bias below 2**-53 * (high - low)."""
         if not high > low:
             raise ValueError(f"integers needs high > low, got low={low}, high={high}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import TextIO
 
 
 def _duration(seconds: float) -> str:
@@ -14,7 +15,7 @@ def _duration(seconds: float) -> str:
 class ProgressLine:
     """Prints at most every ``every`` seconds (and at the end); ``every=None`` prints nothing (other ranks)."""
 
-    def __init__(self, total: int, start: int, every: float | None, stream=None) -> None:
+    def __init__(self, total: int, start: int, every: float | None, stream: TextIO | None = None) -> None:
         self.total, self.start, self.every = total, start, every
         self.stream = stream or sys.stdout
         self.began = self.last = time.monotonic()
