@@ -29,13 +29,15 @@ def _demo(args: argparse.Namespace) -> int:
 def _dictlearn(args: argparse.Namespace) -> int:
     from .dictlearn.config import load_config, option_fields
     from .dictlearn.learner import learn
+    from .ranks import launched_rank
     from .runtime import run
 
     overrides = {f.name: getattr(args, f.name) for f in option_fields()}
     try:
         config = load_config(args.config, overrides)
     except ValueError as error:
-        print(f"mpiscale dictlearn: {error}", file=sys.stderr)
+        if launched_rank() == 0:  # every rank finds the same problem; one says it
+            print(f"mpiscale dictlearn: {error}", file=sys.stderr)
         return 2
     run(lambda system: learn(system, config))
     return 0

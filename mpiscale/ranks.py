@@ -32,6 +32,14 @@ def as_mpi(comm: Comm | None) -> Any:
     return getattr(comm, "comm", comm)
 
 
+def launched_rank() -> int:
+    """This process's rank as the launcher set it (mpirun, srun, hydra), before MPI starts; 0 when not launched."""
+    for variable in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(variable, "").isdigit():
+            return int(os.environ[variable])
+    return 0
+
+
 def size_and_rank(comm: Comm | None) -> tuple[int, int]:
     """``(size, rank)`` of ``comm``; ``(1, 0)`` without one (a serial caller)."""
     return (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())
@@ -107,21 +115,36 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     return node_comm, firsts.index(first), len(firsts)
 
 
-def agree(comm: Comm, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError) -> None:
+def agree(
+    comm: Comm | None, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError
+) -> None:
     """All ranks go on, or all raise ``kind`` naming every failing rank (collective, blocking).
 
-    The blocking form, for threads and set-up code outside the event loop;
+    Without a ``comm``, this process alone. The blocking form, for threads and set-up code outside the event loop;
     ``ActorSystem.agree`` is the awaitable one for checks before a job starts.
     """
     mine = None
     if isinstance(problem, BaseException):
-        mine = f"rank {comm.Get_rank()}: {type(problem).__name__}: {problem}"
+        mine = f"{type(problem).__name__}: {problem}" if type(problem).__name__ not in str(problem) else str(problem)
     elif problem is not None:
-        mine = f"rank {comm.Get_rank()}: {problem}"
-    failed = [message for message in comm.allgather(mine) if message]
-    if failed:
+        mine = problem
+    ranks_of: dict[str, list[int]] = {}  # the same problem on many ranks is said once
+    for other, message in enumerate(comm.allgather(mine) if comm is not None else [mine]):
+        if message:
+            ranks_of.setdefault(message, []).append(other)
+    if ranks_of:
         cause = problem if isinstance(problem, BaseException) else None
-        raise kind(f"{what} failed: " + "; ".join(failed)) from cause
+        said = [f"{_ranks(where)}: {message}" for message, where in ranks_of.items()]
+        raise kind(f"{what} failed: " + "; ".join(said)) from cause
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-3' or 'ranks 0, 2'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
 
 
 def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = RuntimeError) -> None:

@@ -151,12 +151,14 @@ def load_config(path: str | None, overrides: dict) -> DictLearnConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"config file {path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")
-    values.update({name: value for name, value in overrides.items() if value is not None})
+    given = {name: value for name, value in overrides.items() if value is not None}
+    origin = {name: f"config file {path}: " for name in values} | {name: "" for name in given}
+    values.update(given)
     defaults = DictLearnConfig()
     for name, value in values.items():
         expected = type(getattr(defaults, name))
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             values[name] = float(value)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ValueError(f"{name} must be {expected.__name__}, got {value!r}")
+            raise ValueError(f"{origin[name]}{name} must be {expected.__name__}, got {value!r}")
     return DictLearnConfig(**values)

@@ -17,19 +17,20 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer, CheckpointError, checksum
+from ..io import BatchReader, Checkpointer, CheckpointError, LockedError, OutputLock, WriteError, checksum
 from ..kernels.threads import share_cores
-from ..ranks import Comm, host_placement, ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..ranks import Comm, agree, host_placement, ranks_sharing_cores
+from ..runtime import ActorSystem, JobRefused
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
 from .progress_line import ProgressLine
-from .results import JobResults, write_results
+from .results import JobResults, results_bytes, write_results
 from .synthetic import recovery_rate, write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
@@ -75,6 +76,14 @@ def _check_output(config: DictLearnConfig) -> None:
         raise ValueError(f"the results file's directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise ValueError(f"the results file's directory {directory} is not writable")
+    if not (config.checkpoint_every or config.resume):
+        return
+    checkpoints = Path(config.checkpoints)
+    existing = checkpoints if checkpoints.exists() else checkpoints.parent
+    if not existing.is_dir():
+        raise ValueError(f"the checkpoint directory {checkpoints}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"the checkpoint directory {checkpoints} cannot be written ({existing} is read-only)")
 
 
 def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
@@ -89,6 +98,11 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[
     restored = checkpoints.load()
     if restored is None:
         return None
+    if restored.step > config.iterations:
+        raise CheckpointError(
+            f"the newest checkpoint in {config.checkpoints} is at iteration {restored.step}, past --iterations "
+            f"{config.iterations}: give --iterations {restored.step} or more to continue it"
+        )
     saved = restored.meta.get("config", {})
     expected = _compatibility(config, info)
     differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
@@ -115,34 +129,55 @@ class _Job:
     device: str
     device_label: str
     threads: int
+    results_lock: OutputLock | None  # rank 0's hold on the results path
 
 
 async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
     """Run the job on every rank; returns a summary (the same on every rank).
 
-    Bad input (data, sizes, output directory, checkpoints, device) ends the job
-    before the first iteration with one message, no traceback and exit status
-    2: every rank finds the same problem, and the ranks agree on it before they
-    stop. Errors during the iterations keep their tracebacks.
+    Bad input (data, sizes, output paths, checkpoints, device, another job on
+    the same outputs) ends the job before the first iteration with one message,
+    no traceback and exit status 2: every rank finds the same problem, and the
+    ranks agree on it before they stop. A checkpoint or the results file that
+    cannot be written (full disk, quota, a rank stuck in collective I/O) ends it
+    with one message and status 1. Other errors keep their tracebacks.
     """
-    job, problem = None, None
+    job, status = None, 2
+    problem: Exception | None = None
     try:
         job = _prepare(system, config)
-    except (ValueError, CheckpointError) as error:
+    except (ValueError, CheckpointError, LockedError) as error:
         problem = ValueError(f"mpiscale dictlearn: {error}")
-    await system.agree(problem, "the input and settings")
+    except WriteError as error:  # the planted data set did not fit: the run failed, the input was fine
+        problem, status = OSError(f"mpiscale dictlearn: {error}"), 1
+    await system.agree(problem, "the input and settings", status=status)
     assert job is not None  # the agreement raised on every rank otherwise
     try:
-        summary = await _iterate(system, config, job)
+        return await _run(system, config, job)
     finally:
-        if job.checkpoints is not None:
-            job.checkpoints.close()
+        if job.results_lock is not None:
+            job.results_lock.release()
+
+
+async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
+    failure: CheckpointError | None = None
+    try:
+        summary = await _iterate(system, config, job)
+        _save_final_checkpoint(config, job)
+    except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures
+        failure = error
+    finally:
+        closing = _close(job.checkpoints)  # always: it releases the directory's lock
+        failure = failure or closing
+    if failure is not None:
+        raise JobRefused(f"mpiscale dictlearn: {failure}", status=1) from None
     await _agree_on_dictionary(system, job.state)
     summary["world_size"] = system.size
     summary["threads"] = job.threads
     if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
         summary["recovery_rate"] = recovery_rate(job.planted, job.state.dictionary)
     placement = job.comm.gather((socket.gethostname(), job.device_label), 0)
+    problem = None
     if system.rank == 0:
         results = JobResults(
             config=config,
@@ -157,12 +192,50 @@ async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
             threads=job.threads,
             stop_reason=summary["stop_reason"],
         )
-        write_results(results)
-        rate = summary.get("recovery_rate")
-        recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
-        print(f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}", flush=True)
-    job.comm.Barrier()
+        try:
+            write_results(results)
+        except OSError as error:
+            problem = OSError(_unwritten_results(config, job, results, error))
+        else:
+            rate = summary.get("recovery_rate")
+            recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
+            done = f"{summary['iterations']} iterations on {system.size} ranks{recovered}"
+            print(f"wrote {config.out}: {done}", flush=True)
+    await system.agree(problem, "the results file", status=1)
     return summary
+
+
+def _save_final_checkpoint(config: DictLearnConfig, job: _Job) -> None:
+    """Checkpoint the last iteration if the loop did not, so the learned state outlives a failed results write."""
+    checkpoints, done = job.checkpoints, job.history.iterations
+    if checkpoints is None or not config.checkpoint_every or checkpoints.last_step == done:
+        return
+    meta = {"config": _compatibility(config, job.info)}
+    checkpoints.save(done, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
+
+
+def _close(checkpoints: Checkpointer | None) -> CheckpointError | None:
+    """Close the checkpointer (waiting for its last save); its failure is returned, for one report."""
+    if checkpoints is None:
+        return None
+    try:
+        checkpoints.close()
+    except CheckpointError as error:
+        return error
+    return None
+
+
+def _unwritten_results(config: DictLearnConfig, job: _Job, results: JobResults, error: OSError) -> str:
+    """Why the results file could not be written, how much it needs, and where the learned dictionary is."""
+    needed = results_bytes(results) / 2**20
+    text = f"mpiscale dictlearn: could not write {config.out} (about {needed:.1f} MiB): {error}"
+    checkpoints = job.checkpoints
+    if checkpoints is not None and checkpoints.last_step == job.history.iterations:
+        return (
+            f"{text}. The learned dictionary is safe in the checkpoint of iteration {checkpoints.last_step} in "
+            f"{config.checkpoints}: make room, then run the same command with --resume to write the results"
+        )
+    return f"{text}. The learned dictionary is lost with this run; --checkpoint-every N keeps a final checkpoint"
 
 
 def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
@@ -179,19 +252,34 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
 
         label = f"cuda:{select_gpu(rank_on_host)}"
     _check_output(config)
-    info, planted = _prepare_data(config, comm)
-    state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
-    history, start, checkpoints = History.start(config.iterations), 0, None
-    if config.checkpoint_every or config.resume:
-        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-        restored = _restore(config, info, checkpoints)
-        if restored is not None:
-            start, state, history = restored
-            if system.rank == 0:
-                print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
-        elif config.resume and system.rank == 0:
-            log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
-    return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads)
+    results_lock, checkpoints, problem = None, None, None
+    if system.rank == 0:  # before anything is written: a second job on the same outputs stops here
+        results_lock = OutputLock(f"{config.out}.lock", f"the results file {config.out}")
+        try:
+            results_lock.acquire()
+        except (LockedError, OSError) as error:
+            results_lock, problem = None, error
+    agree(comm, problem, "taking the results file", LockedError)  # every rank stops before any collective
+    try:
+        info, planted = _prepare_data(config, comm)
+        state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
+        history, start, checkpoints = History.start(config.iterations), 0, None
+        if config.checkpoint_every or config.resume:
+            checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+            restored = _restore(config, info, checkpoints)
+            if restored is not None:
+                start, state, history = restored
+                if system.rank == 0:
+                    print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
+            elif config.resume and system.rank == 0:
+                log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
+        return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads, results_lock)
+    except BaseException:
+        if checkpoints is not None:
+            _close(checkpoints)  # its lock too: the job never started
+        if results_lock is not None:
+            results_lock.release()
+        raise
 
 
 async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:

@@ -15,8 +15,10 @@ Layout, all readable with plain h5py:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import h5py
@@ -48,9 +50,30 @@ class JobResults:
 
 
 def write_results(results: JobResults) -> None:
-    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete."""
-    config, info, history, dictionary = results.config, results.info, results.history, results.dictionary
+    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete.
+
+    On any failure the temporary file is removed, so a full disk keeps nothing half-written.
+    """
+    config = results.config
     temporary = f"{config.out}.tmp"
+    try:
+        _write(temporary, results)
+        publish(temporary, config.out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def results_bytes(results: JobResults) -> int:
+    """About what the results file takes on disk (the arrays; HDF5's metadata is small beside them)."""
+    arrays = [results.dictionary, results.planted, results.history.arrays(results.dictionary.shape[0])["usage"]]
+    metrics = sum(len(values) for values in results.history.metrics.values()) * 8
+    return sum(a.nbytes for a in arrays if a is not None) + metrics
+
+
+def _write(temporary: str, results: JobResults) -> None:
+    config, info, history, dictionary = results.config, results.info, results.history, results.dictionary
     with h5py.File(temporary, "w") as file:
         stamp(file, RESULTS_FORMAT, results.world_size, config.to_dict())
         file.create_dataset("dictionary", data=dictionary)
@@ -73,7 +96,6 @@ def write_results(results: JobResults) -> None:
         file.attrs["stop_reason"] = results.stop_reason
         if info.patch_shape is not None:
             file.attrs["patch_shape"] = info.patch_shape
-    publish(temporary, config.out)
 
 
 def summarize(path: str) -> str:

@@ -3,8 +3,9 @@
 from ..ranks import rank_rows
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
-from .errors import CheckpointError, DataFileError
+from .errors import CheckpointError, DataFileError, LockedError, WriteError
 from .h5file import open_file, publish, stamp, utc_timestamp
+from .lock import OutputLock
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
@@ -16,9 +17,12 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataFileError",
+    "LockedError",
+    "OutputLock",
     "Restored",
     "SampleRandom",
     "ShardedDataset",
+    "WriteError",
     "checksum",
     "epoch_order",
     "open_file",

@@ -21,5 +21,13 @@ class DataFileError(MpiscaleError, ValueError):
         return type(self), (self.path, self.message, self.dataset)
 
 
+class WriteError(MpiscaleError, OSError):
+    """A file could not be written (full disk, quota, read-only file system); raised on every rank alike."""
+
+
 class CheckpointError(MpiscaleError, RuntimeError):
     """A save failed (raised on every rank), or no checkpoint could be restored."""
+
+
+class LockedError(MpiscaleError, RuntimeError):
+    """Another job holds the checkpoint directory or results file this one was given."""

@@ -11,6 +11,7 @@ virtual dataset per array, so plain serial ``h5py`` reads it as one array.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -20,11 +21,11 @@ import h5py
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..ranks import Comm, as_mpi, rank_rows, size_and_rank
+from ..ranks import Comm, agree, as_mpi, rank_rows, size_and_rank
+from .errors import DataFileError, WriteError
 from .h5file import (
     DATASET_FORMAT,
     INDEX_FORMAT,
-    DataFileError,
     check_array,
     dataset,
     datasets_in,
@@ -37,6 +38,7 @@ from .h5file import (
 )
 from .rows import write_rows
 from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
+from .space import space_problem
 
 
 def write_dataset(
@@ -65,19 +67,36 @@ def write_dataset(
     kwargs = file_access(comm)
     settle_background_io()
     shapes = {}
-    with h5py.File(temporary, "w", **kwargs) as file:
-        stamp(file, DATASET_FORMAT, size, config)
-        for name, (_, trailing, dtype) in layout.items():
-            counts = [other[name][0] for other in every]
-            shape = (sum(counts), *trailing)
-            target = file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
-            write_rows(target, sum(counts[:rank]), np.asarray(arrays[name]), comm)
-            shapes[name] = shape
-    if rank == 0:
-        publish(temporary, path)
-    if comm is not None:
-        comm.Barrier()
+    total = sum(n * int(np.prod(trailing)) * np.dtype(dtype).itemsize for n, trailing, dtype in _all_rows(every))
+    room = space_problem(os.path.dirname(os.path.abspath(path)), total, "the file") if rank == 0 else None
+    agree(comm, room, f"writing {path}", WriteError)  # refused before it starts: a full disk mid-write hangs MPI-IO
+    failure = None
+    try:
+        with h5py.File(temporary, "w", **kwargs) as file:
+            stamp(file, DATASET_FORMAT, size, config)
+            for name, (_, trailing, dtype) in layout.items():
+                counts = [other[name][0] for other in every]
+                shape = (sum(counts), *trailing)
+                target = file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
+                write_rows(target, sum(counts[:rank]), np.asarray(arrays[name]), comm)
+                shapes[name] = shape
+        if rank == 0:
+            publish(temporary, path)
+    except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
+        failure = error
+    try:
+        agree(comm, failure, f"writing {path}", WriteError)
+    except WriteError:
+        if rank == 0:  # nothing half-written stays behind to fill the disk
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+        raise
     return shapes
+
+
+def _all_rows(every: list[dict]) -> list[tuple[int, tuple, str]]:
+    """(rows, trailing shape, dtype) of every array of every rank's layout."""
+    return [(count, trailing, dtype) for layout in every for count, trailing, dtype in layout.values()]
 
 
 def _describe(layout: dict) -> str:

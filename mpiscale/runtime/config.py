@@ -43,6 +43,9 @@ class RuntimeConfig:
     shutdown_timeout_s: float = 10.0
     #: Check that all ranks pass the same shape, dtype and op to a collective.
     check_collectives: bool = True
+    #: Seconds a checkpoint save may take before the job ends with a report (0: 120 s + 1 s per 20 MB).
+    #: A rank stuck in collective I/O that another rank abandoned (full disk, quota) would wait forever.
+    io_timeout_s: float = 0.0
     #: MPI thread level requested at initialisation.
     thread_level: str = "multiple"
 
@@ -56,6 +59,8 @@ class RuntimeConfig:
             raise ValueError(f"MPISCALE_CHUNK_BYTES must be >= 1, got {self.chunk_bytes}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"MPISCALE_SHUTDOWN_TIMEOUT_S must be > 0, got {self.shutdown_timeout_s}")
+        if self.io_timeout_s < 0:
+            raise ValueError(f"MPISCALE_IO_TIMEOUT_S must be >= 0 (0: scaled to the bytes), got {self.io_timeout_s}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RuntimeConfig:

@@ -222,7 +222,9 @@ class ActorSystem:
         cell.post(Message(method, args, kwargs, reply_to, source))
 
     # ------------------------------------------------------------- lifecycle
-    async def agree(self, error: BaseException | None, what: str = "the checks", timeout: float | None = None) -> None:
+    async def agree(
+        self, error: BaseException | None, what: str = "the checks", timeout: float | None = None, status: int = 2
+    ) -> None:
         """Collective: if ``error`` is set on any rank, raise :class:`JobRefused` on every rank.
 
         The message is the lowest failing rank's. For checks every rank makes
@@ -230,21 +232,23 @@ class ActorSystem:
         ends the job with one message and a clean exit. A rank that never
         arrives (it failed elsewhere, or waits in another collective) cannot
         hang the others: after ``timeout`` seconds (the shutdown timeout by
-        default) the job fails as for any unhandled error.
+        default) the job fails as for any unhandled error. ``status`` is the
+        exit status of the failing rank whose message is shown: 2 for bad input
+        or settings, 1 for a failure of the run.
         """
         message = b"" if error is None else str(error).encode()
-        lengths = np.empty(self.size, dtype=np.int64)
-        mine = np.array([len(message) if error is not None else -1], dtype=np.int64)
+        lengths = np.empty((self.size, 2), dtype=np.int64)  # per rank: message length (-1: no error), status
+        mine = np.array([len(message) if error is not None else -1, status], dtype=np.int64)
         timeout = self.config.shutdown_timeout_s if timeout is None else timeout
         try:
             await asyncio.wait_for(
                 self._engine.wait(self._control.Iallgather(mine, lengths), f"agreement on {what}"), timeout
             )
-            failed = np.flatnonzero(lengths >= 0)
+            failed = np.flatnonzero(lengths[:, 0] >= 0)
             if not len(failed):
                 return
             root = int(failed[0])
-            text = np.empty(lengths[root], np.uint8)
+            text = np.empty(lengths[root, 0], np.uint8)
             if root == self.rank:
                 text[:] = np.frombuffer(message, np.uint8)
             await asyncio.wait_for(self._engine.wait(self._control.Ibcast(text, root), f"message of {what}"), timeout)
@@ -254,7 +258,7 @@ class ActorSystem:
             raise RuntimeError(
                 f"rank {self.rank}: other ranks did not reach the agreement on {what} within {timeout:g}s"
             ) from None
-        raise JobRefused(text.tobytes().decode(errors="replace"))
+        raise JobRefused(text.tobytes().decode(errors="replace"), int(lengths[root, 1]))
 
     def _locally_idle(self) -> bool:
         return not self._asks and all(cell.idle for cell in self._cells.values())

@@ -80,3 +80,13 @@ def test_bench_omp_writes_json(tmp_path):
     record = json.loads(out.read_text())
     assert [s["atoms"] for s in record["settings"]] == [50, 256]
     assert all(s["baseline_signals_per_s"] > 0 and s["ours_signals_per_s_1_thread"] > 0 for s in record["settings"])
+
+
+def test_bad_settings_are_said_once_per_job_and_name_the_config_file(tmp_path, ranks):
+    config = tmp_path / "job.toml"
+    config.write_text('atoms = "many"\n')
+    job = mpiscale(ranks, "dictlearn", "--config", str(config), "--out", str(tmp_path / "r.h5"))
+    assert job.returncode == 2 and job.stdout == "", job.output
+    assert job.stderr == f"mpiscale dictlearn: config file {config}: atoms must be int, got 'many'\n", job.stderr
+    job = mpiscale(ranks, "dictlearn", "--atoms", "0", "--out", str(tmp_path / "r.h5"))
+    assert job.returncode == 2 and job.stderr.count("atoms must be at least 1") == 1, job.stderr

@@ -48,6 +48,7 @@ def test_round_trip_retention_and_step_order(checkpoints, tmp_path):
     assert np.array_equal(restored.sharded["x"], np.arange(6.0).reshape(3, 2) * 3)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "latest",
+        "lock",  # held while the checkpointer is open
         "step-00000002.h5",
         "step-00000002.json",
         "step-00000003.h5",

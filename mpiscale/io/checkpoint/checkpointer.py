@@ -9,14 +9,17 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
 import numpy as np
 
-from ...ranks import Comm, as_mpi, run_agreed, split_nodes
+from ...ranks import Comm, agree, as_mpi, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
-from ..errors import CheckpointError
+from ..errors import CheckpointError, LockedError
 from ..h5file import settle_background_io, track_background_io
+from ..lock import OutputLock
+from ..space import space_problem
 from .files import (
     Layout,
     write_atomically,
@@ -47,6 +50,8 @@ class Checkpointer:
         delta: bool = False,
         full_every: int = 8,
         ranks_per_node: int | None = None,
+        when_full: str = "fail",
+        timeout_s: float | None = None,
     ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
@@ -54,6 +59,8 @@ class Checkpointer:
             raise ValueError("shared_every must be >= 1, or 0 (never) together with a local_dir")
         if full_every < 1:
             raise ValueError(f"full_every must be at least 1, got {full_every}")
+        if when_full not in ("fail", "skip"):
+            raise ValueError(f"when_full must be 'fail' or 'skip', got {when_full!r}")
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -63,25 +70,40 @@ class Checkpointer:
         self._front = as_mpi(comm).Dup()  # collectives of the calling thread
         self._back = as_mpi(comm).Dup()  # collectives of the background writer
         self.rank, self.size = self._front.Get_rank(), self._front.Get_size()
+        settings = RuntimeConfig.from_env()
         if ranks_per_node is None:
-            ranks_per_node = RuntimeConfig.from_env().ranks_per_node
+            ranks_per_node = settings.ranks_per_node
+        self.when_full = when_full
+        self.timeout_s = settings.io_timeout_s if timeout_s is None else timeout_s
         node_comm, self.node, self.nodes = split_nodes(self._front, ranks_per_node)
         self._node_leader = node_comm.Get_rank() == 0
         placement = self._front.allgather((self.node, node_comm.Get_rank()))
+        self._ranks_on_node = node_comm.Get_size()
         node_comm.Free()
         self._partner, self._senders = (
             choose_partners(placement, self.rank, self.nodes) if partner and local_dir is not None else (None, [])
         )
         if partner and local_dir is not None and self.nodes == 1 and self.rank == 0:
             log.warning("checkpoint: one node only, so there is no partner copy (level 2 is off)")
+        self._lock = OutputLock(self.layout.shared / "lock", f"checkpoint directory {self.layout.shared}")
+        problem = None
         if self.rank == 0:
-            self.layout.shared.mkdir(parents=True, exist_ok=True)
+            try:
+                self.layout.shared.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
+                for debris in self.layout.shared.glob("*.tmp"):  # a dead job's half-written files
+                    debris.unlink(missing_ok=True)
+            except (OSError, LockedError) as error:
+                problem = error
+        agree(self._front, problem, "opening the checkpoint directory", CheckpointError)
         if self.layout.local is not None and self._node_leader:
             self.layout.node_dir(self.node).mkdir(parents=True, exist_ok=True)
         self._front.Barrier()
         self._restorer = Restorer(self.layout, self._front, self.node)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-checkpoint")
         self._in_flight: Future | None = None
+        self._deadline, self._budget_s = 0.0, 0.0  # when the save in flight must have finished (monotonic clock)
+        self._phase = ""  # what the writer is doing, for the report if it never finishes
         self._buffers: dict[str, np.ndarray] = {}
         self._saves = 0
         self._last_step: int | None = None
@@ -110,16 +132,34 @@ class Checkpointer:
                 sorted((name, a.dtype.str, a.shape[1:]) for name, a in sharded.items()),
                 sorted((name, a.dtype.str, a.shape) for name, a in replicated.items()),
             )
-        every = self._front.allgather((problem, signature))
-        problems = [f"rank {r}: {p}" for r, (p, _) in enumerate(every) if p]
+        mine = 0
+        if problem is None:  # the arrays are numpy arrays
+            mine = sum(a.nbytes for a in sharded.values()) + sum(a.nbytes for a in replicated.values()) * (
+                self.rank == 0
+            )
+        every = self._front.allgather((problem, signature, mine))
+        problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p]
         if problems:
             raise ValueError("checkpoint save: " + "; ".join(problems))
-        odd = [r for r, (_, other) in enumerate(every) if other != signature]
+        odd = [r for r, (_, other, _) in enumerate(every) if other != signature]
         if odd:
             raise ValueError(
                 f"checkpoint save of step {step}: ranks disagree on the step, array names, dtypes or row shapes "
                 f"(rank {self.rank} passes {signature}; ranks differing from this one: {odd})"
             )
+        full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
+        levels = self._levels(full)
+        sizes = [nbytes for _, _, nbytes in every]
+        try:
+            agree(
+                self._front, self._space_problem(step, levels, mine, sizes), f"checkpoint step {step}", CheckpointError
+            )
+        except CheckpointError as error:
+            if self.when_full == "fail":
+                raise
+            if self.rank == 0:
+                log.warning("%s; the job goes on without it (when_full='skip')", error)
+            return
         keep = self._snapshot if self.background else _as_they_are  # a blocking save needs no copy
         job = SaveJob(
             step=step,
@@ -127,11 +167,14 @@ class Checkpointer:
             replicated=keep(replicated, "r:") if self.rank == 0 else {},
             replicated_specs={name: (a.shape, a.dtype.str) for name, a in replicated.items()},
             meta=json.loads(json.dumps(meta)),
-            index=self._saves,
+            full=full,
+            levels=levels,
         )
         self._saves += 1
         self._last_step = step
         job.blocked = time.perf_counter() - started
+        self._budget_s = self._budget(sum(sizes))
+        self._deadline = time.monotonic() + self._budget_s
         self._in_flight = self._pool.submit(self._write, job)
         track_background_io(self._in_flight)
         if not self.background:
@@ -171,23 +214,71 @@ class Checkpointer:
             self._buffers[prefix + name] = copies[name] = buffer
         return copies
 
+    @property
+    def last_step(self) -> int | None:
+        """The step last saved (or being saved) or loaded by this checkpointer."""
+        return self._last_step
+
+    def _levels(self, full: bool) -> list[str]:
+        """The levels the next save writes."""
+        levels = []
+        if self.layout.local is not None:
+            levels += ["local", "partner"] if self._partner is not None else ["local"]
+        shared_turn = self.shared_every and (self._saves % self.shared_every == 0 or (self.delta and full))
+        if self.layout.local is None or shared_turn:
+            levels.append("shared")
+        return levels
+
+    def _space_problem(self, step: int, levels: list[str], mine: int, sizes: list[int]) -> str | None:
+        """Why the save cannot fit on this rank's file systems, or None.
+
+        Level 3 needs every rank's bytes in the shared directory; levels 1 and 2
+        need this node's shards and the partner copies it keeps in its node
+        directory.
+        """
+        wanted = []
+        if "shared" in levels:
+            wanted.append((self.layout.shared, sum(sizes), "level 3"))
+        if "local" in levels:
+            copies = max(sizes) * len(self._senders) if "partner" in levels else 0
+            wanted.append((self.layout.node_dir(self.node), (mine + copies) * self._ranks_on_node, "levels 1-2"))
+        problems = [space_problem(directory, needed, level) for directory, needed, level in wanted]
+        return next((problem for problem in problems if problem), None)
+
+    def _budget(self, nbytes: int) -> float:
+        """Seconds a save of ``nbytes`` may take before the job is ended (``timeout_s``, or 120 s + 20 MB/s)."""
+        return self.timeout_s if self.timeout_s > 0 else 120.0 + nbytes / 20e6
+
     def wait(self) -> None:
-        """Wait for the background save; raise (on every rank) if it failed."""
+        """Wait for the background save; raise (on every rank) if it failed.
+
+        A save that does not finish by its deadline (``timeout_s``) has a rank
+        stuck in collective I/O that another rank abandoned (a full disk or
+        quota that only some ranks saw). MPI cannot take such a rank back, so the
+        checkpointer ends the job (``MPI_Abort``, status 1) with a report naming
+        what the writer was doing; the rank that failed has printed its errno.
+        """
         future, self._in_flight = self._in_flight, None
-        if future is not None:
-            future.result()
+        if future is None:
+            return
+        try:
+            future.result(timeout=max(0.0, self._deadline - time.monotonic()))
+        except FutureTimeout:
+            sys.stdout.flush()
+            sys.stderr.write(
+                f"mpiscale: rank {self.rank}: a checkpoint save did not finish within its {self._budget_s:.0f} s "
+                f"({self._phase}): another rank failed inside collective I/O (a full disk or quota? see its "
+                "message). A rank stuck in MPI-IO cannot be taken back, so the job ends here; earlier checkpoints "
+                "are intact.\n"
+            )
+            sys.stderr.flush()
+            self._MPI.COMM_WORLD.Abort(1)
 
     def _write(self, job: SaveJob) -> None:
         """The background part of a save (same order of collectives on every rank)."""
         comm, rank, started = self._back, self.rank, time.perf_counter()
-        full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
-        levels = []
-        if self.layout.local is not None:
-            levels += ["local", "partner"] if self._partner is not None else ["local"]
-        if self.layout.local is None or (
-            self.shared_every and (job.index % self.shared_every == 0 or (self.delta and full))
-        ):
-            levels.append("shared")
+        full, levels = job.full, job.levels
+        self._phase = f"checkpoint step {job.step}: manifest"
         manifest = build_manifest(comm, job, self.size, levels, None if full else self._base)
         stored = [name for name, entry in manifest["arrays"].items() if entry["stored_in"] == job.step]
         mine_sharded = {n: job.sharded[n] for n in stored if n in job.sharded}
@@ -206,6 +297,7 @@ class Checkpointer:
 
         if "local" in levels:
             path = self.layout.shard(self.node, step, rank)
+            self._phase = f"level-1 save of step {step} to {path}"
             run_agreed(
                 comm,
                 f"level-1 save of step {step}",
@@ -215,6 +307,7 @@ class Checkpointer:
         if "partner" in levels:
             partner = self._partner
             assert partner is not None  # the level is written only where a partner exists
+            self._phase = f"level-2 copy of step {step} to rank {partner}"
             run_agreed(
                 comm,
                 f"level-2 partner copy of step {step}",
@@ -222,8 +315,11 @@ class Checkpointer:
                 CheckpointError,
             )
         if "shared" in levels:
+            self._phase = f"level-3 save of step {step} to {self.layout.shared_file(step)} (collective)"
             run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError)
+        self._phase = f"commit of step {step} in {self.layout.shared}"
         run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError)
+        self._phase = f"retention after step {step}"
         if full:
             self._base, self._deltas = manifest, 0
         else:
@@ -290,6 +386,7 @@ class Checkpointer:
         finally:
             atexit.unregister(self._at_exit)
             self._pool.shutdown(wait=True)
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self

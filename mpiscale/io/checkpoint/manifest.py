@@ -28,7 +28,8 @@ class SaveJob:
     replicated: dict[str, np.ndarray]  # rank 0 only
     replicated_specs: dict[str, tuple[tuple[int, ...], str]]
     meta: dict
-    index: int
+    full: bool  # False: a delta save, arrays unchanged since the last full save point to it
+    levels: list[str]  # "local", "partner", "shared": what this save writes
     blocked: float = 0.0
 
 

@@ -1,0 +1,32 @@
+"""Free space, checked before a write starts: a write that cannot fit is refused with the sizes, not begun.
+
+Running out of space in the middle of collective I/O is what hangs or kills
+MPI jobs (one rank fails, another waits inside the collective, or HDF5 cannot
+close a file it could not flush). ``statvfs`` does not see user quotas, so
+the checkpointer's deadline stays the backstop for those.
+"""
+
+from __future__ import annotations
+
+import os
+
+MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
+SLACK = 1 << 20
+
+
+def free_bytes(directory: str | os.PathLike) -> int:
+    """Bytes an unprivileged user may still write in ``directory``'s file system (quotas not counted)."""
+    status = os.statvfs(directory)
+    return status.f_bavail * status.f_frsize
+
+
+def space_problem(directory: str | os.PathLike, nbytes: int, what: str) -> str | None:
+    """Why ``nbytes`` of arrays cannot be written into ``directory`` (with room for metadata), or None."""
+    needed = int(nbytes * MARGIN) + SLACK
+    free = free_bytes(directory)
+    if free >= needed:
+        return None
+    return (
+        f"{what} needs {needed / 2**20:.1f} MiB in {os.fspath(directory)}, which has {free / 2**20:.1f} MiB free "
+        "(No space left on device): free space or give another directory"
+    )

@@ -1,0 +1,188 @@
+"""Faults the way they happen on clusters: a full disk or quota, a read-only directory, two jobs on one output.
+
+A small tmpfs stands for a full disk or quota and a read-only tmpfs for a
+read-only directory (mounting needs root, as in CI; elsewhere these tests skip
+and say so). Every test asserts a bounded exit time, one message and its exit
+status, and that nothing written before the fault changed or was left half-done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import Job, finish, launch
+
+FEATURES, ROWS = 64, 2000
+# 256 atoms of 64 values: a checkpoint holds about 0.8 MiB (the dictionary, A = 256 x 256, B)
+SETTINGS = ["--atoms", "256", "--sparsity", "4", "--batch-size", "256", "--progress-every", "0"]
+
+
+def _mount(target: Path, *options: str) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(target)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to stand for a full or read-only disk (needs root): {done.stderr.strip()}")
+
+
+@pytest.fixture
+def disks(tmp_path):
+    """mount(name, *options) -> a tmpfs under tmp_path; all are unmounted afterwards."""
+    mounted: list[Path] = []
+
+    def mount(name: str, *options: str) -> Path:
+        target = tmp_path / name
+        _mount(target, *options)
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in reversed(mounted):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+@pytest.fixture
+def user_data(tmp_path) -> str:
+    """The signals, written as a user would: plain h5py, on the big disk."""
+    path = tmp_path / "signals.h5"
+    with h5py.File(path, "w") as file:
+        file["X"] = np.random.default_rng(0).standard_normal((ROWS, FEATURES))
+    return f"{path}:/X"
+
+
+def dictlearn(ranks: int, *options: str, timeout: float = 150) -> Job:
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", *SETTINGS, *options]
+    return finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def one_message(job: Job, status: int, *fragments: str) -> str:
+    """The job's error output holds exactly one report, with ``fragments``, and no traceback."""
+    assert job.returncode == status, f"exit status {job.returncode}\n{job.output[-6000:]}"
+    errors = job.stderr
+    assert "Traceback" not in errors and "MPI_ABORT" not in errors, errors[-6000:]
+    assert errors.count("mpiscale dictlearn:") == 1, errors[-6000:]
+    for fragment in fragments:
+        assert fragment in errors, f"{fragment!r} not in:\n{errors[-6000:]}"
+    return errors
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_full_disk_at_a_checkpoint_ends_the_job_cleanly(disks, user_data, ranks):
+    """Checkpoints bigger than the free space: one message naming the space needed, exit 1, no hang, no debris."""
+    small = disks("small", "size=1m")
+    started = time.monotonic()
+    job = dictlearn(ranks, "--data", user_data, "--iterations", "40", "--checkpoint-every", "10",
+                    "--out", str(small / "r.h5"))  # fmt: skip
+    one_message(job, 1, "level 3 needs", "MiB free", "No space left on device", str(small / "r.checkpoints"))
+    assert time.monotonic() - started < 120
+    leftovers = [p.name for p in small.rglob("*") if p.suffix == ".tmp" or p.name.endswith(".lock") or p.name == "lock"]
+    assert not leftovers, leftovers
+
+
+def test_a_full_disk_while_writing_the_planted_data_set(disks):
+    """The synthetic data set does not fit: one message with the errno, exit 1, its temporary file removed."""
+    small = disks("small", "size=256k")
+    job = dictlearn(2, "--samples", "20000", "--features", "64", "--iterations", "5", "--out", str(small / "r.h5"))
+    one_message(job, 1, "r.synthetic.h5", "No space left on device")
+    assert not list(small.iterdir()), [p.name for p in small.iterdir()]
+
+
+def test_a_full_disk_for_the_results_keeps_the_dictionary_in_the_last_checkpoint(disks, tmp_path, user_data):
+    """The results file does not fit: the message says where the learned dictionary is; --resume then writes it."""
+    results = disks("results", "size=64k")
+    command = ["--data", user_data, "--iterations", "30", "--checkpoint-every", "20",
+               "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(results / "r.h5")]  # fmt: skip
+    job = dictlearn(2, *command)
+    one_message(job, 1, "could not write", "MiB)", "the checkpoint of iteration 30", "--resume")
+    assert not list(results.iterdir()), [p.name for p in results.iterdir()]  # no half-written results.h5.tmp
+    subprocess.run(["mount", "-o", "remount,size=16m", str(results)], check=True)  # the user makes room
+    resumed = dictlearn(2, *command, "--resume")
+    assert resumed.returncode == 0, resumed.output[-6000:]
+    assert "resumed from the checkpoint of iteration 30" in resumed.stdout
+    with h5py.File(results / "r.h5", "r") as file:
+        assert file.attrs["iterations"] == 30 and file["dictionary"].shape == (256, FEATURES)
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_any_work(disks, tmp_path, user_data):
+    read_only = disks("ro", "ro", "size=1m")
+    job = dictlearn(2, "--data", user_data, "--iterations", "20", "--checkpoint-every", "10",
+                    "--checkpoint-dir", str(read_only / "ckpt"), "--out", str(tmp_path / "r.h5"))  # fmt: skip
+    one_message(job, 2, "checkpoint directory", "read-only")
+    assert not (tmp_path / "r.h5").exists()
+
+
+def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_is_untouched(tmp_path, user_data):
+    out = tmp_path / "r.h5"
+    options = ["--data", user_data, "--iterations", "4000", "--checkpoint-every", "500", "--out", str(out)]
+    first = launch(2, [sys.executable, "-m", "mpiscale.cli", "dictlearn", *SETTINGS, *options])
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "r.checkpoints" / "lock").exists():
+        assert first.poll() is None and time.monotonic() < deadline, "the first job never took its locks"
+        time.sleep(0.05)
+    second = dictlearn(2, *options)
+    one_message(second, 2, "is in use by another job", "pid ")
+    done = finish(first, "the first job", 150)
+    assert done.returncode == 0, done.output[-6000:]
+    with h5py.File(out, "r") as file:
+        assert file.attrs["iterations"] == 4000
+    assert not (tmp_path / "r.h5.lock").exists() and not (tmp_path / "r.checkpoints" / "lock").exists()
+
+
+def test_a_lock_left_by_a_dead_job_is_taken_over_with_a_warning(tmp_path, user_data):
+    out = tmp_path / "r.h5"
+    Path(f"{out}.lock").write_text('{"job": "1234", "host": "gone", "pid": 99999, "since": "2026-01-01T00:00:00"}')
+    job = dictlearn(2, "--data", user_data, "--iterations", "20", "--out", str(out))
+    assert job.returncode == 0, job.output[-6000:]
+    assert "taking over the lock of a job that ended without releasing it (job 1234 on gone" in job.stderr
+    assert out.exists() and not Path(f"{out}.lock").exists()
+
+
+def test_resume_with_fewer_iterations_than_the_checkpoint_is_refused(tmp_path, user_data):
+    options = ["--data", user_data, "--checkpoint-every", "10", "--out", str(tmp_path / "r.h5")]
+    assert dictlearn(2, *options, "--iterations", "20").returncode == 0
+    before = digests(tmp_path / "r.checkpoints")
+    job = dictlearn(2, *options, "--iterations", "10", "--resume")
+    one_message(job, 2, "at iteration 20, past --iterations 10", "give --iterations 20 or more")
+    assert digests(tmp_path / "r.checkpoints") == before
+
+
+def test_the_checkpointer_from_python_refuses_a_save_that_cannot_fit(disks):
+    """The same guarantee without the CLI: every rank raises CheckpointError, earlier checkpoints intact."""
+    small = disks("small", "size=4m")
+    program = Path(__file__).parent / "programs" / "checkpoint_full.py"
+    job = finish(launch(2, [sys.executable, str(program), str(small / "ckpt")]), "checkpoint_full", 120)
+    assert job.returncode == 0, job.output[-6000:]
+    assert job.stdout.count("refused:") == 2 and "level 3 needs" in job.stdout, job.output[-6000:]
+    assert "restored step 1 intact" in job.stdout
+    assert os.listdir(small / "ckpt") and not [p for p in (small / "ckpt").iterdir() if p.suffix == ".tmp"]
+
+
+@pytest.mark.parametrize(("ranks", "victim"), [(2, 0), (4, 3)])
+def test_a_quota_hit_by_one_rank_inside_collective_io_ends_the_job(tmp_path, ranks, victim):
+    """The other ranks would wait in MPI-IO forever: the save's deadline ends the job, step 1 stays loadable."""
+    from mpi4py import MPI
+
+    from mpiscale.io import Checkpointer
+
+    program = Path(__file__).parent / "programs" / "checkpoint_quota.py"
+    started = time.monotonic()
+    job = finish(launch(ranks, [sys.executable, str(program), str(tmp_path / "ckpt"), str(victim)]), "quota", 120)
+    assert job.returncode != 0 and time.monotonic() - started < 90, job.output[-6000:]
+    assert "did not finish within its 10 s" in job.stderr and "File too large" in job.stderr, job.stderr[-6000:]
+    assert "saved past the quota" not in job.stdout
+    with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF, background=False) as checkpoints:
+        restored = checkpoints.load()
+    assert restored.step == 1 and (restored.sharded["x"] == np.repeat(np.arange(ranks), 100)[:, None]).all()
+    assert not list((tmp_path / "ckpt").glob("*.tmp")), "a dead job's temporary files are cleared on the next open"
