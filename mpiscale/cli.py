@@ -36,8 +36,12 @@ def _dictlearn(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except ValueError as error:
-        if launched_rank() == 0:  # every rank finds the same problem; one says it
-            print(f"mpiscale dictlearn: {error}", file=sys.stderr)
+        # Every rank finds the same problem before MPI starts. Rank 0 says it and exits 2, which becomes the
+        # job's status; the others exit 0, because mpirun would kill rank 0 before it printed once another rank
+        # had exited non-zero.
+        if launched_rank() != 0:
+            return 0
+        print(f"mpiscale dictlearn: {error}", file=sys.stderr)
         return 2
     run(lambda system: learn(system, config))
     return 0

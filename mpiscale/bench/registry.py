@@ -21,6 +21,12 @@ class Benchmark:
     start: Callable[[argparse.Namespace, str], object]  # (parsed options, JSON path)
 
 
+def _allreduce(args: argparse.Namespace, json_path: str) -> object:
+    from .allreduce import run_allreduce_bench
+
+    return run(lambda system: run_allreduce_bench(system, json_path, quick=args.quick))
+
+
 def _pingpong(args: argparse.Namespace, json_path: str) -> object:
     from .pingpong import run_pingpong
 
@@ -68,6 +74,11 @@ BENCHMARKS: dict[str, Benchmark] = {
     bench.name: bench
     for bench in [
         Benchmark("pingpong", "actor ask/tell vs raw mpi4py (2 ranks)", _pingpong),
+        Benchmark(
+            "allreduce",
+            "the hierarchical allreduce's bus bandwidth vs MPI.Allreduce and torch.distributed gloo (any ranks)",
+            _allreduce,
+        ),
         Benchmark("random", "per-sample random parameters vs a numpy generator per sample (any ranks)", _random),
         Benchmark(
             "checkpoint",

@@ -17,6 +17,7 @@ from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, split_nodes
 from . import transport
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch
+from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
 
 
@@ -166,28 +167,24 @@ class Communicator:
 
 @dataclass
 class Hierarchy:
-    """World, node-local and node-leader communicators, and the two-level allreduce."""
+    """World, node-local and node-leader communicators, and the hierarchical allreduce."""
 
     world: Communicator
     node: Communicator
     leaders: Communicator | None  # None on ranks that do not lead their node
     node_index: int
     node_count: int
+    reducer: HierarchicalAllreduce
 
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
-        """Reduce inside each node, allreduce among node leaders, broadcast inside each node.
+        """Reduce-scatter in each node, reduce each block across nodes, allgather in each node.
 
-        Same result as ``world.allreduce`` up to floating-point summation order;
-        only one rank per node talks across nodes.
+        Same result as ``world.allreduce`` up to floating-point summation order,
+        and the same bits on every rank; every rank carries its share across
+        nodes. float16 is summed in float32. Several calls may be in flight.
         """
-        result = np.array(array, copy=True, order="C") if out is None else out
-        if out is not None and out is not array:
-            np.copyto(out, array)
-        await self.node.reduce(result, op, root=0, out=result)
-        if self.leaders is not None:
-            await self.leaders.allreduce(result, op, out=result)
-        await self.node.bcast_array(result, root=0)
-        return result
+        data = self.world._array(array, "hierarchical allreduce")
+        return await self.reducer.start(data, self.world._op(op), op, out)
 
 
 def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
@@ -197,6 +194,7 @@ def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, c
     leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
     leaders = Communicator(MPI, leader_comm, engine, config, "leaders") if is_leader else None
     return Hierarchy(
+        reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config.check_collectives),
         world=Communicator(MPI, world_comm.Dup(), engine, config, "world"),
         node=Communicator(MPI, node_comm, engine, config, f"node{index}"),
         leaders=leaders,

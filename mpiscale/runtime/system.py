@@ -299,6 +299,7 @@ class ActorSystem:
 
     def _free(self) -> None:
         h = self.hierarchy
+        h.reducer.close()
         for comm in (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None, self._control, self._p2p):
             if comm is not None:
                 comm.Free()

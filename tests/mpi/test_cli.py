@@ -90,3 +90,15 @@ def test_bad_settings_are_said_once_per_job_and_name_the_config_file(tmp_path, r
     assert job.stderr == f"mpiscale dictlearn: config file {config}: atoms must be int, got 'many'\n", job.stderr
     job = mpiscale(ranks, "dictlearn", "--atoms", "0", "--out", str(tmp_path / "r.h5"))
     assert job.returncode == 2 and job.stderr.count("atoms must be at least 1") == 1, job.stderr
+
+
+def test_bench_allreduce_writes_json(tmp_path):
+    out = tmp_path / "allreduce.json"
+    job = mpiscale(2, "bench", "allreduce", "--quick", "--json", str(out), timeout=300)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "allreduce" and record["ranks"] == 2 and record["nodes"] == 1
+    assert [size["bytes"] for size in record["sizes"]] == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+    for size in record["sizes"]:
+        assert size["ours_busbw_gbs"] > 0 and size["mpi_busbw_gbs"] > 0 and size["gloo_busbw_gbs"] > 0
+    assert "ours/MPI" in job.stdout and "ours/gloo" in job.stdout

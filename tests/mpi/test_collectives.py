@@ -15,3 +15,11 @@ def test_forced_ranks_per_node_hierarchy(per_node):
     job = run_mpi("collectives.py", 4, env={"MPISCALE_RANKS_PER_NODE": str(per_node)})
     assert_ok(job)
     assert f"collectives ok on 4 ranks, {-(-4 // per_node)} nodes" in job.stdout
+
+
+@pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (2, 1), (3, 2), (4, 0), (4, 2), (4, 3)])
+def test_hierarchical_allreduce_matches_numpy_on_any_layout(ranks, per_node):
+    """Flat, one rank per node, and uneven nodes (3 ranks in nodes of 2; 4 in nodes of 3 and 1)."""
+    job = run_mpi("hierarchical.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=180)
+    assert_ok(job)
+    assert f"hierarchical allreduce ok: {ranks} ranks" in job.stdout

@@ -1,0 +1,129 @@
+"""Allreduce bandwidth: the hierarchical allreduce against plain ``MPI.Allreduce`` and torch.distributed (gloo).
+
+Every column reduces the same float32 buffer in the same run; each figure is
+the median over repeats of the slowest rank's time. Bus bandwidth is
+``algbw * 2(p-1)/p``, what the links carry in a ring allreduce, so it can be
+compared across rank counts. Run at 2 and 4 ranks, flat and with simulated
+nodes (``launch/mpiscale-run --ranks-per-node 2``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+
+from ..ranks import Comm
+from ..runtime import ActorSystem
+from .report import table, write_json
+
+SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
+
+
+def _repeats(nbytes: int, quick: bool) -> int:
+    budget = (64 if quick else 1024) << 20  # bytes reduced per column and size
+    return int(min(200, max(3, budget // nbytes)))
+
+
+def _slowest(comm: Comm, action: Callable[[], object], repeats: int) -> float:
+    """Median over ``repeats`` of the slowest rank's seconds for ``action`` (after one warm-up)."""
+    from mpi4py import MPI
+
+    times = []
+    for attempt in range(repeats + 1):
+        comm.Barrier()
+        start = time.perf_counter()
+        action()
+        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if attempt:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+async def _slowest_async(system: ActorSystem, action: Callable, repeats: int) -> float:
+    from mpi4py import MPI
+
+    comm = system.world.comm
+    times = []
+    for attempt in range(repeats + 1):
+        await system.world.barrier()
+        start = time.perf_counter()
+        await action()
+        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        if attempt:
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def _gloo(comm: Comm):
+    """torch.distributed with the gloo backend on the same ranks (rank 0's address, a free port), or None."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    import socket
+
+    port = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = comm.bcast(port, 0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+    return torch, dist
+
+
+async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
+    """Run every size through the three allreduces; rank 0 prints the table and writes the JSON record."""
+    comm, ranks = system.world.comm.Dup(), system.size
+    gloo = _gloo(comm)
+    bus = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+    records = []
+    for nbytes in QUICK_SIZES if quick else SIZES:
+        data = np.random.default_rng(system.rank).standard_normal(nbytes // 4).astype(np.float32)
+        out = np.empty_like(data)
+        repeats = _repeats(nbytes, quick)
+        seconds = {
+            "mpi": _slowest(comm, partial(comm.Allreduce, data, out), repeats),
+            "ours": await _slowest_async(system, partial(system.hierarchy.allreduce, data, out=out), repeats),
+        }
+        if gloo is not None:
+            torch, dist = gloo
+            seconds["gloo"] = _slowest(comm, partial(dist.all_reduce, torch.from_numpy(data.copy())), repeats)
+        record: dict[str, float] = {"bytes": nbytes, "repeats": repeats}
+        for name, value in seconds.items():
+            record[f"{name}_s"] = value
+            record[f"{name}_busbw_gbs"] = nbytes / value * bus / 1e9
+        record["ours_vs_mpi"] = seconds["mpi"] / seconds["ours"]
+        if "gloo" in seconds:
+            record["ours_vs_gloo"] = seconds["gloo"] / seconds["ours"]
+        records.append(record)
+    if gloo is not None:
+        gloo[1].destroy_process_group()
+    comm.Free()
+    if system.rank != 0:
+        return None
+    headers = ["bytes", "MPI GB/s", "ours GB/s", "ours/MPI", "gloo GB/s", "ours/gloo"]
+    rows = [
+        [_size(int(r["bytes"])), r["mpi_busbw_gbs"], r["ours_busbw_gbs"], r["ours_vs_mpi"],
+         r.get("gloo_busbw_gbs", "-"), r.get("ours_vs_gloo", "-")]
+        for r in records
+    ]  # fmt: skip
+    nodes = system.hierarchy.node_count
+    print(f"allreduce of float32, {ranks} ranks on {nodes} node(s); bus bandwidth = algbw * 2(p-1)/p")
+    print(table(headers, rows))
+    results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "sizes": records}
+    print(f"wrote {write_json(json_path, 'allreduce', ranks, results)}")
+    return results
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"

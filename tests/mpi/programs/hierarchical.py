@@ -1,0 +1,38 @@
+"""The hierarchical allreduce against numpy: any size, float64/32/16, several in flight, the same bits everywhere."""
+
+import asyncio
+import hashlib
+
+import numpy as np
+
+import mpiscale
+
+SIZES = [0, 1, 5, 1000, (1 << 18) + 3]
+DTYPES = [np.float64, np.float32, np.float16]
+
+
+def contribution(rank: int, size: int, dtype) -> np.ndarray:
+    return np.random.default_rng([rank, size]).standard_normal(size).astype(dtype)
+
+
+async def main(system) -> None:
+    rank, ranks, h = system.rank, system.size, system.hierarchy
+    for dtype in DTYPES:
+        # Several in flight at once, started in the same order on every rank.
+        results = await asyncio.gather(*(h.allreduce(contribution(rank, n, dtype)) for n in SIZES))
+        for n, result in zip(SIZES, results):
+            expected = sum(contribution(r, n, dtype).astype(np.float64) for r in range(ranks))
+            tolerance = {np.float64: 1e-12, np.float32: 1e-5, np.float16: 2e-2}[dtype]
+            assert result.dtype == dtype and result.shape == (n,), (result.dtype, result.shape)
+            assert np.allclose(result, expected, rtol=tolerance, atol=tolerance * ranks), (dtype, n)
+            digest = np.frombuffer(hashlib.sha256(result.tobytes()).digest()[:8], np.int64)
+            everyone = await system.world.allgather(digest)
+            assert (everyone == everyone[0]).all(), f"ranks disagree on the bits of {dtype.__name__}[{n}]"
+    matrix = np.full((3, 4), float(rank + 1))
+    assert await h.allreduce(matrix, out=matrix) is matrix and (matrix == ranks * (ranks + 1) / 2).all()
+    assert (await h.allreduce(np.arange(5.0) * rank, op="max") == np.arange(5.0) * (ranks - 1)).all()
+    if rank == 0:
+        print(f"hierarchical allreduce ok: {ranks} ranks, {h.node_count} nodes, blocks {h.reducer.blocks}")
+
+
+mpiscale.run(main)
