@@ -20,11 +20,13 @@ _CHUNK = 128  # signals per work-array allocation
 _DEPENDENT = 1e-10  # relative pivot below which a new atom is linearly dependent on the chosen ones
 
 
-def build_code_one(compile_function):
-    """OMP of one signal, compiled by ``compile_function`` (``njit`` here, ``cuda.jit(device=True)`` for GPUs).
+def build_extend(compile_function):
+    """One OMP step after the atom ``best`` was picked, compiled by ``compile_function``.
 
-    The steps are written once, with plain loops only, so both targets compile
-    the same source and give the same codes.
+    Extends the Cholesky factor of the chosen atoms' Gram sub-matrix by one row
+    and solves for the coefficients ``gamma``; returns the new support size, or
+    -1 when ``best`` is linearly dependent on the atoms already chosen. Shared by
+    the CPU kernel and both GPU kernels, so the numerics are the same on each.
     """
 
     def forward_solve(chol, size, values):
@@ -36,6 +38,45 @@ def build_code_one(compile_function):
             values[row] = total / chol[row, row]
 
     solve = compile_function(forward_solve)
+
+    def extend(gram, correlations, chol, support, gamma, work, size, best):
+        diagonal = gram[best, best]
+        # Forward-solve L w = G[support, best]; the new Cholesky row is (w, sqrt(G_bb - w.w)).
+        for row in range(size):
+            work[row] = gram[support[row], best]
+        solve(chol, size, work)
+        norm = 0.0
+        for row in range(size):
+            norm += work[row] * work[row]
+        pivot = diagonal - norm
+        if pivot <= _DEPENDENT * diagonal:
+            return -1
+        for col in range(size):
+            chol[size, col] = work[col]
+        chol[size, size] = math.sqrt(pivot)
+        support[size] = best
+        size += 1
+        # Solve L L^T gamma = correlations[support].
+        for row in range(size):
+            work[row] = correlations[support[row]]
+        solve(chol, size, work)
+        for row in range(size - 1, -1, -1):
+            total = work[row]
+            for col in range(row + 1, size):
+                total -= chol[col, row] * gamma[col]
+            gamma[row] = total / chol[row, row]
+        return size
+
+    return compile_function(extend)
+
+
+def build_code_one(compile_function):
+    """OMP of one signal, compiled by ``compile_function`` (``njit`` here, ``cuda.jit(device=True)`` for GPUs).
+
+    The steps are written once, with plain loops only, so both targets compile
+    the same source and give the same codes.
+    """
+    extend = build_extend(compile_function)
 
     def code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, chosen, out):
         atoms = gram.shape[0]
@@ -51,32 +92,11 @@ def build_code_one(compile_function):
                     best, best_value = k, value
             if best < 0 or best_value <= 1e-14:  # the residual is (numerically) orthogonal to every atom
                 break
-            diagonal = gram[best, best]
-            # Forward-solve L w = G[support, best]; the new Cholesky row is (w, sqrt(G_bb - w.w)).
-            for row in range(size):
-                work[row] = gram[support[row], best]
-            solve(chol, size, work)
-            norm = 0.0
-            for row in range(size):
-                norm += work[row] * work[row]
-            pivot = diagonal - norm
-            if pivot <= _DEPENDENT * diagonal:
+            grown = extend(gram, correlations, chol, support, gamma, work, size, best)
+            if grown < 0:
                 break
-            for col in range(size):
-                chol[size, col] = work[col]
-            chol[size, size] = math.sqrt(pivot)
-            support[size] = best
+            size = grown
             chosen[best] = True
-            size += 1
-            # Solve L L^T gamma = correlations[support].
-            for row in range(size):
-                work[row] = correlations[support[row]]
-            solve(chol, size, work)
-            for row in range(size - 1, -1, -1):
-                total = work[row]
-                for col in range(row + 1, size):
-                    total -= chol[col, row] * gamma[col]
-                gamma[row] = total / chol[row, row]
             # alpha = correlations - G[:, support] gamma (G is symmetric: read rows, contiguously).
             for k in range(atoms):
                 alpha[k] = correlations[k]

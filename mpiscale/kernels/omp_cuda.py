@@ -1,22 +1,26 @@
-"""Batch-OMP on a GPU with ``numba.cuda``: one thread per signal, the very steps of ``kernels.omp``.
+"""Batch-OMP on a GPU with ``numba.cuda``: a block of 32 threads per signal, the numerics of ``kernels.omp``.
 
-The per-signal OMP (``build_code_one``) is compiled a second time as a CUDA
-device function; each thread codes one signal with work arrays in device
-memory. Signals go to the device in chunks so the work arrays stay bounded.
+The threads of a signal's block share the loops over atoms (the argmax of the
+residual's correlations, reduced in shared memory, then their update);
+thread 0 extends the Cholesky factor and solves for the coefficients with
+``build_extend``, the source the CPU kernel compiles, so the codes agree. One thread per signal,
+the first version, was latency-bound: 0.3-0.45x of 16 CPU cores on an H100.
+Signals go to the device in chunks so the work arrays stay bounded.
 Tested on the CPU with ``NUMBA_ENABLE_CUDASIM=1``.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import cuda
 
-from .omp import build_code_one
+from .omp import build_extend
 
-_THREADS = 128
+_LANES = 32  # threads per signal: one warp
 _CHUNK = 1 << 15  # signals per device round trip
 
-_code_one = build_code_one(cuda.jit(device=True))
+_extend = build_extend(cuda.jit(device=True))
 
 
 def cuda_usable() -> bool:
@@ -35,20 +39,57 @@ def select_gpu(rank_on_host: int) -> int:
 
 @cuda.jit
 def _omp_kernel(gram, correlations, n_nonzero, codes, alpha, chol, support, gamma, work, chosen):
-    signal = cuda.grid(1)
-    if signal < correlations.shape[0]:
-        _code_one(
-            gram,
-            correlations[signal],
-            n_nonzero,
-            alpha[signal],
-            chol[signal],
-            support[signal],
-            gamma[signal],
-            work[signal],
-            chosen[signal],
-            codes[signal],
-        )
+    """One block of 32 threads per signal: they share the loops over atoms; thread 0 extends the factor."""
+    signal, lane = cuda.blockIdx.x, cuda.threadIdx.x
+    values = cuda.shared.array(_LANES, numba.float64)
+    indices = cuda.shared.array(_LANES, numba.int64)
+    atoms = gram.shape[0]
+    for k in range(lane, atoms, _LANES):
+        alpha[signal, k] = correlations[signal, k]
+        chosen[signal, k] = False
+        codes[signal, k] = 0.0
+    size = 0
+    for _ in range(n_nonzero):
+        cuda.syncthreads()
+        best, best_value = -1, 0.0  # each lane: its first atom of largest |alpha|, as the CPU kernel picks
+        for k in range(lane, atoms, _LANES):
+            value = abs(alpha[signal, k])
+            if not chosen[signal, k] and value > best_value:
+                best, best_value = k, value
+        values[lane], indices[lane] = best_value, best
+        cuda.syncthreads()
+        half = _LANES // 2
+        while half > 0:  # the block's largest value, at its lowest atom
+            if lane < half:
+                other_value, other = values[lane + half], indices[lane + half]
+                if other_value > values[lane] or (other_value == values[lane] and 0 <= other < indices[lane]):
+                    values[lane], indices[lane] = other_value, other
+            cuda.syncthreads()
+            half //= 2
+        best, best_value = indices[0], values[0]
+        if best < 0 or best_value <= 1e-14:
+            break
+        cuda.syncthreads()  # every thread has read the best atom before thread 0 reuses the slot
+        if lane == 0:
+            grown = _extend(gram, correlations[signal], chol[signal], support[signal], gamma[signal], work[signal],
+                            size, best)  # fmt: skip
+            if grown > 0:
+                chosen[signal, best] = True
+            indices[0] = grown
+        cuda.syncthreads()
+        grown = indices[0]
+        if grown < 0:
+            break
+        size = grown
+        for k in range(lane, atoms, _LANES):
+            value = correlations[signal, k]
+            for j in range(size):
+                value -= gram[support[signal, j], k] * gamma[signal, j]
+            alpha[signal, k] = value
+    cuda.syncthreads()
+    if lane == 0:
+        for j in range(size):
+            codes[signal, support[signal, j]] = gamma[signal, j]
 
 
 def batch_omp_gram_cuda(gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, codes: np.ndarray) -> None:
@@ -67,8 +108,7 @@ def batch_omp_gram_cuda(gram: np.ndarray, correlations: np.ndarray, n_nonzero: i
         count = stop - start
         device_corr = cuda.to_device(np.ascontiguousarray(correlations[start:stop]))
         device_codes = cuda.device_array((count, atoms))
-        blocks = (count + _THREADS - 1) // _THREADS
-        _omp_kernel[blocks, _THREADS](
+        _omp_kernel[count, _LANES](
             device_gram, device_corr, n_nonzero, device_codes, alpha, chol, support, gamma, work, chosen
         )
         codes[start:stop] = device_codes.copy_to_host()
