@@ -7,6 +7,7 @@ so collectives never match the runtime's point-to-point traffic.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -183,8 +184,15 @@ class Hierarchy:
         and the same bits on every rank; every rank carries its share across
         nodes. float16 is summed in float32. Several calls may be in flight.
         """
+        return await self.start_allreduce(array, op, out)
+
+    def start_allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> asyncio.Future:
+        """Begin ``allreduce`` now, even from code that does not await (a gradient hook); await the future later.
+
+        The reduction runs while the caller goes on; ``array`` must not change until the future is done.
+        """
         data = self.world._array(array, "hierarchical allreduce")
-        return await self.reducer.start(data, self.world._op(op), op, out)
+        return self.reducer.start(data, self.world._op(op), op, out)
 
 
 def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:

@@ -23,3 +23,10 @@ def test_hierarchical_allreduce_matches_numpy_on_any_layout(ranks, per_node):
     job = run_mpi("hierarchical.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=180)
     assert_ok(job)
     assert f"hierarchical allreduce ok: {ranks} ranks" in job.stdout
+
+
+@pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2)])
+def test_data_parallel_training_equals_one_process_on_the_whole_batch(ranks, per_node):
+    job = run_mpi("data_parallel.py", ranks, "6", env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=180)
+    assert_ok(job)
+    assert f"data parallel ok: {ranks} ranks" in job.stdout

@@ -1,0 +1,141 @@
+"""Data-parallel training of a ``torch.nn.Module`` over the runtime, as PyTorch's DDP does it.
+
+Rank 0's parameters and buffers are broadcast at the start. During backward,
+a hook on each parameter copies its accumulated gradient into a bucket;
+buckets hold parameters in reverse registration order (the order backward
+produces them), the first one small so communication starts early, the
+others up to ``bucket_mib``. A full bucket starts a hierarchical allreduce at
+once (in a worker thread, so it runs while backward goes on); buckets start
+strictly in index order, the same on every rank. ``await synchronize()`` after
+backward starts what is left (a parameter that got no gradient counts as
+zero, as DDP's ``find_unused_parameters`` does, so it cannot hang the job),
+waits, and writes the averaged gradients back. Inside ``no_sync()`` backward
+only accumulates, for micro-batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from ..runtime import ActorSystem
+
+FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
+BUCKET_MIB = 25.0
+
+
+class _Bucket:
+    """Parameters whose gradients travel in one buffer."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        sizes = [p.numel() for p in params]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        self.buffer = np.zeros(int(self.offsets[-1]), np.float32)
+        self.ready: set[int] = set()
+        self.future: asyncio.Future | None = None
+
+    def view(self, index: int) -> np.ndarray:
+        return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+
+class DataParallel:
+    """Wraps ``module`` for data-parallel training on every rank of ``system`` (construct on every rank)."""
+
+    def __init__(
+        self,
+        system: ActorSystem,
+        module: torch.nn.Module,
+        bucket_mib: float = BUCKET_MIB,
+        first_bucket_mib: float = FIRST_BUCKET_MIB,
+    ) -> None:
+        self.system, self.module = system, module
+        params = [p for p in module.parameters() if p.requires_grad]
+        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32 or p.device.type != "cpu"})
+        if wrong:
+            raise TypeError(f"DataParallel takes float32 parameters on the CPU, got {', '.join(wrong)}")
+        self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib)
+        self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
+        self._launched = 0
+        self._syncing = True
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    async def broadcast_parameters(self) -> None:
+        """Give every rank rank 0's parameters and buffers (collective; call once before training)."""
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                array = tensor.detach().numpy()
+                await self.system.world.bcast_array(array, root=0)  # parameters are contiguous tensors
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the first one after it communicates."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def _gradient_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        index, position = self._where[id(param)]
+        bucket, grad = self._buckets[index], param.grad
+        assert grad is not None  # the hook runs after the gradient was accumulated
+        bucket.view(position)[:] = grad.detach().numpy().reshape(-1)
+        bucket.ready.add(position)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start, in index order, every bucket whose gradients are all in."""
+        while self._launched < len(self._buckets):
+            bucket = self._buckets[self._launched]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            self._start(bucket)
+
+    def _start(self, bucket: _Bucket) -> None:
+        bucket.future = self.system.hierarchy.start_allreduce(bucket.buffer, out=bucket.buffer)  # runs during backward
+        self._launched += 1
+
+    async def synchronize(self) -> None:
+        """After backward: average every gradient over the ranks (collective)."""
+        for bucket in self._buckets[self._launched :]:
+            for position, param in enumerate(bucket.params):
+                if position not in bucket.ready:  # no gradient this step: it counts as zero
+                    bucket.view(position)[:] = 0.0 if param.grad is None else param.grad.detach().numpy().reshape(-1)
+            bucket.ready = set(range(len(bucket.params)))
+            self._start(bucket)
+        scale = 1.0 / self.system.size
+        with torch.no_grad():
+            for bucket in self._buckets:
+                assert bucket.future is not None
+                await bucket.future
+                bucket.buffer *= scale
+                for position, param in enumerate(bucket.params):
+                    average = torch.from_numpy(bucket.view(position).reshape(param.shape))
+                    if param.grad is None:
+                        param.grad = average.clone()
+                    else:
+                        param.grad.copy_(average)
+                bucket.ready.clear()
+                bucket.future = None
+        self._launched = 0
+
+    @staticmethod
+    def _plan(params: list[torch.nn.Parameter], first_mib: float, cap_mib: float) -> list[_Bucket]:
+        buckets, current, size, limit = [], [], 0, first_mib * 2**20
+        for param in params:
+            current.append(param)
+            size += param.numel() * 4
+            if size >= limit:
+                buckets.append(_Bucket(current))
+                current, size, limit = [], 0, cap_mib * 2**20
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
