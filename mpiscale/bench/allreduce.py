@@ -60,7 +60,7 @@ async def _slowest_async(system: ActorSystem, action: Callable, repeats: int) ->
     return statistics.median(times)
 
 
-def _gloo(comm: Comm):
+def init_gloo(comm: Comm):
     """torch.distributed with the gloo backend on the same ranks (rank 0's address, a free port), or None."""
     try:
         import torch
@@ -84,7 +84,7 @@ def _gloo(comm: Comm):
 async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """Run every size through the three allreduces; rank 0 prints the table and writes the JSON record."""
     comm, ranks = system.world.comm.Dup(), system.size
-    gloo = _gloo(comm)
+    gloo = init_gloo(comm)
     bus = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
     records = []
     for nbytes in QUICK_SIZES if quick else SIZES:

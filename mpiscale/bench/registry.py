@@ -27,6 +27,12 @@ def _allreduce(args: argparse.Namespace, json_path: str) -> object:
     return run(lambda system: run_allreduce_bench(system, json_path, quick=args.quick))
 
 
+def _ddp(args: argparse.Namespace, json_path: str) -> object:
+    from .ddp import run_ddp_bench
+
+    return run(lambda system: run_ddp_bench(system, json_path, quick=args.quick))
+
+
 def _pingpong(args: argparse.Namespace, json_path: str) -> object:
     from .pingpong import run_pingpong
 
@@ -79,6 +85,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             "the hierarchical allreduce's bus bandwidth vs MPI.Allreduce and torch.distributed gloo (any ranks)",
             _allreduce,
         ),
+        Benchmark("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo (any ranks)", _ddp),
         Benchmark("random", "per-sample random parameters vs a numpy generator per sample (any ranks)", _random),
         Benchmark(
             "checkpoint",

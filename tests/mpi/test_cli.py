@@ -102,3 +102,13 @@ def test_bench_allreduce_writes_json(tmp_path):
     for size in record["sizes"]:
         assert size["ours_busbw_gbs"] > 0 and size["mpi_busbw_gbs"] > 0 and size["gloo_busbw_gbs"] > 0
     assert "ours/MPI" in job.stdout and "ours/gloo" in job.stdout
+
+
+def test_bench_ddp_writes_json(tmp_path):
+    out = tmp_path / "ddp.json"
+    job = mpiscale(2, "bench", "ddp", "--quick", "--json", str(out), timeout=300)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "ddp" and record["ranks"] == 2 and record["parameters"] > 10_000_000
+    assert set(record["seconds_per_step"]) == {"compute_only", "ours", "ddp_gloo"}
+    assert all(seconds > 0 for seconds in record["seconds_per_step"].values())
