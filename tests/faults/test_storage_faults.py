@@ -9,6 +9,7 @@ status, and that nothing written before the fault changed or was left half-done.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -182,6 +183,11 @@ def test_a_quota_hit_by_one_rank_inside_collective_io_ends_the_job(tmp_path, ran
     assert job.returncode != 0 and time.monotonic() - started < 90, job.output[-6000:]
     assert "did not finish within its 10 s" in job.stderr and "File too large" in job.stderr, job.stderr[-6000:]
     assert "saved past the quota" not in job.stdout
+    holder = json.loads((tmp_path / "ckpt" / "lock").read_text())["pid"]
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{holder}").exists():  # MPI_Abort has killed rank 0; the kernel may still be reaping it
+        assert time.monotonic() < deadline, f"rank 0 (pid {holder}) outlived the aborted job by 30 s"
+        time.sleep(0.1)
     with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF, background=False) as checkpoints:
         restored = checkpoints.load()
     assert restored.step == 1 and (restored.sharded["x"] == np.repeat(np.arange(ranks), 100)[:, None]).all()
