@@ -10,16 +10,13 @@ nodes (``launch/mpiscale-run --ranks-per-node 2``).
 from __future__ import annotations
 
 import os
-import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 
 from ..ranks import Comm
 from ..runtime import ActorSystem
-from .report import table, write_json
+from .report import median_slowest, median_slowest_async, table, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
@@ -28,36 +25,6 @@ QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 def _repeats(nbytes: int, quick: bool) -> int:
     budget = (64 if quick else 1024) << 20  # bytes reduced per column and size
     return int(min(200, max(3, budget // nbytes)))
-
-
-def _slowest(comm: Comm, action: Callable[[], object], repeats: int) -> float:
-    """Median over ``repeats`` of the slowest rank's seconds for ``action`` (after one warm-up)."""
-    from mpi4py import MPI
-
-    times = []
-    for attempt in range(repeats + 1):
-        comm.Barrier()
-        start = time.perf_counter()
-        action()
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        if attempt:
-            times.append(elapsed)
-    return statistics.median(times)
-
-
-async def _slowest_async(system: ActorSystem, action: Callable, repeats: int) -> float:
-    from mpi4py import MPI
-
-    comm = system.world.comm
-    times = []
-    for attempt in range(repeats + 1):
-        await system.world.barrier()
-        start = time.perf_counter()
-        await action()
-        elapsed = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
-        if attempt:
-            times.append(elapsed)
-    return statistics.median(times)
 
 
 def init_gloo(comm: Comm):
@@ -92,12 +59,12 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
         out = np.empty_like(data)
         repeats = _repeats(nbytes, quick)
         seconds = {
-            "mpi": _slowest(comm, partial(comm.Allreduce, data, out), repeats),
-            "ours": await _slowest_async(system, partial(system.hierarchy.allreduce, data, out=out), repeats),
+            "mpi": median_slowest(comm, partial(comm.Allreduce, data, out), repeats),
+            "ours": await median_slowest_async(system, partial(system.hierarchy.allreduce, data, out=out), repeats),
         }
         if gloo is not None:
             torch, dist = gloo
-            seconds["gloo"] = _slowest(comm, partial(dist.all_reduce, torch.from_numpy(data.copy())), repeats)
+            seconds["gloo"] = median_slowest(comm, partial(dist.all_reduce, torch.from_numpy(data.copy())), repeats)
         record: dict[str, float] = {"bytes": nbytes, "repeats": repeats}
         for name, value in seconds.items():
             record[f"{name}_s"] = value

@@ -7,16 +7,14 @@ figure is the median over steps of the slowest rank's step time.
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
-
 import numpy as np
 
+from ..kernels.threads import share_cores
+from ..ranks import ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..train import DataParallel
 from .allreduce import init_gloo
-from .report import table, write_json
+from .report import median_slowest_async, table, write_json
 
 WIDTH, DEPTH, BATCH = 2048, 3, 64  # about 12.6M parameters: 50 MB of gradients per step
 
@@ -32,10 +30,9 @@ def _model(torch):
 async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """Time ``steps`` training steps three ways; rank 0 prints the table and writes the JSON record."""
     import torch
-    from mpi4py import MPI
 
     comm = system.world.comm
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // system.hierarchy.node.size))
+    torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))  # this rank's share of the host's cores
     gloo = init_gloo(comm)
     if gloo is None:
         raise SystemExit("bench ddp needs torch (pip install torch)")
@@ -43,20 +40,6 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     steps = 4 if quick else 12
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(system.rank))
     y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100))
-
-    def slowest(seconds: float) -> float:
-        return comm.allreduce(seconds, op=MPI.MAX)
-
-    async def timed(step) -> float:
-        times = []
-        for attempt in range(steps + 1):
-            await system.world.barrier()
-            start = time.perf_counter()
-            await step()
-            elapsed = slowest(time.perf_counter() - start)
-            if attempt:
-                times.append(elapsed)
-        return statistics.median(times)
 
     def plain_step(model, optimizer):
         optimizer.zero_grad()
@@ -86,7 +69,8 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     async def ddp() -> None:
         plain_step(ddp_model, ddp_optimizer)
 
-    seconds = {"compute_only": await timed(compute_only), "ours": await timed(ours), "ddp_gloo": await timed(ddp)}
+    seconds = {name: await median_slowest_async(system, step, steps) for name, step in
+               [("compute_only", compute_only), ("ours", ours), ("ddp_gloo", ddp)]}  # fmt: skip
     dist.destroy_process_group()
     if system.rank != 0:
         return None

@@ -6,14 +6,16 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from ..io import utc_timestamp
 from ..ranks import Comm
+from ..runtime import ActorSystem
 
 
 def machine() -> dict:
@@ -78,6 +80,24 @@ def timed(comm: Comm, action: Callable[[], object]) -> float:
     start = time.perf_counter()
     action()
     return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+def median_slowest(comm: Comm, action: Callable[[], object], repeats: int) -> float:
+    """Median over ``repeats`` runs of ``timed`` (after one warm-up run)."""
+    return statistics.median([timed(comm, action) for _ in range(repeats + 1)][1:])
+
+
+async def median_slowest_async(system: ActorSystem, action: Callable[[], Awaitable[object]], repeats: int) -> float:
+    """``median_slowest`` for an awaitable action, with the event loop running (an awaitable barrier)."""
+    from mpi4py import MPI
+
+    times = []
+    for _ in range(repeats + 1):
+        await system.world.barrier()
+        start = time.perf_counter()
+        await action()
+        times.append(system.world.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times[1:])
 
 
 def drop_page_cache() -> bool:

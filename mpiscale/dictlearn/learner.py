@@ -210,8 +210,13 @@ def _save_final_checkpoint(config: DictLearnConfig, job: _Job) -> None:
     checkpoints, done = job.checkpoints, job.history.iterations
     if checkpoints is None or not config.checkpoint_every or checkpoints.last_step == done:
         return
+    _save_checkpoint(config, job, checkpoints, done)
+
+
+def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpointer, step: int) -> None:
+    """The state after ``step`` iterations: dictionary, statistics, history, and the settings it belongs to."""
     meta = {"config": _compatibility(config, job.info)}
-    checkpoints.save(done, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
+    checkpoints.save(step, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
 
 
 def _close(checkpoints: Checkpointer | None) -> CheckpointError | None:
@@ -347,8 +352,7 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             history.record(row, stats.usage)
             progress.update(iteration + 1, row, stats.sum("signals"))
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
-                meta = {"config": _compatibility(config, info)}
-                checkpoints.save(iteration + 1, replicated=state.arrays() | history.arrays(config.atoms), meta=meta)
+                _save_checkpoint(config, job, checkpoints, iteration + 1)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
             if config.target_error and full_error <= config.target_error:
                 stop_reason = "target_error"

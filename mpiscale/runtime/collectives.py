@@ -8,7 +8,6 @@ so collectives never match the runtime's point-to-point traffic.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -17,7 +16,7 @@ import numpy as np
 from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, split_nodes
 from . import transport
 from .config import RuntimeConfig
-from .errors import CollectiveMismatch
+from .errors import check_signatures, signature_digest
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
 
@@ -61,16 +60,10 @@ class Communicator:
         """Fail identically on every rank if the ranks disagree on ``signature``."""
         if not self._config.check_collectives or self.size == 1:
             return
-        digest = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little", signed=True)
-        mine = np.array([digest], dtype=np.int64)
+        mine = np.array([signature_digest(signature)], dtype=np.int64)
         every = np.empty(self.size, dtype=np.int64)
         await self._wait(self.comm.Iallgather(mine, every), f"{what} check")
-        if (every != every[0]).any():
-            odd = [int(r) for r in np.flatnonzero(every != every[0])]
-            raise CollectiveMismatch(
-                f"{what} on {self.name}: ranks disagree on shape/dtype/op (this rank {self.rank} passed "
-                f"{signature}); ranks whose arguments differ from rank 0's: {odd}"
-            )
+        check_signatures(every.tolist(), f"{what} on {self.name}", self.rank, signature)
 
     async def barrier(self) -> None:
         """Wait until every rank has reached the barrier."""

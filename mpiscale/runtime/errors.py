@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -51,6 +53,21 @@ class ActorStopped(MpiscaleError, RuntimeError):
 
 class CollectiveMismatch(MpiscaleError, ValueError):
     """Ranks passed different shapes, dtypes or operations to the same collective."""
+
+
+def signature_digest(signature: str) -> int:
+    """A signed 64-bit digest of a collective's arguments (shape, dtype, op), to compare across ranks."""
+    return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def check_signatures(digests: Sequence[int], what: str, rank: int, signature: str) -> None:
+    """Raise CollectiveMismatch (on every rank alike) unless every rank's digest equals rank 0's."""
+    odd = [other for other, digest in enumerate(digests) if digest != digests[0]]
+    if odd:
+        raise CollectiveMismatch(
+            f"{what}: ranks disagree on shape/dtype/op (this rank {rank} passed {signature}); "
+            f"ranks whose arguments differ from rank 0's: {odd}"
+        )
 
 
 class TransportError(MpiscaleError, RuntimeError):

@@ -25,7 +25,6 @@ same on every rank (as all collectives require), so several may be in flight.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from ..ranks import Comm, block_rows
-from .errors import CollectiveMismatch
+from .errors import check_signatures, signature_digest
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 
@@ -48,6 +47,10 @@ class HierarchicalAllreduce:
         self.blocks = world.allreduce(self.local_size, op=MPI.MAX)
         self.nodes = world.allreduce(1 if self.local_rank == 0 else 0)
         self.owned = [b for b in range(self.blocks) if b % self.local_size == self.local_rank]
+        self._by_owner = [
+            b for rank in range(self.local_size) for b in range(self.blocks) if b % self.local_size == rank
+        ]
+        self._in_order = self._by_owner == list(range(self.blocks))  # one block per local rank: no regrouping
         self._cross: dict[int, Any] = {}
         for block in range(self.blocks):  # the ranks that own ``block``: one per node, node 0's first
             owner = block % self.local_size == self.local_rank
@@ -95,21 +98,14 @@ class HierarchicalAllreduce:
         return self._buffer[:nbytes].view(dtype)
 
     def _agree_on(self, signature: str) -> None:
-        digest = hashlib.blake2b(signature.encode(), digest_size=8).hexdigest()
-        every = self._world.allgather(digest)
-        if any(other != every[0] for other in every):
-            odd = [rank for rank, other in enumerate(every) if other != every[0]]
-            raise CollectiveMismatch(
-                f"hierarchical allreduce: ranks disagree on shape/dtype/op (this rank passed {signature}); "
-                f"ranks whose arguments differ from rank 0's: {odd}"
-            )
+        every = self._world.allgather(signature_digest(signature))
+        check_signatures(every, "hierarchical allreduce", self._world.Get_rank(), signature)
 
     def _three_stages(self, flat: np.ndarray, total: np.ndarray, op: Any) -> None:
         size = self.local_size
         sizes = block_rows(flat.size, self.blocks)
         starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        by_owner = [b for rank in range(size) for b in range(self.blocks) if b % size == rank]
-        in_order = by_owner == list(range(self.blocks))
+        by_owner, in_order = self._by_owner, self._in_order
         grouped = flat if in_order else np.concatenate([flat[starts[b] : starts[b + 1]] for b in by_owner])
         counts = [sum(sizes[b] for b in range(self.blocks) if b % size == rank) for rank in range(size)]
         mine = self._scratch(counts[self.local_rank], flat.dtype)

@@ -39,6 +39,12 @@ class _Bucket:
         self.ready: set[int] = set()
         self.future: asyncio.Future | None = None
 
+    def take(self, position: int, grad: torch.Tensor | None) -> None:
+        """Copy parameter ``position``'s gradient into the buffer (zeros for none) and mark it ready."""
+        view = self.view(position)
+        view[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
+        self.ready.add(position)
+
     def view(self, index: int) -> np.ndarray:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
 
@@ -85,10 +91,7 @@ class DataParallel:
         if not self._syncing:
             return
         index, position = self._where[id(param)]
-        bucket, grad = self._buckets[index], param.grad
-        assert grad is not None  # the hook runs after the gradient was accumulated
-        bucket.view(position)[:] = grad.detach().numpy().reshape(-1)
-        bucket.ready.add(position)
+        self._buckets[index].take(position, param.grad)  # the hook runs after the gradient was accumulated
         self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -107,9 +110,8 @@ class DataParallel:
         """After backward: average every gradient over the ranks (collective)."""
         for bucket in self._buckets[self._launched :]:
             for position, param in enumerate(bucket.params):
-                if position not in bucket.ready:  # no gradient this step: it counts as zero
-                    bucket.view(position)[:] = 0.0 if param.grad is None else param.grad.detach().numpy().reshape(-1)
-            bucket.ready = set(range(len(bucket.params)))
+                if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
+                    bucket.take(position, param.grad)
             self._start(bucket)
         scale = 1.0 / self.system.size
         with torch.no_grad():

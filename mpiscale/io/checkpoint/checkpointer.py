@@ -151,9 +151,7 @@ class Checkpointer:
         levels = self._levels(full)
         sizes = [nbytes for _, _, nbytes in every]
         try:
-            agree(
-                self._front, self._space_problem(step, levels, mine, sizes), f"checkpoint step {step}", CheckpointError
-            )
+            agree(self._front, self._space_problem(levels, mine, sizes), f"checkpoint step {step}", CheckpointError)
         except CheckpointError as error:
             if self.when_full == "fail":
                 raise
@@ -229,7 +227,7 @@ class Checkpointer:
             levels.append("shared")
         return levels
 
-    def _space_problem(self, step: int, levels: list[str], mine: int, sizes: list[int]) -> str | None:
+    def _space_problem(self, levels: list[str], mine: int, sizes: list[int]) -> str | None:
         """Why the save cannot fit on this rank's file systems, or None.
 
         Level 3 needs every rank's bytes in the shared directory; levels 1 and 2
