@@ -51,12 +51,8 @@ class HierarchicalAllreduce:
             b for rank in range(self.local_size) for b in range(self.blocks) if b % self.local_size == rank
         ]
         self._in_order = self._by_owner == list(range(self.blocks))  # one block per local rank: no regrouping
-        self._cross: dict[int, Any] = {}
-        for block in range(self.blocks):  # the ranks that own ``block``: one per node, node 0's first
-            owner = block % self.local_size == self.local_rank
-            split = world.Split(block if owner else MPI.UNDEFINED, node_index)
-            if owner:
-                self._cross[block] = split
+        self._node_index = node_index
+        self._cross: dict[int, Any] | None = None  # split at the first call across nodes (none on one node)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-allreduce")
         self._buffer = np.empty(0, np.uint8)  # this rank's share, kept between calls: fresh pages cost page faults
 
@@ -90,6 +86,17 @@ class HierarchicalAllreduce:
         else:
             self._three_stages(flat, total, op)
 
+    def _cross_comms(self) -> dict[int, Any]:
+        """Per owned block, the communicator of its owners: one rank per node, node 0's first (collective)."""
+        if self._cross is None:
+            self._cross = {}
+            for block in range(self.blocks):
+                owner = block % self.local_size == self.local_rank
+                split = self._world.Split(block if owner else self._MPI.UNDEFINED, self._node_index)
+                if owner:
+                    self._cross[block] = split
+        return self._cross
+
     def _scratch(self, count: int, dtype: np.dtype) -> np.ndarray:
         """``count`` elements of ``dtype`` in the kept buffer (the worker runs one call at a time)."""
         nbytes = count * dtype.itemsize
@@ -110,9 +117,9 @@ class HierarchicalAllreduce:
         counts = [sum(sizes[b] for b in range(self.blocks) if b % size == rank) for rank in range(size)]
         mine = self._scratch(counts[self.local_rank], flat.dtype)
         self._node.Reduce_scatter(grouped, mine, counts, op)
-        offset = 0
+        offset, cross_comms = 0, self._cross_comms()
         for block in self.owned:
-            piece, cross = mine[offset : offset + sizes[block]], self._cross[block]
+            piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
             if cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
                 cross.Allreduce(self._MPI.IN_PLACE, piece, op)
             elif cross.Get_rank() == 0:
