@@ -1,4 +1,4 @@
-"""The ``mpiscale`` command: ``doctor``, ``demo``, ``dictlearn``, ``index``, ``inspect``, ``bench NAME``."""
+"""The ``mpiscale`` command: doctor, demo, dictlearn, train, collect, index, inspect and bench NAME."""
 
 from __future__ import annotations
 
@@ -27,24 +27,30 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _dictlearn(args: argparse.Namespace) -> int:
-    from .dictlearn.config import load_config, option_fields
+    from .dictlearn.config import DictLearnConfig
     from .dictlearn.learner import learn
-    from .ranks import launched_rank
+    from .jobs import run_job
     from .runtime import run
 
-    overrides = {f.name: getattr(args, f.name) for f in option_fields()}
-    try:
-        config = load_config(args.config, overrides)
-    except ValueError as error:
-        # Every rank finds the same problem before MPI starts. Rank 0 says it and exits 2, which becomes the
-        # job's status; the others exit 0, because mpirun would kill rank 0 before it printed once another rank
-        # had exited non-zero.
-        if launched_rank() != 0:
-            return 0
-        print(f"mpiscale dictlearn: {error}", file=sys.stderr)
-        return 2
-    run(lambda system: learn(system, config))
-    return 0
+    return run_job("dictlearn", DictLearnConfig, args, lambda config: run(lambda system: learn(system, config)))
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .jobs import run_job
+    from .runtime import run
+    from .train.config import TrainConfig
+    from .train.trainer import train
+
+    return run_job("train", TrainConfig, args, lambda config: run(lambda system: train(system, config)))
+
+
+def _collect(args: argparse.Namespace) -> int:
+    from .jobs import run_job
+    from .runtime import run
+    from .train.collect import collect
+    from .train.config import CollectConfig
+
+    return run_job("collect", CollectConfig, args, lambda config: run(lambda system: collect(system, config)))
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -62,9 +68,30 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .dictlearn.results import plot, summarize
+    from .io import DataFileError, open_file
 
+    try:
+        with open_file(args.results) as file:
+            kind = str(file.attrs.get("format", ""))
+    except DataFileError as error:
+        print(f"mpiscale inspect: {error}", file=sys.stderr)
+        return 2
+    if kind.startswith("mpiscale.train-results/"):
+        from .train.results import plot, summarize
+    elif kind.startswith("mpiscale.dictlearn-results/"):
+        from .dictlearn.results import plot, summarize
+    else:
+        print(f"mpiscale inspect: {args.results} is not a results file of dictlearn or train", file=sys.stderr)
+        return 2
     print(summarize(args.results))
+    if args.top_inputs:
+        if not kind.startswith("mpiscale.dictlearn-results/"):
+            print("mpiscale inspect: --top-inputs needs a dictlearn results file", file=sys.stderr)
+            return 2
+        from .dictlearn.catalogue import catalogue, format_catalogue
+
+        entries, samples = catalogue(args.results, args.top_inputs, args.data)
+        print(format_catalogue(entries, samples, args.atoms))
     if args.plot:
         plot(args.results, args.plot)
         print(f"wrote {args.plot}")
@@ -80,6 +107,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser (every option documented in --help)."""
+    from .bench.registry import BENCHMARKS
+    from .dictlearn.config import DictLearnConfig
+    from .jobs import add_options
+    from .train.config import CollectConfig, TrainConfig
+
     top = argparse.ArgumentParser(
         prog="mpiscale",
         description="Actor runtime on MPI. Run jobs under launch/mpiscale-run -n N -- mpiscale ...",
@@ -100,8 +132,26 @@ def parser() -> argparse.ArgumentParser:
         description="Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is "
         "not given. Settings come from the defaults, then --config FILE.toml, then these options.",
     )
-    _add_config_options(learn)
+    add_options(learn, DictLearnConfig)
     learn.set_defaults(handler=_dictlearn)
+
+    train = commands.add_parser(
+        "train",
+        help="data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
+        description="Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data "
+        "is not given. Settings come from the defaults, then --config FILE.toml, then these options.",
+    )
+    add_options(train, TrainConfig)
+    train.set_defaults(handler=_train)
+
+    collect = commands.add_parser(
+        "collect",
+        help="a trained model's layer activations for a data set, written in parallel to one HDF5 file",
+        description="Run the model of a train results file over every row of --data and write the outputs of "
+        "--layers to --out (one data set per layer, and sample_ids): the input of mpiscale dictlearn.",
+    )
+    add_options(collect, CollectConfig)
+    collect.set_defaults(handler=_collect)
 
     index = commands.add_parser(
         "index",
@@ -114,12 +164,18 @@ def parser() -> argparse.ArgumentParser:
     index.add_argument("--dataset", metavar="/PATH", help="the data set to index (default: every data set)")
     index.set_defaults(handler=_index)
 
-    inspect = commands.add_parser("inspect", help="summarize a dictlearn results file; --plot draws it")
-    inspect.add_argument("results", help="the results.h5 of a dictlearn run")
+    inspect = commands.add_parser("inspect", help="summarize a results file of dictlearn or train; --plot draws it")
+    inspect.add_argument("results", help="the results file of a dictlearn or train run")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw learning curves (and atoms of image patches)")
+    inspect.add_argument(
+        "--top-inputs",
+        type=int,
+        metavar="N",
+        help="dictlearn: for each atom, the N samples whose codes use it most, with their labels when known",
+    )
+    inspect.add_argument("--atoms", type=int, default=20, help="--top-inputs: how many atoms to list (default: 20)")
+    inspect.add_argument("--data", metavar="FILE.h5:/X", help="--top-inputs: code these rows instead of the run's data")
     inspect.set_defaults(handler=_inspect)
-
-    from .bench.registry import BENCHMARKS
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(
@@ -138,25 +194,9 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def _add_config_options(command: argparse.ArgumentParser) -> None:
-    """One option per DictLearnConfig field (default None: only given options override the config file)."""
-    from .dictlearn.config import DictLearnConfig, option_fields
-
-    command.add_argument("--config", metavar="FILE.toml", help="settings file (top level or a [dictlearn] table)")
-    defaults = DictLearnConfig()
-    for option in option_fields():
-        flag = "--" + option.name.replace("_", "-")
-        default = getattr(defaults, option.name)
-        text = f"{option.metadata['help']} (default: {default!r})"
-        if isinstance(default, bool):
-            command.add_argument(flag, action="store_true", default=None, help=text)
-        else:
-            command.add_argument(flag, type=type(default), metavar=option.name.upper(), help=text)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    for name in ("tokens", "laps", "samples"):
+    for name in ("tokens", "laps", "samples", "top_inputs", "atoms"):
         if (getattr(args, name, 1) or 1) < 1:
             parser().error(f"--{name} must be at least 1")
     return args.handler(args)

@@ -7,61 +7,57 @@ and a help text that ``mpiscale dictlearn --help`` shows.
 from __future__ import annotations
 
 import math
-import tomllib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import split_spec
+from ..jobs import load_settings, option
 
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
 IN_MEMORY = ("auto", "yes", "no")
 
 
-def _option(default, help: str):
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class DictLearnConfig:
     """What to learn from, how, and where the results go."""
 
-    data: str = _option(
+    data: str = option(
         "",
         "signals, one per row: FILE.h5:/path/to/dataset (any HDF5 file; the dataset may be omitted when it is "
         "the file's only one), a quoted glob 'run-*.h5:/X', a list FILES.txt:/X (one path a line), or FILE.npy; "
         "empty = generate the planted synthetic set",
     )
-    atoms: int = _option(50, "dictionary size K")
-    sparsity: int = _option(3, "OMP: non-zeros per code L (the synthetic data use as many)")
-    batch_size: int = _option(256, "online: global mini-batch size B (split over the ranks)")
-    iterations: int = _option(400, "online: mini-batches; mod: passes over the whole data set")
-    method: str = _option("online", "online (Mairal et al. 2009, mini-batches) or mod (batch, whole data set)")
-    coder: str = _option("omp", "sparse coder: omp (Batch-OMP, L non-zeros) or lasso (L1 penalty alpha)")
-    alpha: float = _option(0.1, "lasso: L1 penalty of the codes")
-    device: str = _option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present)")
-    seed: int = _option(0, "seed of the initial dictionary, the batch order and the synthetic data")
-    forgetting: float = _option(10.0, "online: past statistics weigh (1 - 1/t)^FORGETTING at iteration t")
-    replace_after: int = _option(3, "replace an atom unused in this many consecutive batches")
-    max_replace: int = _option(4, "most atoms replaced per iteration (by the worst-coded signals of the batch)")
-    duplicate_cosine: float = _option(0.99, "replace one of two atoms whose |cosine| exceeds this (1 = never)")
-    in_memory: str = _option(
+    atoms: int = option(50, "dictionary size K")
+    sparsity: int = option(3, "OMP: non-zeros per code L (the synthetic data use as many)")
+    batch_size: int = option(256, "online: global mini-batch size B (split over the ranks)")
+    iterations: int = option(400, "online: mini-batches; mod: passes over the whole data set")
+    method: str = option("online", "online (Mairal et al. 2009, mini-batches) or mod (batch, whole data set)")
+    coder: str = option("omp", "sparse coder: omp (Batch-OMP, L non-zeros) or lasso (L1 penalty alpha)")
+    alpha: float = option(0.1, "lasso: L1 penalty of the codes")
+    device: str = option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present)")
+    seed: int = option(0, "seed of the initial dictionary, the batch order and the synthetic data")
+    forgetting: float = option(10.0, "online: past statistics weigh (1 - 1/t)^FORGETTING at iteration t")
+    replace_after: int = option(3, "replace an atom unused in this many consecutive batches")
+    max_replace: int = option(4, "most atoms replaced per iteration (by the worst-coded signals of the batch)")
+    duplicate_cosine: float = option(0.99, "replace one of two atoms whose |cosine| exceeds this (1 = never)")
+    in_memory: str = option(
         "auto", "keep the signals in memory: yes, no (stream them), or auto (when they fit in half the free memory)"
     )
-    shuffle_window_mib: float = _option(
+    shuffle_window_mib: float = option(
         64.0, "online: data larger than this many MiB of float64 rows are shuffled in windows of this size"
     )
-    out: str = _option("results.h5", "results file (written at the end, atomically)")
-    checkpoint_every: int = _option(0, "checkpoint every N iterations (0 = never)")
-    checkpoint_dir: str = _option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
-    resume: bool = _option(False, "continue from the newest checkpoint in the checkpoint directory")
-    progress_every: float = _option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
-    eval_every: int = _option(0, "compute the error on the whole data set every N iterations (0 = never)")
-    target_error: float = _option(0.0, "stop once the whole-data relative error is at most this (needs eval_every)")
-    samples: int = _option(1500, "synthetic: number of signals")
-    features: int = _option(20, "synthetic: signal length")
-    planted_atoms: int = _option(0, "synthetic: atoms of the planted dictionary (0 = ATOMS)")
-    snr_db: float = _option(math.inf, "synthetic: signal-to-noise ratio in dB (inf = no noise)")
+    out: str = option("results.h5", "results file (written at the end, atomically)")
+    checkpoint_every: int = option(0, "checkpoint every N iterations (0 = never)")
+    checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
+    resume: bool = option(False, "continue from the newest checkpoint in the checkpoint directory")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    eval_every: int = option(0, "compute the error on the whole data set every N iterations (0 = never)")
+    target_error: float = option(0.0, "stop once the whole-data relative error is at most this (needs eval_every)")
+    samples: int = option(1500, "synthetic: number of signals")
+    features: int = option(20, "synthetic: signal length")
+    planted_atoms: int = option(0, "synthetic: atoms of the planted dictionary (0 = ATOMS)")
+    snr_db: float = option(math.inf, "synthetic: signal-to-noise ratio in dB (inf = no noise)")
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,35 +126,6 @@ class DictLearnConfig:
         return asdict(self)
 
 
-def option_fields() -> list:
-    """The dataclass fields, in order (the command line offers one option per field)."""
-    return list(fields(DictLearnConfig))
-
-
 def load_config(path: str | None, overrides: dict) -> DictLearnConfig:
     """Defaults, then the TOML file (top level or a [dictlearn] table), then ``overrides`` (not None)."""
-    values: dict = {}
-    if path:
-        try:
-            with open(path, "rb") as stream:
-                document = tomllib.load(stream)
-        except FileNotFoundError:
-            raise ValueError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as error:
-            raise ValueError(f"config file {path} is not valid TOML: {error}") from None
-        values = document.get("dictlearn", document)
-        known = {f.name for f in option_fields()}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"config file {path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")
-    given = {name: value for name, value in overrides.items() if value is not None}
-    origin = {name: f"config file {path}: " for name in values} | {name: "" for name in given}
-    values.update(given)
-    defaults = DictLearnConfig()
-    for name, value in values.items():
-        expected = type(getattr(defaults, name))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            values[name] = float(value)
-        elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-            raise ValueError(f"{origin[name]}{name} must be {expected.__name__}, got {value!r}")
-    return DictLearnConfig(**values)
+    return load_settings(DictLearnConfig, "dictlearn", path, overrides)

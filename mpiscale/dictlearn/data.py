@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -52,7 +51,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int,
         samples, features = data.shape[0], int(np.prod(data.shape[1:]))
         if not samples or not features:
             raise DataFileError(path, f"holds no signals (shape {data.shape})", name)
-        patch_shape = _patch_shape(data)
+        patch_shape = data.image_shape()
         start, stop = rank_rows(samples, comm.Get_size(), comm.Get_rank())
         largest_block = -(-samples // comm.Get_size())
         rows_per_read = max(1, _SCAN_BYTES // (features * data.dtype.itemsize))
@@ -82,18 +81,6 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int,
     if problems:
         raise ValueError(f"{path}:{name}: " + "; ".join(problems))
     return DataInfo(path, name, samples, features, patch_shape)
-
-
-def _patch_shape(data: ShardedDataset) -> list[int] | None:
-    """Rows that are 2-D arrays are image patches; so are rows of a file whose config names a ``patch_shape``."""
-    if len(data.shape) == 3:
-        return [int(v) for v in data.shape[1:]]
-    config = data.attrs().get("config")
-    try:
-        shape = json.loads(config).get("patch_shape") if config else None
-    except (ValueError, AttributeError):
-        return None
-    return [int(v) for v in shape] if shape else None
 
 
 def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm: Comm) -> np.ndarray:

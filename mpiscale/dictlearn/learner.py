@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..io import BatchReader, Checkpointer, CheckpointError, LockedError, OutputLock, WriteError, checksum
+from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results
 from ..kernels.threads import share_cores
-from ..ranks import Comm, agree, host_placement, ranks_sharing_cores
+from ..ranks import Comm, host_placement, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, resolve_device
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
-from .progress_line import ProgressLine
 from .results import JobResults, results_bytes, write_results
 from .synthetic import recovery_rate, write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
@@ -68,22 +66,6 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.nda
         )
     info = check_data(path, name, config.atoms, config.sparsity, config.batch_size, comm)
     return info, planted
-
-
-def _check_output(config: DictLearnConfig) -> None:
-    directory = os.path.dirname(os.path.abspath(config.out))
-    if not os.path.isdir(directory):
-        raise ValueError(f"the results file's directory {directory} does not exist")
-    if not os.access(directory, os.W_OK):
-        raise ValueError(f"the results file's directory {directory} is not writable")
-    if not (config.checkpoint_every or config.resume):
-        return
-    checkpoints = Path(config.checkpoints)
-    existing = checkpoints if checkpoints.exists() else checkpoints.parent
-    if not existing.is_dir():
-        raise ValueError(f"the checkpoint directory {checkpoints}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"the checkpoint directory {checkpoints} cannot be written ({existing} is read-only)")
 
 
 def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
@@ -167,7 +149,7 @@ async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
     except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures
         failure = error
     finally:
-        closing = _close(job.checkpoints)  # always: it releases the directory's lock
+        closing = close_checkpointer(job.checkpoints)  # always: it releases the directory's lock
         failure = failure or closing
     if failure is not None:
         raise JobRefused(f"mpiscale dictlearn: {failure}", status=1) from None
@@ -219,17 +201,6 @@ def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpoint
     checkpoints.save(step, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
 
 
-def _close(checkpoints: Checkpointer | None) -> CheckpointError | None:
-    """Close the checkpointer (waiting for its last save); its failure is returned, for one report."""
-    if checkpoints is None:
-        return None
-    try:
-        checkpoints.close()
-    except CheckpointError as error:
-        return error
-    return None
-
-
 def _unwritten_results(config: DictLearnConfig, job: _Job, results: JobResults, error: OSError) -> str:
     """Why the results file could not be written, how much it needs, and where the learned dictionary is."""
     needed = results_bytes(results) / 2**20
@@ -256,15 +227,9 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
         from ..kernels.omp_cuda import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
-    _check_output(config)
-    results_lock, checkpoints, problem = None, None, None
-    if system.rank == 0:  # before anything is written: a second job on the same outputs stops here
-        results_lock = OutputLock(f"{config.out}.lock", f"the results file {config.out}")
-        try:
-            results_lock.acquire()
-        except (LockedError, OSError) as error:
-            results_lock, problem = None, error
-    agree(comm, problem, "taking the results file", LockedError)  # every rank stops before any collective
+    check_outputs(config.out, config.checkpoints if config.checkpoint_every or config.resume else None)
+    results_lock = lock_results(config.out, comm)  # before anything is written
+    checkpoints = None
     try:
         info, planted = _prepare_data(config, comm)
         state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
@@ -281,7 +246,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
         return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads, results_lock)
     except BaseException:
         if checkpoints is not None:
-            _close(checkpoints)  # its lock too: the job never started
+            close_checkpointer(checkpoints)  # its lock too: the job never started
         if results_lock is not None:
             results_lock.release()
         raise
@@ -308,7 +273,7 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             in_memory=config.keep_in_memory,
         )
         batches = online_batches(reader, info.name, start)
-    progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None)
+    progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None, "signals")
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
     gram = gram_matrix(state.dictionary)
     clock = time.perf_counter()
@@ -350,7 +315,7 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
                 "full_error": full_error,
             }
             history.record(row, stats.usage)
-            progress.update(iteration + 1, row, stats.sum("signals"))
+            progress.update(iteration + 1, _progress_text(row), stats.sum("signals"))
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 _save_checkpoint(config, job, checkpoints, iteration + 1)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
@@ -363,6 +328,10 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             reader.close()
     progress.finish()
     return {"iterations": history.iterations, "stop_reason": stop_reason}
+
+
+def _progress_text(row: dict) -> str:
+    return f"objective {row['objective']:.4e}  error {row['error']:.4f}  non-zeros {row['sparsity']:.2f}"
 
 
 def _compatibility(config: DictLearnConfig, info) -> dict:

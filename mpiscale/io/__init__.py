@@ -10,6 +10,7 @@ from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import resolve_files, split_spec
+from .writer import RowWriter
 
 __all__ = [
     "Batch",
@@ -20,6 +21,7 @@ __all__ = [
     "LockedError",
     "OutputLock",
     "Restored",
+    "RowWriter",
     "SampleRandom",
     "ShardedDataset",
     "WriteError",

@@ -11,7 +11,6 @@ virtual dataset per array, so plain serial ``h5py`` reads it as one array.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -21,24 +20,21 @@ import h5py
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..ranks import Comm, agree, as_mpi, rank_rows, size_and_rank
-from .errors import DataFileError, WriteError
+from ..ranks import Comm, as_mpi, rank_rows, size_and_rank
+from .errors import DataFileError
 from .h5file import (
-    DATASET_FORMAT,
     INDEX_FORMAT,
     check_array,
     dataset,
     datasets_in,
-    file_access,
     file_format,
     open_file,
     publish,
     settle_background_io,
     stamp,
 )
-from .rows import write_rows
 from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
-from .space import space_problem
+from .writer import RowWriter
 
 
 def write_dataset(
@@ -50,10 +46,6 @@ def write_dataset(
     dtypes must agree. The file appears under ``path`` only once complete.
     """
     path, comm = os.fspath(path), as_mpi(comm)
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-        raise FileNotFoundError(
-            f"write_dataset {path}: the directory {os.path.dirname(os.path.abspath(path))} does not exist"
-        )
     size, rank = size_and_rank(comm)
     layout = {name: (len(array), array.shape[1:], np.asarray(array).dtype.str) for name, array in arrays.items()}
     every = comm.allgather(layout) if comm is not None else [layout]
@@ -63,40 +55,12 @@ def write_dataset(
                 f"write_dataset {path}: rank {other_rank} passes arrays {_describe(other)} "
                 f"but rank {rank} passes {_describe(layout)}; names, row shapes and dtypes must agree"
             )
-    temporary = f"{path}.tmp"
-    kwargs = file_access(comm)
-    settle_background_io()
-    shapes = {}
-    total = sum(n * int(np.prod(trailing)) * np.dtype(dtype).itemsize for n, trailing, dtype in _all_rows(every))
-    room = space_problem(os.path.dirname(os.path.abspath(path)), total, "the file") if rank == 0 else None
-    agree(comm, room, f"writing {path}", WriteError)  # refused before it starts: a full disk mid-write hangs MPI-IO
-    failure = None
-    try:
-        with h5py.File(temporary, "w", **kwargs) as file:
-            stamp(file, DATASET_FORMAT, size, config)
-            for name, (_, trailing, dtype) in layout.items():
-                counts = [other[name][0] for other in every]
-                shape = (sum(counts), *trailing)
-                target = file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
-                write_rows(target, sum(counts[:rank]), np.asarray(arrays[name]), comm)
-                shapes[name] = shape
-        if rank == 0:
-            publish(temporary, path)
-    except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
-        failure = error
-    try:
-        agree(comm, failure, f"writing {path}", WriteError)
-    except WriteError:
-        if rank == 0:  # nothing half-written stays behind to fill the disk
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-        raise
+    shapes = {name: (sum(other[name][0] for other in every), *trailing) for name, (_, trailing, _) in layout.items()}
+    offsets = {name: sum(other[name][0] for other in every[:rank]) for name in layout}
+    with RowWriter(path, {name: (shapes[name], np.dtype(layout[name][2])) for name in layout}, comm, config) as writer:
+        for name, array in arrays.items():  # one data set at a time, each at this rank's offset
+            writer.write(offsets[name], {name: array})
     return shapes
-
-
-def _all_rows(every: list[dict]) -> list[tuple[int, tuple, str]]:
-    """(rows, trailing shape, dtype) of every array of every rank's layout."""
-    return [(count, trailing, dtype) for layout in every for count, trailing, dtype in layout.values()]
 
 
 def _describe(layout: dict) -> str:
@@ -285,6 +249,17 @@ class ShardedDataset:
         """Attributes of the first file (an empty dict for ``.npy``): mpiscale files keep their config here."""
         first = self._segments[0].source
         return dict(first.file.attrs) if isinstance(first, H5Source) else {}
+
+    def image_shape(self) -> list[int] | None:
+        """The 2-D shape of a row when rows are images: a 3-D data set, or a ``patch_shape`` in the file's config."""
+        if len(self.shape) == 3:
+            return [int(v) for v in self.shape[1:]]
+        config = self.attrs().get("config")
+        try:
+            shape = json.loads(config).get("patch_shape") if config else None
+        except (ValueError, AttributeError):
+            return None
+        return [int(v) for v in shape] if shape else None
 
     def _check(self, start: int, stop: int) -> None:
         if not 0 <= start <= stop <= self.shape[0]:

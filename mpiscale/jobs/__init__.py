@@ -1,0 +1,18 @@
+"""What every job (dictlearn, train, collect) shares: settings from TOML and the command line, the progress line."""
+
+from .outputs import check_outputs, close_checkpointer, lock_results
+from .progress import ProgressLine, duration
+from .settings import add_options, load_settings, option, option_fields, run_job
+
+__all__ = [
+    "ProgressLine",
+    "add_options",
+    "check_outputs",
+    "close_checkpointer",
+    "duration",
+    "lock_results",
+    "load_settings",
+    "option",
+    "option_fields",
+    "run_job",
+]

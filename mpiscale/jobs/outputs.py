@@ -1,0 +1,54 @@
+"""A job's outputs checked before any work: the results file's directory, the checkpoint directory, the lock."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..io import Checkpointer, CheckpointError, LockedError, OutputLock
+from ..ranks import Comm, agree
+
+
+def check_outputs(out: str, checkpoints: str | None) -> None:
+    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
+    directory = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(directory):
+        raise ValueError(f"the results file's directory {directory} does not exist")
+    if not os.access(directory, os.W_OK):
+        raise ValueError(f"the results file's directory {directory} is not writable")
+    if checkpoints is None:
+        return
+    path = Path(checkpoints)
+    existing = path if path.exists() else path.parent
+    if not existing.is_dir():
+        raise ValueError(f"the checkpoint directory {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"the checkpoint directory {path} cannot be written ({existing} is read-only)")
+
+
+def lock_results(out: str, comm: Comm) -> OutputLock | None:
+    """Rank 0 takes ``out``'s lock (collective): a second job on the same outputs stops here, on every rank.
+
+    Returns the lock on rank 0 (release it when the job ends), None elsewhere;
+    raises LockedError on every rank when another job holds it.
+    """
+    lock, problem = None, None
+    if comm is None or comm.Get_rank() == 0:
+        lock = OutputLock(f"{out}.lock", f"the results file {out}")
+        try:
+            lock.acquire()
+        except (LockedError, OSError) as error:
+            lock, problem = None, error
+    agree(comm, problem, "taking the results file", LockedError)
+    return lock
+
+
+def close_checkpointer(checkpoints: Checkpointer | None) -> CheckpointError | None:
+    """Close ``checkpoints`` (its last save, then its lock); its failure is returned, for one report."""
+    if checkpoints is None:
+        return None
+    try:
+        checkpoints.close()
+    except CheckpointError as error:
+        return error
+    return None

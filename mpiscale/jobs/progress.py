@@ -1,0 +1,62 @@
+"""A periodic progress line for long iterative jobs: the step, the numbers that matter, the rate and the ETA."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+def duration(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressLine:
+    """Prints at most every ``every`` seconds (and at the end); ``every=None`` prints nothing (other ranks).
+
+    ``unit`` names what the rate counts ("signals", "samples"); ``step_name``
+    what a step is called ("iteration", "step").
+    """
+
+    def __init__(
+        self,
+        total: int,
+        start: int,
+        every: float | None,
+        unit: str,
+        step_name: str = "iteration",
+        stream: TextIO | None = None,
+    ) -> None:
+        self.total, self.start, self.every = total, start, every
+        self.unit, self.step_name = unit, step_name
+        self.stream = stream or sys.stdout
+        self.began = self.last = time.monotonic()
+        self.items = 0.0
+        self.line = ""
+
+    def update(self, done: int, text: str, items: float) -> None:
+        """Record step ``done`` (1-based) with its ``text`` (the metrics) and ``items`` processed; print if due."""
+        if self.every is None:
+            return
+        self.items += items
+        now = time.monotonic()
+        elapsed = max(now - self.began, 1e-9)
+        per_step = elapsed / max(done - self.start, 1)
+        self.line = (
+            f"{self.step_name} {done}/{self.total}  {text}  {self.items / elapsed:,.0f} {self.unit}/s  "
+            f"ETA {duration(per_step * (self.total - done))}"
+        )
+        if self.every and now - self.last >= self.every:
+            self.last = now
+            print(self.line, file=self.stream, flush=True)
+
+    def finish(self) -> None:
+        """Print the last line (if any step ran)."""
+        if self.every is not None and self.line:
+            print(
+                self.line.rsplit("  ETA", 1)[0] + f"  done in {duration(time.monotonic() - self.began)}",
+                file=self.stream,
+                flush=True,
+            )

@@ -1,0 +1,144 @@
+"""The activation-collection job (``mpiscale collect``): a trained model's layer outputs for a whole data set.
+
+Every rank runs its block of the input rows through the model, a block of
+``batch_size`` rows at a time, and forward hooks on the named modules capture
+their outputs. Each round every rank writes its rows straight into one HDF5
+file (``RowWriter``, collective), so nothing is gathered into one process and
+a rank's memory is one round's rows whatever the data size. The file holds one
+data set per layer (rows in input order) and ``sample_ids`` (the rows' numbers
+in the input data set), with ``inputs``, ``labels`` and ``model`` attributes
+naming where they came from: ``mpiscale dictlearn --data FILE:/LAYER`` learns
+from it, and ``mpiscale inspect`` shows which inputs activate each atom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..io import DataFileError, LockedError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
+from ..jobs import ProgressLine, check_outputs, lock_results
+from ..kernels.threads import share_cores
+from ..ranks import Comm, rank_rows, ranks_sharing_cores
+from ..runtime import ActorSystem, JobRefused
+from .config import CollectConfig
+from .model import module_names, standardizer
+from .results import load_trained
+
+ACTIVATIONS_FORMAT = "mpiscale.activations/1"
+
+
+@dataclass
+class _Job:
+    comm: Comm
+    model: torch.nn.Module
+    path: str
+    name: str
+    samples: int
+    widths: dict[str, int]
+    attrs: dict
+    lock: OutputLock | None
+
+
+async def collect(system: ActorSystem, config: CollectConfig) -> dict:
+    """Run the job on every rank; bad input ends it before any row is read, with one message and status 2."""
+    job, status = None, 2
+    problem: Exception | None = None
+    try:
+        job = _prepare(config)
+    except (ValueError, LockedError) as error:
+        problem = ValueError(f"mpiscale collect: {error}")
+    await system.agree(problem, "the input and settings", status=status)
+    assert job is not None
+    try:
+        return _write(system, config, job)
+    except WriteError as error:
+        raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+    finally:
+        if job.lock is not None:
+            job.lock.release()
+
+
+def _prepare(config: CollectConfig) -> _Job:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))
+    model, trained = load_trained(config.model)
+    known = module_names(model)
+    unknown = [name for name in config.layer_names if name not in known]
+    if unknown:
+        raise ValueError(f"{config.model} has no module {', '.join(unknown)}; its modules: {', '.join(known)}")
+    path, name = split_spec(config.data or str(trained["data"]))
+    with ShardedDataset(path, name, comm) as data:
+        name, shape, dtype = data.name, data.shape, data.dtype
+    features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
+    inputs = standardizer(model).mean.numel()
+    if dtype.kind not in "biuf" or features != inputs:
+        raise DataFileError(path, f"the model takes rows of {inputs} numbers, the data set holds {dtype} {shape}", name)
+    labels = config.labels or (str(trained["labels"]) if not config.data else "")
+    attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
+    if "image_shape" in trained:
+        attrs["image_shape"] = trained["image_shape"]
+    check_outputs(config.out, None)
+    lock = lock_results(config.out, comm)
+    return _Job(comm, model, path, name, shape[0], _widths(model, config.layer_names, inputs), attrs, lock)
+
+
+def _widths(model: torch.nn.Module, layers: list[str], inputs: int) -> dict[str, int]:
+    """Each layer's output width, from one row of zeros."""
+    captured = _run(model, layers, np.zeros((1, inputs), np.float32))
+    return {name: captured[name].shape[1] for name in layers}
+
+
+def _run(model: torch.nn.Module, layers: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """The named modules' outputs for ``rows`` (each flattened to one row per input)."""
+    captured: dict[str, np.ndarray] = {}
+    hooks = []
+    for name in layers:
+
+        def keep(module, args, output, name=name) -> None:
+            captured[name] = output.detach().reshape(len(rows), -1).numpy().astype(np.float32, copy=True)
+
+        hooks.append(model.get_submodule(name).register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            model(torch.from_numpy(rows))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
+
+
+def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
+    comm, size, rank = job.comm, system.size, system.rank
+    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+        name: ((job.samples, width), np.dtype(np.float32)) for name, width in job.widths.items()
+    }
+    layout["sample_ids"] = ((job.samples,), np.dtype(np.int64))
+    start, stop = rank_rows(job.samples, size, rank)
+    largest = -(-job.samples // size)
+    rounds = max(1, -(-largest // config.batch_size))  # the largest block's rounds: the same on every rank
+    progress = ProgressLine(rounds, 0, config.progress_every if rank == 0 else None, "rows", "round")
+    with (
+        ShardedDataset(job.path, job.name, comm) as data,
+        RowWriter(config.out, layout, comm, config.to_dict(), job.attrs, ACTIVATIONS_FORMAT) as writer,
+    ):
+        for index in range(rounds):
+            lo = min(start + index * config.batch_size, stop)
+            hi = min(lo + config.batch_size, stop)
+            rows = np.asarray(data.read_collective(lo, hi), np.float32).reshape(hi - lo, -1)
+            captured = _run(job.model, list(job.widths), rows) if hi > lo else _empty(job.widths)
+            writer.write(lo, captured | {"sample_ids": np.arange(lo, hi, dtype=np.int64)})
+            progress.update(index + 1, f"{hi - start:,} of {stop - start:,} rows on rank 0", (hi - lo) * size)
+    progress.finish()
+    if rank == 0:
+        layers = ", ".join(f"/{name} ({job.samples} x {width})" for name, width in job.widths.items())
+        print(f"wrote {config.out}: {layers} from {job.attrs['inputs']}", flush=True)
+    return {"samples": job.samples, "widths": job.widths}
+
+
+def _empty(widths: dict[str, int]) -> dict[str, np.ndarray]:
+    return {name: np.empty((0, width), np.float32) for name, width in widths.items()}

@@ -1,0 +1,124 @@
+"""Settings of ``mpiscale train`` and ``mpiscale collect``: dataclasses loaded from TOML and the command line.
+
+Every field has a default that runs on a laptop: with no ``--data``, train
+fits an MLP to scikit-learn's bundled handwritten digits, and collect reads
+the data set the model was trained on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..jobs import option
+
+
+def _positive(config, names: tuple[str, ...], problems: list[str]) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not (value > 0 and math.isfinite(value)):
+            problems.append(f"{name} must be a positive number, got {value}")
+
+
+@dataclass
+class TrainConfig:
+    """What to train on, the model, the optimizer, and where checkpoints and results go."""
+
+    data: str = option(
+        "",
+        "training data: an HDF5 file (or an index of several) holding the INPUTS and LABELS data sets, one sample "
+        "per row; empty = scikit-learn's bundled handwritten digits (8x8 images), written beside OUT",
+    )
+    inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
+    labels: str = option("labels", "the data set of integer class labels in DATA (0 .. classes-1)")
+    validation: str = option(
+        "", "held-out data with the same data sets, scored after every epoch (the digits: their last 20%%)"
+    )
+    hidden: str = option("128,64", "widths of the hidden layers, comma-separated (ReLU after each)")
+    epochs: int = option(20, "passes over the training data")
+    batch_size: int = option(64, "global mini-batch (split over the ranks; the last partial batch is dropped)")
+    learning_rate: float = option(1e-3, "Adam's step size")
+    weight_decay: float = option(0.0, "Adam's L2 penalty")
+    seed: int = option(0, "seed of the initial weights and of the batch order")
+    bucket_mib: float = option(25.0, "gradient bucket size in MiB (the first bucket is 1 MiB, as in DDP)")
+    out: str = option("model.h5", "results file: the trained weights, learning curves, settings")
+    checkpoint_every: int = option(0, "checkpoint every N steps (0 = never)")
+    checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
+    resume: bool = option(False, "continue from the newest checkpoint (also on another number of ranks)")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        for name in ("epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            problems.append(f"checkpoint_every must be 0 or more, got {self.checkpoint_every}")
+        _positive(self, ("learning_rate", "bucket_mib"), problems)
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            problems.append(f"weight_decay must be a number >= 0, got {self.weight_decay}")
+        try:
+            widths = self.widths
+        except ValueError:
+            problems.append(f"hidden must be comma-separated positive integers, got {self.hidden!r}")
+        else:
+            if any(width < 1 for width in widths):
+                problems.append(f"hidden layer widths must be at least 1, got {self.hidden!r}")
+        if self.validation and not self.data:
+            problems.append("validation needs DATA: the bundled digits bring their own held-out set")
+        if problems:
+            raise ValueError("train settings: " + "; ".join(problems))
+
+    @property
+    def widths(self) -> list[int]:
+        """The hidden layers' widths."""
+        return [int(part) for part in self.hidden.split(",") if part.strip()]
+
+    @property
+    def checkpoints(self) -> str:
+        """The checkpoint directory."""
+        return self.checkpoint_dir or str(Path(self.out).with_suffix(".checkpoints"))
+
+    def to_dict(self) -> dict:
+        """Plain values (for results files and checkpoints)."""
+        return asdict(self)
+
+
+@dataclass
+class CollectConfig:
+    """Which model, which data, which layers, and where the activations go."""
+
+    model: str = option("model.h5", "a results file of mpiscale train (the weights and the model's shape)")
+    data: str = option(
+        "", "inputs to run through the model: FILE.h5:/dataset (rows); empty = the data the model was trained on"
+    )
+    labels: str = option(
+        "",
+        "FILE.h5:/dataset of class labels of DATA's rows, named in the output for the feature catalogue "
+        "(default: the training labels when DATA is the training data)",
+    )
+    layers: str = option(
+        "relu1", "modules whose outputs to keep, comma-separated (mpiscale inspect MODEL.h5 lists them)"
+    )
+    out: str = option("activations.h5", "output file: one data set per layer, rows in input order, and sample_ids")
+    batch_size: int = option(4096, "rows each rank runs through the model at once (bounds its memory)")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if self.batch_size < 1:
+            problems.append(f"batch_size must be at least 1, got {self.batch_size}")
+        if not self.layer_names:
+            problems.append("layers must name at least one module")
+        if problems:
+            raise ValueError("collect settings: " + "; ".join(problems))
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The modules to capture, in the order given."""
+        return [name.strip() for name in self.layers.split(",") if name.strip()]
+
+    def to_dict(self) -> dict:
+        """Plain values (for the output file)."""
+        return asdict(self)

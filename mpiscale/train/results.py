@@ -1,0 +1,155 @@
+"""The results file of a training job (``mpiscale.train-results/1``): weights, curves, and how to load the model.
+
+Layout, all readable with plain h5py:
+
+- ``/model/<name>``: every parameter and buffer of the model (``state_dict`` names);
+- ``/curves/step/<metric>`` (loss, accuracy, time_s, comm_wait_s: one row per step) and
+  ``/curves/epoch/<metric>`` (epoch, validation_loss, validation_accuracy);
+- attributes: the usual mpiscale ones (version, format, created, world size, config),
+  ``model`` (the model's shape as JSON: inputs, hidden widths, classes), ``data`` and
+  ``validation`` (FILE:/dataset), ``labels``, ``samples``, ``steps``, ``hosts``,
+  ``threads_per_rank`` and ``image_shape`` when the inputs are images.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+import torch
+
+from ..io import open_file, publish, stamp
+from .config import TrainConfig
+from .curves import EPOCH_METRICS, STEP_METRICS, Curves
+from .data import LabelledData
+from .model import build_mlp, module_names
+from .state import load_model_arrays, model_arrays
+
+RESULTS_FORMAT = "mpiscale.train-results/1"
+
+
+@dataclass(frozen=True)
+class TrainResults:
+    """What a finished training job writes."""
+
+    config: TrainConfig
+    data: LabelledData
+    validation: LabelledData | None
+    spec: dict
+    model: torch.nn.Module
+    curves: Curves
+    world_size: int
+    hosts: list[str]
+    threads: int
+
+
+def write_results(results: TrainResults) -> None:
+    """Write the file (rank 0 only) under a temporary name, then rename it; a failure leaves nothing behind."""
+    out = results.config.out
+    temporary = f"{out}.tmp"
+    try:
+        with h5py.File(temporary, "w") as file:
+            _write(file, results)
+        publish(temporary, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _write(file: h5py.File, results: TrainResults) -> None:
+    stamp(file, RESULTS_FORMAT, results.world_size, results.config.to_dict())
+    weights = file.create_group("model")
+    for name, array in model_arrays(results.model).items():
+        weights.create_dataset(name.removeprefix("model."), data=array)
+    for kind, values in (("step", results.curves.steps), ("epoch", results.curves.epochs)):
+        group = file.create_group(f"curves/{kind}")
+        for metric, series in values.items():
+            group.create_dataset(metric, data=np.asarray(series, np.float64))
+    data = results.data
+    file.attrs["model"] = json.dumps(results.spec)
+    file.attrs["data"] = data.spec
+    file.attrs["labels"] = f"{data.path}:/{data.labels}"
+    file.attrs["validation"] = results.validation.spec if results.validation is not None else ""
+    file.attrs["samples"] = data.samples
+    file.attrs["steps"] = results.curves.done
+    file.attrs["hosts"] = json.dumps(results.hosts)
+    file.attrs["threads_per_rank"] = results.threads
+    if data.patch_shape is not None:
+        file.attrs["image_shape"] = data.patch_shape
+
+
+def load_trained(path: str) -> tuple[torch.nn.Sequential, dict]:
+    """The trained model of a results file, ready for inference, and the file's attributes."""
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        attrs = {key: file.attrs[key] for key in file.attrs}
+        arrays = {f"model.{name}": file["model"][name][()] for name in file["model"]}
+    model = build_mlp(json.loads(attrs["model"]))
+    load_model_arrays(model, arrays, path)
+    model.eval()
+    return model, attrs
+
+
+def summarize(path: str) -> str:
+    """A short text report: the model, the data, the run, the last scores."""
+    model, attrs = load_trained(path)
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        steps = {name: file["curves/step"][name][()] for name in STEP_METRICS}
+        epochs = {name: file["curves/epoch"][name][()] for name in EPOCH_METRICS}
+    spec, config = json.loads(attrs["model"]), json.loads(attrs["config"])
+    parameters = sum(p.numel() for p in model.parameters())
+    lines = [
+        f"{path}: MLP {spec['inputs']} -> {' -> '.join(map(str, spec['hidden']))} -> {spec['classes']} classes "
+        f"({parameters:,} parameters), trained on {attrs['world_size']} ranks "
+        f"({', '.join(json.loads(attrs['hosts']))}), "
+        f"mpiscale {attrs['mpiscale_version']}, {attrs['created']}",
+        f"data: {attrs['data']} ({attrs['samples']} samples); held out: {attrs['validation'] or 'none'}",
+        f"layers (for mpiscale collect --layers): {', '.join(module_names(model))}",
+    ]
+    done = int(attrs["steps"])
+    if done:
+        time_s = steps["time_s"][-1]
+        wait = steps["comm_wait_s"].sum()
+        last = slice(-20, None)
+        lines += [
+            f"steps: {done} (batch {config['batch_size']}, {config['epochs']} epochs); training time {time_s:.2f} s, "
+            f"{done * config['batch_size'] / max(time_s, 1e-9):,.0f} samples/s; "
+            f"waiting for gradients {wait / time_s:.1%}",
+            f"last 20 steps: loss {steps['loss'][last].mean():.4f}, accuracy {steps['accuracy'][last].mean():.1%}",
+        ]
+    if len(epochs["epoch"]):
+        lines.append(
+            f"held-out after epoch {int(epochs['epoch'][-1])}: loss {epochs['validation_loss'][-1]:.4f}, "
+            f"accuracy {epochs['validation_accuracy'][-1]:.1%}"
+        )
+    return "\n".join(lines)
+
+
+def plot(path: str, image: str) -> None:
+    """Loss and accuracy per step, and the held-out scores per epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        steps = {name: file["curves/step"][name][()] for name in STEP_METRICS}
+        epochs = {name: file["curves/epoch"][name][()] for name in EPOCH_METRICS}
+    per_epoch = len(steps["loss"]) / max(len(epochs["epoch"]), 1)
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].semilogy(np.arange(1, len(steps["loss"]) + 1), steps["loss"], label="training loss (batch)")
+    axes[1].plot(np.arange(1, len(steps["accuracy"]) + 1), steps["accuracy"], label="training accuracy (batch)")
+    if len(epochs["epoch"]):
+        at = epochs["epoch"] * per_epoch
+        axes[0].semilogy(at, epochs["validation_loss"], "o-", label="held-out loss")
+        axes[1].plot(at, epochs["validation_accuracy"], "o-", label="held-out accuracy")
+    for axis in axes:
+        axis.set_xlabel("step")
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(image, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,338 @@
+"""The data-parallel training job (``mpiscale train``): every rank trains on its part of each global batch.
+
+``train(system, config)`` runs on every rank inside ``mpiscale.run``. Rank 0's
+initial weights are broadcast; each step a rank reads its part of the global
+mini-batch (``BatchReader``: the same global order whatever the number of
+ranks), runs forward and backward, and ``DataParallel`` averages the gradients
+bucket by bucket while backward goes on; every rank then takes the same Adam
+step. The loss is scaled so that the averaged gradient is that of the whole
+global batch, so a run on any number of ranks follows the one-process run
+within floating-point rounding. Checkpoints hold the weights, Adam's state
+and the curves, all replicated, so a resumed run may use another number of
+ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..io import (
+    BatchReader,
+    Checkpointer,
+    CheckpointError,
+    DataFileError,
+    LockedError,
+    OutputLock,
+    WriteError,
+    checksum,
+)
+from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results
+from ..kernels.threads import share_cores
+from ..ranks import Comm, ranks_sharing_cores
+from ..runtime import ActorSystem, JobRefused
+from .config import TrainConfig
+from .curves import Curves
+from .data import LabelledData, check_labelled, resident_block
+from .data_parallel import DataParallel
+from .digits import write_digits
+from .model import build_mlp, set_standardization
+from .results import TrainResults, write_results
+from .state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
+
+log = logging.getLogger(__name__)
+
+#: Settings a checkpoint must share with the run that resumes it.
+_COMPATIBLE = ("hidden", "batch_size", "seed", "learning_rate", "weight_decay")
+
+
+@dataclass
+class _Job:
+    """Everything checked and built before the first step."""
+
+    comm: Comm
+    data: LabelledData
+    validation: LabelledData | None
+    spec: dict
+    model: torch.nn.Sequential
+    optimizer: torch.optim.Optimizer
+    parallel: DataParallel
+    curves: Curves
+    start: int
+    checkpoints: Checkpointer | None
+    threads: int
+    results_lock: OutputLock | None
+
+
+async def train(system: ActorSystem, config: TrainConfig) -> dict:
+    """Run the job on every rank; returns a summary (the same on every rank).
+
+    Bad input (data, settings, output paths, checkpoints, another job on the
+    same outputs) ends the job before the first step with one message and exit
+    status 2, agreed by every rank; a checkpoint or results file that cannot be
+    written ends it with status 1.
+    """
+    job, status = None, 2
+    problem: Exception | None = None
+    try:
+        job = _prepare(system, config)
+    except (ValueError, CheckpointError, LockedError) as error:
+        problem = ValueError(f"mpiscale train: {error}")
+    except WriteError as error:  # the digits files did not fit: the run failed, the input was fine
+        problem, status = OSError(f"mpiscale train: {error}"), 1
+    await system.agree(problem, "the input and settings", status=status)
+    assert job is not None  # the agreement raised on every rank otherwise
+    try:
+        return await _run(system, config, job)
+    finally:
+        if job.results_lock is not None:
+            job.results_lock.release()
+
+
+def _prepare(system: ActorSystem, config: TrainConfig) -> _Job:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
+    threads = share_cores(ranks_sharing_cores(comm))
+    torch.set_num_threads(threads)
+    check_outputs(config.out, config.checkpoints if config.checkpoint_every or config.resume else None)
+    results_lock = lock_results(config.out, comm)
+    checkpoints = None
+    try:
+        data, validation, classes, mean, std = _prepare_data(config, comm)
+        if config.batch_size > data.samples:
+            raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
+        if config.batch_size < system.size:
+            raise ValueError(f"batch size {config.batch_size} leaves ranks without samples: use at least {system.size}")
+        spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
+        torch.manual_seed(config.seed)
+        model = build_mlp(spec)
+        set_standardization(model, mean, std)
+        optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+        curves, start = Curves(), 0
+        if config.checkpoint_every or config.resume:
+            checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+            restored = _restore(config, data, spec, checkpoints, model, optimizer)
+            if restored is not None:
+                start, curves = restored
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib)
+        return _Job(
+            comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints, threads, results_lock
+        )
+    except BaseException:
+        close_checkpointer(checkpoints)  # its lock too: the job never started
+        if results_lock is not None:
+            results_lock.release()
+        raise
+
+
+def _prepare_data(config: TrainConfig, comm: Comm):
+    """(training data, held-out data or None, classes, feature mean, feature std), checked."""
+    if config.data:
+        train_path, validation_path = config.data, config.validation
+    else:
+        train_path, validation_path = write_digits(config.out, comm)
+    data, classes, mean, std = check_labelled(train_path, config.inputs, config.labels, comm)
+    validation = None
+    if validation_path:
+        validation, held_out_classes, _, _ = check_labelled(validation_path, config.inputs, config.labels, comm)
+        if validation.features != data.features:
+            raise DataFileError(
+                validation_path, f"rows of {validation.features} values, the training rows have {data.features}"
+            )
+        if held_out_classes > classes:
+            log.warning("%s has labels up to %d, unseen in training", validation_path, held_out_classes - 1)
+            classes = held_out_classes
+    return data, validation, classes, mean, std
+
+
+def _compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
+    return {name: getattr(config, name) for name in _COMPATIBLE} | {"samples": data.samples, "spec": spec}
+
+
+def _restore(config, data, spec, checkpoints, model, optimizer) -> tuple[int, Curves] | None:
+    if not config.resume:
+        steps = checkpoints.steps()
+        if steps:
+            raise CheckpointError(
+                f"{config.checkpoints} already holds checkpoints (newest: step {steps[0]}); "
+                "pass --resume to continue from them, or choose another --checkpoint-dir"
+            )
+        return None
+    restored = checkpoints.load()
+    if restored is None:
+        if checkpoints.rank == 0:
+            log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
+        return None
+    saved = restored.meta.get("job", {})
+    expected = _compatibility(config, data, spec)
+    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
+    if differences:
+        raise CheckpointError(
+            f"the checkpoint in {config.checkpoints} belongs to another job ({'; '.join(differences)})"
+        )
+    load_model_arrays(model, restored.replicated, config.checkpoints)
+    load_optimizer_state(optimizer, restored.replicated, restored.meta["optimizer"])
+    if checkpoints.rank == 0:
+        print(f"resumed from the checkpoint of step {restored.step} in {config.checkpoints}", flush=True)
+    return restored.step, Curves.from_arrays(restored.replicated)
+
+
+def _save_checkpoint(config: TrainConfig, job: _Job, step: int) -> None:
+    assert job.checkpoints is not None
+    arrays, meta = optimizer_state(job.optimizer)
+    replicated = model_arrays(job.model) | arrays | job.curves.arrays()
+    job.checkpoints.save(
+        step, replicated=replicated, meta={"job": _compatibility(config, job.data, job.spec), "optimizer": meta}
+    )
+
+
+async def _run(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
+    failure: CheckpointError | None = None
+    try:
+        await job.parallel.broadcast_parameters()
+        summary = await _steps(system, config, job)
+        if job.checkpoints is not None and config.checkpoint_every and job.checkpoints.last_step != job.curves.done:
+            _save_checkpoint(config, job, job.curves.done)  # the trained weights outlive a failed results write
+    except CheckpointError as error:  # raised alike on every rank
+        failure = error
+    finally:
+        failure = failure or close_checkpointer(job.checkpoints)
+    if failure is not None:
+        raise JobRefused(f"mpiscale train: {failure}", status=1) from None
+    await _check_same_weights(system, job.model)
+    hosts = job.comm.gather(socket.gethostname(), 0)
+    problem = None
+    if system.rank == 0:
+        results = TrainResults(
+            config,
+            job.data,
+            job.validation,
+            job.spec,
+            job.model,
+            job.curves,
+            system.size,
+            sorted(set(hosts)),
+            job.threads,
+        )
+        try:
+            write_results(results)
+        except OSError as error:
+            problem = OSError(f"mpiscale train: could not write {config.out}: {error}")
+        else:
+            print(f"wrote {config.out}: {summary['steps']} steps on {system.size} ranks{summary['score']}", flush=True)
+    await system.agree(problem, "the results file", status=1)
+    return summary
+
+
+async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
+    data, model, optimizer, parallel, curves = job.data, job.model, job.optimizer, job.parallel, job.curves
+    reader = BatchReader(
+        data.path,
+        [data.inputs, data.labels],
+        config.batch_size,
+        job.comm,
+        shuffle=True,
+        seed=config.seed,
+        drop_last=True,
+    )
+    total = config.epochs * reader.steps
+    if job.start > total:
+        reader.close()
+        raise CheckpointError(
+            f"the checkpoint is at step {job.start}, past the {total} steps of {config.epochs} epochs"
+        )
+    held_out = resident_block(job.validation, job.comm) if job.validation is not None else None
+    progress = ProgressLine(total, job.start, config.progress_every if system.rank == 0 else None, "samples", "step")
+    scale = system.size / config.batch_size  # the averaged gradient is the global batch's mean
+    totals = np.zeros(2)
+    step = job.start
+    clock = time.perf_counter() - curves.elapsed
+    try:
+        for epoch in range(job.start // reader.steps, config.epochs):
+            model.train()
+            async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
+                x = torch.from_numpy(np.asarray(batch.data[data.inputs], np.float32).reshape(len(batch.ids), -1))
+                y = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
+                optimizer.zero_grad()
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+                (loss * scale).backward()
+                waiting = time.perf_counter()
+                await parallel.synchronize()
+                waited = time.perf_counter() - waiting
+                optimizer.step()
+                totals[:] = loss.item(), (logits.argmax(dim=1) == y).sum().item()
+                await system.world.allreduce(totals, out=totals)
+                step += 1
+                now = time.perf_counter()
+                curves.record_step(
+                    loss=totals[0] / config.batch_size,
+                    accuracy=totals[1] / config.batch_size,
+                    time_s=now - clock,
+                    comm_wait_s=waited,
+                )
+                progress.update(step, _progress_text(epoch, curves), config.batch_size)
+                if job.checkpoints is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
+                    _save_checkpoint(config, job, step)
+            if held_out is not None:
+                loss_value, accuracy = await _score(system, model, held_out)
+                curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
+    finally:
+        reader.close()
+    progress.finish()
+    score = ""
+    if curves.epochs["validation_accuracy"]:
+        score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
+    return {"steps": step, "loss": curves.steps["loss"][-1] if curves.done else None, "score": score}
+
+
+def _progress_text(epoch: int, curves: Curves) -> str:
+    recent = slice(-20, None)
+    time_s = np.diff([0.0, *curves.steps["time_s"]])[recent]
+    share = sum(curves.steps["comm_wait_s"][recent]) / max(float(np.sum(time_s)), 1e-9)
+    held_out = curves.epochs["validation_accuracy"]
+    score = f"  held-out {held_out[-1]:.1%}" if held_out else ""
+    return (
+        f"epoch {epoch + 1}  loss {np.mean(curves.steps['loss'][recent]):.4f}  "
+        f"accuracy {np.mean(curves.steps['accuracy'][recent]):.1%}{score}  comm wait {share:.0%}"
+    )
+
+
+async def _score(
+    system: ActorSystem, model: torch.nn.Module, held_out: tuple[np.ndarray, np.ndarray]
+) -> tuple[float, float]:
+    """Mean loss and accuracy on the held-out data (every rank scores its block; one allreduce)."""
+    inputs, labels = held_out
+    model.eval()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(inputs))
+        target = torch.from_numpy(labels)
+        sums = np.array(
+            [
+                torch.nn.functional.cross_entropy(logits, target, reduction="sum").item() if len(labels) else 0.0,
+                float((logits.argmax(dim=1) == target).sum().item()),
+                float(len(labels)),
+            ]
+        )
+    await system.world.allreduce(sums, out=sums)
+    return sums[0] / sums[2], sums[1] / sums[2]
+
+
+async def _check_same_weights(system: ActorSystem, model: torch.nn.Module) -> None:
+    """Every rank must end with the very same weights; if not, take rank 0's and say so."""
+    digest = np.array(
+        [checksum(np.concatenate([a.reshape(-1).view(np.uint8) for a in model_arrays(model).values()]))], np.int64
+    )
+    every = await system.world.allgather(digest)
+    if (every != every[0]).any():
+        if system.rank == 0:
+            log.warning("ranks ended with weights that differ in the last bits; keeping rank 0's")
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                await system.world.bcast_array(tensor.numpy(), 0)

@@ -1,0 +1,183 @@
+"""mpiscale train and collect under real mpirun, and the pipeline train -> collect -> dictlearn -> inspect.
+
+Trained weights are compared with a one-rank run of the same job (data-parallel
+training must follow one process on the whole batch), activations with the
+model run in this process, and the feature catalogue with the digits' labels.
+"""
+
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_ok, finish, launch
+
+MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
+
+
+def mpiscale(ranks: int, *args: str, timeout: float = 120, env: dict | None = None):
+    process = launch(ranks, [*MPISCALE, *map(str, args)], env=env)
+    return finish(process, f"mpiscale {' '.join(map(str, args))} on {ranks} ranks", timeout)
+
+
+def weights(path) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as file:
+        return {name: file["model"][name][()] for name in file["model"]}
+
+
+def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
+    """The documented pipeline at 2 ranks: a digit classifier, its hidden layer, a dictionary of it, the catalogue."""
+    model, acts, dictionary = tmp_path / "model.h5", tmp_path / "acts.h5", tmp_path / "dl.h5"
+    job = mpiscale(2, "train", "--epochs", 6, "--out", model, "--progress-every", 0)
+    assert_ok(job)
+    assert "wrote" in job.stdout and "held-out accuracy" in job.stdout
+    with h5py.File(model, "r") as file:
+        assert file.attrs["format"] == "mpiscale.train-results/1" and file.attrs["world_size"] == 2
+        held_out = file["curves/epoch/validation_accuracy"][()]
+        assert len(held_out) == 6 and held_out[-1] > 0.85, held_out  # ten classes: chance is 0.1
+        assert len(file["curves/step/loss"]) == 6 * (1437 // 64)
+
+    job = mpiscale(2, "collect", "--model", model, "--out", acts, "--batch-size", 100, "--layers", "relu1,hidden2")
+    assert_ok(job)
+    from mpiscale.train.results import load_trained
+
+    net, _ = load_trained(str(model))
+    with h5py.File(tmp_path / "model.digits.h5", "r") as file:
+        inputs = file["inputs"][()]
+    with torch.no_grad():
+        expected = net[:3](torch.from_numpy(inputs)).numpy()  # standardize, hidden1, relu1
+        expected_hidden2 = net[:4](torch.from_numpy(inputs)).numpy()
+    with h5py.File(acts, "r") as file:
+        assert file.attrs["format"] == "mpiscale.activations/1"
+        np.testing.assert_array_equal(file["sample_ids"][()], np.arange(len(inputs)))
+        np.testing.assert_allclose(file["relu1"][()], expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(file["hidden2"][()], expected_hidden2, rtol=1e-5, atol=1e-5)
+        assert file.attrs["labels"].endswith("model.digits.h5:/labels")
+
+    job = mpiscale(2, "dictlearn", "--data", f"{acts}:/relu1", "--atoms", 20, "--sparsity", 3, "--iterations", 150,
+                   "--out", dictionary, "--progress-every", 0)  # fmt: skip
+    assert_ok(job)
+    shown = subprocess.run(
+        [*MPISCALE, "inspect", str(dictionary), "--top-inputs", "5", "--atoms", "20"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    atoms = [line for line in shown.stdout.splitlines() if line.startswith("atom ")]
+    assert len(atoms) == 20
+    # Hidden units of a digit classifier separate the classes: most atoms' strongest inputs share one label.
+    pure = [line for line in atoms if "top labels" in line and " x5" in line.split("top labels")[1].split(":")[0]]
+    assert len(pure) >= 10, shown.stdout
+
+
+@pytest.mark.parametrize(
+    "ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"]
+)
+def test_training_follows_one_process(tmp_path, ranks, per_node):
+    """Weights after 2 epochs on N ranks (flat or on 2 simulated nodes) equal the one-rank run's within rounding."""
+    common = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]
+    one = tmp_path / "one.h5"
+    assert_ok(mpiscale(1, "train", *common, "--out", one))
+    many = tmp_path / "many.h5"
+    env = {"MPISCALE_RANKS_PER_NODE": str(per_node)} if per_node else None
+    assert_ok(mpiscale(ranks, "train", *common, "--out", many, env=env))
+    reference, result = weights(one), weights(many)
+    assert reference.keys() == result.keys()
+    for name in reference:
+        np.testing.assert_allclose(result[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    moved = max(np.abs(reference[k]).max() for k in reference if "hidden" in k)
+    assert moved > 0
+
+
+def test_resume_on_another_world_size(tmp_path):
+    """Train 2 epochs on 2 ranks with checkpoints, then resume to 4 epochs on 3: the same as 4 epochs straight."""
+    common = ["--hidden", "32", "--progress-every", 0]
+    straight = tmp_path / "straight.h5"
+    assert_ok(mpiscale(2, "train", *common, "--epochs", 4, "--out", straight))
+    resumed = tmp_path / "resumed.h5"
+    first = mpiscale(2, "train", *common, "--epochs", 2, "--out", resumed, "--checkpoint-every", 10)
+    assert_ok(first)
+    again = mpiscale(3, "train", *common, "--epochs", 4, "--out", resumed, "--checkpoint-every", 10, "--resume")
+    assert_ok(again)
+    assert "resumed from the checkpoint of step 44" in again.stdout
+    reference, result = weights(straight), weights(resumed)
+    for name in reference:
+        np.testing.assert_allclose(result[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+    with h5py.File(resumed, "r") as file:
+        assert len(file["curves/step/loss"]) == 88 and len(file["curves/epoch/epoch"]) == 4
+
+    refused = mpiscale(2, "train", *common, "--epochs", 4, "--out", resumed, "--checkpoint-every", 10)
+    assert refused.returncode == 2 and "pass --resume" in refused.stderr
+
+
+def user_file(path, inputs, labels) -> str:
+    """A training file as a user writes it with plain h5py: uint8 images and int32 labels, chunked and compressed."""
+    with h5py.File(path, "w") as file:
+        file.create_dataset("images", data=inputs, chunks=True, compression="gzip")
+        file.create_dataset("target", data=labels)
+    return str(path)
+
+
+def test_users_own_file(tmp_path):
+    """Images written by plain h5py (3-D uint8, int32 labels, other data set names) train, and collect reads them."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 3, 600).astype(np.int32)
+    images = (rng.random((600, 6, 6)) * 60).astype(np.uint8)
+    for label in range(3):  # each class lights its own row of pixels
+        images[labels == label, 2 * label, :] += 150
+    data = user_file(tmp_path / "mine.h5", images, labels)
+    out = tmp_path / "model.h5"
+    job = mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", "--validation", data,
+                   "--epochs", 3, "--out", out, "--progress-every", 0)  # fmt: skip
+    assert_ok(job)
+    with h5py.File(out, "r") as file:
+        assert file["curves/epoch/validation_accuracy"][-1] > 0.95
+        assert list(file.attrs["image_shape"]) == [6, 6]
+    acts = tmp_path / "acts.h5"
+    assert_ok(mpiscale(3, "collect", "--model", out, "--data", f"{data}:/images", "--out", acts, "--batch-size", 64))
+    with h5py.File(acts, "r") as file:
+        assert file["relu1"].shape == (600, 128) and file.attrs["labels"] == ""
+
+
+@pytest.mark.parametrize(
+    "problem, expected",
+    [
+        ("nan", "sample 317 holds NaN or infinite values"),
+        ("float labels", "labels must be integers"),
+        ("short labels", "600 inputs but 599 labels"),
+        ("negative labels", "labels must be 0 or more"),
+        ("batch", "batch size 1000 exceeds the 600 training samples"),
+        ("hidden", "hidden must be comma-separated positive integers"),
+    ],
+)
+def test_bad_training_input_is_refused(tmp_path, problem, expected):
+    rng = np.random.default_rng(1)
+    inputs, labels = rng.random((600, 5)), rng.integers(0, 2, 600)
+    args = ["--batch-size", 1000 if problem == "batch" else 50, "--hidden", "8x8" if problem == "hidden" else "8"]
+    if problem == "nan":
+        inputs[317, 2] = np.nan
+    if problem == "float labels":
+        labels = labels.astype(np.float32)
+    if problem == "short labels":
+        labels = labels[:-1]
+    if problem == "negative labels":
+        labels[5] = -1
+    data = user_file(tmp_path / "bad.h5", inputs, labels)
+    job = mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", *args,
+                   "--out", tmp_path / "m.h5")  # fmt: skip
+    assert job.returncode == 2, job.output
+    assert expected in job.stderr and "Traceback" not in job.output
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_collect_refuses_unknown_layer_and_wrong_width(tmp_path):
+    out = tmp_path / "model.h5"
+    assert_ok(mpiscale(1, "train", "--epochs", 1, "--hidden", "16", "--out", out, "--progress-every", 0))
+    job = mpiscale(2, "collect", "--model", out, "--layers", "relu7", "--out", tmp_path / "a.h5")
+    assert job.returncode == 2 and "has no module relu7" in job.stderr and "relu1" in job.stderr
+    wrong = user_file(tmp_path / "wrong.h5", np.zeros((10, 5)), np.zeros(10, np.int64))
+    job = mpiscale(2, "collect", "--model", out, "--data", f"{wrong}:/images", "--out", tmp_path / "a.h5")
+    assert job.returncode == 2 and "the model takes rows of 64 numbers" in job.stderr
+    assert not (tmp_path / "a.h5").exists()

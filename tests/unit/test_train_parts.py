@@ -1,0 +1,88 @@
+"""The parts of train and collect that need no MPI: settings, model state round trips, the feature catalogue."""
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from mpiscale.dictlearn.catalogue import catalogue, format_catalogue
+from mpiscale.jobs import load_settings
+from mpiscale.train.config import CollectConfig, TrainConfig
+from mpiscale.train.model import build_mlp
+from mpiscale.train.state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
+
+
+def test_train_settings_from_a_table_and_the_command_line(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text('[train]\nhidden = "32,16"\nepochs = 3\nlearning_rate = 1\n')
+    config = load_settings(TrainConfig, "train", str(path), {"epochs": 7, "seed": None})
+    assert config.widths == [32, 16] and config.epochs == 7 and config.learning_rate == 1.0
+    with pytest.raises(ValueError, match="unknown settings \\['layers'\\]"):
+        path.write_text('layers = "relu1"\n')
+        load_settings(TrainConfig, "train", str(path), {})
+    with pytest.raises(ValueError, match="validation needs DATA"):
+        TrainConfig(validation="held-out.h5")
+    with pytest.raises(ValueError, match="layers must name at least one module"):
+        CollectConfig(layers=" , ")
+
+
+def test_adam_state_survives_a_round_trip():
+    """Save after 3 steps, load into a fresh model and optimizer: the next step is the same to the bit."""
+    torch.manual_seed(0)
+    spec = {"inputs": 6, "hidden": [5], "classes": 3}
+    model = build_mlp(spec)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    x, y = torch.randn(20, 6), torch.randint(0, 3, (20,))
+
+    def step(net, opt):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    for _ in range(3):
+        step(model, optimizer)
+    arrays, meta = optimizer_state(optimizer)
+    saved = model_arrays(model) | arrays
+    copy = build_mlp(spec)
+    copy_optimizer = torch.optim.Adam(copy.parameters(), lr=0.5)
+    load_model_arrays(copy, saved, "test")
+    load_optimizer_state(copy_optimizer, saved, meta)
+    step(model, optimizer)
+    step(copy, copy_optimizer)
+    for name, value in model_arrays(model).items():
+        np.testing.assert_array_equal(model_arrays(copy)[name], value, err_msg=name)
+    with pytest.raises(ValueError, match=r"the checkpoint: the weights standardize.mean are of shape \(6,\), the model needs \(7,\)"):
+        load_model_arrays(build_mlp({"inputs": 7, "hidden": [5], "classes": 3}), saved, "the checkpoint")
+
+
+def test_catalogue_finds_the_samples_built_from_each_atom(tmp_path):
+    """Rows built from one known atom each, with labels: each atom's strongest samples are its own rows."""
+    rng = np.random.default_rng(3)
+    atoms, features, per_atom = 4, 12, 30
+    dictionary = np.linalg.qr(rng.standard_normal((features, atoms)))[0].T  # orthonormal atoms
+    owner = np.repeat(np.arange(atoms), per_atom)
+    strength = rng.uniform(1, 2, len(owner))
+    strength[[7, 40, 75, 100]] = 10.0  # the strongest row of each atom
+    rows = strength[:, None] * dictionary[owner] + 0.01 * rng.standard_normal((len(owner), features))
+    ids = np.arange(len(owner)) + 1000  # the rows' numbers in some larger data set
+    data = tmp_path / "acts.h5"
+    with h5py.File(data, "w") as file:
+        file["relu1"], file["sample_ids"], file["labels"] = rows, ids, owner * 10
+        file.attrs["labels"] = f"{tmp_path / 'labels.h5'}:/labels"
+    with h5py.File(tmp_path / "labels.h5", "w") as file:
+        file["labels"] = np.arange(2000) % 7  # labels of the larger data set, by sample id
+    results = tmp_path / "dl.h5"
+    with h5py.File(results, "w") as file:
+        file["dictionary"] = dictionary
+        file.attrs["format"] = "mpiscale.dictlearn-results/1"
+        file.attrs["config"] = '{"coder": "omp", "sparsity": 1, "alpha": 0.1}'
+        file.attrs["data"] = f"{data}:/relu1"
+    entries, samples = catalogue(str(results), top=3)
+    assert samples == len(rows) and len(entries) == atoms
+    for entry in entries:
+        assert entry.used_by == per_atom
+        assert entry.ids[0] == 1000 + [7, 40, 75, 100][entry.atom]
+        assert all((sample - 1000) // per_atom == entry.atom for sample in entry.ids)
+        np.testing.assert_array_equal(entry.labels, entry.ids % 7)
+    text = format_catalogue(entries, samples, most=2)
+    assert text.count("\natom ") == 2 and "2 more atoms" in text
