@@ -13,6 +13,7 @@ from .errors import (
     RemoteTraceback,
     TransportError,
 )
+from .narrow import bfloat16_bits, bfloat16_values, float16_bits, float16_values
 from .system import ActorSystem, run
 
 __all__ = [
@@ -32,6 +33,10 @@ __all__ = [
     "RestartPolicy",
     "RuntimeConfig",
     "TransportError",
+    "bfloat16_bits",
+    "bfloat16_values",
     "current_system",
+    "float16_bits",
+    "float16_values",
     "run",
 ]

@@ -18,6 +18,7 @@ from . import transport
 from .config import RuntimeConfig
 from .errors import check_signatures, signature_digest
 from .hierarchical import HierarchicalAllreduce
+from .narrow import check_narrow, narrow_ops
 from .progress import ProgressEngine
 
 
@@ -32,7 +33,7 @@ class Communicator:
         self.name = name
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD} | narrow_ops(MPI)
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -72,6 +73,7 @@ class Communicator:
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
+        check_narrow(op, data)
         await self._check("allreduce", f"{data.dtype}{data.shape} {op}")
         mpi_op = self._op(op)
         if out is array and data is array:
@@ -185,6 +187,7 @@ class Hierarchy:
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
+        check_narrow(op, data)
         return self.reducer.start(data, self.world._op(op), op, out)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from ..jobs import option
 
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+
 
 def _positive(config, names: tuple[str, ...], problems: list[str]) -> None:
     for name in names:
@@ -42,6 +44,13 @@ class TrainConfig:
     weight_decay: float = option(0.0, "Adam's L2 penalty")
     seed: int = option(0, "seed of the initial weights and of the batch order")
     bucket_mib: float = option(25.0, "gradient bucket size in MiB (the first bucket is 1 MiB, as in DDP)")
+    compression: str = option(
+        "none",
+        "gradients on the wire: none (float32), fp16 or bf16 (16-bit, half the bytes), or powersgd (low-rank "
+        "factors with error feedback; the residuals restart from zero on --resume)",
+    )
+    powersgd_rank: int = option(4, "powersgd: rank of the factors")
+    powersgd_start: int = option(10, "powersgd: exact steps before compression starts")
     out: str = option("model.h5", "results file: the trained weights, learning curves, settings")
     checkpoint_every: int = option(0, "checkpoint every N steps (0 = never)")
     checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
@@ -50,7 +59,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         problems: list[str] = []
-        for name in ("epochs", "batch_size"):
+        if self.compression not in COMPRESSIONS:
+            problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.powersgd_start < 0:
+            problems.append(f"powersgd_start must be 0 or more, got {self.powersgd_start}")
+        for name in ("epochs", "batch_size", "powersgd_rank"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:

@@ -10,12 +10,12 @@ strictly in index order, the same on every rank. ``await synchronize()`` after
 backward starts what is left (a parameter that got no gradient counts as
 zero, as DDP's ``find_unused_parameters`` does, so it cannot hang the job),
 waits, and writes the averaged gradients back. Inside ``no_sync()`` backward
-only accumulates, for micro-batches.
+only accumulates, for micro-batches. ``compression`` (``compression.Exact``
+by default, ``Narrow`` or ``PowerSGD``) decides what travels.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Iterator
 
@@ -23,6 +23,9 @@ import numpy as np
 import torch
 
 from ..runtime import ActorSystem
+from .compression import Exact, Narrow, PowerSGD
+
+Scheme = Exact | Narrow | PowerSGD
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
 BUCKET_MIB = 25.0
@@ -31,13 +34,13 @@ BUCKET_MIB = 25.0
 class _Bucket:
     """Parameters whose gradients travel in one buffer."""
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
+    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+        self.index, self.params = index, params
+        self.shapes = [tuple(p.shape) for p in params]
         sizes = [p.numel() for p in params]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.buffer = np.zeros(int(self.offsets[-1]), np.float32)
         self.ready: set[int] = set()
-        self.future: asyncio.Future | None = None
 
     def take(self, position: int, grad: torch.Tensor | None) -> None:
         """Copy parameter ``position``'s gradient into the buffer (zeros for none) and mark it ready."""
@@ -58,8 +61,10 @@ class DataParallel:
         module: torch.nn.Module,
         bucket_mib: float = BUCKET_MIB,
         first_bucket_mib: float = FIRST_BUCKET_MIB,
+        compression: Scheme | None = None,
     ) -> None:
         self.system, self.module = system, module
+        self.compression = compression or Exact(system)
         params = [p for p in module.parameters() if p.requires_grad]
         wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32 or p.device.type != "cpu"})
         if wrong:
@@ -103,7 +108,7 @@ class DataParallel:
             self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
-        bucket.future = self.system.hierarchy.start_allreduce(bucket.buffer, out=bucket.buffer)  # runs during backward
+        self.compression.start(bucket)  # the allreduce runs during the rest of backward
         self._launched += 1
 
     async def synchronize(self) -> None:
@@ -113,12 +118,9 @@ class DataParallel:
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
                     bucket.take(position, param.grad)
             self._start(bucket)
-        scale = 1.0 / self.system.size
         with torch.no_grad():
             for bucket in self._buckets:
-                assert bucket.future is not None
-                await bucket.future
-                bucket.buffer *= scale
+                await self.compression.finish(bucket)
                 for position, param in enumerate(bucket.params):
                     average = torch.from_numpy(bucket.view(position).reshape(param.shape))
                     if param.grad is None:
@@ -126,18 +128,19 @@ class DataParallel:
                     else:
                         param.grad.copy_(average)
                 bucket.ready.clear()
-                bucket.future = None
         self._launched = 0
 
     @staticmethod
     def _plan(params: list[torch.nn.Parameter], first_mib: float, cap_mib: float) -> list[_Bucket]:
-        buckets, current, size, limit = [], [], 0, first_mib * 2**20
+        groups: list[list[torch.nn.Parameter]] = []
+        current: list[torch.nn.Parameter] = []
+        size, limit = 0, first_mib * 2**20
         for param in params:
             current.append(param)
             size += param.numel() * 4
             if size >= limit:
-                buckets.append(_Bucket(current))
+                groups.append(current)
                 current, size, limit = [], 0, cap_mib * 2**20
         if current:
-            buckets.append(_Bucket(current))
-        return buckets
+            groups.append(current)
+        return [_Bucket(index, group) for index, group in enumerate(groups)]

@@ -36,6 +36,7 @@ from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
+from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
 from .data import LabelledData, check_labelled, resident_block
@@ -120,7 +121,8 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Job:
             restored = _restore(config, data, spec, checkpoints, model, optimizer)
             if restored is not None:
                 start, curves = restored
-        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib)
+        compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
         return _Job(
             comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints, threads, results_lock
         )

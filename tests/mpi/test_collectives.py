@@ -25,6 +25,22 @@ def test_hierarchical_allreduce_matches_numpy_on_any_layout(ranks, per_node):
     assert f"hierarchical allreduce ok: {ranks} ranks" in job.stdout
 
 
+@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (3, 0), (4, 2)])
+def test_sixteen_bit_sums_on_the_wire(ranks, per_node):
+    job = run_mpi("narrow_sums.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=120)
+    assert_ok(job)
+    assert f"narrow sums ok: {ranks} ranks" in job.stdout
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "bf16", "powersgd-full", "powersgd-low"])
+@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
+def test_compressed_training_is_bounded_and_the_same_on_every_rank(ranks, per_node, scheme):
+    env = {"MPISCALE_RANKS_PER_NODE": str(per_node)}
+    job = run_mpi("data_parallel.py", ranks, "6", scheme, env=env, timeout=180)
+    assert_ok(job)
+    assert f"data parallel ok: {ranks} ranks" in job.stdout and scheme in job.stdout
+
+
 @pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2)])
 def test_data_parallel_training_equals_one_process_on_the_whole_batch(ranks, per_node):
     job = run_mpi("data_parallel.py", ranks, "6", env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=180)

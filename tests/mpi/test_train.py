@@ -12,7 +12,6 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
@@ -72,9 +71,7 @@ def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
     assert len(pure) >= 10, shown.stdout
 
 
-@pytest.mark.parametrize(
-    "ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"]
-)
+@pytest.mark.parametrize("ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"])
 def test_training_follows_one_process(tmp_path, ranks, per_node):
     """Weights after 2 epochs on N ranks (flat or on 2 simulated nodes) equal the one-rank run's within rounding."""
     common = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]

@@ -1,0 +1,176 @@
+"""How a gradient bucket travels: as float32, as 16-bit floats, or as PowerSGD's low-rank factors.
+
+Each scheme has ``start(bucket)``, called the moment a bucket's gradients are
+all in (during backward; it starts the hierarchical allreduce and returns at
+once), and ``await finish(bucket)``, which leaves the average over the ranks
+in ``bucket.buffer``. Every scheme gives every rank the very same bits.
+
+- ``Exact``: float32 sums, divided by the world size at the end.
+- ``Narrow("float16" | "bfloat16")``: as PyTorch DDP's fp16/bf16 compression
+  hooks: divide first (no overflow), send 16-bit values (half the bytes),
+  sum them in float32 and round to 16 bits at each addition.
+- ``PowerSGD(rank)``: Vogels et al. 2019, as PyTorch's PowerSGD hook: each
+  matrix-shaped gradient ``M`` (n x m) plus its error-feedback residual is
+  replaced by ``P Q^T`` with ``P = orth(sum M Q)`` and ``Q = sum M^T P``: two
+  allreduces of ``(n + m) r`` values instead of one of ``n m``. Vectors, and
+  matrices too small to gain ``min_rate`` times, travel exactly with the
+  ``P`` factors. The residual ``M - P Q^T / ranks`` stays on the rank and is
+  added next step; ``Q`` is kept as the next step's warm start. The first
+  ``start_step`` steps are exact, as the hook's ``start_powerSGD_iter``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+import numpy as np
+
+from ..runtime import ActorSystem, bfloat16_bits, bfloat16_values, float16_bits, float16_values
+
+
+class Bucket(Protocol):
+    """What a scheme sees of a bucket: its float32 buffer and its parameters' shapes and offsets."""
+
+    buffer: np.ndarray
+    shapes: list[tuple[int, ...]]
+    offsets: np.ndarray
+    index: int
+
+
+class Exact:
+    """float32 on the wire."""
+
+    def __init__(self, system: ActorSystem) -> None:
+        self.system = system
+        self._futures: dict[int, asyncio.Future] = {}
+
+    def start(self, bucket: Bucket) -> None:
+        self._futures[bucket.index] = self.system.hierarchy.start_allreduce(bucket.buffer, out=bucket.buffer)
+
+    async def finish(self, bucket: Bucket) -> None:
+        await self._futures.pop(bucket.index)
+        bucket.buffer *= 1.0 / self.system.size
+
+
+class Narrow:
+    """16-bit floats on the wire: ``float16`` (IEEE half) or ``bfloat16``."""
+
+    _CODECS = {"float16": (float16_bits, float16_values), "bfloat16": (bfloat16_bits, bfloat16_values)}
+
+    def __init__(self, system: ActorSystem, kind: str) -> None:
+        self.system, self.kind = system, kind
+        self._encode, self._decode = self._CODECS[kind]
+        self._wire: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
+
+    def start(self, bucket: Bucket) -> None:
+        bucket.buffer *= 1.0 / self.system.size  # divided before the sum, so float16's range is not exceeded
+        bits = self._encode(bucket.buffer)
+        future = self.system.hierarchy.start_allreduce(bits, op=f"sum_{self.kind}", out=bits)
+        self._wire[bucket.index] = (bits, future)
+
+    async def finish(self, bucket: Bucket) -> None:
+        bits, future = self._wire.pop(bucket.index)
+        await future
+        self._decode(bits, out=bucket.buffer)
+
+
+class _Matrix:
+    """One matrix-shaped gradient under PowerSGD: where it sits in the bucket, its Q and its residual."""
+
+    def __init__(self, start: int, rows: int, columns: int, rank: int, generator: np.random.Generator) -> None:
+        self.start, self.rows, self.columns = start, rows, columns
+        self.q = generator.standard_normal((columns, rank)).astype(np.float32)  # the same on every rank
+        self.residual = np.zeros((rows, columns), np.float32)
+        self.p = np.empty((rows, rank), np.float32)
+
+    def view(self, buffer: np.ndarray) -> np.ndarray:
+        return buffer[self.start : self.start + self.rows * self.columns].reshape(self.rows, self.columns)
+
+
+class PowerSGD:
+    """Rank-``rank`` PowerSGD with error feedback, after ``start_step`` exact steps."""
+
+    def __init__(
+        self, system: ActorSystem, rank: int = 4, start_step: int = 10, min_rate: float = 2.0, seed: int = 0
+    ) -> None:
+        if rank < 1:
+            raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
+        self.system, self.rank, self.start_step, self.min_rate, self.seed = system, rank, start_step, min_rate, seed
+        self.exact = Exact(system)
+        self._layout: dict[int, tuple[list[_Matrix], np.ndarray]] = {}
+        self._pending: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
+        self._steps: dict[int, int] = {}
+
+    def _plan(self, bucket: Bucket) -> tuple[list[_Matrix], np.ndarray]:
+        """The bucket's compressed matrices, and the indices of the values that travel exactly."""
+        if bucket.index not in self._layout:
+            generator = np.random.default_rng([self.seed, bucket.index])
+            matrices, exact = [], []
+            for position, shape in enumerate(bucket.shapes):
+                start, stop = int(bucket.offsets[position]), int(bucket.offsets[position + 1])
+                rows, columns = (shape[0], (stop - start) // shape[0]) if len(shape) >= 2 else (1, stop - start)
+                rank = min(self.rank, rows, columns)
+                if len(shape) >= 2 and rows * columns >= self.min_rate * (rows + columns) * rank:
+                    matrices.append(_Matrix(start, rows, columns, rank, generator))
+                else:
+                    exact.append(np.arange(start, stop))
+            self._layout[bucket.index] = (matrices, np.concatenate(exact) if exact else np.empty(0, np.int64))
+        return self._layout[bucket.index]
+
+    def start(self, bucket: Bucket) -> None:
+        step = self._steps.get(bucket.index, 0)
+        self._steps[bucket.index] = step + 1
+        if step < self.start_step:
+            self.exact.start(bucket)
+            return
+        matrices, exact = self._plan(bucket)
+        parts = [bucket.buffer[exact]]
+        for matrix in matrices:
+            gradient = matrix.view(bucket.buffer)
+            gradient += matrix.residual  # error feedback: what earlier steps' approximations missed
+            np.matmul(gradient, matrix.q, out=matrix.p)
+            parts.append(matrix.p.reshape(-1))
+        wire = np.concatenate(parts)
+        self._pending[bucket.index] = (wire, self.system.hierarchy.start_allreduce(wire, out=wire))
+
+    async def finish(self, bucket: Bucket) -> None:
+        if bucket.index not in self._pending:
+            await self.exact.finish(bucket)
+            return
+        matrices, exact = self._layout[bucket.index]
+        wire, future = self._pending.pop(bucket.index)
+        await future
+        scale = 1.0 / self.system.size
+        bucket.buffer[exact] = wire[: len(exact)] * scale
+        offset = len(exact)
+        q_parts = []
+        for matrix in matrices:
+            count = matrix.p.size
+            p = wire[offset : offset + count].reshape(matrix.p.shape)
+            offset += count
+            matrix.p = np.linalg.qr(p)[0].astype(np.float32)  # the same bits on every rank: p is
+            q_parts.append((matrix.view(bucket.buffer).T @ matrix.p).reshape(-1))
+        if not matrices:
+            return
+        qs = np.concatenate(q_parts)
+        await self.system.hierarchy.allreduce(qs, out=qs)
+        offset = 0
+        for matrix in matrices:
+            matrix.q = qs[offset : offset + matrix.q.size].reshape(matrix.q.shape).copy()
+            offset += matrix.q.size
+            gradient = matrix.view(bucket.buffer)
+            average = (matrix.p @ matrix.q.T) * scale
+            np.subtract(gradient, average, out=matrix.residual)
+            gradient[...] = average
+
+
+def scheme(system: ActorSystem, name: str, powersgd_rank: int = 4, powersgd_start: int = 10):
+    """The scheme a trainer's ``compression`` setting names: none, fp16, bf16 or powersgd."""
+    if name == "none":
+        return Exact(system)
+    if name in ("fp16", "bf16"):
+        return Narrow(system, {"fp16": "float16", "bf16": "bfloat16"}[name])
+    if name == "powersgd":
+        return PowerSGD(system, powersgd_rank, powersgd_start)
+    raise ValueError(f"unknown compression {name!r}: use none, fp16, bf16 or powersgd")
