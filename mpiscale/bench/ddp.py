@@ -1,11 +1,17 @@
 """Training step time: ``mpiscale.train.DataParallel`` against PyTorch's DistributedDataParallel (gloo).
 
-The same MLP, batch, ranks and torch threads for both, in one run, plus the
-step with no communication at all (what overlap could at best reach). Each
-figure is the median over steps of the slowest rank's step time.
+The same MLP, batch, ranks and torch threads for all, in one run: the step with
+no communication (what overlap could at best reach), the gradient allreduce
+alone (no backward to hide it behind), and then each compression scheme both
+ways: ours (none, fp16, bf16, PowerSGD rank 4) against DDP with its own
+communication hooks for the same scheme. Each figure is the median over steps
+of the slowest rank's step time. The share of communication hidden behind
+backward is ``1 - (step - compute) / communication``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -13,10 +19,13 @@ from ..kernels.threads import share_cores
 from ..ranks import ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..train import DataParallel
+from ..train.compression import scheme
 from .allreduce import init_gloo
 from .report import median_slowest_async, table, write_json
 
 WIDTH, DEPTH, BATCH = 2048, 3, 64  # about 12.6M parameters: 50 MB of gradients per step
+SCHEMES = ("none", "fp16", "bf16", "powersgd")
+POWERSGD_RANK = 4
 
 
 def _model(torch):
@@ -27,8 +36,28 @@ def _model(torch):
     return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 1))
 
 
+def _ddp_hook(torch, model, name: str) -> bool:
+    """DDP's own communication hook for the scheme (none: its built-in allreduce); False where torch has none.
+
+    torch's bf16 hook needs NCCL (CUDA) or XCCL: on gloo it refuses, so DDP has no bf16 column on CPUs.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "bf16":
+        try:
+            model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        except TypeError:
+            return False
+    elif name == "powersgd":
+        state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return True
+
+
 async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
-    """Time ``steps`` training steps three ways; rank 0 prints the table and writes the JSON record."""
+    """Time the steps every way; rank 0 prints the table and writes the JSON record."""
     import torch
 
     comm = system.world.comm
@@ -41,52 +70,92 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(system.rank))
     y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100))
 
-    def plain_step(model, optimizer):
+    def backward(model, optimizer) -> None:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
 
     local = _model(torch)
     local_optimizer = torch.optim.SGD(local.parameters(), lr=1e-4)
 
     async def compute_only() -> None:
-        plain_step(local, local_optimizer)
+        backward(local, local_optimizer)
+        local_optimizer.step()
 
-    ours_model = _model(torch)
-    parallel = DataParallel(system, ours_model)
-    await parallel.broadcast_parameters()
-    ours_optimizer = torch.optim.SGD(ours_model.parameters(), lr=1e-4)
+    def ours(name: str) -> tuple[Callable[[], Awaitable[None]], DataParallel]:
+        model = _model(torch)
+        parallel = DataParallel(system, model, compression=scheme(system, name, POWERSGD_RANK, powersgd_start=2))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    async def ours() -> None:
-        ours_optimizer.zero_grad()
-        torch.nn.functional.mse_loss(ours_model(x), y).backward()
-        await parallel.synchronize()
-        ours_optimizer.step()
+        async def step() -> None:
+            backward(model, optimizer)
+            await parallel.synchronize()
+            optimizer.step()
 
-    ddp_model = torch.nn.parallel.DistributedDataParallel(_model(torch))
-    ddp_optimizer = torch.optim.SGD(ddp_model.parameters(), lr=1e-4)
+        return step, parallel
 
-    async def ddp() -> None:
-        plain_step(ddp_model, ddp_optimizer)
+    def ddp(name: str) -> Callable[[], Awaitable[None]] | None:
+        # torch's PowerSGD hook chains each bucket's second allreduce in a callback; on gloo, with several buckets,
+        # the ranks issued those in different orders and gloo aborted (a collective mismatch). One bucket avoids it.
+        cap = {"bucket_cap_mb": 1024} if name == "powersgd" else {}
+        model = torch.nn.parallel.DistributedDataParallel(_model(torch), **cap)
+        if not _ddp_hook(torch, model, name):
+            return None
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
-    seconds = {name: await median_slowest_async(system, step, steps) for name, step in
-               [("compute_only", compute_only), ("ours", ours), ("ddp_gloo", ddp)]}  # fmt: skip
+        async def step() -> None:
+            backward(model, optimizer)
+            optimizer.step()
+
+        return step
+
+    seconds: dict[str, float | None] = {"compute_only": await median_slowest_async(system, compute_only, steps)}
+    for name in SCHEMES:
+        step, parallel = ours(name)
+        await parallel.broadcast_parameters()
+        for _ in range(3):  # past PowerSGD's exact warm-up steps
+            await step()
+        seconds[f"ours_{name}"] = await median_slowest_async(system, step, steps)
+        if name == "none":  # the same buckets with gradients in place: the allreduces alone, nothing to hide behind
+            seconds["communication_only"] = await median_slowest_async(system, parallel.synchronize, steps)
+        del step, parallel
+        step_ddp = ddp(name)
+        if step_ddp is None:
+            seconds[f"ddp_{name}"] = None
+            continue
+        for _ in range(3):
+            await step_ddp()
+        seconds[f"ddp_{name}"] = await median_slowest_async(system, step_ddp, steps)
     dist.destroy_process_group()
     if system.rank != 0:
         return None
-    parameters = sum(p.numel() for p in local.parameters())
+    return _report(system, json_path, seconds, sum(p.numel() for p in local.parameters()), steps, torch)
+
+
+def _report(system: ActorSystem, json_path: str, seconds: dict, parameters: int, steps: int, torch) -> dict:
+    compute, communication = seconds["compute_only"], seconds["communication_only"]
+    hidden = max(0.0, 1.0 - (seconds["ours_none"] - compute) / communication) if communication > 0 else 0.0
     print(f"training step of an MLP ({DEPTH} x {WIDTH}, {parameters / 1e6:.1f}M parameters, batch {BATCH} per rank), "
-          f"{system.size} ranks, {torch.get_num_threads()} torch threads each; median of {steps} steps")  # fmt: skip
-    rows = [[name, value * 1e3, seconds["ddp_gloo"] / value] for name, value in seconds.items()]
-    print(table(["", "ms/step", "DDP/this"], rows))
+          f"{system.size} ranks on {system.hierarchy.node_count} nodes, {torch.get_num_threads()} torch threads "
+          f"each; median of {steps} steps")  # fmt: skip
+    rows = [["compute only", compute * 1e3, "", ""], ["allreduce only (ours)", communication * 1e3, "", ""]]
+    for name in SCHEMES:
+        ours, ddp = seconds[f"ours_{name}"], seconds[f"ddp_{name}"]
+        versus = [ddp * 1e3, ddp / ours] if ddp is not None else ["n/a (gloo)", ""]
+        rows.append([f"compression {name}", ours * 1e3, *versus])
+    print(table(["", "ours ms/step", "DDP ms/step", "DDP/ours"], rows))
+    print(f"communication hidden behind backward (no compression): {hidden:.0%}")
     results = {
         "ranks": system.size,
         "nodes": system.hierarchy.node_count,
         "parameters": parameters,
         "batch_per_rank": BATCH,
         "torch_threads": torch.get_num_threads(),
+        "powersgd_rank": POWERSGD_RANK,
         "seconds_per_step": seconds,
-        "ours_vs_ddp": seconds["ddp_gloo"] / seconds["ours"],
+        "ours_vs_ddp": {
+            name: seconds[f"ddp_{name}"] / seconds[f"ours_{name}"] for name in SCHEMES if seconds[f"ddp_{name}"]
+        },
+        "hidden_share": hidden,
         "gradient_bytes": int(np.float32().itemsize * parameters),
     }
     print(f"wrote {write_json(json_path, 'ddp', system.size, results)}")

@@ -13,7 +13,6 @@ from .errors import (
     RemoteTraceback,
     TransportError,
 )
-from .narrow import bfloat16_bits, bfloat16_values, float16_bits, float16_values
 from .system import ActorSystem, run
 
 __all__ = [
@@ -33,10 +32,6 @@ __all__ = [
     "RestartPolicy",
     "RuntimeConfig",
     "TransportError",
-    "bfloat16_bits",
-    "bfloat16_values",
     "current_system",
-    "float16_bits",
-    "float16_values",
     "run",
 ]

@@ -8,6 +8,7 @@ so collectives never match the runtime's point-to-point traffic.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -18,8 +19,10 @@ from . import transport
 from .config import RuntimeConfig
 from .errors import check_signatures, signature_digest
 from .hierarchical import HierarchicalAllreduce
-from .narrow import check_narrow, narrow_ops
 from .progress import ProgressEngine
+
+#: A reduction applied outside MPI: the contributions stacked in rank order (rows) -> the reduced row.
+Reduction = Callable[[np.ndarray], np.ndarray]
 
 
 class Communicator:
@@ -33,7 +36,7 @@ class Communicator:
         self.name = name
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD} | narrow_ops(MPI)
+        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -73,7 +76,6 @@ class Communicator:
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
-        check_narrow(op, data)
         await self._check("allreduce", f"{data.dtype}{data.shape} {op}")
         mpi_op = self._op(op)
         if out is array and data is array:
@@ -172,23 +174,32 @@ class Hierarchy:
     node_count: int
     reducer: HierarchicalAllreduce
 
-    async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
+    async def allreduce(
+        self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Reduce-scatter in each node, reduce each block across nodes, allgather in each node.
 
         Same result as ``world.allreduce`` up to floating-point summation order,
         and the same bits on every rank; every rank carries its share across
-        nodes. float16 is summed in float32. Several calls may be in flight.
+        nodes. float16 is summed in float32. ``op`` is "sum", "min", "max",
+        "prod", or a ``Reduction``: a function of the contributions stacked in
+        rank order (rows) returning one row, applied outside MPI (for element
+        types MPI cannot add, such as 16-bit floats held as uint16). Several
+        calls may be in flight.
         """
         return await self.start_allreduce(array, op, out)
 
-    def start_allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> asyncio.Future:
+    def start_allreduce(
+        self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
+    ) -> asyncio.Future:
         """Begin ``allreduce`` now, even from code that does not await (a gradient hook); await the future later.
 
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
-        check_narrow(op, data)
-        return self.reducer.start(data, self.world._op(op), op, out)
+        if isinstance(op, str):
+            return self.reducer.start(data, self.world._op(op), op, out)
+        return self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out)
 
 
 def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:

@@ -7,8 +7,9 @@ in ``bucket.buffer``. Every scheme gives every rank the very same bits.
 
 - ``Exact``: float32 sums, divided by the world size at the end.
 - ``Narrow("float16" | "bfloat16")``: as PyTorch DDP's fp16/bf16 compression
-  hooks: divide first (no overflow), send 16-bit values (half the bytes),
-  sum them in float32 and round to 16 bits at each addition.
+  hooks: divide first (no overflow), send 16-bit values (half the bytes), add
+  them in float32 in rank order and round to 16 bits once per stage
+  (``kernels.halves``: Numba encoding and sums, no Python inside MPI).
 - ``PowerSGD(rank)``: Vogels et al. 2019, as PyTorch's PowerSGD hook: each
   matrix-shaped gradient ``M`` (n x m) plus its error-feedback residual is
   replaced by ``P Q^T`` with ``P = orth(sum M Q)`` and ``Q = sum M^T P``: two
@@ -26,7 +27,8 @@ from typing import Protocol
 
 import numpy as np
 
-from ..runtime import ActorSystem, bfloat16_bits, bfloat16_values, float16_bits, float16_values
+from ..kernels.halves import SumOfBits, from_bits, to_bits
+from ..runtime import ActorSystem
 
 
 class Bucket(Protocol):
@@ -56,23 +58,20 @@ class Exact:
 class Narrow:
     """16-bit floats on the wire: ``float16`` (IEEE half) or ``bfloat16``."""
 
-    _CODECS = {"float16": (float16_bits, float16_values), "bfloat16": (bfloat16_bits, bfloat16_values)}
-
     def __init__(self, system: ActorSystem, kind: str) -> None:
-        self.system, self.kind = system, kind
-        self._encode, self._decode = self._CODECS[kind]
+        self.system, self.kind, self.sum = system, kind, SumOfBits(kind)
         self._wire: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
 
     def start(self, bucket: Bucket) -> None:
         bucket.buffer *= 1.0 / self.system.size  # divided before the sum, so float16's range is not exceeded
-        bits = self._encode(bucket.buffer)
-        future = self.system.hierarchy.start_allreduce(bits, op=f"sum_{self.kind}", out=bits)
+        bits = to_bits(bucket.buffer, self.kind)
+        future = self.system.hierarchy.start_allreduce(bits, op=self.sum, out=bits)
         self._wire[bucket.index] = (bits, future)
 
     async def finish(self, bucket: Bucket) -> None:
         bits, future = self._wire.pop(bucket.index)
         await future
-        self._decode(bits, out=bucket.buffer)
+        from_bits(bits, self.kind, out=bucket.buffer)
 
 
 class _Matrix:

@@ -110,5 +110,10 @@ def test_bench_ddp_writes_json(tmp_path):
     assert_ok(job)
     record = json.loads(out.read_text())
     assert record["benchmark"] == "ddp" and record["ranks"] == 2 and record["parameters"] > 10_000_000
-    assert set(record["seconds_per_step"]) == {"compute_only", "ours", "ddp_gloo"}
-    assert all(seconds > 0 for seconds in record["seconds_per_step"].values())
+    schemes = ("none", "fp16", "bf16", "powersgd")
+    expected = {"compute_only", "communication_only"} | {f"{way}_{s}" for way in ("ours", "ddp") for s in schemes}
+    assert set(record["seconds_per_step"]) == expected
+    assert record["seconds_per_step"]["ddp_bf16"] is None  # torch's bf16 hook needs NCCL: no gloo peer
+    assert all(seconds > 0 for name, seconds in record["seconds_per_step"].items() if name != "ddp_bf16")
+    assert set(record["ours_vs_ddp"]) == {"none", "fp16", "powersgd"} and 0 <= record["hidden_share"] <= 1
+    assert "communication hidden behind backward" in job.stdout

@@ -12,7 +12,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import assert_ok, finish, launch
+from conftest import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -28,19 +28,22 @@ def weights(path) -> dict[str, np.ndarray]:
 
 
 def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
-    """The documented pipeline at 2 ranks: a digit classifier, its hidden layer, a dictionary of it, the catalogue."""
-    model, acts, dictionary = tmp_path / "model.h5", tmp_path / "acts.h5", tmp_path / "dl.h5"
-    job = mpiscale(2, "train", "--epochs", 6, "--out", model, "--progress-every", 0)
+    """examples/feature_catalogue.sh at 2 ranks: a digit classifier, its hidden layer, a dictionary, the catalogue."""
+    script = REPO / "examples" / "feature_catalogue.sh"
+    process = subprocess.Popen(
+        ["bash", str(script), str(tmp_path), "2"],
+        env=SESSION_ENVIRONMENT | {"MPISCALE": " ".join(MPISCALE), "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    job = finish(process, "examples/feature_catalogue.sh on 2 ranks", timeout=150)
     assert_ok(job)
-    assert "wrote" in job.stdout and "held-out accuracy" in job.stdout
+    model, acts = tmp_path / "model.h5", tmp_path / "activations.h5"
     with h5py.File(model, "r") as file:
         assert file.attrs["format"] == "mpiscale.train-results/1" and file.attrs["world_size"] == 2
         held_out = file["curves/epoch/validation_accuracy"][()]
         assert len(held_out) == 6 and held_out[-1] > 0.85, held_out  # ten classes: chance is 0.1
         assert len(file["curves/step/loss"]) == 6 * (1437 // 64)
 
-    job = mpiscale(2, "collect", "--model", model, "--out", acts, "--batch-size", 100, "--layers", "relu1,hidden2")
-    assert_ok(job)
     from mpiscale.train.results import load_trained
 
     net, _ = load_trained(str(model))
@@ -48,27 +51,34 @@ def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
         inputs = file["inputs"][()]
     with torch.no_grad():
         expected = net[:3](torch.from_numpy(inputs)).numpy()  # standardize, hidden1, relu1
-        expected_hidden2 = net[:4](torch.from_numpy(inputs)).numpy()
     with h5py.File(acts, "r") as file:
         assert file.attrs["format"] == "mpiscale.activations/1"
         np.testing.assert_array_equal(file["sample_ids"][()], np.arange(len(inputs)))
         np.testing.assert_allclose(file["relu1"][()], expected, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(file["hidden2"][()], expected_hidden2, rtol=1e-5, atol=1e-5)
         assert file.attrs["labels"].endswith("model.digits.h5:/labels")
 
-    job = mpiscale(2, "dictlearn", "--data", f"{acts}:/relu1", "--atoms", 20, "--sparsity", 3, "--iterations", 150,
-                   "--out", dictionary, "--progress-every", 0)  # fmt: skip
-    assert_ok(job)
-    shown = subprocess.run(
-        [*MPISCALE, "inspect", str(dictionary), "--top-inputs", "5", "--atoms", "20"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert shown.returncode == 0, shown.stderr
-    atoms = [line for line in shown.stdout.splitlines() if line.startswith("atom ")]
-    assert len(atoms) == 20
+    atoms = [line for line in job.stdout.splitlines() if line.startswith("atom ")]
+    assert len(atoms) == 20, job.stdout
     # Hidden units of a digit classifier separate the classes: most atoms' strongest inputs share one label.
     pure = [line for line in atoms if "top labels" in line and " x5" in line.split("top labels")[1].split(":")[0]]
-    assert len(pure) >= 10, shown.stdout
+    assert len(pure) >= 10, job.stdout
+
+
+def test_collect_in_small_rounds_writes_every_layer(tmp_path):
+    """Rounds of 100 rows on 3 ranks (blocks not divisible by the rounds), two layers: the model's outputs, in order."""
+    model, acts = tmp_path / "model.h5", tmp_path / "acts.h5"
+    assert_ok(mpiscale(1, "train", "--epochs", 1, "--hidden", "24,12", "--out", model, "--progress-every", 0))
+    job = mpiscale(3, "collect", "--model", model, "--out", acts, "--batch-size", 100, "--layers", "hidden2,relu1")
+    assert_ok(job)
+    from mpiscale.train.results import load_trained
+
+    net, _ = load_trained(str(model))
+    with h5py.File(tmp_path / "model.digits.h5", "r") as file:
+        inputs = torch.from_numpy(file["inputs"][()])
+    with torch.no_grad(), h5py.File(acts, "r") as file:
+        np.testing.assert_allclose(file["relu1"][()], net[:3](inputs).numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(file["hidden2"][()], net[:4](inputs).numpy(), rtol=1e-5, atol=1e-5)
+        assert file["hidden2"].shape == (1437, 12)
 
 
 @pytest.mark.parametrize("ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"])
