@@ -126,32 +126,23 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--laps", type=int, default=3, help="laps of the ring each token makes (default: 3)")
     demo.set_defaults(handler=_demo)
 
-    learn = commands.add_parser(
-        "dictlearn",
-        help="distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
-        description="Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is "
-        "not given. Settings come from the defaults, then --config FILE.toml, then these options.",
-    )
-    add_options(learn, DictLearnConfig)
-    learn.set_defaults(handler=_dictlearn)
-
-    train = commands.add_parser(
-        "train",
-        help="data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
-        description="Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data "
-        "is not given. Settings come from the defaults, then --config FILE.toml, then these options.",
-    )
-    add_options(train, TrainConfig)
-    train.set_defaults(handler=_train)
-
-    collect = commands.add_parser(
-        "collect",
-        help="a trained model's layer activations for a data set, written in parallel to one HDF5 file",
-        description="Run the model of a train results file over every row of --data and write the outputs of "
-        "--layers to --out (one data set per layer, and sample_ids): the input of mpiscale dictlearn.",
-    )
-    add_options(collect, CollectConfig)
-    collect.set_defaults(handler=_collect)
+    settings = "Settings come from the defaults, then --config FILE.toml, then these options."
+    for name, kind, handler, summary, description in [
+        ("dictlearn", DictLearnConfig, _dictlearn,
+         "distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
+         "Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is not given."),
+        ("train", TrainConfig, _train,
+         "data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
+         "Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data is not "
+         "given."),
+        ("collect", CollectConfig, _collect,
+         "a trained model's layer activations for a data set, written in parallel to one HDF5 file",
+         "Run the model of a train results file over every row of --data and write the outputs of --layers to "
+         "--out (one data set per layer, and sample_ids): the input of mpiscale dictlearn."),
+    ]:  # fmt: skip
+        job = commands.add_parser(name, help=summary, description=f"{description} {settings}")
+        add_options(job, kind)
+        job.set_defaults(handler=handler)
 
     index = commands.add_parser(
         "index",

@@ -96,8 +96,8 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     def ddp(name: str) -> Callable[[], Awaitable[None]] | None:
         # torch's PowerSGD hook chains each bucket's second allreduce in a callback; on gloo, with several buckets,
         # the ranks issued those in different orders and gloo aborted (a collective mismatch). One bucket avoids it.
-        cap = {"bucket_cap_mb": 1024} if name == "powersgd" else {}
-        model = torch.nn.parallel.DistributedDataParallel(_model(torch), **cap)
+        cap = 1024 if name == "powersgd" else None
+        model = torch.nn.parallel.DistributedDataParallel(_model(torch), bucket_cap_mb=cap)
         if not _ddp_hook(torch, model, name):
             return None
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer, CheckpointError, LockedError, OutputLock, WriteError, checksum
-from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results
+from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock, checksum
+from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import Comm, host_placement, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -124,16 +124,7 @@ async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
     cannot be written (full disk, quota, a rank stuck in collective I/O) ends it
     with one message and status 1. Other errors keep their tracebacks.
     """
-    job, status = None, 2
-    problem: Exception | None = None
-    try:
-        job = _prepare(system, config)
-    except (ValueError, CheckpointError, LockedError) as error:
-        problem = ValueError(f"mpiscale dictlearn: {error}")
-    except WriteError as error:  # the planted data set did not fit: the run failed, the input was fine
-        problem, status = OSError(f"mpiscale dictlearn: {error}"), 1
-    await system.agree(problem, "the input and settings", status=status)
-    assert job is not None  # the agreement raised on every rank otherwise
+    job = await start_agreed(system, "dictlearn", lambda: _prepare(system, config))
     try:
         return await _run(system, config, job)
     finally:

@@ -1,6 +1,6 @@
 """What every job (dictlearn, train, collect) shares: settings from TOML and the command line, the progress line."""
 
-from .outputs import check_outputs, close_checkpointer, lock_results
+from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed
 from .progress import ProgressLine, duration
 from .settings import add_options, load_settings, option, option_fields, run_job
 
@@ -15,4 +15,5 @@ __all__ = [
     "option",
     "option_fields",
     "run_job",
+    "start_agreed",
 ]

@@ -1,12 +1,38 @@
-"""A job's outputs checked before any work: the results file's directory, the checkpoint directory, the lock."""
+"""A job's start and outputs: checks agreed by every rank, output directories, the results lock, the checkpointer."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-from ..io import Checkpointer, CheckpointError, LockedError, OutputLock
+from ..io import Checkpointer, CheckpointError, LockedError, OutputLock, WriteError
 from ..ranks import Comm, agree
+from ..runtime import ActorSystem
+
+Job = TypeVar("Job")
+
+
+async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], Job]) -> Job:
+    """``prepare()`` on every rank, then agree: bad input ends every rank with one message and status 2.
+
+    Bad input is a ``ValueError`` (data, settings, paths; ``DataFileError`` is
+    one), a ``CheckpointError`` or a ``LockedError`` (another job on the same
+    outputs). A ``WriteError`` (a file the job writes first did not fit) ends
+    it with status 1: the run failed, the input was fine.
+    """
+    job, status = None, 2
+    problem: Exception | None = None
+    try:
+        job = prepare()
+    except (ValueError, CheckpointError, LockedError) as error:
+        problem = ValueError(f"mpiscale {command}: {error}")
+    except WriteError as error:
+        problem, status = OSError(f"mpiscale {command}: {error}"), 1
+    await system.agree(problem, "the input and settings", status=status)
+    assert job is not None  # the agreement raised on every rank otherwise
+    return job
 
 
 def check_outputs(out: str, checkpoints: str | None) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..io import DataFileError, LockedError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
-from ..jobs import ProgressLine, check_outputs, lock_results
+from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
+from ..jobs import ProgressLine, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import Comm, rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -44,14 +44,7 @@ class _Job:
 
 async def collect(system: ActorSystem, config: CollectConfig) -> dict:
     """Run the job on every rank; bad input ends it before any row is read, with one message and status 2."""
-    job, status = None, 2
-    problem: Exception | None = None
-    try:
-        job = _prepare(config)
-    except (ValueError, LockedError) as error:
-        problem = ValueError(f"mpiscale collect: {error}")
-    await system.agree(problem, "the input and settings", status=status)
-    assert job is not None
+    job = await start_agreed(system, "collect", lambda: _prepare(config))
     try:
         return _write(system, config, job)
     except WriteError as error:

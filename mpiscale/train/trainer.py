@@ -27,12 +27,10 @@ from ..io import (
     Checkpointer,
     CheckpointError,
     DataFileError,
-    LockedError,
     OutputLock,
-    WriteError,
     checksum,
 )
-from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results
+from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -78,16 +76,7 @@ async def train(system: ActorSystem, config: TrainConfig) -> dict:
     status 2, agreed by every rank; a checkpoint or results file that cannot be
     written ends it with status 1.
     """
-    job, status = None, 2
-    problem: Exception | None = None
-    try:
-        job = _prepare(system, config)
-    except (ValueError, CheckpointError, LockedError) as error:
-        problem = ValueError(f"mpiscale train: {error}")
-    except WriteError as error:  # the digits files did not fit: the run failed, the input was fine
-        problem, status = OSError(f"mpiscale train: {error}"), 1
-    await system.agree(problem, "the input and settings", status=status)
-    assert job is not None  # the agreement raised on every rank otherwise
+    job = await start_agreed(system, "train", lambda: _prepare(system, config))
     try:
         return await _run(system, config, job)
     finally:
