@@ -1,12 +1,12 @@
 """Data-parallel training with PyTorch over the runtime, and activation collection (the runtime never imports torch).
 
-``DataParallel`` is loaded on first use, so the command line can read the
+``DataParallel`` and ``allreduce_tensor`` are loaded on first use, so the command line can read the
 settings of ``mpiscale train`` without importing torch.
 """
 
 from typing import Any
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "allreduce_tensor"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from .data_parallel import DataParallel
 
         return DataParallel
+    if name == "allreduce_tensor":
+        from .tensors import allreduce_tensor
+
+        return allreduce_tensor
     raise AttributeError(f"module 'mpiscale.train' has no attribute {name!r}")

@@ -32,6 +32,13 @@ def test_sixteen_bit_sums_on_the_wire(ranks, per_node):
     assert f"narrow sums ok: {ranks} ranks" in job.stdout
 
 
+@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (3, 0), (4, 2)])
+def test_torch_tensors_of_four_dtypes(ranks, per_node):
+    job = run_mpi("tensor_allreduce.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=120)
+    assert_ok(job)
+    assert f"tensor allreduce ok: {ranks} ranks" in job.stdout
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "bf16", "powersgd-full", "powersgd-low"])
 @pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
 def test_compressed_training_is_bounded_and_the_same_on_every_rank(ranks, per_node, scheme):
