@@ -21,6 +21,12 @@ from .errors import check_signatures, signature_digest
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
 
+
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """Where each rank's part starts."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
 #: A reduction applied outside MPI: the contributions stacked in rank order (rows) -> the reduced row.
 Reduction = Callable[[np.ndarray], np.ndarray]
 
@@ -147,6 +153,26 @@ class Communicator:
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
         await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
         return result
+
+    async def alltoallv(self, rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Send ``counts[r]`` rows of ``rows`` (grouped by destination, in rank order) to each rank ``r``.
+
+        Returns (the rows received, stacked in source-rank order; how many came
+        from each rank). Row shapes and dtypes must agree; counts may differ.
+        """
+        data = self._array(rows, "alltoallv")
+        if data.ndim == 0 or len(counts) != self.size or int(np.sum(counts)) != len(data):
+            raise ValueError(f"alltoallv: {self.size} counts summing to the {len(data)} rows are needed, got {counts}")
+        await self._check("alltoallv", f"{data.dtype}{data.shape[1:]}")
+        sent = np.ascontiguousarray(counts, dtype=np.int64)
+        received_counts = np.empty(self.size, np.int64)
+        await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
+        row = int(np.prod(data.shape[1:], dtype=np.int64))
+        result = np.empty((int(received_counts.sum()), *data.shape[1:]), dtype=data.dtype)
+        send = [data, (sent * row, _offsets(sent) * row)]
+        receive = [result, (received_counts * row, _offsets(received_counts) * row)]
+        await self._wait(self.comm.Ialltoallv(send, receive), "alltoallv", keep=data)
+        return result, received_counts
 
     async def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""

@@ -1,0 +1,211 @@
+"""Numba kernels of the partitioned memory store: the partition hash, the id index, one fused pass per iteration.
+
+- ``owners``: splitmix64's finaliser of each id, modulo the ranks: sequential ids
+  spread evenly, unlike ``id % ranks``.
+- The id index is open addressing with linear probing: a power-of-two table of
+  row numbers (int32, -1 empty) at most half full, keys read from the id column.
+  That is 8 bytes per record beside the columns.
+- ``iteration_pass`` is one pass over the columns per iteration: decay each
+  strength (subtract, clamp to [0, 1]) and, from the qualities, the count, the
+  maximum, a fixed-bin histogram, the exact sum and each thread's top-k by
+  (quality descending, id ascending). The sum is exact and independent of the
+  order of addition: every float32 is an integer mantissa times a power of two,
+  and the mantissas are added as integers per exponent (``EXPONENT_BINS``);
+  ``exact_total`` turns the bins into the correctly rounded sum. So the
+  aggregates are the same bits on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import get_num_threads, njit, prange
+
+EXPONENT_BINS = 256
+_EMPTY = -1
+
+
+@njit(inline="always", cache=True)
+def _mix(value):
+    z = np.uint64(value) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(parallel=True, cache=True)
+def owners(ids, ranks):
+    """The rank that owns each id."""
+    out = np.empty(ids.size, np.int64)
+    for i in prange(ids.size):
+        out[i] = np.int64(_mix(ids[i]) % np.uint64(ranks))
+    return out
+
+
+@njit(cache=True)
+def build_index(ids, capacity):
+    """An index of ``ids`` (unique) in a table of ``capacity`` slots (a power of two)."""
+    slots = np.full(capacity, _EMPTY, np.int32)
+    mask = np.uint64(capacity - 1)
+    for row in range(ids.size):
+        slot = _mix(ids[row]) & mask
+        while slots[slot] != _EMPTY:
+            slot = (slot + np.uint64(1)) & mask
+        slots[slot] = row
+    return slots
+
+
+@njit(parallel=True, cache=True)
+def find_rows(slots, ids, queries):
+    """The row of each query id, or -1 where it is not stored."""
+    out = np.empty(queries.size, np.int64)
+    mask = np.uint64(slots.size - 1)
+    for i in prange(queries.size):
+        key = queries[i]
+        slot = _mix(key) & mask
+        found = -1
+        while True:
+            row = slots[slot]
+            if row == _EMPTY:
+                break
+            if ids[row] == key:
+                found = row
+                break
+            slot = (slot + np.uint64(1)) & mask
+        out[i] = found
+    return out
+
+
+@njit(cache=True)
+def add_to_index(slots, ids, first_row):
+    """Index rows ``first_row:`` of ``ids`` (new, unique ids) in a table with room for them."""
+    mask = np.uint64(slots.size - 1)
+    for row in range(first_row, ids.size):
+        slot = _mix(ids[row]) & mask
+        while slots[slot] != _EMPTY:
+            slot = (slot + np.uint64(1)) & mask
+        slots[slot] = row
+
+
+@njit(cache=True)
+def combine_sorted(ids, deltas):
+    """Sum the deltas of equal ids (already sorted by id, then by position) in that order: (ids, sums)."""
+    unique = np.empty(ids.size, np.int64)
+    sums = np.empty(ids.size, np.float32)
+    count = -1
+    for i in range(ids.size):
+        if count < 0 or ids[i] != unique[count]:
+            count += 1
+            unique[count] = ids[i]
+            sums[count] = deltas[i]
+        else:
+            sums[count] = np.float32(sums[count] + deltas[i])
+    return unique[: count + 1], sums[: count + 1]
+
+
+@njit(parallel=True, cache=True)
+def apply_deltas(strength, touched, rows, deltas, iteration):
+    """``strength[row] += delta``, clamped to [0, 1], and the row's last-touched iteration set (rows unique)."""
+    for i in prange(rows.size):
+        row = rows[i]
+        value = np.float32(strength[row] + deltas[i])
+        strength[row] = min(max(value, np.float32(0.0)), np.float32(1.0))
+        touched[row] = iteration
+
+
+@njit(inline="always", cache=True)
+def _better(q1, id1, q2, id2):
+    """Whether (q1, id1) ranks before (q2, id2): higher quality first, then the smaller id."""
+    return q1 > q2 or (q1 == q2 and id1 < id2)
+
+
+@njit(inline="always", cache=True)
+def _sift_down(heap_q, heap_id, size):
+    """Restore the heap whose root (the worst kept entry) was replaced."""
+    position = 0
+    while True:
+        left = 2 * position + 1
+        if left >= size:
+            return
+        worst = left
+        right = left + 1
+        if right < size and _better(heap_q[worst], heap_id[worst], heap_q[right], heap_id[right]):
+            worst = right
+        if _better(heap_q[position], heap_id[position], heap_q[worst], heap_id[worst]):
+            heap_q[position], heap_q[worst] = heap_q[worst], heap_q[position]
+            heap_id[position], heap_id[worst] = heap_id[worst], heap_id[position]
+            position = worst
+        else:
+            return
+
+
+@njit(inline="always", cache=True)
+def _sift_up(heap_q, heap_id, position):
+    while position > 0:
+        parent = (position - 1) // 2
+        if _better(heap_q[parent], heap_id[parent], heap_q[position], heap_id[position]):
+            heap_q[parent], heap_q[position] = heap_q[position], heap_q[parent]
+            heap_id[parent], heap_id[position] = heap_id[position], heap_id[parent]
+            position = parent
+        else:
+            return
+
+
+@njit(parallel=True, cache=True)
+def iteration_pass(strength, quality, ids, rate, low, high, bins, k, parts):
+    """Decay and the quality aggregates in one pass; see the module's docstring. Per part (thread):
+
+    (count, maximum, histogram, exponent bins, top-k qualities, top-k ids, top-k sizes).
+    """
+    n = strength.size
+    histogram = np.zeros((parts, bins), np.int64)
+    exponents = np.zeros((parts, EXPONENT_BINS), np.int64)
+    maximum = np.full(parts, -np.inf, np.float64)
+    heap_q = np.empty((parts, max(k, 1)), np.float32)
+    heap_id = np.empty((parts, max(k, 1)), np.int64)
+    kept = np.zeros(parts, np.int64)
+    scale = bins / (high - low)
+    bits = quality.view(np.uint32)
+    for part in prange(parts):
+        start = part * n // parts
+        stop = (part + 1) * n // parts
+        size = 0
+        for i in range(start, stop):
+            value = np.float32(strength[i] - rate)
+            strength[i] = min(max(value, np.float32(0.0)), np.float32(1.0))
+            q = quality[i]
+            if q > maximum[part]:
+                maximum[part] = q
+            b = int((q - low) * scale)
+            histogram[part, min(max(b, 0), bins - 1)] += 1
+            word = bits[i]
+            exponent = (word >> 23) & 0xFF
+            mantissa = np.int64(word & 0x7FFFFF)
+            if exponent:
+                mantissa |= 0x800000
+            exponents[part, exponent] += -mantissa if word >> 31 else mantissa
+            if k:
+                if size < k:
+                    heap_q[part, size] = q
+                    heap_id[part, size] = ids[i]
+                    _sift_up(heap_q[part], heap_id[part], size)
+                    size += 1
+                elif _better(q, ids[i], heap_q[part, 0], heap_id[part, 0]):
+                    heap_q[part, 0] = q
+                    heap_id[part, 0] = ids[i]
+                    _sift_down(heap_q[part], heap_id[part], size)
+        kept[part] = size
+    return n, maximum, histogram, exponents, heap_q, heap_id, kept
+
+
+def default_parts() -> int:
+    """Parts of ``iteration_pass``: one per Numba thread."""
+    return max(1, get_num_threads())
+
+
+def exact_total(exponent_bins: np.ndarray) -> float:
+    """The correctly rounded sum of the values binned by ``iteration_pass`` (bins summed over parts and ranks)."""
+    total = 0
+    for exponent, mantissas in enumerate(np.asarray(exponent_bins, np.int64).tolist()):
+        if mantissas:
+            total += mantissas << max(exponent, 1)
+    return total / (1 << 150) if total else 0.0  # Python's int / int is correctly rounded
