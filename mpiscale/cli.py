@@ -53,6 +53,15 @@ def _collect(args: argparse.Namespace) -> int:
     return run_job("collect", CollectConfig, args, lambda config: run(lambda system: collect(system, config)))
 
 
+def _memstore(args: argparse.Namespace) -> int:
+    from .jobs import run_job
+    from .memstore.config import MemstoreConfig
+    from .memstore.job import run_memstore
+    from .runtime import run
+
+    return run_job("memstore", MemstoreConfig, args, lambda config: run(lambda system: run_memstore(system, config)))
+
+
 def _index(args: argparse.Namespace) -> int:
     from .io import DataFileError, resolve_files, write_index
 
@@ -76,12 +85,19 @@ def _inspect(args: argparse.Namespace) -> int:
     except DataFileError as error:
         print(f"mpiscale inspect: {error}", file=sys.stderr)
         return 2
+    if kind.startswith("mpiscale.memstore-results/"):
+        from .memstore.job import summarize as summarize_memstore
+
+        print(summarize_memstore(args.results))
+        return 0
     if kind.startswith("mpiscale.train-results/"):
         from .train.results import plot, summarize
     elif kind.startswith("mpiscale.dictlearn-results/"):
         from .dictlearn.results import plot, summarize
     else:
-        print(f"mpiscale inspect: {args.results} is not a results file of dictlearn or train", file=sys.stderr)
+        print(
+            f"mpiscale inspect: {args.results} is not a results file of dictlearn, train or memstore", file=sys.stderr
+        )
         return 2
     print(summarize(args.results))
     if args.top_inputs:
@@ -110,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     from .bench.registry import BENCHMARKS
     from .dictlearn.config import DictLearnConfig
     from .jobs import add_options
+    from .memstore.config import MemstoreConfig
     from .train.config import CollectConfig, TrainConfig
 
     top = argparse.ArgumentParser(
@@ -139,6 +156,10 @@ def parser() -> argparse.ArgumentParser:
          "a trained model's layer activations for a data set, written in parallel to one HDF5 file",
          "Run the model of a train results file over every row of --data and write the outputs of --layers to "
          "--out (one data set per layer, and sample_ids): the input of mpiscale dictlearn."),
+        ("memstore", MemstoreConfig, _memstore,
+         "the partitioned memory store on a synthetic workload (run under launch/mpiscale-run -n N)",
+         "Reinforce, decay, aggregate and rank --records records for --iterations iterations; the results hold "
+         "every iteration's aggregate and top-k, and OUT.records.h5 the final records."),
     ]:  # fmt: skip
         job = commands.add_parser(name, help=summary, description=f"{description} {settings}")
         add_options(job, kind)

@@ -33,6 +33,12 @@ def _ddp(args: argparse.Namespace, json_path: str) -> object:
     return run(lambda system: run_ddp_bench(system, json_path, quick=args.quick))
 
 
+def _memstore(args: argparse.Namespace, json_path: str) -> object:
+    from .memstore import run_memstore_bench
+
+    return run(lambda system: run_memstore_bench(system, json_path, quick=args.quick))
+
+
 def _pingpong(args: argparse.Namespace, json_path: str) -> object:
     from .pingpong import run_pingpong
 
@@ -86,6 +92,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             _allreduce,
         ),
         Benchmark("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo (any ranks)", _ddp),
+        Benchmark(
+            "memstore",
+            "memory store: decay vs numpy and a memory copy; full iterations at 1M and 10M records (any ranks)",
+            _memstore,
+        ),
         Benchmark("random", "per-sample random parameters vs a numpy generator per sample (any ranks)", _random),
         Benchmark(
             "checkpoint",

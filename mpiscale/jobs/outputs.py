@@ -22,17 +22,18 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
     outputs). A ``WriteError`` (a file the job writes first did not fit) ends
     it with status 1: the run failed, the input was fine.
     """
-    job, status = None, 2
+    job: Job | None = None
+    status, prepared = 2, False
     problem: Exception | None = None
     try:
-        job = prepare()
+        job, prepared = prepare(), True
     except (ValueError, CheckpointError, LockedError) as error:
         problem = ValueError(f"mpiscale {command}: {error}")
     except WriteError as error:
         problem, status = OSError(f"mpiscale {command}: {error}"), 1
     await system.agree(problem, "the input and settings", status=status)
-    assert job is not None  # the agreement raised on every rank otherwise
-    return job
+    assert prepared  # the agreement raised on every rank otherwise
+    return job  # type: ignore[return-value]
 
 
 def check_outputs(out: str, checkpoints: str | None) -> None:

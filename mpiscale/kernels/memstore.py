@@ -112,6 +112,14 @@ def apply_deltas(strength, touched, rows, deltas, iteration):
         touched[row] = iteration
 
 
+@njit(parallel=True, cache=True)
+def decay(strength, rate):
+    """``strength -= rate``, clamped to [0, 1], in place (the decay alone: ``iteration_pass`` fuses it)."""
+    for i in prange(strength.size):
+        value = np.float32(strength[i] - rate)
+        strength[i] = min(max(value, np.float32(0.0)), np.float32(1.0))
+
+
 @njit(inline="always", cache=True)
 def _better(q1, id1, q2, id2):
     """Whether (q1, id1) ranks before (q2, id2): higher quality first, then the smaller id."""
@@ -168,31 +176,42 @@ def iteration_pass(strength, quality, ids, rate, low, high, bins, k, parts):
     for part in prange(parts):
         start = part * n // parts
         stop = (part + 1) * n // parts
+        # this part's own counters (not rows of the shared outputs: threads writing neighbouring
+        # words at every record share cache lines, which made the pass 2x slower)
+        local_histogram = np.zeros(bins, np.int64)
+        local_exponents = np.zeros(EXPONENT_BINS, np.int64)
+        local_q = np.empty(max(k, 1), np.float32)
+        local_id = np.empty(max(k, 1), np.int64)
+        local_max = -np.inf
         size = 0
         for i in range(start, stop):
             value = np.float32(strength[i] - rate)
             strength[i] = min(max(value, np.float32(0.0)), np.float32(1.0))
             q = quality[i]
-            if q > maximum[part]:
-                maximum[part] = q
+            local_max = max(local_max, q)
             b = int((q - low) * scale)
-            histogram[part, min(max(b, 0), bins - 1)] += 1
+            local_histogram[min(max(b, 0), bins - 1)] += 1
             word = bits[i]
             exponent = (word >> 23) & 0xFF
             mantissa = np.int64(word & 0x7FFFFF)
             if exponent:
                 mantissa |= 0x800000
-            exponents[part, exponent] += -mantissa if word >> 31 else mantissa
+            local_exponents[exponent] += -mantissa if word >> 31 else mantissa
             if k:
                 if size < k:
-                    heap_q[part, size] = q
-                    heap_id[part, size] = ids[i]
-                    _sift_up(heap_q[part], heap_id[part], size)
+                    local_q[size] = q
+                    local_id[size] = ids[i]
+                    _sift_up(local_q, local_id, size)
                     size += 1
-                elif _better(q, ids[i], heap_q[part, 0], heap_id[part, 0]):
-                    heap_q[part, 0] = q
-                    heap_id[part, 0] = ids[i]
-                    _sift_down(heap_q[part], heap_id[part], size)
+                elif _better(q, ids[i], local_q[0], local_id[0]):
+                    local_q[0] = q
+                    local_id[0] = ids[i]
+                    _sift_down(local_q, local_id, size)
+        maximum[part] = local_max
+        histogram[part] = local_histogram
+        exponents[part] = local_exponents
+        heap_q[part] = local_q
+        heap_id[part] = local_id
         kept[part] = size
     return n, maximum, histogram, exponents, heap_q, heap_id, kept
 

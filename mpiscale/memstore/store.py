@@ -12,11 +12,12 @@ ties by id.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..kernels.memstore import combine_sorted, default_parts, exact_total, iteration_pass, owners
+from ..kernels.memstore import combine_sorted, decay, default_parts, exact_total, iteration_pass, owners
 from ..runtime import ActorSystem
 from .partition import BASE_COLUMNS, Partition
 
@@ -55,6 +56,9 @@ class MemoryStore:
         self.system = system
         self.partition = Partition(tuple(extra))
         self.bins, self.quality_range = histogram_bins, quality_range
+        #: Seconds spent in the last calls, by phase (kernel work and exchanges), and bytes this rank sent so far.
+        self.timings: dict[str, float] = {}
+        self.bytes_sent = 0
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -69,9 +73,11 @@ class MemoryStore:
         order = np.argsort(destination, kind="stable")  # keeps each rank's batch order within a destination
         counts = np.bincount(destination, minlength=self.system.size)
         arrived, sources = [], np.zeros(self.system.size, np.int64)
+        staying = counts[self.system.rank]
         for array in (ids, *payloads):
             received, sources = await self.system.world.alltoallv(np.ascontiguousarray(array[order]), counts)
             arrived.append(received)
+            self.bytes_sent += (len(array) - staying) * array[:1].nbytes
         return sources, arrived
 
     async def _agree(self, problem: str | None) -> None:
@@ -166,6 +172,7 @@ class MemoryStore:
         of their global position. An id that is not stored, or a delta that is
         not finite, is an error on every rank, before anything changes.
         """
+        began = time.perf_counter()
         problem = None
         try:
             ids = _checked_ids(ids)
@@ -181,25 +188,35 @@ class MemoryStore:
         unknown = unique[rows < 0]
         problem = f"reinforce: {len(unknown)} ids are not stored (for example {unknown[0]})" if len(unknown) else None
         await self._agree(problem)
+        applying = time.perf_counter()
         self.partition.reinforce(rows, sums, iteration)
+        self.timings |= {"reinforce_exchange_s": applying - began, "reinforce_apply_s": time.perf_counter() - applying}
+
+    def decay(self, rate: float) -> None:
+        """Decay every strength of this rank by ``rate`` (no exchange; ``iterate`` does it with the aggregates)."""
+        decay(self.partition.column("strength"), np.float32(rate))
 
     async def iterate(self, rate: float, k: int = 100) -> Aggregate:
         """Decay every strength by ``rate`` and compute the global quality aggregate and top-k (collective)."""
         low, high = self.quality_range
         part = self.partition
         parts = default_parts()
+        began = time.perf_counter()
         count, maximum, histogram, exponents, heap_q, heap_id, kept = iteration_pass(
             part.column("strength"), part.column("quality"), part.ids, np.float32(rate), low, high, self.bins, k, parts
         )
+        passed = time.perf_counter()
         sums = np.concatenate([[count], histogram.sum(axis=0), exponents.sum(axis=0)]).astype(np.int64)
         await self.system.world.allreduce(sums, out=sums)
         top = np.array([float(maximum.max(initial=-np.inf))])
         await self.system.world.allreduce(top, op="max", out=top)
         candidates_q = np.concatenate([heap_q[p, : kept[p]] for p in range(parts)])
         candidates_id = np.concatenate([heap_id[p, : kept[p]] for p in range(parts)])
-        best_q, best_id = _best(candidates_q, candidates_id, k)
+        best_q, best_id = best_by_quality(candidates_q, candidates_id, k)
         every_q, every_id = await self._gather_candidates(best_q, best_id, k)
-        top_q, top_id = _best(every_q, every_id, k)
+        top_q, top_id = best_by_quality(every_q, every_id, k)
+        self.timings |= {"pass_s": passed - began, "aggregate_exchange_s": time.perf_counter() - passed}
+        self.bytes_sent += (sums.nbytes + top.nbytes + k * 12) * (self.system.size > 1)
         total_count = int(sums[0])
         total = exact_total(sums[1 + self.bins :])
         return Aggregate(
@@ -224,8 +241,8 @@ class MemoryStore:
         return every_q[real], every_id[real]
 
 
-def _best(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best by quality descending, then id ascending."""
+def best_by_quality(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best (qualities, ids) by quality descending, then id ascending."""
     order = np.lexsort((ids, -quality.astype(np.float64)))[:k]
     return quality[order], ids[order]
 

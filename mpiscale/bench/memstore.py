@@ -1,0 +1,152 @@
+"""The memory store: decay bandwidth against numpy and a memory copy, and full iterations by phase.
+
+1. On each rank's share of 10M records (1M with --quick): the decay kernel,
+   the same update in plain numpy, and a copy of the same bytes (``np.copyto``:
+   the machine's limit), as GB/s of bytes read and written, same run.
+2. Full iterations (decay + 1% of the records reinforced + aggregate + top-100)
+   at 1M and 10M records over the job's ranks: median ms per iteration and the
+   split by phase, against one process doing the same iteration in plain numpy
+   (``np.add.at``, ``np.histogram``-style binning, ``argpartition``), and the
+   seed system's reference of 1.17 ms for 1M records on one process.
+3. Memory per record and bytes each rank sends per iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from ..kernels.memstore import decay
+from ..kernels.threads import share_cores
+from ..memstore import MemoryStore
+from ..ranks import rank_rows, ranks_sharing_cores
+from ..runtime import ActorSystem
+from .report import table, write_json
+
+REINFORCED, TOP_K, RATE = 0.01, 100, 0.001
+SEED_REFERENCE_MS = 1.17  # the seed system: one iteration, 1M records, one CPU process
+
+
+def _best_of(action, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _bandwidth(records: int, repeats: int) -> dict:
+    """GB/s of the decay kernel, numpy's clip, and a copy, on ``records`` float32 strengths (read + write)."""
+    rng = np.random.default_rng(0)
+    strength = rng.random(records, dtype=np.float32)
+    other = np.empty_like(strength)
+    decay(strength[:16], np.float32(RATE))  # compile
+    moved = 2 * strength.nbytes
+    seconds = {
+        "kernel": _best_of(lambda: decay(strength, np.float32(RATE)), repeats),
+        "numpy": _best_of(lambda: np.clip(strength - np.float32(RATE), 0, 1, out=strength), repeats),
+        "copy": _best_of(lambda: np.copyto(other, strength), repeats),
+    }
+    return {name: moved / value / 1e9 for name, value in seconds.items()}
+
+
+def _numpy_iteration(records: int, iterations: int) -> float:
+    """Median seconds of the same iteration in plain numpy, one process, ids as row numbers."""
+    rng = np.random.default_rng(1)
+    strength, quality = rng.random(records, dtype=np.float32), rng.random(records, dtype=np.float32)
+    ids = np.arange(records, dtype=np.int64)
+    times = []
+    for _ in range(iterations):
+        picked = rng.integers(0, records, int(records * REINFORCED))
+        deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
+        start = time.perf_counter()
+        np.clip(strength - np.float32(RATE), 0, 1, out=strength)
+        np.add.at(strength, picked, deltas)
+        np.clip(strength, 0, 1, out=strength)
+        bins = np.clip((quality * 32).astype(np.int64), 0, 31)
+        np.bincount(bins, minlength=32), quality.sum(dtype=np.float64), quality.max()
+        best = np.argpartition(-quality, TOP_K)[:TOP_K]
+        ids[best[np.lexsort((ids[best], -quality[best]))]]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+async def _store_iterations(system: ActorSystem, records: int, iterations: int) -> dict:
+    """Build a store of ``records`` (each rank inserts its block) and time full iterations, by phase."""
+    store = MemoryStore(system)
+    lo, hi = rank_rows(records, system.size, system.rank)
+    rng = np.random.default_rng([7, system.rank])
+    ids = np.arange(lo, hi, dtype=np.int64) * 7919 + 13  # sparse, sequential-looking ids: the hash spreads them
+    values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
+    await store.upsert(ids, values)
+    per_rank = int(records * REINFORCED) // system.size
+    phases: dict[str, list[float]] = {"total_s": []}
+    await store.iterate(RATE, TOP_K)  # compile and warm
+    sent_before = store.bytes_sent
+    for iteration in range(iterations):
+        picked = rng.choice(ids, per_rank) if len(ids) else ids[:0]
+        deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
+        await system.world.barrier()
+        start = time.perf_counter()
+        await store.reinforce(picked, deltas, iteration)
+        await store.iterate(RATE, TOP_K)
+        elapsed = time.perf_counter() - start
+        slowest = await system.world.allreduce(np.array([elapsed]), op="max")
+        phases["total_s"].append(float(slowest[0]))
+        for name, value in store.timings.items():
+            phases.setdefault(name, []).append(value)
+    memory = await system.world.allreduce(np.array([store.partition.nbytes()], np.int64))
+    return {
+        "records": records,
+        "ms_per_iteration": 1e3 * statistics.median(phases["total_s"]),
+        "phases_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in phases.items() if k != "total_s"},
+        "bytes_per_record": int(memory[0]) / records,
+        "bytes_sent_per_iteration_rank0": (store.bytes_sent - sent_before) / iterations,
+    }
+
+
+async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
+    """Run the three parts; rank 0 prints the tables and writes the JSON record."""
+    threads = share_cores(ranks_sharing_cores(system.world.comm))
+    sizes = [100_000, 1_000_000] if quick else [1_000_000, 10_000_000]
+    iterations = 5 if quick else 20
+    share = rank_rows(sizes[-1], system.size, system.rank)
+    bandwidth = _bandwidth(share[1] - share[0], 3 if quick else 10)
+    runs = [await _store_iterations(system, records, iterations) for records in sizes]
+    baseline = (
+        {records: 1e3 * _numpy_iteration(records, 3 if quick else 5) for records in sizes} if system.rank == 0 else {}
+    )
+    if system.rank != 0:
+        return None
+    print(f"memory store on {system.size} ranks, {threads} Numba threads each")
+    print(f"decay of {share[1] - share[0]:,} records (rank 0's share of {sizes[-1]:,}), GB/s read + written:")
+    print(table(["kernel", "numpy", "copy (limit)", "kernel/copy", "kernel/numpy"], [[
+        bandwidth["kernel"], bandwidth["numpy"], bandwidth["copy"],
+        bandwidth["kernel"] / bandwidth["copy"], bandwidth["kernel"] / bandwidth["numpy"]]]))  # fmt: skip
+    rows = []
+    for run in runs:
+        phases = run["phases_ms_rank0"]
+        rows.append([
+            f"{run['records']:,}", run["ms_per_iteration"], baseline[run["records"]],
+            baseline[run["records"]] / run["ms_per_iteration"], phases["pass_s"], phases["aggregate_exchange_s"],
+            phases["reinforce_exchange_s"], phases["reinforce_apply_s"], run["bytes_per_record"],
+            f"{run['bytes_sent_per_iteration_rank0']:,.0f}",
+        ])  # fmt: skip
+    print(f"full iteration (decay, {REINFORCED:.0%} reinforced, aggregate, top-{TOP_K}), median ms; phases on rank 0:")
+    headers = ["records", "ours", "numpy (1 proc)", "numpy/ours", "pass", "aggregate xchg", "reinforce xchg",
+               "reinforce apply", "B/record", "B sent/iter"]  # fmt: skip
+    print(table(headers, rows))
+    print(f"seed system's reference: {SEED_REFERENCE_MS} ms per iteration at 1M records on one process")
+    results = {
+        "threads_per_rank": threads,
+        "decay_gb_per_s": bandwidth,
+        "decay_vs_copy": bandwidth["kernel"] / bandwidth["copy"],
+        "iterations": runs,
+        "numpy_ms_per_iteration": baseline,
+        "seed_reference_ms_1m": SEED_REFERENCE_MS,
+    }
+    print(f"wrote {write_json(json_path, 'memstore', system.size, results)}")
+    return results

@@ -1,0 +1,44 @@
+"""Settings of ``mpiscale memstore``, the store's demo and load job: one dataclass, TOML and the command line."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..jobs import option
+
+
+@dataclass
+class MemstoreConfig:
+    """The synthetic workload, the iteration, and where the results go."""
+
+    records: int = option(1_000_000, "records in the store (ids spread over the ranks by hash)")
+    iterations: int = option(50, "learning iterations: reinforce, decay, aggregate, rank")
+    reinforce: float = option(0.01, "records reinforced per iteration, as a fraction of all (ids drawn with repeats)")
+    rate: float = option(0.01, "decay subtracted from every strength per iteration")
+    top: int = option(100, "size of the global top-k by quality")
+    bins: int = option(32, "histogram bins of the quality over [0, 1)")
+    seed: int = option(0, "seed of the workload (the same workload on any number of ranks)")
+    out: str = option("memstore.h5", "results: per-iteration aggregates and top-k; the records go to OUT.records.h5")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("records", "iterations", "top", "bins"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.reinforce <= 1:
+            problems.append(f"reinforce must be a fraction in [0, 1], got {self.reinforce}")
+        if not (self.rate >= 0 and math.isfinite(self.rate)):
+            problems.append(f"rate must be a number >= 0, got {self.rate}")
+        if problems:
+            raise ValueError("memstore settings: " + "; ".join(problems))
+
+    @property
+    def records_path(self) -> str:
+        """Where the final records go (a sharded data set: ids and one data set per column)."""
+        return str(Path(self.out).with_suffix(".records.h5"))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
