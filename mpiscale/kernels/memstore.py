@@ -32,12 +32,27 @@ def _mix(value):
     return z ^ (z >> np.uint64(31))
 
 
+#: Below this many ids a kernel runs on the calling thread: waking Numba's threads for a few ids took
+#: milliseconds when the other cores were busy (a single-record query went from 0.3 to 12 ms).
+PARALLEL_FROM = 4096
+
+
+@njit(cache=True)
+def _owners_serial(ids, ranks, out):
+    for i in range(ids.size):
+        out[i] = np.int64(_mix(ids[i]) % np.uint64(ranks))
+
+
 @njit(parallel=True, cache=True)
-def owners(ids, ranks):
-    """The rank that owns each id."""
-    out = np.empty(ids.size, np.int64)
+def _owners_parallel(ids, ranks, out):
     for i in prange(ids.size):
         out[i] = np.int64(_mix(ids[i]) % np.uint64(ranks))
+
+
+def owners(ids: np.ndarray, ranks: int) -> np.ndarray:
+    """The rank that owns each id."""
+    out = np.empty(ids.size, np.int64)
+    (_owners_parallel if ids.size >= PARALLEL_FROM else _owners_serial)(ids, ranks, out)
     return out
 
 
@@ -54,24 +69,36 @@ def build_index(ids, capacity):
     return slots
 
 
+@njit(inline="always", cache=True)
+def _find(slots, ids, key, mask):
+    slot = _mix(key) & mask
+    while True:
+        row = slots[slot]
+        if row == _EMPTY:
+            return -1
+        if ids[row] == key:
+            return row
+        slot = (slot + np.uint64(1)) & mask
+
+
+@njit(cache=True)
+def _find_serial(slots, ids, queries, out):
+    mask = np.uint64(slots.size - 1)
+    for i in range(queries.size):
+        out[i] = _find(slots, ids, queries[i], mask)
+
+
 @njit(parallel=True, cache=True)
-def find_rows(slots, ids, queries):
-    """The row of each query id, or -1 where it is not stored."""
-    out = np.empty(queries.size, np.int64)
+def _find_parallel(slots, ids, queries, out):
     mask = np.uint64(slots.size - 1)
     for i in prange(queries.size):
-        key = queries[i]
-        slot = _mix(key) & mask
-        found = -1
-        while True:
-            row = slots[slot]
-            if row == _EMPTY:
-                break
-            if ids[row] == key:
-                found = row
-                break
-            slot = (slot + np.uint64(1)) & mask
-        out[i] = found
+        out[i] = _find(slots, ids, queries[i], mask)
+
+
+def find_rows(slots: np.ndarray, ids: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """The row of each query id, or -1 where it is not stored."""
+    out = np.empty(queries.size, np.int64)
+    (_find_parallel if queries.size >= PARALLEL_FROM else _find_serial)(slots, ids, queries, out)
     return out
 
 

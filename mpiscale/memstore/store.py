@@ -13,7 +13,9 @@ ties by id.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from ..runtime import ActorSystem
 from .partition import BASE_COLUMNS, Partition
 
 INT64_LIMIT = 2**63 - 1
+Checked = TypeVar("Checked")
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,16 @@ class MemoryStore:
             offset += width
         return sources, arrived
 
+    async def _checked(self, check: Callable[[], Checked]) -> Checked:
+        """``check()`` on every rank; if it raised ValueError or TypeError on any, raise on every rank."""
+        problem, result = None, None
+        try:
+            result = check()
+        except (ValueError, TypeError) as error:
+            problem = f"rank {self.system.rank}: {error}"
+        await self._agree(problem)
+        return result  # type: ignore[return-value]  # None only where _agree raised
+
     async def _agree(self, problem: str | None) -> None:
         """Raise ``problem`` (the lowest rank's) on every rank if any rank has one: before any state changes."""
         world = self.system.world
@@ -114,16 +127,16 @@ class MemoryStore:
         new); returns the records added over all ranks.
         """
         given = [name for name in self.columns if name != "touched"]
-        problem, table = None, np.empty((0, len(given)), np.float32)
-        try:
-            ids = _checked_ids(ids)
+
+        def check() -> tuple[np.ndarray, np.ndarray]:
+            checked = _checked_ids(ids)
             missing = [name for name in given if name not in values]
             if missing:
                 raise ValueError(f"upsert needs the columns {missing}")
-            table = np.column_stack([_finite(values[name], name, len(ids)) for name in given]).astype(np.float32)
-        except (ValueError, TypeError) as error:
-            problem = f"rank {self.system.rank}: {error}"
-        await self._agree(problem)
+            columns = [_finite(values[name], name, len(checked)) for name in given]
+            return checked, np.column_stack(columns).astype(np.float32).reshape(len(checked), len(given))
+
+        ids, table = await self._checked(check)
         positions = await self._positions(len(ids))
         _, (got_ids, got_positions, got_rows) = await self._route(ids, positions, table)
         order = np.lexsort((-got_positions, got_ids))  # per id, the last position first
@@ -141,12 +154,7 @@ class MemoryStore:
 
     async def delete(self, ids: np.ndarray) -> int:
         """Remove records (collective); returns how many were removed over all ranks."""
-        problem = None
-        try:
-            ids = _checked_ids(ids)
-        except (ValueError, TypeError) as error:
-            problem = f"rank {self.system.rank}: {error}"
-        await self._agree(problem)
+        ids = await self._checked(lambda: _checked_ids(ids))
         _, (got_ids,) = await self._route(ids)
         removed = self.partition.delete(got_ids)
         self._aggregate = None
@@ -155,12 +163,7 @@ class MemoryStore:
 
     async def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found, values: one row per id of every column) for this rank's ``ids`` (collective)."""
-        problem = None
-        try:
-            ids = _checked_ids(ids)
-        except (ValueError, TypeError) as error:
-            problem = f"rank {self.system.rank}: {error}"
-        await self._agree(problem)
+        ids = await self._checked(lambda: _checked_ids(ids))
         positions = np.arange(len(ids), dtype=np.int64)
         sources, (got_ids, got_positions) = await self._route(ids, positions)
         rows = self.partition.rows_of(got_ids)
@@ -187,13 +190,12 @@ class MemoryStore:
         not finite, is an error on every rank, before anything changes.
         """
         began = time.perf_counter()
-        problem = None
-        try:
-            ids = _checked_ids(ids)
-            deltas = _finite(deltas, "deltas", len(ids))
-        except (ValueError, TypeError) as error:
-            problem = f"rank {self.system.rank}: {error}"
-        await self._agree(problem)
+
+        def check() -> tuple[np.ndarray, np.ndarray]:
+            checked = _checked_ids(ids)
+            return checked, _finite(deltas, "deltas", len(checked))
+
+        ids, deltas = await self._checked(check)
         positions = await self._positions(len(ids))
         _, (got_ids, got_positions, got_deltas) = await self._route(ids, positions, deltas)
         order = np.lexsort((got_positions, got_ids))
