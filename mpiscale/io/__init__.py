@@ -10,6 +10,7 @@ from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import resolve_files, split_spec
+from .wal import ReplayReport, WriteAheadLog, replay
 from .writer import RowWriter
 
 __all__ = [
@@ -20,10 +21,12 @@ __all__ = [
     "DataFileError",
     "LockedError",
     "OutputLock",
+    "ReplayReport",
     "Restored",
     "RowWriter",
     "SampleRandom",
     "ShardedDataset",
+    "WriteAheadLog",
     "WriteError",
     "checksum",
     "epoch_order",
@@ -31,6 +34,7 @@ __all__ = [
     "publish",
     "rank_rows",
     "read_dataset",
+    "replay",
     "resolve_files",
     "split_spec",
     "stamp",
