@@ -22,7 +22,7 @@ from numba import njit, prange
 
 from ..kernels.memstore import decay
 from ..kernels.threads import share_cores
-from ..memstore import MemoryStore
+from ..memstore import MemoryStore, StoreClient, serve_queries
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
 from .report import table, write_json
@@ -36,6 +36,7 @@ def _parallel_copy(source, target):
 
 
 REINFORCED, TOP_K, RATE = 0.01, 100, 0.001
+LOOKUP_BATCH = 10_000
 SEED_REFERENCE_MS = 1.17  # the seed system: one iteration, 1M records, one CPU process
 
 
@@ -130,7 +131,9 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
         for name, value in store.timings.items():
             phases.setdefault(name, []).append(value)
     memory = await system.world.allreduce(np.array([store.partition.nbytes()], np.int64))
+    lookups = await _lookup_rate(system, store, records, rng) if not new_quality else None
     return {
+        "lookup_ids_per_s": lookups,
         "records": records,
         "new_quality": new_quality,
         "ms_per_iteration": 1e3 * statistics.median(phases["total_s"]),
@@ -138,6 +141,31 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
         "bytes_per_record": int(memory[0]) / records,
         "bytes_sent_per_iteration_rank0": (store.bytes_sent - sent_before) / iterations,
     }
+
+
+async def _lookup_rate(system: ActorSystem, store: MemoryStore, records: int, rng: np.random.Generator) -> dict:
+    """Ids per second of a batched lookup of 10,000 ids: collective (split over the ranks) and by rank 0's client."""
+    wanted = np.arange(records, dtype=np.int64)[rng.permutation(records)[:LOOKUP_BATCH]] * 7919 + 13
+    wanted = system.world.comm.bcast(wanted, 0)  # the same 10,000 on every rank
+    lo, hi = rank_rows(LOOKUP_BATCH, system.size, system.rank)
+    times = []
+    for _ in range(5):
+        await system.world.barrier()
+        start = time.perf_counter()
+        found, _ = await store.lookup(wanted[lo:hi])
+        times.append(float((await system.world.allreduce(np.array([time.perf_counter() - start]), op="max"))[0]))
+        assert found.all()
+    client = StoreClient(store, await serve_queries(store, name=f"bench-queries-{records}"))
+    client_times = []
+    if system.rank == 0:
+        for _ in range(5):
+            start = time.perf_counter()
+            found, _ = await client.get(wanted)
+            client_times.append(time.perf_counter() - start)
+            assert found.all()
+    await system.world.barrier()  # the other ranks serve rank 0's queries while they wait here
+    rate = {"collective": LOOKUP_BATCH / statistics.median(times)}
+    return rate | ({"client_rank0": LOOKUP_BATCH / statistics.median(client_times)} if client_times else {})
 
 
 async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
@@ -177,6 +205,10 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
                "reinforce xchg", "reinforce apply", "B/record", "B sent/iter"]  # fmt: skip
     print(table(headers, rows))
     print(f"seed system's reference: {SEED_REFERENCE_MS} ms per iteration at 1M records on one process")
+    for run in runs:
+        if run["lookup_ids_per_s"]:
+            rates = ", ".join(f"{way} {rate:,.0f}" for way, rate in run["lookup_ids_per_s"].items())
+            print(f"batched lookup of {LOOKUP_BATCH:,} ids among {run['records']:,} records, ids/s: {rates}")
     results = {
         "threads_per_rank": threads,
         "decay_gb_per_s": bandwidth,

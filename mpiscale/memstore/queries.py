@@ -44,9 +44,9 @@ class QueryActor(Actor):
         return best_by_quality(partition.column("quality"), partition.ids, k)
 
 
-async def serve_queries(store: MemoryStore) -> ActorGroup:
-    """Spawn the query actor of every rank (collective)."""
-    return await store.system.spawn_group(QueryActor, store, name=QUERY_ACTOR)
+async def serve_queries(store: MemoryStore, name: str = QUERY_ACTOR) -> ActorGroup:
+    """Spawn the query actor of every rank (collective); ``name`` tells apart the actors of several stores."""
+    return await store.system.spawn_group(QueryActor, store, name=name)
 
 
 class StoreClient:

@@ -117,3 +117,19 @@ def test_bench_ddp_writes_json(tmp_path):
     assert all(seconds > 0 for name, seconds in record["seconds_per_step"].items() if name != "ddp_bf16")
     assert set(record["ours_vs_ddp"]) == {"none", "fp16", "powersgd"} and 0 <= record["hidden_share"] <= 1
     assert "communication hidden behind backward" in job.stdout
+
+
+def test_bench_memstore_writes_json(tmp_path):
+    out = tmp_path / "memstore.json"
+    job = mpiscale(2, "bench", "memstore", "--quick", "--json", str(out), timeout=300)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "memstore" and record["world_size"] == 2
+    assert min(record["decay_gb_per_s"].values()) > 0 and record["decay_vs_copy"] > 0
+    runs = record["iterations"]
+    assert [(run["records"], run["new_quality"]) for run in runs] == [
+        (100_000, False), (100_000, True), (1_000_000, False), (1_000_000, True)
+    ]  # fmt: skip
+    assert all(run["ms_per_iteration"] > 0 and 20 < run["bytes_per_record"] < 60 for run in runs)
+    assert runs[0]["lookup_ids_per_s"]["collective"] > 0 and runs[0]["lookup_ids_per_s"]["client_rank0"] > 0
+    assert "batched lookup of 10,000 ids" in job.stdout
