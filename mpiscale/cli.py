@@ -26,40 +26,19 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dictlearn(args: argparse.Namespace) -> int:
-    from .dictlearn.config import DictLearnConfig
-    from .dictlearn.learner import learn
+def _job(args: argparse.Namespace) -> int:
+    """A job command: its settings from the defaults, --config and the options, then the job on every rank.
+
+    The job's module is imported only now (train's imports torch), from ``args.job_entry`` ("module:function").
+    """
+    from importlib import import_module
+
     from .jobs import run_job
     from .runtime import run
 
-    return run_job("dictlearn", DictLearnConfig, args, lambda config: run(lambda system: learn(system, config)))
-
-
-def _train(args: argparse.Namespace) -> int:
-    from .jobs import run_job
-    from .runtime import run
-    from .train.config import TrainConfig
-    from .train.trainer import train
-
-    return run_job("train", TrainConfig, args, lambda config: run(lambda system: train(system, config)))
-
-
-def _collect(args: argparse.Namespace) -> int:
-    from .jobs import run_job
-    from .runtime import run
-    from .train.collect import collect
-    from .train.config import CollectConfig
-
-    return run_job("collect", CollectConfig, args, lambda config: run(lambda system: collect(system, config)))
-
-
-def _memstore(args: argparse.Namespace) -> int:
-    from .jobs import run_job
-    from .memstore.config import MemstoreConfig
-    from .memstore.job import run_memstore
-    from .runtime import run
-
-    return run_job("memstore", MemstoreConfig, args, lambda config: run(lambda system: run_memstore(system, config)))
+    module, function = args.job_entry.split(":")
+    job = getattr(import_module(module, __package__), function)
+    return run_job(args.command, args.job_settings, args, lambda config: run(lambda system: job(system, config)))
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -144,26 +123,26 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     settings = "Settings come from the defaults, then --config FILE.toml, then these options."
-    for name, kind, handler, summary, description in [
-        ("dictlearn", DictLearnConfig, _dictlearn,
+    for name, kind, job_function, summary, description in [
+        ("dictlearn", DictLearnConfig, ".dictlearn.learner:learn",
          "distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
          "Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is not given."),
-        ("train", TrainConfig, _train,
+        ("train", TrainConfig, ".train.trainer:train",
          "data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
          "Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data is not "
          "given."),
-        ("collect", CollectConfig, _collect,
+        ("collect", CollectConfig, ".train.collect:collect",
          "a trained model's layer activations for a data set, written in parallel to one HDF5 file",
          "Run the model of a train results file over every row of --data and write the outputs of --layers to "
          "--out (one data set per layer, and sample_ids): the input of mpiscale dictlearn."),
-        ("memstore", MemstoreConfig, _memstore,
+        ("memstore", MemstoreConfig, ".memstore.job:run_memstore",
          "the partitioned memory store on a synthetic workload (run under launch/mpiscale-run -n N)",
          "Reinforce, decay, aggregate and rank --records records for --iterations iterations; the results hold "
          "every iteration's aggregate and top-k, and OUT.records.h5 the final records."),
     ]:  # fmt: skip
         job = commands.add_parser(name, help=summary, description=f"{description} {settings}")
         add_options(job, kind)
-        job.set_defaults(handler=handler)
+        job.set_defaults(handler=_job, job_entry=job_function, job_settings=kind)
 
     index = commands.add_parser(
         "index",

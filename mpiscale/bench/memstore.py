@@ -23,9 +23,10 @@ from numba import njit, prange
 from ..kernels.memstore import decay
 from ..kernels.threads import share_cores
 from ..memstore import MemoryStore, StoreClient, serve_queries
+from ..memstore.job import record_ids
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
-from .report import table, write_json
+from .report import best_of, table, write_json
 
 
 @njit(parallel=True, cache=True)
@@ -40,18 +41,6 @@ LOOKUP_BATCH = 10_000
 SEED_REFERENCE_MS = 1.17  # the seed system: one iteration, 1M records, one CPU process
 
 
-def _best_of(action, repeats: int, scratch: np.ndarray | None = None) -> float:
-    """The fastest of ``repeats`` runs; with ``scratch``, each starts with the caches filled by other data."""
-    times = []
-    for _ in range(repeats):
-        if scratch is not None:
-            scratch += 1  # not timed: evicts the arrays, so every run streams from memory
-        start = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def _bandwidth(records: int, repeats: int) -> dict:
     """GB/s of the decay kernel, numpy's clip, and a copy, on ``records`` float32 strengths (read + write).
 
@@ -62,14 +51,18 @@ def _bandwidth(records: int, repeats: int) -> dict:
     strength = rng.random(records, dtype=np.float32)
     other = np.empty_like(strength)
     scratch = np.zeros(32 << 20, np.float64)
+
+    def evict() -> None:  # not timed: pushes the arrays out of the caches, so every run streams from memory
+        np.add(scratch, 1, out=scratch)
+
     decay(strength[:16], np.float32(RATE))  # compile
     _parallel_copy(strength[:16], other[:16])
     moved = 2 * strength.nbytes
     seconds = {
-        "kernel": _best_of(lambda: decay(strength, np.float32(RATE)), repeats, scratch),
-        "numpy": _best_of(lambda: np.clip(strength - np.float32(RATE), 0, 1, out=strength), repeats, scratch),
-        "copy": _best_of(lambda: _parallel_copy(strength, other), repeats, scratch),
-        "numpy_copy": _best_of(lambda: np.copyto(other, strength), repeats, scratch),
+        "kernel": best_of(lambda: decay(strength, np.float32(RATE)), repeats, evict),
+        "numpy": best_of(lambda: np.clip(strength - np.float32(RATE), 0, 1, out=strength), repeats, evict),
+        "copy": best_of(lambda: _parallel_copy(strength, other), repeats, evict),
+        "numpy_copy": best_of(lambda: np.copyto(other, strength), repeats, evict),
     }
     return {name: moved / value / 1e9 for name, value in seconds.items()}
 
@@ -104,7 +97,7 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
     store = MemoryStore(system)
     lo, hi = rank_rows(records, system.size, system.rank)
     rng = np.random.default_rng([7, system.rank])
-    ids = np.arange(lo, hi, dtype=np.int64) * 7919 + 13  # sparse, sequential-looking ids: the hash spreads them
+    ids = record_ids(np.arange(lo, hi))  # sparse, sequential-looking ids: the hash spreads them
     values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
     await store.upsert(ids, values)
     per_rank = int(records * REINFORCED) // system.size
@@ -145,7 +138,7 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
 
 async def _lookup_rate(system: ActorSystem, store: MemoryStore, records: int, rng: np.random.Generator) -> dict:
     """Ids per second of a batched lookup of 10,000 ids: collective (split over the ranks) and by rank 0's client."""
-    wanted = np.arange(records, dtype=np.int64)[rng.permutation(records)[:LOOKUP_BATCH]] * 7919 + 13
+    wanted = record_ids(rng.permutation(records)[:LOOKUP_BATCH])
     wanted = system.world.comm.bcast(wanted, 0)  # the same 10,000 on every rank
     lo, hi = rank_rows(LOOKUP_BATCH, system.size, system.rank)
     times = []

@@ -10,7 +10,6 @@ correlations and codes included).
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import numba
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..dictlearn import correlations_of, gram_matrix, omp_encode_gram
 from ..kernels.omp_cuda import cuda_usable
-from .report import table, write_json
+from .report import best_of, table, write_json
 
 SETTINGS = (  # (name, atoms, features, non-zeros, signals)
     ("K-SVD synthetic", 50, 20, 3, 20_000),
@@ -27,12 +26,7 @@ SETTINGS = (  # (name, atoms, features, non-zeros, signals)
 
 
 def _best_rate(action, signals: int, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        action()
-        best = min(best, time.perf_counter() - start)
-    return signals / best
+    return signals / best_of(action, repeats)
 
 
 def measure_omp(name: str, atoms: int, features: int, nonzero: int, signals: int, repeats: int) -> dict:

@@ -72,6 +72,18 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
     return path
 
 
+def best_of(action: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:
+    """Seconds of the fastest of ``repeats`` runs of ``action`` (one process); ``before`` runs untimed first."""
+    best = float("inf")
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def timed(comm: Comm, action: Callable[[], object]) -> float:
     """Seconds from a barrier until the slowest rank of ``comm`` finished ``action``."""
     from mpi4py import MPI

@@ -19,8 +19,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock, checksum
-from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results, start_agreed
+from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
+from ..jobs import (
+    ProgressLine,
+    check_outputs,
+    close_checkpointer,
+    lock_results,
+    restore_compatible,
+    same_bits_everywhere,
+    start_agreed,
+)
 from ..kernels.threads import share_cores
 from ..ranks import Comm, host_placement, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -69,29 +77,19 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.nda
 
 
 def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
-    if not config.resume:
-        steps = checkpoints.steps()
-        if steps:
+    def within_iterations(restored) -> None:
+        if restored.step > config.iterations:
             raise CheckpointError(
-                f"{config.checkpoints} already holds checkpoints (newest: iteration {steps[0]}); "
-                "pass --resume to continue from them, or choose another --checkpoint-dir"
+                f"the newest checkpoint in {config.checkpoints} is at iteration {restored.step}, past --iterations "
+                f"{config.iterations}: give --iterations {restored.step} or more to continue it"
             )
-        return None
-    restored = checkpoints.load()
+
+    restored = restore_compatible(
+        checkpoints, config.resume, config.checkpoints, _compatibility(config, info), "config", "iteration",
+        within_iterations,
+    )  # fmt: skip
     if restored is None:
         return None
-    if restored.step > config.iterations:
-        raise CheckpointError(
-            f"the newest checkpoint in {config.checkpoints} is at iteration {restored.step}, past --iterations "
-            f"{config.iterations}: give --iterations {restored.step} or more to continue it"
-        )
-    saved = restored.meta.get("config", {})
-    expected = _compatibility(config, info)
-    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
-    if differences:
-        raise CheckpointError(
-            f"the checkpoint in {config.checkpoints} belongs to another job ({'; '.join(differences)})"
-        )
     arrays = restored.replicated
     state = DictionaryState(arrays["dictionary"], arrays["a"], arrays["b"], arrays["idle"])
     return restored.step, state, History.from_arrays(arrays)
@@ -144,7 +142,7 @@ async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
         failure = failure or closing
     if failure is not None:
         raise JobRefused(f"mpiscale dictlearn: {failure}", status=1) from None
-    await _agree_on_dictionary(system, job.state)
+    await same_bits_everywhere(system, [job.state.dictionary], "dictionaries")
     summary["world_size"] = system.size
     summary["threads"] = job.threads
     if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
@@ -328,13 +326,3 @@ def _progress_text(row: dict) -> str:
 def _compatibility(config: DictLearnConfig, info) -> dict:
     values = {name: getattr(config, name) for name in _COMPATIBLE}
     return values | {"features": info.features, "samples": info.samples}
-
-
-async def _agree_on_dictionary(system: ActorSystem, state: DictionaryState) -> None:
-    """Check that every rank ended with the very same dictionary; if not, take rank 0's and say so."""
-    digest = np.array([checksum(state.dictionary)], dtype=np.int64)
-    every = await system.world.allgather(digest)
-    if (every != every[0]).any():
-        if system.rank == 0:
-            log.warning("ranks ended with dictionaries that differ in the last bits; keeping rank 0's")
-        await system.world.bcast_array(state.dictionary, 0)

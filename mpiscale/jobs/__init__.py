@@ -3,6 +3,7 @@
 from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed
 from .progress import ProgressLine, duration
 from .settings import add_options, load_settings, option, option_fields, run_job
+from .state import restore_compatible, same_bits_everywhere
 
 __all__ = [
     "ProgressLine",
@@ -14,6 +15,8 @@ __all__ = [
     "load_settings",
     "option",
     "option_fields",
+    "restore_compatible",
     "run_job",
+    "same_bits_everywhere",
     "start_agreed",
 ]

@@ -42,6 +42,15 @@ class Partition:
         """The row of each id, -1 where it is not stored."""
         return find_rows(self._slots, self._ids[: self.size], np.ascontiguousarray(ids, np.int64))
 
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found, one row of every column per id: NaN where not found) for ``ids``."""
+        rows = self.rows_of(ids)
+        found = rows >= 0
+        table = np.full((len(rows), len(self.names)), np.nan, np.float32)
+        for j, name in enumerate(self.names):
+            table[found, j] = self.column(name)[rows[found]]
+        return found, table
+
     def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:
         """Store records (ids unique); existing ones are overwritten. Returns how many were new."""
         rows = self.rows_of(ids)

@@ -30,13 +30,7 @@ class QueryActor(Actor):
 
     def get(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found, one row of every column per id) for ids this rank owns."""
-        partition = self.store.partition
-        rows = partition.rows_of(np.ascontiguousarray(ids, np.int64))
-        found = rows >= 0
-        table = np.full((len(rows), len(partition.names)), np.nan, np.float32)
-        for j, name in enumerate(partition.names):
-            table[found, j] = partition.column(name)[rows[found]]
-        return found, table
+        return self.store.partition.read(np.ascontiguousarray(ids, np.int64))
 
     def top(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's best ``k`` (qualities, ids)."""

@@ -78,18 +78,26 @@ class MemoryStore:
         destination = owners(ids, self.system.size)
         order = np.argsort(destination, kind="stable")  # keeps each rank's batch order within a destination
         counts = np.bincount(destination, minlength=self.system.size)
-        originals = (ids, *payloads)
-        arrays = [np.ascontiguousarray(a[order]).reshape(len(ids), int(np.prod(a.shape[1:]))) for a in originals]
-        widths = [a.shape[1] * a.dtype.itemsize for a in arrays]
-        packed = np.empty((len(ids), sum(widths)), np.uint8)  # one exchange for every array: row = one record
+        return await self._exchange(counts, *(array[order] for array in (ids, *payloads)))
+
+    async def _exchange(self, counts: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Send ``counts[r]`` rows of every array to rank ``r`` (rows grouped by destination), in one ``alltoallv``.
+
+        The arrays travel packed side by side, a record per row of bytes. Returns (rows that arrived from each
+        rank; the arrays received, in source-rank order).
+        """
+        rows = len(arrays[0])
+        flat = [np.ascontiguousarray(a).reshape(rows, int(np.prod(a.shape[1:]))) for a in arrays]
+        widths = [a.shape[1] * a.dtype.itemsize for a in flat]
+        packed = np.empty((rows, sum(widths)), np.uint8)
         offset = 0
-        for array, width in zip(arrays, widths):
-            packed[:, offset : offset + width] = array.view(np.uint8).reshape(len(ids), width)
+        for array, width in zip(flat, widths):
+            packed[:, offset : offset + width] = array.view(np.uint8).reshape(rows, width)
             offset += width
         received, sources = await self.system.world.alltoallv(packed, counts)
-        self.bytes_sent += (len(ids) - counts[self.system.rank]) * packed.shape[1]
+        self.bytes_sent += (rows - counts[self.system.rank]) * packed.shape[1]
         arrived, offset = [], 0
-        for original, width in zip(originals, widths):
+        for original, width in zip(arrays, widths):
             column = np.ascontiguousarray(received[:, offset : offset + width]).view(original.dtype)
             arrived.append(column if original.ndim > 1 else column[:, 0])
             offset += width
@@ -166,20 +174,13 @@ class MemoryStore:
         ids = await self._checked(lambda: _checked_ids(ids))
         positions = np.arange(len(ids), dtype=np.int64)
         sources, (got_ids, got_positions) = await self._route(ids, positions)
-        rows = self.partition.rows_of(got_ids)
-        table = np.full((len(got_ids), len(self.columns)), np.nan, np.float32)
-        found = rows >= 0
-        for j, name in enumerate(self.columns):
-            table[found, j] = self.partition.column(name)[rows[found]]
-        # back to the askers: each arrival goes to the rank it came from
-        # back to the askers: arrivals are grouped by source rank already
-        back_positions, _ = await self.system.world.alltoallv(got_positions, sources)
-        back_found, _ = await self.system.world.alltoallv(found.astype(np.int8), sources)
-        back_table, _ = await self.system.world.alltoallv(table, sources)
+        found, table = self.partition.read(got_ids)
+        # back to the askers: the arrivals are grouped by source rank already
+        _, (back_positions, back_found, back_table) = await self._exchange(sources, got_positions, found, table)
         values = np.empty_like(back_table)
         values[back_positions] = back_table
         present = np.empty(len(ids), bool)
-        present[back_positions] = back_found.astype(bool)
+        present[back_positions] = back_found
         return present, values
 
     async def reinforce(self, ids: np.ndarray, deltas: np.ndarray, iteration: int) -> None:

@@ -28,9 +28,16 @@ from ..io import (
     CheckpointError,
     DataFileError,
     OutputLock,
-    checksum,
 )
-from ..jobs import ProgressLine, check_outputs, close_checkpointer, lock_results, start_agreed
+from ..jobs import (
+    ProgressLine,
+    check_outputs,
+    close_checkpointer,
+    lock_results,
+    restore_compatible,
+    same_bits_everywhere,
+    start_agreed,
+)
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -147,26 +154,12 @@ def _compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
 
 
 def _restore(config, data, spec, checkpoints, model, optimizer) -> tuple[int, Curves] | None:
-    if not config.resume:
-        steps = checkpoints.steps()
-        if steps:
-            raise CheckpointError(
-                f"{config.checkpoints} already holds checkpoints (newest: step {steps[0]}); "
-                "pass --resume to continue from them, or choose another --checkpoint-dir"
-            )
-        return None
-    restored = checkpoints.load()
+    expected = _compatibility(config, data, spec)
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "job", "step")
     if restored is None:
-        if checkpoints.rank == 0:
+        if config.resume and checkpoints.rank == 0:
             log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
         return None
-    saved = restored.meta.get("job", {})
-    expected = _compatibility(config, data, spec)
-    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
-    if differences:
-        raise CheckpointError(
-            f"the checkpoint in {config.checkpoints} belongs to another job ({'; '.join(differences)})"
-        )
     load_model_arrays(model, restored.replicated, config.checkpoints)
     load_optimizer_state(optimizer, restored.replicated, restored.meta["optimizer"])
     if checkpoints.rank == 0:
@@ -196,7 +189,8 @@ async def _run(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
         failure = failure or close_checkpointer(job.checkpoints)
     if failure is not None:
         raise JobRefused(f"mpiscale train: {failure}", status=1) from None
-    await _check_same_weights(system, job.model)
+    weights = [tensor.numpy() for tensor in job.model.state_dict().values()]  # views: detached, written in place
+    await same_bits_everywhere(system, weights, "weights")
     hosts = job.comm.gather(socket.gethostname(), 0)
     problem = None
     if system.rank == 0:
@@ -313,17 +307,3 @@ async def _score(
         )
     await system.world.allreduce(sums, out=sums)
     return sums[0] / sums[2], sums[1] / sums[2]
-
-
-async def _check_same_weights(system: ActorSystem, model: torch.nn.Module) -> None:
-    """Every rank must end with the very same weights; if not, take rank 0's and say so."""
-    digest = np.array(
-        [checksum(np.concatenate([a.reshape(-1).view(np.uint8) for a in model_arrays(model).values()]))], np.int64
-    )
-    every = await system.world.allgather(digest)
-    if (every != every[0]).any():
-        if system.rank == 0:
-            log.warning("ranks ended with weights that differ in the last bits; keeping rank 0's")
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                await system.world.bcast_array(tensor.numpy(), 0)

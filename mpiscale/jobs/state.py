@@ -1,0 +1,64 @@
+"""A job's state across ranks and runs: the checkpoint a resumed run may take, and one set of bits at the end."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from ..io import Checkpointer, CheckpointError, Restored, checksum
+from ..runtime import ActorSystem
+
+log = logging.getLogger(__name__)
+
+
+def restore_compatible(
+    checkpoints: Checkpointer,
+    resume: bool,
+    directory: str,
+    expected: dict,
+    meta_key: str,
+    unit: str,
+    check: Callable[[Restored], None] | None = None,
+) -> Restored | None:
+    """The newest checkpoint when ``resume`` (None if there is none), or None when starting afresh.
+
+    Without ``resume`` an existing checkpoint is refused, never overwritten.
+    ``check`` (the step against the run's length, say) runs next; then
+    ``expected`` is compared with ``meta[meta_key]``, and a checkpoint of
+    another job is refused, naming every setting that differs. ``unit`` names
+    a step ("iteration", "step") in the messages.
+    """
+    if not resume:
+        steps = checkpoints.steps()
+        if steps:
+            raise CheckpointError(
+                f"{directory} already holds checkpoints (newest: {unit} {steps[0]}); "
+                "pass --resume to continue from them, or choose another --checkpoint-dir"
+            )
+        return None
+    restored = checkpoints.load()
+    if restored is None:
+        return None
+    if check is not None:
+        check(restored)
+    saved = restored.meta.get(meta_key, {})
+    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
+    if differences:
+        raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
+    return restored
+
+
+async def same_bits_everywhere(system: ActorSystem, arrays: list[np.ndarray], what: str) -> None:
+    """Check that every rank ends with the very same ``arrays``; if not, give every rank rank 0's and say so.
+
+    The arrays must be C-contiguous and writable (they are overwritten in place).
+    """
+    digest = np.array([checksum(array) for array in arrays], dtype=np.int64)
+    every = await system.world.allgather(digest)
+    if (every != every[0]).any():
+        if system.rank == 0:
+            log.warning("ranks ended with %s that differ in the last bits; keeping rank 0's", what)
+        for array in arrays:
+            await system.world.bcast_array(array, 0)
