@@ -37,12 +37,15 @@ class Job:
 SESSION_ENVIRONMENT = dict(os.environ)
 
 
-def launch(ranks: int, command: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """Start ``command`` on ``ranks`` ranks through the project's launcher, in its own process group."""
+def launch(
+    ranks: int, command: list[str], env: dict | None = None, options: tuple[str, ...] = (), **popen
+) -> subprocess.Popen:
+    """Start ``command`` on ``ranks`` ranks through the project's launcher (with its ``options``), in its own
+    process group."""
     environment = dict(SESSION_ENVIRONMENT)
     environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
     return subprocess.Popen(
-        [str(LAUNCHER), "-n", str(ranks), "--", *command],
+        [str(LAUNCHER), "-n", str(ranks), *options, "--", *command],
         env=environment,
         text=True,
         start_new_session=True,

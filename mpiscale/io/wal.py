@@ -43,7 +43,8 @@ class ReplayReport:
     steps: list[int] = field(default_factory=list)
 
 
-def _encode(step: int, arrays: dict[str, np.ndarray]) -> bytes:
+def encode_record(step: int, arrays: dict[str, np.ndarray]) -> bytes:
+    """One record's bytes (frame and body), as ``append`` writes them: to send a record elsewhere first."""
     contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
     header = json.dumps([[name, a.dtype.str, list(a.shape)] for name, a in contiguous.items()]).encode()
     body = b"".join([_BODY.pack(step, len(header)), header, *(a.tobytes() for a in contiguous.values())])
@@ -126,7 +127,11 @@ class WriteAheadLog:
 
     def append(self, step: int, arrays: dict[str, np.ndarray]) -> None:
         """Add a record; it is on the disk (fsync) when this returns, unless ``sync`` is False."""
-        self._stream.write(_encode(step, arrays))
+        self.append_encoded(encode_record(step, arrays))
+
+    def append_encoded(self, record: bytes | bytearray | memoryview) -> None:
+        """Add a record made by ``encode_record`` (here or on another rank), durable like ``append``."""
+        self._stream.write(record)
         self._durable()
 
     def reset(self) -> None:

@@ -22,16 +22,27 @@ class MemstoreConfig:
     seed: int = option(0, "seed of the workload (the same workload on any number of ranks)")
     out: str = option("memstore.h5", "results: per-iteration aggregates and top-k; the records go to OUT.records.h5")
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    checkpoints: str = option(
+        "", "directory (shared file system) of the store's checkpoints and journal: makes the job durable, and a "
+        "rerun after a failure recovers and goes on; empty: not durable",
+    )  # fmt: skip
+    local_dir: str = option(
+        "", "node-local directory for the logs and checkpoint shards (each copied to a rank on the next node); "
+        "empty: everything in --checkpoints",
+    )  # fmt: skip
+    checkpoint_every: int = option(10, "iterations between checkpoints of a durable job (they bound the logs)")
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("records", "iterations", "top", "bins"):
+        for name in ("records", "iterations", "top", "bins", "checkpoint_every"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.reinforce <= 1:
             problems.append(f"reinforce must be a fraction in [0, 1], got {self.reinforce}")
         if not (self.rate >= 0 and math.isfinite(self.rate)):
             problems.append(f"rate must be a number >= 0, got {self.rate}")
+        if self.local_dir and not self.checkpoints:
+            problems.append("--local-dir needs --checkpoints (the shared directory of the checkpoints)")
         if problems:
             raise ValueError("memstore settings: " + "; ".join(problems))
 
@@ -42,3 +53,7 @@ class MemstoreConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def workload(self) -> dict:
+        """The settings that make the job's records what they are: a recovered run must share them."""
+        return {name: getattr(self, name) for name in ("records", "reinforce", "rate", "top", "bins", "seed")}

@@ -10,18 +10,20 @@ batch, so the results are the same bits on any number of ranks.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import h5py
 import numpy as np
 
-from ..io import SampleRandom, open_file, publish, stamp, write_dataset
+from ..io import CheckpointError, DataFileError, SampleRandom, open_file, publish, stamp, write_dataset
 from ..jobs import ProgressLine, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
 from .config import MemstoreConfig
-from .store import Aggregate, MemoryStore
+from .rehearsal import fail_now, planted_failure
+from .store import Aggregate, Durability, MemoryStore
 
 RESULTS_FORMAT = "mpiscale.memstore-results/1"
 
@@ -50,49 +52,135 @@ async def run_memstore(system: ActorSystem, config: MemstoreConfig) -> dict:
 
 
 async def _run(system: ActorSystem, config: MemstoreConfig) -> dict:
-    store = MemoryStore(system, histogram_bins=config.bins)
+    durable = Durability(config.checkpoints, config.local_dir or None) if config.checkpoints else None
+    store = MemoryStore(system, histogram_bins=config.bins, durable=durable)
+    try:
+        return await _iterate(system, config, store)
+    finally:
+        store.close()
+
+
+async def _iterate(system: ActorSystem, config: MemstoreConfig, store: MemoryStore) -> dict:
     streams = SampleRandom(config.seed)
-    lo, hi = rank_rows(config.records, system.size, system.rank)
-    start = streams.uniform(0, range(lo, hi), 2).astype(np.float32)
-    await store.upsert(record_ids(np.arange(lo, hi)), {"strength": start[:, 0], "quality": start[:, 1]})
+    history, recovery = await _start(system, config, store, streams)
+    failure = planted_failure()
     batch = int(round(config.records * config.reinforce))
     b_lo, b_hi = rank_rows(batch, system.size, system.rank)
-    history: list[tuple[Aggregate, float]] = []
-    progress = ProgressLine(config.iterations, 0, config.progress_every if system.rank == 0 else None, "records")
-    for iteration in range(config.iterations):
+    progress = ProgressLine(
+        config.iterations, len(history), config.progress_every if system.rank == 0 else None, "records"
+    )
+    for iteration in range(len(history), config.iterations):
         began = time.perf_counter()
+        if recovery is not None and "resumed_at" not in recovery:
+            recovery["resumed_at"] = time.time()
         entries = range(b_lo, b_hi)
         picked = streams.integers(iteration + 1, entries, 1, 0, config.records)[:, 0]
         deltas = (0.1 * streams.normal(iteration + 1, entries, 1, stream=1)[:, 0]).astype(np.float32)
         await store.reinforce(record_ids(picked), deltas, iteration)
+        if failure is not None and (failure.rank, failure.iteration) == (system.rank, iteration):
+            fail_now(system.rank, iteration, store.local_directory if failure.lose_local else None)
         result = await store.iterate(config.rate, config.top)
-        history.append((result, time.perf_counter() - began))
-        text = f"mean quality {result.mean:.4f}  {1e3 * history[-1][1]:.2f} ms/iteration"
+        seconds = time.perf_counter() - began
+        history.append((result, seconds))
+        if config.checkpoints:
+            await store.commit(history_arrays(history[-1:]))
+            if (iteration + 1) % config.checkpoint_every == 0:
+                await store.checkpoint(history_arrays(history))
+        text = f"mean quality {result.mean:.4f}  {1e3 * seconds:.2f} ms/iteration"
         progress.update(iteration + 1, text, config.records)
     progress.finish()
     columns = {name: store.partition.column(name) for name in store.columns}
     write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm, config.to_dict())
     if system.rank == 0:
-        _write_results(config, system.size, history, store.partition.nbytes())
+        _write_results(config, system.size, history, store.partition.nbytes(), recovery)
         print(f"wrote {config.out} and {config.records_path}: {config.records} records, {system.size} ranks")
     last = history[-1][0]
     return {"count": last.count, "mean": last.mean, "top_ids": last.top_ids.tolist()}
 
 
-def _write_results(config: MemstoreConfig, ranks: int, history: list[tuple[Aggregate, float]], nbytes: int) -> None:
+async def _start(
+    system: ActorSystem, config: MemstoreConfig, store: MemoryStore, streams: SampleRandom
+) -> tuple[list[tuple[Aggregate, float]], dict | None]:
+    """The history so far and a report of the recovery: recovered from the store's files, or a fresh load."""
+    if config.checkpoints:
+        problem, recovered = None, None
+        try:
+            recovered = await store.recover(config.workload())
+        except (CheckpointError, DataFileError) as error:  # agreed: every rank raised it
+            problem = ValueError(f"mpiscale memstore: {error}")
+        await system.agree(problem, "the store's checkpoints and logs")
+        if recovered is not None:
+            history = history_from(recovered.replicated) + [
+                row for notes in recovered.notes for row in history_from(notes)
+            ]
+            report = {
+                "restart": int(os.environ.get("MPISCALE_RESTART_COUNT", "0") or 0),
+                "iterations_done": len(history),
+                "source": recovered.source,
+                "seconds": recovered.seconds,
+                "records": recovered.records,
+            }
+            if system.rank == 0:
+                print(
+                    f"recovered {recovered.records:,} records after iteration {len(history)} from "
+                    f"{recovered.source} in {recovered.seconds['total']:.2f} s",
+                    flush=True,
+                )
+            return history, report
+    lo, hi = rank_rows(config.records, system.size, system.rank)
+    start = streams.uniform(0, range(lo, hi), 2).astype(np.float32)
+    await store.upsert(record_ids(np.arange(lo, hi)), {"strength": start[:, 0], "quality": start[:, 1]})
+    if config.checkpoints:
+        await store.commit()
+    return [], None
+
+
+_HISTORY = ("count", "total", "mean", "maximum", "histogram", "top_ids", "top_quality")
+
+
+def history_arrays(history: list[tuple[Aggregate, float]]) -> dict[str, np.ndarray]:
+    """Per-iteration results stacked by name (for the results file, checkpoints and commit notes)."""
+    arrays = {"iteration_s": np.array([seconds for _, seconds in history], np.float64)}
+    for name in _HISTORY:
+        arrays[name] = np.stack([np.asarray(getattr(aggregate, name)) for aggregate, _ in history])
+    arrays["histogram_edges"] = history[0][0].edges if history else np.empty(0)
+    return arrays
+
+
+def history_from(arrays: dict[str, np.ndarray]) -> list[tuple[Aggregate, float]]:
+    """The inverse of ``history_arrays``."""
+    if "iteration_s" not in arrays:
+        return []
+    return [
+        (
+            Aggregate(
+                count=int(arrays["count"][i]),
+                total=float(arrays["total"][i]),
+                mean=float(arrays["mean"][i]),
+                maximum=float(arrays["maximum"][i]),
+                histogram=arrays["histogram"][i],
+                edges=arrays["histogram_edges"],
+                top_ids=arrays["top_ids"][i],
+                top_quality=arrays["top_quality"][i],
+            ),
+            float(seconds),
+        )
+        for i, seconds in enumerate(arrays["iteration_s"])
+    ]
+
+
+def _write_results(
+    config: MemstoreConfig, ranks: int, history: list[tuple[Aggregate, float]], nbytes: int, recovery: dict | None
+) -> None:
     temporary = f"{config.out}.tmp"
     with h5py.File(temporary, "w") as file:
         stamp(file, RESULTS_FORMAT, ranks, config.to_dict())
-        results = [aggregate for aggregate, _ in history]
-        file["iteration_s"] = np.array([seconds for _, seconds in history])
-        for name in ("count", "total", "mean", "maximum"):
-            file[name] = np.array([getattr(aggregate, name) for aggregate in results])
-        file["histogram"] = np.stack([aggregate.histogram for aggregate in results])
-        file["histogram_edges"] = results[0].edges
-        file["top_ids"] = np.stack([aggregate.top_ids for aggregate in results])
-        file["top_quality"] = np.stack([aggregate.top_quality for aggregate in results])
+        for name, values in history_arrays(history).items():
+            file[name] = values
         file.attrs["records_file"] = config.records_path
         file.attrs["rank0_bytes"] = nbytes
+        if recovery is not None:
+            file.attrs["recovery"] = json.dumps(recovery)
     publish(temporary, config.out)
 
 

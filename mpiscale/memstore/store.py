@@ -12,16 +12,22 @@ ties by id.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
+from ..io import Checkpointer, CheckpointError
 from ..kernels.memstore import combine_sorted, decay, default_parts, exact_total, iteration_pass, owners
 from ..runtime import ActorSystem
+from .journal import Journal, Op
 from .partition import BASE_COLUMNS, Partition
+from .recovery import Recovered, recover
 
 INT64_LIMIT = 2**63 - 1
 Checked = TypeVar("Checked")
@@ -41,8 +47,31 @@ class Aggregate:
     top_quality: np.ndarray
 
 
+@dataclass(frozen=True)
+class Durability:
+    """Where a durable store keeps its checkpoints (``directory``, shared by all nodes) and its logs.
+
+    With ``local_dir`` (node-local storage: ``local_dir/node-K`` per node), the
+    logs and checkpoint shards go there, each copied to a partner rank on the
+    next node, and a checkpoint reaches ``directory`` every ``shared_every``
+    saves; without it, everything is in ``directory``. ``keep`` checkpoints are
+    kept.
+    """
+
+    directory: str | os.PathLike
+    local_dir: str | os.PathLike | None = None
+    keep: int = 2
+    shared_every: int = 1
+
+
 class MemoryStore:
-    """Records with float32 columns (strength, quality, touched, and ``extra``), partitioned over ``system``'s ranks."""
+    """Records with float32 columns (strength, quality, touched, and ``extra``), partitioned over ``system``'s ranks.
+
+    With ``durable``, every change is logged, and ``commit`` makes the changes
+    since the last one durable on two nodes before it returns; ``checkpoint``
+    bounds the logs, and ``recover`` (called first) rebuilds the store after a
+    failure, on any number of ranks.
+    """
 
     def __init__(
         self,
@@ -50,6 +79,7 @@ class MemoryStore:
         extra: tuple[str, ...] = (),
         histogram_bins: int = 32,
         quality_range: tuple[float, float] = (0.0, 1.0),
+        durable: Durability | None = None,
     ) -> None:
         clash = sorted(set(extra) & set(BASE_COLUMNS))
         if clash:
@@ -65,6 +95,12 @@ class MemoryStore:
         # The last aggregate and its k, valid until qualities change: only upsert and delete change them, and
         # both are collective, so every rank drops it at the same call.
         self._aggregate: tuple[int, Aggregate] | None = None
+        self.durable = durable
+        #: Commits made so far (recovered ones included); the changes since the last one, to log at the next.
+        self.commits = 0
+        self._pending: list[Op] = []
+        self._journal: Journal | None = None
+        self._checkpointed = 0  # the commit of the newest checkpoint
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -113,14 +149,14 @@ class MemoryStore:
         await self._agree(problem)
         return result  # type: ignore[return-value]  # None only where _agree raised
 
-    async def _agree(self, problem: str | None) -> None:
+    async def _agree(self, problem: str | None, kind: type[Exception] = ValueError) -> None:
         """Raise ``problem`` (the lowest rank's) on every rank if any rank has one: before any state changes."""
         world = self.system.world
         flag = np.array([world.rank if problem else world.size], np.int64)
         await world.allreduce(flag, op="min", out=flag)
         if flag[0] < world.size:
             message = await world.bcast(problem, root=int(flag[0]))
-            raise ValueError(f"memory store: {message}")
+            raise kind(f"memory store: {message}")
 
     async def _positions(self, count: int) -> np.ndarray:
         """Global positions of this rank's ``count`` batch entries (rank order, then order on the rank)."""
@@ -154,8 +190,9 @@ class MemoryStore:
         rows = self.partition.rows_of(got_ids[keep])
         touched = np.zeros(len(rows), np.float32)  # new records: 0; stored ones keep theirs
         touched[rows >= 0] = self.partition.column("touched")[rows[rows >= 0]]
-        named = {name: got_rows[keep, j] for j, name in enumerate(given)}
-        added = self.partition.upsert(got_ids[keep], named | {"touched": touched})
+        named = {name: got_rows[keep, j] for j, name in enumerate(given)} | {"touched": touched}
+        added = self.partition.upsert(got_ids[keep], named)
+        self._log(Op("upsert", got_ids[keep], np.column_stack([named[name] for name in self.columns])))
         self._aggregate = None
         total = await self.system.world.allreduce(np.array([added], np.int64))
         return int(total[0])
@@ -165,6 +202,7 @@ class MemoryStore:
         ids = await self._checked(lambda: _checked_ids(ids))
         _, (got_ids,) = await self._route(ids)
         removed = self.partition.delete(got_ids)
+        self._log(Op("delete", got_ids))
         self._aggregate = None
         total = await self.system.world.allreduce(np.array([removed], np.int64))
         return int(total[0])
@@ -207,11 +245,13 @@ class MemoryStore:
         await self._agree(problem)
         applying = time.perf_counter()
         self.partition.reinforce(rows, sums, iteration)
+        self._log(Op("reinforce", unique, sums, float(iteration)))
         self.timings |= {"reinforce_exchange_s": applying - began, "reinforce_apply_s": time.perf_counter() - applying}
 
     def decay(self, rate: float) -> None:
         """Decay every strength of this rank by ``rate`` (no exchange; ``iterate`` does it with the aggregates)."""
         decay(self.partition.column("strength"), np.float32(rate))
+        self._log(Op("decay", scalar=float(np.float32(rate))))
 
     async def iterate(self, rate: float, k: int = 100) -> Aggregate:
         """Decay every strength by ``rate`` and compute the global quality aggregate and top-k (collective).
@@ -231,6 +271,7 @@ class MemoryStore:
         count, maximum, histogram, exponents, heap_q, heap_id, kept = iteration_pass(
             part.column("strength"), part.column("quality"), part.ids, np.float32(rate), low, high, self.bins, k, parts
         )
+        self._log(Op("decay", scalar=float(np.float32(rate))))
         passed = time.perf_counter()
         sums = np.concatenate([[count], histogram.sum(axis=0), exponents.sum(axis=0)]).astype(np.int64)
         await self.system.world.allreduce(sums, out=sums)
@@ -258,6 +299,124 @@ class MemoryStore:
         self._aggregate = (k, aggregate)
         return aggregate
 
+    # ------------------------------------------------------------ durability
+    def _log(self, op: Op) -> None:
+        """Keep an applied change for the next commit's record (durable stores only)."""
+        if self.durable is None:
+            return
+        if self._journal is None:
+            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
+        self._pending.append(op)
+
+    async def recover(self, meta: dict | None = None) -> Recovered | None:
+        """Rebuild the store from its checkpoints and logs, or start them (collective; durable stores, first call).
+
+        ``meta`` (JSON) names the job: logs and checkpoints of another job are
+        refused with a CheckpointError before anything is written. Returns
+        None when there was nothing to recover.
+        """
+        if self.durable is None:
+            raise RuntimeError("recover() needs a store made with durable=Durability(...)")
+        if self._journal is not None:
+            raise RuntimeError("recover() was called already")
+        settings = self.durable
+        checkpoints = Checkpointer(
+            settings.directory,
+            self.system.world.comm,
+            keep=settings.keep,
+            local_dir=settings.local_dir,
+            shared_every=settings.shared_every,
+        )
+        self._journal = Journal(self.system, checkpoints)
+        meta = json_safe(meta or {})
+        try:
+            recovered = await recover(self, self._journal, meta)
+        except BaseException:
+            self.close()
+            raise
+        if recovered is not None:
+            self.commits = recovered.commits
+            self._checkpointed = recovered.commits if recovered.notes else recovered.checkpoint  # see recover()
+        return recovered
+
+    @property
+    def local_directory(self) -> Path | None:
+        """This rank's node-local directory of a durable store with ``local_dir`` (after ``recover``), else None."""
+        return self._journal.local_directory if self._journal is not None else None
+
+    async def commit(self, notes: dict[str, np.ndarray] | None = None) -> int:
+        """Make the changes since the last commit durable on this node and the partner's (collective).
+
+        ``notes`` are small arrays (the same on every rank) kept with the
+        commit and given back by ``recover`` for the commits it replays: an
+        iteration's results, say. Returns the commit's number.
+        """
+        began = time.perf_counter()
+        if self._journal is None:
+            raise RuntimeError("commit() needs a durable store that has called recover()")
+        await self._journal.write(self.commits + 1, self._pending, notes or {})
+        self.commits += 1
+        self._pending = []
+        self.timings |= {"commit_s": time.perf_counter() - began}
+        return self.commits
+
+    async def checkpoint(self, replicated: dict[str, np.ndarray] | None = None, meta: dict | None = None) -> None:
+        """Checkpoint the store as of the last commit, with the caller's own arrays and metadata (collective).
+
+        The save runs in the background; the logs before the previous
+        checkpoint are deleted.
+        """
+        if self._journal is None:
+            raise RuntimeError("checkpoint() needs a durable store that has called recover()")
+        await self._agree("commit() the changes before a checkpoint" if self._pending else None)
+        if self.commits == self._checkpointed:
+            return
+        self._save(self.commits, replicated or {}, meta or {})
+        previous, self._checkpointed = self._checkpointed, self.commits
+        self._journal.rotate(self.commits, keep_from=previous)
+
+    def _save(self, commit: int, replicated: dict[str, np.ndarray], meta: dict) -> None:
+        assert self._journal is not None
+        sharded = {"ids": self.partition.ids} | {name: self.partition.column(name) for name in self.columns}
+        store = {"columns": list(self.columns), "commits": commit}
+        self._journal.checkpoints.save(commit, sharded, replicated, {"store": store, "caller": meta})
+
+    async def _place(self, ids: np.ndarray, table: np.ndarray) -> None:
+        """Route whole records (ids unique over all ranks) to their owners and store them."""
+        _, (got_ids, got_table) = await self._route(ids, table)
+        self.partition.upsert(got_ids, {name: got_table[:, j] for j, name in enumerate(self.columns)})
+
+    async def _replay(self, kind: str, scalar: float, ops: list[Op]) -> None:
+        """Apply one logged operation again: ``ops`` are the parts of it this rank read (collective)."""
+        if kind == "decay":
+            decay(self.partition.column("strength"), np.float32(scalar))
+            return
+        ids = np.concatenate([op.ids for op in ops if op.ids is not None] or [np.empty(0, np.int64)])
+        width = len(self.columns) if kind == "upsert" else 1
+        values = [op.values.reshape(len(op.ids), width) for op in ops if op.values is not None and op.ids is not None]
+        table = np.concatenate(values or [np.empty((0, width), np.float32)]).astype(np.float32)
+        if kind == "upsert":
+            await self._place(ids, table)
+        elif kind == "delete":
+            _, (got_ids,) = await self._route(ids)
+            self.partition.delete(got_ids)
+        else:
+            _, (got_ids, got_sums) = await self._route(ids, table[:, 0])
+            rows = self.partition.rows_of(got_ids)
+            missing = got_ids[rows < 0]
+            problem = f"a logged reinforcement names {len(missing)} ids not stored (e.g. {missing[:1]})"
+            await self._agree(problem if len(missing) else None, CheckpointError)
+            self.partition.reinforce(rows, got_sums, int(scalar))
+        self._aggregate = None
+
+    def close(self) -> None:
+        """Close the logs and wait for the last checkpoint (collective for durable stores)."""
+        if self._journal is not None:
+            journal, self._journal = self._journal, None
+            journal.close()
+            journal.comm.Free()
+            journal.checkpoints.close()
+
     async def _gather_candidates(self, quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's best k (padded), stacked."""
         padded_q = np.full(k, -np.inf, np.float32)
@@ -267,6 +426,11 @@ class MemoryStore:
         every_id = (await self.system.world.allgather(padded_id)).reshape(-1)
         real = every_id != INT64_LIMIT
         return every_q[real], every_id[real]
+
+
+def json_safe(meta: dict) -> dict:
+    """``meta`` as it reads back from JSON (tuples become lists), so saved and given settings compare equal."""
+    return json.loads(json.dumps(meta))
 
 
 def best_by_quality(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

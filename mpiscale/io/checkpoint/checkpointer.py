@@ -213,6 +213,16 @@ class Checkpointer:
         return copies
 
     @property
+    def partner(self) -> int | None:
+        """The rank on the next node that keeps copies of this rank's files (None on one node or without levels 1-2)."""
+        return self._partner
+
+    @property
+    def senders(self) -> list[int]:
+        """The ranks whose copies this rank keeps in its node directory."""
+        return list(self._senders)
+
+    @property
     def last_step(self) -> int | None:
         """The step last saved (or being saved) or loaded by this checkpointer."""
         return self._last_step

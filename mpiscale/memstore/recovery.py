@@ -1,0 +1,186 @@
+"""Rebuilding the store after a failure: the newest checkpoint, then every commit all logs hold, on any world size.
+
+Each old rank's log is read by one new rank on a node that holds it: its own
+node's copy if that node is still there, else the partner's copy. A commit is
+replayed only if every old rank's log holds it (a rank killed mid-commit left
+the others ahead of it), so the state is the one the job had after that
+commit, on every rank; the job redoes what came after. Replayed operations are
+routed to their owners in the new world and applied as they were the first
+time, so the records are the same bits as before the failure. The recovered
+state is then checkpointed, so the old logs can go and the new run's start
+from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..io import CheckpointError, DataFileError
+from .journal import Commit, Journal, existing_segments, lost_logs
+
+if TYPE_CHECKING:
+    from .store import MemoryStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Recovered:
+    """What ``MemoryStore.recover`` rebuilt."""
+
+    commits: int  # the store holds the state after this commit
+    checkpoint: int  # the commit of the checkpoint it started from (0: none, only logs)
+    notes: list[dict[str, np.ndarray]]  # the notes of the replayed commits, checkpoint + 1 .. commits
+    replicated: dict[str, np.ndarray]  # the caller's arrays saved with the checkpoint
+    meta: dict  # the caller's metadata saved with the checkpoint
+    records: int  # records in the store, over all ranks
+    source: str  # where the checkpoint and the logs came from
+    seconds: dict[str, float] = field(default_factory=dict)  # load, replay, checkpoint, total
+
+
+async def recover(store: MemoryStore, journal: Journal, meta: dict) -> Recovered | None:
+    """Restore ``store`` from its checkpoints and logs (collective); None when there is nothing to restore."""
+    began = time.perf_counter()
+    comm = journal.comm
+    record = comm.bcast(_readable(journal.read_record) if comm.Get_rank() == 0 else None, 0)
+    if isinstance(record, CheckpointError):
+        raise record
+    if record is not None and record.get("meta") != meta:
+        raise CheckpointError(_difference(journal, record.get("meta", {}), meta))
+    restored = journal.checkpoints.load()
+    checkpoint = restored.step if restored is not None else 0
+    if restored is not None:
+        saved = restored.meta.get("store", {})
+        if saved.get("columns") != list(store.columns):
+            raise CheckpointError(
+                f"the checkpoint in {journal.directory} holds the columns {saved.get('columns')}, "
+                f"this store has {list(store.columns)}"
+            )
+        table = np.column_stack([restored.sharded[name] for name in store.columns]).astype(np.float32)
+        await store._place(restored.sharded["ids"], table)
+    loaded = time.perf_counter()
+    commits: list[Commit] = []
+    source = "no checkpoint"
+    if restored is not None:
+        source = f"the checkpoint of commit {checkpoint} ({', '.join(sorted(set(restored.sources.values())))})"
+    if record is not None:
+        commits, logs = await _replay(store, journal, record["run"], checkpoint)
+        source += f"; {len(commits)} commits from {logs}"
+    replayed = time.perf_counter()
+    last = checkpoint + len(commits)
+    replicated = restored.replicated if restored is not None else {}
+    caller_meta = restored.meta.get("caller", {}) if restored is not None else {}
+    if commits:  # the new logs start from a checkpoint of the recovered state
+        store._save(last, replicated, caller_meta)
+        journal.checkpoints.wait()
+    journal.begin(last, meta)
+    if last == 0:
+        return None
+    total = await store.system.world.allreduce(np.array([store.partition.size], np.int64))
+    done = time.perf_counter()
+    return Recovered(
+        commits=last,
+        checkpoint=checkpoint,
+        notes=[commit.notes for commit in commits],
+        replicated=replicated,
+        meta=caller_meta,
+        records=int(total[0]),
+        source=source,
+        seconds={
+            "load": loaded - began,
+            "replay": replayed - loaded,
+            "checkpoint": done - replayed,
+            "total": done - began,
+        },
+    )
+
+
+def _readable(read):
+    try:
+        return read()
+    except CheckpointError as error:
+        return error
+
+
+def _difference(journal: Journal, saved: dict, meta: dict) -> str:
+    keys = sorted(set(saved) | set(meta))
+    differences = [f"{k}: logged {saved.get(k)!r}, now {meta.get(k)!r}" for k in keys if saved.get(k) != meta.get(k)]
+    return f"the store in {journal.directory} belongs to another job ({'; '.join(differences)})"
+
+
+async def _replay(store: MemoryStore, journal: Journal, run: str, after: int) -> tuple[list[Commit], str]:
+    """Apply every commit after ``after`` that all of ``run``'s logs hold; returns them and where they came from."""
+    comm = journal.comm
+    found = [segment for listing in comm.allgather(journal.listing(run)) for segment in listing]
+    found = list({(s.node, s.name): s for s in found}.values())  # ranks on one node list the same files
+    plan, problem = None, None
+    if comm.Get_rank() == 0:
+        try:
+            lost = lost_logs(found)
+            if lost:
+                raise CheckpointError(
+                    f"the logs of ranks {lost} of run {run} are gone from their nodes and their partners' "
+                    f"(both copies lost: more than one node?); the updates after commit {after} cannot be "
+                    f"recovered. Remove {journal.wal_dir(0).parent.parent} 's wal directories to restart from "
+                    f"the checkpoint of commit {after}, accepting that loss"
+                )
+            plan = existing_segments(run, found)
+        except CheckpointError as error:
+            problem = str(error)
+    plan, problem = comm.bcast((plan, problem), 0)
+    if problem:
+        raise CheckpointError(problem)
+    readers = _assign(plan, comm.allgather(journal.node))
+    mine: dict[int, list[Commit]] = {}
+    problem = None
+    try:
+        for old_rank, segments in plan.items():
+            if readers[old_rank] == comm.Get_rank():
+                mine[old_rank] = journal.read(segments, after)
+    except (CheckpointError, DataFileError) as error:
+        problem = str(error)
+    await store._agree(problem, CheckpointError)
+    reach = min((len(commits) for commits in mine.values()), default=np.iinfo(np.int64).max)
+    every = np.array([reach], np.int64)
+    await store.system.world.allreduce(every, op="min", out=every)
+    count = int(every[0]) if plan else 0
+    holder = readers.get(min(plan), 0) if plan else 0
+    schedule = None
+    if plan and comm.Get_rank() == holder:
+        schedule = [(c.number, [(op.kind, op.scalar) for op in c.ops], c.notes) for c in mine[min(plan)][:count]]
+    schedule = comm.bcast(schedule, holder)
+    commits = []
+    for index in range(count):
+        number, steps, notes = schedule[index]
+        held = [commits_of[index] for commits_of in mine.values()]
+        odd = any([(op.kind, op.scalar) for op in commit.ops] != steps for commit in held)
+        await store._agree(f"the logs of run {run} disagree on the operations of commit {number}" if odd else None,
+                           CheckpointError)  # fmt: skip
+        for j, (kind, scalar) in enumerate(steps):
+            await store._replay(kind, scalar, [commit.ops[j] for commit in held])
+        commits.append(Commit(number, [], notes))
+    copies = sum(1 for segments in plan.values() if segments[0].copy)
+    where = f"{len(plan)} logs ({copies} of them partner copies)" if plan else "no logs"
+    if comm.Get_rank() == 0 and count < max((len(c) for c in mine.values()), default=0):
+        log.info("commits after %d are not in every log (a rank died mid-commit): they are redone", after + count)
+    return commits, where
+
+
+def _assign(plan: dict, nodes_of: list[int]) -> dict[int, int]:
+    """The rank that reads each old rank's log: one on the node that holds it, taking turns."""
+    ranks_by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(nodes_of):
+        ranks_by_node.setdefault(node, []).append(rank)
+    turns: dict[int, int] = {}
+    readers = {}
+    for old_rank, segments in sorted(plan.items()):
+        node = segments[0].node
+        turn = turns.get(node, 0)
+        readers[old_rank] = ranks_by_node[node][turn % len(ranks_by_node[node])]
+        turns[node] = turn + 1
+    return readers

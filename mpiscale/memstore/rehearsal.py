@@ -1,0 +1,51 @@
+"""A planted failure, to rehearse a node's loss on your own cluster: ``MPISCALE_REHEARSE_FAILURE``.
+
+``MPISCALE_REHEARSE_FAILURE="rank=2,iteration=25,lose-local"`` makes rank 2 of
+``mpiscale memstore`` kill itself (SIGKILL, as the out-of-memory killer or a
+dead node would) in the middle of iteration 25, after its updates are applied
+and before they are committed; with ``lose-local`` it first deletes its
+node's local directory, as if the node's disk were gone. It fires only in a
+job's first run (``MPISCALE_RESTART_COUNT`` and ``SLURM_RESTART_COUNT`` unset
+or 0), so the restarted job goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+VARIABLE = "MPISCALE_REHEARSE_FAILURE"
+
+
+@dataclass(frozen=True)
+class PlantedFailure:
+    rank: int
+    iteration: int
+    lose_local: bool
+
+
+def planted_failure() -> PlantedFailure | None:
+    """The failure the environment asks for in this run, or None."""
+    text = os.environ.get(VARIABLE, "").strip()
+    restarts = max(int(os.environ.get(name, "0") or 0) for name in ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    if not text or restarts:
+        return None
+    fields = dict(part.partition("=")[::2] for part in text.split(","))
+    try:
+        return PlantedFailure(int(fields["rank"]), int(fields["iteration"]), "lose-local" in fields)
+    except (KeyError, ValueError):
+        raise ValueError(f"{VARIABLE}={text!r}: expected 'rank=R,iteration=T[,lose-local]'") from None
+
+
+def fail_now(rank: int, iteration: int, local: Path | None) -> None:
+    """Die as a killed rank does; with ``local``, delete that directory first."""
+    if local is not None:
+        shutil.rmtree(local, ignore_errors=True)
+    print(f"mpiscale: rehearsal: rank {rank} is killed in iteration {iteration} at {time.time():.3f}", file=sys.stderr)
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
