@@ -12,7 +12,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from conftest import assert_ok, finish, launch
+from conftest import PROGRAMS, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 WORKLOAD = ["--records", "60000", "--iterations", "50", "--top", "20", "--checkpoint-every", "10"]
@@ -125,3 +125,23 @@ def test_damaged_log_and_another_jobs_store_are_refused(tmp_path):
     log.write_bytes(bytes(data))
     refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
     assert refused.returncode == 2 and str(log) in refused.stderr and "damaged" in refused.stderr, refused.stderr
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [((4, 2), (3, 0)), ((2, 0), (4, 2))], ids=["4ranks-2nodes-to-3ranks", "2ranks-to-4ranks-2nodes"]
+)
+def test_python_api_recovers_upserts_deletes_and_reinforcements_on_another_world_size(tmp_path, first, then):
+    """The store's own API: upserts (new and overwritten), a delete and reinforcements replayed from the logs
+    after a rank is killed, on another number of ranks and nodes; checked bit for bit against a numpy model."""
+
+    def run(ranks: int, per_node: int, *args):
+        options = ("--ranks-per-node", str(per_node)) if per_node else ()
+        command = [sys.executable, str(PROGRAMS / "memstore_invariance.py"), "4000", "14", str(tmp_path), *args]
+        return finish(launch(ranks, command, options=options), f"memstore_invariance on {ranks} ranks", 180)
+
+    killed = run(*first, "16")  # steps 13-15 (a reinforcement, an upsert, the delete) follow the checkpoint of 12
+    assert killed.returncode == 137, killed.output[-4000:]
+    job = run(*then)
+    assert_ok(job)
+    assert "memstore recovered 15 commits from the checkpoint of commit 12" in job.stdout, job.output[-4000:]
+    assert "3 commits from" in job.stdout and f"memstore ok: {then[0]} ranks, 4040 records" in job.stdout

@@ -1,22 +1,31 @@
 """The memory store on N ranks against a plain numpy model of the same workload, bit for bit.
 
-usage: memstore_invariance.py RECORDS ITERATIONS
+usage: memstore_invariance.py RECORDS ITERATIONS [DIRECTORY [KILL_AT]]
 The workload depends only on the seed: the global batches are split over the
 ranks by position, so every world size runs the same global workload. Rank 0
 keeps the numpy model (arrays sorted by id) and checks, every iteration, the
 aggregate (count, exact sum, maximum, histogram) and the top-k; at the end
 every record's columns, and lookups of stored and missing ids. It prints a
 digest of everything, which the test compares across world sizes.
+
+With DIRECTORY the store is durable (its checkpoints there, its logs and
+shards in DIRECTORY/local, by node): each step of the workload is a commit,
+with a checkpoint every 6 commits, and a rerun
+recovers and goes on from the commit it reached. With KILL_AT, the last rank
+applies step KILL_AT and is killed before committing it (SIGKILL), and the job
+fails. The digest then covers the iterations run after the recovery.
 """
 
 import hashlib
 import math
+import os
+import signal
 import sys
 
 import numpy as np
 
 import mpiscale
-from mpiscale.memstore import MemoryStore
+from mpiscale.memstore import Durability, MemoryStore
 from mpiscale.ranks import rank_rows
 
 K, BINS, RATE = 10, 16, np.float32(0.01)
@@ -99,33 +108,65 @@ def mine(array, system):
 
 async def main(system) -> None:
     records, iterations = int(sys.argv[1]), int(sys.argv[2])
-    store = MemoryStore(system, extra=("weight",), histogram_bins=BINS)
+    directory, kill_at = (sys.argv[3:] + [None, None])[:2]
+    durable = None
+    if directory:
+        durable = Durability(f"{directory}/checkpoints", f"{directory}/local")
+    store = MemoryStore(system, extra=("weight",), histogram_bins=BINS, durable=durable)
+    done = 0
+    if durable:
+        recovered = await store.recover({"records": records})
+        done = recovered.commits if recovered else 0
+        if system.rank == 0:
+            print(f"memstore recovered {done} commits" + (f" from {recovered.source}" if recovered else ""))
     model = Model() if system.rank == 0 else None
     digest = hashlib.sha256()
-    for step in workload(records, iterations):
-        if step[0] == "upsert":
-            _, ids, values = step
-            await store.upsert(mine(ids, system), {k: mine(v, system) for k, v in values.items()})
+    for number, step in enumerate(workload(records, iterations), 1):
+        if number <= done:  # recovered: only the model takes the step
             if model:
-                model.upsert(ids, values)
-        elif step[0] == "delete":
-            removed = await store.delete(mine(step[1], system))
-            assert removed == 40, removed
-            if model:
-                model.delete(step[1])
-        elif step[0] == "reinforce":
-            _, ids, deltas, iteration = step
-            await store.reinforce(mine(ids, system), mine(deltas, system), iteration)
-            if model:
-                model.reinforce(ids, deltas, iteration)
-        else:
-            result = await store.iterate(RATE, k=K)
-            digest.update(repr((result.count, result.total, result.maximum)).encode())
-            digest.update(result.histogram.tobytes() + result.top_ids.tobytes() + result.top_quality.tobytes())
-            if model:
-                count, total, maximum, histogram, top = model.iterate()
-                assert (result.count, result.total, result.maximum) == (count, total, maximum), (result, total)
-                assert np.array_equal(result.histogram, histogram) and np.array_equal(result.top_ids, top)
+                model_step(model, step)
+            continue
+        await take(store, model, step, system, digest)
+        if kill_at and number == int(kill_at) and system.rank == system.size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if durable:
+            await store.commit()
+            if number % 6 == 0:
+                await store.checkpoint()
+    await check_final_state(store, model, system, digest)
+    store.close()
+
+
+def model_step(model, step):
+    """One step of the workload on the model; an iteration's results."""
+    kind, *args = step
+    return model.iterate() if kind == "iterate" else getattr(model, kind)(*args)
+
+
+async def take(store, model, step, system, digest) -> None:
+    """One step of the workload on the store (and the model, on rank 0), checked against each other."""
+    kind = step[0]
+    if kind == "upsert":
+        _, ids, values = step
+        await store.upsert(mine(ids, system), {k: mine(v, system) for k, v in values.items()})
+    elif kind == "delete":
+        removed = await store.delete(mine(step[1], system))
+        assert removed == 40, removed
+    elif kind == "reinforce":
+        _, ids, deltas, iteration = step
+        await store.reinforce(mine(ids, system), mine(deltas, system), iteration)
+    expected = model_step(model, step) if model else None
+    if kind == "iterate":
+        result = await store.iterate(RATE, k=K)
+        digest.update(repr((result.count, result.total, result.maximum)).encode())
+        digest.update(result.histogram.tobytes() + result.top_ids.tobytes() + result.top_quality.tobytes())
+        if model:
+            count, total, maximum, histogram, top = expected
+            assert (result.count, result.total, result.maximum) == (count, total, maximum), (result, total)
+            assert np.array_equal(result.histogram, histogram) and np.array_equal(result.top_ids, top)
+
+
+async def check_final_state(store, model, system, digest) -> None:
     state = [store.partition.ids.copy()] + [store.partition.column(n).copy() for n in store.columns]
     from mpi4py import MPI
 
