@@ -10,11 +10,20 @@
    (``np.add.at``, ``np.histogram``-style binning, ``argpartition``), and the
    seed system's reference of 1.17 ms for 1M records on one process.
 3. Memory per record and bytes each rank sends per iteration.
+4. Durability at 1M records (100k with --quick): iterations with a commit
+   (logged on this node and, with simulated nodes, the partner's) against the
+   same iterations without, the commit against a plain write + fsync of the
+   same bytes (the disk's limit), and the time ``recover`` takes to rebuild the
+   store from the checkpoint and the logs, in a scratch directory beside the
+   results.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -22,10 +31,10 @@ from numba import njit, prange
 
 from ..kernels.memstore import decay
 from ..kernels.threads import share_cores
-from ..memstore import MemoryStore, StoreClient, serve_queries
+from ..memstore import Durability, MemoryStore, StoreClient, serve_queries
 from ..memstore.job import record_ids
 from ..ranks import rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, RuntimeConfig
 from .report import best_of, table, write_json
 
 
@@ -161,6 +170,73 @@ async def _lookup_rate(system: ActorSystem, store: MemoryStore, records: int, rn
     return rate | ({"client_rank0": LOOKUP_BATCH / statistics.median(client_times)} if client_times else {})
 
 
+async def _durability(system: ActorSystem, records: int, iterations: int, directory: str) -> dict:
+    """Iterations with and without commits, a raw write + fsync of a commit's bytes, and a recovery, timed."""
+    per_node = RuntimeConfig.from_env().ranks_per_node
+    settings = Durability(f"{directory}/checkpoints", f"{directory}/local" if per_node else None)
+    lo, hi = rank_rows(records, system.size, system.rank)
+    ids = record_ids(np.arange(lo, hi))
+    rng = np.random.default_rng([11, system.rank])
+    values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
+    store = MemoryStore(system, durable=settings)
+    await store.recover()
+    await store.upsert(ids, values)
+    await store.commit()
+    await store.checkpoint()
+    per_rank = int(records * REINFORCED) // system.size
+    times: dict[str, list[float]] = {"iteration": [], "with_commit": [], "commit": [], "raw": []}
+    scratch = os.path.join(directory, f"raw-{system.rank}")
+    logged = store.logged_bytes
+    for iteration in range(iterations):
+        picked = rng.choice(ids, per_rank) if len(ids) else ids[:0]
+        deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
+        await system.world.barrier()
+        start = time.perf_counter()
+        await store.reinforce(picked, deltas, iteration)
+        await store.iterate(RATE, TOP_K)
+        computed = time.perf_counter()
+        before = store.logged_bytes
+        await store.commit()
+        done = time.perf_counter()
+        slowest = await system.world.allreduce(np.array([computed - start, done - start]), op="max")
+        times["iteration"].append(float(slowest[0]))
+        times["with_commit"].append(float(slowest[1]))
+        times["commit"].append(done - computed)
+        times["raw"].append(_write_and_sync(scratch, store.logged_bytes - before))
+    logged = (store.logged_bytes - logged) / iterations
+    store.close()
+    await system.world.barrier()
+    began = time.perf_counter()
+    again = MemoryStore(system, durable=settings)
+    recovered = await again.recover()
+    seconds = time.perf_counter() - began
+    again.close()
+    assert recovered is not None and recovered.records == records
+    return {
+        "records": records,
+        "ms_plain": 1e3 * statistics.median(times["iteration"]),
+        "ms_committed": 1e3 * statistics.median(times["with_commit"]),
+        "ms_commit_rank0": 1e3 * statistics.median(times["commit"]),
+        "ms_raw_write_fsync_rank0": 1e3 * statistics.median(times["raw"]),
+        "bytes_logged_per_commit_rank0": logged,
+        "recovery_s": seconds,
+        "recovery_phases_s": recovered.seconds,
+        "recovery_source": recovered.source,
+        "partner_copies": per_node > 0,
+    }
+
+
+def _write_and_sync(path: str, nbytes: int) -> float:
+    """Seconds to append ``nbytes`` to a file and fsync it: what the disk allows for a commit's record."""
+    data = os.urandom(max(nbytes, 1))
+    start = time.perf_counter()
+    with open(path, "ab") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    return time.perf_counter() - start
+
+
 async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """Run the three parts; rank 0 prints the tables and writes the JSON record."""
     threads = share_cores(ranks_sharing_cores(system.world.comm))
@@ -176,6 +252,18 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
     baseline = (
         {records: 1e3 * _numpy_iteration(records, 3 if quick else 5) for records in sizes} if system.rank == 0 else {}
     )
+    scratch = system.world.comm.bcast(
+        tempfile.mkdtemp(prefix="memstore-bench-", dir=os.path.dirname(os.path.abspath(json_path)))
+        if system.rank == 0
+        else None,
+        0,
+    )
+    try:
+        durability = await _durability(system, sizes[0], iterations, scratch)
+    finally:
+        await system.world.barrier()
+        if system.rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
     if system.rank != 0:
         return None
     print(f"memory store on {system.size} ranks, {threads} Numba threads each")
@@ -202,7 +290,19 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
         if run["lookup_ids_per_s"]:
             rates = ", ".join(f"{way} {rate:,.0f}" for way, rate in run["lookup_ids_per_s"].items())
             print(f"batched lookup of {LOOKUP_BATCH:,} ids among {run['records']:,} records, ids/s: {rates}")
+    d = durability
+    print(
+        f"durability at {d['records']:,} records ({'log and partner copy' if d['partner_copies'] else 'log'}"
+        " per commit), median ms:"
+    )
+    print(table(["iteration", "+ commit", "ratio", "commit (rank 0)", "write+fsync same bytes", "commit/raw",
+                 "B/commit", "recovery s"], [[d["ms_plain"], d["ms_committed"], d["ms_committed"] / d["ms_plain"],
+                 d["ms_commit_rank0"], d["ms_raw_write_fsync_rank0"],
+                 d["ms_commit_rank0"] / d["ms_raw_write_fsync_rank0"], f"{d['bytes_logged_per_commit_rank0']:,.0f}",
+                 d["recovery_s"]]]))  # fmt: skip
+    print(f"recovery: {d['recovery_source']}")
     results = {
+        "durability": durability,
         "threads_per_rank": threads,
         "decay_gb_per_s": bandwidth,
         "decay_vs_copy": bandwidth["kernel"] / bandwidth["copy"],

@@ -40,7 +40,8 @@ async def run_memstore(system: ActorSystem, config: MemstoreConfig) -> dict:
         from mpi4py import MPI
 
         share_cores(ranks_sharing_cores(MPI.COMM_WORLD))
-        check_outputs(config.out, None)
+        planted_failure()  # a malformed rehearsal setting is bad input
+        check_outputs(config.out, config.checkpoints or None)
         return lock_results(config.out, MPI.COMM_WORLD)
 
     lock = await start_agreed(system, "memstore", prepare)

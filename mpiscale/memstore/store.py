@@ -340,6 +340,11 @@ class MemoryStore:
         return recovered
 
     @property
+    def logged_bytes(self) -> int:
+        """Bytes this rank wrote to its log and to the partner copies it keeps, so far."""
+        return self._journal.bytes_written if self._journal is not None else 0
+
+    @property
     def local_directory(self) -> Path | None:
         """This rank's node-local directory of a durable store with ``local_dir`` (after ``recover``), else None."""
         return self._journal.local_directory if self._journal is not None else None
