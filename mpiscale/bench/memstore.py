@@ -5,7 +5,8 @@
    with as many threads, the machine's limit, and ``np.copyto``), as GB/s of
    bytes read and written, caches cold, same run.
 2. Full iterations (decay + 1% of the records reinforced + aggregate + top-100)
-   at 1M and 10M records over the job's ranks: median ms per iteration and the
+   at 1M and 10M records over the job's ranks, on the CPU and, when there is a
+   GPU, on the GPU too: median ms per iteration and the
    split by phase, against one process doing the same iteration in plain numpy
    (``np.add.at``, ``np.histogram``-style binning, ``argpartition``), and the
    seed system's reference of 1.17 ms for 1M records on one process.
@@ -29,6 +30,7 @@ import time
 import numpy as np
 from numba import njit, prange
 
+from ..kernels.devices import cuda_usable
 from ..kernels.memstore import decay
 from ..kernels.threads import share_cores
 from ..memstore import Durability, MemoryStore, StoreClient, serve_queries
@@ -97,13 +99,15 @@ def _numpy_iteration(records: int, iterations: int) -> float:
     return statistics.median(times)
 
 
-async def _store_iterations(system: ActorSystem, records: int, iterations: int, new_quality: bool) -> dict:
+async def _store_iterations(
+    system: ActorSystem, records: int, iterations: int, new_quality: bool, device: str = "cpu"
+) -> dict:
     """Build a store of ``records`` (each rank inserts its block) and time full iterations, by phase.
 
     ``new_quality``: each iteration also upserts new qualities for 1% of the records, so the aggregate
     and top-k must be computed again (without it, decay alone leaves them unchanged and they are reused).
     """
-    store = MemoryStore(system)
+    store = MemoryStore(system, device=device)
     lo, hi = rank_rows(records, system.size, system.rank)
     rng = np.random.default_rng([7, system.rank])
     ids = record_ids(np.arange(lo, hi))  # sparse, sequential-looking ids: the hash spreads them
@@ -127,6 +131,10 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
             }
             await store.upsert(chosen, fresh)
         await store.iterate(RATE, TOP_K)
+        if device == "cuda":  # kernels launched but not finished would leave their time to the next iteration
+            from numba import cuda
+
+            cuda.synchronize()
         elapsed = time.perf_counter() - start
         slowest = await system.world.allreduce(np.array([elapsed]), op="max")
         phases["total_s"].append(float(slowest[0]))
@@ -138,6 +146,7 @@ async def _store_iterations(system: ActorSystem, records: int, iterations: int, 
         "lookup_ids_per_s": lookups,
         "records": records,
         "new_quality": new_quality,
+        "device": device,
         "ms_per_iteration": 1e3 * statistics.median(phases["total_s"]),
         "phases_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in phases.items() if k != "total_s"},
         "bytes_per_record": int(memory[0]) / records,
@@ -186,7 +195,7 @@ async def _durability(system: ActorSystem, records: int, iterations: int, direct
     per_rank = int(records * REINFORCED) // system.size
     times: dict[str, list[float]] = {"iteration": [], "with_commit": [], "commit": [], "raw": []}
     scratch = os.path.join(directory, f"raw-{system.rank}")
-    logged = store.logged_bytes
+    logged_before = store.logged_bytes
     for iteration in range(iterations):
         picked = rng.choice(ids, per_rank) if len(ids) else ids[:0]
         deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
@@ -203,7 +212,7 @@ async def _durability(system: ActorSystem, records: int, iterations: int, direct
         times["with_commit"].append(float(slowest[1]))
         times["commit"].append(done - computed)
         times["raw"].append(_write_and_sync(scratch, store.logged_bytes - before))
-    logged = (store.logged_bytes - logged) / iterations
+    logged = (store.logged_bytes - logged_before) / iterations
     store.close()
     await system.world.barrier()
     began = time.perf_counter()
@@ -245,7 +254,8 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
     share = rank_rows(sizes[-1], system.size, system.rank)
     bandwidth = _bandwidth(share[1] - share[0], 3 if quick else 10)
     runs = [
-        await _store_iterations(system, records, iterations, new_quality)
+        await _store_iterations(system, records, iterations, new_quality, device)
+        for device in (("cpu", "cuda") if cuda_usable() else ("cpu",))
         for records in sizes
         for new_quality in (False, True)
     ]
@@ -275,14 +285,14 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
     for run in runs:
         phases = run["phases_ms_rank0"]
         rows.append([
-            f"{run['records']:,}", "yes" if run["new_quality"] else "no", run["ms_per_iteration"],
+            run["device"], f"{run['records']:,}", "yes" if run["new_quality"] else "no", run["ms_per_iteration"],
             baseline[run["records"]], baseline[run["records"]] / run["ms_per_iteration"], phases["pass_s"],
             phases["aggregate_exchange_s"], phases["reinforce_exchange_s"], phases["reinforce_apply_s"],
             run["bytes_per_record"], f"{run['bytes_sent_per_iteration_rank0']:,.0f}",
         ])  # fmt: skip
     print(f"full iteration (decay, {REINFORCED:.0%} reinforced, aggregate, top-{TOP_K}), median ms; phases on rank 0")
     print("(without new qualities the aggregate is reused; with them, 1% of the records are upserted too):")
-    headers = ["records", "1% new quality", "ours", "numpy (1 proc)", "numpy/ours", "pass", "aggregate xchg",
+    headers = ["device", "records", "1% new quality", "ours", "numpy (1 proc)", "numpy/ours", "pass", "aggregate xchg",
                "reinforce xchg", "reinforce apply", "B/record", "B sent/iter"]  # fmt: skip
     print(table(headers, rows))
     print(f"seed system's reference: {SEED_REFERENCE_MS} ms per iteration at 1M records on one process")

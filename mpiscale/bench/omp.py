@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from ..dictlearn import correlations_of, gram_matrix, omp_encode_gram
-from ..kernels.omp_cuda import cuda_usable
+from ..kernels.devices import cuda_usable
 from .report import best_of, table, write_json
 
 SETTINGS = (  # (name, atoms, features, non-zeros, signals)

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..kernels.devices import resolve_device
 from ..kernels.lasso import lasso_cd_gram
 from ..kernels.omp import batch_omp_gram
-
-DEVICES = ("auto", "cpu", "cuda")
 
 
 def gram_matrix(dictionary: np.ndarray) -> np.ndarray:
@@ -32,23 +31,6 @@ def _finite(name: str, array: np.ndarray) -> np.ndarray:
         bad = int(np.count_nonzero(~np.isfinite(array)))
         raise ValueError(f"{name} holds {bad} NaN or infinite values")
     return array
-
-
-def resolve_device(device: str) -> str:
-    """``cpu`` or ``cuda``: ``auto`` takes a real CUDA device when one is present."""
-    if device not in DEVICES:
-        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if device == "cpu":
-        return "cpu"
-    from ..kernels.omp_cuda import cuda_usable
-
-    if device == "auto":
-        return "cuda" if cuda_usable() else "cpu"
-    from numba import cuda
-
-    if not cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but numba finds no CUDA device (see `mpiscale doctor`)")
-    return "cuda"
 
 
 def _checked_gram(gram: np.ndarray, correlations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -29,10 +29,11 @@ from ..jobs import (
     same_bits_everywhere,
     start_agreed,
 )
+from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
 from ..ranks import Comm, host_placement, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
-from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, resolve_device
+from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
@@ -213,7 +214,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
     threads = share_cores(ranks_sharing_cores(comm))
     label = device
     if device == "cuda":
-        from ..kernels.omp_cuda import select_gpu
+        from ..kernels.devices import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
     check_outputs(config.out, config.checkpoints if config.checkpoint_every or config.resume else None)

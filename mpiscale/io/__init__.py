@@ -10,7 +10,7 @@ from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import resolve_files, split_spec
-from .wal import ReplayReport, WriteAheadLog, replay
+from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "WriteAheadLog",
     "WriteError",
     "checksum",
+    "encode_record",
     "epoch_order",
     "open_file",
     "publish",

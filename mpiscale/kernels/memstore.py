@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from numba import get_num_threads, njit, prange
 
@@ -241,6 +243,34 @@ def iteration_pass(strength, quality, ids, rate, low, high, bins, k, parts):
         heap_id[part] = local_id
         kept[part] = size
     return n, maximum, histogram, exponents, heap_q, heap_id, kept
+
+
+@dataclass
+class PassOutput:
+    """The iteration's pass over one partition, on any device: what the store sums and merges over ranks."""
+
+    count: int
+    maximum: float
+    histogram: np.ndarray  # (bins,)
+    exponents: np.ndarray  # (EXPONENT_BINS,) summed mantissas
+    candidates_quality: np.ndarray  # a superset of the partition's top-k
+    candidates_ids: np.ndarray
+
+
+def fused_pass(strength, quality, ids, rate: np.float32, low: float, high: float, bins: int, k: int) -> PassOutput:
+    """``iteration_pass`` with one part per Numba thread, its parts combined."""
+    parts = default_parts()
+    count, maximum, histogram, exponents, heap_q, heap_id, kept = iteration_pass(
+        strength, quality, ids, rate, low, high, bins, k, parts
+    )
+    return PassOutput(
+        count=count,
+        maximum=float(maximum.max(initial=-np.inf)),
+        histogram=histogram.sum(axis=0),
+        exponents=exponents.sum(axis=0),
+        candidates_quality=np.concatenate([heap_q[p, : kept[p]] for p in range(parts)]),
+        candidates_ids=np.concatenate([heap_id[p, : kept[p]] for p in range(parts)]),
+    )
 
 
 def default_parts() -> int:

@@ -23,20 +23,6 @@ _CHUNK = 1 << 15  # signals per device round trip
 _extend = build_extend(cuda.jit(device=True))
 
 
-def cuda_usable() -> bool:
-    """True when a real CUDA device is present (the simulator does not count)."""
-    from numba import config
-
-    return not config.ENABLE_CUDASIM and cuda.is_available()
-
-
-def select_gpu(rank_on_host: int) -> int:
-    """Use GPU ``rank_on_host`` modulo the GPUs present (one rank per GPU); returns its index."""
-    index = rank_on_host % len(cuda.gpus)
-    cuda.select_device(index)
-    return index
-
-
 @cuda.jit
 def _omp_kernel(gram, correlations, n_nonzero, codes, alpha, chol, support, gamma, work, chosen):
     """One block of 32 threads per signal: they share the loops over atoms; thread 0 extends the factor."""

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..jobs import option
+from ..kernels.devices import DEVICES
 
 
 @dataclass
@@ -22,6 +23,9 @@ class MemstoreConfig:
     seed: int = option(0, "seed of the workload (the same workload on any number of ranks)")
     out: str = option("memstore.h5", "results: per-iteration aggregates and top-k; the records go to OUT.records.h5")
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    device: str = option(
+        "auto", "iterate on cpu, cuda, or auto (a CUDA GPU when present; partitions >= 65,536 records)"
+    )
     checkpoints: str = option(
         "", "directory (shared file system) of the store's checkpoints and journal: makes the job durable, and a "
         "rerun after a failure recovers and goes on; empty: not durable",
@@ -41,6 +45,8 @@ class MemstoreConfig:
             problems.append(f"reinforce must be a fraction in [0, 1], got {self.reinforce}")
         if not (self.rate >= 0 and math.isfinite(self.rate)):
             problems.append(f"rate must be a number >= 0, got {self.rate}")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.local_dir and not self.checkpoints:
             problems.append("--local-dir needs --checkpoints (the shared directory of the checkpoints)")
         if problems:

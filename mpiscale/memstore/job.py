@@ -54,7 +54,7 @@ async def run_memstore(system: ActorSystem, config: MemstoreConfig) -> dict:
 
 async def _run(system: ActorSystem, config: MemstoreConfig) -> dict:
     durable = Durability(config.checkpoints, config.local_dir or None) if config.checkpoints else None
-    store = MemoryStore(system, histogram_bins=config.bins, durable=durable)
+    store = MemoryStore(system, histogram_bins=config.bins, durable=durable, device=config.device)
     try:
         return await _iterate(system, config, store)
     finally:

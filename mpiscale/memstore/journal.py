@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import Checkpointer, CheckpointError, WriteAheadLog, publish, replay
-from ..io.wal import encode_record
+from ..io import Checkpointer, CheckpointError, WriteAheadLog, encode_record, publish, replay
 from ..ranks import as_mpi
 from ..runtime import ActorSystem
 

@@ -4,15 +4,23 @@ Records live in rows ``0 .. len - 1``; the arrays grow by doubling, the index
 is rebuilt at twice the size when it would pass half full, and a delete
 compacts the rows and rebuilds the index. Nothing depends on the rows' order:
 ties in rankings are broken by id, and sums are exact.
+
+With ``device="cuda"``, a partition of at least ``device_threshold`` records
+decays, reinforces and runs the iteration's pass on the GPU, its columns kept
+there between iterations (``DeviceMirror``); smaller ones stay on the CPU,
+where launching kernels would cost more than the work.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.memstore import add_to_index, apply_deltas, build_index, find_rows
+from ..kernels.memstore import PassOutput, add_to_index, apply_deltas, build_index, decay, find_rows, fused_pass
+from .mirror import DeviceMirror
 
 BASE_COLUMNS = ("strength", "quality", "touched")
+#: Records below which a partition stays on the CPU even with a GPU.
+DEVICE_THRESHOLD = 1 << 16
 
 
 def _capacity_for(records: int) -> int:
@@ -23,20 +31,37 @@ def _capacity_for(records: int) -> int:
 class Partition:
     """The records this rank owns. ``extra`` names user-defined float32 columns."""
 
-    def __init__(self, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, extra: tuple[str, ...] = (), device: str = "cpu", device_threshold: int = DEVICE_THRESHOLD):
         self.names = (*BASE_COLUMNS, *extra)
         self.size = 0
         self._ids = np.empty(16, np.int64)
         self._columns = {name: np.empty(16, np.float32) for name in self.names}
         self._slots = build_index(self._ids[:0], 16)
+        self._mirror = DeviceMirror() if device == "cuda" else None
+        self.device_threshold = device_threshold
 
     @property
     def ids(self) -> np.ndarray:
         return self._ids[: self.size]
 
     def column(self, name: str) -> np.ndarray:
-        """A live view of ``name``'s values, row by row."""
+        """A live view of ``name``'s values, row by row (up to date with the GPU's copy, if there is one)."""
+        if name == "strength" and self._mirror is not None:
+            self._mirror.refresh(self._columns["strength"][: self.size])
         return self._columns[name][: self.size]
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the iteration's kernels run on the GPU."""
+        return self._mirror is not None and self.size >= self.device_threshold
+
+    def _device_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._columns["strength"][: self.size], self._columns["quality"][: self.size], self.ids
+
+    def _leave_device(self) -> None:
+        """The rows are about to change: the host gets the GPU's strength, and the GPU's copies go."""
+        if self._mirror is not None:
+            self._mirror.drop(self._columns["strength"][: self.size])
 
     def rows_of(self, ids: np.ndarray) -> np.ndarray:
         """The row of each id, -1 where it is not stored."""
@@ -53,6 +78,7 @@ class Partition:
 
     def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:
         """Store records (ids unique); existing ones are overwritten. Returns how many were new."""
+        self._leave_device()
         rows = self.rows_of(ids)
         new = rows < 0
         added = int(new.sum())
@@ -72,7 +98,26 @@ class Partition:
 
     def reinforce(self, rows: np.ndarray, deltas: np.ndarray, iteration: int) -> None:
         """Add ``deltas`` to the strength of ``rows`` (unique), clamped to [0, 1]; mark them touched."""
-        apply_deltas(self._columns["strength"], self._columns["touched"], rows, deltas, np.float32(iteration))
+        if self._mirror is not None and self.on_device:
+            self._mirror.reinforce(self._device_columns(), rows, deltas)
+            self._columns["touched"][rows] = np.float32(iteration)
+            return
+        strength = self.column("strength")
+        apply_deltas(strength, self._columns["touched"], rows, deltas, np.float32(iteration))
+
+    def decay(self, rate: float) -> None:
+        """Subtract ``rate`` from every strength, clamped to [0, 1]."""
+        if self._mirror is not None and self.on_device:
+            self._mirror.decay(*self._device_columns(), np.float32(rate))
+        else:
+            decay(self.column("strength"), np.float32(rate))
+
+    def iteration_pass(self, rate: float, low: float, high: float, bins: int, k: int) -> PassOutput:
+        """Decay, and this partition's part of the aggregates and the top-k (``kernels.memstore``)."""
+        if self._mirror is not None and self.on_device:
+            return self._mirror.iteration_pass(self._device_columns(), np.float32(rate), low, high, bins, k)
+        strength = self.column("strength")
+        return fused_pass(strength, self.column("quality"), self.ids, np.float32(rate), low, high, bins, k)
 
     def delete(self, ids: np.ndarray) -> int:
         """Remove the stored ones of ``ids``; returns how many were removed."""
@@ -80,6 +125,7 @@ class Partition:
         rows = rows[rows >= 0]
         if not len(rows):
             return 0
+        self._leave_device()
         keep = np.ones(self.size, bool)
         keep[rows] = False
         survivors = np.flatnonzero(keep)
@@ -103,5 +149,9 @@ class Partition:
             self._columns[name] = wider
 
     def nbytes(self) -> int:
-        """Memory held: the columns, ids and index (with their spare room)."""
+        """Host memory held: the columns, ids and index (with their spare room)."""
         return self._ids.nbytes + sum(c.nbytes for c in self._columns.values()) + self._slots.nbytes
+
+    def device_nbytes(self) -> int:
+        """GPU memory held by the copies of the columns."""
+        return self._mirror.nbytes() if self._mirror is not None else 0

@@ -23,10 +23,11 @@ from typing import TypeVar
 import numpy as np
 
 from ..io import Checkpointer, CheckpointError
-from ..kernels.memstore import combine_sorted, decay, default_parts, exact_total, iteration_pass, owners
+from ..kernels.devices import resolve_device
+from ..kernels.memstore import combine_sorted, exact_total, owners
 from ..runtime import ActorSystem
 from .journal import Journal, Op
-from .partition import BASE_COLUMNS, Partition
+from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, Partition
 from .recovery import Recovered, recover
 
 INT64_LIMIT = 2**63 - 1
@@ -80,6 +81,8 @@ class MemoryStore:
         histogram_bins: int = 32,
         quality_range: tuple[float, float] = (0.0, 1.0),
         durable: Durability | None = None,
+        device: str = "cpu",
+        device_threshold: int = DEVICE_THRESHOLD,
     ) -> None:
         clash = sorted(set(extra) & set(BASE_COLUMNS))
         if clash:
@@ -87,7 +90,9 @@ class MemoryStore:
         if histogram_bins < 1 or not quality_range[0] < quality_range[1]:
             raise ValueError(f"need bins >= 1 and low < high, got {histogram_bins} bins over {quality_range}")
         self.system = system
-        self.partition = Partition(tuple(extra))
+        #: ``cuda`` when partitions of at least ``device_threshold`` records iterate on the GPU (``auto``: if any).
+        self.device = resolve_device(device)
+        self.partition = Partition(tuple(extra), self.device, device_threshold)
         self.bins, self.quality_range = histogram_bins, quality_range
         #: Seconds spent in the last calls, by phase (kernel work and exchanges), and bytes this rank sent so far.
         self.timings: dict[str, float] = {}
@@ -250,7 +255,7 @@ class MemoryStore:
 
     def decay(self, rate: float) -> None:
         """Decay every strength of this rank by ``rate`` (no exchange; ``iterate`` does it with the aggregates)."""
-        decay(self.partition.column("strength"), np.float32(rate))
+        self.partition.decay(rate)
         self._log(Op("decay", scalar=float(np.float32(rate))))
 
     async def iterate(self, rate: float, k: int = 100) -> Aggregate:
@@ -266,20 +271,14 @@ class MemoryStore:
             self.timings |= {"pass_s": time.perf_counter() - began, "aggregate_exchange_s": 0.0}
             return self._aggregate[1]
         low, high = self.quality_range
-        part = self.partition
-        parts = default_parts()
-        count, maximum, histogram, exponents, heap_q, heap_id, kept = iteration_pass(
-            part.column("strength"), part.column("quality"), part.ids, np.float32(rate), low, high, self.bins, k, parts
-        )
+        mine = self.partition.iteration_pass(rate, low, high, self.bins, k)
         self._log(Op("decay", scalar=float(np.float32(rate))))
         passed = time.perf_counter()
-        sums = np.concatenate([[count], histogram.sum(axis=0), exponents.sum(axis=0)]).astype(np.int64)
+        sums = np.concatenate([[mine.count], mine.histogram, mine.exponents]).astype(np.int64)
         await self.system.world.allreduce(sums, out=sums)
-        top = np.array([float(maximum.max(initial=-np.inf))])
+        top = np.array([mine.maximum])
         await self.system.world.allreduce(top, op="max", out=top)
-        candidates_q = np.concatenate([heap_q[p, : kept[p]] for p in range(parts)])
-        candidates_id = np.concatenate([heap_id[p, : kept[p]] for p in range(parts)])
-        best_q, best_id = best_by_quality(candidates_q, candidates_id, k)
+        best_q, best_id = best_by_quality(mine.candidates_quality, mine.candidates_ids, k)
         every_q, every_id = await self._gather_candidates(best_q, best_id, k)
         top_q, top_id = best_by_quality(every_q, every_id, k)
         self.timings |= {"pass_s": passed - began, "aggregate_exchange_s": time.perf_counter() - passed}
@@ -394,7 +393,7 @@ class MemoryStore:
     async def _replay(self, kind: str, scalar: float, ops: list[Op]) -> None:
         """Apply one logged operation again: ``ops`` are the parts of it this rank read (collective)."""
         if kind == "decay":
-            decay(self.partition.column("strength"), np.float32(scalar))
+            self.partition.decay(scalar)
             return
         ids = np.concatenate([op.ids for op in ops if op.ids is not None] or [np.empty(0, np.int64)])
         width = len(self.columns) if kind == "upsert" else 1

@@ -133,3 +133,7 @@ def test_bench_memstore_writes_json(tmp_path):
     assert all(run["ms_per_iteration"] > 0 and 20 < run["bytes_per_record"] < 60 for run in runs)
     assert runs[0]["lookup_ids_per_s"]["collective"] > 0 and runs[0]["lookup_ids_per_s"]["client_rank0"] > 0
     assert "batched lookup of 10,000 ids" in job.stdout
+    durable = record["durability"]
+    assert durable["records"] == 100_000 and durable["ms_committed"] > 0 and durable["ms_raw_write_fsync_rank0"] > 0
+    assert durable["bytes_logged_per_commit_rank0"] > 0 and "5 commits from 2 logs" in durable["recovery_source"]
+    assert not list(tmp_path.glob("memstore-bench-*"))  # the scratch directory is gone

@@ -13,8 +13,8 @@ SCRIPT = textwrap.dedent(
     """
     import numpy as np
     from numba import config, cuda
-    from mpiscale.dictlearn.coding import omp_encode, resolve_device
-    from mpiscale.kernels.omp_cuda import select_gpu
+    from mpiscale.dictlearn.coding import omp_encode
+    from mpiscale.kernels.devices import resolve_device, select_gpu
 
     import sys
     if sys.argv[1] == "simulator":

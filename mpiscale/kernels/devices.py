@@ -1,0 +1,36 @@
+"""Which device runs a family of kernels: ``cpu``, ``cuda``, or ``auto`` (a real GPU when there is one)."""
+
+from __future__ import annotations
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def cuda_usable() -> bool:
+    """True when a real CUDA device is present (the simulator does not count)."""
+    from numba import config, cuda
+
+    return not config.ENABLE_CUDASIM and cuda.is_available()
+
+
+def resolve_device(device: str) -> str:
+    """``cpu`` or ``cuda``: ``auto`` takes a real CUDA device when one is present."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    if device == "auto":
+        return "cuda" if cuda_usable() else "cpu"
+    from numba import cuda
+
+    if not cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but numba finds no CUDA device (see `mpiscale doctor`)")
+    return "cuda"
+
+
+def select_gpu(rank_on_host: int) -> int:
+    """Use GPU ``rank_on_host`` modulo the GPUs present (one rank per GPU); returns its index."""
+    from numba import cuda
+
+    index = rank_on_host % len(cuda.gpus)
+    cuda.select_device(index)
+    return index
