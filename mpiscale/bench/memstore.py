@@ -141,6 +141,7 @@ async def _store_iterations(
         for name, value in store.timings.items():
             phases.setdefault(name, []).append(value)
     memory = await system.world.allreduce(np.array([store.partition.nbytes()], np.int64))
+    sent = (store.bytes_sent - sent_before) / iterations  # before the lookups add theirs
     lookups = await _lookup_rate(system, store, records, rng) if not new_quality else None
     return {
         "lookup_ids_per_s": lookups,
@@ -150,7 +151,7 @@ async def _store_iterations(
         "ms_per_iteration": 1e3 * statistics.median(phases["total_s"]),
         "phases_ms_rank0": {k: 1e3 * statistics.median(v) for k, v in phases.items() if k != "total_s"},
         "bytes_per_record": int(memory[0]) / records,
-        "bytes_sent_per_iteration_rank0": (store.bytes_sent - sent_before) / iterations,
+        "bytes_sent_per_iteration_rank0": sent,
     }
 
 

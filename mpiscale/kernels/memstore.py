@@ -116,19 +116,50 @@ def add_to_index(slots, ids, first_row):
 
 
 @njit(cache=True)
-def combine_sorted(ids, deltas):
-    """Sum the deltas of equal ids (already sorted by id, then by position) in that order: (ids, sums)."""
-    unique = np.empty(ids.size, np.int64)
-    sums = np.empty(ids.size, np.float32)
-    count = -1
-    for i in range(ids.size):
-        if count < 0 or ids[i] != unique[count]:
-            count += 1
-            unique[count] = ids[i]
+def group_by_owner(destination, ranks):
+    """(a stable order that groups the entries by owner, the entries per owner): a counting sort, O(n)."""
+    counts = np.zeros(ranks, np.int64)
+    for i in range(destination.size):
+        counts[destination[i]] += 1
+    next_slot = np.zeros(ranks, np.int64)
+    for r in range(1, ranks):
+        next_slot[r] = next_slot[r - 1] + counts[r - 1]
+    order = np.empty(destination.size, np.int64)
+    for i in range(destination.size):
+        order[next_slot[destination[i]]] = i
+        next_slot[destination[i]] += 1
+    return order, counts
+
+
+@njit(cache=True)
+def combine_by_row(rows, deltas):
+    """Sum the deltas of equal rows in the order given (the batch's global order): (unique rows, sums).
+
+    No sort: a small open-addressing table from row to sum, sized to the batch
+    (it stays in the cache, where a table over all the partition's rows would not).
+    """
+    capacity = 16
+    while capacity < 2 * rows.size:
+        capacity *= 2
+    mask = np.uint64(capacity - 1)
+    table = np.full(capacity, -1, np.int64)  # the slot of each row's sum
+    unique = np.empty(rows.size, np.int64)
+    sums = np.empty(rows.size, np.float32)
+    count = 0
+    for i in range(rows.size):
+        row = rows[i]
+        probe = _mix(row) & mask
+        while table[probe] >= 0 and unique[table[probe]] != row:
+            probe = (probe + np.uint64(1)) & mask
+        slot = table[probe]
+        if slot < 0:
+            table[probe] = count
+            unique[count] = row
             sums[count] = deltas[i]
+            count += 1
         else:
-            sums[count] = np.float32(sums[count] + deltas[i])
-    return unique[: count + 1], sums[: count + 1]
+            sums[slot] = np.float32(sums[slot] + deltas[i])
+    return unique[:count], sums[:count]
 
 
 @njit(parallel=True, cache=True)

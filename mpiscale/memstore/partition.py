@@ -15,7 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kernels.memstore import PassOutput, add_to_index, apply_deltas, build_index, decay, find_rows, fused_pass
+from ..kernels.memstore import (
+    PassOutput,
+    add_to_index,
+    apply_deltas,
+    build_index,
+    combine_by_row,
+    decay,
+    find_rows,
+    fused_pass,
+)
 from .mirror import DeviceMirror
 
 BASE_COLUMNS = ("strength", "quality", "touched")
@@ -95,6 +104,10 @@ class Partition:
         for name in self.names:
             self._columns[name][rows] = values[name]
         return added
+
+    def combine(self, rows: np.ndarray, deltas: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(unique rows, their deltas summed in float32 in the order given) of stored ``rows`` (all >= 0)."""
+        return combine_by_row(rows, deltas)
 
     def reinforce(self, rows: np.ndarray, deltas: np.ndarray, iteration: int) -> None:
         """Add ``deltas`` to the strength of ``rows`` (unique), clamped to [0, 1]; mark them touched."""

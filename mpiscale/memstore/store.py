@@ -24,7 +24,7 @@ import numpy as np
 
 from ..io import Checkpointer, CheckpointError
 from ..kernels.devices import resolve_device
-from ..kernels.memstore import combine_sorted, exact_total, owners
+from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
 from .journal import Journal, Op
 from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, Partition
@@ -116,9 +116,10 @@ class MemoryStore:
 
         Returns (how many arrived from each rank; the arrays received, in source-rank order).
         """
-        destination = owners(ids, self.system.size)
-        order = np.argsort(destination, kind="stable")  # keeps each rank's batch order within a destination
-        counts = np.bincount(destination, minlength=self.system.size)
+        if self.system.size == 1:  # a world of one: every record is here already, nothing to sort
+            return await self._exchange(np.array([len(ids)], np.int64), ids, *payloads)
+        # the order keeps each rank's batch order within a destination
+        order, counts = group_by_owner(owners(ids, self.system.size), self.system.size)
         return await self._exchange(counts, *(array[order] for array in (ids, *payloads)))
 
     async def _exchange(self, counts: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -127,6 +128,8 @@ class MemoryStore:
         The arrays travel packed side by side, a record per row of bytes. Returns (rows that arrived from each
         rank; the arrays received, in source-rank order).
         """
+        if self.system.size == 1:
+            return counts, list(arrays)
         rows = len(arrays[0])
         flat = [np.ascontiguousarray(a).reshape(rows, int(np.prod(a.shape[1:]))) for a in arrays]
         widths = [a.shape[1] * a.dtype.itemsize for a in flat]
@@ -157,17 +160,15 @@ class MemoryStore:
     async def _agree(self, problem: str | None, kind: type[Exception] = ValueError) -> None:
         """Raise ``problem`` (the lowest rank's) on every rank if any rank has one: before any state changes."""
         world = self.system.world
+        if world.size == 1:
+            if problem:
+                raise kind(f"memory store: {problem}")
+            return
         flag = np.array([world.rank if problem else world.size], np.int64)
         await world.allreduce(flag, op="min", out=flag)
         if flag[0] < world.size:
             message = await world.bcast(problem, root=int(flag[0]))
             raise kind(f"memory store: {message}")
-
-    async def _positions(self, count: int) -> np.ndarray:
-        """Global positions of this rank's ``count`` batch entries (rank order, then order on the rank)."""
-        counts = await self.system.world.allgather(np.array([count], np.int64))
-        start = int(counts[: self.system.rank, 0].sum())
-        return np.arange(start, start + count, dtype=np.int64)
 
     async def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:
         """Insert or overwrite records (collective); of equal ids in a batch, the last by position wins.
@@ -186,9 +187,9 @@ class MemoryStore:
             return checked, np.column_stack(columns).astype(np.float32).reshape(len(checked), len(given))
 
         ids, table = await self._checked(check)
-        positions = await self._positions(len(ids))
-        _, (got_ids, got_positions, got_rows) = await self._route(ids, positions, table)
-        order = np.lexsort((-got_positions, got_ids))  # per id, the last position first
+        _, (got_ids, got_rows) = await self._route(ids, table)
+        # arrivals are in global position order (source ranks in order, each in its batch order)
+        order = np.lexsort((-np.arange(len(got_ids)), got_ids))  # per id, the last position first
         first = np.ones(len(order), bool)
         first[1:] = got_ids[order][1:] != got_ids[order][:-1]
         keep = order[first]
@@ -240,17 +241,15 @@ class MemoryStore:
             return checked, _finite(deltas, "deltas", len(checked))
 
         ids, deltas = await self._checked(check)
-        positions = await self._positions(len(ids))
-        _, (got_ids, got_positions, got_deltas) = await self._route(ids, positions, deltas)
-        order = np.lexsort((got_positions, got_ids))
-        unique, sums = combine_sorted(got_ids[order], got_deltas[order])
-        rows = self.partition.rows_of(unique)
-        unknown = unique[rows < 0]
+        _, (got_ids, got_deltas) = await self._route(ids, deltas)
+        rows = self.partition.rows_of(got_ids)
+        unknown = np.unique(got_ids[rows < 0])
         problem = f"reinforce: {len(unknown)} ids are not stored (for example {unknown[0]})" if len(unknown) else None
         await self._agree(problem)
         applying = time.perf_counter()
+        rows, sums = self.partition.combine(rows, got_deltas)  # arrivals are in global position order
         self.partition.reinforce(rows, sums, iteration)
-        self._log(Op("reinforce", unique, sums, float(iteration)))
+        self._log(Op("reinforce", self.partition.ids[rows], sums, float(iteration)))
         self.timings |= {"reinforce_exchange_s": applying - began, "reinforce_apply_s": time.perf_counter() - applying}
 
     def decay(self, rate: float) -> None:
