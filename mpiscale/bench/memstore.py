@@ -99,6 +99,24 @@ def _numpy_iteration(records: int, iterations: int) -> float:
     return statistics.median(times)
 
 
+async def _loaded_store(
+    system: ActorSystem, records: int, seed: int, store: MemoryStore
+) -> tuple[MemoryStore, np.ndarray, np.random.Generator]:
+    """``store`` holding ``records`` (each rank inserts its block), this rank's ids, and its random stream."""
+    lo, hi = rank_rows(records, system.size, system.rank)
+    rng = np.random.default_rng([seed, system.rank])
+    ids = record_ids(np.arange(lo, hi))  # sparse, sequential-looking ids: the hash spreads them
+    values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
+    await store.upsert(ids, values)
+    return store, ids, rng
+
+
+def _reinforcements(rng: np.random.Generator, ids: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` of ``ids`` drawn with repeats, and their deltas."""
+    picked = rng.choice(ids, count) if len(ids) else ids[:0]
+    return picked, rng.normal(0, 0.1, len(picked)).astype(np.float32)
+
+
 async def _store_iterations(
     system: ActorSystem, records: int, iterations: int, new_quality: bool, device: str = "cpu"
 ) -> dict:
@@ -107,19 +125,13 @@ async def _store_iterations(
     ``new_quality``: each iteration also upserts new qualities for 1% of the records, so the aggregate
     and top-k must be computed again (without it, decay alone leaves them unchanged and they are reused).
     """
-    store = MemoryStore(system, device=device)
-    lo, hi = rank_rows(records, system.size, system.rank)
-    rng = np.random.default_rng([7, system.rank])
-    ids = record_ids(np.arange(lo, hi))  # sparse, sequential-looking ids: the hash spreads them
-    values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
-    await store.upsert(ids, values)
+    store, ids, rng = await _loaded_store(system, records, 7, MemoryStore(system, device=device))
     per_rank = int(records * REINFORCED) // system.size
     phases: dict[str, list[float]] = {"total_s": []}
     await store.iterate(RATE, TOP_K)  # compile and warm
     sent_before = store.bytes_sent
     for iteration in range(iterations):
-        picked = rng.choice(ids, per_rank) if len(ids) else ids[:0]
-        deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
+        picked, deltas = _reinforcements(rng, ids, per_rank)
         await system.world.barrier()
         start = time.perf_counter()
         await store.reinforce(picked, deltas, iteration)
@@ -184,13 +196,9 @@ async def _durability(system: ActorSystem, records: int, iterations: int, direct
     """Iterations with and without commits, a raw write + fsync of a commit's bytes, and a recovery, timed."""
     per_node = RuntimeConfig.from_env().ranks_per_node
     settings = Durability(f"{directory}/checkpoints", f"{directory}/local" if per_node else None)
-    lo, hi = rank_rows(records, system.size, system.rank)
-    ids = record_ids(np.arange(lo, hi))
-    rng = np.random.default_rng([11, system.rank])
-    values = {"strength": rng.random(hi - lo, dtype=np.float32), "quality": rng.random(hi - lo, dtype=np.float32)}
     store = MemoryStore(system, durable=settings)
     await store.recover()
-    await store.upsert(ids, values)
+    store, ids, rng = await _loaded_store(system, records, 11, store)
     await store.commit()
     await store.checkpoint()
     per_rank = int(records * REINFORCED) // system.size
@@ -198,8 +206,7 @@ async def _durability(system: ActorSystem, records: int, iterations: int, direct
     scratch = os.path.join(directory, f"raw-{system.rank}")
     logged_before = store.logged_bytes
     for iteration in range(iterations):
-        picked = rng.choice(ids, per_rank) if len(ids) else ids[:0]
-        deltas = rng.normal(0, 0.1, len(picked)).astype(np.float32)
+        picked, deltas = _reinforcements(rng, ids, per_rank)
         await system.world.barrier()
         start = time.perf_counter()
         await store.reinforce(picked, deltas, iteration)
