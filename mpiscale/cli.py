@@ -33,12 +33,17 @@ def _job(args: argparse.Namespace) -> int:
     """
     from importlib import import_module
 
-    from .jobs import run_job
+    from .jobs import observed, run_job
     from .runtime import run
 
     module, function = args.job_entry.split(":")
     job = getattr(import_module(module, __package__), function)
-    return run_job(args.command, args.job_settings, args, lambda config: run(lambda system: job(system, config)))
+
+    def under_telemetry(config):
+        out = getattr(config, "out", None)
+        return run(lambda system: observed(system, args.command, out, lambda: job(system, config)))
+
+    return run_job(args.command, args.job_settings, args, under_telemetry)
 
 
 def _index(args: argparse.Namespace) -> int:

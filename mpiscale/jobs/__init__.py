@@ -1,17 +1,20 @@
 """What every job (dictlearn, train, collect) shares: settings from TOML and the command line, the progress line."""
 
+from .observed import observed
 from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed
 from .progress import ProgressLine, duration
 from .settings import add_options, load_settings, option, option_fields, run_job
-from .state import restore_compatible, same_bits_everywhere
+from .state import announce, restore_compatible, same_bits_everywhere
 
 __all__ = [
     "ProgressLine",
+    "announce",
     "add_options",
     "check_outputs",
     "close_checkpointer",
     "duration",
     "lock_results",
+    "observed",
     "load_settings",
     "option",
     "option_fields",

@@ -6,6 +6,8 @@ import sys
 import time
 from typing import TextIO
 
+from .. import telemetry
+
 
 def duration(seconds: float) -> str:
     """H:MM:SS."""
@@ -37,7 +39,13 @@ class ProgressLine:
         self.line = ""
 
     def update(self, done: int, text: str, items: float) -> None:
-        """Record step ``done`` (1-based) with its ``text`` (the metrics) and ``items`` processed; print if due."""
+        """Record step ``done`` (1-based) with its ``text`` (the metrics) and ``items`` processed; print if due.
+
+        Every rank calls it: it feeds the job's telemetry, and rank 0 prints.
+        """
+        session = telemetry.current()
+        if session is not None:
+            session.update(done, self.total, items)
         if self.every is None:
             return
         self.items += items

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .. import telemetry
 from ..io import Checkpointer, CheckpointError, Restored, checksum
 from ..runtime import ActorSystem
 
@@ -47,7 +48,15 @@ def restore_compatible(
     differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
+    announce("resumed", f"from the checkpoint of {unit} {restored.step} in {directory}")
     return restored
+
+
+def announce(event: str, detail: str) -> None:
+    """An event of the running job's telemetry, if there is one."""
+    session = telemetry.current()
+    if session is not None:
+        session.event(event, detail)
 
 
 async def same_bits_everywhere(system: ActorSystem, arrays: list[np.ndarray], what: str) -> None:

@@ -17,7 +17,7 @@ import h5py
 import numpy as np
 
 from ..io import CheckpointError, DataFileError, SampleRandom, open_file, publish, stamp, write_dataset
-from ..jobs import ProgressLine, check_outputs, lock_results, start_agreed
+from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
@@ -121,6 +121,7 @@ async def _start(
                 "seconds": recovered.seconds,
                 "records": recovered.records,
             }
+            announce("resumed", f"{recovered.records:,} records after iteration {len(history)}")
             if system.rank == 0:
                 print(
                     f"recovered {recovered.records:,} records after iteration {len(history)} from "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ... import telemetry
 from ...ranks import Comm, agree, as_mpi, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
 from ..errors import CheckpointError, LockedError
@@ -340,6 +341,9 @@ class Checkpointer:
                 job.step, "+".join(levels), "full" if full else f"delta on step {manifest['base']}", len(stored),
                 len(manifest["arrays"]), written / 2**20, time.perf_counter() - started, job.blocked,
             )  # fmt: skip
+            session = telemetry.current()
+            if session is not None:
+                session.event("checkpoint", f"step {job.step} saved ({'+'.join(levels)}, {written / 2**20:.1f} MiB)")
 
     # ---------------------------------------------------------------- loading
     def steps(self) -> list[int]:

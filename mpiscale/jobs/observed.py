@@ -1,0 +1,26 @@
+"""A job under telemetry: started, progress from its progress line, finished or failed, on every rank."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from ..runtime import ActorSystem
+from ..telemetry import Telemetry, set_current
+
+Result = TypeVar("Result")
+
+
+async def observed(system: ActorSystem, command: str, out: str | None, work: Callable[[], Awaitable[Result]]) -> Result:
+    """Run ``work()`` with this rank's telemetry session current (collective start and end)."""
+    session = await Telemetry.start(system, command, out)
+    set_current(session)
+    try:
+        result = await work()
+    except BaseException as error:
+        await session.fail(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        set_current(None)
+    await session.close()
+    return result

@@ -1,0 +1,218 @@
+"""A job's telemetry: every rank reports, node leaders combine, rank 0 publishes (one connection per job).
+
+Each rank keeps its latest numbers (``update``: the step, items done, and
+any metrics) and, every ``interval_s``, tells them to its node's first rank,
+which forwards its node's reports to rank 0 in one message: a tree over
+nodes, so rank 0 gets one message per node and interval however many ranks
+there are. Rank 0 publishes the job's progress, the metrics' minimum, mean
+and maximum over ranks with the rank furthest behind, a heartbeat, and the
+events ranks send (``event``). Everything rides on the event loop; nothing
+waits for the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import Actor, ActorGroup, ActorSystem
+from .schema import record
+from .settings import TelemetrySettings, job_id
+from .sinks import FileSink, MqttSink, lost_status
+
+log = logging.getLogger(__name__)
+COLLECTOR = "mpiscale-telemetry"
+RESTART_COUNTS = ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+class Collector(Actor):
+    """Receives reports (on a node's first rank, and on rank 0) and events (on rank 0) for this rank's session."""
+
+    def __init__(self, session: Telemetry) -> None:
+        self.session = session
+
+    def report(self, reports: list[dict]) -> None:
+        for one in reports:
+            self.session.reports[one["rank"]] = one
+
+    def event(self, payload: dict) -> None:
+        self.session.emit(payload)
+
+
+class Telemetry:
+    """One per rank; build with ``await Telemetry.start(system, command, out)`` (collective)."""
+
+    def __init__(self, system: ActorSystem, settings: TelemetrySettings, job: str, command: str) -> None:
+        self.system, self.settings, self.job, self.command = system, settings, job, command
+        self.step, self.total, self.items = 0, 0, 0.0
+        self.metrics: dict[str, float] = {}
+        self.began = time.monotonic()
+        self.group: ActorGroup | None = None
+        self.sink: MqttSink | FileSink | None = None
+        self.where = ""
+        self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
+        self._task: asyncio.Task | None = None
+        self._leader = 0
+        self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+
+    @classmethod
+    async def start(cls, system: ActorSystem, command: str, out: str | None) -> Telemetry:
+        """Start reporting (collective). Rank 0 connects to the broker, or opens ``OUT.telemetry.jsonl``."""
+        settings = TelemetrySettings.from_env()
+        job = await system.world.bcast(job_id() if system.rank == 0 else None, 0)
+        session = cls(system, settings, str(job), command)
+        if not settings.enabled:
+            return session
+        session.group = await system.spawn_group(Collector, session, name=COLLECTOR)
+        leader = await system.node.bcast(system.rank, 0)  # the node's first rank
+        session._leader = leader if isinstance(leader, int) else 0
+        if system.rank == 0:
+            session._open_sink(out)
+        session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
+                            host=socket.gethostname()), retain=True)  # fmt: skip
+        if system.rank == 0:
+            session.event("started", f"{command} on {system.size} ranks")
+            restarts = max(int(os.environ.get(name, "0") or 0) for name in RESTART_COUNTS)
+            if restarts:
+                session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
+        session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
+        return session
+
+    def _open_sink(self, out: str | None) -> None:
+        host = socket.gethostname()
+        if self.settings.broker is not None:
+            lost = lost_status(self.job, self.command, self.system.size, host)
+            self.sink = MqttSink(self.settings, self.job, lost)
+            where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/"
+        else:
+            path = Path(f"{out or self.command}.telemetry.jsonl")
+            self.sink = FileSink(path)
+            where = str(path)
+        print(f"telemetry: job {self.job} -> {where}", flush=True)
+
+    # ------------------------------------------------------------- every rank
+    def update(self, step: int, total: int, items: float = 0.0, **metrics: float) -> None:
+        """This rank's progress: step ``step`` of ``total`` done, ``items`` more processed, and its metrics."""
+        self.step, self.total = step, total
+        self.items += items
+        self.metrics.update(metrics)
+
+    def event(self, name: str, detail: str = "") -> None:
+        """An event of this rank, published by rank 0 (from any thread: a background checkpoint writer's, say)."""
+        if self.group is None:
+            return
+        if threading.get_ident() != self._loop_thread:
+            self._loop.call_soon_threadsafe(self.event, name, detail)
+            return
+        payload = record("event", self.job, event=name, rank=self.system.rank, detail=detail)
+        if self.system.rank == 0:
+            self.emit(payload)
+        else:
+            self.group[0].tell("event", payload)
+
+    def _report(self) -> dict:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {
+            "rank": self.system.rank, "step": self.step, "total": self.total, "items": self.items,
+            "time": time.time(), "metrics": dict(self.metrics, rss_mib=usage.ru_maxrss / 1024),
+        }  # fmt: skip
+
+    async def _tick(self) -> None:
+        assert self.group is not None
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            mine = self._report()
+            if self.system.rank == 0:
+                self.reports[0] = mine
+                self._publish(self.reports)
+            elif self._leader == self.system.rank:
+                node, self.reports = [mine, *self.reports.values()], {}
+                self.group[0].tell("report", node)
+            else:
+                self.group[self._leader].tell("report", [mine])
+
+    # ------------------------------------------------------------------ rank 0
+    def emit(self, payload: dict, retain: bool = False) -> None:
+        if self.sink is not None:
+            self.sink.publish(payload, retain)
+
+    def _publish(self, reports: dict[int, dict]) -> None:
+        now = time.time()
+        step = min(report["step"] for report in reports.values())
+        total = max(report["total"] for report in reports.values())
+        items = sum(report["items"] for report in reports.values())
+        self._progress = [*self._progress[-9:], (now, step, items)]
+        first = self._progress[0]
+        span = now - first[0]
+        steps_per_s = (step - first[1]) / span if span > 0 else 0.0
+        items_per_s = (items - first[2]) / span if span > 0 else 0.0
+        eta = (total - step) / steps_per_s if steps_per_s > 0 else None
+        self.emit(record("progress", self.job, step=step, total=total, steps_per_s=steps_per_s, eta_s=eta,
+                         items_per_s=items_per_s))  # fmt: skip
+        values = {}
+        for name in sorted({n for report in reports.values() for n in report["metrics"]} | {"step"}):
+            found = {rank: (r["step"] if name == "step" else r["metrics"].get(name)) for rank, r in reports.items()}
+            found = {rank: float(value) for rank, value in found.items() if value is not None}
+            low = min(found, key=lambda rank: (found[rank], rank))
+            values[name] = {"min": found[low], "mean": sum(found.values()) / len(found), "max": max(found.values()),
+                            "min_rank": low}  # fmt: skip
+        slowest = values["step"]["min_rank"]
+        self.emit(record("metrics", self.job, ranks_reporting=len(reports), slowest_rank=slowest, values=values))
+        oldest = now - min(report["time"] for report in reports.values())
+        dropped = self.sink.dropped if self.sink is not None else 0
+        self.emit(record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped))
+
+    async def close(self) -> None:
+        """The job finished (collective): rank 0 publishes the last numbers and status, then closes its sink."""
+        if self._task is not None:
+            self._task.cancel()
+        if self.group is None:
+            return
+        final = np.array([self.step, self.total, self.items], np.float64)
+        every = await self.system.world.allgather(final)  # the last numbers, not the last interval's
+        if self.system.rank == 0:
+            self.reports[0] = self._report()
+            for rank, (step, total, items) in enumerate(every):
+                report = self.reports.setdefault(rank, {"rank": rank, "metrics": {}, "time": time.time()})
+                report.update(step=int(step), total=int(total), items=float(items))
+            self._publish(self.reports)
+            self.event("finished", f"{self.command} finished")
+            await self._end("finished")
+
+    async def fail(self, detail: str) -> None:
+        """The job is failing on this rank (not collective): rank 0 says so, and closes its sink."""
+        if self._task is not None:
+            self._task.cancel()
+        if self.system.rank == 0 and self.group is not None:
+            self.emit(record("event", self.job, event="failure", rank=0, detail=detail))
+            await self._end("failed")
+
+    async def _end(self, state: str) -> None:
+        self.emit(record("status", self.job, state=state, command=self.command, ranks=self.system.size,
+                         host=socket.gethostname()), retain=True)  # fmt: skip
+        sink, self.sink = self.sink, None  # late reports and events are dropped
+        if sink is not None:
+            await sink.close()
+
+
+_current: Telemetry | None = None
+
+
+def current() -> Telemetry | None:
+    """The running job's telemetry on this rank (None outside a job)."""
+    return _current
+
+
+def set_current(session: Telemetry | None) -> None:
+    global _current
+    _current = session

@@ -1,0 +1,62 @@
+"""Telemetry settings, from ``MPISCALE_TELEMETRY_*`` and ``MPISCALE_BROKER*`` environment variables.
+
+With no broker, records go to a JSON-lines file beside the results; nothing
+else is needed to run a job.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    broker: tuple[str, int] | None = None  # MPISCALE_BROKER=host:port (port 1883 if left out)
+    username: str | None = None  # MPISCALE_BROKER_USER
+    password: str | None = None  # MPISCALE_BROKER_PASSWORD
+    tls_ca: str | None = None  # MPISCALE_BROKER_CA: a CA file; connect with TLS
+    interval_s: float = 2.0  # MPISCALE_TELEMETRY_INTERVAL_S: between reports and publications
+    buffer: int = 1000  # MPISCALE_TELEMETRY_BUFFER: records kept while the broker is away (oldest dropped)
+    enabled: bool = True  # MPISCALE_TELEMETRY=0 turns it off
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> TelemetrySettings:
+        env = os.environ if environ is None else environ
+        broker = None
+        text = env.get("MPISCALE_BROKER", "").strip()
+        if text:
+            host, _, port = text.rpartition(":") if ":" in text else (text, "", "1883")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"MPISCALE_BROKER={text!r}: expected HOST:PORT")
+            broker = (host, int(port))
+        try:
+            interval = float(env.get("MPISCALE_TELEMETRY_INTERVAL_S", "2"))
+            buffer = int(env.get("MPISCALE_TELEMETRY_BUFFER", "1000"))
+        except ValueError as error:
+            raise ValueError(f"telemetry settings: {error}") from None
+        if not interval > 0 or buffer < 1:
+            raise ValueError("MPISCALE_TELEMETRY_INTERVAL_S must be > 0 and MPISCALE_TELEMETRY_BUFFER >= 1")
+        return cls(
+            broker=broker,
+            username=env.get("MPISCALE_BROKER_USER") or None,
+            password=env.get("MPISCALE_BROKER_PASSWORD") or None,
+            tls_ca=env.get("MPISCALE_BROKER_CA") or None,
+            interval_s=interval,
+            buffer=buffer,
+            enabled=env.get("MPISCALE_TELEMETRY", "1") != "0",
+        )
+
+
+def job_id(environ: dict[str, str] | None = None) -> str:
+    """The job's id: Slurm's job id (with the array task), else ``MPISCALE_JOB_ID``, else host-pid-time."""
+    env = os.environ if environ is None else environ
+    if env.get("SLURM_JOB_ID"):
+        task = env.get("SLURM_ARRAY_TASK_ID")
+        return env["SLURM_JOB_ID"] + (f"_{task}" if task else "")
+    if env.get("MPISCALE_JOB_ID"):
+        return env["MPISCALE_JOB_ID"]
+    import time
+
+    return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"

@@ -1,0 +1,107 @@
+"""Telemetry to a real mosquitto broker: records that follow the schema, the retained status and the last will,
+a broker that is away at the start or restarted mid-run, and the JSON-lines file when there is no broker."""
+
+import json
+import sys
+import time
+
+import pytest
+from conftest import assert_ok, finish, launch
+from mqtt_broker import Subscriber, start_broker
+
+from mpiscale.telemetry import problems
+
+MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
+
+
+@pytest.fixture
+def broker(tmp_path):
+    running = start_broker(tmp_path)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def subscriber(broker):
+    listening = Subscriber(broker.port)
+    yield listening
+    listening.close()
+
+
+def memstore(ranks, out, *args, env=None, options=()):
+    command = [*MPISCALE, "memstore", "--records", "100000", "--out", str(out), *map(str, args)]
+    environment = {"MPISCALE_TELEMETRY_INTERVAL_S": "0.2", **(env or {})}
+    return launch(ranks, command, env=environment, options=options)
+
+
+def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_path):
+    env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t1"}
+    durable = ("--checkpoints", tmp_path / "ck", "--checkpoint-every", 150)
+    job = memstore(3, tmp_path / "m.h5", "--iterations", 400, *durable, env=env, options=("--ranks-per-node", "2"))
+    assert_ok(finish(job, "memstore with telemetry", 180))
+    subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished")
+    records = subscriber.payloads()
+    assert all(not problems(payload) for payload in records), [problems(p) for p in records if problems(p)]
+    assert {p["kind"] for p in records} == {"status", "progress", "metrics", "event", "heartbeat"}
+    assert all(topic == f"mpiscale/t1/{p['kind']}" for topic, p, _ in subscriber.messages)
+    events = [p["event"] for p in subscriber.payloads("event")]
+    assert events[0] == "started" and events[-1] == "finished" and events.count("checkpoint") == 2, events
+    last = subscriber.payloads("metrics")[-1]
+    assert last["ranks_reporting"] == 3 and last["values"]["step"]["min"] == 400
+    assert subscriber.payloads("progress")[-1]["step"] == 400
+    late = Subscriber(broker.port)  # joins after the job: the retained status says how it ended
+    try:
+        status = late.wait_for(lambda p: p["kind"] == "status", timeout=10)
+        assert status["state"] == "finished" and late.messages[0][2]
+    finally:
+        late.close()
+
+
+def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
+    """Rank 0 (the publisher) SIGKILLed mid-run: the broker sends the job's last will, retained."""
+    env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t2",
+           "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}  # fmt: skip
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 100000, env=env)
+    finished = finish(job, "memstore killed", 180)
+    assert finished.returncode == 137, finished.output[-3000:]
+    subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
+    lost = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "lost", timeout=20)
+    assert not problems(lost) and lost["job"] == "t2"
+
+
+def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tmp_path):
+    """The job starts while the broker is down, the broker comes up, goes away and comes back: the job finishes
+    as it would have, and publishing resumes after each return."""
+    broker.stop()
+    out = tmp_path / "m.h5"
+    job = memstore(2, out, "--iterations", 6000, env={"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t3"})
+    time.sleep(2)
+    broker.start()
+    subscriber.wait_for(lambda p: p["kind"] == "progress", timeout=60)
+    broker.stop()
+    time.sleep(1.5)
+    heard = len(subscriber.messages)
+    broker.start()
+    subscriber.wait_for(lambda p: p["kind"] == "heartbeat" and len(subscriber.messages) > heard + 3, timeout=60)
+    assert_ok(finish(job, "memstore through broker restarts", 240))
+    status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished", timeout=20)
+    assert not problems(status)
+    assert subscriber.payloads("progress")[-1]["step"] == 6000
+
+
+def test_without_a_broker_the_records_go_to_a_file_beside_the_results(tmp_path):
+    out = tmp_path / "m.h5"
+    job = memstore(2, out, "--iterations", 300, env={"MPISCALE_JOB_ID": "t4"})
+    done = finish(job, "memstore, telemetry to a file", 180)
+    assert_ok(done)
+    path = tmp_path / "m.h5.telemetry.jsonl"
+    assert f"telemetry: job t4 -> {path}" in done.stdout
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(not problems(p) for p in records)
+    assert records[0]["kind"] == "status" and records[-1] == {**records[-1], "kind": "status", "state": "finished"}
+
+
+def test_a_malformed_broker_setting_is_refused(tmp_path):
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 3, env={"MPISCALE_BROKER": "host:notaport"})
+    done = finish(job, "memstore with a bad broker setting", 120)
+    assert done.returncode != 0 and "MPISCALE_BROKER='host:notaport': expected HOST:PORT" in done.output

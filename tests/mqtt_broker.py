@@ -1,0 +1,103 @@
+"""A real mosquitto broker on a free loopback port, and a subscriber that keeps what it hears (for tests)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+
+import paho.mqtt.client as mqtt
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Broker:
+    """A mosquitto process; ``stop`` and ``start`` again on the same port (no persistence)."""
+
+    port: int
+    config: str
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["mosquitto", "-c", self.config], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"mosquitto did not listen on port {self.port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class Subscriber:
+    """Everything published under ``topic`` while it listens (it reconnects and subscribes again by itself)."""
+
+    port: int
+    topic: str = "mpiscale/#"
+    messages: list[tuple[str, dict, bool]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        self.client.on_connect = lambda client, *_: client.subscribe(self.topic, qos=1)
+        self.client.on_message = self._heard
+        self.client.reconnect_delay_set(0.1, 0.5)
+        self.client.connect_async("127.0.0.1", self.port)
+        self.client.loop_start()
+
+    def _heard(self, client, userdata, message) -> None:
+        with self._lock:
+            self.messages.append((message.topic, json.loads(message.payload), bool(message.retain)))
+
+    def payloads(self, kind: str | None = None) -> list[dict]:
+        with self._lock:
+            return [payload for _, payload, _ in self.messages if kind is None or payload.get("kind") == kind]
+
+    def wait_for(self, test, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for payload in self.payloads():
+                if test(payload):
+                    return payload
+            time.sleep(0.05)
+        raise AssertionError(f"no such record within {timeout}s; heard {len(self.messages)}: {self.payloads()[-5:]}")
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def start_broker(directory) -> Broker:
+    """A mosquitto on a free loopback port, its configuration in ``directory``."""
+    if shutil.which("mosquitto") is None:
+        pytest.skip("mosquitto is not installed (launch/setup.sh installs it)")
+    port = free_port()
+    config = directory / "mosquitto.conf"
+    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    running = Broker(port, str(config))
+    running.start()
+    return running
