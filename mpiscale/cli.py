@@ -98,6 +98,34 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch(args: argparse.Namespace) -> int:
+    """Show a job from its broker (JOB --broker) or its telemetry file (--file); 0 when it finished."""
+    import asyncio
+    from pathlib import Path
+
+    from .telemetry.watch import watch_broker, watch_file
+
+    if args.file:
+        if not Path(args.file).is_file():
+            print(f"mpiscale watch: {args.file} does not exist", file=sys.stderr)
+            return 2
+        view = watch_file(Path(args.file), follow=not args.no_follow)
+    else:
+        if not args.job or not args.broker:
+            print("mpiscale watch: give JOB --broker HOST:PORT, or --file FILE.telemetry.jsonl", file=sys.stderr)
+            return 2
+        host, _, port = args.broker.rpartition(":")
+        try:
+            view = asyncio.run(watch_broker(args.job, host or args.broker, int(port or 1883), timeout_s=args.timeout))
+        except TimeoutError:
+            print(f"mpiscale watch: job {args.job} did not end within {args.timeout} s", file=sys.stderr)
+            return 1
+        except Exception as error:  # aiomqtt's errors: say which broker and why, no traceback
+            print(f"mpiscale watch: broker {args.broker}: {error}", file=sys.stderr)
+            return 1
+    return 0 if view.latest.get("status", {}).get("state") == "finished" else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     from .bench.registry import BENCHMARKS
 
@@ -172,6 +200,18 @@ def parser() -> argparse.ArgumentParser:
     inspect.add_argument("--atoms", type=int, default=20, help="--top-inputs: how many atoms to list (default: 20)")
     inspect.add_argument("--data", metavar="FILE.h5:/X", help="--top-inputs: code these rows instead of the run's data")
     inspect.set_defaults(handler=_inspect)
+
+    watch = commands.add_parser(
+        "watch",
+        help="a running job's progress, slowest rank and events, from its broker or its telemetry file",
+        description="Show a job's telemetry until it ends; exit 0 if it finished, 1 if it failed or was lost.",
+    )
+    watch.add_argument("job", nargs="?", help="the job id (printed at its start; Slurm's job id under Slurm)")
+    watch.add_argument("--broker", metavar="HOST:PORT", help="the MQTT broker the job publishes to")
+    watch.add_argument("--file", metavar="FILE.telemetry.jsonl", help="a job's telemetry file (no broker)")
+    watch.add_argument("--no-follow", action="store_true", help="--file: show what is there now, then stop")
+    watch.add_argument("--timeout", type=float, help="--broker: give up after this many seconds")
+    watch.set_defaults(handler=_watch)
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(

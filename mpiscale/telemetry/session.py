@@ -96,7 +96,11 @@ class Telemetry:
             where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/"
         else:
             path = Path(f"{out or self.command}.telemetry.jsonl")
-            self.sink = FileSink(path)
+            try:
+                self.sink = FileSink(path)
+            except OSError as error:  # telemetry never stops a job: the job says what is wrong with its outputs
+                log.warning("telemetry: %s cannot be written (%s); no telemetry for this job", path, error)
+                return
             where = str(path)
         print(f"telemetry: job {self.job} -> {where}", flush=True)
 

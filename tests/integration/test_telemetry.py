@@ -2,6 +2,7 @@
 a broker that is away at the start or restarted mid-run, and the JSON-lines file when there is no broker."""
 
 import json
+import subprocess
 import sys
 import time
 
@@ -37,6 +38,8 @@ def memstore(ranks, out, *args, env=None, options=()):
 def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_path):
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t1"}
     durable = ("--checkpoints", tmp_path / "ck", "--checkpoint-every", 150)
+    watcher = subprocess.Popen([*MPISCALE, "watch", "t1", "--broker", broker.address, "--timeout", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     job = memstore(3, tmp_path / "m.h5", "--iterations", 400, *durable, env=env, options=("--ranks-per-node", "2"))
     assert_ok(finish(job, "memstore with telemetry", 180))
     subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished")
@@ -49,6 +52,9 @@ def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_
     last = subscriber.payloads("metrics")[-1]
     assert last["ranks_reporting"] == 3 and last["values"]["step"]["min"] == 400
     assert subscriber.payloads("progress")[-1]["step"] == 400
+    shown, errors = watcher.communicate(timeout=60)
+    assert watcher.returncode == 0, errors
+    assert "job t1: memstore on 3 ranks" in shown and "finished" in shown and "] 400/400" in shown, shown[-3000:]
     late = Subscriber(broker.port)  # joins after the job: the retained status says how it ended
     try:
         status = late.wait_for(lambda p: p["kind"] == "status", timeout=10)
@@ -99,6 +105,8 @@ def test_without_a_broker_the_records_go_to_a_file_beside_the_results(tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records and all(not problems(p) for p in records)
     assert records[0]["kind"] == "status" and records[-1] == {**records[-1], "kind": "status", "state": "finished"}
+    shown = subprocess.run([*MPISCALE, "watch", "--file", str(path)], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0 and "] 300/300" in shown.stdout and "finished" in shown.stdout, shown.stdout
 
 
 def test_a_malformed_broker_setting_is_refused(tmp_path):
