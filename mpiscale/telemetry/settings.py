@@ -50,13 +50,13 @@ class TelemetrySettings:
 
 
 def job_id(environ: dict[str, str] | None = None) -> str:
-    """The job's id: Slurm's job id (with the array task), else ``MPISCALE_JOB_ID``, else host-pid-time."""
+    """The job's id: ``MPISCALE_JOB_ID``, else Slurm's job id (with the array task), else host-pid-time."""
     env = os.environ if environ is None else environ
+    if env.get("MPISCALE_JOB_ID"):
+        return env["MPISCALE_JOB_ID"]
     if env.get("SLURM_JOB_ID"):
         task = env.get("SLURM_ARRAY_TASK_ID")
         return env["SLURM_JOB_ID"] + (f"_{task}" if task else "")
-    if env.get("MPISCALE_JOB_ID"):
-        return env["MPISCALE_JOB_ID"]
     import time
 
     return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
