@@ -22,7 +22,7 @@ from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
 from .config import MemstoreConfig
-from .rehearsal import fail_now, planted_failure
+from .rehearsal import planted_failure
 from .store import Aggregate, Durability, MemoryStore
 
 RESULTS_FORMAT = "mpiscale.memstore-results/1"
@@ -78,8 +78,8 @@ async def _iterate(system: ActorSystem, config: MemstoreConfig, store: MemorySto
         picked = streams.integers(iteration + 1, entries, 1, 0, config.records)[:, 0]
         deltas = (0.1 * streams.normal(iteration + 1, entries, 1, stream=1)[:, 0]).astype(np.float32)
         await store.reinforce(record_ids(picked), deltas, iteration)
-        if failure is not None and (failure.rank, failure.iteration) == (system.rank, iteration):
-            fail_now(system.rank, iteration, store.local_directory if failure.lose_local else None)
+        if failure is not None:
+            failure.strike(system.rank, iteration, store.local_directory)
         result = await store.iterate(config.rate, config.top)
         seconds = time.perf_counter() - began
         history.append((result, seconds))

@@ -1,12 +1,14 @@
-"""A planted failure, to rehearse a node's loss on your own cluster: ``MPISCALE_REHEARSE_FAILURE``.
+"""Planted failures, to rehearse them on your own cluster: ``MPISCALE_REHEARSE_FAILURE``.
 
 ``MPISCALE_REHEARSE_FAILURE="rank=2,iteration=25,lose-local"`` makes rank 2 of
 ``mpiscale memstore`` kill itself (SIGKILL, as the out-of-memory killer or a
 dead node would) in the middle of iteration 25, after its updates are applied
 and before they are committed; with ``lose-local`` it first deletes its
-node's local directory, as if the node's disk were gone. It fires only in a
-job's first run (``MPISCALE_RESTART_COUNT`` and ``SLURM_RESTART_COUNT`` unset
-or 0), so the restarted job goes on.
+node's local directory, as if the node's disk were gone. ``hang=S`` instead
+makes it stop there for S seconds (a stuck rank: its event loop blocked), and
+``slow=S`` makes it S seconds slower in every iteration from there on (a
+straggler). It fires only in a job's first run (``MPISCALE_RESTART_COUNT``
+and ``SLURM_RESTART_COUNT`` unset or 0), so a restarted job goes on.
 """
 
 from __future__ import annotations
@@ -26,7 +28,20 @@ VARIABLE = "MPISCALE_REHEARSE_FAILURE"
 class PlantedFailure:
     rank: int
     iteration: int
-    lose_local: bool
+    lose_local: bool = False
+    hang_s: float = 0.0
+    slow_s: float = 0.0
+
+    def strike(self, rank: int, iteration: int, local: Path | None) -> None:
+        """Fail here if this is the rank and the iteration (from the iteration on, for ``slow``)."""
+        if rank != self.rank or iteration < self.iteration:
+            return
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        elif iteration == self.iteration and self.hang_s:
+            time.sleep(self.hang_s)
+        elif iteration == self.iteration:
+            fail_now(rank, iteration, local if self.lose_local else None)
 
 
 def planted_failure() -> PlantedFailure | None:
@@ -37,9 +52,14 @@ def planted_failure() -> PlantedFailure | None:
         return None
     fields = dict(part.partition("=")[::2] for part in text.split(","))
     try:
-        return PlantedFailure(int(fields["rank"]), int(fields["iteration"]), "lose-local" in fields)
+        return PlantedFailure(
+            int(fields["rank"]), int(fields["iteration"]), "lose-local" in fields,
+            float(fields.get("hang", 0)), float(fields.get("slow", 0)),
+        )  # fmt: skip
     except (KeyError, ValueError):
-        raise ValueError(f"{VARIABLE}={text!r}: expected 'rank=R,iteration=T[,lose-local]'") from None
+        raise ValueError(
+            f"{VARIABLE}={text!r}: expected 'rank=R,iteration=T' and one of 'lose-local', 'hang=S', 'slow=S'"
+        ) from None
 
 
 def fail_now(rank: int, iteration: int, local: Path | None) -> None:

@@ -79,6 +79,9 @@ class ProgressEngine:
         self._stopped = False
         self.messages_sent = 0
         self.messages_received = 0
+        #: Seconds spent so far waiting for requests awaited through ``wait`` (the collectives), and those pending.
+        self.collective_wait_s = 0.0
+        self._waits: dict[int, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ API
     def send(self, dest: int, obj: object) -> asyncio.Future:
@@ -114,10 +117,14 @@ class ProgressEngine:
         return done
 
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
-        """An awaitable for one MPI request (collectives use this)."""
+        """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
         future = asyncio.get_running_loop().create_future()
+        key, started = id(future), time.monotonic()
+        self._waits[key] = (what, started)
 
         def resolve() -> None:
+            if self._waits.pop(key, None) is not None:
+                self.collective_wait_s += time.monotonic() - started
             if not future.done():
                 future.set_result(None)
 
@@ -136,6 +143,13 @@ class ProgressEngine:
     def idle(self) -> bool:
         """True when no request is pending and no inbound message is partial."""
         return not self._pending and not any(self._inbound.values())
+
+    def waiting_in(self) -> tuple[str, float] | None:
+        """(what, seconds) of the oldest request awaited through ``wait`` still pending, or None."""
+        if not self._waits:
+            return None
+        what, started = min(self._waits.values(), key=lambda entry: entry[1])
+        return what, time.monotonic() - started
 
     def describe(self) -> list[str]:
         """One line per pending request, oldest first (for diagnostics)."""

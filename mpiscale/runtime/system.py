@@ -324,6 +324,15 @@ class ActorSystem:
         sys.stderr.flush()
         self._MPI.COMM_WORLD.Abort(status)
 
+    def waiting_in(self) -> tuple[str, float] | None:
+        """The collective this rank has waited in longest right now, and for how many seconds (None: none)."""
+        return self._engine.waiting_in()
+
+    @property
+    def collective_wait_s(self) -> float:
+        """Seconds this rank has spent waiting in collectives so far (how much of its time others cost it)."""
+        return self._engine.collective_wait_s
+
     def diagnostics(self) -> str:
         """What this rank is doing: pending MPI requests and asks, mailboxes, task stacks."""
         now = time.monotonic()

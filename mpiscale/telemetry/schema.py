@@ -12,7 +12,8 @@ Every record is a JSON object with ``schema``, ``job``, ``kind`` and
   and ``values``: per metric, ``min``, ``mean``, ``max`` over the ranks and the
   rank with the lowest value (``min_rank``).
 - ``event``: ``event`` (``started``, ``checkpoint``, ``resumed``,
-  ``restarted``, ``failure``, ``finished``), ``rank``, ``detail``.
+  ``restarted``, ``failure``, ``finished``, ``hang``, ``straggler``), ``rank``
+  (the rank it is about), ``detail``.
 - ``heartbeat``: ``ranks_reporting``, ``oldest_report_s`` (the age of the
   stalest rank's last report), ``dropped`` (records the publisher had to drop).
 """
@@ -24,7 +25,7 @@ import time
 SCHEMA = "mpiscale.telemetry/1"
 KINDS = ("status", "progress", "metrics", "event", "heartbeat")
 STATES = ("running", "finished", "failed", "lost")
-EVENTS = ("started", "checkpoint", "resumed", "restarted", "failure", "finished")
+EVENTS = ("started", "checkpoint", "resumed", "restarted", "failure", "finished", "hang", "straggler")
 
 _NUMBER = (int, float)
 _FIELDS: dict[str, dict[str, tuple]] = {

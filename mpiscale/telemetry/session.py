@@ -13,10 +13,13 @@ waits for the broker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ from ..runtime import Actor, ActorGroup, ActorSystem
 from .schema import record
 from .settings import TelemetrySettings, job_id
 from .sinks import FileSink, MqttSink, lost_status
+from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger(__name__)
 COLLECTOR = "mpiscale-telemetry"
@@ -46,6 +50,10 @@ class Collector(Actor):
     def event(self, payload: dict) -> None:
         self.session.emit(payload)
 
+    def dump(self) -> None:
+        """Write this rank's diagnostics to stderr (the hang detector asks every rank)."""
+        self.session.system.dump_diagnostics()
+
 
 class Telemetry:
     """One per rank; build with ``await Telemetry.start(system, command, out)`` (collective)."""
@@ -57,7 +65,9 @@ class Telemetry:
         self.began = time.monotonic()
         self.group: ActorGroup | None = None
         self.sink: MqttSink | FileSink | None = None
-        self.where = ""
+        #: What this rank is doing, in the job's words ("coding", "update"); reports carry it.
+        self.phase = ""
+        self.watchdog: Watchdog | None = None
         self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
         self._task: asyncio.Task | None = None
         self._leader = 0
@@ -68,7 +78,7 @@ class Telemetry:
     @classmethod
     async def start(cls, system: ActorSystem, command: str, out: str | None) -> Telemetry:
         """Start reporting (collective). Rank 0 connects to the broker, or opens ``OUT.telemetry.jsonl``."""
-        settings = TelemetrySettings.from_env()
+        settings, watching = TelemetrySettings.from_env(), WatchdogSettings.from_env()
         job = await system.world.bcast(job_id() if system.rank == 0 else None, 0)
         session = cls(system, settings, str(job), command)
         if not settings.enabled:
@@ -78,6 +88,7 @@ class Telemetry:
         session._leader = leader if isinstance(leader, int) else 0
         if system.rank == 0:
             session._open_sink(out)
+            session.watchdog = Watchdog(watching)
         session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                             host=socket.gethostname()), retain=True)  # fmt: skip
         if system.rank == 0:
@@ -126,9 +137,12 @@ class Telemetry:
 
     def _report(self) -> dict:
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        waited = self.system.collective_wait_s
         return {
             "rank": self.system.rank, "step": self.step, "total": self.total, "items": self.items,
-            "time": time.time(), "metrics": dict(self.metrics, rss_mib=usage.ru_maxrss / 1024),
+            "time": time.time(), "phase": self.phase, "waiting_in": self.system.waiting_in(), "wait_s": waited,
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "metrics": dict(self.metrics, rss_mib=usage.ru_maxrss / 1024, collective_wait_s=waited),
         }  # fmt: skip
 
     async def _tick(self) -> None:
@@ -139,6 +153,7 @@ class Telemetry:
             if self.system.rank == 0:
                 self.reports[0] = mine
                 self._publish(self.reports)
+                await self._watch()
             elif self._leader == self.system.rank:
                 node, self.reports = [mine, *self.reports.values()], {}
                 self.group[0].tell("report", node)
@@ -175,6 +190,24 @@ class Telemetry:
         oldest = now - min(report["time"] for report in reports.values())
         dropped = self.sink.dropped if self.sink is not None else 0
         self.emit(record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped))
+
+    async def _watch(self) -> None:
+        """Report what the watchdog finds; on a hang, every rank's diagnostics, and the end if so configured."""
+        assert self.watchdog is not None and self.group is not None
+        for finding in self.watchdog.look(self.reports, time.time()):
+            print(f"mpiscale: telemetry: {finding.kind}: {finding.detail}", file=sys.stderr, flush=True)
+            self.emit(record("event", self.job, event=finding.kind, rank=finding.rank, detail=finding.detail))
+            if finding.kind != "hang":
+                continue
+            self.group.tell_all("dump")
+            stuck = self.reports[finding.rank]
+            if stuck.get("host") == socket.gethostname():  # its event loop may be stuck: faulthandler answers
+                with contextlib.suppress(OSError):
+                    os.kill(stuck["pid"], signal.SIGUSR1)
+            if self.watchdog.settings.action == "abort":
+                await asyncio.sleep(1.0)  # the dumps and the event go out first
+                await self._end("failed")
+                self.system.fail(RuntimeError(f"hang detected: {finding.detail}"), "the hang detector (telemetry)")
 
     async def close(self) -> None:
         """The job finished (collective): rank 0 publishes the last numbers and status, then closes its sink."""

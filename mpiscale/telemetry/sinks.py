@@ -13,6 +13,7 @@ without a goodbye (rank 0 killed, the node gone).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -36,7 +37,7 @@ def topic(job: str, kind: str) -> str:
 
 
 class FileSink:
-    """Appends each record as one JSON line (the embedded default)."""
+    """Appends each record as one JSON line (the embedded default); a full disk drops records, never the job."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -44,10 +45,16 @@ class FileSink:
         self._stream = open(path, "a", buffering=1)
 
     def publish(self, payload: dict, retain: bool = False) -> None:
-        self._stream.write(json.dumps(payload) + "\n")
+        try:
+            self._stream.write(json.dumps(payload) + "\n")
+        except OSError as error:
+            if not self.dropped:
+                log.warning("telemetry: %s: %s; records are dropped", self.path, error)
+            self.dropped += 1
 
     async def close(self) -> None:
-        self._stream.close()
+        with contextlib.suppress(OSError):  # the last line's flush on a full disk
+            self._stream.close()
 
 
 class MqttSink:

@@ -113,3 +113,32 @@ def test_a_malformed_broker_setting_is_refused(tmp_path):
     job = memstore(2, tmp_path / "m.h5", "--iterations", 3, env={"MPISCALE_BROKER": "host:notaport"})
     done = finish(job, "memstore with a bad broker setting", 120)
     assert done.returncode != 0 and "MPISCALE_BROKER='host:notaport': expected HOST:PORT" in done.output
+
+
+def test_a_stuck_rank_is_named_every_rank_dumps_and_the_job_ends(tmp_path):
+    """Rank 1 stops inside an iteration (its event loop blocked) while the others wait in a collective."""
+    env = {"MPISCALE_JOB_ID": "t6", "MPISCALE_HANG_AFTER_S": "2", "MPISCALE_HANG_ACTION": "abort",
+           "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=100,hang=120"}  # fmt: skip
+    started = time.monotonic()
+    done = finish(memstore(3, tmp_path / "m.h5", "--iterations", 100000, env=env), "memstore with a hang", 120)
+    assert done.returncode == 1 and time.monotonic() - started < 60, done.output[-4000:]
+    assert "mpiscale: telemetry: hang: rank 1 (host" in done.stderr and "wait in collectives" in done.stderr
+    assert "RuntimeError: hang detected: rank 1" in done.stderr
+    dumped = {rank for rank in range(3) if f"mpiscale diagnostics: rank {rank} of 3" in done.stderr}
+    assert dumped == {0, 2}, dumped  # the waiting ranks; rank 1's C-level stacks come from faulthandler
+    assert "Current thread" in done.stderr or "Thread 0x" in done.stderr
+    records = [json.loads(line) for line in (tmp_path / "m.h5.telemetry.jsonl").read_text().splitlines()]
+    hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["rank"] == 1 and not problems(hangs[0])
+    assert records[-1]["kind"] == "status" and records[-1]["state"] == "failed"
+
+
+def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
+    env = {"MPISCALE_JOB_ID": "t7", "MPISCALE_STRAGGLER_INTERVALS": "3",
+           "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=10,slow=0.02"}  # fmt: skip
+    done = finish(memstore(3, tmp_path / "m.h5", "--iterations", 250, env=env), "memstore with a straggler", 180)
+    assert_ok(done)
+    records = [json.loads(line) for line in (tmp_path / "m.h5.telemetry.jsonl").read_text().splitlines()]
+    stragglers = [p for p in records if p["kind"] == "event" and p["event"] == "straggler"]
+    assert [p["rank"] for p in stragglers] == [2], stragglers
+    assert "the others wait for it" in stragglers[0]["detail"]

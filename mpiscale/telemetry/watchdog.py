@@ -1,0 +1,113 @@
+"""Hangs and stragglers, seen by rank 0 in the ranks' reports.
+
+A rank **hangs** when it has not advanced (its step and phase unchanged) for
+``hang_after_s`` while it is not itself waiting in a collective (it computes,
+or its reports stopped because its event loop is stuck) and another rank has
+been waiting in a collective for at least half that time: the others wait for
+it. A rank **straggles** when, for ``straggler_intervals`` reports in a row,
+the share of its time spent waiting in collectives is under
+``straggler_ratio`` of the other ranks' median share while they wait at
+least a fifth of theirs: everyone else waits for it, every step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WatchdogSettings:
+    hang_after_s: float = 600.0  # MPISCALE_HANG_AFTER_S
+    action: str = "report"  # MPISCALE_HANG_ACTION: report, or abort (the launcher's restart or Slurm's requeue follows)
+    straggler_intervals: int = 5  # MPISCALE_STRAGGLER_INTERVALS
+    straggler_ratio: float = 0.5
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WatchdogSettings:
+        env = os.environ if environ is None else environ
+        try:
+            settings = cls(
+                hang_after_s=float(env.get("MPISCALE_HANG_AFTER_S", "600")),
+                action=env.get("MPISCALE_HANG_ACTION", "report"),
+                straggler_intervals=int(env.get("MPISCALE_STRAGGLER_INTERVALS", "5")),
+            )
+        except ValueError as error:
+            raise ValueError(f"hang detection settings: {error}") from None
+        if settings.action not in ("report", "abort") or settings.hang_after_s <= 0 or settings.straggler_intervals < 1:
+            raise ValueError(
+                "MPISCALE_HANG_ACTION must be report or abort, MPISCALE_HANG_AFTER_S > 0 and "
+                "MPISCALE_STRAGGLER_INTERVALS >= 1"
+            )
+        return settings
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # "hang" or "straggler"
+    rank: int
+    detail: str
+
+
+@dataclass
+class Watchdog:
+    settings: WatchdogSettings
+    _advanced: dict[int, tuple[tuple, float]] = field(default_factory=dict)  # rank -> (its position, since when)
+    _waited: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (report time, wait_s)
+    _slow: dict[int, int] = field(default_factory=dict)  # rank -> straggling reports in a row
+    _told: set[tuple[str, int]] = field(default_factory=set)
+
+    def look(self, reports: dict[int, dict], now: float) -> list[Finding]:
+        """What the latest reports show that was not shown before."""
+        findings = self._hangs(reports, now) + self._stragglers(reports)
+        fresh = [f for f in findings if (f.kind, f.rank) not in self._told]
+        self._told.update((f.kind, f.rank) for f in fresh)
+        return fresh
+
+    def _hangs(self, reports: dict[int, dict], now: float) -> list[Finding]:
+        for rank, report in reports.items():
+            position = (report["step"], report.get("phase", ""))
+            if self._advanced.get(rank, ((), 0.0))[0] != position:
+                self._advanced[rank] = (position, now)
+        waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
+        long_waiters = {r: w for r, w in waiters.items() if w[1] >= self.settings.hang_after_s / 2}
+        found = []
+        for rank, report in reports.items():
+            still = now - self._advanced[rank][1]
+            waiting_itself = rank in waiters and now - report["time"] < self.settings.hang_after_s / 2
+            others = sorted(r for r in long_waiters if r != rank)
+            if still >= self.settings.hang_after_s and not waiting_itself and others:
+                what, seconds = long_waiters[others[0]]
+                where = f"step {report['step']}, phase {report.get('phase') or '-'}"
+                found.append(Finding("hang", rank, (
+                    f"rank {rank} (host {report.get('host')}, pid {report.get('pid')}) has not advanced for "
+                    f"{still:.0f} s ({where}, last report {now - report['time']:.0f} s ago), while ranks {others} "
+                    f"wait in collectives (rank {others[0]}: {what}, {seconds:.0f} s)"
+                )))  # fmt: skip
+        return found
+
+    def _stragglers(self, reports: dict[int, dict]) -> list[Finding]:
+        shares = {}
+        for rank, report in reports.items():
+            before = self._waited.get(rank)
+            self._waited[rank] = (report["time"], report.get("wait_s", 0.0))
+            if before is not None and report["time"] > before[0]:
+                shares[rank] = (report.get("wait_s", 0.0) - before[1]) / (report["time"] - before[0])
+        if len(shares) < 2:
+            return []
+        slowest = min(shares, key=lambda rank: (shares[rank], rank))
+        others = statistics.median(share for rank, share in shares.items() if rank != slowest)
+        straggling = others >= 0.2 and shares[slowest] < self.settings.straggler_ratio * others
+        for rank in list(self._slow):
+            if rank != slowest or not straggling:
+                self._slow[rank] = 0
+        if not straggling:
+            return []
+        self._slow[slowest] = self._slow.get(slowest, 0) + 1
+        if self._slow[slowest] < self.settings.straggler_intervals:
+            return []
+        return [Finding("straggler", slowest, (
+            f"rank {slowest} waits {shares[slowest]:.0%} of its time in collectives, the others a median "
+            f"{others:.0%}, for {self._slow[slowest]} reports in a row: the others wait for it"
+        ))]  # fmt: skip
