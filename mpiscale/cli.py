@@ -222,7 +222,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dir",
         default="bench-scratch",
-        help="checkpoint, dictlearn, reader: scratch directory for data and checkpoints (default: %(default)s)",
+        help="checkpoint, dictlearn, reader, telemetry: scratch directory for data and checkpoints "
+        "(default: %(default)s)",
     )
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run, noisier)")

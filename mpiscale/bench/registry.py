@@ -76,6 +76,12 @@ def _dictlearn(args: argparse.Namespace, json_path: str) -> object:
     return run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
 
 
+def _telemetry(args: argparse.Namespace, json_path: str) -> object:
+    from .telemetry import run_telemetry_bench
+
+    return run(lambda system: run_telemetry_bench(system, json_path, args.dir, quick=args.quick))
+
+
 def _reader(args: argparse.Namespace, json_path: str) -> object:
     from .reader import run_reader_bench
 
@@ -114,6 +120,11 @@ BENCHMARKS: dict[str, Benchmark] = {
             "reader",
             "read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and streamed",
             _reader,
+        ),
+        Benchmark(
+            "telemetry",
+            "a dictlearn run with telemetry off, to a file, to mosquitto and to a broker that never answers",
+            _telemetry,
         ),
     ]
 }

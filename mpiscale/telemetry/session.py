@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import resource
@@ -34,6 +35,7 @@ from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger(__name__)
 COLLECTOR = "mpiscale-telemetry"
+_sessions = itertools.count()
 RESTART_COUNTS = ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
@@ -83,7 +85,8 @@ class Telemetry:
         session = cls(system, settings, str(job), command)
         if not settings.enabled:
             return session
-        session.group = await system.spawn_group(Collector, session, name=COLLECTOR)
+        name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
+        session.group = await system.spawn_group(Collector, session, name=name)
         leader = await system.node.bcast(system.rank, 0)  # the node's first rank
         session._leader = leader if isinstance(leader, int) else 0
         if system.rank == 0:

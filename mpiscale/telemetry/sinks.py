@@ -29,7 +29,11 @@ log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
 BREAKER_FAILURES, BREAKER_PAUSE_S = 5, 60.0
-CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for the last records to reach the broker
+CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for the last records to reach a connected broker
+CLOSE_UNCONNECTED_S = 0.5  # ... and for a connection to one that is away: a dead broker must not delay the end
+#: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
+_PAHO_LOG = logging.getLogger("mpiscale.telemetry.mqtt")
+_PAHO_LOG.setLevel(logging.CRITICAL)
 
 
 def topic(job: str, kind: str) -> str:
@@ -91,7 +95,7 @@ class MqttSink:
         return aiomqtt.Client(
             settings.broker[0], settings.broker[1], username=settings.username, password=settings.password,
             will=will, tls_context=tls, timeout=5.0, keepalive=max(5, int(4 * settings.interval_s)),
-            identifier=f"mpiscale-{self.job}",
+            identifier=f"mpiscale-{self.job}", logger=_PAHO_LOG,
         )  # fmt: skip
 
     async def _run(self) -> None:
@@ -139,11 +143,11 @@ class MqttSink:
             await self._wake.wait()
 
     async def close(self) -> None:
-        """Send what is buffered (for at most ``CLOSE_TIMEOUT_S``) and disconnect cleanly."""
+        """Send what is buffered (for at most ``CLOSE_TIMEOUT_S``, or less when not connected) and disconnect."""
         self._closing = True
         self._wake.set()
         try:
-            await asyncio.wait_for(self._task, CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(self._task, CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S)
         except (TimeoutError, asyncio.CancelledError):
             log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
 

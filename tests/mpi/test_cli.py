@@ -137,3 +137,15 @@ def test_bench_memstore_writes_json(tmp_path):
     assert durable["records"] == 100_000 and durable["ms_committed"] > 0 and durable["ms_raw_write_fsync_rank0"] > 0
     assert durable["bytes_logged_per_commit_rank0"] > 0 and "5 commits from 2 logs" in durable["recovery_source"]
     assert not list(tmp_path.glob("memstore-bench-*"))  # the scratch directory is gone
+
+
+def test_bench_telemetry_writes_json(tmp_path):
+    out = tmp_path / "telemetry.json"
+    job = mpiscale(
+        2, "bench", "telemetry", "--quick", "--dir", str(tmp_path / "scratch"), "--json", str(out), timeout=300
+    )
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "telemetry" and set(record["median_s"]) == {"off", "file", "broker", "silent broker"}
+    assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in record["seconds"].values())
+    assert "slowdown vs off" in job.stdout

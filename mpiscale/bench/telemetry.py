@@ -1,0 +1,152 @@
+"""What telemetry costs a job: the same dictionary-learning run with telemetry off, to a file, to a broker, and
+to a broker that never answers, in the same process, at the default interval.
+
+The broker is a real mosquitto started on a free loopback port (skipped where
+it is not installed). The silent broker is a socket that accepts connections
+and never says a word: every connection attempt waits for its timeout, then
+backs off, then the circuit breaker pauses. Each variant runs ``repeats``
+times, in turn; the table gives the median wall time and the slowdown against
+"off" measured in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from ..dictlearn.config import DictLearnConfig
+from ..dictlearn.learner import learn
+from ..dictlearn.synthetic import write_planted_dataset
+from ..jobs import observed
+from ..runtime import ActorSystem
+from .report import table, write_json
+
+SETTING = {"atoms": 128, "features": 48, "sparsity": 6, "samples": 8_000}
+ITERATIONS = {"full": 2000, "quick": 60}  # the full runs take about 10 s each on 2 cores
+#: The silent broker's accepted connections stay open until the process ends: closing them would wake the
+#: MQTT clients that gave up on them (aiomqtt then logs a cancelled callback), after the measured runs.
+_HELD: list[socket.socket] = []
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _mosquitto(directory: Path):
+    """A broker on a free port (its address), or None where mosquitto is not installed."""
+    if shutil.which("mosquitto") is None:
+        yield None
+        return
+    port = _free_port()
+    config = directory / "mosquitto.conf"
+    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    process = subprocess.Popen(["mosquitto", "-c", str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.kill()
+        process.wait()
+
+
+@contextlib.contextmanager
+def _silent_broker():
+    """A listener that accepts connections and never answers (its address)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                _HELD.append(server.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
+async def run_telemetry_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
+    """Each variant ``repeats`` times in turn (collective); rank 0 prints the table and writes JSON."""
+    from mpi4py import MPI
+
+    directory = Path(workdir)
+    if system.rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+    await system.world.barrier()
+    data = str(directory / "bench-telemetry-data.h5")
+    write_planted_dataset(
+        data, SETTING["samples"], SETTING["features"], SETTING["atoms"], SETTING["sparsity"], 20.0, 0, MPI.COMM_WORLD
+    )
+    repeats = 2 if quick else 3
+    with contextlib.ExitStack() as stack:
+        brokers: dict[str, str | None] = {"broker": None, "silent broker": None}
+        if system.rank == 0:
+            brokers = {"broker": stack.enter_context(_mosquitto(directory)),
+                       "silent broker": stack.enter_context(_silent_broker())}  # fmt: skip
+        brokers = await system.world.bcast(brokers, 0)  # type: ignore[assignment]
+        variants = {"off": {"MPISCALE_TELEMETRY": "0"}, "file": {}}
+        variants |= {name: {"MPISCALE_BROKER": address} for name, address in brokers.items() if address}
+        seconds: dict[str, list[float]] = {name: [] for name in variants}
+        await _one_run(system, directory, data, variants["off"], quick, "warm-up")  # compiles the kernels
+        for repeat in range(repeats):
+            for name, environment in variants.items():
+                seconds[name].append(await _one_run(system, directory, data, environment, quick, f"{repeat}-{name}"))
+    if system.rank != 0:
+        return None
+    median = {name: statistics.median(values) for name, values in seconds.items()}
+    rows = [[name, median[name], median[name] / median["off"] - 1] for name in variants]
+    print(f"telemetry's cost to a dictionary-learning run on {system.size} ranks, median of {repeats} (s):")
+    print(table(["telemetry", "wall s", "slowdown vs off"], rows))
+    if "broker" not in median:
+        print("(mosquitto is not installed: no broker row)")
+    results = {"seconds": seconds, "median_s": median, "slowdown": {n: median[n] / median["off"] - 1 for n in median}}
+    print(f"wrote {write_json(json_path, 'telemetry', system.size, results)}")
+    return results
+
+
+async def _one_run(
+    system: ActorSystem, directory: Path, data: str, environment: dict[str, str], quick: bool, tag: str
+) -> float:
+    """Seconds of one learning run under telemetry with ``environment`` (the slowest rank's)."""
+    for name in ("MPISCALE_TELEMETRY", "MPISCALE_BROKER"):
+        os.environ.pop(name, None)
+    os.environ.update(environment)
+    config = DictLearnConfig(
+        data=f"{data}:/signals",
+        atoms=SETTING["atoms"],
+        sparsity=SETTING["sparsity"],
+        iterations=ITERATIONS["quick" if quick else "full"],
+        out=str(directory / f"bench-telemetry-{tag}.h5"),
+        progress_every=0,
+    )
+    await system.world.barrier()
+    started = time.perf_counter()
+    await observed(system, "dictlearn", config.out, lambda: learn(system, config))
+    elapsed = time.perf_counter() - started
+    import numpy as np
+
+    slowest = await system.world.allreduce(np.array([elapsed]), op="max")
+    return float(slowest[0])
