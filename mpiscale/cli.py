@@ -123,7 +123,10 @@ def _watch(args: argparse.Namespace) -> int:
         except Exception as error:  # aiomqtt's errors: say which broker and why, no traceback
             print(f"mpiscale watch: broker {args.broker}: {error}", file=sys.stderr)
             return 1
-    return 0 if view.latest.get("status", {}).get("state") == "finished" else 1
+    state = view.latest.get("status", {}).get("state")
+    if state != "finished":
+        print(f"mpiscale watch: the job ended {state or 'without a status'}", file=sys.stderr)
+    return 0 if state == "finished" else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

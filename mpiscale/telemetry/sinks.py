@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
 BREAKER_FAILURES, BREAKER_PAUSE_S = 5, 60.0
+#: The broker declares the job lost (its last will) if it hears nothing for 1.5 times this; a dead rank 0's socket
+#: closes at once and needs no keepalive, but rank 0's event loop may be busy for seconds (a long kernel).
+KEEPALIVE_S = 60
 CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for the last records to reach a connected broker
 CLOSE_UNCONNECTED_S = 0.5  # ... and for a connection to one that is away: a dead broker must not delay the end
 #: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
@@ -94,7 +97,7 @@ class MqttSink:
         will = aiomqtt.Will(topic(self.job, "status"), self._lost, qos=1, retain=True)
         return aiomqtt.Client(
             settings.broker[0], settings.broker[1], username=settings.username, password=settings.password,
-            will=will, tls_context=tls, timeout=5.0, keepalive=max(5, int(4 * settings.interval_s)),
+            will=will, tls_context=tls, timeout=5.0, keepalive=KEEPALIVE_S,
             identifier=f"mpiscale-{self.job}", logger=_PAHO_LOG,
         )  # fmt: skip
 
@@ -143,13 +146,19 @@ class MqttSink:
             await self._wake.wait()
 
     async def close(self) -> None:
-        """Send what is buffered (for at most ``CLOSE_TIMEOUT_S``, or less when not connected) and disconnect."""
+        """Send what is buffered and disconnect cleanly: for at most ``CLOSE_TIMEOUT_S`` while connected, and
+        ``CLOSE_UNCONNECTED_S`` while not (a connection made meanwhile gets the longer time, so that it ends
+        with a goodbye rather than the last will)."""
         self._closing = True
         self._wake.set()
-        try:
-            await asyncio.wait_for(self._task, CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S)
-        except (TimeoutError, asyncio.CancelledError):
-            log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
+        began = time.monotonic()
+        while not self._task.done():
+            left = began + (CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S) - time.monotonic()
+            if left <= 0:
+                self._task.cancel()
+                log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
+                return
+            await asyncio.wait({self._task}, timeout=min(left, 0.05))
 
 
 def lost_status(job: str, command: str, ranks: int, host: str) -> dict:
