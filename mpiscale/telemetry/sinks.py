@@ -28,12 +28,13 @@ from .settings import TelemetrySettings
 log = logging.getLogger(__name__)
 
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 30.0
-BREAKER_FAILURES, BREAKER_PAUSE_S = 5, 60.0
+BREAKER_FAILURES, BREAKER_PAUSE_S = 8, 60.0  # 8 failures in a row: about a minute of backoff
 #: The broker declares the job lost (its last will) if it hears nothing for 1.5 times this; a dead rank 0's socket
 #: closes at once and needs no keepalive, but rank 0's event loop may be busy for seconds (a long kernel).
 KEEPALIVE_S = 60
 CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for the last records to reach a connected broker
-CLOSE_UNCONNECTED_S = 0.5  # ... and for a connection to one that is away: a dead broker must not delay the end
+CLOSE_UNCONNECTED_S = 0.5  # ... and for a connection to come back (none if there never was one: a dead broker
+# must not delay the end)
 #: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
 _PAHO_LOG = logging.getLogger("mpiscale.telemetry.mqtt")
 _PAHO_LOG.setLevel(logging.CRITICAL)
@@ -71,6 +72,7 @@ class MqttSink:
         self.settings, self.job = settings, job
         self.dropped = 0
         self.connected = False
+        self._ever_connected = False
         self._queue: deque[tuple[str, bytes, bool]] = deque()
         self._wake = asyncio.Event()
         self._closing = False
@@ -115,7 +117,7 @@ class MqttSink:
                 continue
             try:
                 async with self._client() as client:
-                    self.connected, failures = True, 0
+                    self.connected, self._ever_connected, failures = True, True, 0
                     if self._last_status is not None and self._last_status not in self._queue:
                         self._queue.appendleft(self._last_status)
                     await self._send(client)
@@ -153,7 +155,8 @@ class MqttSink:
         self._wake.set()
         began = time.monotonic()
         while not self._task.done():
-            left = began + (CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S) - time.monotonic()
+            limit = CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S if self._ever_connected else 0.0
+            left = began + limit - time.monotonic()
             if left <= 0:
                 self._task.cancel()
                 log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
