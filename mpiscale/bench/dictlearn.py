@@ -128,20 +128,26 @@ def _spams(path: str, setting: dict, iterations: int, workdir: Path) -> dict | N
     return result | {"cores": cores}
 
 
-async def run_dictlearn_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
-    """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
+async def planted_data(system: ActorSystem, directory: Path, name: str, setting: dict) -> str:
+    """Write the planted data set of ``setting`` as ``directory/name`` (collective); returns its path."""
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    setting = QUICK if quick else FULL
-    directory = Path(workdir)
     if system.rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
     await system.world.barrier()
-    data = str(directory / "bench-dictlearn-data.h5")
+    data = str(directory / name)
     write_planted_dataset(
-        data, setting["samples"], setting["features"], setting["atoms"], setting["sparsity"], SNR_DB, SEED, comm
-    )
+        data, setting["samples"], setting["features"], setting["atoms"], setting["sparsity"], SNR_DB, SEED,
+        MPI.COMM_WORLD,
+    )  # fmt: skip
+    return data
+
+
+async def run_dictlearn_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
+    """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
+    setting = QUICK if quick else FULL
+    directory = Path(workdir)
+    data = await planted_data(system, directory, "bench-dictlearn-data.h5", setting)
     omp = baseline = reference = None
     if system.rank == 0:
         name = f"planted {setting['features']}x{setting['atoms']}"

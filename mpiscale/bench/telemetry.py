@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
-from ..dictlearn.synthetic import write_planted_dataset
 from ..jobs import observed
 from ..runtime import ActorSystem
+from .dictlearn import planted_data
 from .report import table, write_json
 
 SETTING = {"atoms": 128, "features": 48, "sparsity": 6, "samples": 8_000}
@@ -90,16 +90,8 @@ def _silent_broker():
 
 async def run_telemetry_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
     """Each variant ``repeats`` times in turn (collective); rank 0 prints the table and writes JSON."""
-    from mpi4py import MPI
-
     directory = Path(workdir)
-    if system.rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-    await system.world.barrier()
-    data = str(directory / "bench-telemetry-data.h5")
-    write_planted_dataset(
-        data, SETTING["samples"], SETTING["features"], SETTING["atoms"], SETTING["sparsity"], 20.0, 0, MPI.COMM_WORLD
-    )
+    data = await planted_data(system, directory, "bench-telemetry-data.h5", SETTING)
     repeats = 2 if quick else 3
     with contextlib.ExitStack() as stack:
         brokers: dict[str, str | None] = {"broker": None, "silent broker": None}
