@@ -10,7 +10,6 @@ batch, so the results are the same bits on any number of ranks.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import h5py
@@ -21,8 +20,9 @@ from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_ag
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
+from ..telemetry import restart_count
 from .config import MemstoreConfig
-from .rehearsal import planted_failure
+from .rehearsal import PlantedFailure, planted_failure
 from .store import Aggregate, Durability, MemoryStore
 
 RESULTS_FORMAT = "mpiscale.memstore-results/1"
@@ -40,31 +40,32 @@ async def run_memstore(system: ActorSystem, config: MemstoreConfig) -> dict:
         from mpi4py import MPI
 
         share_cores(ranks_sharing_cores(MPI.COMM_WORLD))
-        planted_failure()  # a malformed rehearsal setting is bad input
+        failure = planted_failure()  # a malformed rehearsal setting is bad input
         check_outputs(config.out, config.checkpoints or None)
-        return lock_results(config.out, MPI.COMM_WORLD)
+        return lock_results(config.out, MPI.COMM_WORLD), failure
 
-    lock = await start_agreed(system, "memstore", prepare)
+    lock, failure = await start_agreed(system, "memstore", prepare)
     try:
-        return await _run(system, config)
+        return await _run(system, config, failure)
     finally:
         if lock is not None:
             lock.release()
 
 
-async def _run(system: ActorSystem, config: MemstoreConfig) -> dict:
+async def _run(system: ActorSystem, config: MemstoreConfig, failure: PlantedFailure | None) -> dict:
     durable = Durability(config.checkpoints, config.local_dir or None) if config.checkpoints else None
     store = MemoryStore(system, histogram_bins=config.bins, durable=durable, device=config.device)
     try:
-        return await _iterate(system, config, store)
+        return await _iterate(system, config, store, failure)
     finally:
         store.close()
 
 
-async def _iterate(system: ActorSystem, config: MemstoreConfig, store: MemoryStore) -> dict:
+async def _iterate(
+    system: ActorSystem, config: MemstoreConfig, store: MemoryStore, failure: PlantedFailure | None
+) -> dict:
     streams = SampleRandom(config.seed)
     history, recovery = await _start(system, config, store, streams)
-    failure = planted_failure()
     batch = int(round(config.records * config.reinforce))
     b_lo, b_hi = rank_rows(batch, system.size, system.rank)
     progress = ProgressLine(
@@ -115,7 +116,7 @@ async def _start(
                 row for notes in recovered.notes for row in history_from(notes)
             ]
             report = {
-                "restart": int(os.environ.get("MPISCALE_RESTART_COUNT", "0") or 0),
+                "restart": restart_count(),
                 "iterations_done": len(history),
                 "source": recovered.source,
                 "seconds": recovered.seconds,

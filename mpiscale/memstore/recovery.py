@@ -135,7 +135,7 @@ async def _replay(store: MemoryStore, journal: Journal, run: str, after: int) ->
     plan, problem = comm.bcast((plan, problem), 0)
     if problem:
         raise CheckpointError(problem)
-    readers = _assign(plan, comm.allgather(journal.node))
+    readers = _assign(plan, journal.nodes_of)
     mine: dict[int, list[Commit]] = {}
     problem = None
     try:

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..telemetry import restart_count
+
 VARIABLE = "MPISCALE_REHEARSE_FAILURE"
 
 
@@ -47,8 +49,7 @@ class PlantedFailure:
 def planted_failure() -> PlantedFailure | None:
     """The failure the environment asks for in this run, or None."""
     text = os.environ.get(VARIABLE, "").strip()
-    restarts = max(int(os.environ.get(name, "0") or 0) for name in ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT"))
-    if not text or restarts:
+    if not text or restart_count():
         return None
     fields = dict(part.partition("=")[::2] for part in text.split(","))
     try:

@@ -2,6 +2,16 @@
 
 from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
-from .settings import TelemetrySettings, job_id
+from .settings import TelemetrySettings, job_id, restart_count
 
-__all__ = ["SCHEMA", "Telemetry", "TelemetrySettings", "current", "job_id", "problems", "record", "set_current"]
+__all__ = [
+    "SCHEMA",
+    "Telemetry",
+    "TelemetrySettings",
+    "current",
+    "job_id",
+    "problems",
+    "record",
+    "restart_count",
+    "set_current",
+]

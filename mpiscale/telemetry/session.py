@@ -29,14 +29,13 @@ import numpy as np
 
 from ..runtime import Actor, ActorGroup, ActorSystem
 from .schema import record
-from .settings import TelemetrySettings, job_id
+from .settings import TelemetrySettings, job_id, restart_count
 from .sinks import FileSink, MqttSink, lost_status
 from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger(__name__)
 COLLECTOR = "mpiscale-telemetry"
 _sessions = itertools.count()
-RESTART_COUNTS = ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
 class Collector(Actor):
@@ -64,7 +63,6 @@ class Telemetry:
         self.system, self.settings, self.job, self.command = system, settings, job, command
         self.step, self.total, self.items = 0, 0, 0.0
         self.metrics: dict[str, float] = {}
-        self.began = time.monotonic()
         self.group: ActorGroup | None = None
         self.sink: MqttSink | FileSink | None = None
         #: What this rank is doing, in the job's words ("coding", "update"); reports carry it.
@@ -92,11 +90,10 @@ class Telemetry:
         if system.rank == 0:
             session._open_sink(out)
             session.watchdog = Watchdog(watching)
-        session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
-                            host=socket.gethostname()), retain=True)  # fmt: skip
-        if system.rank == 0:
+            session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
+                                host=socket.gethostname()), retain=True)  # fmt: skip
             session.event("started", f"{command} on {system.size} ranks")
-            restarts = max(int(os.environ.get(name, "0") or 0) for name in RESTART_COUNTS)
+            restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")

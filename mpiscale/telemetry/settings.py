@@ -60,3 +60,9 @@ def job_id(environ: dict[str, str] | None = None) -> str:
     import time
 
     return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+def restart_count(environ: dict[str, str] | None = None) -> int:
+    """Which rerun of the job this is: 0 the first time (``launch/mpiscale-run --restarts``, or Slurm's requeue)."""
+    env = os.environ if environ is None else environ
+    return max(int(env.get(name, "0") or 0) for name in ("MPISCALE_RESTART_COUNT", "SLURM_RESTART_COUNT"))
