@@ -1,4 +1,4 @@
-"""The ``mpiscale`` command: doctor, demo, dictlearn, train, collect, index, inspect and bench NAME."""
+"""The ``mpiscale`` command: doctor, demo, the jobs, index, inspect, watch, control and bench NAME."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _job(args: argparse.Namespace) -> int:
 
     def under_telemetry(config):
         out = getattr(config, "out", None)
-        return run(lambda system: observed(system, args.command, out, lambda: job(system, config)))
+        steers = hasattr(config, "checkpoints")  # a job that keeps checkpoints obeys checkpoint and stop
+        return run(lambda system: observed(system, args.command, out, lambda: job(system, config), steers))
 
     return run_job(args.command, args.job_settings, args, under_telemetry)
 
@@ -98,6 +99,24 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _broker_settings(args: argparse.Namespace, command: str):
+    """The telemetry settings of the environment (user, password, TLS), with ``--broker`` if given; None if unset."""
+    import os
+
+    from .telemetry import TelemetrySettings
+
+    environ = dict(os.environ) | ({"MPISCALE_BROKER": args.broker} if args.broker else {})
+    try:
+        settings = TelemetrySettings.from_env(environ)
+    except ValueError as error:
+        print(f"mpiscale {command}: {error}", file=sys.stderr)
+        return None
+    if settings.broker is None:
+        print(f"mpiscale {command}: give --broker HOST:PORT (or set MPISCALE_BROKER)", file=sys.stderr)
+        return None
+    return settings
+
+
 def _watch(args: argparse.Namespace) -> int:
     """Show a job from its broker (JOB --broker) or its telemetry file (--file); 0 when it finished."""
     import asyncio
@@ -111,22 +130,53 @@ def _watch(args: argparse.Namespace) -> int:
             return 2
         view = watch_file(Path(args.file), follow=not args.no_follow)
     else:
-        if not args.job or not args.broker:
+        settings = _broker_settings(args, "watch")
+        if not args.job or settings is None:
             print("mpiscale watch: give JOB --broker HOST:PORT, or --file FILE.telemetry.jsonl", file=sys.stderr)
             return 2
-        host, _, port = args.broker.rpartition(":")
         try:
-            view = asyncio.run(watch_broker(args.job, host or args.broker, int(port or 1883), timeout_s=args.timeout))
+            view = asyncio.run(watch_broker(settings, args.job, timeout_s=args.timeout))
         except TimeoutError:
             print(f"mpiscale watch: job {args.job} did not end within {args.timeout} s", file=sys.stderr)
             return 1
         except Exception as error:  # aiomqtt's errors: say which broker and why, no traceback
-            print(f"mpiscale watch: broker {args.broker}: {error}", file=sys.stderr)
+            print(f"mpiscale watch: broker {settings.broker[0]}:{settings.broker[1]}: {error}", file=sys.stderr)
             return 1
     state = view.latest.get("status", {}).get("state")
     if state != "finished":
         print(f"mpiscale watch: the job ended {state or 'without a status'}", file=sys.stderr)
     return 0 if state == "finished" else 1
+
+
+def _control(args: argparse.Namespace) -> int:
+    """Send a command to a running job; 0 when the job completed it, 1 if it rejected it or did not answer."""
+    import asyncio
+
+    from .telemetry.control import LEVELS, Command
+    from .telemetry.remote import JobEnded, new_id, send_command
+
+    if (args.command_name == "log-level") != (args.level is not None) or (args.level or "INFO").upper() not in LEVELS:
+        print("mpiscale control: log-level takes a LEVEL (DEBUG, INFO, WARNING, ERROR); other commands none",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    settings = _broker_settings(args, "control")
+    if settings is None:
+        return 2
+    command = Command(new_id(), args.command_name, args.level.upper() if args.level else None)
+    where = f"{settings.broker[0]}:{settings.broker[1]}"
+    try:
+        done = asyncio.run(send_command(settings, args.job, command, args.timeout))
+    except JobEnded as error:
+        print(f"mpiscale control: {error}", file=sys.stderr)
+        return 1
+    except TimeoutError:
+        print(f"mpiscale control: no answer from job {args.job} within {args.timeout:g} s: is it running, "
+              f"publishing to {where}, and may this user read its topics?", file=sys.stderr)  # fmt: skip
+        return 1
+    except Exception as error:  # aiomqtt's errors: say which broker and why, no traceback
+        print(f"mpiscale control: broker {where}: {error}", file=sys.stderr)
+        return 1
+    return 0 if done else 1
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -215,6 +265,20 @@ def parser() -> argparse.ArgumentParser:
     watch.add_argument("--no-follow", action="store_true", help="--file: show what is there now, then stop")
     watch.add_argument("--timeout", type=float, help="--broker: give up after this many seconds")
     watch.set_defaults(handler=_watch)
+
+    control = commands.add_parser(
+        "control",
+        help="send a running job a command: checkpoint, stop (checkpoint, then exit 0), dump, log-level LEVEL",
+        description="Publish a command to a job's control topic and print its answers; exit 0 when the job "
+        "completed it, 1 when it rejected it or did not answer. The broker's user, password and CA file come from "
+        "MPISCALE_BROKER_USER, MPISCALE_BROKER_PASSWORD and MPISCALE_BROKER_CA.",
+    )
+    control.add_argument("job", help="the job id (printed at its start; Slurm's job id under Slurm)")
+    control.add_argument("command_name", metavar="command", choices=["checkpoint", "stop", "dump", "log-level"])
+    control.add_argument("level", nargs="?", help="log-level: DEBUG, INFO, WARNING or ERROR")
+    control.add_argument("--broker", metavar="HOST:PORT", help="the job's MQTT broker (default: MPISCALE_BROKER)")
+    control.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the answer (default: 60)")
+    control.set_defaults(handler=_control)
 
     bench = commands.add_parser("bench", help="benchmarks against a baseline measured in the same run")
     bench.add_argument(

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["mqtt_broker"]  # the broker and subscriber fixtures
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "mpiscale-run"
 PROGRAMS = REPO / "tests" / "mpi" / "programs"

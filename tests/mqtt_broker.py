@@ -1,8 +1,12 @@
-"""A real mosquitto broker on a free loopback port, and a subscriber that keeps what it hears (for tests)."""
+"""A real mosquitto broker on a free loopback port, and a subscriber that keeps what it hears (for tests).
+
+Loaded as a pytest plugin by ``tests/conftest.py``: the ``broker`` and ``subscriber`` fixtures are everyone's.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -70,6 +74,8 @@ class Subscriber:
         self.client.loop_start()
 
     def _heard(self, client, userdata, message) -> None:
+        if message.topic.endswith("/control"):  # what others send the jobs: not a record
+            return
         with self._lock:
             self.messages.append((message.topic, json.loads(message.payload), bool(message.retain)))
 
@@ -91,13 +97,29 @@ class Subscriber:
         self.client.disconnect()
 
 
-def start_broker(directory) -> Broker:
-    """A mosquitto on a free loopback port, its configuration in ``directory``."""
+def start_broker(directory, security: str = "allow_anonymous true\n") -> Broker:
+    """A mosquitto on a free loopback port, its configuration in ``directory``; ``security`` holds the lines of
+    its access settings (files it names are read as root: mosquitto keeps the user that started it)."""
     if shutil.which("mosquitto") is None:
         pytest.skip("mosquitto is not installed (launch/setup.sh installs it)")
     port = free_port()
     config = directory / "mosquitto.conf"
-    config.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    user = "user root\n" if os.geteuid() == 0 else ""
+    config.write_text(f"listener {port} 127.0.0.1\n{security}persistence false\n{user}")
     running = Broker(port, str(config))
     running.start()
     return running
+
+
+@pytest.fixture
+def broker(tmp_path):
+    running = start_broker(tmp_path)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def subscriber(broker):
+    listening = Subscriber(broker.port)
+    yield listening
+    listening.close()

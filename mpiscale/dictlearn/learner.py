@@ -16,6 +16,7 @@ import math
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from ..jobs import (
     restore_compatible,
     same_bits_everywhere,
     start_agreed,
+    steer,
 )
 from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
@@ -187,6 +189,8 @@ def _save_final_checkpoint(config: DictLearnConfig, job: _Job) -> None:
 
 def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpointer, step: int) -> None:
     """The state after ``step`` iterations: dictionary, statistics, history, and the settings it belongs to."""
+    if checkpoints.last_step == step:
+        return
     meta = {"config": _compatibility(config, job.info)}
     checkpoints.save(step, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
 
@@ -305,12 +309,16 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
                 "full_error": full_error,
             }
             history.record(row, stats.usage)
-            progress.update(iteration + 1, _progress_text(row), stats.sum("signals"))
+            phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
+                      "update": row["update_s"]}  # fmt: skip
+            progress.update(iteration + 1, _progress_text(row), stats.sum("signals"), phases)
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 _save_checkpoint(config, job, checkpoints, iteration + 1)
+            saving = None if checkpoints is None else partial(_save_checkpoint, config, job, checkpoints, iteration + 1)
+            stopped = await steer(f"iteration {iteration + 1}", saving)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
-            if config.target_error and full_error <= config.target_error:
-                stop_reason = "target_error"
+            if stopped or (config.target_error and full_error <= config.target_error):
+                stop_reason = "stopped" if stopped else "target_error"
                 break
     finally:
         if reader is not None:

@@ -10,7 +10,8 @@ Layout, all readable with plain h5py:
 - ``/planted_dictionary`` for synthetic data, with the attribute ``recovery_rate``;
 - attributes: the usual mpiscale ones (version, format, created, world size,
   config), plus ``hosts``, ``device``, ``data``, ``samples``, ``features``,
-  ``stop_reason`` and ``patch_shape`` when the data set has one.
+  ``stop_reason`` (``iterations``, ``target_error``, or ``stopped`` by a control command) and
+  ``patch_shape`` when the data set has one.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from .observed import observed
 from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed
 from .progress import ProgressLine, duration
 from .settings import add_options, load_settings, option, option_fields, run_job
-from .state import announce, restore_compatible, same_bits_everywhere
+from .state import announce, restore_compatible, same_bits_everywhere, steer
 
 __all__ = [
     "ProgressLine",
@@ -22,4 +22,5 @@ __all__ = [
     "run_job",
     "same_bits_everywhere",
     "start_agreed",
+    "steer",
 ]

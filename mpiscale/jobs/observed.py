@@ -11,9 +11,14 @@ from ..telemetry import Telemetry, set_current
 Result = TypeVar("Result")
 
 
-async def observed(system: ActorSystem, command: str, out: str | None, work: Callable[[], Awaitable[Result]]) -> Result:
-    """Run ``work()`` with this rank's telemetry session current (collective start and end)."""
-    session = await Telemetry.start(system, command, out)
+async def observed(
+    system: ActorSystem, command: str, out: str | None, work: Callable[[], Awaitable[Result]], steers: bool = True
+) -> Result:
+    """Run ``work()`` with this rank's telemetry session current (collective start and end).
+
+    ``steers``: the job calls ``jobs.steer`` at every step's end, so it obeys checkpoint and stop commands.
+    """
+    session = await Telemetry.start(system, command, out, steers)
     set_current(session)
     try:
         result = await work()

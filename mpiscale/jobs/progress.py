@@ -38,14 +38,15 @@ class ProgressLine:
         self.items = 0.0
         self.line = ""
 
-    def update(self, done: int, text: str, items: float) -> None:
-        """Record step ``done`` (1-based) with its ``text`` (the metrics) and ``items`` processed; print if due.
+    def update(self, done: int, text: str, items: float, phases: dict[str, float] | None = None) -> None:
+        """Record step ``done`` (1-based) with its ``text`` (the metrics), ``items`` processed and the seconds it
+        spent in each of the job's ``phases``; print if due.
 
         Every rank calls it: it feeds the job's telemetry, and rank 0 prints.
         """
         session = telemetry.current()
         if session is not None:
-            session.update(done, self.total, items)
+            session.update(done, self.total, items, phases)
         if self.every is None:
             return
         self.items += items

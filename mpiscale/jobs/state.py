@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -57,6 +58,26 @@ def announce(event: str, detail: str) -> None:
     session = telemetry.current()
     if session is not None:
         session.event(event, detail)
+
+
+async def steer(where: str, save: Callable[[], Awaitable[None] | None] | None) -> bool:
+    """At a step's end, on every rank (collective): obey the checkpoint and stop commands the ranks agreed on.
+
+    ``save`` checkpoints the state after this step (None: the job keeps no
+    checkpoints). Returns True when the job must stop now.
+    """
+    session = telemetry.current()
+    if session is None:
+        return False
+    orders = await session.steer()
+    if not orders:
+        return False
+    if save is not None:
+        saving = save()
+        if inspect.isawaitable(saving):
+            await saving
+    session.obeyed(orders, where, checkpointed=save is not None)
+    return orders.stop
 
 
 async def same_bits_everywhere(system: ActorSystem, arrays: list[np.ndarray], what: str) -> None:

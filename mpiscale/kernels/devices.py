@@ -27,10 +27,25 @@ def resolve_device(device: str) -> str:
     return "cuda"
 
 
+_selected: int | None = None  # the GPU this rank uses, once chosen
+
+
 def select_gpu(rank_on_host: int) -> int:
     """Use GPU ``rank_on_host`` modulo the GPUs present (one rank per GPU); returns its index."""
+    global _selected
     from numba import cuda
 
     index = rank_on_host % len(cuda.gpus)
     cuda.select_device(index)
+    _selected = index
     return index
+
+
+def gpu_memory_mib() -> float | None:
+    """MiB in use on this rank's GPU (all processes'), or None when this rank chose none."""
+    if _selected is None:
+        return None
+    from numba import cuda
+
+    free, total = cuda.current_context().get_memory_info()
+    return (total - free) / 2**20

@@ -16,7 +16,7 @@ import h5py
 import numpy as np
 
 from ..io import CheckpointError, DataFileError, SampleRandom, open_file, publish, stamp, write_dataset
-from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_agreed
+from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_agreed, steer
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem
@@ -89,7 +89,10 @@ async def _iterate(
             if (iteration + 1) % config.checkpoint_every == 0:
                 await store.checkpoint(history_arrays(history))
         text = f"mean quality {result.mean:.4f}  {1e3 * seconds:.2f} ms/iteration"
-        progress.update(iteration + 1, text, config.records)
+        progress.update(iteration + 1, text, config.records, {"iteration": seconds})
+        saving = (lambda: store.checkpoint(history_arrays(history))) if config.checkpoints else None
+        if await steer(f"iteration {iteration + 1}", saving):
+            break
     progress.finish()
     columns = {name: store.partition.column(name) for name in store.columns}
     write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm, config.to_dict())

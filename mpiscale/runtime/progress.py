@@ -79,6 +79,8 @@ class ProgressEngine:
         self._stopped = False
         self.messages_sent = 0
         self.messages_received = 0
+        self.bytes_sent = 0  # messages' frames and parts (collectives are not counted)
+        self.bytes_received = 0
         #: Seconds spent so far waiting for requests awaited through ``wait`` (the collectives), and those pending.
         self.collective_wait_s = 0.0
         self._waits: dict[int, tuple[str, float]] = {}
@@ -91,6 +93,7 @@ class ProgressEngine:
         encoded = transport.encode(obj, seq, self._config.inline_bytes)
         MPI, comm = self._MPI, self._comm
         self.messages_sent += 1
+        self.bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
         done = asyncio.get_running_loop().create_future()
         frame_request = comm.Isend([encoded.frame, MPI.BYTE], dest, transport.FRAME_TAG)
         if not encoded.parts and frame_request.Test():  # small message, already on its way
@@ -236,6 +239,7 @@ class ProgressEngine:
 
     def _frame_arrived(self, inbound: _Inbound) -> None:
         header = transport.decode_frame(inbound.frame)
+        self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
             inbound.parts = header.inline_parts
             inbound.missing = 0

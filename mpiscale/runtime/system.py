@@ -333,6 +333,17 @@ class ActorSystem:
         """Seconds this rank has spent waiting in collectives so far (how much of its time others cost it)."""
         return self._engine.collective_wait_s
 
+    def traffic(self) -> dict[str, float]:
+        """This rank's actor messaging so far: messages and bytes sent and received, messages waiting in mailboxes."""
+        engine = self._engine
+        return {
+            "messages_sent": engine.messages_sent,
+            "messages_received": engine.messages_received,
+            "bytes_sent": engine.bytes_sent,
+            "bytes_received": engine.bytes_received,
+            "mailbox_depth": sum(len(cell.mailbox) for cell in self._cells.values()),
+        }
+
     def diagnostics(self) -> str:
         """What this rank is doing: pending MPI requests and asks, mailboxes, task stacks."""
         now = time.monotonic()

@@ -12,8 +12,10 @@ Every record is a JSON object with ``schema``, ``job``, ``kind`` and
   and ``values``: per metric, ``min``, ``mean``, ``max`` over the ranks and the
   rank with the lowest value (``min_rank``).
 - ``event``: ``event`` (``started``, ``checkpoint``, ``resumed``,
-  ``restarted``, ``failure``, ``finished``, ``hang``, ``straggler``), ``rank``
-  (the rank it is about), ``detail``.
+  ``restarted``, ``failure``, ``finished``, ``hang``, ``straggler``, and the
+  answers to control commands: ``acknowledged``, ``rejected``, ``completed``),
+  ``rank`` (the rank it is about), ``detail``; answers also carry ``id``, the
+  command's (null for a message too malformed to have one).
 - ``heartbeat``: ``ranks_reporting``, ``oldest_report_s`` (the age of the
   stalest rank's last report), ``dropped`` (records the publisher had to drop).
 """
@@ -26,6 +28,7 @@ SCHEMA = "mpiscale.telemetry/1"
 KINDS = ("status", "progress", "metrics", "event", "heartbeat")
 STATES = ("running", "finished", "failed", "lost")
 EVENTS = ("started", "checkpoint", "resumed", "restarted", "failure", "finished", "hang", "straggler")
+ANSWERS = ("acknowledged", "rejected", "completed")  # to control commands
 
 _NUMBER = (int, float)
 _FIELDS: dict[str, dict[str, tuple]] = {
@@ -65,8 +68,10 @@ def problems(payload: object) -> list[str]:
             found.append(f"{kind}: {name} is {payload[name]!r}")
     if kind == "status" and payload.get("state") not in STATES:
         found.append(f"status: state {payload.get('state')!r} is none of {', '.join(STATES)}")
-    if kind == "event" and payload.get("event") not in EVENTS:
-        found.append(f"event: {payload.get('event')!r} is none of {', '.join(EVENTS)}")
+    if kind == "event" and payload.get("event") not in EVENTS + ANSWERS:
+        found.append(f"event: {payload.get('event')!r} is none of {', '.join(EVENTS + ANSWERS)}")
+    if kind == "event" and payload.get("event") in ANSWERS and not isinstance(payload.get("id", 0), (str, type(None))):
+        found.append(f"event: an answer's id is {payload.get('id')!r}: a string, or null")
     if kind == "metrics":
         for name, summary in payload.get("values", {}).items():
             if not isinstance(summary, dict) or set(summary) != {"min", "mean", "max", "min_rank"}:

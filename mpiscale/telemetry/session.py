@@ -27,7 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem
+from .control import Orders, Rejected, Steering, parse, set_log_level
+from .prometheus import PrometheusEndpoint, open_endpoint
 from .schema import record
 from .settings import TelemetrySettings, job_id, restart_count
 from .sinks import FileSink, MqttSink, lost_status
@@ -35,6 +38,7 @@ from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger(__name__)
 COLLECTOR = "mpiscale-telemetry"
+REJECTIONS_SHOWN = 10  # rejected control messages answered one by one per interval; the rest are counted
 _sessions = itertools.count()
 
 
@@ -52,8 +56,11 @@ class Collector(Actor):
         self.session.emit(payload)
 
     def dump(self) -> None:
-        """Write this rank's diagnostics to stderr (the hang detector asks every rank)."""
+        """Write this rank's diagnostics to stderr (the hang detector and the ``dump`` command ask every rank)."""
         self.session.system.dump_diagnostics()
+
+    def log_level(self, level: str) -> None:
+        set_log_level(level)
 
 
 class Telemetry:
@@ -62,13 +69,18 @@ class Telemetry:
     def __init__(self, system: ActorSystem, settings: TelemetrySettings, job: str, command: str) -> None:
         self.system, self.settings, self.job, self.command = system, settings, job, command
         self.step, self.total, self.items = 0, 0, 0.0
-        self.metrics: dict[str, float] = {}
+        self.phase_s: dict[str, float] = {}  # seconds spent in each of the job's phases so far
         self.group: ActorGroup | None = None
         self.sink: MqttSink | FileSink | None = None
+        self.endpoint: PrometheusEndpoint | None = None  # rank 0, when MPISCALE_PROMETHEUS_PORT is set
         #: What this rank is doing, in the job's words ("coding", "update"); reports carry it.
         self.phase = ""
         self.watchdog: Watchdog | None = None
         self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
+        #: Where the ranks agree on checkpoint and stop requests (None with telemetry off: nothing to obey).
+        self.steering: Steering | None = None
+        self._commands: dict[str, str] = {}  # rank 0: id -> command, for checkpoints and stops not yet obeyed
+        self._rejected = 0  # rank 0: control messages rejected in this interval
         self._task: asyncio.Task | None = None
         self._leader = 0
         self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
@@ -76,19 +88,27 @@ class Telemetry:
         self._loop_thread = threading.get_ident()
 
     @classmethod
-    async def start(cls, system: ActorSystem, command: str, out: str | None) -> Telemetry:
-        """Start reporting (collective). Rank 0 connects to the broker, or opens ``OUT.telemetry.jsonl``."""
+    async def start(cls, system: ActorSystem, command: str, out: str | None, steers: bool = True) -> Telemetry:
+        """Start reporting (collective). Rank 0 connects to the broker, or opens ``OUT.telemetry.jsonl``.
+
+        ``steers``: the job calls ``steer`` at every step's end (else checkpoint and stop commands are rejected).
+        """
         settings, watching = TelemetrySettings.from_env(), WatchdogSettings.from_env()
-        job = await system.world.bcast(job_id() if system.rank == 0 else None, 0)
+        agreed = await system.world.bcast((job_id(), settings.enabled) if system.rank == 0 else None, 0)
+        assert isinstance(agreed, tuple)
+        job, enabled = agreed
         session = cls(system, settings, str(job), command)
-        if not settings.enabled:
+        if not enabled:  # rank 0's choice: every rank must take part in the session's collectives, or none
             return session
+        session.steering = Steering(system.world) if steers else None
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
         session.group = await system.spawn_group(Collector, session, name=name)
         leader = await system.node.bcast(system.rank, 0)  # the node's first rank
         session._leader = leader if isinstance(leader, int) else 0
         if system.rank == 0:
             session._open_sink(out)
+            if settings.prometheus_port is not None:
+                session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
             session.watchdog = Watchdog(watching)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
@@ -103,7 +123,7 @@ class Telemetry:
         host = socket.gethostname()
         if self.settings.broker is not None:
             lost = lost_status(self.job, self.command, self.system.size, host)
-            self.sink = MqttSink(self.settings, self.job, lost)
+            self.sink = MqttSink(self.settings, self.job, lost, on_control=self.on_control)
             where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/"
         else:
             path = Path(f"{out or self.command}.telemetry.jsonl")
@@ -116,11 +136,12 @@ class Telemetry:
         print(f"telemetry: job {self.job} -> {where}", flush=True)
 
     # ------------------------------------------------------------- every rank
-    def update(self, step: int, total: int, items: float = 0.0, **metrics: float) -> None:
-        """This rank's progress: step ``step`` of ``total`` done, ``items`` more processed, and its metrics."""
+    def update(self, step: int, total: int, items: float = 0.0, phases: dict[str, float] | None = None) -> None:
+        """This rank's progress: step ``step`` of ``total`` done, ``items`` more processed, seconds in ``phases``."""
         self.step, self.total = step, total
         self.items += items
-        self.metrics.update(metrics)
+        for phase, seconds in (phases or {}).items():
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
 
     def event(self, name: str, detail: str = "") -> None:
         """An event of this rank, published by rank 0 (from any thread: a background checkpoint writer's, say)."""
@@ -135,6 +156,58 @@ class Telemetry:
         else:
             self.group[0].tell("event", payload)
 
+    async def steer(self) -> Orders:
+        """Collective, once per step on every rank: the checkpoint and stop requests the ranks agreed on."""
+        return await self.steering.agree() if self.steering is not None else Orders()
+
+    def obeyed(self, orders: Orders, where: str, checkpointed: bool) -> None:
+        """The job acted on ``orders`` after ``where`` ("iteration 12"): rank 0 answers the commands behind them."""
+        if self.system.rank != 0:
+            return
+        for id in orders.ids:
+            command = self._commands.pop(id, "")
+            if command == "checkpoint" and not checkpointed:
+                self._answer("rejected", id, "this job keeps no checkpoints: start it with a checkpoint directory")
+            elif command == "checkpoint":
+                self._answer("completed", id, f"checkpoint of {where} saved")
+            elif command == "stop":
+                saved = "after its checkpoint" if checkpointed else "without a checkpoint (the job keeps none)"
+                self._answer("completed", id, f"stopped after {where}, {saved}")
+        if orders.stop:
+            how = "resume it with --resume" if checkpointed else "it kept no checkpoint to resume from"
+            print(f"mpiscale: stopped by a control command after {where}; {how}", flush=True)
+
+    # ------------------------------------------------------------------ rank 0: control
+    def on_control(self, raw: bytes) -> None:
+        """A message on the job's control topic: rejected with the reason, or acknowledged and obeyed."""
+        try:
+            command = parse(raw)
+        except Rejected as error:
+            self._rejected += 1
+            if self._rejected <= REJECTIONS_SHOWN:  # a flood costs a few events per interval, then one count
+                self._answer("rejected", error.id, str(error))
+            return
+        assert self.group is not None
+        if self.steering is None and command.command in ("checkpoint", "stop"):
+            self._answer("rejected", command.id, f"{self.command} keeps no checkpoints and has no steps to stop "
+                         "after; end it with scancel or Ctrl-C")  # fmt: skip
+            return
+        self._answer("acknowledged", command.id, command.command + (f" {command.level}" if command.level else ""))
+        if command.command == "dump":
+            self.group.tell_all("dump")
+            self._answer("completed", command.id, f"every rank of {self.system.size} writes its diagnostics to stderr")
+        elif command.command == "log-level":
+            assert command.level is not None
+            self.group.tell_all("log_level", command.level)
+            self._answer("completed", command.id, f"log level {command.level} on every rank")
+        else:
+            assert self.steering is not None
+            self._commands[command.id] = command.command
+            self.steering.request(command.command, command.id)
+
+    def _answer(self, event: str, id: str | None, detail: str) -> None:
+        self.emit(record("event", self.job, event=event, rank=0, detail=detail, id=id))
+
     def _report(self) -> dict:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         waited = self.system.collective_wait_s
@@ -142,8 +215,14 @@ class Telemetry:
             "rank": self.system.rank, "step": self.step, "total": self.total, "items": self.items,
             "time": time.time(), "phase": self.phase, "waiting_in": self.system.waiting_in(), "wait_s": waited,
             "host": socket.gethostname(), "pid": os.getpid(),
-            "metrics": dict(self.metrics, rss_mib=usage.ru_maxrss / 1024, collective_wait_s=waited),
+            "metrics": self.system.traffic() | self._machine(usage, waited),
         }  # fmt: skip
+
+    def _machine(self, usage, waited: float) -> dict[str, float]:
+        numbers = {"rss_mib": usage.ru_maxrss / 1024, "collective_wait_s": waited}
+        numbers |= {f"time_{phase}_s": seconds for phase, seconds in self.phase_s.items()}
+        gpu = gpu_memory_mib()
+        return numbers if gpu is None else numbers | {"gpu_memory_mib": gpu}
 
     async def _tick(self) -> None:
         assert self.group is not None
@@ -153,6 +232,10 @@ class Telemetry:
             if self.system.rank == 0:
                 self.reports[0] = mine
                 self._publish(self.reports)
+                if self._rejected > REJECTIONS_SHOWN:
+                    self._answer("rejected", None, f"{self._rejected - REJECTIONS_SHOWN} more control messages "
+                                 f"rejected in {self.settings.interval_s:g} s")  # fmt: skip
+                self._rejected = 0
                 await self._watch()
             elif self._leader == self.system.rank:
                 node, self.reports = [mine, *self.reports.values()], {}
@@ -164,6 +247,8 @@ class Telemetry:
     def emit(self, payload: dict, retain: bool = False) -> None:
         if self.sink is not None:
             self.sink.publish(payload, retain)
+        if self.endpoint is not None:
+            self.endpoint.take(payload)
 
     def _publish(self, reports: dict[int, dict]) -> None:
         now = time.time()
@@ -223,6 +308,8 @@ class Telemetry:
                 report = self.reports.setdefault(rank, {"rank": rank, "metrics": {}, "time": time.time()})
                 report.update(step=int(step), total=int(total), items=float(items))
             self._publish(self.reports)
+            for id, command in self._commands.items():  # arrived after the last agreement
+                self._answer("rejected", id, f"the job finished before it could {command}")
             self.event("finished", f"{self.command} finished")
             await self._end("finished")
 
@@ -238,6 +325,9 @@ class Telemetry:
         self.emit(record("status", self.job, state=state, command=self.command, ranks=self.system.size,
                          host=socket.gethostname()), retain=True)  # fmt: skip
         sink, self.sink = self.sink, None  # late reports and events are dropped
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is not None:
+            await asyncio.to_thread(endpoint.close)  # waits for the server's poll (half a second at most)
         if sink is not None:
             await sink.close()
 

@@ -20,6 +20,8 @@ class TelemetrySettings:
     interval_s: float = 2.0  # MPISCALE_TELEMETRY_INTERVAL_S: between reports and publications
     buffer: int = 1000  # MPISCALE_TELEMETRY_BUFFER: records kept while the broker is away (oldest dropped)
     enabled: bool = True  # MPISCALE_TELEMETRY=0 turns it off
+    prometheus_port: int | None = None  # MPISCALE_PROMETHEUS_PORT: serve /metrics on rank 0 (0: any free port)
+    prometheus_addr: str = "0.0.0.0"  # MPISCALE_PROMETHEUS_ADDR: the interface it listens on
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TelemetrySettings:
@@ -34,10 +36,13 @@ class TelemetrySettings:
         try:
             interval = float(env.get("MPISCALE_TELEMETRY_INTERVAL_S", "2"))
             buffer = int(env.get("MPISCALE_TELEMETRY_BUFFER", "1000"))
+            scrape = int(env["MPISCALE_PROMETHEUS_PORT"]) if env.get("MPISCALE_PROMETHEUS_PORT") else None
         except ValueError as error:
             raise ValueError(f"telemetry settings: {error}") from None
         if not interval > 0 or buffer < 1:
             raise ValueError("MPISCALE_TELEMETRY_INTERVAL_S must be > 0 and MPISCALE_TELEMETRY_BUFFER >= 1")
+        if scrape is not None and not 0 <= scrape < 65536:
+            raise ValueError(f"MPISCALE_PROMETHEUS_PORT={scrape}: a port is 0 to 65535")
         return cls(
             broker=broker,
             username=env.get("MPISCALE_BROKER_USER") or None,
@@ -46,6 +51,8 @@ class TelemetrySettings:
             interval_s=interval,
             buffer=buffer,
             enabled=env.get("MPISCALE_TELEMETRY", "1") != "0",
+            prometheus_port=scrape,
+            prometheus_addr=env.get("MPISCALE_PROMETHEUS_ADDR") or "0.0.0.0",
         )
 
 

@@ -20,6 +20,7 @@ import random
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from .schema import record
@@ -44,6 +45,19 @@ def topic(job: str, kind: str) -> str:
     return f"mpiscale/{job}/{kind}"
 
 
+def mqtt_client(settings: TelemetrySettings, identifier: str | None = None, will: tuple[str, bytes] | None = None):
+    """An aiomqtt client for the configured broker, with its user, password and TLS (a job's, or a watcher's)."""
+    import aiomqtt
+
+    assert settings.broker is not None
+    tls = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else None
+    last_will = aiomqtt.Will(will[0], will[1], qos=1, retain=True) if will is not None else None
+    return aiomqtt.Client(
+        settings.broker[0], settings.broker[1], username=settings.username, password=settings.password,
+        will=last_will, tls_context=tls, timeout=5.0, keepalive=KEEPALIVE_S, identifier=identifier, logger=_PAHO_LOG,
+    )  # fmt: skip
+
+
 class FileSink:
     """Appends each record as one JSON line (the embedded default); a full disk drops records, never the job."""
 
@@ -66,10 +80,17 @@ class FileSink:
 
 
 class MqttSink:
-    """Publishes records under ``mpiscale/<job>/`` from a background task; ``publish`` never waits."""
+    """Publishes records under ``mpiscale/<job>/`` from a background task; ``publish`` never waits.
 
-    def __init__(self, settings: TelemetrySettings, job: str, lost: dict) -> None:
-        self.settings, self.job = settings, job
+    With ``on_control``, it also subscribes to the job's control topic and
+    hands each message's bytes to it (retained messages are ignored: a stale
+    ``stop`` must not end the next run of the job).
+    """
+
+    def __init__(
+        self, settings: TelemetrySettings, job: str, lost: dict, on_control: Callable[[bytes], None] | None = None
+    ) -> None:
+        self.settings, self.job, self.on_control = settings, job, on_control
         self.dropped = 0
         self.connected = False
         self._ever_connected = False
@@ -90,19 +111,6 @@ class MqttSink:
         self._queue.append(item)
         self._wake.set()
 
-    def _client(self):
-        import aiomqtt
-
-        settings = self.settings
-        assert settings.broker is not None
-        tls = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else None
-        will = aiomqtt.Will(topic(self.job, "status"), self._lost, qos=1, retain=True)
-        return aiomqtt.Client(
-            settings.broker[0], settings.broker[1], username=settings.username, password=settings.password,
-            will=will, tls_context=tls, timeout=5.0, keepalive=KEEPALIVE_S,
-            identifier=f"mpiscale-{self.job}", logger=_PAHO_LOG,
-        )  # fmt: skip
-
     async def _run(self) -> None:
         import aiomqtt
 
@@ -116,11 +124,12 @@ class MqttSink:
                 await asyncio.sleep(min(1.0, paused_until - time.monotonic()))
                 continue
             try:
-                async with self._client() as client:
+                will = (topic(self.job, "status"), self._lost)
+                async with mqtt_client(self.settings, f"mpiscale-{self.job}", will) as client:
                     self.connected, self._ever_connected, failures = True, True, 0
                     if self._last_status is not None and self._last_status not in self._queue:
                         self._queue.appendleft(self._last_status)
-                    await self._send(client)
+                    await self._connected(client)
                     return
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
@@ -134,6 +143,29 @@ class MqttSink:
                 if self._closing:
                     return
                 await asyncio.sleep(delay)
+
+    async def _connected(self, client) -> None:
+        """Send, and receive control messages, until closing or until the connection fails (raised)."""
+        tasks = [asyncio.create_task(self._send(client), name="mpiscale-telemetry-send")]
+        if self.on_control is not None:
+            await client.subscribe(topic(self.job, "control"), qos=1)
+            tasks.append(asyncio.create_task(self._receive(client), name="mpiscale-telemetry-control"))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in done:
+            task.result()  # a lost connection: raised, so that _run reconnects
+
+    async def _receive(self, client) -> None:
+        assert self.on_control is not None
+        async for message in client.messages:
+            if message.retain:
+                log.warning("telemetry: ignored a retained message on %s", message.topic)
+                continue
+            self.on_control(bytes(message.payload) if message.payload is not None else b"")
 
     async def _send(self, client) -> None:
         """Send the buffer as it fills, until closing with an empty buffer."""

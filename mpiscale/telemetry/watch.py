@@ -18,8 +18,9 @@ from collections import deque
 from pathlib import Path
 from typing import TextIO
 
-from .schema import problems
-from .sinks import topic
+from .schema import KINDS, problems
+from .settings import TelemetrySettings
+from .sinks import mqtt_client, topic
 
 ENDED = ("finished", "failed", "lost")
 
@@ -121,14 +122,13 @@ def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, pol
 
 
 async def watch_broker(
-    job: str, host: str, port: int, stream: TextIO = sys.stdout, timeout_s: float | None = None
+    settings: TelemetrySettings, job: str, stream: TextIO = sys.stdout, timeout_s: float | None = None
 ) -> View:
     """Show a job from its broker's records (the retained status first) until its status says it ended."""
-    import aiomqtt
-
     view, screen = View(), Screen(stream)
-    async with aiomqtt.Client(host, port, timeout=10) as client:
-        await client.subscribe(topic(job, "#"), qos=1)
+    async with mqtt_client(settings) as client:
+        for kind in KINDS:
+            await client.subscribe(topic(job, kind), qos=1)
         async with asyncio.timeout(timeout_s):
             async for message in client.messages:
                 try:

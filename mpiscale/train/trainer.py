@@ -18,6 +18,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from ..jobs import (
     restore_compatible,
     same_bits_everywhere,
     start_agreed,
+    steer,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
@@ -169,6 +171,8 @@ def _restore(config, data, spec, checkpoints, model, optimizer) -> tuple[int, Cu
 
 def _save_checkpoint(config: TrainConfig, job: _Job, step: int) -> None:
     assert job.checkpoints is not None
+    if job.checkpoints.last_step == step:
+        return
     arrays, meta = optimizer_state(job.optimizer)
     replicated = model_arrays(job.model) | arrays | job.curves.arrays()
     job.checkpoints.save(
@@ -181,7 +185,7 @@ async def _run(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
     try:
         await job.parallel.broadcast_parameters()
         summary = await _steps(system, config, job)
-        if job.checkpoints is not None and config.checkpoint_every and job.checkpoints.last_step != job.curves.done:
+        if job.checkpoints is not None and config.checkpoint_every:
             _save_checkpoint(config, job, job.curves.done)  # the trained weights outlive a failed results write
     except CheckpointError as error:  # raised alike on every rank
         failure = error
@@ -236,12 +240,13 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
     progress = ProgressLine(total, job.start, config.progress_every if system.rank == 0 else None, "samples", "step")
     scale = system.size / config.batch_size  # the averaged gradient is the global batch's mean
     totals = np.zeros(2)
-    step = job.start
+    step, stopped = job.start, False
     clock = time.perf_counter() - curves.elapsed
     try:
         for epoch in range(job.start // reader.steps, config.epochs):
             model.train()
             async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
+                began = time.perf_counter()
                 x = torch.from_numpy(np.asarray(batch.data[data.inputs], np.float32).reshape(len(batch.ids), -1))
                 y = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
                 optimizer.zero_grad()
@@ -262,9 +267,16 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
                     time_s=now - clock,
                     comm_wait_s=waited,
                 )
-                progress.update(step, _progress_text(epoch, curves), config.batch_size)
+                phases = {"compute": now - began - waited, "allreduce": waited}
+                progress.update(step, _progress_text(epoch, curves), config.batch_size, phases)
                 if job.checkpoints is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
                     _save_checkpoint(config, job, step)
+                saving = None if job.checkpoints is None else partial(_save_checkpoint, config, job, step)
+                if await steer(f"step {step}", saving):
+                    stopped = True
+                    break
+            if stopped:
+                break
             if held_out is not None:
                 loss_value, accuracy = await _score(system, model, held_out)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
@@ -274,7 +286,8 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
     score = ""
     if curves.epochs["validation_accuracy"]:
         score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
-    return {"steps": step, "loss": curves.steps["loss"][-1] if curves.done else None, "score": score}
+    last_loss = curves.steps["loss"][-1] if curves.done else None
+    return {"steps": step, "loss": last_loss, "score": score, "stopped": stopped}
 
 
 def _progress_text(epoch: int, curves: Curves) -> str:

@@ -2,31 +2,21 @@
 a broker that is away at the start or restarted mid-run, and the JSON-lines file when there is no broker."""
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 from conftest import assert_ok, finish, launch
-from mqtt_broker import Subscriber, start_broker
+from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import problems
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
-
-
-@pytest.fixture
-def broker(tmp_path):
-    running = start_broker(tmp_path)
-    yield running
-    running.stop()
-
-
-@pytest.fixture
-def subscriber(broker):
-    listening = Subscriber(broker.port)
-    yield listening
-    listening.close()
 
 
 def memstore(ranks, out, *args, env=None, options=()):
@@ -142,3 +132,59 @@ def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
     stragglers = [p for p in records if p["kind"] == "event" and p["event"] == "straggler"]
     assert [p["rank"] for p in stragglers] == [2], stragglers
     assert "the others wait for it" in stragglers[0]["detail"]
+
+
+def test_watch_redraws_in_place_in_a_real_terminal(broker, tmp_path):
+    """`mpiscale watch` in tmux: one view, redrawn in place as the job advances, that ends with the job."""
+    if shutil.which("tmux") is None:
+        pytest.skip("tmux is not installed (launch/setup.sh installs it)")
+    server = ["tmux", "-L", f"mpiscale-test-{os.getpid()}"]
+    watch = f"{sys.executable} -m mpiscale.cli watch t9 --broker {broker.address} --timeout 120; echo WATCH-EXIT $?"
+    subprocess.run([*server, "new-session", "-d", "-x", "120", "-y", "40", f"{watch}; sleep 120"], check=True)
+    try:
+        job = memstore(2, tmp_path / "m.h5", "--iterations", 4000, env={"MPISCALE_BROKER": broker.address,
+                                                                         "MPISCALE_JOB_ID": "t9"})  # fmt: skip
+        screens, deadline = [""], time.monotonic() + 180
+        while "WATCH-EXIT" not in screens[-1] and time.monotonic() < deadline:
+            time.sleep(0.1)
+            shown = subprocess.run([*server, "capture-pane", "-p"], capture_output=True, text=True, timeout=10)
+            screens.append(shown.stdout)
+        assert_ok(finish(job, "memstore watched in tmux", 60))
+    finally:
+        subprocess.run([*server, "kill-server"], capture_output=True, timeout=10)
+    assert all(screen.count("job t9: memstore on 2 ranks") <= 1 for screen in screens)  # in place, never appended
+    steps = [int(found) for screen in screens for found in re.findall(r"\] (\d+)/4000", screen)]
+    assert len(set(steps)) >= 3 and steps == sorted(steps) and steps[-1] == 4000, steps
+    assert "finished" in screens[-1] and "WATCH-EXIT 0" in screens[-1], screens[-1]
+
+
+def test_rank_0_serves_prometheus_metrics_while_the_job_runs(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+    env = {"MPISCALE_JOB_ID": "t10", "MPISCALE_PROMETHEUS_PORT": str(port), "MPISCALE_PROMETHEUS_ADDR": "127.0.0.1"}
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 4000, env=env)
+    scraped, deadline = {}, time.monotonic() + 120
+    while job.poll() is None and time.monotonic() < deadline:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            time.sleep(0.1)
+            continue
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+        if samples.get(("mpiscale_step", (("job_id", "t10"),)), 0) > 0:
+            scraped = samples
+            break
+        time.sleep(0.1)
+    done = finish(job, "memstore with a Prometheus endpoint", 120)
+    assert_ok(done)
+    assert f"Prometheus metrics at http://127.0.0.1:{port}/metrics" in done.stdout
+    assert scraped, "no scrape showed progress"
+    assert scraped[("mpiscale_total", (("job_id", "t10"),))] == 4000
+    assert scraped[("mpiscale_ranks_reporting", (("job_id", "t10"),))] == 2
+    spread = {labels: value for (name, labels), value in scraped.items() if name == "mpiscale_rank_metric"}
+    rss = dict(spread)[(("job_id", "t10"), ("name", "rss_mib"), ("stat", "max"))]
+    assert 50 < rss < 24 * 1024
+    with pytest.raises(OSError):  # the endpoint ends with the job
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
