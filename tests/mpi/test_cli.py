@@ -149,4 +149,4 @@ def test_bench_telemetry_writes_json(tmp_path):
     assert record["benchmark"] == "telemetry" and set(record["median_s"]) == {"off", "file", "broker", "silent broker"}
     assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in record["seconds"].values())
     assert "slowdown" in job.stdout and "us added" in job.stdout
-    assert 0 < record["empty_step_s"]["off"] < record["empty_step_s"]["file"] < 1e-3
+    assert all(0 < seconds < 1e-3 for seconds in record["empty_step_s"].values())
