@@ -118,7 +118,7 @@ def _broker_settings(args: argparse.Namespace, command: str):
 
 
 def _watch(args: argparse.Namespace) -> int:
-    """Show a job from its broker (JOB --broker) or its telemetry file (--file); 0 when it finished."""
+    """Show a job from its broker (JOB --broker) or its telemetry file (--file); 0 when it finished or stopped."""
     import asyncio
     from pathlib import Path
 
@@ -143,9 +143,11 @@ def _watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: broker {settings.broker[0]}:{settings.broker[1]}: {error}", file=sys.stderr)
             return 1
     state = view.latest.get("status", {}).get("state")
-    if state != "finished":
+    if state == "stopped":
+        print("mpiscale watch: the job stopped on request; its state is saved, and a resumed run goes on")
+    elif state != "finished":
         print(f"mpiscale watch: the job ended {state or 'without a status'}", file=sys.stderr)
-    return 0 if state == "finished" else 1
+    return 0 if state in ("finished", "stopped") else 1
 
 
 def _control(args: argparse.Namespace) -> int:
@@ -257,7 +259,8 @@ def parser() -> argparse.ArgumentParser:
     watch = commands.add_parser(
         "watch",
         help="a running job's progress, slowest rank and events, from its broker or its telemetry file",
-        description="Show a job's telemetry until it ends; exit 0 if it finished, 1 if it failed or was lost.",
+        description="Show a job's telemetry until it ends; exit 0 if it finished or stopped on request, 1 if it "
+        "failed or was lost.",
     )
     watch.add_argument("job", nargs="?", help="the job id (printed at its start; Slurm's job id under Slurm)")
     watch.add_argument("--broker", metavar="HOST:PORT", help="the MQTT broker the job publishes to")

@@ -3,7 +3,8 @@
 Every record is a JSON object with ``schema``, ``job``, ``kind`` and
 ``time`` (Unix seconds). By kind (the topic is ``mpiscale/<job>/<kind>``):
 
-- ``status`` (retained): ``state`` (``running``, ``finished``, ``failed``, or
+- ``status`` (retained): ``state`` (``running``, ``finished``, ``stopped``
+  (on request, its state saved to go on), ``failed``, or
   ``lost``: the broker's last will for a job whose connection dropped),
   ``command``, ``ranks``, ``host``.
 - ``progress``: ``step``, ``total``, ``steps_per_s``, ``eta_s`` (null until
@@ -26,7 +27,7 @@ import time
 
 SCHEMA = "mpiscale.telemetry/1"
 KINDS = ("status", "progress", "metrics", "event", "heartbeat")
-STATES = ("running", "finished", "failed", "lost")
+STATES = ("running", "finished", "stopped", "failed", "lost")
 EVENTS = ("started", "checkpoint", "resumed", "restarted", "failure", "finished", "hang", "straggler")
 ANSWERS = ("acknowledged", "rejected", "completed")  # to control commands
 

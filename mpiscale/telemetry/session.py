@@ -70,6 +70,7 @@ class Telemetry:
         self.system, self.settings, self.job, self.command = system, settings, job, command
         self.step, self.total, self.items = 0, 0, 0.0
         self.phase_s: dict[str, float] = {}  # seconds spent in each of the job's phases so far
+        self.stopped_after = ""  # where the job stopped on request ("iteration 12"); empty if it ran to its end
         self.group: ActorGroup | None = None
         self.sink: MqttSink | FileSink | None = None
         self.endpoint: PrometheusEndpoint | None = None  # rank 0, when MPISCALE_PROMETHEUS_PORT is set
@@ -162,6 +163,8 @@ class Telemetry:
 
     def obeyed(self, orders: Orders, where: str, checkpointed: bool) -> None:
         """The job acted on ``orders`` after ``where`` ("iteration 12"): rank 0 answers the commands behind them."""
+        if orders.stop:
+            self.stopped_after = where
         if self.system.rank != 0:
             return
         for id in orders.ids:
@@ -310,8 +313,11 @@ class Telemetry:
             self._publish(self.reports)
             for id, command in self._commands.items():  # arrived after the last agreement
                 self._answer("rejected", id, f"the job finished before it could {command}")
-            self.event("finished", f"{self.command} finished")
-            await self._end("finished")
+            if self.stopped_after:
+                self.event("finished", f"{self.command} stopped after {self.stopped_after}, its state saved")
+            else:
+                self.event("finished", f"{self.command} finished")
+            await self._end("stopped" if self.stopped_after else "finished")
 
     async def fail(self, detail: str) -> None:
         """The job is failing on this rank (not collective): rank 0 says so, and closes its sink."""

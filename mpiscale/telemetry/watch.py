@@ -4,7 +4,7 @@ The view keeps the latest record of each kind and the recent events, and
 draws a few lines: the job and its state, a progress bar with the rate and
 the ETA, the slowest rank and the metrics' spread, and the last events. In a
 terminal it redraws in place; otherwise it prints the view when it changes.
-It ends when the job's status says it has ended (``finished``, ``failed``,
+It ends when the job's status says it has ended (``finished``, ``stopped``, ``failed``,
 ``lost``).
 """
 
@@ -22,7 +22,7 @@ from .schema import KINDS, problems
 from .settings import TelemetrySettings
 from .sinks import mqtt_client, topic
 
-ENDED = ("finished", "failed", "lost")
+ENDED = ("finished", "stopped", "failed", "lost")
 
 
 class View:

@@ -76,6 +76,7 @@ def test_stop_checkpoints_and_exits_0_and_the_run_resumes_as_if_never_stopped(br
     assert reason == "stopped" and step > 20
     assert f"completed: stopped after iteration {step}, after its checkpoint" in stopped.stdout
     assert int((tmp_path / "a.checkpoints" / "latest").read_text()) == step
+    subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "stopped", timeout=10)
     answers = subscriber.payloads("event")
     assert all(not problems(p) for p in subscriber.payloads()), [problems(p) for p in subscriber.payloads()]
     assert not [p for p in answers if p.get("id") == "other"]
@@ -141,7 +142,7 @@ def test_passwords_tls_and_the_acl_let_a_user_control_only_their_own_jobs(tmp_pa
         assert stopped.returncode == 0 and "completed: stopped after iteration" in stopped.stdout, stopped.stderr
         assert_ok(finish(job, "memstore stopped by its owner", 60))
         ended = control("alice/7", "dump", env={**os.environ, **alice})
-        assert ended.returncode == 1 and "job alice/7 has ended (finished)" in ended.stderr
+        assert ended.returncode == 1 and "job alice/7 has ended (stopped)" in ended.stderr
         wrong = {**alice, "MPISCALE_BROKER_PASSWORD": "guess", "MPISCALE_JOB_ID": "alice/8"}
         short = [*command, str(tmp_path / "w.h5"), "--iterations", "200"]
         assert_ok(finish(launch(2, short, env=wrong), "memstore with a refused password", 120))
