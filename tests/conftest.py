@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["mqtt_broker"]  # the broker and subscriber fixtures
+pytest_plugins = ["mqtt_broker", "slurm_cluster"]  # the broker, subscriber and slurm fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "mpiscale-run"

@@ -41,6 +41,9 @@ class RuntimeConfig:
     ranks_per_node: int = 0
     #: Seconds a SIGTERM/SIGINT shutdown may spend draining before it exits anyway.
     shutdown_timeout_s: float = 10.0
+    #: Seconds a job that stops on SIGTERM after its current step (with a checkpoint) has to reach that step's end
+    #: before the rank drains as for any other signal. Under Slurm, keep it below KillWait (default 30 s).
+    stop_grace_s: float = 20.0
     #: Check that all ranks pass the same shape, dtype and op to a collective.
     check_collectives: bool = True
     #: Seconds a checkpoint save may take before the job ends with a report (0: 120 s + 1 s per 20 MB).
@@ -59,6 +62,8 @@ class RuntimeConfig:
             raise ValueError(f"MPISCALE_CHUNK_BYTES must be >= 1, got {self.chunk_bytes}")
         if self.shutdown_timeout_s <= 0:
             raise ValueError(f"MPISCALE_SHUTDOWN_TIMEOUT_S must be > 0, got {self.shutdown_timeout_s}")
+        if self.stop_grace_s <= 0:
+            raise ValueError(f"MPISCALE_STOP_GRACE_S must be > 0, got {self.stop_grace_s}")
         if self.io_timeout_s < 0:
             raise ValueError(f"MPISCALE_IO_TIMEOUT_S must be >= 0 (0: scaled to the bytes), got {self.io_timeout_s}")
 

@@ -80,6 +80,9 @@ class ActorSystem:
         self._dropped = 0
         self._main_task: asyncio.Task | None = None
         self.exit_status = 0  # set when every rank refused the job (JobRefused)
+        self._stop_handler: Callable[[], None] | None = None
+        #: The signal that asked this rank's job to stop after its current step (None: none did).
+        self.stop_signal: int | None = None
 
     # ----------------------------------------------------------- properties
     @property
@@ -373,8 +376,28 @@ class ActorSystem:
         sys.stderr.write(self.diagnostics())
         sys.stderr.flush()
 
+    def on_stop_signal(self, handler: Callable[[], None] | None) -> None:
+        """Let SIGTERM ask the job to stop after its current step: ``handler`` records the request (None: undo).
+
+        A job that checkpoints registers one (telemetry's steering does): on
+        SIGTERM the rank calls it and lets the job reach the end of its step,
+        save its state and return; the process then exits with 128+SIGTERM as
+        for a drain. If the job has not returned within ``stop_grace_s``, or a
+        second SIGTERM comes, the rank drains at once as without a handler.
+        """
+        self._stop_handler = handler
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
+        handler = self._stop_handler
+        if signum == signal.SIGTERM and handler is not None and self.stop_signal is None and not self._stopping:
+            self.stop_signal = signum
+            grace = self.config.stop_grace_s
+            sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, stopping after the current step with a "
+                             f"checkpoint (within {grace:g} s; a second {name} drains at once)\n")  # fmt: skip
+            handler()
+            asyncio.get_running_loop().call_later(grace, self._stop_overdue, signum)
+            return
         if self._stopping:
             sys.stderr.write(f"mpiscale: rank {self.rank}: second {name}, exiting now\n")
             os._exit(128 + signum)
@@ -383,6 +406,13 @@ class ActorSystem:
         if self._main_task is not None:
             self._main_task.cancel()
         asyncio.get_running_loop().create_task(self._shutdown(128 + signum), name="shutdown")
+
+    def _stop_overdue(self, signum: int) -> None:
+        if self._stopping or self._main_task is None or self._main_task.done():
+            return
+        sys.stderr.write(f"mpiscale: rank {self.rank}: the job did not stop within {self.config.stop_grace_s:g} s\n")
+        self.stop_signal = None  # the drain's turn
+        self._on_signal(signum)
 
     async def _shutdown(self, code: int) -> None:
         deadline = time.monotonic() + self.config.shutdown_timeout_s
@@ -501,7 +531,8 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     Every rank calls ``run``. It returns ``main``'s result on this rank once
     ``main`` has returned on all ranks and no message is in flight. If every
     rank raised :class:`JobRefused`, it prints the message once and raises
-    ``SystemExit`` with its status after a clean shutdown.
+    ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
+    job stopped on (see :meth:`ActorSystem.on_stop_signal`), ``SystemExit(143)``.
     """
     config = config or RuntimeConfig.from_env()
     MPI = load_mpi(config)
@@ -513,6 +544,7 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
             result = runner.run(system._run_main(main))
     finally:
         set_current_system(None)
-    if system.exit_status:
-        raise SystemExit(system.exit_status)
+    status = system.exit_status or (128 + system.stop_signal if system.stop_signal is not None else 0)
+    if status:
+        raise SystemExit(status)  # a job stopped by SIGTERM says so, also when it saved its state first
     return result

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,8 @@ class Telemetry:
             restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
+        if session.steering is not None:  # SIGTERM: every rank stops after the same step, its state saved
+            system.on_stop_signal(partial(session.steering.request, "stop"))
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
         return session
 
@@ -177,8 +180,8 @@ class Telemetry:
                 saved = "after its checkpoint" if checkpointed else "without a checkpoint (the job keeps none)"
                 self._answer("completed", id, f"stopped after {where}, {saved}")
         if orders.stop:
-            how = "resume it with --resume" if checkpointed else "it kept no checkpoint to resume from"
-            print(f"mpiscale: stopped by a control command after {where}; {how}", flush=True)
+            how = "a resumed run goes on from there" if checkpointed else "it kept no checkpoint to resume from"
+            print(f"mpiscale: stopped on request (a stop command or SIGTERM) after {where}; {how}", flush=True)
 
     # ------------------------------------------------------------------ rank 0: control
     def on_control(self, raw: bytes) -> None:
@@ -299,6 +302,7 @@ class Telemetry:
 
     async def close(self) -> None:
         """The job finished (collective): rank 0 publishes the last numbers and status, then closes its sink."""
+        self.system.on_stop_signal(None)
         if self._task is not None:
             self._task.cancel()
         if self.group is None:
@@ -321,6 +325,7 @@ class Telemetry:
 
     async def fail(self, detail: str) -> None:
         """The job is failing on this rank (not collective): rank 0 says so, and closes its sink."""
+        self.system.on_stop_signal(None)
         if self._task is not None:
             self._task.cancel()
         if self.system.rank == 0 and self.group is not None:

@@ -71,7 +71,7 @@ def test_stop_checkpoints_and_exits_0_and_the_run_resumes_as_if_never_stopped(br
     assert "acknowledged: stop" in stopped.stdout and "completed: stopped after iteration" in stopped.stdout
     done = finish(job, "dictlearn stopped by a control command", 60)
     assert_ok(done)
-    assert "stopped by a control command after iteration" in done.stdout
+    assert "stopped on request (a stop command or SIGTERM) after iteration" in done.stdout
     _, reason, step = learned(tmp_path / "a.h5")
     assert reason == "stopped" and step > 20
     assert f"completed: stopped after iteration {step}, after its checkpoint" in stopped.stdout

@@ -232,7 +232,8 @@ def test_cuda_device_learns_the_cpu_dictionary_on_a_real_gpu(tmp_path):
 
 
 def test_sigterm_stops_the_job_and_it_resumes(tmp_path):
-    """Preemption as Slurm does it: SIGTERM mid-run ends the job within seconds; the resumed run matches."""
+    """Preemption as Slurm does it: SIGTERM mid-run stops every rank after the same iteration, with a checkpoint
+    of it and the results so far, within seconds; the resumed run (on another world size) matches."""
     options = [*KSVD, "--checkpoint-every", "50", "--snr-db", "20"]
     command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(tmp_path / "a.h5"), *options]
     process = launch(2, [*command, "--iterations", "1000000"])
@@ -244,8 +245,11 @@ def test_sigterm_stops_the_job_and_it_resumes(tmp_path):
         time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     stopped = finish(process, "dictlearn after SIGTERM", 30)
-    assert stopped.returncode != 0 and "SIGTERM received" in stopped.stderr
+    assert stopped.returncode != 0 and "SIGTERM received, stopping after the current step" in stopped.stderr
     step = int(latest.read_text())
+    assert f"stopped on request (a stop command or SIGTERM) after iteration {step}" in stopped.stdout
+    with h5py.File(tmp_path / "a.h5", "r") as results:
+        assert results.attrs["stop_reason"] == "stopped" and results.attrs["iterations"] == step
     total = str(step + 40)
     resumed = dictlearn(4, tmp_path / "a.h5", *options, "--iterations", total, "--resume")
     assert_ok(resumed)
