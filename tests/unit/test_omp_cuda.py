@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
         assert not config.ENABLE_CUDASIM and cuda.is_available(), "no usable CUDA GPU"
         assert resolve_device("auto") == "cuda"
     rng = np.random.default_rng(0)
-    for atoms, features, nonzero, signals in [(12, 8, 4, 40), (6, 6, 6, 9), (10, 5, 1, 7)]:
+    for atoms, features, nonzero, signals in [(12, 8, 4, 12), (6, 6, 6, 5), (10, 5, 1, 4)]:  # the simulator is slow
         d = rng.standard_normal((atoms, features))
         d /= np.linalg.norm(d, axis=1, keepdims=True)
         x = rng.standard_normal((signals, features))

@@ -1,0 +1,172 @@
+"""The project's own sbatch templates on a real single-node Slurm: plain runs of every template, the time-limit
+signal (checkpoint, requeue, resume), a killed rank (requeue, resume), a resubmission on another task count, and
+an oversized request refused. Results are compared with an uninterrupted run of the same template."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from conftest import REPO
+from slurm_cluster import SubmitError
+
+TEMPLATES = REPO / "hpc" / "slurm"
+ITERATIONS = 10000  # 4-8 s on 2 ranks: time to signal or kill a run in the middle
+DICTLEARN = {
+    "MPISCALE_HOME": str(REPO),
+    "ATOMS": "50",
+    "ITERATIONS": str(ITERATIONS),
+    "CHECKPOINT_EVERY": "1000",
+    "OPTIONS": "--samples 1500 --features 20 --sparsity 3 --snr-db 20 --progress-every 0",
+    "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
+}
+
+
+def dictlearn(slurm, run: Path, *options: str, **settings: str) -> str:
+    """Submit hpc/slurm/dictlearn.sbatch (2 tasks unless ``options`` say otherwise) writing to ``run``."""
+    env = {**DICTLEARN, "RUN": str(run), **settings}
+    return slurm.submit(TEMPLATES / "dictlearn.sbatch", "--ntasks=2", *options, cwd=run.parent, env=env)
+
+
+def output(run: Path, job: str, name: str = "mpiscale-dictlearn") -> str:
+    return (run.parent / f"{name}-{job}.out").read_text()
+
+
+def learned(run: Path) -> tuple[np.ndarray, dict]:
+    with h5py.File(run / "dictionary.h5", "r") as file:
+        return file["dictionary"][()], dict(file.attrs)
+
+
+def checkpointed(run: Path) -> int:
+    latest = run / "checkpoints" / "latest"
+    return int(latest.read_text()) if latest.exists() else 0
+
+
+def wait_for_checkpoint(slurm, job: str, run: Path, step: int, timeout: float = 120) -> None:
+    slurm.wait(job, timeout, until=lambda j: checkpointed(run) >= step or j.state not in ("PENDING", "RUNNING"))
+    assert checkpointed(run) >= step, f"job {job} ended before its checkpoint of iteration {step}"
+
+
+def done(slurm, job: str, timeout: float = 180):
+    finished = slurm.wait(job, timeout)
+    assert finished.state == "COMPLETED" and finished.exit_code == "0:0", finished.fields
+    return finished
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    """A plain run of the dictlearn template: its job id, run directory and dictionary."""
+    run = tmp_path_factory.mktemp("plain") / "run"
+    job = dictlearn(slurm, run)
+    done(slurm, job)
+    return job, run, learned(run)[0]
+
+
+def test_a_plain_run_of_the_dictlearn_template(slurm, uninterrupted):
+    job, run, dictionary = uninterrupted
+    text = output(run, job)
+    assert f"wrote {run}/dictionary.h5: {ITERATIONS} iterations on 2 ranks" in text
+    _, attrs = learned(run)
+    assert attrs["stop_reason"] == "iterations" and attrs["world_size"] == 2 and dictionary.shape[0] == 50
+    records = [json.loads(line) for line in (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()]
+    assert {record["job"] for record in records} == {job}  # the telemetry job id is Slurm's
+    assert records[-1]["kind"] == "status" and records[-1]["state"] == "finished"
+
+
+def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, uninterrupted, tmp_path):
+    """What --signal=B:USR1@120 does before the limit (here sent at once, the same signal to the batch shell)."""
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run)
+    wait_for_checkpoint(slurm, job, run, 1000)
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    finished = done(slurm, job)
+    assert finished.restarts == 1
+    text = output(run, job)
+    assert "the time limit is near: every rank stops after its step with a checkpoint" in text
+    stopped = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[1].split(";")[0])
+    assert f"the time limit is near: requeueing job {job} (requeue 1 of 5)" in text
+    assert f"resumed from the checkpoint of iteration {stopped} in {run}/checkpoints" in text
+    dictionary, attrs = learned(run)
+    assert attrs["iterations"] == ITERATIONS and attrs["stop_reason"] == "iterations"
+    assert np.abs(dictionary - uninterrupted[2]).max() < 1e-9
+    records = [json.loads(line) for line in (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()]
+    states = [r["state"] for r in records if r["kind"] == "status"]
+    assert states == ["running", "stopped", "running", "finished"], states
+    assert any(r["kind"] == "event" and r["event"] == "restarted" and r["job"] == job for r in records)
+
+
+def test_a_killed_rank_ends_the_run_and_the_requeued_job_resumes(slurm, uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run)
+    wait_for_checkpoint(slurm, job, run, 2000)
+    ranks = [pid for pid, command in _processes() if "python" in command.split(" ")[0]
+             and "mpiscale dictlearn" in command and str(run) in command]  # fmt: skip
+    assert len(ranks) == 2, ranks
+    os.kill(max(ranks), signal.SIGKILL)
+    finished = done(slurm, job)
+    assert finished.restarts == 1
+    text = output(run, job)
+    assert "a rank was killed by SIGKILL (status 137)" in text
+    assert f"the job failed (status 137): requeueing job {job} (requeue 1 of 5)" in text
+    assert "resumed from the checkpoint of iteration " in text
+    dictionary, attrs = learned(run)
+    assert attrs["iterations"] == ITERATIONS and np.abs(dictionary - uninterrupted[2]).max() < 1e-9
+
+
+def test_a_job_out_of_requeues_is_resumed_by_a_resubmission_on_another_task_count(slurm, uninterrupted, tmp_path):
+    """REQUEUES=0: the time-limit stop is not requeued; the same template submitted with 3 tasks resumes the
+    checkpoint resharded and ends with the uninterrupted run's dictionary."""
+    run = tmp_path / "run"
+    first = dictlearn(slurm, run, REQUEUES="0")
+    wait_for_checkpoint(slurm, first, run, 1000)
+    slurm.run(["scancel", "--signal=USR1", "--batch", first])
+    stopped = slurm.wait(first, 120)
+    assert stopped.restarts == 0 and stopped.state == "FAILED", stopped.fields  # 143: stopped, not finished
+    assert "the job was requeued 0 times already (--requeue 0)" in output(run, first)
+    step = checkpointed(run)
+    second = dictlearn(slurm, run, "--ntasks=3")
+    done(slurm, second)
+    text = output(run, second)
+    assert f"resumed from the checkpoint of iteration {step}" in text and "iterations on 3 ranks" in text
+    assert np.abs(learned(run)[0] - uninterrupted[2]).max() < 1e-9
+
+
+def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
+    """Each with small settings: train on the bundled digits, collect its activations, a small memory store."""
+    common = {"MPISCALE_HOME": str(REPO), "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
+    train = slurm.submit(TEMPLATES / "train.sbatch", "--ntasks=2", cwd=tmp_path,
+                         env={**common, "RUN": "train", "EPOCHS": "2", "OPTIONS": "--progress-every 0"})  # fmt: skip
+    store = slurm.submit(TEMPLATES / "memstore.sbatch", "--nodes=1", "--ntasks=2", cwd=tmp_path,
+                         env={**common, "RUN": "store", "RECORDS": "20000", "ITERATIONS": "50",
+                              "CHECKPOINT_EVERY": "10", "LOCAL": str(tmp_path / "local")})  # fmt: skip
+    done(slurm, train)
+    with h5py.File(tmp_path / "train" / "model.h5", "r") as model:
+        assert model.attrs["world_size"] == 2
+    collect = slurm.submit(TEMPLATES / "collect.sbatch", "--ntasks=2", cwd=tmp_path,
+                           env={**common, "MODEL": "train/model.h5", "OUT": "acts.h5"})  # fmt: skip
+    done(slurm, collect)
+    with h5py.File(tmp_path / "acts.h5", "r") as acts:
+        assert (
+            acts["sample_ids"].shape[0] > 1000 and (acts["sample_ids"][()] == np.arange(len(acts["sample_ids"]))).all()
+        )
+    done(slurm, store)
+    assert "wrote store/store.h5" in output(tmp_path / "store", store, "mpiscale-memstore")
+
+
+def test_an_oversized_request_is_refused_with_slurms_reason(slurm, tmp_path):
+    refusals = "More processors requested than permitted|Requested node configuration is not available"
+    with pytest.raises(SubmitError, match=refusals):
+        dictlearn(slurm, tmp_path / "run", "--ntasks=64")
+
+
+def _processes():
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            yield int(entry.name), command
