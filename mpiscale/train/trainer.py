@@ -242,8 +242,13 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
     totals = np.zeros(2)
     step, stopped = job.start, False
     clock = time.perf_counter() - curves.elapsed
+    finished_epochs = job.start // reader.steps
+    if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
+        # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
+        loss_value, accuracy = await _score(system, model, held_out)
+        curves.record_epoch(epoch=finished_epochs, validation_loss=loss_value, validation_accuracy=accuracy)
     try:
-        for epoch in range(job.start // reader.steps, config.epochs):
+        for epoch in range(finished_epochs, config.epochs):
             model.train()
             async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
                 began = time.perf_counter()
