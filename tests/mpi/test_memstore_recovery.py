@@ -7,7 +7,9 @@ applied twice.
 
 import json
 import re
+import signal
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -72,6 +74,27 @@ def test_rank_killed_with_its_node_disk_gone_is_restarted_and_loses_nothing(tmp_
     assert_same(run, uninterrupted)
     print(f"failure to first new iteration: {report['resumed_at'] - float(killed.group(1)):.2f} s; store recovery "
           f"{report['seconds']['total']:.2f} s")  # fmt: skip
+
+
+def test_sigterm_stops_the_store_after_an_iteration_and_a_rerun_on_fewer_ranks_goes_on(tmp_path, uninterrupted):
+    """SIGTERM (scancel, preemption): every rank stops after the same iteration with a checkpoint; the rerun on 3
+    ranks instead of 4 recovers it and ends as the uninterrupted run."""
+    out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
+    slowed = {"MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=0,slow=0.05"}  # 50 iterations in about 3 s
+    command = [*MPISCALE, "memstore", *WORKLOAD, "--out", str(out), "--checkpoints", str(checkpoints)]
+    job = launch(4, command, env=slowed)
+    deadline = time.monotonic() + 120
+    while not (checkpoints / "latest").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    stopped = finish(job, "mpiscale memstore after SIGTERM", 60)
+    assert stopped.returncode != 0 and "stopping after the current step with a checkpoint" in stopped.stderr
+    where = re.search(r"stopped on request \(a stop command or SIGTERM\) after iteration (\d+)", stopped.stdout)
+    assert where is not None and 10 <= int(where[1]) < 50, stopped.output[-3000:]
+    rerun = memstore(3, "--out", out, "--checkpoints", checkpoints)
+    assert_ok(rerun)
+    assert f"recovered 60,000 records after iteration {where[1]} from the checkpoint" in rerun.stdout
+    assert_same(results(out), uninterrupted)
 
 
 def test_recovery_on_fewer_ranks_with_a_torn_log_tail(tmp_path, uninterrupted):
