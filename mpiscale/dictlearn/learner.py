@@ -181,10 +181,8 @@ async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
 
 def _save_final_checkpoint(config: DictLearnConfig, job: _Job) -> None:
     """Checkpoint the last iteration if the loop did not, so the learned state outlives a failed results write."""
-    checkpoints, done = job.checkpoints, job.history.iterations
-    if checkpoints is None or not config.checkpoint_every or checkpoints.last_step == done:
-        return
-    _save_checkpoint(config, job, checkpoints, done)
+    if job.checkpoints is not None and config.checkpoint_every:
+        _save_checkpoint(config, job, job.checkpoints, job.history.iterations)
 
 
 def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpointer, step: int) -> None:

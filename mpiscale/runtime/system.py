@@ -411,7 +411,7 @@ class ActorSystem:
         if self._stopping or self._main_task is None or self._main_task.done():
             return
         sys.stderr.write(f"mpiscale: rank {self.rank}: the job did not stop within {self.config.stop_grace_s:g} s\n")
-        self.stop_signal = None  # the drain's turn
+        self._stop_handler = None  # the drain's turn: no second wait for a step's end
         self._on_signal(signum)
 
     async def _shutdown(self, code: int) -> None:

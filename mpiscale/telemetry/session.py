@@ -75,8 +75,6 @@ class Telemetry:
         self.group: ActorGroup | None = None
         self.sink: MqttSink | FileSink | None = None
         self.endpoint: PrometheusEndpoint | None = None  # rank 0, when MPISCALE_PROMETHEUS_PORT is set
-        #: What this rank is doing, in the job's words ("coding", "update"); reports carry it.
-        self.phase = ""
         self.watchdog: Watchdog | None = None
         self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
         #: Where the ranks agree on checkpoint and stop requests (None with telemetry off: nothing to obey).
@@ -219,7 +217,7 @@ class Telemetry:
         waited = self.system.collective_wait_s
         return {
             "rank": self.system.rank, "step": self.step, "total": self.total, "items": self.items,
-            "time": time.time(), "phase": self.phase, "waiting_in": self.system.waiting_in(), "wait_s": waited,
+            "time": time.time(), "waiting_in": self.system.waiting_in(), "wait_s": waited,
             "host": socket.gethostname(), "pid": os.getpid(),
             "metrics": self.system.traffic() | self._machine(usage, waited),
         }  # fmt: skip

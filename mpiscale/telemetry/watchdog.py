@@ -1,6 +1,6 @@
 """Hangs and stragglers, seen by rank 0 in the ranks' reports.
 
-A rank **hangs** when it has not advanced (its step and phase unchanged) for
+A rank **hangs** when it has not advanced (its step unchanged) for
 ``hang_after_s`` while it is not itself waiting in a collective (it computes,
 or its reports stopped because its event loop is stuck) and another rank has
 been waiting in a collective for at least half that time: the others wait for
@@ -53,7 +53,7 @@ class Finding:
 @dataclass
 class Watchdog:
     settings: WatchdogSettings
-    _advanced: dict[int, tuple[tuple, float]] = field(default_factory=dict)  # rank -> (its position, since when)
+    _advanced: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (its step, since when)
     _waited: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (report time, wait_s)
     _slow: dict[int, int] = field(default_factory=dict)  # rank -> straggling reports in a row
     _told: set[tuple[str, int]] = field(default_factory=set)
@@ -67,9 +67,8 @@ class Watchdog:
 
     def _hangs(self, reports: dict[int, dict], now: float) -> list[Finding]:
         for rank, report in reports.items():
-            position = (report["step"], report.get("phase", ""))
-            if self._advanced.get(rank, ((), 0.0))[0] != position:
-                self._advanced[rank] = (position, now)
+            if self._advanced.get(rank, (None, 0.0))[0] != report["step"]:
+                self._advanced[rank] = (report["step"], now)
         waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
         long_waiters = {r: w for r, w in waiters.items() if w[1] >= self.settings.hang_after_s / 2}
         found = []
@@ -79,7 +78,7 @@ class Watchdog:
             others = sorted(r for r in long_waiters if r != rank)
             if still >= self.settings.hang_after_s and not waiting_itself and others:
                 what, seconds = long_waiters[others[0]]
-                where = f"step {report['step']}, phase {report.get('phase') or '-'}"
+                where = f"step {report['step']}"
                 found.append(Finding("hang", rank, (
                     f"rank {rank} (host {report.get('host')}, pid {report.get('pid')}) has not advanced for "
                     f"{still:.0f} s ({where}, last report {now - report['time']:.0f} s ago), while ranks {others} "

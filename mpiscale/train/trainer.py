@@ -291,8 +291,7 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
     score = ""
     if curves.epochs["validation_accuracy"]:
         score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
-    last_loss = curves.steps["loss"][-1] if curves.done else None
-    return {"steps": step, "loss": last_loss, "score": score, "stopped": stopped}
+    return {"steps": step, "loss": curves.steps["loss"][-1] if curves.done else None, "score": score}
 
 
 def _progress_text(epoch: int, curves: Curves) -> str:
