@@ -33,9 +33,10 @@ BREAKER_FAILURES, BREAKER_PAUSE_S = 8, 60.0  # 8 failures in a row: about a minu
 #: The broker declares the job lost (its last will) if it hears nothing for 1.5 times this; a dead rank 0's socket
 #: closes at once and needs no keepalive, but rank 0's event loop may be busy for seconds (a long kernel).
 KEEPALIVE_S = 60
-CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for the last records to reach a connected broker
-CLOSE_UNCONNECTED_S = 0.5  # ... and for a connection to come back (none if there never was one: a dead broker
-# must not delay the end)
+CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for its last records to reach the broker
+CLOSE_UNCONNECTED_S = 0.5  # ... and for a lost connection to come back, retried every CLOSING_RETRY_S: a broker
+# back in the meantime gets the final status
+CLOSING_RETRY_S = 0.05
 #: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
 _PAHO_LOG = logging.getLogger("mpiscale.telemetry.mqtt")
 _PAHO_LOG.setLevel(logging.CRITICAL)
@@ -96,7 +97,7 @@ class MqttSink:
         self._ever_connected = False
         self._queue: deque[tuple[str, bytes, bool]] = deque()
         self._wake = asyncio.Event()
-        self._closing = False
+        self._closing = asyncio.Event()
         self._last_status: tuple[str, bytes, bool] | None = None
         self._lost = json.dumps(lost).encode()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="mpiscale-telemetry-mqtt")
@@ -116,10 +117,10 @@ class MqttSink:
 
         failures, paused_until = 0, 0.0
         while True:
-            if self._closing and not self._queue:
+            if self._closing.is_set() and not self._queue:
                 return
             if time.monotonic() < paused_until:
-                if self._closing:
+                if self._closing.is_set():
                     return
                 await asyncio.sleep(min(1.0, paused_until - time.monotonic()))
                 continue
@@ -133,6 +134,9 @@ class MqttSink:
                     return
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
+                if self._closing.is_set():  # the job's end: retry at once, for as long as close() allows
+                    await asyncio.sleep(CLOSING_RETRY_S)
+                    continue
                 failures += 1
                 if failures >= BREAKER_FAILURES:
                     log.warning("telemetry: broker %s unreachable %d times (%s); pausing %.0f s",
@@ -140,9 +144,8 @@ class MqttSink:
                     paused_until, failures = time.monotonic() + BREAKER_PAUSE_S, 0
                     continue
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
-                if self._closing:
-                    return
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):  # the job's end cuts the backoff short
+                    await asyncio.wait_for(self._closing.wait(), delay)
 
     async def _connected(self, client) -> None:
         """Send, and receive control messages, until closing or until the connection fails (raised)."""
@@ -174,26 +177,30 @@ class MqttSink:
                 name, body, retain = self._queue[0]
                 await client.publish(name, body, qos=1 if retain else 0, retain=retain, timeout=5.0)
                 self._queue.popleft()
-            if self._closing:
+            if self._closing.is_set():
                 return
             self._wake.clear()
             await self._wake.wait()
 
     async def close(self) -> None:
-        """Send what is buffered and disconnect cleanly: for at most ``CLOSE_TIMEOUT_S`` while connected, and
-        ``CLOSE_UNCONNECTED_S`` while not (a connection made meanwhile gets the longer time, so that it ends
-        with a goodbye rather than the last will)."""
-        self._closing = True
+        """Send what is buffered and disconnect cleanly, for at most ``CLOSE_TIMEOUT_S`` in all; while unconnected,
+        for at most ``CLOSE_UNCONNECTED_S`` since the connection was last up (at once if it never was: a dead
+        broker must not delay a job's end). A connection made meanwhile ends with a goodbye, not the last will."""
+        self._closing.set()
         self._wake.set()
-        began = time.monotonic()
+        began = seen = time.monotonic()
         while not self._task.done():
-            limit = CLOSE_TIMEOUT_S if self.connected else CLOSE_UNCONNECTED_S if self._ever_connected else 0.0
-            left = began + limit - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if self.connected:
+                seen = now
+            unconnected_too_long = not self.connected and (
+                not self._ever_connected or now - seen >= CLOSE_UNCONNECTED_S
+            )
+            if unconnected_too_long or now - began >= CLOSE_TIMEOUT_S:
                 self._task.cancel()
                 log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
                 return
-            await asyncio.wait({self._task}, timeout=min(left, 0.05))
+            await asyncio.wait({self._task}, timeout=0.05)
 
 
 def lost_status(job: str, command: str, ranks: int, host: str) -> dict:

@@ -1,6 +1,7 @@
 """Telemetry to a real mosquitto broker: records that follow the schema, the retained status and the last will,
 a broker that is away at the start or restarted mid-run, and the JSON-lines file when there is no broker."""
 
+import asyncio
 import json
 import os
 import re
@@ -14,7 +15,8 @@ import pytest
 from conftest import assert_ok, finish, launch
 from mqtt_broker import Subscriber, free_port
 
-from mpiscale.telemetry import problems
+from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
+from mpiscale.telemetry.sinks import MqttSink, lost_status
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -66,23 +68,60 @@ def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
 
 
 def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tmp_path):
-    """The job starts while the broker is down, the broker comes up, goes away and comes back: the job finishes
-    as it would have, and publishing resumes after each return."""
+    """The job starts while the broker is down, the broker comes up, goes away and comes back: publishing resumes
+    after each return, and the job still obeys its control topic. The test ends the job with ``stop`` once it
+    has seen it all, so that no timing decides whether the job outlives the broker's absence."""
     broker.stop()
-    out = tmp_path / "m.h5"
-    job = memstore(2, out, "--iterations", 6000, env={"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t3"})
-    time.sleep(2)
-    broker.start()
-    subscriber.wait_for(lambda p: p["kind"] == "progress", timeout=60)
-    broker.stop()
-    time.sleep(1.5)
-    heard = len(subscriber.messages)
-    broker.start()
-    subscriber.wait_for(lambda p: p["kind"] == "heartbeat" and len(subscriber.messages) > heard + 3, timeout=60)
-    assert_ok(finish(job, "memstore through broker restarts", 240))
-    status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished", timeout=20)
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 10**7,
+                   env={"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t3"})  # fmt: skip
+    try:
+        time.sleep(2)
+        broker.start()
+        subscriber.wait_for(lambda p: p["kind"] == "progress", timeout=60)
+        broker.stop()
+        time.sleep(1.5)
+        heard = len(subscriber.messages)
+        broker.start()
+        subscriber.wait_for(lambda p: p["kind"] == "heartbeat" and len(subscriber.messages) > heard + 3, timeout=60)
+        status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
+        stop = subprocess.run([*MPISCALE, "control", "t3", "stop", "--broker", broker.address, "--timeout", "60"],
+                              capture_output=True, text=True, timeout=90)  # fmt: skip
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+    finally:
+        done = finish(job, "memstore through broker restarts", 120)
+    assert_ok(done)
+    status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "stopped", timeout=20)
     assert not problems(status)
-    assert subscriber.payloads("progress")[-1]["step"] == 6000
+    steps = [p["step"] for p in subscriber.payloads("progress")]
+    assert steps == sorted(steps) and 0 < steps[-1] < 10**7, steps[-5:]
+
+
+def test_a_job_ending_while_the_sink_waits_to_reconnect_still_sends_its_last_records(broker, subscriber, monkeypatch):
+    """The broker went away, the sink backs off for seconds (the first backoff made long here, so that no lucky
+    attempt can land in the end's short window), and the broker is back just as the job ends: the end cuts the
+    backoff short, so the final status arrives instead of a stale ``running``."""
+    monkeypatch.setattr(sinks, "BACKOFF_FIRST_S", 10.0)
+
+    async def scenario() -> float:
+        settings = TelemetrySettings(broker=("127.0.0.1", broker.port))
+        sink = MqttSink(settings, "t7", lost_status("t7", "memstore", 1, "here"), on_control=lambda _: None)
+        sink.publish(record("status", "t7", state="running", command="memstore", ranks=1, host="here"), retain=True)
+        while not sink.connected:
+            await asyncio.sleep(0.05)
+        broker.stop()
+        while sink.connected:
+            sink.publish(record("heartbeat", "t7", ranks_reporting=1, oldest_report_s=0.0, dropped=0))
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # failed once: the next attempt is 5 to 15 s away
+        broker.start()
+        sink.publish(record("status", "t7", state="finished", command="memstore", ranks=1, host="here"), retain=True)
+        began = time.monotonic()
+        await sink.close()
+        return time.monotonic() - began
+
+    closing_s = asyncio.run(scenario())
+    finished = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished", timeout=10)
+    assert not problems(finished) and closing_s < sinks.CLOSE_UNCONNECTED_S, closing_s
 
 
 def test_without_a_broker_the_records_go_to_a_file_beside_the_results(tmp_path):
