@@ -105,7 +105,8 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdParameters=config_overrides
 SchedulerParameters=sched_interval=1,sched_min_interval=100000
-MinJobAge=4
+# A finished job stays visible to scontrol for the test's polling (at 4 s, one test's early job was gone)
+MinJobAge=600
 KillWait=10
 EnforcePartLimits=ALL
 MpiDefault=none

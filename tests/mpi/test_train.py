@@ -81,16 +81,24 @@ def test_collect_in_small_rounds_writes_every_layer(tmp_path):
         assert file["hidden2"].shape == (1437, 12)
 
 
+FOLLOWED = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]
+
+
+@pytest.fixture(scope="module")
+def one_process_weights(tmp_path_factory) -> dict[str, np.ndarray]:
+    """The weights of the settings ``FOLLOWED`` trained on one rank (once for every world size compared)."""
+    one = tmp_path_factory.mktemp("one") / "one.h5"
+    assert_ok(mpiscale(1, "train", *FOLLOWED, "--out", one))
+    return weights(one)
+
+
 @pytest.mark.parametrize("ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"])
-def test_training_follows_one_process(tmp_path, ranks, per_node):
+def test_training_follows_one_process(tmp_path, ranks, per_node, one_process_weights):
     """Weights after 2 epochs on N ranks (flat or on 2 simulated nodes) equal the one-rank run's within rounding."""
-    common = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]
-    one = tmp_path / "one.h5"
-    assert_ok(mpiscale(1, "train", *common, "--out", one))
     many = tmp_path / "many.h5"
     env = {"MPISCALE_RANKS_PER_NODE": str(per_node)} if per_node else None
-    assert_ok(mpiscale(ranks, "train", *common, "--out", many, env=env))
-    reference, result = weights(one), weights(many)
+    assert_ok(mpiscale(ranks, "train", *FOLLOWED, "--out", many, env=env))
+    reference, result = one_process_weights, weights(many)
     assert reference.keys() == result.keys()
     for name in reference:
         np.testing.assert_allclose(result[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -7,6 +7,7 @@ import torch
 
 from mpiscale.dictlearn.catalogue import catalogue, format_catalogue
 from mpiscale.jobs import load_settings
+from mpiscale.train import digits
 from mpiscale.train.config import CollectConfig, TrainConfig
 from mpiscale.train.model import build_mlp
 from mpiscale.train.state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
@@ -86,3 +87,17 @@ def test_catalogue_finds_the_samples_built_from_each_atom(tmp_path):
         np.testing.assert_array_equal(entry.labels, entry.ids % 7)
     text = format_catalogue(entries, samples, most=2)
     assert text.count("\natom ") == 2 and "2 more atoms" in text
+
+
+@pytest.mark.parametrize("where", ["scikit-learn's file", "through scikit-learn"])
+def test_the_bundled_digits_are_scikit_learns(where, monkeypatch, tmp_path):
+    """Read from scikit-learn's data file (no import of it), or through it when that file is elsewhere: the same."""
+    from sklearn.datasets import load_digits as reference
+
+    if where == "through scikit-learn":
+        monkeypatch.setattr(digits, "sklearn_digits_file", lambda: tmp_path / "moved.csv.gz")
+    inputs, labels = digits.load_digits()
+    expected = reference()
+    assert inputs.dtype == np.float32 and inputs.flags.c_contiguous and labels.dtype == np.int64
+    np.testing.assert_array_equal(inputs, expected.data.astype(np.float32))
+    np.testing.assert_array_equal(labels, expected.target)

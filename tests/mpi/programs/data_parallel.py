@@ -1,7 +1,8 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
-usage: data_parallel.py STEPS [none|fp16|bf16|powersgd-full|powersgd-low]
-Each step's global batch of 24 samples is split over the ranks; rank r's
+usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low)
+Each scheme is checked in turn in the same job (a launch costs each rank
+seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
 parameter the model skips on odd steps tests unused gradients; no_sync()
 accumulates two micro-batches per step. With compression, the bound on the
@@ -74,9 +75,7 @@ def loss_of(model: torch.nn.Module) -> float:
         return float(((model(x, 1) - y) ** 2).mean())
 
 
-async def main(system) -> None:
-    steps = int(sys.argv[1])
-    name = sys.argv[2] if len(sys.argv) > 2 else "none"
+async def check(system, steps: int, name: str) -> None:
     make, tolerance = SCHEMES[name]
     model = Model(seed=system.rank)
     parallel = DataParallel(system, model, bucket_mib=0.05, first_bucket_mib=0.01, compression=make(system))
@@ -93,16 +92,22 @@ async def main(system) -> None:
     theirs = torch.cat([p.detach().reshape(-1) for p in reference.parameters()]).numpy()
     difference = float(np.abs(mine - theirs).max())
     if tolerance is not None:
-        assert difference <= tolerance + 1e-4 * np.abs(theirs).max(), difference
+        assert difference <= tolerance + 1e-4 * np.abs(theirs).max(), (name, difference)
     else:
-        assert loss_of(model) < 0.9 * before, (before, loss_of(model))
+        assert loss_of(model) < 0.9 * before, (name, before, loss_of(model))
     every = await system.world.allgather(mine)
-    assert (every == every[0]).all(), "ranks ended with different parameters"
+    assert (every == every[0]).all(), f"{name}: ranks ended with different parameters"
     if system.rank == 0:
         print(
             f"data parallel ok: {system.size} ranks, {len(parallel._buckets)} buckets, {name}, "
             f"largest difference from one process {difference:.2e}"
         )
+
+
+async def main(system) -> None:
+    steps = int(sys.argv[1])
+    for name in (sys.argv[2] if len(sys.argv) > 2 else "none").split(","):
+        await check(system, steps, name)
 
 
 mpiscale.run(main)
