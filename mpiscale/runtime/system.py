@@ -4,7 +4,10 @@
 every rank and no message is in flight anywhere (checked with a two-wave
 message-count consensus on a private communicator). An unhandled failure on
 any rank prints one report and aborts the whole job; SIGTERM/SIGINT drains and
-exits non-zero; SIGUSR1 prints diagnostics.
+exits non-zero; SIGUSR1 prints diagnostics. SIGUSR2 is taken as SIGTERM: mpirun
+passes it on to the ranks as it is, while it follows its own SIGTERM with a
+SIGKILL a second later, so the launcher turns a SIGTERM into SIGUSR2 to give a
+job the time to stop after its step.
 """
 
 from __future__ import annotations
@@ -431,9 +434,10 @@ class ActorSystem:
         loop = asyncio.get_running_loop()
         engine_task = loop.create_task(self._engine.run(), name="mpiscale progress engine")
         engine_task.add_done_callback(self._engine_finished)
-        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
         for signum in signals[:2]:
             loop.add_signal_handler(signum, self._on_signal, signum)
+        loop.add_signal_handler(signal.SIGUSR2, self._on_signal, signal.SIGTERM)
         loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)

@@ -76,10 +76,12 @@ def test_a_plain_run_of_the_dictlearn_template(slurm, uninterrupted):
     assert records[-1]["kind"] == "status" and records[-1]["state"] == "finished"
 
 
-def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, uninterrupted, tmp_path):
-    """What --signal=B:USR1@120 does before the limit (here sent at once, the same signal to the batch shell)."""
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, uninterrupted, tmp_path, launcher):
+    """What --signal=B:USR1@120 does before the limit (here sent at once, the same signal to the batch shell),
+    with either launcher line inside the allocation."""
     run = tmp_path / "run"
-    job = dictlearn(slurm, run)
+    job = dictlearn(slurm, run, MPISCALE_LAUNCHER=launcher)
     wait_for_checkpoint(slurm, job, run, 1000)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)

@@ -82,6 +82,20 @@ def test_signal_drains_and_exits_nonzero(ranks, tmp_path, who, signum):
         assert f"exit status {128 + signum}" in job.stderr
 
 
+def test_stuck_ranks_cannot_keep_a_job_the_launcher_was_told_to_stop_alive(tmp_path):
+    """SIGTERM to the launcher reaches the ranks as SIGUSR2 (a stop after the step, not mpirun's SIGKILL a second
+    later); ranks that never handle it (their event loops are blocked) are ended by mpirun once the ranks' grace
+    and drain (1 s each here) and 5 s more are over."""
+    env = {"MPISCALE_STOP_GRACE_S": "1", "MPISCALE_SHUTDOWN_TIMEOUT_S": "1"}
+    process = start_mpi("signals.py", 2, "stuck", str(tmp_path), env=env)
+    _wait_for_pids(tmp_path, 2)
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    job = finish(process, "signals.py stuck", timeout=60)
+    took = time.monotonic() - start
+    assert job.returncode != 0 and 6.5 < took < 20, (took, job.returncode, job.output[-3000:])
+
+
 def test_message_over_2_gib():
     job = run_mpi("huge.py", 2, timeout=180)
     assert_ok(job)

@@ -1,8 +1,10 @@
-"""Signal handling: SIGUSR1 diagnostics while the job keeps running; SIGTERM shutdown."""
+"""Signal handling: SIGUSR1 diagnostics while the job keeps running; SIGTERM shutdown; with ``stuck``, every rank
+blocks its event loop (it never sees a signal it handles)."""
 
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import mpiscale
@@ -31,6 +33,8 @@ async def main(system):
         if system.rank == 0:
             print("released ok")
         return
+    if mode == "stuck":
+        time.sleep(600)
     n = 0
     while True:  # busy until a signal arrives
         peer.tell("hit", n)
