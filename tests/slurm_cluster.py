@@ -86,7 +86,7 @@ SlurmctldHost={self.host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 MailProg=/bin/true
 StateSaveLocation={d}/state
 SlurmdSpoolDir={d}/spool

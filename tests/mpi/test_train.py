@@ -7,6 +7,7 @@ model run in this process, and the feature catalogue with the digits' labels.
 
 import subprocess
 import sys
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -85,20 +86,20 @@ FOLLOWED = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-eve
 
 
 @pytest.fixture(scope="module")
-def one_process_weights(tmp_path_factory) -> dict[str, np.ndarray]:
-    """The weights of the settings ``FOLLOWED`` trained on one rank (once for every world size compared)."""
+def one_process_model(tmp_path_factory) -> Path:
+    """A model of the settings ``FOLLOWED`` trained on one rank (once for every test that only reads it)."""
     one = tmp_path_factory.mktemp("one") / "one.h5"
     assert_ok(mpiscale(1, "train", *FOLLOWED, "--out", one))
-    return weights(one)
+    return one
 
 
 @pytest.mark.parametrize("ranks, per_node", [(2, 0), (3, 0), (4, 2)], ids=["2ranks", "3ranks", "4ranks-2nodes"])
-def test_training_follows_one_process(tmp_path, ranks, per_node, one_process_weights):
+def test_training_follows_one_process(tmp_path, ranks, per_node, one_process_model):
     """Weights after 2 epochs on N ranks (flat or on 2 simulated nodes) equal the one-rank run's within rounding."""
     many = tmp_path / "many.h5"
     env = {"MPISCALE_RANKS_PER_NODE": str(per_node)} if per_node else None
     assert_ok(mpiscale(ranks, "train", *FOLLOWED, "--out", many, env=env))
-    reference, result = one_process_weights, weights(many)
+    reference, result = weights(one_process_model), weights(many)
     assert reference.keys() == result.keys()
     for name in reference:
         np.testing.assert_allclose(result[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
@@ -192,9 +193,8 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
     assert not (tmp_path / "m.h5").exists()
 
 
-def test_collect_refuses_unknown_layer_and_wrong_width(tmp_path):
-    out = tmp_path / "model.h5"
-    assert_ok(mpiscale(1, "train", "--epochs", 1, "--hidden", "16", "--out", out, "--progress-every", 0))
+def test_collect_refuses_unknown_layer_and_wrong_width(tmp_path, one_process_model):
+    out = one_process_model
     job = mpiscale(2, "collect", "--model", out, "--layers", "relu7", "--out", tmp_path / "a.h5")
     assert job.returncode == 2 and "has no module relu7" in job.stderr and "relu1" in job.stderr
     wrong = user_file(tmp_path / "wrong.h5", np.zeros((10, 5)), np.zeros(10, np.int64))
