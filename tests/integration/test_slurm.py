@@ -88,6 +88,7 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, u
     assert finished.restarts == 1
     text = output(run, job)
     assert "the time limit is near: every rank stops after its step with a checkpoint" in text
+    assert f"mpiscale-run: {launcher} " in text  # the launcher line that ran
     stopped = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[1].split(";")[0])
     assert f"the time limit is near: requeueing job {job} (requeue 1 of 5)" in text
     assert f"resumed from the checkpoint of iteration {stopped} in {run}/checkpoints" in text
