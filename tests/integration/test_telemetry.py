@@ -83,7 +83,7 @@ def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tm
         heard = len(subscriber.messages)
         broker.start()
         subscriber.wait_for(lambda p: p["kind"] == "heartbeat" and len(subscriber.messages) > heard + 3, timeout=60)
-        status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
+        subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
         stop = subprocess.run([*MPISCALE, "control", "t3", "stop", "--broker", broker.address, "--timeout", "60"],
                               capture_output=True, text=True, timeout=90)  # fmt: skip
         assert stop.returncode == 0, stop.stdout + stop.stderr
