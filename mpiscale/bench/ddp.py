@@ -24,7 +24,6 @@ from .allreduce import init_gloo
 from .report import median_slowest_async, table, write_json
 
 WIDTH, DEPTH, BATCH = 2048, 3, 64  # about 12.6M parameters: 50 MB of gradients per step
-QUICK_WIDTH = 1024  # --quick: about 3.2M parameters, 13 MB of gradients
 SCHEMES = ("none", "fp16", "bf16", "powersgd")
 POWERSGD_RANK = 4
 
@@ -67,7 +66,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     if gloo is None:
         raise SystemExit("bench ddp needs torch (pip install torch)")
     _, dist = gloo
-    steps, width = (4, QUICK_WIDTH) if quick else (12, WIDTH)
+    steps, width = (4 if quick else 12), WIDTH
     x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(system.rank))
     y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100))
 

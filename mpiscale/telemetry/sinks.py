@@ -115,7 +115,7 @@ class MqttSink:
     async def _run(self) -> None:
         import aiomqtt
 
-        failures, paused_until = 0, 0.0
+        failures, paused_until, retry_until = 0, 0.0, None
         while True:
             if self._closing.is_set() and not self._queue:
                 return
@@ -127,14 +127,18 @@ class MqttSink:
             try:
                 will = (topic(self.job, "status"), self._lost)
                 async with mqtt_client(self.settings, f"mpiscale-{self.job}", will) as client:
-                    self.connected, self._ever_connected, failures = True, True, 0
+                    self.connected, self._ever_connected, failures, retry_until = True, True, 0, None
                     if self._last_status is not None and self._last_status not in self._queue:
                         self._queue.appendleft(self._last_status)
                     await self._connected(client)
                     return
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
-                if self._closing.is_set():  # the job's end: retry at once, for as long as close() allows
+                if self._closing.is_set():  # the job's end: retry at once, for CLOSE_UNCONNECTED_S at most
+                    # bounded here, not only by close()'s cancel: aiomqtt may turn a cancel in connect into MqttError
+                    retry_until = retry_until or time.monotonic() + CLOSE_UNCONNECTED_S
+                    if not self._ever_connected or time.monotonic() >= retry_until:
+                        return
                     await asyncio.sleep(CLOSING_RETRY_S)
                     continue
                 failures += 1
