@@ -23,6 +23,7 @@ ring: setup
 # Style, the layer contract of setup.cfg ([importlinter]: docs/architecture.md, "Where new code goes"), and types.
 lint: setup
 	.venv/bin/ruff check mpiscale tests examples
+	.venv/bin/ruff format --check mpiscale tests examples
 	.venv/bin/lint-imports
 	.venv/bin/mypy mpiscale
 

@@ -121,15 +121,26 @@ def agree(
     """All ranks go on, or all raise ``kind`` naming every failing rank (collective, blocking).
 
     Without a ``comm``, this process alone. The blocking form, for threads and set-up code outside the event loop;
-    ``ActorSystem.agree`` is the awaitable one for checks before a job starts.
+    ``Communicator.agree`` is its awaitable twin, and ``ActorSystem.agree`` ends a job with one message and a status.
     """
-    mine = None
+    mine = problem_text(problem)
+    raise_agreed(comm.allgather(mine) if comm is not None else [mine], problem, what, kind)
+
+
+def problem_text(problem: BaseException | str | None) -> str | None:
+    """What a rank says of its problem: the message, with the exception's type unless the message names it."""
     if isinstance(problem, BaseException):
-        mine = f"{type(problem).__name__}: {problem}" if type(problem).__name__ not in str(problem) else str(problem)
-    elif problem is not None:
-        mine = problem
-    ranks_of: dict[str, list[int]] = {}  # the same problem on many ranks is said once
-    for other, message in enumerate(comm.allgather(mine) if comm is not None else [mine]):
+        name = type(problem).__name__
+        return f"{name}: {problem}" if name not in str(problem) else str(problem)
+    return problem or None
+
+
+def raise_agreed(
+    messages: list[str | None], problem: BaseException | str | None, what: str, kind: type[Exception]
+) -> None:
+    """Raise ``kind`` naming every rank with a message (a message said by many ranks, once); nothing if none."""
+    ranks_of: dict[str, list[int]] = {}
+    for other, message in enumerate(messages):
         if message:
             ranks_of.setdefault(message, []).append(other)
     if ranks_of:

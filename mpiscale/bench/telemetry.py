@@ -152,7 +152,7 @@ async def _step_cost(system: ActorSystem, directory: Path, environment: dict[str
         started = time.perf_counter()
         for step in range(1, steps + 1):
             progress.update(step, "", 1.0, {"work": 0.0})
-            await steer(f"step {step}", None)
+            await steer(system, f"step {step}", None)
         return time.perf_counter() - started
 
     elapsed = await observed(system, "bench", str(directory / "bench-telemetry-steps.h5"), loop)

@@ -313,7 +313,7 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
                 _save_checkpoint(config, job, checkpoints, iteration + 1)
             saving = None if checkpoints is None else partial(_save_checkpoint, config, job, checkpoints, iteration + 1)
-            stopped = await steer(f"iteration {iteration + 1}", saving)
+            stopped = await steer(system, f"iteration {iteration + 1}", saving)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
             if stopped or (config.target_error and full_error <= config.target_error):
                 stop_reason = "stopped" if stopped else "target_error"

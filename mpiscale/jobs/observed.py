@@ -1,4 +1,4 @@
-"""A job under telemetry: started, progress from its progress line, finished or failed, on every rank."""
+"""A job under telemetry and steering: started, progress from its progress line, finished or failed, on every rank."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ async def observed(
 ) -> Result:
     """Run ``work()`` with this rank's telemetry session current (collective start and end).
 
-    ``steers``: the job calls ``jobs.steer`` at every step's end, so it obeys checkpoint and stop commands.
+    ``steers``: the job calls ``jobs.steer`` at every step's end, so it obeys
+    SIGTERM and the checkpoint and stop commands (with telemetry on or off).
     """
-    session = await Telemetry.start(system, command, out, steers)
+    if steers:
+        system.steering.begin()  # before telemetry takes commands
+    session = await Telemetry.start(system, command, out)
     set_current(session)
     try:
         result = await work()
@@ -27,5 +30,7 @@ async def observed(
         raise
     finally:
         set_current(None)
+        if steers:
+            system.steering.end()
     await session.close()
     return result

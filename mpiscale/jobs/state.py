@@ -60,23 +60,27 @@ def announce(event: str, detail: str) -> None:
         session.event(event, detail)
 
 
-async def steer(where: str, save: Callable[[], Awaitable[None] | None] | None) -> bool:
-    """At a step's end, on every rank (collective): obey the checkpoint and stop commands the ranks agreed on.
+async def steer(system: ActorSystem, where: str, save: Callable[[], Awaitable[None] | None] | None) -> bool:
+    """At a step's end, on every rank (collective): obey the stop and checkpoint requests the ranks agreed on.
 
-    ``save`` checkpoints the state after this step (None: the job keeps no
-    checkpoints). Returns True when the job must stop now.
+    The requests come from SIGTERM and from telemetry's commands, through the
+    runtime's steering (with telemetry on or off). ``save`` checkpoints the
+    state after this step (None: the job keeps no checkpoints). Returns True
+    when the job must stop now.
     """
-    session = telemetry.current()
-    if session is None:
-        return False
-    orders = await session.steer()
+    orders = await system.steering.agree()
     if not orders:
         return False
     if save is not None:
         saving = save()
         if inspect.isawaitable(saving):
             await saving
-    session.obeyed(orders, where, checkpointed=save is not None)
+    session = telemetry.current()
+    if session is not None:
+        session.obeyed(orders, where, checkpointed=save is not None)
+    if orders.stop and system.rank == 0:
+        how = "a resumed run goes on from there" if save is not None else "it kept no checkpoint to resume from"
+        print(f"mpiscale: stopped on request (a stop command or SIGTERM) after {where}; {how}", flush=True)
     return orders.stop
 
 

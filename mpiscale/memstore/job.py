@@ -91,7 +91,7 @@ async def _iterate(
         text = f"mean quality {result.mean:.4f}  {1e3 * seconds:.2f} ms/iteration"
         progress.update(iteration + 1, text, config.records, {"iteration": seconds})
         saving = (lambda: store.checkpoint(history_arrays(history))) if config.checkpoints else None
-        if await steer(f"iteration {iteration + 1}", saving):
+        if await steer(system, f"iteration {iteration + 1}", saving):
             break
     progress.finish()
     columns = {name: store.partition.column(name) for name in store.columns}

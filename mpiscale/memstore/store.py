@@ -155,22 +155,13 @@ class MemoryStore:
         try:
             result = check()
         except (ValueError, TypeError) as error:
-            problem = f"rank {self.system.rank}: {error}"
+            problem = str(error)
         await self._agree(problem)
         return result  # type: ignore[return-value]  # None only where _agree raised
 
     async def _agree(self, problem: str | None, kind: type[Exception] = ValueError) -> None:
-        """Raise ``problem`` (the lowest rank's) on every rank if any rank has one: before any state changes."""
-        world = self.system.world
-        if world.size == 1:
-            if problem:
-                raise kind(f"memory store: {problem}")
-            return
-        flag = np.array([world.rank if problem else world.size], np.int64)
-        await world.allreduce(flag, op="min", out=flag)
-        if flag[0] < world.size:
-            message = await world.bcast(problem, root=int(flag[0]))
-            raise kind(f"memory store: {message}")
+        """Raise on every rank, naming the ranks and their problems, if any rank has one: before any state changes."""
+        await self.system.world.agree(problem, "memory store", kind)
 
     async def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:
         """Insert or overwrite records (collective); of equal ids in a batch, the last by position wins.

@@ -13,6 +13,7 @@ from .errors import (
     RemoteTraceback,
     TransportError,
 )
+from .steering import Orders, Steering
 from .system import ActorSystem, run
 
 __all__ = [
@@ -27,10 +28,12 @@ __all__ = [
     "Communicator",
     "Hierarchy",
     "JobRefused",
+    "Orders",
     "RemoteError",
     "RemoteTraceback",
     "RestartPolicy",
     "RuntimeConfig",
+    "Steering",
     "TransportError",
     "current_system",
     "run",

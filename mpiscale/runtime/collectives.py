@@ -14,7 +14,7 @@ from types import ModuleType
 
 import numpy as np
 
-from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, split_nodes
+from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, problem_text, raise_agreed, split_nodes
 from . import transport
 from .config import RuntimeConfig
 from .errors import check_signatures, signature_digest
@@ -74,6 +74,30 @@ class Communicator:
         every = np.empty(self.size, dtype=np.int64)
         await self._wait(self.comm.Iallgather(mine, every), f"{what} check")
         check_signatures(every.tolist(), f"{what} on {self.name}", self.rank, signature)
+
+    async def agree(self, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError) -> None:
+        """All ranks go on, or all raise ``kind`` naming every failing rank and its message (collective).
+
+        The awaitable twin of ``mpiscale.ranks.agree``: the ranks keep serving
+        messages while they agree. For checks that must pass on every rank
+        before any state changes (a batch's ids on one rank, say).
+        """
+        text = problem_text(problem)
+        mine = np.frombuffer((text or "").encode(), np.uint8)
+        lengths = np.empty(self.size, np.int64)
+        length = np.array([len(mine) if text else -1], np.int64)
+        await self._wait(self.comm.Iallgather(length, lengths), f"agreement on {what}", keep=length)
+        if (lengths < 0).all():
+            return
+        sizes = np.maximum(lengths, 0)
+        every = np.empty(int(sizes.sum()), np.uint8)
+        offsets = _offsets(sizes)
+        await self._wait(self.comm.Iallgatherv(mine, [every, (sizes, offsets)]), f"messages of {what}", keep=mine)
+        messages = [
+            every[offset : offset + size].tobytes().decode(errors="replace") if length >= 0 else None
+            for offset, size, length in zip(offsets, sizes, lengths)
+        ]
+        raise_agreed(messages, problem, what, kind)
 
     async def barrier(self) -> None:
         """Wait until every rank has reached the barrier."""

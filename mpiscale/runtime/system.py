@@ -35,6 +35,7 @@ from .config import RuntimeConfig, load_mpi
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
 from .eventloop import new_event_loop
 from .progress import ProgressEngine
+from .steering import Steering
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ class ActorSystem:
         self._dropped = 0
         self._main_task: asyncio.Task | None = None
         self.exit_status = 0  # set when every rank refused the job (JobRefused)
-        self._stop_handler: Callable[[], None] | None = None
+        #: Stop and checkpoint requests, agreed by every rank at a steering job's step ends (SIGTERM feeds it).
+        self.steering = Steering(MPI, world.Dup(), self._engine)
         #: The signal that asked this rank's job to stop after its current step (None: none did).
         self.stop_signal: int | None = None
 
@@ -306,7 +308,9 @@ class ActorSystem:
     def _free(self) -> None:
         h = self.hierarchy
         h.reducer.close()
-        for comm in (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None, self._control, self._p2p):
+        comms = (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None, self._control, self._p2p,
+                 self.steering.comm)  # fmt: skip
+        for comm in comms:
             if comm is not None:
                 comm.Free()
 
@@ -379,26 +383,16 @@ class ActorSystem:
         sys.stderr.write(self.diagnostics())
         sys.stderr.flush()
 
-    def on_stop_signal(self, handler: Callable[[], None] | None) -> None:
-        """Let SIGTERM ask the job to stop after its current step: ``handler`` records the request (None: undo).
-
-        A job that checkpoints registers one (telemetry's steering does): on
-        SIGTERM the rank calls it and lets the job reach the end of its step,
-        save its state and return; the process then exits with 128+SIGTERM as
-        for a drain. If the job has not returned within ``stop_grace_s``, or a
-        second SIGTERM comes, the rank drains at once as without a handler.
-        """
-        self._stop_handler = handler
-
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        handler = self._stop_handler
-        if signum == signal.SIGTERM and handler is not None and self.stop_signal is None and not self._stopping:
+        if signum == signal.SIGTERM and self.steering.active and self.stop_signal is None and not self._stopping:
+            # A steering job stops after its step, its state saved; the process then exits with 128+SIGTERM as for
+            # a drain. If it has not returned within stop_grace_s, or a second SIGTERM comes, the rank drains.
             self.stop_signal = signum
             grace = self.config.stop_grace_s
             sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, stopping after the current step with a "
                              f"checkpoint (within {grace:g} s; a second {name} drains at once)\n")  # fmt: skip
-            handler()
+            self.steering.request("stop")
             asyncio.get_running_loop().call_later(grace, self._stop_overdue, signum)
             return
         if self._stopping:
@@ -414,7 +408,7 @@ class ActorSystem:
         if self._stopping or self._main_task is None or self._main_task.done():
             return
         sys.stderr.write(f"mpiscale: rank {self.rank}: the job did not stop within {self.config.stop_grace_s:g} s\n")
-        self._stop_handler = None  # the drain's turn: no second wait for a step's end
+        self.steering.active = False  # the drain's turn: no second wait for a step's end
         self._on_signal(signum)
 
     async def _shutdown(self, code: int) -> None:
@@ -536,7 +530,7 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     ``main`` has returned on all ranks and no message is in flight. If every
     rank raised :class:`JobRefused`, it prints the message once and raises
     ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
-    job stopped on (see :meth:`ActorSystem.on_stop_signal`), ``SystemExit(143)``.
+    job stopped on (see :mod:`mpiscale.runtime.steering`), ``SystemExit(143)``.
     """
     config = config or RuntimeConfig.from_env()
     MPI = load_mpi(config)

@@ -23,14 +23,13 @@ import socket
 import sys
 import threading
 import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from ..kernels.devices import gpu_memory_mib
-from ..runtime import Actor, ActorGroup, ActorSystem
-from .control import Orders, Rejected, Steering, parse, set_log_level
+from ..runtime import Actor, ActorGroup, ActorSystem, Orders
+from .control import Rejected, parse, set_log_level
 from .prometheus import PrometheusEndpoint, open_endpoint
 from .schema import record
 from .settings import TelemetrySettings, job_id, restart_count
@@ -77,8 +76,6 @@ class Telemetry:
         self.endpoint: PrometheusEndpoint | None = None  # rank 0, when MPISCALE_PROMETHEUS_PORT is set
         self.watchdog: Watchdog | None = None
         self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
-        #: Where the ranks agree on checkpoint and stop requests (None with telemetry off: nothing to obey).
-        self.steering: Steering | None = None
         self._commands: dict[str, str] = {}  # rank 0: id -> command, for checkpoints and stops not yet obeyed
         self._rejected = 0  # rank 0: control messages rejected in this interval
         self._task: asyncio.Task | None = None
@@ -88,10 +85,11 @@ class Telemetry:
         self._loop_thread = threading.get_ident()
 
     @classmethod
-    async def start(cls, system: ActorSystem, command: str, out: str | None, steers: bool = True) -> Telemetry:
+    async def start(cls, system: ActorSystem, command: str, out: str | None) -> Telemetry:
         """Start reporting (collective). Rank 0 connects to the broker, or opens ``OUT.telemetry.jsonl``.
 
-        ``steers``: the job calls ``steer`` at every step's end (else checkpoint and stop commands are rejected).
+        Checkpoint and stop commands go to the runtime's steering while a job steers (``system.steering.active``)
+        and are rejected otherwise.
         """
         settings, watching = TelemetrySettings.from_env(), WatchdogSettings.from_env()
         agreed = await system.world.bcast((job_id(), settings.enabled) if system.rank == 0 else None, 0)
@@ -100,7 +98,6 @@ class Telemetry:
         session = cls(system, settings, str(job), command)
         if not enabled:  # rank 0's choice: every rank must take part in the session's collectives, or none
             return session
-        session.steering = Steering(system.world) if steers else None
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
         session.group = await system.spawn_group(Collector, session, name=name)
         leader = await system.node.bcast(system.rank, 0)  # the node's first rank
@@ -116,8 +113,6 @@ class Telemetry:
             restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
-        if session.steering is not None:  # SIGTERM: every rank stops after the same step, its state saved
-            system.on_stop_signal(partial(session.steering.request, "stop"))
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
         return session
 
@@ -158,10 +153,6 @@ class Telemetry:
         else:
             self.group[0].tell("event", payload)
 
-    async def steer(self) -> Orders:
-        """Collective, once per step on every rank: the checkpoint and stop requests the ranks agreed on."""
-        return await self.steering.agree() if self.steering is not None else Orders()
-
     def obeyed(self, orders: Orders, where: str, checkpointed: bool) -> None:
         """The job acted on ``orders`` after ``where`` ("iteration 12"): rank 0 answers the commands behind them."""
         if orders.stop:
@@ -177,9 +168,6 @@ class Telemetry:
             elif command == "stop":
                 saved = "after its checkpoint" if checkpointed else "without a checkpoint (the job keeps none)"
                 self._answer("completed", id, f"stopped after {where}, {saved}")
-        if orders.stop:
-            how = "a resumed run goes on from there" if checkpointed else "it kept no checkpoint to resume from"
-            print(f"mpiscale: stopped on request (a stop command or SIGTERM) after {where}; {how}", flush=True)
 
     # ------------------------------------------------------------------ rank 0: control
     def on_control(self, raw: bytes) -> None:
@@ -192,7 +180,8 @@ class Telemetry:
                 self._answer("rejected", error.id, str(error))
             return
         assert self.group is not None
-        if self.steering is None and command.command in ("checkpoint", "stop"):
+        steering = self.system.steering
+        if not steering.active and command.command in ("checkpoint", "stop"):
             self._answer("rejected", command.id, f"{self.command} keeps no checkpoints and has no steps to stop "
                          "after; end it with scancel or Ctrl-C")  # fmt: skip
             return
@@ -205,9 +194,8 @@ class Telemetry:
             self.group.tell_all("log_level", command.level)
             self._answer("completed", command.id, f"log level {command.level} on every rank")
         else:
-            assert self.steering is not None
             self._commands[command.id] = command.command
-            self.steering.request(command.command, command.id)
+            steering.request(command.command, command.id)
 
     def _answer(self, event: str, id: str | None, detail: str) -> None:
         self.emit(record("event", self.job, event=event, rank=0, detail=detail, id=id))
@@ -300,7 +288,6 @@ class Telemetry:
 
     async def close(self) -> None:
         """The job finished (collective): rank 0 publishes the last numbers and status, then closes its sink."""
-        self.system.on_stop_signal(None)
         if self._task is not None:
             self._task.cancel()
         if self.group is None:
@@ -323,7 +310,6 @@ class Telemetry:
 
     async def fail(self, detail: str) -> None:
         """The job is failing on this rank (not collective): rank 0 says so, and closes its sink."""
-        self.system.on_stop_signal(None)
         if self._task is not None:
             self._task.cancel()
         if self.system.rank == 0 and self.group is not None:

@@ -277,7 +277,7 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
                 if job.checkpoints is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
                     _save_checkpoint(config, job, step)
                 saving = None if job.checkpoints is None else partial(_save_checkpoint, config, job, step)
-                if await steer(f"step {step}", saving):
+                if await steer(system, f"step {step}", saving):
                     stopped = True
                     break
             if stopped:
