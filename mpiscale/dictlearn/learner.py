@@ -30,6 +30,7 @@ from ..jobs import (
     same_bits_everywhere,
     start_agreed,
     steer,
+    write_results,
 )
 from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
@@ -39,7 +40,7 @@ from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
-from .results import JobResults, results_bytes, write_results
+from .results import JobResults, results_bytes, write
 from .synthetic import recovery_rate, write_planted_dataset
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
@@ -150,32 +151,27 @@ async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
     summary["threads"] = job.threads
     if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
         summary["recovery_rate"] = recovery_rate(job.planted, job.state.dictionary)
-    placement = job.comm.gather((socket.gethostname(), job.device_label), 0)
-    problem = None
-    if system.rank == 0:
-        results = JobResults(
-            config=config,
-            info=job.info,
-            dictionary=job.state.dictionary,
-            history=job.history,
-            planted=job.planted,
-            recovery_rate=summary.get("recovery_rate"),
-            world_size=system.size,
-            hosts=sorted({host for host, _ in placement}),
-            devices=[label for _, label in placement],
-            threads=job.threads,
-            stop_reason=summary["stop_reason"],
-        )
-        try:
-            write_results(results)
-        except OSError as error:
-            problem = OSError(_unwritten_results(config, job, results, error))
-        else:
-            rate = summary.get("recovery_rate")
-            recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
-            done = f"{summary['iterations']} iterations on {system.size} ranks{recovered}"
-            print(f"wrote {config.out}: {done}", flush=True)
-    await system.agree(problem, "the results file", status=1)
+    placement = job.comm.allgather((socket.gethostname(), job.device_label))
+    results = JobResults(
+        config=config,
+        info=job.info,
+        dictionary=job.state.dictionary,
+        history=job.history,
+        planted=job.planted,
+        recovery_rate=summary.get("recovery_rate"),
+        world_size=system.size,
+        hosts=sorted({host for host, _ in placement}),
+        devices=[label for _, label in placement],
+        threads=job.threads,
+        stop_reason=summary["stop_reason"],
+    )
+    rate = summary.get("recovery_rate")
+    recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
+    done = f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}"
+    await write_results(
+        system, config.out, partial(write, results=results), done,
+        lambda error: _unwritten_results(config, job, results, error),
+    )  # fmt: skip
     return summary
 
 

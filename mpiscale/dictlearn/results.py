@@ -16,16 +16,14 @@ Layout, all readable with plain h5py:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 from dataclasses import dataclass
 
 import h5py
 import numpy as np
 
-from ..io import open_file, publish, stamp
+from ..io import open_file, stamp
 from .config import DictLearnConfig
 from .data import DataInfo
 from .history import METRICS, History
@@ -50,22 +48,6 @@ class JobResults:
     stop_reason: str
 
 
-def write_results(results: JobResults) -> None:
-    """Write the file (rank 0 only), to a temporary name first; the old file is replaced only when complete.
-
-    On any failure the temporary file is removed, so a full disk keeps nothing half-written.
-    """
-    config = results.config
-    temporary = f"{config.out}.tmp"
-    try:
-        _write(temporary, results)
-        publish(temporary, config.out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
 def results_bytes(results: JobResults) -> int:
     """About what the results file takes on disk (the arrays; HDF5's metadata is small beside them)."""
     arrays = [results.dictionary, results.planted, results.history.arrays(results.dictionary.shape[0])["usage"]]
@@ -73,30 +55,30 @@ def results_bytes(results: JobResults) -> int:
     return sum(a.nbytes for a in arrays if a is not None) + metrics
 
 
-def _write(temporary: str, results: JobResults) -> None:
+def write(file: h5py.File, results: JobResults) -> None:
+    """The results into an open (new) file; ``jobs.write_results`` gives it a temporary name, then renames it."""
     config, info, history, dictionary = results.config, results.info, results.history, results.dictionary
-    with h5py.File(temporary, "w") as file:
-        stamp(file, RESULTS_FORMAT, results.world_size, config.to_dict())
-        file.create_dataset("dictionary", data=dictionary)
-        metrics = file.create_group("metrics")
-        metrics.attrs["every"] = history.every
-        for name, values in history.metrics.items():
-            metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-        metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
-        metrics.create_dataset("iteration", data=history.row_ends())
-        file.attrs["iterations"] = history.iterations
-        if results.planted is not None:
-            file.create_dataset("planted_dictionary", data=results.planted)
-            file.attrs["recovery_rate"] = results.recovery_rate
-        file.attrs["hosts"] = json.dumps(results.hosts)
-        devices = results.devices
-        file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
-        file.attrs["numba_threads_per_rank"] = results.threads
-        file.attrs["data"] = info.spec
-        file.attrs["samples"], file.attrs["features"] = info.samples, info.features
-        file.attrs["stop_reason"] = results.stop_reason
-        if info.patch_shape is not None:
-            file.attrs["patch_shape"] = info.patch_shape
+    stamp(file, RESULTS_FORMAT, results.world_size, config.to_dict())
+    file.create_dataset("dictionary", data=dictionary)
+    metrics = file.create_group("metrics")
+    metrics.attrs["every"] = history.every
+    for name, values in history.metrics.items():
+        metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
+    metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+    metrics.create_dataset("iteration", data=history.row_ends())
+    file.attrs["iterations"] = history.iterations
+    if results.planted is not None:
+        file.create_dataset("planted_dictionary", data=results.planted)
+        file.attrs["recovery_rate"] = results.recovery_rate
+    file.attrs["hosts"] = json.dumps(results.hosts)
+    devices = results.devices
+    file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
+    file.attrs["numba_threads_per_rank"] = results.threads
+    file.attrs["data"] = info.spec
+    file.attrs["samples"], file.attrs["features"] = info.samples, info.features
+    file.attrs["stop_reason"] = results.stop_reason
+    if info.patch_shape is not None:
+        file.attrs["patch_shape"] = info.patch_shape
 
 
 def summarize(path: str) -> str:

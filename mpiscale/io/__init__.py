@@ -4,7 +4,7 @@ from ..ranks import rank_rows
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
-from .h5file import open_file, publish, stamp, utc_timestamp
+from .h5file import open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
@@ -41,5 +41,6 @@ __all__ = [
     "stamp",
     "utc_timestamp",
     "write_dataset",
+    "write_file",
     "write_index",
 ]

@@ -8,9 +8,11 @@ input data is any HDF5 file, whoever wrote it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from datetime import UTC, datetime
 
@@ -197,3 +199,20 @@ def publish(temporary: str | os.PathLike, path: str | os.PathLike) -> None:
     fsync_path(temporary)
     os.replace(temporary, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def write_file(path: str | os.PathLike, write: Callable[[h5py.File], None]) -> None:
+    """Write the HDF5 file ``path`` (one process) through ``write(file)``, under a temporary name first.
+
+    Readers see the old file or the whole new one; a failure (a full disk, a
+    quota) leaves nothing behind, and the error goes on to the caller.
+    """
+    temporary = f"{os.fspath(path)}.tmp"
+    try:
+        with h5py.File(temporary, "w") as file:
+            write(file)
+        publish(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

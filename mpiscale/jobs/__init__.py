@@ -1,7 +1,8 @@
-"""What every job (dictlearn, train, collect) shares: settings from TOML and the command line, the progress line."""
+"""What every job shares: settings from TOML and the command line, the agreed start, output locks, steering,
+progress, and results written with the ranks' agreement."""
 
 from .observed import observed
-from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed
+from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed, write_results
 from .progress import ProgressLine, duration
 from .settings import add_options, load_settings, option, option_fields, run_job
 from .state import announce, restore_compatible, same_bits_everywhere, steer
@@ -23,4 +24,5 @@ __all__ = [
     "same_bits_everywhere",
     "start_agreed",
     "steer",
+    "write_results",
 ]

@@ -1,4 +1,5 @@
-"""A job's start and outputs: checks agreed by every rank, output directories, the results lock, the checkpointer."""
+"""A job's start and outputs: checks agreed by every rank, output directories, the results lock, the checkpointer,
+and the results file written with the ranks' agreement."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..io import Checkpointer, CheckpointError, LockedError, OutputLock, WriteError
+import h5py
+
+from ..io import Checkpointer, CheckpointError, LockedError, OutputLock, WriteError, write_file
 from ..ranks import Comm, agree
 from ..runtime import ActorSystem
 
@@ -79,3 +82,29 @@ def close_checkpointer(checkpoints: Checkpointer | None) -> CheckpointError | No
     except CheckpointError as error:
         return error
     return None
+
+
+async def write_results(
+    system: ActorSystem,
+    out: str,
+    write: Callable[[h5py.File], None] | None,
+    done: str,
+    failed: Callable[[OSError], str],
+) -> None:
+    """Rank 0 writes the results file ``out`` through ``write(file)``, then every rank agrees (collective).
+
+    The file appears under ``out`` only once complete (a temporary name, then a
+    rename), and a failure leaves nothing behind; it ends the job on every rank
+    with status 1 and the message ``failed(error)``. Rank 0 prints ``done``
+    once the file is written. ``write`` is only used on rank 0.
+    """
+    problem = None
+    if system.rank == 0:
+        assert write is not None
+        try:
+            write_file(out, write)
+        except OSError as error:
+            problem = OSError(failed(error))
+        else:
+            print(done, flush=True)
+    await system.agree(problem, "the results file", status=1)

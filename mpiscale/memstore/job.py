@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 import h5py
 import numpy as np
 
-from ..io import CheckpointError, DataFileError, SampleRandom, open_file, publish, stamp, write_dataset
-from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_agreed, steer
+from ..io import CheckpointError, DataFileError, SampleRandom, WriteError, open_file, stamp, write_dataset
+from ..jobs import ProgressLine, announce, check_outputs, lock_results, start_agreed, steer, write_results
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, JobRefused
 from ..telemetry import restart_count
 from .config import MemstoreConfig
 from .rehearsal import PlantedFailure, planted_failure
@@ -95,10 +96,15 @@ async def _iterate(
             break
     progress.finish()
     columns = {name: store.partition.column(name) for name in store.columns}
-    write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm, config.to_dict())
-    if system.rank == 0:
-        _write_results(config, system.size, history, store.partition.nbytes(), recovery)
-        print(f"wrote {config.out} and {config.records_path}: {config.records} records, {system.size} ranks")
+    try:
+        write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm, config.to_dict())
+    except WriteError as error:  # agreed: raised on every rank
+        raise JobRefused(f"mpiscale memstore: {error}", status=1) from None
+    write = partial(_write_results, config=config, ranks=system.size, history=history,
+                    nbytes=store.partition.nbytes(), recovery=recovery)  # fmt: skip
+    done = f"wrote {config.out} and {config.records_path}: {config.records} records, {system.size} ranks"
+    failed = f"mpiscale memstore: could not write {config.out}: {{}}".format
+    await write_results(system, config.out, write, done, failed)
     last = history[-1][0]
     return {"count": last.count, "mean": last.mean, "top_ids": last.top_ids.tolist()}
 
@@ -176,18 +182,20 @@ def history_from(arrays: dict[str, np.ndarray]) -> list[tuple[Aggregate, float]]
 
 
 def _write_results(
-    config: MemstoreConfig, ranks: int, history: list[tuple[Aggregate, float]], nbytes: int, recovery: dict | None
+    file: h5py.File,
+    config: MemstoreConfig,
+    ranks: int,
+    history: list[tuple[Aggregate, float]],
+    nbytes: int,
+    recovery: dict | None,
 ) -> None:
-    temporary = f"{config.out}.tmp"
-    with h5py.File(temporary, "w") as file:
-        stamp(file, RESULTS_FORMAT, ranks, config.to_dict())
-        for name, values in history_arrays(history).items():
-            file[name] = values
-        file.attrs["records_file"] = config.records_path
-        file.attrs["rank0_bytes"] = nbytes
-        if recovery is not None:
-            file.attrs["recovery"] = json.dumps(recovery)
-    publish(temporary, config.out)
+    stamp(file, RESULTS_FORMAT, ranks, config.to_dict())
+    for name, values in history_arrays(history).items():
+        file[name] = values
+    file.attrs["records_file"] = config.records_path
+    file.attrs["rank0_bytes"] = nbytes
+    if recovery is not None:
+        file.attrs["recovery"] = json.dumps(recovery)
 
 
 def summarize(path: str) -> str:

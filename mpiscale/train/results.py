@@ -13,16 +13,14 @@ Layout, all readable with plain h5py:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from dataclasses import dataclass
 
 import h5py
 import numpy as np
 import torch
 
-from ..io import open_file, publish, stamp
+from ..io import open_file, stamp
 from .config import TrainConfig
 from .curves import EPOCH_METRICS, STEP_METRICS, Curves
 from .data import LabelledData
@@ -47,21 +45,8 @@ class TrainResults:
     threads: int
 
 
-def write_results(results: TrainResults) -> None:
-    """Write the file (rank 0 only) under a temporary name, then rename it; a failure leaves nothing behind."""
-    out = results.config.out
-    temporary = f"{out}.tmp"
-    try:
-        with h5py.File(temporary, "w") as file:
-            _write(file, results)
-        publish(temporary, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
-
-
-def _write(file: h5py.File, results: TrainResults) -> None:
+def write(file: h5py.File, results: TrainResults) -> None:
+    """The results into an open (new) file; ``jobs.write_results`` gives it a temporary name, then renames it."""
     stamp(file, RESULTS_FORMAT, results.world_size, results.config.to_dict())
     weights = file.create_group("model")
     for name, array in model_arrays(results.model).items():

@@ -39,6 +39,7 @@ from ..jobs import (
     same_bits_everywhere,
     start_agreed,
     steer,
+    write_results,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
@@ -50,7 +51,7 @@ from .data import LabelledData, check_labelled, resident_block
 from .data_parallel import DataParallel
 from .digits import write_digits
 from .model import build_mlp, set_standardization
-from .results import TrainResults, write_results
+from .results import TrainResults, write
 from .state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
 
 log = logging.getLogger(__name__)
@@ -195,27 +196,13 @@ async def _run(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
         raise JobRefused(f"mpiscale train: {failure}", status=1) from None
     weights = [tensor.numpy() for tensor in job.model.state_dict().values()]  # views: detached, written in place
     await same_bits_everywhere(system, weights, "weights")
-    hosts = job.comm.gather(socket.gethostname(), 0)
-    problem = None
-    if system.rank == 0:
-        results = TrainResults(
-            config,
-            job.data,
-            job.validation,
-            job.spec,
-            job.model,
-            job.curves,
-            system.size,
-            sorted(set(hosts)),
-            job.threads,
-        )
-        try:
-            write_results(results)
-        except OSError as error:
-            problem = OSError(f"mpiscale train: could not write {config.out}: {error}")
-        else:
-            print(f"wrote {config.out}: {summary['steps']} steps on {system.size} ranks{summary['score']}", flush=True)
-    await system.agree(problem, "the results file", status=1)
+    hosts = sorted(set(job.comm.allgather(socket.gethostname())))
+    results = TrainResults(
+        config, job.data, job.validation, job.spec, job.model, job.curves, system.size, hosts, job.threads
+    )
+    done = f"wrote {config.out}: {summary['steps']} steps on {system.size} ranks{summary['score']}"
+    failed = f"mpiscale train: could not write {config.out}: {{}}".format
+    await write_results(system, config.out, partial(write, results=results), done, failed)
     return summary
 
 

@@ -73,12 +73,12 @@ def digests(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in outputs(directory) if p.is_file()}
 
 
-def one_message(job: Job, status: int, *fragments: str) -> str:
+def one_message(job: Job, status: int, *fragments: str, command: str = "dictlearn") -> str:
     """The job's error output holds exactly one report, with ``fragments``, and no traceback."""
     assert job.returncode == status, f"exit status {job.returncode}\n{job.output[-6000:]}"
     errors = job.stderr
     assert "Traceback" not in errors and "MPI_ABORT" not in errors, errors[-6000:]
-    assert errors.count("mpiscale dictlearn:") == 1, errors[-6000:]
+    assert errors.count(f"mpiscale {command}:") == 1, errors[-6000:]
     for fragment in fragments:
         assert fragment in errors, f"{fragment!r} not in:\n{errors[-6000:]}"
     return errors
@@ -119,6 +119,17 @@ def test_a_full_disk_for_the_results_keeps_the_dictionary_in_the_last_checkpoint
     assert "resumed from the checkpoint of iteration 30" in resumed.stdout
     with h5py.File(results / "r.h5", "r") as file:
         assert file.attrs["iterations"] == 30 and file["dictionary"].shape == (256, FEATURES)
+
+
+def test_a_full_disk_for_the_memory_stores_results_ends_the_job_cleanly(disks):
+    """The records file fits, the results (every iteration's top 1,000) do not: one message, exit 1 on every rank,
+    no half-written results file left behind."""
+    small = disks("small", "size=2m")
+    command = [sys.executable, "-m", "mpiscale.cli", "memstore", "--records", "2000", "--iterations", "300",
+               "--top", "1000", "--progress-every", "0", "--out", str(small / "m.h5")]  # fmt: skip
+    job = finish(launch(2, command), "memstore on a full disk", 120)
+    one_message(job, 1, "could not write", str(small / "m.h5"), "No space left on device", command="memstore")
+    assert [p.name for p in outputs(small)] == ["m.records.h5"]
 
 
 def test_a_read_only_checkpoint_directory_is_refused_before_any_work(disks, tmp_path, user_data):
