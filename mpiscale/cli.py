@@ -29,22 +29,20 @@ def _demo(args: argparse.Namespace) -> int:
 def _job(args: argparse.Namespace) -> int:
     """A job command: its settings from the defaults, --config and the options, then the job on every rank.
 
-    The job's module is imported only now (train's imports torch), from ``args.job_entry`` ("module:function").
+    The job's module is imported only now (train's imports torch), from its registry entry.
     """
-    from importlib import import_module
-
     from .jobs import observed, run_job
+    from .jobs.registry import JOBS
     from .runtime import run
 
-    module, function = args.job_entry.split(":")
-    job = getattr(import_module(module, __package__), function)
+    entry = JOBS[args.command]
+    job = entry.load("entry")
 
     def under_telemetry(config):
         out = getattr(config, "out", None)
-        steers = hasattr(config, "checkpoints")  # a job that keeps checkpoints obeys checkpoint and stop
-        return run(lambda system: observed(system, args.command, out, lambda: job(system, config), steers))
+        return run(lambda system: observed(system, entry.name, out, lambda: job(system, config), entry.steers))
 
-    return run_job(args.command, args.job_settings, args, under_telemetry)
+    return run_job(entry.name, args.job_settings, args, under_telemetry)
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -62,7 +60,10 @@ def _index(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from importlib import import_module
+
     from .io import DataFileError, open_file
+    from .jobs.registry import JOBS, job_of_results
 
     try:
         with open_file(args.results) as file:
@@ -70,31 +71,27 @@ def _inspect(args: argparse.Namespace) -> int:
     except DataFileError as error:
         print(f"mpiscale inspect: {error}", file=sys.stderr)
         return 2
-    if kind.startswith("mpiscale.memstore-results/"):
-        from .memstore.job import summarize as summarize_memstore
-
-        print(summarize_memstore(args.results))
-        return 0
-    if kind.startswith("mpiscale.train-results/"):
-        from .train.results import plot, summarize
-    elif kind.startswith("mpiscale.dictlearn-results/"):
-        from .dictlearn.results import plot, summarize
-    else:
-        print(
-            f"mpiscale inspect: {args.results} is not a results file of dictlearn, train or memstore", file=sys.stderr
-        )
+    job = job_of_results(kind)
+    if job is None or job.report is None:
+        names = [name for name, entry in JOBS.items() if entry.report]
+        reported = f"{', '.join(names[:-1])} or {names[-1]}"
+        print(f"mpiscale inspect: {args.results} is not a results file of {reported}", file=sys.stderr)
         return 2
-    print(summarize(args.results))
+    if args.top_inputs and job.name != "dictlearn":
+        print("mpiscale inspect: --top-inputs needs a dictlearn results file", file=sys.stderr)
+        return 2
+    if args.plot and not job.plots:
+        print(f"mpiscale inspect: --plot draws dictlearn and train results, not {job.name}'s", file=sys.stderr)
+        return 2
+    report = import_module(job.report)
+    print(report.summarize(args.results))
     if args.top_inputs:
-        if not kind.startswith("mpiscale.dictlearn-results/"):
-            print("mpiscale inspect: --top-inputs needs a dictlearn results file", file=sys.stderr)
-            return 2
         from .dictlearn.catalogue import catalogue, format_catalogue
 
         entries, samples = catalogue(args.results, args.top_inputs, args.data)
         print(format_catalogue(entries, samples, args.atoms))
     if args.plot:
-        plot(args.results, args.plot)
+        report.plot(args.results, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -191,10 +188,8 @@ def _bench(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     """The argument parser (every option documented in --help)."""
     from .bench.registry import BENCHMARKS
-    from .dictlearn.config import DictLearnConfig
     from .jobs import add_options
-    from .memstore.config import MemstoreConfig
-    from .train.config import CollectConfig, TrainConfig
+    from .jobs.registry import JOBS
 
     top = argparse.ArgumentParser(
         prog="mpiscale",
@@ -211,26 +206,11 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     settings = "Settings come from the defaults, then --config FILE.toml, then these options."
-    for name, kind, job_function, summary, description in [
-        ("dictlearn", DictLearnConfig, ".dictlearn.learner:learn",
-         "distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
-         "Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is not given."),
-        ("train", TrainConfig, ".train.trainer:train",
-         "data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
-         "Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data is not "
-         "given."),
-        ("collect", CollectConfig, ".train.collect:collect",
-         "a trained model's layer activations for a data set, written in parallel to one HDF5 file",
-         "Run the model of a train results file over every row of --data and write the outputs of --layers to "
-         "--out (one data set per layer, and sample_ids): the input of mpiscale dictlearn."),
-        ("memstore", MemstoreConfig, ".memstore.job:run_memstore",
-         "the partitioned memory store on a synthetic workload (run under launch/mpiscale-run -n N)",
-         "Reinforce, decay, aggregate and rank --records records for --iterations iterations; the results hold "
-         "every iteration's aggregate and top-k, and OUT.records.h5 the final records."),
-    ]:  # fmt: skip
-        job = commands.add_parser(name, help=summary, description=f"{description} {settings}")
+    for entry in JOBS.values():
+        kind = entry.load("settings")
+        job = commands.add_parser(entry.name, help=entry.summary, description=f"{entry.description} {settings}")
         add_options(job, kind)
-        job.set_defaults(handler=_job, job_entry=job_function, job_settings=kind)
+        job.set_defaults(handler=_job, job_settings=kind)
 
     index = commands.add_parser(
         "index",
@@ -243,8 +223,9 @@ def parser() -> argparse.ArgumentParser:
     index.add_argument("--dataset", metavar="/PATH", help="the data set to index (default: every data set)")
     index.set_defaults(handler=_index)
 
-    inspect = commands.add_parser("inspect", help="summarize a results file of dictlearn or train; --plot draws it")
-    inspect.add_argument("results", help="the results file of a dictlearn or train run")
+    inspect = commands.add_parser("inspect", help="summarize a results file of dictlearn, train or memstore; --plot "
+                                  "draws dictlearn's and train's")  # fmt: skip
+    inspect.add_argument("results", help="the results file of a dictlearn, train or memstore run")
     inspect.add_argument("--plot", metavar="FILE.png", help="draw learning curves (and atoms of image patches)")
     inspect.add_argument(
         "--top-inputs",

@@ -1,0 +1,111 @@
+"""The jobs ``mpiscale`` runs: one declaration each, from which the command line, ``inspect`` and the docs' table
+are built.
+
+A new job is its own package (its settings dataclass, its entry point, its
+results file and their report), one ``JobEntry`` below, an sbatch template in
+``hpc/slurm/`` and its docs. Packages are named by module path and imported
+only when their job runs or its results are inspected, so the layers stay
+one-way (the job packages sit above this one) and ``mpiscale --help`` stays
+fast (train's settings are read without importing torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from typing import Any
+
+
+@dataclass(frozen=True)
+class JobEntry:
+    """What the command line needs to know of a job."""
+
+    name: str  # the sub-command
+    summary: str  # its line in ``mpiscale --help``
+    description: str  # the first lines of ``mpiscale NAME --help``
+    settings: str  # "module:Class": the settings dataclass (``jobs.option`` fields), one option per field
+    entry: str  # "module:function": ``async function(system, settings) -> summary``, run on every rank
+    results_format: str  # the ``format`` attribute of the file ``--out`` names
+    report: str | None  # module with ``summarize(path)`` (and ``plot(path, image)``) for ``inspect``; None: none
+    sbatch: str  # its Slurm template, relative to the repository
+    steers: bool  # it calls ``jobs.steer`` at every step's end: it obeys SIGTERM, checkpoint and stop
+    plots: bool = False  # ``report`` also has ``plot(path, image)`` (``inspect --plot``)
+
+    def load(self, what: str) -> Any:
+        """The object ``self.settings`` or ``self.entry`` names (``what`` is the attribute's name)."""
+        module, name = getattr(self, what).split(":")
+        return getattr(import_module(module), name)
+
+
+JOBS: dict[str, JobEntry] = {
+    entry.name: entry
+    for entry in [
+        JobEntry(
+            "dictlearn",
+            "distributed sparse dictionary learning (run under launch/mpiscale-run -n N)",
+            "Learn a dictionary from FILE.h5:/dataset, or from a planted synthetic set when --data is not given.",
+            "mpiscale.dictlearn.config:DictLearnConfig",
+            "mpiscale.dictlearn.learner:learn",
+            "mpiscale.dictlearn-results/1",
+            "mpiscale.dictlearn.results",
+            "hpc/slurm/dictlearn.sbatch",
+            steers=True,
+            plots=True,
+        ),
+        JobEntry(
+            "train",
+            "data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
+            "Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data is not "
+            "given.",
+            "mpiscale.train.config:TrainConfig",
+            "mpiscale.train.trainer:train",
+            "mpiscale.train-results/1",
+            "mpiscale.train.results",
+            "hpc/slurm/train.sbatch",
+            steers=True,
+            plots=True,
+        ),
+        JobEntry(
+            "collect",
+            "a trained model's layer activations for a data set, written in parallel to one HDF5 file",
+            "Run the model of a train results file over every row of --data and write the outputs of --layers to "
+            "--out (one data set per layer, and sample_ids): the input of mpiscale dictlearn.",
+            "mpiscale.train.config:CollectConfig",
+            "mpiscale.train.collect:collect",
+            "mpiscale.activations/1",
+            None,
+            "hpc/slurm/collect.sbatch",
+            steers=False,
+        ),
+        JobEntry(
+            "memstore",
+            "the partitioned memory store on a synthetic workload (run under launch/mpiscale-run -n N)",
+            "Reinforce, decay, aggregate and rank --records records for --iterations iterations; the results hold "
+            "every iteration's aggregate and top-k, and OUT.records.h5 the final records.",
+            "mpiscale.memstore.config:MemstoreConfig",
+            "mpiscale.memstore.job:run_memstore",
+            "mpiscale.memstore-results/1",
+            "mpiscale.memstore.job",
+            "hpc/slurm/memstore.sbatch",
+            steers=True,
+        ),
+    ]
+}
+
+
+def job_of_results(file_format: str) -> JobEntry | None:
+    """The job whose results file has ``file_format`` (any version of it), or None."""
+    kind = file_format.split("/")[0]
+    return next((job for job in JOBS.values() if job.results_format.split("/")[0] == kind), None)
+
+
+def jobs_table() -> str:
+    """The jobs as a Markdown table (docs/guide.md holds it; a test keeps the two the same)."""
+    rows = ["| job | what it does | results (`format`) | `inspect` | Slurm template | obeys stop/checkpoint |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
+    for job in JOBS.values():
+        inspected = ("summary, `--plot`" if job.plots else "summary") if job.report else "plain h5py"
+        steered = "yes" if job.steers else "no (no steps to stop after)"
+        rows.append(f"| `mpiscale {job.name}` | {job.summary} | `{job.results_format}` | {inspected} | "
+                    f"`{job.sbatch}` | {steered} |")  # fmt: skip
+    return "\n".join(rows)
