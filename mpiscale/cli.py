@@ -31,8 +31,7 @@ def _job(args: argparse.Namespace) -> int:
 
     The job's module is imported only now (train's imports torch), from its registry entry.
     """
-    from .jobs import observed, run_job
-    from .jobs.registry import JOBS
+    from .jobs import JOBS, observed, run_job
     from .runtime import run
 
     entry = JOBS[args.command]
@@ -63,7 +62,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from importlib import import_module
 
     from .io import DataFileError, open_file
-    from .jobs.registry import JOBS, job_of_results
+    from .jobs import JOBS, job_of_results
 
     try:
         with open_file(args.results) as file:
@@ -119,7 +118,7 @@ def _watch(args: argparse.Namespace) -> int:
     import asyncio
     from pathlib import Path
 
-    from .telemetry.watch import watch_broker, watch_file
+    from .telemetry import watch_broker, watch_file
 
     if args.file:
         if not Path(args.file).is_file():
@@ -151,8 +150,7 @@ def _control(args: argparse.Namespace) -> int:
     """Send a command to a running job; 0 when the job completed it, 1 if it rejected it or did not answer."""
     import asyncio
 
-    from .telemetry.control import LEVELS, Command
-    from .telemetry.remote import JobEnded, new_id, send_command
+    from .telemetry import LEVELS, Command, JobEnded, new_id, send_command
 
     if (args.command_name == "log-level") != (args.level is not None) or (args.level or "INFO").upper() not in LEVELS:
         print("mpiscale control: log-level takes a LEVEL (DEBUG, INFO, WARNING, ERROR); other commands none",
@@ -188,8 +186,7 @@ def _bench(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     """The argument parser (every option documented in --help)."""
     from .bench.registry import BENCHMARKS
-    from .jobs import add_options
-    from .jobs.registry import JOBS
+    from .jobs import JOBS, add_options
 
     top = argparse.ArgumentParser(
         prog="mpiscale",

@@ -28,6 +28,7 @@ from ..jobs import (
     lock_results,
     restore_compatible,
     same_bits_everywhere,
+    settings_meta,
     start_agreed,
     steer,
     write_results,
@@ -89,9 +90,8 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[
             )
 
     restored = restore_compatible(
-        checkpoints, config.resume, config.checkpoints, _compatibility(config, info), "config", "iteration",
-        within_iterations,
-    )  # fmt: skip
+        checkpoints, config.resume, config.checkpoints, _compatibility(config, info), "iteration", within_iterations
+    )
     if restored is None:
         return None
     arrays = restored.replicated
@@ -185,7 +185,7 @@ def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpoint
     """The state after ``step`` iterations: dictionary, statistics, history, and the settings it belongs to."""
     if checkpoints.last_step == step:
         return
-    meta = {"config": _compatibility(config, job.info)}
+    meta = settings_meta(_compatibility(config, job.info))
     checkpoints.save(step, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
 
 

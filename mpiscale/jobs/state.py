@@ -15,12 +15,21 @@ from ..runtime import ActorSystem
 log = logging.getLogger(__name__)
 
 
+#: Where a checkpoint's metadata keeps the settings a resumed run must share; older checkpoints used these keys.
+SETTINGS_KEY = "settings"
+_OLDER_SETTINGS_KEYS = ("config", "job")  # dictlearn's and train's before one key served every job
+
+
+def settings_meta(expected: dict) -> dict:
+    """The metadata that ties a checkpoint to the settings of its job (see ``restore_compatible``)."""
+    return {SETTINGS_KEY: expected}
+
+
 def restore_compatible(
     checkpoints: Checkpointer,
     resume: bool,
     directory: str,
     expected: dict,
-    meta_key: str,
     unit: str,
     check: Callable[[Restored], None] | None = None,
 ) -> Restored | None:
@@ -28,9 +37,10 @@ def restore_compatible(
 
     Without ``resume`` an existing checkpoint is refused, never overwritten.
     ``check`` (the step against the run's length, say) runs next; then
-    ``expected`` is compared with ``meta[meta_key]``, and a checkpoint of
-    another job is refused, naming every setting that differs. ``unit`` names
-    a step ("iteration", "step") in the messages.
+    ``expected`` is compared with the settings the checkpoint was saved with
+    (``settings_meta``), and a checkpoint of another job is refused, naming
+    every setting that differs. ``unit`` names a step ("iteration", "step") in
+    the messages.
     """
     if not resume:
         steps = checkpoints.steps()
@@ -45,7 +55,8 @@ def restore_compatible(
         return None
     if check is not None:
         check(restored)
-    saved = restored.meta.get(meta_key, {})
+    keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
+    saved: dict = next((restored.meta[key] for key in keys if key in restored.meta), {})
     differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")

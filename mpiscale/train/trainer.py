@@ -37,6 +37,7 @@ from ..jobs import (
     lock_results,
     restore_compatible,
     same_bits_everywhere,
+    settings_meta,
     start_agreed,
     steer,
     write_results,
@@ -158,7 +159,7 @@ def _compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
 
 def _restore(config, data, spec, checkpoints, model, optimizer) -> tuple[int, Curves] | None:
     expected = _compatibility(config, data, spec)
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "job", "step")
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step")
     if restored is None:
         if config.resume and checkpoints.rank == 0:
             log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
@@ -177,7 +178,9 @@ def _save_checkpoint(config: TrainConfig, job: _Job, step: int) -> None:
     arrays, meta = optimizer_state(job.optimizer)
     replicated = model_arrays(job.model) | arrays | job.curves.arrays()
     job.checkpoints.save(
-        step, replicated=replicated, meta={"job": _compatibility(config, job.data, job.spec), "optimizer": meta}
+        step,
+        replicated=replicated,
+        meta=settings_meta(_compatibility(config, job.data, job.spec)) | {"optimizer": meta},
     )
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import Job, finish, launch
+from helpers import Job, finish, launch, run_cli
 
 FEATURES, ROWS = 64, 2000
 # 256 atoms of 64 values: a checkpoint holds about 0.8 MiB (the dictionary, A = 256 x 256, B)
@@ -60,8 +60,7 @@ def user_data(tmp_path) -> str:
 
 
 def dictlearn(ranks: int, *options: str, timeout: float = 150) -> Job:
-    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", *SETTINGS, *options]
-    return finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
+    return run_cli(ranks, "dictlearn", *SETTINGS, *options, timeout=timeout)
 
 
 def outputs(directory: Path) -> list[Path]:
@@ -125,9 +124,8 @@ def test_a_full_disk_for_the_memory_stores_results_ends_the_job_cleanly(disks):
     """The records file fits, the results (every iteration's top 1,000) do not: one message, exit 1 on every rank,
     no half-written results file left behind."""
     small = disks("small", "size=2m")
-    command = [sys.executable, "-m", "mpiscale.cli", "memstore", "--records", "2000", "--iterations", "300",
-               "--top", "1000", "--progress-every", "0", "--out", str(small / "m.h5")]  # fmt: skip
-    job = finish(launch(2, command), "memstore on a full disk", 120)
+    job = run_cli(2, "memstore", "--records", "2000", "--iterations", "300", "--top", "1000", "--progress-every", "0",
+                  "--out", small / "m.h5")  # fmt: skip
     one_message(job, 1, "could not write", str(small / "m.h5"), "No space left on device", command="memstore")
     assert [p.name for p in outputs(small)] == ["m.records.h5"]
 

@@ -11,7 +11,7 @@ import time
 import h5py
 import numpy as np
 import paho.mqtt.client as mqtt
-from conftest import assert_ok, finish, launch
+from helpers import assert_ok, finish, launch
 from mqtt_broker import start_broker
 
 from mpiscale.telemetry import problems

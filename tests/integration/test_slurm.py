@@ -10,7 +10,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO
+from helpers import REPO
 from slurm_cluster import SubmitError
 
 TEMPLATES = REPO / "hpc" / "slurm"

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import assert_ok, finish, launch
+from helpers import assert_ok, finish, launch
 from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks

@@ -13,7 +13,7 @@ import sys
 import time
 
 import h5py
-from conftest import PROGRAMS, assert_ok, finish, launch, run_mpi
+from helpers import PROGRAMS, assert_ok, finish, launch, run_mpi
 
 PROGRAM = "checkpoint_job.py"
 

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from conftest import LAUNCHER, assert_ok, finish, launch
+from helpers import LAUNCHER, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 

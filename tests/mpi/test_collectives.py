@@ -1,7 +1,7 @@
 """Awaitable collectives on real MPI, with messages flowing at the same time."""
 
 import pytest
-from conftest import assert_ok, run_mpi
+from helpers import assert_ok, run_mpi
 
 
 def test_collectives_while_messages_flow(ranks):

@@ -10,7 +10,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch, real_gpu, run_mpi
+from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch, real_gpu, run_mpi
 
 KSVD = ["--atoms", "50", "--sparsity", "3", "--samples", "1500", "--features", "20"]
 

@@ -1,7 +1,7 @@
 """Remote failures reach the asker; unhandled failures end the whole job quickly."""
 
 import pytest
-from conftest import assert_ok, run_mpi
+from helpers import assert_ok, run_mpi
 
 
 def test_remote_errors_deadlines_supervision(ranks):

@@ -3,7 +3,7 @@
 import sys
 
 import h5py
-from conftest import REPO, assert_ok, finish, launch
+from helpers import REPO, assert_ok, finish, launch
 
 
 def test_hello_actors(ranks):

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, finish, run_mpi, start_mpi
+from helpers import assert_ok, finish, run_mpi, start_mpi
 
 
 def test_idle_rank_does_not_spin(ranks):

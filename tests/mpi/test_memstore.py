@@ -7,7 +7,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from conftest import assert_ok, finish, launch, run_mpi
+from helpers import assert_ok, finish, launch, run_mpi
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 

@@ -14,15 +14,14 @@ import time
 import h5py
 import numpy as np
 import pytest
-from conftest import PROGRAMS, assert_ok, finish, launch
+from helpers import PROGRAMS, assert_ok, finish, launch, run_cli
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 WORKLOAD = ["--records", "60000", "--iterations", "50", "--top", "20", "--checkpoint-every", "10"]
 
 
 def memstore(ranks: int, *args, env=None, options=(), timeout: float = 240):
-    command = [*MPISCALE, "memstore", *WORKLOAD, *map(str, args)]
-    return finish(launch(ranks, command, env=env, options=options), f"mpiscale memstore {args}", timeout)
+    return run_cli(ranks, "memstore", *WORKLOAD, *args, env=env, options=options, timeout=timeout)
 
 
 def results(out) -> tuple[dict, dict, dict]:

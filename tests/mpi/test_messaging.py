@@ -1,6 +1,6 @@
 """Actor messaging across real MPI ranks."""
 
-from conftest import assert_ok, run_mpi
+from helpers import assert_ok, run_mpi
 
 
 def test_order_payloads_spawn(ranks):

@@ -1,6 +1,6 @@
 """Per-sample random values do not depend on which rank, or how many, generate them."""
 
-from conftest import assert_ok, run_mpi
+from helpers import assert_ok, run_mpi
 
 
 def test_values_independent_of_world_size(ranks):

@@ -1,6 +1,6 @@
 """Sharded HDF5 datasets and the batch reader under real MPI jobs."""
 
-from conftest import assert_ok, run_mpi
+from helpers import assert_ok, run_mpi
 
 
 def test_sharded_datasets_and_reader(ranks, tmp_path):

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch
+from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 

@@ -9,7 +9,7 @@ import textwrap
 import h5py
 import numpy as np
 import pytest
-from conftest import assert_ok, finish, launch
+from helpers import assert_ok, finish, launch
 from test_dictlearn import learned
 
 SETTINGS = ["--atoms", "24", "--sparsity", "3", "--iterations", "40", "--batch-size", "128", "--progress-every", "0"]

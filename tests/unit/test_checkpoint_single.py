@@ -96,3 +96,19 @@ def test_checkpoints_with_zlib_crc32_from_before_crc32c_still_load(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     with Checkpointer(tmp_path / "ckpt", MPI.COMM_SELF) as checkpoints, pytest.raises(CheckpointError):
         checkpoints.load()
+
+
+@pytest.mark.parametrize("key", ["settings", "config", "job"], ids=["now", "older-dictlearn", "older-train"])
+def test_a_jobs_checkpoint_is_resumed_under_todays_and_older_settings_keys(checkpoints, tmp_path, key):
+    """Checkpoints keep the settings they belong to under one key; those of older versions stay resumable."""
+    from mpiscale.jobs import restore_compatible
+
+    expected = {"atoms": 50, "seed": 0}
+    checkpoints.save(3, replicated={"x": np.ones(2)}, meta={key: expected})
+    checkpoints.wait()
+    restored = restore_compatible(checkpoints, True, "ckpt", expected, "iteration")
+    assert restored is not None and restored.step == 3
+    with pytest.raises(CheckpointError, match="belongs to another job \\(atoms: checkpoint 50, now 60\\)"):
+        restore_compatible(checkpoints, True, "ckpt", expected | {"atoms": 60}, "iteration")
+    with pytest.raises(CheckpointError, match="already holds checkpoints \\(newest: iteration 3\\)"):
+        restore_compatible(checkpoints, False, "ckpt", expected, "iteration")

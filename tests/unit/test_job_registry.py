@@ -6,7 +6,7 @@ from inspect import iscoroutinefunction
 
 import h5py
 import pytest
-from conftest import REPO
+from helpers import REPO
 
 from mpiscale.cli import main, parser
 from mpiscale.jobs.registry import JOBS, job_of_results, jobs_table

@@ -7,7 +7,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import real_gpu
+from helpers import real_gpu
 
 SCRIPT = textwrap.dedent(
     """

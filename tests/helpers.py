@@ -1,0 +1,111 @@
+"""Helpers of the MPI, fault and integration tests: run a program or a command under real mpirun with a hard
+timeout, and name the one that hung.
+
+Import them with ``from helpers import ...`` (``tests`` is on pytest's path); ``conftest.py`` holds only
+fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = REPO / "launch" / "mpiscale-run"
+PROGRAMS = REPO / "tests" / "mpi" / "programs"
+
+
+@dataclass
+class Job:
+    """A finished MPI job: exit status, output streams and wall time."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+# The environment as the test session began, before any unit test initialised an MPI singleton in this
+# process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
+# own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
+SESSION_ENVIRONMENT = dict(os.environ)
+
+
+def launch(
+    ranks: int, command: list[str], env: dict | None = None, options: tuple[str, ...] = (), **popen
+) -> subprocess.Popen:
+    """Start ``command`` on ``ranks`` ranks through the project's launcher (with its ``options``), in its own
+    process group."""
+    environment = dict(SESSION_ENVIRONMENT)
+    environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        [str(LAUNCHER), "-n", str(ranks), *options, "--", *command],
+        env=environment,
+        text=True,
+        start_new_session=True,
+        cwd=REPO,
+        stdout=popen.pop("stdout", subprocess.PIPE),
+        stderr=popen.pop("stderr", subprocess.PIPE),
+        **popen,
+    )
+
+
+def start_mpi(program: str, ranks: int, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Start ``tests/mpi/programs/<program>`` on ``ranks`` ranks."""
+    return launch(ranks, [sys.executable, str(PROGRAMS / program), *args], env=env, **popen)
+
+
+def finish(process: subprocess.Popen, what: str, timeout: float) -> Job:
+    """Wait for a job; on timeout ask every rank for diagnostics, kill it, and fail naming it."""
+    start = time.monotonic()
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.send_signal(signal.SIGUSR1)  # mpirun forwards it: every rank dumps its state
+        time.sleep(2)
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(
+            f"HUNG: {what} did not finish within {timeout}s; rank diagnostics follow\n"
+            f"--- stdout ---\n{(stdout or '')[-6000:]}\n--- stderr ---\n{(stderr or '')[-12000:]}"
+        )
+    return Job(process.returncode, stdout or "", stderr or "", time.monotonic() - start)
+
+
+def run_mpi(program: str, ranks: int, *args: str, timeout: float = 90, env: dict | None = None) -> Job:
+    """Run a program to completion under mpirun with a hard timeout."""
+    return finish(start_mpi(program, ranks, *args, env=env), f"{program} {' '.join(args)} on {ranks} ranks", timeout)
+
+
+def assert_ok(job: Job) -> None:
+    assert job.returncode == 0, f"exit status {job.returncode}\n{job.output[-10000:]}"
+
+
+def real_gpu() -> bool:
+    """Whether Numba sees a real CUDA GPU (asked in a child process: the simulator must not leak in)."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    probe = "from numba import cuda; print(cuda.is_available())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    found = done.stdout.strip() == "True"
+    if not found and os.environ.get("MPISCALE_REQUIRE_GPU") == "1":
+        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but Numba finds no CUDA GPU: {done.stdout}{done.stderr[-2000:]}")
+    return found
+
+
+def run_cli(
+    ranks: int, *args: object, env: dict | None = None, options: tuple[str, ...] = (), timeout: float = 120
+) -> Job:
+    """``mpiscale ARGS`` on ``ranks`` ranks to its end (not checked), with a hard timeout."""
+    command = [sys.executable, "-m", "mpiscale.cli", *map(str, args)]
+    return finish(launch(ranks, command, env=env, options=options), f"mpiscale {' '.join(map(str, args))}", timeout)
