@@ -1,27 +1,34 @@
 """Live telemetry of a running job: reports aggregated over the ranks, published to MQTT or a JSON-lines file."""
 
+from .aggregate import pace, spread
 from .control import LEVELS, Command
 from .remote import JobEnded, new_id, send_command
 from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
 from .settings import TelemetrySettings, job_id, restart_count
 from .watch import watch_broker, watch_file
+from .watchdog import Finding, Watchdog, WatchdogSettings
 
 __all__ = [
     "LEVELS",
     "SCHEMA",
     "Command",
+    "Finding",
     "JobEnded",
     "Telemetry",
     "TelemetrySettings",
+    "Watchdog",
+    "WatchdogSettings",
     "current",
     "job_id",
     "new_id",
+    "pace",
     "problems",
     "record",
     "restart_count",
     "send_command",
     "set_current",
+    "spread",
     "watch_broker",
     "watch_file",
 ]

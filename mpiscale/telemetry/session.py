@@ -29,6 +29,7 @@ import numpy as np
 
 from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem, Orders
+from .aggregate import pace, spread
 from .control import Rejected, parse, set_log_level
 from .prometheus import PrometheusEndpoint, open_endpoint
 from .schema import record
@@ -248,20 +249,10 @@ class Telemetry:
         total = max(report["total"] for report in reports.values())
         items = sum(report["items"] for report in reports.values())
         self._progress = [*self._progress[-9:], (now, step, items)]
-        first = self._progress[0]
-        span = now - first[0]
-        steps_per_s = (step - first[1]) / span if span > 0 else 0.0
-        items_per_s = (items - first[2]) / span if span > 0 else 0.0
-        eta = (total - step) / steps_per_s if steps_per_s > 0 else None
+        steps_per_s, items_per_s, eta = pace(self._progress, total)
         self.emit(record("progress", self.job, step=step, total=total, steps_per_s=steps_per_s, eta_s=eta,
                          items_per_s=items_per_s))  # fmt: skip
-        values = {}
-        for name in sorted({n for report in reports.values() for n in report["metrics"]} | {"step"}):
-            found = {rank: (r["step"] if name == "step" else r["metrics"].get(name)) for rank, r in reports.items()}
-            found = {rank: float(value) for rank, value in found.items() if value is not None}
-            low = min(found, key=lambda rank: (found[rank], rank))
-            values[name] = {"min": found[low], "mean": sum(found.values()) / len(found), "max": max(found.values()),
-                            "min_rank": low}  # fmt: skip
+        values = spread(reports)
         slowest = values["step"]["min_rank"]
         self.emit(record("metrics", self.job, ranks_reporting=len(reports), slowest_rank=slowest, values=values))
         oldest = now - min(report["time"] for report in reports.values())

@@ -1,0 +1,61 @@
+"""What rank 0 decides from the ranks' reports, as pure functions: the metrics' spread, the pace, hangs, stragglers."""
+
+import pytest
+
+from mpiscale.telemetry import Watchdog, WatchdogSettings, pace, spread
+
+
+def report(rank: int, step: int, time: float, wait_s: float = 0.0, waiting_in=None, **metrics) -> dict:
+    return {"rank": rank, "step": step, "time": time, "wait_s": wait_s, "waiting_in": waiting_in,
+            "host": "h", "pid": 100 + rank, "metrics": metrics}  # fmt: skip
+
+
+def test_spread_names_the_rank_furthest_behind_and_skips_ranks_without_a_metric():
+    values = spread({0: report(0, 9, 0, rss_mib=10.0), 1: report(1, 7, 0, rss_mib=30.0), 2: report(2, 7, 0)})
+    assert values["step"] == {"min": 7.0, "mean": pytest.approx(23 / 3), "max": 9.0, "min_rank": 1}
+    assert values["rss_mib"] == {"min": 10.0, "mean": 20.0, "max": 30.0, "min_rank": 0}
+
+
+def test_pace_over_recent_reports():
+    assert pace([(0.0, 0, 0.0), (2.0, 10, 500.0)], 30) == (5.0, 250.0, 4.0)
+    assert pace([(1.0, 3, 0.0)], 30) == (0.0, 0.0, None)  # one point: no pace, no ETA yet
+
+
+def test_a_rank_that_stops_advancing_while_the_others_wait_is_a_hang_reported_once():
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=10))
+    waiting = ("allreduce on world", 6.0)
+    assert watchdog.look({0: report(0, 5, 0), 1: report(1, 5, 0)}, 0.0) == []
+    reports = {0: report(0, 5, 11, waiting_in=waiting), 1: report(1, 5, 3)}
+    found = watchdog.look(reports, 11.0)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 1)]
+    assert "rank 1 (host h, pid 101) has not advanced for 11 s" in found[0].detail and "ranks [0]" in found[0].detail
+    assert watchdog.look(reports, 12.0) == []  # said once
+
+
+def test_no_hang_while_the_quiet_rank_itself_waits_or_nobody_waits_long():
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=10))
+    watchdog.look({0: report(0, 5, 0), 1: report(1, 5, 0)}, 0.0)
+    both_wait = {r: report(r, 5, 11, waiting_in=("barrier on world", 6.0)) for r in (0, 1)}
+    assert watchdog.look(both_wait, 11.0) == []
+    short_wait = {0: report(0, 5, 11, waiting_in=("barrier on world", 1.0)), 1: report(1, 5, 3)}
+    assert watchdog.look(short_wait, 11.0) == []
+
+
+def test_a_straggler_is_the_rank_the_others_wait_for_report_after_report():
+    watchdog = Watchdog(WatchdogSettings(straggler_intervals=3))
+    found = []
+    for interval in range(5):
+        t = 2.0 * interval
+        reports = {0: report(0, interval, t, wait_s=0.8 * t), 1: report(1, interval, t, wait_s=0.7 * t),
+                   2: report(2, interval, t, wait_s=0.05 * t)}  # fmt: skip
+        found.append(watchdog.look(reports, t))
+    assert [len(f) for f in found] == [0, 0, 0, 1, 0]  # the third straggling interval in a row, and once
+    assert found[3][0].kind == "straggler" and found[3][0].rank == 2 and "the others wait for it" in found[3][0].detail
+
+
+def test_even_waiting_is_no_straggler():
+    watchdog = Watchdog(WatchdogSettings(straggler_intervals=1))
+    for interval in range(4):
+        t = 2.0 * interval
+        reports = {r: report(r, interval, t, wait_s=0.5 * t) for r in range(3)}
+        assert watchdog.look(reports, t) == []
