@@ -70,17 +70,20 @@ def _inspect(args: argparse.Namespace) -> int:
     except DataFileError as error:
         print(f"mpiscale inspect: {error}", file=sys.stderr)
         return 2
+
+    def jobs_that(has: str, last: str) -> str:  # "dictlearn, train or memstore"
+        names = [name for name, entry in JOBS.items() if getattr(entry, has)]
+        return f"{', '.join(names[:-1])} {last} {names[-1]}" if len(names) > 1 else names[0]
+
     job = job_of_results(kind)
     if job is None or job.report is None:
-        names = [name for name, entry in JOBS.items() if entry.report]
-        reported = f"{', '.join(names[:-1])} or {names[-1]}"
-        print(f"mpiscale inspect: {args.results} is not a results file of {reported}", file=sys.stderr)
+        print(f"mpiscale inspect: {args.results} is not a results file of {jobs_that('report', 'or')}", file=sys.stderr)
         return 2
     if args.top_inputs and job.name != "dictlearn":
         print("mpiscale inspect: --top-inputs needs a dictlearn results file", file=sys.stderr)
         return 2
     if args.plot and not job.plots:
-        print(f"mpiscale inspect: --plot draws dictlearn and train results, not {job.name}'s", file=sys.stderr)
+        print(f"mpiscale inspect: --plot draws {jobs_that('plots', 'and')} results, not {job.name}'s", file=sys.stderr)
         return 2
     report = import_module(job.report)
     print(report.summarize(args.results))

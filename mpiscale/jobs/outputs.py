@@ -87,7 +87,7 @@ def close_checkpointer(checkpoints: Checkpointer | None) -> CheckpointError | No
 async def write_results(
     system: ActorSystem,
     out: str,
-    write: Callable[[h5py.File], None] | None,
+    write: Callable[[h5py.File], None],
     done: str,
     failed: Callable[[OSError], str],
 ) -> None:
@@ -96,11 +96,10 @@ async def write_results(
     The file appears under ``out`` only once complete (a temporary name, then a
     rename), and a failure leaves nothing behind; it ends the job on every rank
     with status 1 and the message ``failed(error)``. Rank 0 prints ``done``
-    once the file is written. ``write`` is only used on rank 0.
+    once the file is written. Other ranks only agree.
     """
     problem = None
     if system.rank == 0:
-        assert write is not None
         try:
             write_file(out, write)
         except OSError as error:

@@ -18,7 +18,6 @@ suddenly take, and a step pays one non-blocking reduction of two integers.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -27,7 +26,6 @@ import numpy as np
 
 from .progress import ProgressEngine
 
-log = logging.getLogger(__name__)
 REQUESTS = ("stop", "checkpoint")
 _STOP, _CHECKPOINT = 0, 1
 
@@ -91,17 +89,14 @@ class Steering:
         self._round = _Round(request, mine, ids)
         return orders
 
-    def end(self) -> list[str]:
-        """The job stopped steering on this rank; returns the ids of requests it will no longer obey.
+    def end(self) -> None:
+        """The job stopped steering on this rank; requests not yet obeyed are dropped.
 
         The round in flight is left to the progress engine, which completes it
         (every rank posted it) before the rank shuts down.
         """
         self.active = False
-        unanswered = self._ids
         last, self._round = self._round, None
         if last is not None:
-            unanswered = last.ids + unanswered
             self._engine.wait(last.request, "the last agreement on stop and checkpoint requests", last.wanted)
         self._wanted[:], self._ids = 0, []
-        return unanswered
