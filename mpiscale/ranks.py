@@ -11,14 +11,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload
 
-Comm = Any
-"""A communicator: an ``mpi4py.MPI.Comm``, or the runtime's ``Communicator`` (``system.world``).
+if TYPE_CHECKING:  # mpi4py is imported where MPI is used, so that importing this module does not start MPI
+    from mpi4py.MPI import Comm as MPIComm
 
-Every function of io and the workloads that takes a ``comm`` accepts either;
-``as_mpi`` gives the mpi4py communicator underneath.
-"""
+    class WrapsComm(Protocol):
+        """The runtime's ``Communicator`` (``system.world``), seen from below: it wraps an mpi4py communicator."""
+
+        @property
+        def comm(self) -> MPIComm: ...
+
+    Comm: TypeAlias = MPIComm
+    AnyComm: TypeAlias = MPIComm | WrapsComm
+else:
+    Comm = AnyComm = Any
+
+# ``Comm``: an mpi4py communicator. ``AnyComm``: that, or the runtime's ``Communicator`` (``system.world``):
+# what io and the workloads accept where they take a ``comm``; ``as_mpi`` gives the mpi4py communicator underneath.
 
 COUNT_LIMIT = 2**31 - 1
 """The most elements one MPI call may count (a C ``int``)."""
@@ -27,9 +37,14 @@ MAX_MESSAGE_BYTES = 1 << 30
 """Largest piece one message carries: buffers over 2 GiB go as several, whatever the MPI library."""
 
 
-def as_mpi(comm: Comm | None) -> Any:
+@overload
+def as_mpi(comm: AnyComm) -> Comm: ...
+@overload
+def as_mpi(comm: None) -> None: ...
+def as_mpi(comm: AnyComm | None) -> Comm | None:
     """The mpi4py communicator of ``comm`` (a runtime ``Communicator`` wraps one as ``.comm``); None stays None."""
-    return getattr(comm, "comm", comm)
+    wrapped = getattr(comm, "comm", None)
+    return comm if wrapped is None else wrapped  # type: ignore[return-value]  # a WrapsComm has a comm
 
 
 def launched_rank() -> int:

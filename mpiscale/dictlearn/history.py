@@ -8,6 +8,7 @@ results files and checkpoints stay the same size however long the run.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,14 +36,15 @@ class History:
     """Metrics and atom usage (codes using each atom, summed) in rows of ``every`` iterations."""
 
     every: int
+    atoms: int
     iterations: int = 0
     metrics: dict[str, list] = field(default_factory=lambda: {name: [] for name in METRICS})
     usage: list = field(default_factory=list)
 
     @classmethod
-    def start(cls, iterations: int) -> History:
-        """An empty record sized for a run of ``iterations``."""
-        return cls(max(1, math.ceil(iterations / ROWS)))
+    def start(cls, iterations: int, atoms: int) -> History:
+        """An empty record sized for a run of ``iterations`` with ``atoms`` atoms."""
+        return cls(max(1, math.ceil(iterations / ROWS)), atoms)
 
     def record(self, values: dict[str, float], usage: np.ndarray) -> None:
         """Add the next iteration's metrics and atom usage."""
@@ -69,21 +71,17 @@ class History:
         rows = len(self.usage)
         return np.minimum(np.arange(1, rows + 1) * self.every, self.iterations)
 
-    def arrays(self, atoms: int) -> dict[str, np.ndarray]:
-        """Plain arrays, for checkpoints."""
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Plain arrays, for checkpoints (``jobs.Stateful``)."""
         arrays: dict[str, np.ndarray] = {
             f"metric_{name}": np.asarray(values, dtype=np.float64) for name, values in self.metrics.items()
         }
-        arrays["usage"] = np.asarray(self.usage, dtype=np.int64).reshape(-1, atoms)
+        arrays["usage"] = np.asarray(self.usage, dtype=np.int64).reshape(-1, self.atoms)
         arrays["record"] = np.array([self.every, self.iterations], dtype=np.int64)
         return arrays
 
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> History:
-        """The record ``arrays`` saved."""
-        every, iterations = (int(v) for v in arrays["record"])
-        history = cls(every, iterations)
-        for name in METRICS:
-            history.metrics[name] = arrays[f"metric_{name}"].tolist()
-        history.usage = list(arrays["usage"])
-        return history
+    def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The record ``to_arrays`` gave."""
+        self.every, self.iterations = (int(v) for v in arrays["record"])
+        self.metrics = {name: arrays[f"metric_{name}"].tolist() for name in METRICS}
+        self.usage = list(arrays["usage"])

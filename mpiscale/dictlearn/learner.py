@@ -15,6 +15,7 @@ import logging
 import math
 import socket
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,21 +23,24 @@ import numpy as np
 
 from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
 from ..jobs import (
-    ProgressLine,
+    Ended,
+    Plan,
+    Step,
     check_outputs,
     close_checkpointer,
+    load_state,
     lock_results,
     restore_compatible,
+    run_lifecycle,
     same_bits_everywhere,
     settings_meta,
-    start_agreed,
-    steer,
+    state_arrays,
     write_results,
 )
 from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
 from ..ranks import Comm, host_placement, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
@@ -81,7 +85,9 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.nda
     return info, planted
 
 
-def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[int, DictionaryState, History] | None:
+def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer, state: DictionaryState, history: History) -> int:
+    """The iterations of the checkpoint a resumed run continues, its state loaded into ``state`` and ``history``."""
+
     def within_iterations(restored) -> None:
         if restored.step > config.iterations:
             raise CheckpointError(
@@ -93,27 +99,9 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer) -> tuple[
         checkpoints, config.resume, config.checkpoints, _compatibility(config, info), "iteration", within_iterations
     )
     if restored is None:
-        return None
-    arrays = restored.replicated
-    state = DictionaryState(arrays["dictionary"], arrays["a"], arrays["b"], arrays["idle"])
-    return restored.step, state, History.from_arrays(arrays)
-
-
-@dataclass
-class _Job:
-    """Everything checked and loaded before the first iteration."""
-
-    comm: Comm
-    info: DataInfo
-    planted: np.ndarray | None
-    state: DictionaryState
-    history: History
-    start: int
-    checkpoints: Checkpointer | None
-    device: str
-    device_label: str
-    threads: int
-    results_lock: OutputLock | None  # rank 0's hold on the results path
+        return 0
+    load_state(restored.replicated, state, history)
+    return restored.step
 
 
 async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
@@ -126,83 +114,91 @@ async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
     cannot be written (full disk, quota, a rank stuck in collective I/O) ends it
     with one message and status 1. Other errors keep their tracebacks.
     """
-    job = await start_agreed(system, "dictlearn", lambda: _prepare(system, config))
-    try:
-        return await _run(system, config, job)
-    finally:
-        if job.results_lock is not None:
-            job.results_lock.release()
+    return await run_lifecycle(system, "dictlearn", lambda: _prepare(system, config))
 
 
-async def _run(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
-    failure: CheckpointError | None = None
-    try:
-        summary = await _iterate(system, config, job)
-        _save_final_checkpoint(config, job)
-    except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures
-        failure = error
-    finally:
-        closing = close_checkpointer(job.checkpoints)  # always: it releases the directory's lock
-        failure = failure or closing
-    if failure is not None:
-        raise JobRefused(f"mpiscale dictlearn: {failure}", status=1) from None
-    await same_bits_everywhere(system, [job.state.dictionary], "dictionaries")
-    summary["world_size"] = system.size
-    summary["threads"] = job.threads
-    if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
-        summary["recovery_rate"] = recovery_rate(job.planted, job.state.dictionary)
-    placement = job.comm.allgather((socket.gethostname(), job.device_label))
-    results = JobResults(
-        config=config,
-        info=job.info,
-        dictionary=job.state.dictionary,
-        history=job.history,
-        planted=job.planted,
-        recovery_rate=summary.get("recovery_rate"),
-        world_size=system.size,
-        hosts=sorted({host for host, _ in placement}),
-        devices=[label for _, label in placement],
-        threads=job.threads,
-        stop_reason=summary["stop_reason"],
-    )
-    rate = summary.get("recovery_rate")
-    recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
-    done = f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}"
-    await write_results(
-        system, config.out, partial(write, results=results), done,
-        lambda error: _unwritten_results(config, job, results, error),
-    )  # fmt: skip
-    return summary
+@dataclass
+class _Learning:
+    """The job between its checks and its results (a ``jobs.SteppedJob``)."""
 
+    system: ActorSystem
+    config: DictLearnConfig
+    comm: Comm
+    info: DataInfo
+    planted: np.ndarray | None
+    state: DictionaryState
+    history: History
+    start: int
+    checkpoints: Checkpointer | None
+    device: str
+    device_label: str
+    threads: int
+    results_lock: OutputLock | None  # rank 0's hold on the results path
+    plan: Plan
 
-def _save_final_checkpoint(config: DictLearnConfig, job: _Job) -> None:
-    """Checkpoint the last iteration if the loop did not, so the learned state outlives a failed results write."""
-    if job.checkpoints is not None and config.checkpoint_every:
-        _save_checkpoint(config, job, job.checkpoints, job.history.iterations)
+    async def restore(self) -> int:
+        return self.start  # restored while preparing, where a bad checkpoint is bad input
 
+    def save(self, done: int) -> None:
+        """The state after ``done`` iterations: dictionary, statistics, history, and the settings it belongs to."""
+        assert self.checkpoints is not None
+        meta = settings_meta(_compatibility(self.config, self.info))
+        self.checkpoints.save(done, replicated=state_arrays(self.state, self.history), meta=meta)
 
-def _save_checkpoint(config: DictLearnConfig, job: _Job, checkpoints: Checkpointer, step: int) -> None:
-    """The state after ``step`` iterations: dictionary, statistics, history, and the settings it belongs to."""
-    if checkpoints.last_step == step:
-        return
-    meta = settings_meta(_compatibility(config, job.info))
-    checkpoints.save(step, replicated=job.state.arrays() | job.history.arrays(config.atoms), meta=meta)
+    def close_checkpoints(self) -> CheckpointError | None:
+        return close_checkpointer(self.checkpoints)
 
+    def release(self) -> None:
+        if self.results_lock is not None:
+            self.results_lock.release()
 
-def _unwritten_results(config: DictLearnConfig, job: _Job, results: JobResults, error: OSError) -> str:
-    """Why the results file could not be written, how much it needs, and where the learned dictionary is."""
-    needed = results_bytes(results) / 2**20
-    text = f"mpiscale dictlearn: could not write {config.out} (about {needed:.1f} MiB): {error}"
-    checkpoints = job.checkpoints
-    if checkpoints is not None and checkpoints.last_step == job.history.iterations:
-        return (
-            f"{text}. The learned dictionary is safe in the checkpoint of iteration {checkpoints.last_step} in "
-            f"{config.checkpoints}: make room, then run the same command with --resume to write the results"
+    def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        return _iterate(self, start)
+
+    async def finish(self, ended: Ended) -> dict:
+        system, config = self.system, self.config
+        await same_bits_everywhere(system, [self.state.dictionary], "dictionaries")
+        stop_reason = "stopped" if ended.stopped else ended.reached or "iterations"
+        summary: dict = {"iterations": self.history.iterations, "stop_reason": stop_reason,
+                         "world_size": system.size, "threads": self.threads}  # fmt: skip
+        if self.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
+            summary["recovery_rate"] = recovery_rate(self.planted, self.state.dictionary)
+        placement = self.comm.allgather((socket.gethostname(), self.device_label))
+        results = JobResults(
+            config=config,
+            info=self.info,
+            dictionary=self.state.dictionary,
+            history=self.history,
+            planted=self.planted,
+            recovery_rate=summary.get("recovery_rate"),
+            world_size=system.size,
+            hosts=sorted({host for host, _ in placement}),
+            devices=[label for _, label in placement],
+            threads=self.threads,
+            stop_reason=stop_reason,
         )
-    return f"{text}. The learned dictionary is lost with this run; --checkpoint-every N keeps a final checkpoint"
+        rate = summary.get("recovery_rate")
+        recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
+        done = f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}"
+        await write_results(
+            system, config.out, partial(write, results=results), done, partial(self._unwritten_results, results)
+        )
+        return summary
+
+    def _unwritten_results(self, results: JobResults, error: OSError) -> str:
+        """Why the results file could not be written, how much it needs, and where the learned dictionary is."""
+        config, checkpoints = self.config, self.checkpoints
+        needed = results_bytes(results) / 2**20
+        text = f"mpiscale dictlearn: could not write {config.out} (about {needed:.1f} MiB): {error}"
+        if checkpoints is not None and checkpoints.last_step == self.history.iterations:
+            return (
+                f"{text}. The learned dictionary is safe in the checkpoint of iteration {checkpoints.last_step} in "
+                f"{config.checkpoints}: make room, then run the same command with --resume to write the results"
+            )
+        return f"{text}. The learned dictionary is lost with this run; --checkpoint-every N keeps a final checkpoint"
 
 
-def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
+def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     """Check the input, pick cores and device, load the data's first atoms or the newest checkpoint (collective)."""
     from mpi4py import MPI
 
@@ -221,29 +217,33 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Job:
     try:
         info, planted = _prepare_data(config, comm)
         state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
-        history, start, checkpoints = History.start(config.iterations), 0, None
+        history, start = History.start(config.iterations, config.atoms), 0
         if config.checkpoint_every or config.resume:
             checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-            restored = _restore(config, info, checkpoints)
-            if restored is not None:
-                start, state, history = restored
-                if system.rank == 0:
-                    print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
-            elif config.resume and system.rank == 0:
+            start = _restore(config, info, checkpoints, state, history)
+            if start and system.rank == 0:
+                print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
+            elif config.resume and not start and system.rank == 0:
                 log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
-        return _Job(comm, info, planted, state, history, start, checkpoints, device, label, threads, results_lock)
+        saves = checkpoints is not None
+        plan = Plan("iteration", "signals", config.iterations, config.progress_every, config.checkpoint_every, saves,
+                    checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
+        return _Learning(
+            system, config, comm, info, planted, state, history, start, checkpoints, device, label, threads,
+            results_lock, plan,
+        )  # fmt: skip
     except BaseException:
-        if checkpoints is not None:
-            close_checkpointer(checkpoints)  # its lock too: the job never started
+        close_checkpointer(checkpoints)  # its lock too: the job never started
         if results_lock is not None:
             results_lock.release()
         raise
 
 
-async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> dict:
+async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
+    """The iterations from ``start``, one ``Step`` after each."""
+    system, config = job.system, job.config
     rank, size = system.rank, system.size
-    info, state, history = job.info, job.state, job.history
-    start, checkpoints, device = job.start, job.checkpoints, job.device
+    info, state, history, device = job.info, job.state, job.history, job.device
     stats = BatchStatistics(config.atoms, info.features, size, config.max_replace)
     alpha = config.alpha if config.coder == "lasso" else 0.0
     block = resident_block(info, job.comm) if config.method == "mod" or config.eval_every else None
@@ -261,11 +261,9 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             in_memory=config.keep_in_memory,
         )
         batches = online_batches(reader, info.name, start)
-    progress = ProgressLine(config.iterations, start, config.progress_every if rank == 0 else None, "signals")
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
     gram = gram_matrix(state.dictionary)
     clock = time.perf_counter()
-    stop_reason = "iterations"
     try:
         for iteration in range(start, config.iterations):
             began = time.perf_counter()
@@ -305,21 +303,13 @@ async def _iterate(system: ActorSystem, config: DictLearnConfig, job: _Job) -> d
             history.record(row, stats.usage)
             phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
                       "update": row["update_s"]}  # fmt: skip
-            progress.update(iteration + 1, _progress_text(row), stats.sum("signals"), phases)
-            if checkpoints is not None and config.checkpoint_every and (iteration + 1) % config.checkpoint_every == 0:
-                _save_checkpoint(config, job, checkpoints, iteration + 1)
-            saving = None if checkpoints is None else partial(_save_checkpoint, config, job, checkpoints, iteration + 1)
-            stopped = await steer(system, f"iteration {iteration + 1}", saving)
+            reached = "target_error" if config.target_error and full_error <= config.target_error else None
+            yield Step(_progress_text(row), stats.sum("signals"), phases, reached)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
-            if stopped or (config.target_error and full_error <= config.target_error):
-                stop_reason = "stopped" if stopped else "target_error"
-                break
     finally:
         if reader is not None:
             await batches.aclose()
             reader.close()
-    progress.finish()
-    return {"iterations": history.iterations, "stop_reason": stop_reason}
 
 
 def _progress_text(row: dict) -> str:

@@ -50,7 +50,7 @@ class JobResults:
 
 def results_bytes(results: JobResults) -> int:
     """About what the results file takes on disk (the arrays; HDF5's metadata is small beside them)."""
-    arrays = [results.dictionary, results.planted, results.history.arrays(results.dictionary.shape[0])["usage"]]
+    arrays = [results.dictionary, results.planted, results.history.to_arrays()["usage"]]
     metrics = sum(len(values) for values in results.history.metrics.values()) * 8
     return sum(a.nbytes for a in arrays if a is not None) + metrics
 
@@ -64,7 +64,7 @@ def write(file: h5py.File, results: JobResults) -> None:
     metrics.attrs["every"] = history.every
     for name, values in history.metrics.items():
         metrics.create_dataset(name, data=np.asarray(values, dtype=np.float64))
-    metrics.create_dataset("atom_usage", data=history.arrays(dictionary.shape[0])["usage"])
+    metrics.create_dataset("atom_usage", data=history.to_arrays()["usage"])
     metrics.create_dataset("iteration", data=history.row_ends())
     file.attrs["iterations"] = history.iterations
     if results.planted is not None:

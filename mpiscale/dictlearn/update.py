@@ -11,6 +11,7 @@ collective and picks the same signals whatever the number of ranks.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,8 +112,18 @@ class DictionaryState:
         atoms, features = dictionary.shape
         return cls(dictionary, np.zeros((atoms, atoms)), np.zeros((atoms, features)), np.zeros(atoms, np.int64))
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The state, for checkpoints (``jobs.Stateful``)."""
         return {"dictionary": self.dictionary, "a": self.a, "b": self.b, "idle": self.idle}
+
+    def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The state ``to_arrays`` gave, for a dictionary of the same shape."""
+        atoms, features = self.dictionary.shape
+        shapes = {"dictionary": (atoms, features), "a": (atoms, atoms), "b": (atoms, features), "idle": (atoms,)}
+        for name, shape in shapes.items():
+            if arrays[name].shape != shape:
+                raise ValueError(f"the saved {name} is of shape {arrays[name].shape}, the job needs {shape}")
+        self.dictionary, self.a, self.b, self.idle = (np.array(arrays[name]) for name in shapes)
 
 
 def forgetting_factor(iteration: int, rate: float) -> float:

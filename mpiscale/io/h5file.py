@@ -74,7 +74,7 @@ def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | Non
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 
 
-def file_access(comm: Comm) -> dict:
+def file_access(comm: Comm | None) -> dict:
     """``h5py.File`` keywords for a file every rank of ``comm`` opens: the MPI-IO driver.
 
     A job of one rank (or no communicator) with an h5py built without MPI (a

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ranks import Comm, as_mpi, host_placement, rank_rows, size_and_rank
+from ..ranks import AnyComm, Comm, as_mpi, host_placement, rank_rows, size_and_rank
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset
 
@@ -159,7 +159,7 @@ class BatchReader:
         path: str | os.PathLike,
         names: list[str] | tuple[str, ...],
         batch_size: int,
-        comm: Comm | None = None,
+        comm: AnyComm | None = None,
         shuffle: bool = False,
         seed: int = 0,
         drop_last: bool = False,
@@ -204,7 +204,7 @@ class BatchReader:
             if ranks_on_host <= (os.cpu_count() or 1):  # a thread more pays off only with a core per rank
                 self._assembler = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-batches")
 
-    def _fits(self, comm: Comm, ranks_on_host: int) -> bool:
+    def _fits(self, comm: Comm | None, ranks_on_host: int) -> bool:
         """Whether every host can hold a copy of the data per rank in its share of memory (the same on every rank)."""
         fits = self.nbytes * ranks_on_host <= MEMORY_FRACTION * available_memory()
         if comm is None:

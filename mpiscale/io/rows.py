@@ -26,7 +26,7 @@ def _transfer_list() -> h5py.h5p.PropDXID:
     return plist
 
 
-def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm: Comm) -> tuple[int, int]:
+def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm: Comm | None) -> tuple[int, int]:
     """(number of rounds, the same on every rank; rows per round)."""
     row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
     per_round = max(1, max_bytes // max(row_bytes, 1))
@@ -49,7 +49,9 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
     return memory_space, file_space
 
 
-def _transfer(dset: h5py.Dataset, start: int, buffer: np.ndarray, comm: Comm, max_bytes: int, write: bool) -> None:
+def _transfer(
+    dset: h5py.Dataset, start: int, buffer: np.ndarray, comm: Comm | None, max_bytes: int, write: bool
+) -> None:
     """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
     rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
     plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..ranks import Comm, as_mpi, rank_rows, size_and_rank
+from ..ranks import AnyComm, as_mpi, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import (
     INDEX_FORMAT,
@@ -38,7 +38,7 @@ from .writer import RowWriter
 
 
 def write_dataset(
-    path: str | os.PathLike, arrays: dict[str, np.ndarray], comm: Comm | None = None, config: dict | None = None
+    path: str | os.PathLike, arrays: dict[str, np.ndarray], comm: AnyComm | None = None, config: dict | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Write each rank's rows of every array into one file (collective); returns the global shapes.
 
@@ -154,7 +154,7 @@ class ShardedDataset:
         self,
         path: str | os.PathLike | list,
         name: str = "",
-        comm: Comm | None = None,
+        comm: AnyComm | None = None,
         dtype: DTypeLike | None = None,
         row_shape: tuple[int, ...] | None = None,
     ) -> None:
@@ -311,11 +311,12 @@ class ShardedDataset:
 def read_dataset(
     path: str | os.PathLike,
     name: str = "",
-    comm: Comm | None = None,
+    comm: AnyComm | None = None,
     dtype: DTypeLike | None = None,
     row_shape: tuple[int, ...] | None = None,
 ) -> np.ndarray:
     """This rank's block of rows of ``name`` (collective), split as ``np.array_split`` would."""
+    comm = as_mpi(comm)
     with ShardedDataset(path, name, comm, dtype, row_shape) as data:
         size, rank = size_and_rank(comm)
         start, stop = rank_rows(len(data), size, rank)

@@ -17,7 +17,7 @@ import os
 import h5py
 import numpy as np
 
-from ..ranks import Comm, agree, as_mpi, size_and_rank
+from ..ranks import AnyComm, agree, as_mpi, size_and_rank
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp
 from .rows import write_rows
@@ -35,7 +35,7 @@ class RowWriter:
         self,
         path: str | os.PathLike,
         layout: dict[str, tuple[tuple[int, ...], np.dtype]],
-        comm: Comm | None = None,
+        comm: AnyComm | None = None,
         config: dict | None = None,
         attrs: dict | None = None,
         file_format: str = DATASET_FORMAT,

@@ -1,15 +1,25 @@
 """What every job shares: settings from TOML and the command line, the agreed start, output locks, steering,
 progress, and results written with the ranks' agreement."""
 
-from .lifecycle import observed
+from .lifecycle import Ended, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed, write_results
 from .progress import ProgressLine, duration
 from .registry import JOBS, JobEntry, job_of_results, jobs_table
 from .settings import add_options, load_settings, option, option_fields, run_job
-from .state import announce, restore_compatible, same_bits_everywhere, settings_meta, steer
+from .state import (
+    Stateful,
+    announce,
+    load_state,
+    restore_compatible,
+    same_bits_everywhere,
+    settings_meta,
+    state_arrays,
+    steer,
+)
 
 __all__ = [
     "JOBS",
+    "Ended",
     "JobEntry",
     "ProgressLine",
     "announce",
@@ -22,13 +32,20 @@ __all__ = [
     "lock_results",
     "observed",
     "load_settings",
+    "load_state",
     "option",
     "option_fields",
+    "Plan",
     "restore_compatible",
+    "run_lifecycle",
     "run_job",
     "same_bits_everywhere",
     "settings_meta",
     "start_agreed",
+    "state_arrays",
+    "Stateful",
+    "Step",
+    "SteppedJob",
     "steer",
     "write_results",
 ]

@@ -1,14 +1,149 @@
-"""A job under telemetry and steering: started, progress from its progress line, finished or failed, on every rank."""
+"""One lifecycle for every job that runs in steps, and the telemetry and steering around any job.
+
+``run_lifecycle`` drives a ``SteppedJob`` through the same phases whatever the
+job: the agreed start (input checked, outputs locked), the restore, the steps
+with progress, periodic checkpoints and steering, a final checkpoint, the
+checkpoints closed, the results written with the ranks' agreement, the locks
+released. A job supplies what differs: its steps (an async generator that
+yields after each one), how it saves, and how it writes its results.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+import contextlib
+import inspect
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
-from ..runtime import ActorSystem
+from ..io import CheckpointError
+from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
+from .outputs import start_agreed
+from .progress import ProgressLine
+from .state import steer
 
 Result = TypeVar("Result")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a job reports after each step: its progress text, the items it processed, the seconds per phase."""
+
+    text: str
+    items: float
+    phases: dict[str, float] = field(default_factory=dict)
+    reached: str | None = None  # the job reached its goal early (a target error): why it ends here
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a job's steps are counted, shown and saved."""
+
+    unit: str  # what a step is called in messages ("iteration", "step")
+    counts: str  # what ``Step.items`` counts, for the rate ("signals", "samples")
+    total: int  # the steps of a whole run
+    progress_every: float  # seconds between progress lines (rank 0; 0: only the last)
+    checkpoint_every: int = 0  # a checkpoint every N steps (0: only on a request)
+    saves: bool = False  # it keeps checkpoints (False: a stop request stops it without one)
+    checkpoint_at_end: bool = False  # one after the last step too, so the state outlives a failed results write
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How the steps ended: after ``done`` steps, on a stop request, on the job's own goal, or at the last step."""
+
+    done: int
+    stopped: bool
+    reached: str | None
+
+
+class SteppedJob(Protocol):
+    """What a job gives ``run_lifecycle``: built by its ``prepare`` once the input checked out on every rank."""
+
+    plan: Plan
+
+    async def restore(self) -> int:
+        """The steps already done: those of the checkpoint a resumed run continues (collective)."""
+        ...
+
+    def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        """Run the steps after the first ``start``, yielding after each (collective; closed early on a stop)."""
+        ...
+
+    def save(self, done: int) -> Awaitable[None] | None:
+        """Checkpoint the state after ``done`` steps (collective)."""
+        ...
+
+    def close_checkpoints(self) -> CheckpointError | None:
+        """Finish the checkpoints (their last save, their lock); a failure is returned, for one report."""
+        ...
+
+    async def finish(self, ended: Ended) -> dict:
+        """Write the results with the ranks' agreement; the job's summary (collective)."""
+        ...
+
+    def release(self) -> None:
+        """Give back what ``prepare`` took (the results file's lock), whatever happened."""
+        ...
+
+
+async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[], SteppedJob]) -> dict:
+    """Run the job ``prepare()`` builds on every rank, through every phase (collective); its summary.
+
+    Bad input ends every rank before the first step with one message and
+    status 2 (see ``start_agreed``); a checkpoint that cannot be written ends
+    it with status 1 after the checkpoints closed, and so does a results file
+    that cannot be written.
+    """
+    job = await start_agreed(system, command, prepare)
+    try:
+        failure: CheckpointError | None = None
+        try:
+            ended = await _run_steps(system, job, await job.restore())
+        except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures
+            failure = error
+        finally:
+            closing = job.close_checkpoints()  # always: it releases the directory's lock
+            failure = failure or closing
+        if failure is not None:
+            raise JobRefused(f"mpiscale {command}: {failure}", status=1) from None
+        return await job.finish(ended)
+    finally:
+        job.release()
+
+
+async def _run_steps(system: ActorSystem, job: SteppedJob, start: int) -> Ended:
+    """The steps from ``start``: progress, checkpoints every ``checkpoint_every`` and at the end, steering."""
+    plan = job.plan
+    progress = ProgressLine(
+        plan.total, start, plan.progress_every if system.rank == 0 else None, plan.counts, plan.unit
+    )
+    done, saved = start, start  # a resumed run's start is already saved
+    stopped, reached = False, None
+
+    async def save() -> None:
+        nonlocal saved
+        if saved != done:
+            saving = job.save(done)
+            if inspect.isawaitable(saving):
+                await saving
+            saved = done
+
+    async with contextlib.aclosing(job.steps(start)) as steps:
+        async for step in steps:
+            done += 1
+            progress.update(done, step.text, step.items, step.phases)
+            if plan.saves and plan.checkpoint_every and done % plan.checkpoint_every == 0:
+                await save()
+            stopped = await steer(system, f"{plan.unit} {done}", save if plan.saves else None)
+            if stopped or step.reached:
+                reached = None if stopped else step.reached
+                break
+    progress.finish()
+    if plan.saves and plan.checkpoint_at_end:
+        await save()
+    return Ended(done, stopped, reached)
 
 
 async def observed(
@@ -16,21 +151,25 @@ async def observed(
 ) -> Result:
     """Run ``work()`` with this rank's telemetry session current (collective start and end).
 
-    ``steers``: the job calls ``jobs.steer`` at every step's end, so it obeys
-    SIGTERM and the checkpoint and stop commands (with telemetry on or off).
+    ``steers``: the job calls ``jobs.steer`` at every step's end (as
+    ``run_lifecycle`` does), so it obeys SIGTERM and the checkpoint and stop
+    commands, with telemetry on or off. Steering begins before telemetry takes
+    commands and ends however the job ends.
     """
     if steers:
-        system.steering.begin()  # before telemetry takes commands
-    session = await Telemetry.start(system, command, out)
-    set_current(session)
+        system.steering.begin()
     try:
-        result = await work()
-    except BaseException as error:
-        await session.fail(f"{type(error).__name__}: {error}")
-        raise
+        session = await Telemetry.start(system, command, out)
+        set_current(session)
+        try:
+            result = await work()
+        except BaseException as error:
+            await session.fail(f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            set_current(None)
+        await session.close()
+        return result
     finally:
-        set_current(None)
         if steers:
             system.steering.end()
-    await session.close()
-    return result

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 import numpy as np
 
@@ -13,6 +14,40 @@ from ..io import Checkpointer, CheckpointError, Restored, checksum
 from ..runtime import ActorSystem
 
 log = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    """A part of a job's state that checkpoints save and restore: named arrays out, the same arrays back in place.
+
+    The names are the part's own (prefixed where parts share a checkpoint), and
+    ``from_arrays`` takes what ``to_arrays`` gave, on any number of ranks.
+    """
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The state as named arrays (copies, or arrays the job no longer changes)."""
+        ...
+
+    def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Take the state ``to_arrays`` gave; a missing or misshapen array is a ValueError."""
+        ...
+
+
+def state_arrays(*parts: Stateful) -> dict[str, np.ndarray]:
+    """Every part's arrays in one mapping (a checkpoint's replicated arrays); two parts may not share a name."""
+    arrays: dict[str, np.ndarray] = {}
+    for part in parts:
+        own = part.to_arrays()
+        shared = sorted(arrays.keys() & own.keys())
+        if shared:
+            raise ValueError(f"{type(part).__name__} names arrays another part of the state names: {shared}")
+        arrays |= own
+    return arrays
+
+
+def load_state(arrays: Mapping[str, np.ndarray], *parts: Stateful) -> None:
+    """Every part takes its arrays back from ``arrays`` (what ``state_arrays`` gave)."""
+    for part in parts:
+        part.from_arrays(arrays)
 
 
 #: Where a checkpoint's metadata keeps the settings a resumed run must share; older checkpoints used these keys.

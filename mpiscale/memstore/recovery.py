@@ -15,23 +15,33 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..io import CheckpointError, DataFileError
-from .journal import Commit, Journal, existing_segments, lost_logs
-
-if TYPE_CHECKING:
-    from .store import MemoryStore
+from .journal import Commit, Journal, Op, existing_segments, lost_logs
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Replica:
+    """What the durability needs of a store: its columns, how to replay into it, read it whole and count it."""
+
+    columns: tuple[str, ...]
+    #: Apply one logged operation again (collective): its kind, its scalar, and the parts of it this rank read.
+    apply: Callable[[str, float, list[Op]], Awaitable[None]]
+    #: This rank's records for a checkpoint: ``ids`` and one array per column.
+    snapshot: Callable[[], dict[str, np.ndarray]]
+    #: How many records this rank holds.
+    records: Callable[[], int]
+
+
 @dataclass
 class Recovered:
-    """What ``MemoryStore.recover`` rebuilt."""
+    """What a durable store's ``recover`` rebuilt."""
 
     commits: int  # the store holds the state after this commit
     checkpoint: int  # the commit of the checkpoint it started from (0: none, only logs)
@@ -43,8 +53,14 @@ class Recovered:
     seconds: dict[str, float] = field(default_factory=dict)  # load, replay, checkpoint, total
 
 
-async def recover(store: MemoryStore, journal: Journal, meta: dict) -> Recovered | None:
-    """Restore ``store`` from its checkpoints and logs (collective); None when there is nothing to restore."""
+async def recover(
+    journal: Journal, replica: Replica, save: Callable[[int, dict, dict], None], meta: dict
+) -> Recovered | None:
+    """Restore ``replica`` from its checkpoints and logs (collective); None when there is nothing to restore.
+
+    ``save(commit, replicated, meta)`` checkpoints the recovered state, when
+    commits were replayed.
+    """
     began = time.perf_counter()
     comm = journal.comm
     record = comm.bcast(_readable(journal.read_record) if comm.Get_rank() == 0 else None, 0)
@@ -56,32 +72,32 @@ async def recover(store: MemoryStore, journal: Journal, meta: dict) -> Recovered
     checkpoint = restored.step if restored is not None else 0
     if restored is not None:
         saved = restored.meta.get("store", {})
-        if saved.get("columns") != list(store.columns):
+        if saved.get("columns") != list(replica.columns):
             raise CheckpointError(
                 f"the checkpoint in {journal.directory} holds the columns {saved.get('columns')}, "
-                f"this store has {list(store.columns)}"
+                f"this store has {list(replica.columns)}"
             )
-        table = np.column_stack([restored.sharded[name] for name in store.columns]).astype(np.float32)
-        await store._place(restored.sharded["ids"], table)
+        table = np.column_stack([restored.sharded[name] for name in replica.columns]).astype(np.float32)
+        await replica.apply("upsert", 0.0, [Op("upsert", restored.sharded["ids"], table)])
     loaded = time.perf_counter()
     commits: list[Commit] = []
     source = "no checkpoint"
     if restored is not None:
         source = f"the checkpoint of commit {checkpoint} ({', '.join(sorted(set(restored.sources.values())))})"
     if record is not None:
-        commits, logs = await _replay(store, journal, record["run"], checkpoint)
+        commits, logs = await _replay(replica, journal, record["run"], checkpoint)
         source += f"; {len(commits)} commits from {logs}"
     replayed = time.perf_counter()
     last = checkpoint + len(commits)
     replicated = restored.replicated if restored is not None else {}
     caller_meta = restored.meta.get("caller", {}) if restored is not None else {}
     if commits:  # the new logs start from a checkpoint of the recovered state
-        store._save(last, replicated, caller_meta)
+        save(last, replicated, caller_meta)
         journal.checkpoints.wait()
     journal.begin(last, meta)
     if last == 0:
         return None
-    total = await store.system.world.allreduce(np.array([store.partition.size], np.int64))
+    total = await journal.system.world.allreduce(np.array([replica.records()], np.int64))
     done = time.perf_counter()
     return Recovered(
         commits=last,
@@ -113,7 +129,7 @@ def _difference(journal: Journal, saved: dict, meta: dict) -> str:
     return f"the store in {journal.directory} belongs to another job ({'; '.join(differences)})"
 
 
-async def _replay(store: MemoryStore, journal: Journal, run: str, after: int) -> tuple[list[Commit], str]:
+async def _replay(replica: Replica, journal: Journal, run: str, after: int) -> tuple[list[Commit], str]:
     """Apply every commit after ``after`` that all of ``run``'s logs hold; returns them and where they came from."""
     comm = journal.comm
     found = [segment for listing in comm.allgather(journal.listing(run)) for segment in listing]
@@ -144,10 +160,11 @@ async def _replay(store: MemoryStore, journal: Journal, run: str, after: int) ->
                 mine[old_rank] = journal.read(segments, after)
     except (CheckpointError, DataFileError) as error:
         problem = str(error)
-    await store._agree(problem, CheckpointError)
+    world = journal.system.world
+    await world.agree(problem, "memory store", CheckpointError)
     reach = min((len(commits) for commits in mine.values()), default=np.iinfo(np.int64).max)
     every = np.array([reach], np.int64)
-    await store.system.world.allreduce(every, op="min", out=every)
+    await world.allreduce(every, op="min", out=every)
     count = int(every[0]) if plan else 0
     holder = readers.get(min(plan), 0) if plan else 0
     schedule = None
@@ -159,10 +176,10 @@ async def _replay(store: MemoryStore, journal: Journal, run: str, after: int) ->
         number, steps, notes = schedule[index]
         held = [commits_of[index] for commits_of in mine.values()]
         odd = any([(op.kind, op.scalar) for op in commit.ops] != steps for commit in held)
-        await store._agree(f"the logs of run {run} disagree on the operations of commit {number}" if odd else None,
-                           CheckpointError)  # fmt: skip
+        disagree = f"the logs of run {run} disagree on the operations of commit {number}" if odd else None
+        await world.agree(disagree, "memory store", CheckpointError)
         for j, (kind, scalar) in enumerate(steps):
-            await store._replay(kind, scalar, [commit.ops[j] for commit in held])
+            await replica.apply(kind, scalar, [commit.ops[j] for commit in held])
         commits.append(Commit(number, [], notes))
     copies = sum(1 for segments in plan.values() if segments[0].copy)
     where = f"{len(plan)} logs ({copies} of them partner copies)" if plan else "no logs"

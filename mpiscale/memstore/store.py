@@ -12,8 +12,6 @@ ties by id.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,13 +20,14 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..io import Checkpointer, CheckpointError
+from ..io import CheckpointError
 from ..kernels.devices import resolve_device, select_gpu
 from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
-from .journal import Journal, Op
+from .durability import Durability, DurableLog, Replica
+from .journal import Op
 from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, Partition
-from .recovery import Recovered, recover
+from .recovery import Recovered
 
 INT64_LIMIT = 2**63 - 1
 Checked = TypeVar("Checked")
@@ -46,23 +45,6 @@ class Aggregate:
     edges: np.ndarray
     top_ids: np.ndarray  # the top-k ids by quality (descending), ties by smaller id
     top_quality: np.ndarray
-
-
-@dataclass(frozen=True)
-class Durability:
-    """Where a durable store keeps its checkpoints (``directory``, shared by all nodes) and its logs.
-
-    With ``local_dir`` (node-local storage: ``local_dir/node-K`` per node), the
-    logs and checkpoint shards go there, each copied to a partner rank on the
-    next node, and a checkpoint reaches ``directory`` every ``shared_every``
-    saves; without it, everything is in ``directory``. ``keep`` checkpoints are
-    kept.
-    """
-
-    directory: str | os.PathLike
-    local_dir: str | os.PathLike | None = None
-    keep: int = 2
-    shared_every: int = 1
 
 
 class MemoryStore:
@@ -102,12 +84,12 @@ class MemoryStore:
         # The last aggregate and its k, valid until qualities change: only upsert and delete change them, and
         # both are collective, so every rank drops it at the same call.
         self._aggregate: tuple[int, Aggregate] | None = None
-        self.durable = durable
-        #: Commits made so far (recovered ones included); the changes since the last one, to log at the next.
-        self.commits = 0
-        self._pending: list[Op] = []
-        self._journal: Journal | None = None
-        self._checkpointed = 0  # the commit of the newest checkpoint
+        #: The logs, commits and checkpoints of a durable store (None: the store keeps nothing on disk).
+        self.durable: DurableLog | None = None
+        if durable is not None:
+            self.durable = DurableLog(
+                system, durable, Replica(self.columns, self._replay, self._snapshot, self._records)
+            )
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -290,14 +272,16 @@ class MemoryStore:
         self._aggregate = (k, aggregate)
         return aggregate
 
-    # ------------------------------------------------------------ durability
+    # ------------------------------------------------------------ durability (see durability.py)
     def _log(self, op: Op) -> None:
         """Keep an applied change for the next commit's record (durable stores only)."""
+        if self.durable is not None:
+            self.durable.log(op)
+
+    def _durable(self, what: str) -> DurableLog:
         if self.durable is None:
-            return
-        if self._journal is None:
-            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
-        self._pending.append(op)
+            raise RuntimeError(f"{what}() needs a store made with durable=Durability(...)")
+        return self.durable
 
     async def recover(self, meta: dict | None = None) -> Recovered | None:
         """Rebuild the store from its checkpoints and logs, or start them (collective; durable stores, first call).
@@ -306,39 +290,22 @@ class MemoryStore:
         refused with a CheckpointError before anything is written. Returns
         None when there was nothing to recover.
         """
-        if self.durable is None:
-            raise RuntimeError("recover() needs a store made with durable=Durability(...)")
-        if self._journal is not None:
-            raise RuntimeError("recover() was called already")
-        settings = self.durable
-        checkpoints = Checkpointer(
-            settings.directory,
-            self.system.world.comm,
-            keep=settings.keep,
-            local_dir=settings.local_dir,
-            shared_every=settings.shared_every,
-        )
-        self._journal = Journal(self.system, checkpoints)
-        meta = json_safe(meta or {})
-        try:
-            recovered = await recover(self, self._journal, meta)
-        except BaseException:
-            self.close()
-            raise
-        if recovered is not None:
-            self.commits = recovered.commits
-            self._checkpointed = recovered.commits if recovered.notes else recovered.checkpoint  # see recover()
-        return recovered
+        return await self._durable("recover").recover(meta)
+
+    @property
+    def commits(self) -> int:
+        """Commits made so far (recovered ones included; 0 for a store that keeps nothing on disk)."""
+        return self.durable.commits if self.durable is not None else 0
 
     @property
     def logged_bytes(self) -> int:
         """Bytes this rank wrote to its log and to the partner copies it keeps, so far."""
-        return self._journal.bytes_written if self._journal is not None else 0
+        return self.durable.logged_bytes if self.durable is not None else 0
 
     @property
     def local_directory(self) -> Path | None:
         """This rank's node-local directory of a durable store with ``local_dir`` (after ``recover``), else None."""
-        return self._journal.local_directory if self._journal is not None else None
+        return self.durable.local_directory if self.durable is not None else None
 
     async def commit(self, notes: dict[str, np.ndarray] | None = None) -> int:
         """Make the changes since the last commit durable on this node and the partner's (collective).
@@ -348,13 +315,9 @@ class MemoryStore:
         iteration's results, say. Returns the commit's number.
         """
         began = time.perf_counter()
-        if self._journal is None:
-            raise RuntimeError("commit() needs a durable store that has called recover()")
-        await self._journal.write(self.commits + 1, self._pending, notes or {})
-        self.commits += 1
-        self._pending = []
+        number = await self._durable("commit").commit(notes)
         self.timings |= {"commit_s": time.perf_counter() - began}
-        return self.commits
+        return number
 
     async def checkpoint(self, replicated: dict[str, np.ndarray] | None = None, meta: dict | None = None) -> None:
         """Checkpoint the store as of the last commit, with the caller's own arrays and metadata (collective).
@@ -362,28 +325,16 @@ class MemoryStore:
         The save runs in the background; the logs before the previous
         checkpoint are deleted.
         """
-        if self._journal is None:
-            raise RuntimeError("checkpoint() needs a durable store that has called recover()")
-        await self._agree("commit() the changes before a checkpoint" if self._pending else None)
-        if self.commits == self._checkpointed:
-            return
-        self._save(self.commits, replicated or {}, meta or {})
-        previous, self._checkpointed = self._checkpointed, self.commits
-        self._journal.rotate(self.commits, keep_from=previous)
+        await self._durable("checkpoint").checkpoint(replicated, meta)
 
-    def _save(self, commit: int, replicated: dict[str, np.ndarray], meta: dict) -> None:
-        assert self._journal is not None
-        sharded = {"ids": self.partition.ids} | {name: self.partition.column(name) for name in self.columns}
-        store = {"columns": list(self.columns), "commits": commit}
-        self._journal.checkpoints.save(commit, sharded, replicated, {"store": store, "caller": meta})
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        return {"ids": self.partition.ids} | {name: self.partition.column(name) for name in self.columns}
 
-    async def _place(self, ids: np.ndarray, table: np.ndarray) -> None:
-        """Route whole records (ids unique over all ranks) to their owners and store them."""
-        _, (got_ids, got_table) = await self._route(ids, table)
-        self.partition.upsert(got_ids, {name: got_table[:, j] for j, name in enumerate(self.columns)})
+    def _records(self) -> int:
+        return self.partition.size
 
     async def _replay(self, kind: str, scalar: float, ops: list[Op]) -> None:
-        """Apply one logged operation again: ``ops`` are the parts of it this rank read (collective)."""
+        """``Replica.apply``: one logged operation again; ``ops`` are the parts of it this rank read (collective)."""
         if kind == "decay":
             self.partition.decay(scalar)
             return
@@ -391,8 +342,9 @@ class MemoryStore:
         width = len(self.columns) if kind == "upsert" else 1
         values = [op.values.reshape(len(op.ids), width) for op in ops if op.values is not None and op.ids is not None]
         table = np.concatenate(values or [np.empty((0, width), np.float32)]).astype(np.float32)
-        if kind == "upsert":
-            await self._place(ids, table)
+        if kind == "upsert":  # whole records, ids unique over all ranks
+            _, (got_ids, got_table) = await self._route(ids, table)
+            self.partition.upsert(got_ids, {name: got_table[:, j] for j, name in enumerate(self.columns)})
         elif kind == "delete":
             _, (got_ids,) = await self._route(ids)
             self.partition.delete(got_ids)
@@ -407,11 +359,8 @@ class MemoryStore:
 
     def close(self) -> None:
         """Close the logs and wait for the last checkpoint (collective for durable stores)."""
-        if self._journal is not None:
-            journal, self._journal = self._journal, None
-            journal.close()
-            journal.comm.Free()
-            journal.checkpoints.close()
+        if self.durable is not None:
+            self.durable.close()
 
     async def _gather_candidates(self, quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Every rank's best k (padded), stacked."""
@@ -422,11 +371,6 @@ class MemoryStore:
         every_id = (await self.system.world.allgather(padded_id)).reshape(-1)
         real = every_id != INT64_LIMIT
         return every_q[real], every_id[real]
-
-
-def json_safe(meta: dict) -> dict:
-    """``meta`` as it reads back from JSON (tuples become lists), so saved and given settings compare equal."""
-    return json.loads(json.dumps(meta))
 
 
 def best_by_quality(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -68,7 +68,9 @@ class ProgressEngine:
         self._comm = comm
         self._config = config
         self._deliver = deliver
-        self._tag_ub = comm.Get_attr(MPI.TAG_UB)
+        tag_ub = comm.Get_attr(MPI.TAG_UB)
+        assert isinstance(tag_ub, int), tag_ub  # MPI sets it on every communicator
+        self._tag_ub = tag_ub
         self._pending: list[_Pending] = []
         self._inbound: dict[int, deque[_Inbound]] = {}
         self._send_seq: dict[int, int] = {}

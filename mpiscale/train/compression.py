@@ -1,9 +1,12 @@
 """How a gradient bucket travels: as float32, as 16-bit floats, or as PowerSGD's low-rank factors.
 
-Each scheme has ``start(bucket)``, called the moment a bucket's gradients are
-all in (during backward; it starts the hierarchical allreduce and returns at
-once), and ``await finish(bucket)``, which leaves the average over the ranks
-in ``bucket.buffer``. Every scheme gives every rank the very same bits.
+Each scheme is a ``Compression``: ``start(bucket)``, called the moment a
+bucket's gradients are all in (during backward; it starts the hierarchical
+allreduce and returns at once), and ``await finish(bucket)``, which leaves the
+average over the ranks in ``bucket.buffer``. Every scheme gives every rank the
+very same bits. A user's own scheme (top-k, sign, error feedback of their
+choosing) is any class with those two methods, given to
+``DataParallel(compression=...)``.
 
 - ``Exact``: float32 sums, divided by the world size at the end.
 - ``Narrow("float16" | "bfloat16")``: as PyTorch DDP's fp16/bf16 compression
@@ -38,6 +41,18 @@ class Bucket(Protocol):
     shapes: list[tuple[int, ...]]
     offsets: np.ndarray
     index: int
+
+
+class Compression(Protocol):
+    """A gradient-compression scheme ``DataParallel`` uses: implement both methods to bring your own."""
+
+    def start(self, bucket: Bucket) -> None:
+        """The bucket's gradients are all in (called during backward): start its communication, return at once."""
+        ...
+
+    async def finish(self, bucket: Bucket) -> None:
+        """Leave the average of every rank's gradients in ``bucket.buffer``, the same bits on every rank."""
+        ...
 
 
 class Exact:
@@ -164,7 +179,7 @@ class PowerSGD:
             gradient[...] = average
 
 
-def scheme(system: ActorSystem, name: str, powersgd_rank: int = 4, powersgd_start: int = 10):
+def scheme(system: ActorSystem, name: str, powersgd_rank: int = 4, powersgd_start: int = 10) -> Compression:
     """The scheme a trainer's ``compression`` setting names: none, fp16, bf16 or powersgd."""
     if name == "none":
         return Exact(system)

@@ -6,6 +6,7 @@ its whole curve) and in the results file.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,16 +40,12 @@ class Curves:
         """Training seconds so far (across resumed runs)."""
         return self.steps["time_s"][-1] if self.done else 0.0
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Every curve as a float64 array named ``curves.<step|epoch>.<metric>``."""
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """Every curve as a float64 array named ``curves.<step|epoch>.<metric>`` (``jobs.Stateful``)."""
         arrays = {f"curves.step.{k}": np.asarray(v, np.float64) for k, v in self.steps.items()}
         return arrays | {f"curves.epoch.{k}": np.asarray(v, np.float64) for k, v in self.epochs.items()}
 
-    @classmethod
-    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> Curves:
-        curves = cls()
-        for name in STEP_METRICS:
-            curves.steps[name] = [float(v) for v in arrays[f"curves.step.{name}"]]
-        for name in EPOCH_METRICS:
-            curves.epochs[name] = [float(v) for v in arrays[f"curves.epoch.{name}"]]
-        return curves
+    def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """The curves ``to_arrays`` gave."""
+        self.steps = {name: [float(v) for v in arrays[f"curves.step.{name}"]] for name in STEP_METRICS}
+        self.epochs = {name: [float(v) for v in arrays[f"curves.epoch.{name}"]] for name in EPOCH_METRICS}

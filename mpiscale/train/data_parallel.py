@@ -23,9 +23,7 @@ import numpy as np
 import torch
 
 from ..runtime import ActorSystem
-from .compression import Exact, Narrow, PowerSGD
-
-Scheme = Exact | Narrow | PowerSGD
+from .compression import Compression, Exact
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
 BUCKET_MIB = 25.0
@@ -61,10 +59,10 @@ class DataParallel:
         module: torch.nn.Module,
         bucket_mib: float = BUCKET_MIB,
         first_bucket_mib: float = FIRST_BUCKET_MIB,
-        compression: Scheme | None = None,
+        compression: Compression | None = None,
     ) -> None:
         self.system, self.module = system, module
-        self.compression = compression or Exact(system)
+        self.compression: Compression = compression or Exact(system)
         params = [p for p in module.parameters() if p.requires_grad]
         wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32 or p.device.type != "cpu"})
         if wrong:

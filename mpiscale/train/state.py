@@ -8,8 +8,37 @@ JSON beside them.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+#: The array that holds the optimizer's hyperparameters and its arrays' shapes, as UTF-8 JSON.
+OPTIMIZER_SETTINGS = "optimizer.settings"
+
+
+@dataclass
+class TrainingState:
+    """A model's weights and its optimizer's state: one ``jobs.Stateful`` part of a training checkpoint."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    where: str  # the checkpoints' directory, named in errors
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        arrays, settings = optimizer_state(self.optimizer)
+        return model_arrays(self.model) | arrays | {OPTIMIZER_SETTINGS: json_array(settings)}
+
+    def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+        load_model_arrays(self.model, arrays, self.where)
+        load_optimizer_state(self.optimizer, arrays, json.loads(arrays[OPTIMIZER_SETTINGS].tobytes()))
+
+
+def json_array(value: object) -> np.ndarray:
+    """``value`` as UTF-8 JSON in a uint8 array (settings that travel among a state's arrays)."""
+    return np.frombuffer(json.dumps(value).encode(), np.uint8).copy()
 
 
 def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -17,7 +46,7 @@ def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {f"model.{name}": tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
 
 
-def load_model_arrays(model: torch.nn.Module, arrays: dict[str, np.ndarray], where: str) -> None:
+def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], where: str) -> None:
     """Put ``model.*`` arrays back; a missing or misshapen one is a ValueError naming ``where``."""
     state = model.state_dict()
     for name, tensor in state.items():
@@ -42,7 +71,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndar
     return arrays, {"param_groups": state["param_groups"], "shapes": shapes}
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, arrays: dict[str, np.ndarray], meta: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, arrays: Mapping[str, np.ndarray], meta: dict) -> None:
     """The inverse of ``optimizer_state``."""
     state: dict[int, dict] = {}
     for name, shape in meta["shapes"].items():

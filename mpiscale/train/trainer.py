@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from functools import partial
 
@@ -31,20 +32,23 @@ from ..io import (
     OutputLock,
 )
 from ..jobs import (
-    ProgressLine,
+    Ended,
+    Plan,
+    Step,
     check_outputs,
     close_checkpointer,
+    load_state,
     lock_results,
     restore_compatible,
+    run_lifecycle,
     same_bits_everywhere,
     settings_meta,
-    start_agreed,
-    steer,
+    state_arrays,
     write_results,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
@@ -53,7 +57,7 @@ from .data_parallel import DataParallel
 from .digits import write_digits
 from .model import build_mlp, set_standardization
 from .results import TrainResults, write
-from .state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
+from .state import OPTIMIZER_SETTINGS, TrainingState, json_array
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +65,23 @@ log = logging.getLogger(__name__)
 _COMPATIBLE = ("hidden", "batch_size", "seed", "learning_rate", "weight_decay")
 
 
-@dataclass
-class _Job:
-    """Everything checked and built before the first step."""
+async def train(system: ActorSystem, config: TrainConfig) -> dict:
+    """Run the job on every rank; returns a summary (the same on every rank).
 
+    Bad input (data, settings, output paths, checkpoints, another job on the
+    same outputs) ends the job before the first step with one message and exit
+    status 2, agreed by every rank; a checkpoint or results file that cannot be
+    written ends it with status 1.
+    """
+    return await run_lifecycle(system, "train", lambda: _prepare(system, config))
+
+
+@dataclass
+class _Training:
+    """The job between its checks and its results (a ``jobs.SteppedJob``)."""
+
+    system: ActorSystem
+    config: TrainConfig
     comm: Comm
     data: LabelledData
     validation: LabelledData | None
@@ -77,25 +94,48 @@ class _Job:
     checkpoints: Checkpointer | None
     threads: int
     results_lock: OutputLock | None
+    plan: Plan
+
+    async def restore(self) -> int:
+        """Rank 0's weights everywhere (a fresh run's initial ones), then the steps the checkpoint holds."""
+        await self.parallel.broadcast_parameters()
+        return self.start
+
+    def save(self, done: int) -> None:
+        assert self.checkpoints is not None
+        state = TrainingState(self.model, self.optimizer, self.config.checkpoints)
+        meta = settings_meta(_compatibility(self.config, self.data, self.spec))
+        self.checkpoints.save(done, replicated=state_arrays(state, self.curves), meta=meta)
+
+    def close_checkpoints(self) -> CheckpointError | None:
+        return close_checkpointer(self.checkpoints)
+
+    def release(self) -> None:
+        if self.results_lock is not None:
+            self.results_lock.release()
+
+    def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        return _steps(self, start)
+
+    async def finish(self, ended: Ended) -> dict:
+        system, config = self.system, self.config
+        weights = [tensor.numpy() for tensor in self.model.state_dict().values()]  # views: written in place
+        await same_bits_everywhere(system, weights, "weights")
+        hosts = sorted(set(self.comm.allgather(socket.gethostname())))
+        results = TrainResults(
+            config, self.data, self.validation, self.spec, self.model, self.curves, system.size, hosts, self.threads
+        )
+        score = ""
+        if self.curves.epochs["validation_accuracy"]:
+            score = f"; held-out accuracy {self.curves.epochs['validation_accuracy'][-1]:.1%}"
+        done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
+        failed = f"mpiscale train: could not write {config.out}: {{}}".format
+        await write_results(system, config.out, partial(write, results=results), done, failed)
+        loss = self.curves.steps["loss"][-1] if self.curves.done else None
+        return {"steps": ended.done, "loss": loss, "score": score}
 
 
-async def train(system: ActorSystem, config: TrainConfig) -> dict:
-    """Run the job on every rank; returns a summary (the same on every rank).
-
-    Bad input (data, settings, output paths, checkpoints, another job on the
-    same outputs) ends the job before the first step with one message and exit
-    status 2, agreed by every rank; a checkpoint or results file that cannot be
-    written ends it with status 1.
-    """
-    job = await start_agreed(system, "train", lambda: _prepare(system, config))
-    try:
-        return await _run(system, config, job)
-    finally:
-        if job.results_lock is not None:
-            job.results_lock.release()
-
-
-def _prepare(system: ActorSystem, config: TrainConfig) -> _Job:
+def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
@@ -118,14 +158,18 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Job:
         curves, start = Curves(), 0
         if config.checkpoint_every or config.resume:
             checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-            restored = _restore(config, data, spec, checkpoints, model, optimizer)
-            if restored is not None:
-                start, curves = restored
+            start = _restore(
+                config, data, spec, checkpoints, TrainingState(model, optimizer, config.checkpoints), curves
+            )
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
         parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
-        return _Job(
-            comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints, threads, results_lock
-        )
+        total = config.epochs * (data.samples // config.batch_size)  # the reader drops the last partial batch
+        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, checkpoints is not None,
+                    checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
+        return _Training(
+            system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
+            threads, results_lock, plan,
+        )  # fmt: skip
     except BaseException:
         close_checkpointer(checkpoints)  # its lock too: the job never started
         if results_lock is not None:
@@ -157,59 +201,35 @@ def _compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
     return {name: getattr(config, name) for name in _COMPATIBLE} | {"samples": data.samples, "spec": spec}
 
 
-def _restore(config, data, spec, checkpoints, model, optimizer) -> tuple[int, Curves] | None:
+def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves) -> int:
+    """The steps of the checkpoint a resumed run continues (0: none), its state loaded into ``state`` and ``curves``."""
+    total = config.epochs * (data.samples // config.batch_size)
+
+    def within_steps(restored) -> None:
+        if restored.step > total:
+            raise CheckpointError(
+                f"the newest checkpoint in {config.checkpoints} is at step {restored.step}, past the {total} steps of "
+                f"{config.epochs} epochs: give more --epochs to continue it"
+            )
+
     expected = _compatibility(config, data, spec)
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step")
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", within_steps)
     if restored is None:
         if config.resume and checkpoints.rank == 0:
             log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
-        return None
-    load_model_arrays(model, restored.replicated, config.checkpoints)
-    load_optimizer_state(optimizer, restored.replicated, restored.meta["optimizer"])
+        return 0
+    arrays = dict(restored.replicated)
+    if OPTIMIZER_SETTINGS not in arrays:  # checkpoints before the optimizer's settings travelled among its arrays
+        arrays[OPTIMIZER_SETTINGS] = json_array(restored.meta["optimizer"])
+    load_state(arrays, state, curves)
     if checkpoints.rank == 0:
         print(f"resumed from the checkpoint of step {restored.step} in {config.checkpoints}", flush=True)
-    return restored.step, Curves.from_arrays(restored.replicated)
+    return restored.step
 
 
-def _save_checkpoint(config: TrainConfig, job: _Job, step: int) -> None:
-    assert job.checkpoints is not None
-    if job.checkpoints.last_step == step:
-        return
-    arrays, meta = optimizer_state(job.optimizer)
-    replicated = model_arrays(job.model) | arrays | job.curves.arrays()
-    job.checkpoints.save(
-        step,
-        replicated=replicated,
-        meta=settings_meta(_compatibility(config, job.data, job.spec)) | {"optimizer": meta},
-    )
-
-
-async def _run(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
-    failure: CheckpointError | None = None
-    try:
-        await job.parallel.broadcast_parameters()
-        summary = await _steps(system, config, job)
-        if job.checkpoints is not None and config.checkpoint_every:
-            _save_checkpoint(config, job, job.curves.done)  # the trained weights outlive a failed results write
-    except CheckpointError as error:  # raised alike on every rank
-        failure = error
-    finally:
-        failure = failure or close_checkpointer(job.checkpoints)
-    if failure is not None:
-        raise JobRefused(f"mpiscale train: {failure}", status=1) from None
-    weights = [tensor.numpy() for tensor in job.model.state_dict().values()]  # views: detached, written in place
-    await same_bits_everywhere(system, weights, "weights")
-    hosts = sorted(set(job.comm.allgather(socket.gethostname())))
-    results = TrainResults(
-        config, job.data, job.validation, job.spec, job.model, job.curves, system.size, hosts, job.threads
-    )
-    done = f"wrote {config.out}: {summary['steps']} steps on {system.size} ranks{summary['score']}"
-    failed = f"mpiscale train: could not write {config.out}: {{}}".format
-    await write_results(system, config.out, partial(write, results=results), done, failed)
-    return summary
-
-
-async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
+async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
+    """The steps from ``start``, one ``Step`` after each; the held-out score after each epoch."""
+    system, config = job.system, job.config
     data, model, optimizer, parallel, curves = job.data, job.model, job.optimizer, job.parallel, job.curves
     reader = BatchReader(
         data.path,
@@ -220,24 +240,17 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
         seed=config.seed,
         drop_last=True,
     )
-    total = config.epochs * reader.steps
-    if job.start > total:
-        reader.close()
-        raise CheckpointError(
-            f"the checkpoint is at step {job.start}, past the {total} steps of {config.epochs} epochs"
-        )
     held_out = resident_block(job.validation, job.comm) if job.validation is not None else None
-    progress = ProgressLine(total, job.start, config.progress_every if system.rank == 0 else None, "samples", "step")
     scale = system.size / config.batch_size  # the averaged gradient is the global batch's mean
     totals = np.zeros(2)
-    step, stopped = job.start, False
+    step = start
     clock = time.perf_counter() - curves.elapsed
-    finished_epochs = job.start // reader.steps
-    if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
-        # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
-        loss_value, accuracy = await _score(system, model, held_out)
-        curves.record_epoch(epoch=finished_epochs, validation_loss=loss_value, validation_accuracy=accuracy)
+    finished_epochs = start // reader.steps
     try:
+        if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
+            # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
+            loss_value, accuracy = await _score(system, model, held_out)
+            curves.record_epoch(epoch=finished_epochs, validation_loss=loss_value, validation_accuracy=accuracy)
         for epoch in range(finished_epochs, config.epochs):
             model.train()
             async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
@@ -263,25 +276,12 @@ async def _steps(system: ActorSystem, config: TrainConfig, job: _Job) -> dict:
                     comm_wait_s=waited,
                 )
                 phases = {"compute": now - began - waited, "allreduce": waited}
-                progress.update(step, _progress_text(epoch, curves), config.batch_size, phases)
-                if job.checkpoints is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
-                    _save_checkpoint(config, job, step)
-                saving = None if job.checkpoints is None else partial(_save_checkpoint, config, job, step)
-                if await steer(system, f"step {step}", saving):
-                    stopped = True
-                    break
-            if stopped:
-                break
+                yield Step(_progress_text(epoch, curves), config.batch_size, phases)
             if held_out is not None:
                 loss_value, accuracy = await _score(system, model, held_out)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
     finally:
         reader.close()
-    progress.finish()
-    score = ""
-    if curves.epochs["validation_accuracy"]:
-        score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
-    return {"steps": step, "loss": curves.steps["loss"][-1] if curves.done else None, "score": score}
 
 
 def _progress_text(epoch: int, curves: Curves) -> str:

@@ -201,8 +201,9 @@ def test_rank_0_serves_prometheus_metrics_while_the_job_runs(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     port = free_port()
-    env = {"MPISCALE_JOB_ID": "t10", "MPISCALE_PROMETHEUS_PORT": str(port), "MPISCALE_PROMETHEUS_ADDR": "127.0.0.1"}
-    job = memstore(2, tmp_path / "m.h5", "--iterations", 4000, env=env)
+    env = {"MPISCALE_JOB_ID": "t10", "MPISCALE_PROMETHEUS_PORT": str(port), "MPISCALE_PROMETHEUS_ADDR": "127.0.0.1",
+           "MPISCALE_TELEMETRY_INTERVAL_S": "0.25"}  # fmt: skip
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 6000, env=env)
     scraped, deadline = {}, time.monotonic() + 120
     while job.poll() is None and time.monotonic() < deadline:
         try:
@@ -212,15 +213,17 @@ def test_rank_0_serves_prometheus_metrics_while_the_job_runs(tmp_path):
             continue
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                    for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
-        if samples.get(("mpiscale_step", (("job_id", "t10"),)), 0) > 0:
+        # rank 0 publishes at each interval the reports it holds: the other rank's first may come one interval later
+        reporting = samples.get(("mpiscale_ranks_reporting", (("job_id", "t10"),)), 0)
+        if samples.get(("mpiscale_step", (("job_id", "t10"),)), 0) > 0 and reporting == 2:
             scraped = samples
             break
         time.sleep(0.1)
     done = finish(job, "memstore with a Prometheus endpoint", 120)
     assert_ok(done)
     assert f"Prometheus metrics at http://127.0.0.1:{port}/metrics" in done.stdout
-    assert scraped, "no scrape showed progress"
-    assert scraped[("mpiscale_total", (("job_id", "t10"),))] == 4000
+    assert scraped, "no scrape showed progress reported by both ranks"
+    assert scraped[("mpiscale_total", (("job_id", "t10"),))] == 6000
     assert scraped[("mpiscale_ranks_reporting", (("job_id", "t10"),))] == 2
     spread = {labels: value for (name, labels), value in scraped.items() if name == "mpiscale_rank_metric"}
     rss = dict(spread)[(("job_id", "t10"), ("name", "rss_mib"), ("stat", "max"))]

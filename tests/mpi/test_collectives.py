@@ -39,7 +39,7 @@ def test_torch_tensors_of_four_dtypes(ranks, per_node):
     assert f"tensor allreduce ok: {ranks} ranks" in job.stdout
 
 
-COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low"]
+COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user"]
 
 
 @pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2)])

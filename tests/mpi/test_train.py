@@ -5,6 +5,7 @@ training must follow one process on the whole batch), activations with the
 model run in this process, and the feature catalogue with the digits' labels.
 """
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -131,6 +132,40 @@ def test_resume_on_another_world_size(tmp_path):
 
     refused = mpiscale(2, "train", *common, "--epochs", 4, "--out", resumed, "--checkpoint-every", 10)
     assert refused.returncode == 2 and "pass --resume" in refused.stderr
+
+
+def as_older_checkpoint(directory: Path, older: Path) -> int:
+    """The newest checkpoint of ``directory`` rewritten in ``older`` as versions before the state protocol saved it:
+    the settings under "job", the optimizer's settings in the metadata rather than among the arrays."""
+    from mpi4py import MPI
+
+    from mpiscale.io import Checkpointer
+
+    with Checkpointer(directory, MPI.COMM_SELF) as today:
+        restored = today.load()
+    arrays = dict(restored.replicated)
+    optimizer = json.loads(arrays.pop("optimizer.settings").tobytes())
+    meta = {"job": restored.meta["settings"], "optimizer": optimizer}
+    with Checkpointer(older, MPI.COMM_SELF) as then:
+        then.save(restored.step, replicated=arrays, meta=meta)
+    return restored.step
+
+
+def test_a_checkpoint_of_an_older_version_resumes_to_the_same_bits(tmp_path):
+    """A training checkpoint as older versions wrote it resumes to the very weights today's resumes to."""
+    common = ["--hidden", "16", "--progress-every", 0, "--checkpoint-every", 9]
+    first = tmp_path / "first.h5"
+    assert_ok(mpiscale(2, "train", *common, "--epochs", 1, "--out", first))
+    step = as_older_checkpoint(tmp_path / "first.checkpoints", tmp_path / "older")
+    runs = {}
+    for name, directory in [("today", tmp_path / "first.checkpoints"), ("older", tmp_path / "older")]:
+        out = tmp_path / f"{name}.h5"
+        job = mpiscale(2, "train", *common, "--epochs", 2, "--out", out, "--checkpoint-dir", directory, "--resume")
+        assert_ok(job)
+        assert f"resumed from the checkpoint of step {step}" in job.stdout, job.stdout
+        runs[name] = weights(out)
+    for name, values in runs["today"].items():
+        np.testing.assert_array_equal(runs["older"][name], values, err_msg=name)
 
 
 def user_file(path, inputs, labels) -> str:

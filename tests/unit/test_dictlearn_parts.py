@@ -156,7 +156,7 @@ def test_config_errors(values, message):
 
 
 def test_history_rows_combine_iterations_and_survive_a_checkpoint():
-    history = History.start(2500)  # about 1,000 rows: 3 iterations per row
+    history = History.start(2500, 2)  # about 1,000 rows: 3 iterations per row
     assert history.every == 3
     for iteration in range(7):
         values = dict.fromkeys(METRICS, float(iteration)) | {"full_error": 0.5 if iteration == 1 else math.nan}
@@ -167,7 +167,8 @@ def test_history_rows_combine_iterations_and_survive_a_checkpoint():
     assert history.metrics["time_s"] == [2.0, 5.0, 6.0]  # last values
     assert history.metrics["full_error"][0] == 0.5 and math.isnan(history.metrics["full_error"][1])
     assert list(history.row_ends()) == [3, 6, 7]
-    again = History.from_arrays(history.arrays(2))
+    again = History.start(10, 2)
+    again.from_arrays(history.to_arrays())
     again.record(dict.fromkeys(METRICS, 7.0), np.array([7, 1]))
     assert again.iterations == 8 and np.array_equal(again.usage[-1], [6 + 7, 2])
     assert again.metrics["objective"][-1] == 6.5

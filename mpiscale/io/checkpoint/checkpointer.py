@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ... import telemetry
-from ...ranks import Comm, agree, as_mpi, run_agreed, split_nodes
+from ...ranks import AnyComm, agree, as_mpi, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
 from ..errors import CheckpointError, LockedError
 from ..h5file import settle_background_io, track_background_io
@@ -41,7 +41,7 @@ class Checkpointer:
     def __init__(
         self,
         directory: str | os.PathLike,
-        comm: Comm,
+        comm: AnyComm,
         *,
         keep: int = 3,
         local_dir: str | os.PathLike | None = None,

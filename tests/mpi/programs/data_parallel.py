@@ -1,6 +1,6 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
-usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low)
+usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user)
 Each scheme is checked in turn in the same job (a launch costs each rank
 seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
@@ -8,7 +8,9 @@ parameter the model skips on odd steps tests unused gradients; no_sync()
 accumulates two micro-batches per step. With compression, the bound on the
 difference from one process is the scheme's own (16-bit rounding; PowerSGD at
 full rank is exact up to float32 rounding); at low rank only the agreement of
-the ranks and the fall of the loss are asserted.
+the ranks and the fall of the loss are asserted. ``user`` is a scheme written
+here as a user would, against the ``Compression`` protocol only: float64 sums
+through the world's awaitable allreduce, started in ``finish``.
 """
 
 import sys
@@ -18,7 +20,7 @@ import torch
 
 import mpiscale
 from mpiscale.ranks import rank_rows
-from mpiscale.train import DataParallel
+from mpiscale.train import Bucket, Compression, DataParallel
 from mpiscale.train.compression import Exact, Narrow, PowerSGD
 
 BATCH, FEATURES = 24, 10
@@ -60,12 +62,32 @@ def train(model: torch.nn.Module, steps: int, rows: tuple[int, int], scale: floa
         yield step, optimizer
 
 
+class Float64Sums:
+    """A user's own scheme: nothing to do during backward, then the average in float64."""
+
+    def __init__(self, system) -> None:
+        self.system = system
+
+    def start(self, bucket: Bucket) -> None:
+        pass
+
+    async def finish(self, bucket: Bucket) -> None:
+        wide = bucket.buffer.astype(np.float64)
+        await self.system.world.allreduce(wide, out=wide)
+        bucket.buffer[:] = wide / self.system.size
+
+
+def users_scheme(system) -> Compression:
+    return Float64Sums(system)  # type-checks against the protocol, no base class
+
+
 SCHEMES = {  # name: (scheme, largest difference from one process allowed; None: not compared)
     "none": (Exact, 1e-5),
     "fp16": (lambda system: Narrow(system, "float16"), 2e-4),
     "bf16": (lambda system: Narrow(system, "bfloat16"), 2e-3),
     "powersgd-full": (lambda system: PowerSGD(system, rank=FEATURES, start_step=0, min_rate=0.0), 1e-5),
     "powersgd-low": (lambda system: PowerSGD(system, rank=1, start_step=1, min_rate=0.0), None),
+    "user": (users_scheme, 1e-5),
 }
 
 
