@@ -8,9 +8,10 @@ backs off, then the circuit breaker pauses. Each variant runs ``repeats``
 times, in turn; the table gives the median and the fastest wall time, and the
 slowdowns against "off" measured in the same run. Runs on this shared machine
 spread by several percent, more than the cost sought, so the bench also
-times what telemetry adds to every step (the progress update and the steering
-point where ranks agree on commands) in a loop of empty steps, and gives it
-as a share of a learning iteration.
+times what a job's lifecycle adds to every step (the progress update and the
+steering point where ranks agree on requests) in a job of empty steps under
+``run_lifecycle``, with telemetry off and on, and gives it as a share of a
+learning iteration.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
-from ..jobs import ProgressLine, observed, steer
+from ..jobs import Ended, Plan, Step, observed, run_lifecycle
 from ..runtime import ActorSystem
 from .dictlearn import planted_data
 from .report import table, write_json
@@ -141,18 +144,43 @@ async def run_telemetry_bench(system: ActorSystem, json_path: str, workdir: str,
     return results
 
 
+@dataclass
+class _EmptySteps:
+    """A job whose steps do nothing: what the lifecycle (progress, steering) adds to every step of a real one."""
+
+    plan: Plan
+
+    async def restore(self) -> int:
+        return 0
+
+    async def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        step = Step("", 1.0, {"work": 0.0})
+        for _ in range(start, self.plan.total):
+            yield step
+
+    def save(self, done: int) -> None:
+        raise AssertionError("an empty job keeps no checkpoints")
+
+    def close_checkpoints(self) -> None:
+        return None
+
+    async def finish(self, ended: Ended) -> dict:
+        return {"steps": ended.done}
+
+    def release(self) -> None:
+        pass
+
+
 async def _step_cost(system: ActorSystem, directory: Path, environment: dict[str, str], quick: bool) -> float:
-    """Seconds per empty step of a job loop (progress update, then the steering point) under ``environment``."""
+    """Seconds per empty step of a job under ``run_lifecycle`` (progress update, steering) with ``environment``."""
     _set_environment(environment)
     steps = EMPTY_STEPS["quick" if quick else "full"]
+    job = _EmptySteps(Plan("step", "items", steps, progress_every=None))
 
     async def loop() -> float:
-        progress = ProgressLine(steps, 0, None, "items")
         await system.world.barrier()
         started = time.perf_counter()
-        for step in range(1, steps + 1):
-            progress.update(step, "", 1.0, {"work": 0.0})
-            await steer(system, f"step {step}", None)
+        await run_lifecycle(system, "bench", lambda: job)
         return time.perf_counter() - started
 
     elapsed = await observed(system, "bench", str(directory / "bench-telemetry-steps.h5"), loop)

@@ -43,7 +43,7 @@ class Plan:
     unit: str  # what a step is called in messages ("iteration", "step")
     counts: str  # what ``Step.items`` counts, for the rate ("signals", "samples")
     total: int  # the steps of a whole run
-    progress_every: float  # seconds between progress lines (rank 0; 0: only the last)
+    progress_every: float | None  # seconds between progress lines (rank 0; 0: only the last; None: none)
     checkpoint_every: int = 0  # a checkpoint every N steps (0: only on a request)
     saves: bool = False  # it keeps checkpoints (False: a stop request stops it without one)
     checkpoint_at_end: bool = False  # one after the last step too, so the state outlives a failed results write
