@@ -130,8 +130,12 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     return node_comm, firsts.index(first), len(firsts)
 
 
+class AgreedError(RuntimeError):
+    """A failure every rank raised together (``agree``'s default kind), so collective clean-up is safe."""
+
+
 def agree(
-    comm: Comm | None, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError
+    comm: Comm | None, problem: BaseException | str | None, what: str, kind: type[Exception] = AgreedError
 ) -> None:
     """All ranks go on, or all raise ``kind`` naming every failing rank (collective, blocking).
 
@@ -173,7 +177,7 @@ def _ranks(ranks: list[int]) -> str:
     return "ranks " + ", ".join(map(str, ranks))
 
 
-def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = RuntimeError) -> None:
+def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = AgreedError) -> None:
     """Run ``action`` on this rank; if it raised on any rank, raise ``kind`` on every rank (collective)."""
     error = None
     try:

@@ -211,7 +211,8 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         from ..kernels.devices import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
-    check_outputs(config.out, config.checkpoints if config.checkpoint_every or config.resume else None)
+    checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
+    check_outputs(config.out, checkpoints_used, [config.data] if config.data else [])
     results_lock = lock_results(config.out, comm)  # before anything is written
     checkpoints = None
     try:

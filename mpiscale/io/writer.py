@@ -17,7 +17,7 @@ import os
 import h5py
 import numpy as np
 
-from ..ranks import AnyComm, agree, as_mpi, size_and_rank
+from ..ranks import AgreedError, AnyComm, agree, as_mpi, size_and_rank
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp
 from .rows import write_rows
@@ -88,7 +88,7 @@ class RowWriter:
         self._agree(failure)
 
     def abort(self) -> None:
-        """Close and remove the temporary file (local; after a failure every rank saw)."""
+        """Close and remove the temporary file (collective: after a failure every rank saw)."""
         with contextlib.suppress(OSError, RuntimeError):
             if self.file is not None:
                 self.file.close()
@@ -110,5 +110,11 @@ class RowWriter:
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
             self.close()
-        else:
-            self.abort()
+        elif issubclass(kind, (WriteError, AgreedError)) or self.size == 1:
+            self.abort()  # every rank raised it together, or there is no other rank
+        elif self.rank == 0:
+            # An error of this rank's alone, raised while the others wait in a collective write: closing the
+            # file (collective with MPI-IO) would wait for them forever. The error ends the job (the runtime
+            # aborts every rank); only the temporary name goes.
+            with contextlib.suppress(OSError):
+                os.unlink(self.temporary)

@@ -4,13 +4,23 @@ and the results file written with the ranks' agreement."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 import h5py
 
-from ..io import Checkpointer, CheckpointError, LockedError, OutputLock, WriteError, write_file
+from ..io import (
+    Checkpointer,
+    CheckpointError,
+    DataFileError,
+    LockedError,
+    OutputLock,
+    WriteError,
+    resolve_files,
+    split_spec,
+    write_file,
+)
 from ..ranks import Comm, agree
 from ..runtime import ActorSystem
 
@@ -39,13 +49,26 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
     return job  # type: ignore[return-value]
 
 
-def check_outputs(out: str, checkpoints: str | None) -> None:
-    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
+def check_outputs(out: str, checkpoints: str | None, inputs: Iterable[str] = ()) -> None:
+    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written, or if ``out`` is
+    one of the job's ``inputs`` (data specs: a file, ``FILE:/dataset``, a list of files or a pattern).
+
+    Paths are compared as the file system sees them: through symlinks, ``./``
+    spellings and hard links, so writing the results never replaces an input.
+    """
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
         raise ValueError(f"the results file's directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise ValueError(f"the results file's directory {directory} is not writable")
+    for spec in inputs:
+        named = next((path for path in input_files(spec) if same_file(out, path)), None)
+        if named is not None:
+            shown = spec if named == split_spec(spec)[0] else f"{named}, listed by {spec}"
+            raise ValueError(
+                f"the results file {out} is an input of this job ({shown}): writing it would replace the input; "
+                "choose another --out"
+            )
     if checkpoints is None:
         return
     path = Path(checkpoints)
@@ -54,6 +77,23 @@ def check_outputs(out: str, checkpoints: str | None) -> None:
         raise ValueError(f"the checkpoint directory {path}: {existing} is not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"the checkpoint directory {path} cannot be written ({existing} is read-only)")
+
+
+def input_files(spec: str) -> list[str]:
+    """The files a data spec reads: the file it names, and those a list file or a pattern names."""
+    pattern = split_spec(spec)[0]
+    try:
+        return list(dict.fromkeys([pattern, *resolve_files(pattern)]))
+    except (DataFileError, OSError):  # a missing input: the job's own checks say so
+        return [pattern]
+
+
+def same_file(first: str, second: str) -> bool:
+    """Whether two paths name one file (an existing one, or the same path once symlinks are resolved)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(first) == os.path.realpath(second)
 
 
 def lock_results(out: str, comm: Comm) -> OutputLock | None:

@@ -14,6 +14,7 @@ from it, and ``mpiscale inspect`` shows which inputs activate each atom.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ import torch
 from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
 from ..jobs import ProgressLine, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
-from ..ranks import Comm, rank_rows, ranks_sharing_cores
+from ..ranks import Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem, JobRefused
 from .config import CollectConfig
 from .model import module_names, standardizer
@@ -37,6 +38,7 @@ class _Job:
     path: str
     name: str
     samples: int
+    features: int  # numbers per input row
     widths: dict[str, int]
     attrs: dict
     lock: OutputLock | None
@@ -75,9 +77,10 @@ def _prepare(config: CollectConfig) -> _Job:
     attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
-    check_outputs(config.out, None)
+    check_outputs(config.out, None, [config.model, path])
     lock = lock_results(config.out, comm)
-    return _Job(comm, model, path, name, shape[0], _widths(model, config.layer_names, inputs), attrs, lock)
+    widths = _widths(model, config.layer_names, inputs)
+    return _Job(comm, model, path, name, shape[0], inputs, widths, attrs, lock)
 
 
 def _widths(model: torch.nn.Module, layers: list[str], inputs: int) -> dict[str, int]:
@@ -122,8 +125,10 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         for index in range(rounds):
             lo = min(start + index * config.batch_size, stop)
             hi = min(lo + config.batch_size, stop)
-            rows = np.asarray(data.read_collective(lo, hi), np.float32).reshape(hi - lo, -1)
-            captured = _run(job.model, list(job.widths), rows) if hi > lo else _empty(job.widths)
+            rows = np.asarray(data.read_collective(lo, hi), np.float32).reshape(hi - lo, job.features)
+            captured: dict[str, np.ndarray] = {}
+            # agreed: a failure on one rank must not leave the others waiting in the collective write
+            run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}", partial(_capture, job, rows, captured))
             writer.write(lo, captured | {"sample_ids": np.arange(lo, hi, dtype=np.int64)})
             progress.update(index + 1, f"{hi - start:,} of {stop - start:,} rows on rank 0", (hi - lo) * size)
     progress.finish()
@@ -131,6 +136,11 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         layers = ", ".join(f"/{name} ({job.samples} x {width})" for name, width in job.widths.items())
         print(f"wrote {config.out}: {layers} from {job.attrs['inputs']}", flush=True)
     return {"samples": job.samples, "widths": job.widths}
+
+
+def _capture(job: _Job, rows: np.ndarray, into: dict[str, np.ndarray]) -> None:
+    """The layers' outputs for ``rows`` (none: empty arrays of the layers' widths) into ``into``."""
+    into.update(_run(job.model, list(job.widths), rows) if len(rows) else _empty(job.widths))
 
 
 def _empty(widths: dict[str, int]) -> dict[str, np.ndarray]:

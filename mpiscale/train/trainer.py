@@ -141,7 +141,8 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
-    check_outputs(config.out, config.checkpoints if config.checkpoint_every or config.resume else None)
+    checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
+    check_outputs(config.out, checkpoints_used, [spec for spec in (config.data, config.validation) if spec])
     results_lock = lock_results(config.out, comm)
     checkpoints = None
     try:

@@ -22,10 +22,16 @@ def test_remote_errors_deadlines_supervision(ranks):
             "ActorNotFound: no actor 'nobody'",
         ),
         ("no-policy", -1, "it has no restart policy, so the failure escalates", "TypeError"),
+        (
+            "raises-in-collective-write",
+            1,
+            "main raised an exception",
+            "ZeroDivisionError: rank 1 failed between two collective writes",
+        ),
     ],
 )
-def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, error):
-    job = run_mpi("failures.py", ranks, scenario, timeout=60)
+def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, error, tmp_path):
+    job = run_mpi("failures.py", ranks, scenario, str(tmp_path / "rows.h5"), timeout=60)
     failing_rank = failing_rank % ranks
     assert job.returncode != 0
     assert job.elapsed < 30, f"job took {job.elapsed:.1f}s to end"

@@ -67,7 +67,8 @@ def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
 
 
 def test_collect_in_small_rounds_writes_every_layer(tmp_path):
-    """Rounds of 100 rows on 3 ranks (blocks not divisible by the rounds), two layers: the model's outputs, in order."""
+    """Rounds of 100 rows on 3 ranks (blocks not divisible by the rounds), two layers: the model's outputs, in order;
+    then rounds that leave one rank a round with no rows."""
     model, acts = tmp_path / "model.h5", tmp_path / "acts.h5"
     assert_ok(mpiscale(1, "train", "--epochs", 1, "--hidden", "24,12", "--out", model, "--progress-every", 0))
     job = mpiscale(3, "collect", "--model", model, "--out", acts, "--batch-size", 100, "--layers", "hidden2,relu1")
@@ -81,6 +82,13 @@ def test_collect_in_small_rounds_writes_every_layer(tmp_path):
         np.testing.assert_allclose(file["relu1"][()], net[:3](inputs).numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(file["hidden2"][()], net[:4](inputs).numpy(), rtol=1e-5, atol=1e-5)
         assert file["hidden2"].shape == (1437, 12)
+    # 1,437 rows on 2 ranks in rounds of 718: rank 1's block of 718 leaves it a second round with no rows, which
+    # ended that rank alone while rank 0 waited in the collective write, forever
+    uneven = tmp_path / "uneven.h5"
+    assert_ok(mpiscale(2, "collect", "--model", model, "--out", uneven, "--batch-size", 718, "--layers", "relu1",
+                       timeout=60))  # fmt: skip
+    with h5py.File(uneven, "r") as file, h5py.File(acts, "r") as reference:
+        np.testing.assert_allclose(file["relu1"][()], reference["relu1"][()], rtol=1e-5, atol=1e-5)
 
 
 FOLLOWED = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]

@@ -29,6 +29,18 @@ async def main(system):
             raise KeyError("rank 1 lost its data")
         await ActorRef(1, "waiter").ask("wait")  # ranks blocked on the failing rank
         await asyncio.sleep(3600)
+    elif scenario == "raises-in-collective-write":
+        # rank 1 fails alone between two collective writes while the others enter the second one
+        import numpy as np
+
+        from mpiscale.io import RowWriter
+
+        layout = {"x": ((4 * system.size,), np.dtype(np.float64))}
+        with RowWriter(sys.argv[2], layout, system.world.comm) as writer:
+            for round_ in range(2):
+                if round_ == 1 and system.rank == 1:
+                    raise ZeroDivisionError("rank 1 failed between two collective writes")
+                writer.write(4 * system.rank + 2 * round_, {"x": np.ones(2)})
     elif scenario == "restart-limit":
         if system.rank == 0:
             for _ in range(3):
