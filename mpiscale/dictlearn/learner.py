@@ -24,8 +24,10 @@ import numpy as np
 from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
 from ..jobs import (
     Ended,
+    HeldOutputs,
     Plan,
     Step,
+    check_not_an_input,
     check_outputs,
     close_checkpointer,
     load_state,
@@ -118,7 +120,7 @@ async def learn(system: ActorSystem, config: DictLearnConfig) -> dict:
 
 
 @dataclass
-class _Learning:
+class _Learning(HeldOutputs):
     """The job between its checks and its results (a ``jobs.SteppedJob``)."""
 
     system: ActorSystem
@@ -144,13 +146,6 @@ class _Learning:
         assert self.checkpoints is not None
         meta = settings_meta(_compatibility(self.config, self.info))
         self.checkpoints.save(done, replicated=state_arrays(self.state, self.history), meta=meta)
-
-    def close_checkpoints(self) -> CheckpointError | None:
-        return close_checkpointer(self.checkpoints)
-
-    def release(self) -> None:
-        if self.results_lock is not None:
-            self.results_lock.release()
 
     def steps(self, start: int) -> AsyncGenerator[Step, None]:
         return _iterate(self, start)
@@ -212,7 +207,8 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
 
         label = f"cuda:{select_gpu(rank_on_host)}"
     checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
-    check_outputs(config.out, checkpoints_used, [config.data] if config.data else [])
+    check_outputs(config.out, checkpoints_used)
+    check_not_an_input(config.out, [config.data] if config.data else [], comm)
     results_lock = lock_results(config.out, comm)  # before anything is written
     checkpoints = None
     try:

@@ -1,8 +1,8 @@
 """What every job shares: settings from TOML and the command line, the agreed start, output locks, steering,
 progress, and results written with the ranks' agreement."""
 
-from .lifecycle import Ended, Plan, Step, SteppedJob, observed, run_lifecycle
-from .outputs import check_outputs, close_checkpointer, lock_results, start_agreed, write_results
+from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
+from .outputs import check_not_an_input, check_outputs, close_checkpointer, lock_results, start_agreed, write_results
 from .progress import ProgressLine, duration
 from .registry import JOBS, JobEntry, job_of_results, jobs_table
 from .settings import add_options, load_settings, option, option_fields, run_job
@@ -20,10 +20,12 @@ from .state import (
 __all__ = [
     "JOBS",
     "Ended",
+    "HeldOutputs",
     "JobEntry",
     "ProgressLine",
     "announce",
     "add_options",
+    "check_not_an_input",
     "check_outputs",
     "close_checkpointer",
     "duration",

@@ -16,10 +16,10 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from ..io import CheckpointError
+from ..io import Checkpointer, CheckpointError, OutputLock
 from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
-from .outputs import start_agreed
+from .outputs import close_checkpointer, start_agreed
 from .progress import ProgressLine
 from .state import steer
 
@@ -86,6 +86,20 @@ class SteppedJob(Protocol):
     def release(self) -> None:
         """Give back what ``prepare`` took (the results file's lock), whatever happened."""
         ...
+
+
+class HeldOutputs:
+    """``close_checkpoints`` and ``release`` for a ``SteppedJob`` that holds a checkpointer and the results lock."""
+
+    checkpoints: Checkpointer | None
+    results_lock: OutputLock | None  # rank 0's hold on the results path
+
+    def close_checkpoints(self) -> CheckpointError | None:
+        return close_checkpointer(self.checkpoints)
+
+    def release(self) -> None:
+        if self.results_lock is not None:
+            self.results_lock.release()
 
 
 async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[], SteppedJob]) -> dict:

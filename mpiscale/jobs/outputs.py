@@ -49,26 +49,13 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
     return job  # type: ignore[return-value]
 
 
-def check_outputs(out: str, checkpoints: str | None, inputs: Iterable[str] = ()) -> None:
-    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written, or if ``out`` is
-    one of the job's ``inputs`` (data specs: a file, ``FILE:/dataset``, a list of files or a pattern).
-
-    Paths are compared as the file system sees them: through symlinks, ``./``
-    spellings and hard links, so writing the results never replaces an input.
-    """
+def check_outputs(out: str, checkpoints: str | None) -> None:
+    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
         raise ValueError(f"the results file's directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
         raise ValueError(f"the results file's directory {directory} is not writable")
-    for spec in inputs:
-        named = next((path for path in input_files(spec) if same_file(out, path)), None)
-        if named is not None:
-            shown = spec if named == split_spec(spec)[0] else f"{named}, listed by {spec}"
-            raise ValueError(
-                f"the results file {out} is an input of this job ({shown}): writing it would replace the input; "
-                "choose another --out"
-            )
     if checkpoints is None:
         return
     path = Path(checkpoints)
@@ -79,8 +66,35 @@ def check_outputs(out: str, checkpoints: str | None, inputs: Iterable[str] = ())
         raise ValueError(f"the checkpoint directory {path} cannot be written ({existing} is read-only)")
 
 
+def check_not_an_input(out: str, inputs: Iterable[str], comm: Comm) -> None:
+    """Raise ValueError on every rank if ``out`` is one of the job's ``inputs`` (collective).
+
+    ``inputs`` are data specs: a file, ``FILE:/dataset``, a list of files or a
+    pattern. Rank 0 alone lists the files (as the readers do) and says what it
+    found. Paths are compared as the file system sees them, through symlinks,
+    ``./`` spellings and hard links, so writing the results never replaces an
+    input.
+    """
+    problem = _input_named_by(out, inputs) if comm.Get_rank() == 0 else None
+    problem = comm.bcast(problem, 0)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _input_named_by(out: str, inputs: Iterable[str]) -> str | None:
+    for spec in inputs:
+        named = next((path for path in input_files(spec) if same_file(out, path)), None)
+        if named is not None:
+            shown = spec if named == split_spec(spec)[0] else f"{named}, listed by {spec}"
+            return (
+                f"the results file {out} is an input of this job ({shown}): writing it would replace the input; "
+                "choose another --out"
+            )
+    return None
+
+
 def input_files(spec: str) -> list[str]:
-    """The files a data spec reads: the file it names, and those a list file or a pattern names."""
+    """The files a data spec reads: the file it names, and those a list file or a pattern names (one process)."""
     pattern = split_spec(spec)[0]
     try:
         return list(dict.fromkeys([pattern, *resolve_files(pattern)]))

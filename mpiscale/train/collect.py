@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
-from ..jobs import ProgressLine, check_outputs, lock_results, start_agreed
+from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
 from ..ranks import Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem, JobRefused
@@ -77,7 +77,8 @@ def _prepare(config: CollectConfig) -> _Job:
     attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
-    check_outputs(config.out, None, [config.model, path])
+    check_outputs(config.out, None)
+    check_not_an_input(config.out, [config.model, path], comm)
     lock = lock_results(config.out, comm)
     widths = _widths(model, config.layer_names, inputs)
     return _Job(comm, model, path, name, shape[0], inputs, widths, attrs, lock)

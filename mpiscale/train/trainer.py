@@ -33,8 +33,10 @@ from ..io import (
 )
 from ..jobs import (
     Ended,
+    HeldOutputs,
     Plan,
     Step,
+    check_not_an_input,
     check_outputs,
     close_checkpointer,
     load_state,
@@ -77,7 +79,7 @@ async def train(system: ActorSystem, config: TrainConfig) -> dict:
 
 
 @dataclass
-class _Training:
+class _Training(HeldOutputs):
     """The job between its checks and its results (a ``jobs.SteppedJob``)."""
 
     system: ActorSystem
@@ -107,13 +109,6 @@ class _Training:
         meta = settings_meta(_compatibility(self.config, self.data, self.spec))
         self.checkpoints.save(done, replicated=state_arrays(state, self.curves), meta=meta)
 
-    def close_checkpoints(self) -> CheckpointError | None:
-        return close_checkpointer(self.checkpoints)
-
-    def release(self) -> None:
-        if self.results_lock is not None:
-            self.results_lock.release()
-
     def steps(self, start: int) -> AsyncGenerator[Step, None]:
         return _steps(self, start)
 
@@ -142,7 +137,8 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
     checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
-    check_outputs(config.out, checkpoints_used, [spec for spec in (config.data, config.validation) if spec])
+    check_outputs(config.out, checkpoints_used)
+    check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
     results_lock = lock_results(config.out, comm)
     checkpoints = None
     try:
