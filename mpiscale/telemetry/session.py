@@ -107,7 +107,7 @@ class Telemetry:
             session._open_sink(out)
             if settings.prometheus_port is not None:
                 session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
-            session.watchdog = Watchdog(watching)
+            session.watchdog = Watchdog(watching, settings.interval_s)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
             session.event("started", f"{command} on {system.size} ranks")
@@ -219,8 +219,7 @@ class Telemetry:
 
     async def _tick(self) -> None:
         assert self.group is not None
-        while True:
-            await asyncio.sleep(self.settings.interval_s)
+        while True:  # the first report at once: a rank stuck before its first interval is still seen
             mine = self._report()
             if self.system.rank == 0:
                 self.reports[0] = mine
@@ -235,6 +234,7 @@ class Telemetry:
                 self.group[0].tell("report", node)
             else:
                 self.group[self._leader].tell("report", [mine])
+            await asyncio.sleep(self.settings.interval_s)
 
     # ------------------------------------------------------------------ rank 0
     def emit(self, payload: dict, retain: bool = False) -> None:

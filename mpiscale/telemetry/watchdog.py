@@ -4,7 +4,10 @@ A rank **hangs** when it has not advanced (its step unchanged) for
 ``hang_after_s`` while it is not itself waiting in a collective (it computes,
 or its reports stopped because its event loop is stuck) and another rank has
 been waiting in a collective for at least half that time: the others wait for
-it. A rank **straggles** when, for ``straggler_intervals`` reports in a row,
+it. A report saying its rank waits counts while it is fresh: younger than half
+``hang_after_s`` or two and a half report intervals, whichever is longer (a
+report travels up to an interval before rank 0 looks at it). A rank
+**straggles** when, for ``straggler_intervals`` reports in a row,
 the share of its time spent waiting in collectives is under
 ``straggler_ratio`` of the other ranks' median share while they wait at
 least a fifth of theirs: everyone else waits for it, every step.
@@ -53,6 +56,7 @@ class Finding:
 @dataclass
 class Watchdog:
     settings: WatchdogSettings
+    report_interval_s: float = 2.0  # how often ranks report (MPISCALE_TELEMETRY_INTERVAL_S)
     _advanced: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (its step, since when)
     _waited: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (report time, wait_s)
     _slow: dict[int, int] = field(default_factory=dict)  # rank -> straggling reports in a row
@@ -68,13 +72,14 @@ class Watchdog:
     def _hangs(self, reports: dict[int, dict], now: float) -> list[Finding]:
         for rank, report in reports.items():
             if self._advanced.get(rank, (None, 0.0))[0] != report["step"]:
-                self._advanced[rank] = (report["step"], now)
+                self._advanced[rank] = (report["step"], min(report["time"], now))  # it advanced by then
         waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
         long_waiters = {r: w for r, w in waiters.items() if w[1] >= self.settings.hang_after_s / 2}
+        fresh_s = max(self.settings.hang_after_s / 2, 2.5 * self.report_interval_s)
         found = []
         for rank, report in reports.items():
             still = now - self._advanced[rank][1]
-            waiting_itself = rank in waiters and now - report["time"] < self.settings.hang_after_s / 2
+            waiting_itself = rank in waiters and now - report["time"] < fresh_s
             others = sorted(r for r in long_waiters if r != rank)
             if still >= self.settings.hang_after_s and not waiting_itself and others:
                 what, seconds = long_waiters[others[0]]

@@ -41,6 +41,15 @@ def test_no_hang_while_the_quiet_rank_itself_waits_or_nobody_waits_long():
     assert watchdog.look(short_wait, 11.0) == []
 
 
+def test_a_waiting_rank_whose_report_is_an_interval_old_still_waits_itself():
+    """With a hang threshold as short as the report interval, only the rank that stopped reporting is named."""
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=2), report_interval_s=2.0)
+    watchdog.look({r: report(r, 0, 0) for r in range(3)}, 0.0)
+    waiting = ("agreement on world", 3.0)
+    reports = {0: report(0, 101, 4, waiting_in=waiting), 1: report(1, 0, 0), 2: report(2, 101, 2, waiting_in=waiting)}
+    assert [(f.kind, f.rank) for f in watchdog.look(reports, 4.2)] == [("hang", 1)]
+
+
 def test_a_straggler_is_the_rank_the_others_wait_for_report_after_report():
     watchdog = Watchdog(WatchdogSettings(straggler_intervals=3))
     found = []
