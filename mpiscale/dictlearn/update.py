@@ -91,10 +91,15 @@ class BatchStatistics:
         }
 
     def worst_signals(self) -> np.ndarray:
-        """Residuals of the globally worst-coded signals, worst first (ties: lower sample id first)."""
+        """Residuals of the batch's ``candidates`` worst-coded signals, worst first (ties: lower sample id first).
+
+        Each rank offers its own worst; the batch's worst are among them, so the
+        choice (and how many atoms an iteration replaces) is the same on any number of ranks.
+        """
+        limit = self.candidates.shape[1]
         rows = self.candidates.reshape(-1, self.candidates.shape[2])
         rows = rows[rows[:, 0] > 0]
-        order = np.lexsort((rows[:, 1], -rows[:, 0]))
+        order = np.lexsort((rows[:, 1], -rows[:, 0]))[:limit]
         return rows[order, 2:]
 
 

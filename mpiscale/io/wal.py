@@ -46,6 +46,9 @@ class ReplayReport:
 def encode_record(step: int, arrays: dict[str, np.ndarray]) -> bytes:
     """One record's bytes (frame and body), as ``append`` writes them: to send a record elsewhere first."""
     contiguous = {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+    objects = [name for name, array in contiguous.items() if array.dtype.hasobject]
+    if objects:
+        raise TypeError(f"arrays of Python objects cannot be logged (their bytes are pointers): {', '.join(objects)}")
     header = json.dumps([[name, a.dtype.str, list(a.shape)] for name, a in contiguous.items()]).encode()
     body = b"".join([_BODY.pack(step, len(header)), header, *(a.tobytes() for a in contiguous.values())])
     return _FRAME.pack(len(body), crc32c.crc32c(body)) + body

@@ -249,8 +249,8 @@ def iteration_pass(strength, quality, ids, rate, low, high, bins, k, parts):
             strength[i] = min(max(value, np.float32(0.0)), np.float32(1.0))
             q = quality[i]
             local_max = max(local_max, q)
-            b = int((q - low) * scale)
-            local_histogram[min(max(b, 0), bins - 1)] += 1
+            x = (q - low) * scale  # clamped as a float: int() of a huge quality overflows
+            local_histogram[0 if x < 0 else (bins - 1 if x >= bins else int(x))] += 1
             word = bits[i]
             exponent = (word >> 23) & 0xFF
             mantissa = np.int64(word & 0x7FFFFF)

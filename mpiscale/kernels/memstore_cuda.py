@@ -76,8 +76,8 @@ def _pass(strength, quality, bits, rate, low, scale, bins, histogram, exponents,
         strength[i] = min(max(value, numba.float32(0.0)), numba.float32(1.0))
         q = quality[i]
         cuda.atomic.max(maximum, 0, numba.float64(q))
-        b = int((q - low) * scale)
-        b = min(max(b, 0), bins - 1)
+        x = (q - low) * scale  # clamped as a float, as on the CPU: int() of a huge quality overflows
+        b = 0 if x < 0 else (bins - 1 if x >= bins else int(x))
         if bins <= _SHARED_BINS:
             cuda.atomic.add(shared_histogram, b, 1)
         else:

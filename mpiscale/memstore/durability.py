@@ -49,6 +49,11 @@ class DurableLog:
         self._journal: Journal | None = None
         self._checkpointed = 0  # the commit of the newest checkpoint
 
+    @property
+    def recovered(self) -> bool:
+        """Whether ``recover`` has run, so changes may be logged."""
+        return self._journal is not None
+
     def log(self, op: Op) -> None:
         """Keep an applied change for the next commit's record."""
         if self._journal is None:
@@ -97,6 +102,7 @@ class DurableLog:
         """Make the changes since the last commit durable on this node and the partner's; the commit's number."""
         if self._journal is None:
             raise RuntimeError("commit() needs a durable store that has called recover()")
+        await self.system.world.agree(_notes_problem(notes or {}), "memory store commit", ValueError)
         await self._journal.write(self.commits + 1, self._pending, notes or {})
         self.commits += 1
         self._pending = []
@@ -130,6 +136,15 @@ class DurableLog:
             journal.close()
             journal.comm.Free()
             journal.checkpoints.close()
+
+
+def _notes_problem(notes: dict[str, np.ndarray]) -> str | None:
+    """Why ``notes`` cannot be logged (None: they can): arrays of numbers, booleans or fixed-width strings only."""
+    for name, value in notes.items():
+        array = np.asarray(value)
+        if not isinstance(name, str) or array.dtype.kind not in "biufcSU":
+            return f"note {name!r} is of type {array.dtype}; notes are arrays of numbers, booleans or strings"
+    return None
 
 
 def json_safe(meta: dict) -> dict:

@@ -12,6 +12,7 @@ ties by id.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -151,14 +152,25 @@ class MemoryStore:
         ``values`` holds every column of ``columns`` except ``touched`` (0 when
         new); returns the records added over all ranks.
         """
+        self._ready_to_change()
         given = [name for name in self.columns if name != "touched"]
 
         def check() -> tuple[np.ndarray, np.ndarray]:
             checked = _checked_ids(ids)
             missing = [name for name in given if name not in values]
-            if missing:
-                raise ValueError(f"upsert needs the columns {missing}")
+            unknown = sorted(set(values) - set(given))
+            if missing or unknown:
+                raise ValueError(
+                    f"upsert takes the columns {', '.join(given)}"
+                    + (f"; missing {', '.join(missing)}" if missing else "")
+                    + (f"; not columns of this store: {', '.join(unknown)}" if unknown else "")
+                    + ("; touched is kept by the store" if "touched" in unknown else "")
+                )
             columns = [_finite(values[name], name, len(checked)) for name in given]
+            strength = columns[0]
+            outside = np.flatnonzero((strength < 0) | (strength > 1))
+            if len(outside):
+                raise ValueError(f"strength: value {outside[0]} is {strength[outside[0]]}; strengths are in [0, 1]")
             return checked, np.column_stack(columns).astype(np.float32).reshape(len(checked), len(given))
 
         ids, table = await self._checked(check)
@@ -180,6 +192,7 @@ class MemoryStore:
 
     async def delete(self, ids: np.ndarray) -> int:
         """Remove records (collective); returns how many were removed over all ranks."""
+        self._ready_to_change()
         ids = await self._checked(lambda: _checked_ids(ids))
         _, (got_ids,) = await self._route(ids)
         removed = self.partition.delete(got_ids)
@@ -209,6 +222,7 @@ class MemoryStore:
         of their global position. An id that is not stored, or a delta that is
         not finite, is an error on every rank, before anything changes.
         """
+        self._ready_to_change()
         began = time.perf_counter()
 
         def check() -> tuple[np.ndarray, np.ndarray]:
@@ -227,37 +241,45 @@ class MemoryStore:
         self._log(Op("reinforce", self.partition.ids[rows], sums, float(iteration)))
         self.timings |= {"reinforce_exchange_s": applying - began, "reinforce_apply_s": time.perf_counter() - applying}
 
-    def decay(self, rate: float) -> None:
-        """Decay every strength of this rank by ``rate`` (no exchange; ``iterate`` does it with the aggregates)."""
+    async def decay(self, rate: float) -> None:
+        """Decay every strength by ``rate`` (collective: one check that every rank gives the same rate in [0, 1])."""
+        await self._agreed_settings("decay", rate, 0)
+        self._decay(rate)
+
+    def _decay(self, rate: float) -> None:
         self.partition.decay(rate)
         self._log(Op("decay", scalar=float(np.float32(rate))))
 
     async def iterate(self, rate: float, k: int = 100) -> Aggregate:
         """Decay every strength by ``rate`` and compute the global quality aggregate and top-k (collective).
 
-        Decay changes no quality, so while no upsert or delete has run since the
-        last call with the same ``k``, its aggregate is still exact: then only
-        the decay runs, and nothing is exchanged.
+        ``rate`` (in [0, 1]) and ``k`` (>= 0) must be the same on every rank;
+        one small exchange checks them before anything changes. Decay changes
+        no quality, so while no upsert or delete has run since the last call
+        with the same ``k``, its aggregate is still exact: then only the decay
+        runs, and nothing else is exchanged.
         """
         began = time.perf_counter()
+        k = await self._agreed_settings("iterate", rate, k)
         if self._aggregate is not None and self._aggregate[0] == k:
-            self.decay(rate)
+            self._decay(rate)
             self.timings |= {"pass_s": time.perf_counter() - began, "aggregate_exchange_s": 0.0}
             return self._aggregate[1]
         low, high = self.quality_range
-        mine = self.partition.iteration_pass(rate, low, high, self.bins, k)
+        mine = self.partition.iteration_pass(rate, low, high, self.bins, min(k, self.partition.size))
         self._log(Op("decay", scalar=float(np.float32(rate))))
         passed = time.perf_counter()
         sums = np.concatenate([[mine.count], mine.histogram, mine.exponents]).astype(np.int64)
         await self.system.world.allreduce(sums, out=sums)
         top = np.array([mine.maximum])
         await self.system.world.allreduce(top, op="max", out=top)
-        best_q, best_id = best_by_quality(mine.candidates_quality, mine.candidates_ids, k)
-        every_q, every_id = await self._gather_candidates(best_q, best_id, k)
+        total_count = int(sums[0])
+        k_kept = min(k, total_count)  # a k beyond the store's size pads nothing it cannot fill
+        best_q, best_id = best_by_quality(mine.candidates_quality, mine.candidates_ids, k_kept)
+        every_q, every_id = await self._gather_candidates(best_q, best_id, k_kept)
         top_q, top_id = best_by_quality(every_q, every_id, k)
         self.timings |= {"pass_s": passed - began, "aggregate_exchange_s": time.perf_counter() - passed}
-        self.bytes_sent += (sums.nbytes + top.nbytes + k * 12) * (self.system.size > 1)
-        total_count = int(sums[0])
+        self.bytes_sent += (sums.nbytes + top.nbytes + k_kept * 12) * (self.system.size > 1)
         total = exact_total(sums[1 + self.bins :])
         aggregate = Aggregate(
             count=total_count,
@@ -271,6 +293,37 @@ class MemoryStore:
         )
         self._aggregate = (k, aggregate)
         return aggregate
+
+    async def _agreed_settings(self, what: str, rate: float, k: int) -> int:
+        """``k`` once every rank gave the same ``rate`` in [0, 1] and integer ``k`` >= 0; else ValueError on every rank.
+
+        Checked before anything changes: a NaN rate would make every strength NaN for good, and a rate that differs
+        between ranks would make the logged decay disagree with what some ranks applied.
+        """
+        self._ready_to_change()
+        try:
+            mine = np.array([float(rate), float(operator.index(k))])
+        except (TypeError, ValueError, OverflowError):
+            mine = np.array([np.nan, np.nan])
+        every = (await self.system.world.allgather(mine)).reshape(-1, 2)
+        rates, ks = every[:, 0], every[:, 1]
+        problems = []
+        if not (np.isfinite(rates).all() and (rates >= 0).all() and (rates <= 1).all()):
+            problems.append(f"the rate must be a number in [0, 1]; got {_per_rank(rates)}")
+        elif (rates != rates[0]).any():
+            problems.append(f"every rank must give the same rate; got {_per_rank(rates)}")
+        if not (np.isfinite(ks).all() and (ks >= 0).all()):
+            problems.append(f"k must be an integer >= 0; got {_per_rank(ks)}")
+        elif (ks != ks[0]).any():
+            problems.append(f"every rank must give the same k; got {_per_rank(ks)}")
+        if problems:
+            raise ValueError(f"{what}: " + "; ".join(problems))
+        return int(ks[0])
+
+    def _ready_to_change(self) -> None:
+        """Refuse a change to a durable store before ``recover()`` (the same on every rank), before it is applied."""
+        if self.durable is not None and not self.durable.recovered:
+            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
 
     # ------------------------------------------------------------ durability (see durability.py)
     def _log(self, op: Op) -> None:
@@ -369,7 +422,7 @@ class MemoryStore:
         padded_q[: len(quality)], padded_id[: len(ids)] = quality, ids
         every_q = (await self.system.world.allgather(padded_q)).reshape(-1)
         every_id = (await self.system.world.allgather(padded_id)).reshape(-1)
-        real = every_id != INT64_LIMIT
+        real = every_q != -np.inf  # stored qualities are finite; any id, 2**63 - 1 too, may be real
         return every_q[real], every_id[real]
 
 
@@ -390,8 +443,20 @@ def _checked_ids(ids: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=np.int64)
 
 
+def _per_rank(values: np.ndarray) -> str:
+    """'0.5 on every rank' or 'rank 0: 0.5, rank 1: nan' (invalid input shows as nan)."""
+    if (values == values[0]).all():
+        return f"{values[0]:g} on every rank"
+    return ", ".join(f"rank {rank}: {value:g}" for rank, value in enumerate(values))
+
+
 def _finite(values: np.ndarray, name: str, count: int) -> np.ndarray:
-    array = np.asarray(values, dtype=np.float32).reshape(-1)
+    given = np.asarray(values)
+    if given.ndim != 1:
+        raise ValueError(f"{name}: one value per id, got an array of shape {given.shape}")
+    if given.dtype.kind not in "biuf":
+        raise TypeError(f"{name}: values must be numbers, got {given.dtype}")
+    array = given.astype(np.float32)
     if len(array) != count:
         raise ValueError(f"{name}: {len(array)} values for {count} ids")
     bad = np.flatnonzero(~np.isfinite(array))

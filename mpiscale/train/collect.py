@@ -13,6 +13,8 @@ from it, and ``mpiscale inspect`` shows which inputs activate each atom.
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -22,13 +24,17 @@ import torch
 from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
 from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, start_agreed
 from ..kernels.threads import share_cores
-from ..ranks import Comm, rank_rows, ranks_sharing_cores, run_agreed
+from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem, JobRefused
 from .config import CollectConfig
 from .model import module_names, standardizer
 from .results import load_trained
 
 ACTIVATIONS_FORMAT = "mpiscale.activations/1"
+
+
+class _BadRows(AgreedError):
+    """A round's rows hold NaN or infinity on some rank: bad input (status 2), found as the rows are read."""
 
 
 @dataclass
@@ -51,6 +57,8 @@ async def collect(system: ActorSystem, config: CollectConfig) -> dict:
         return _write(system, config, job)
     except WriteError as error:
         raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+    except _BadRows as error:
+        raise JobRefused(f"mpiscale collect: {error}", status=2) from None
     finally:
         if job.lock is not None:
             job.lock.release()
@@ -67,6 +75,11 @@ def _prepare(config: CollectConfig) -> _Job:
     if unknown:
         raise ValueError(f"{config.model} has no module {', '.join(unknown)}; its modules: {', '.join(known)}")
     path, name = split_spec(config.data or str(trained["data"]))
+    if not config.data and not os.path.isabs(path) and not glob.glob(path):
+        raise DataFileError(config.model, (
+            f"names its training data {path}, a path relative to where training ran, which is not found from "
+            f"{os.getcwd()}: pass --data FILE:/dataset"
+        ))  # fmt: skip
     with ShardedDataset(path, name, comm) as data:
         name, shape, dtype = data.name, data.shape, data.dtype
     features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
@@ -127,6 +140,7 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
             lo = min(start + index * config.batch_size, stop)
             hi = min(lo + config.batch_size, stop)
             rows = np.asarray(data.read_collective(lo, hi), np.float32).reshape(hi - lo, job.features)
+            run_agreed(comm, f"round {index + 1}", partial(_check_finite, job, rows, lo), _BadRows)
             captured: dict[str, np.ndarray] = {}
             # agreed: a failure on one rank must not leave the others waiting in the collective write
             run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}", partial(_capture, job, rows, captured))
@@ -137,6 +151,14 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         layers = ", ".join(f"/{name} ({job.samples} x {width})" for name, width in job.widths.items())
         print(f"wrote {config.out}: {layers} from {job.attrs['inputs']}", flush=True)
     return {"samples": job.samples, "widths": job.widths}
+
+
+def _check_finite(job: _Job, rows: np.ndarray, first: int) -> None:
+    """Refuse rows holding NaN or infinity (their activations would be NaN); ``first`` is the first row's number."""
+    bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
+    if len(bad):
+        raise DataFileError(job.path, f"sample {first + bad[0]} holds NaN or infinite values; clean the data first",
+                            job.name)  # fmt: skip
 
 
 def _capture(job: _Job, rows: np.ndarray, into: dict[str, np.ndarray]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,9 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     """Check ``path``'s inputs and labels (collective); returns (data, classes, feature mean, feature std).
 
     Inputs must be numbers without NaN or infinity, labels integers >= 0, one
-    per input row. Every rank raises the same ``DataFileError``: the checks
-    use totals every rank sees.
+    per input row. Every rank raises the same
+    ``DataFileError``: the checks use totals every rank sees. The data's path
+    is kept absolute, so results files name it from anywhere.
     """
     from mpi4py import MPI
 
@@ -66,7 +68,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     samples = shape[0]
     mean = sums[0] / samples
     std = np.sqrt(np.maximum(sums[1] / samples - mean * mean, 0.0))
-    checked = LabelledData(path, inputs, labels, samples, int(np.prod(shape[1:])), image_shape)
+    checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape)
     return checked, int(-extremes[1]) + 1, mean, std
 
 
@@ -74,3 +76,12 @@ def resident_block(data: LabelledData, comm: Comm) -> tuple[np.ndarray, np.ndarr
     """(inputs as float32 rows, labels) of this rank's block of the file, read collectively."""
     inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(np.float32)
     return inputs, read_dataset(data.path, data.labels, comm).astype(np.int64)
+
+
+def check_classes(data: LabelledData, classes: int) -> None:
+    """Refuse more classes than training samples: a label of 100000 among 300 rows is a mistake, not a model."""
+    if classes > data.samples:
+        raise DataFileError(data.path, (
+            f"labels go up to {classes - 1}, but there are only {data.samples} training samples: labels are class "
+            "numbers 0 .. classes-1 (renumber them, e.g. with numpy.unique(labels, return_inverse=True))"
+        ), data.labels)  # fmt: skip

@@ -54,7 +54,7 @@ from ..runtime import ActorSystem
 from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
-from .data import LabelledData, check_labelled, resident_block
+from .data import LabelledData, check_classes, check_labelled, resident_block
 from .data_parallel import DataParallel
 from .digits import write_digits
 from .model import build_mlp, set_standardization
@@ -191,6 +191,7 @@ def _prepare_data(config: TrainConfig, comm: Comm):
         if held_out_classes > classes:
             log.warning("%s has labels up to %d, unseen in training", validation_path, held_out_classes - 1)
             classes = held_out_classes
+    check_classes(data, classes)
     return data, validation, classes, mean, std
 
 

@@ -72,6 +72,37 @@ def test_same_dictionary_on_1_2_and_4_ranks(tmp_path):
     assert np.abs(dictionaries[0] - dictionaries[2]).max() < 1e-9
 
 
+def test_replacements_are_chosen_for_the_whole_batch_on_1_to_4_ranks(tmp_path):
+    """Handwritten digits (8x8 images written by plain h5py) with far more atoms than they need: more atoms go idle
+    every iteration than --max-replace allows, and each rank's worst signals must not add up to more replacements.
+    Then a run stopped at its checkpoint of iteration 20 on 2 ranks resumes on 3 to the same dictionary."""
+    from sklearn.datasets import load_digits
+
+    data = tmp_path / "digits.h5"
+    with h5py.File(data, "w") as file:
+        file.create_dataset("images", data=load_digits().images.astype(np.uint8), chunks=(100, 8, 8))
+    learning = ["--data", f"{data}:/images", "--atoms", "150", "--sparsity", "2", "--max-replace", "3",
+                "--replace-after", "1"]  # fmt: skip
+    options = [*learning, "--iterations", "40"]
+    dictionaries, replaced = [], []
+    for ranks in (1, 2, 3, 4):
+        out = tmp_path / f"ranks{ranks}.h5"
+        assert_ok(dictlearn(ranks, out, *options))
+        dictionaries.append(learned(out))
+        with h5py.File(out, "r") as file:
+            replaced.append(file["metrics"]["replaced"][()])
+    assert replaced[0].max() == 3 and (replaced[0] == 3).sum() > 10, replaced[0]  # the cap binds
+    for ranks, dictionary, count in zip((2, 3, 4), dictionaries[1:], replaced[1:]):
+        np.testing.assert_array_equal(count, replaced[0], err_msg=f"{ranks} ranks")
+        assert np.abs(dictionary - dictionaries[0]).max() < 1e-9, ranks
+    stopped = tmp_path / "stopped.h5"
+    first = [*learning, "--iterations", "20", "--checkpoint-every", "10"]
+    assert_ok(dictlearn(2, stopped, *first))
+    resumed = [*options, "--checkpoint-every", "10", "--checkpoint-dir", str(tmp_path / "stopped.checkpoints")]
+    assert_ok(dictlearn(3, tmp_path / "resumed.h5", *resumed, "--resume"))
+    assert np.abs(learned(tmp_path / "resumed.h5") - dictionaries[0]).max() < 1e-9
+
+
 def test_killed_run_resumes_on_another_world_size(tmp_path):
     """Rank 1 SIGKILLed after the checkpoint of iteration 60; resumed on 4 ranks it ends as an uninterrupted run."""
     options = [*KSVD, "--iterations", "150", "--checkpoint-every", "20", "--snr-db", "20"]

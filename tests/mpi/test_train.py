@@ -212,6 +212,8 @@ def test_users_own_file(tmp_path):
         ("float labels", "labels must be integers"),
         ("short labels", "600 inputs but 599 labels"),
         ("negative labels", "labels must be 0 or more"),
+        ("huge label", "labels go up to 100000, but there are only 600 training samples"),
+        ("label 2**40", f"labels go up to {2**40}, but there are only 600 training samples"),
         ("batch", "batch size 1000 exceeds the 600 training samples"),
         ("hidden", "hidden must be comma-separated positive integers"),
     ],
@@ -228,6 +230,10 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
         labels = labels[:-1]
     if problem == "negative labels":
         labels[5] = -1
+    if problem == "huge label":
+        labels[5] = 100000
+    if problem == "label 2**40":
+        labels[5] = 2**40
     data = user_file(tmp_path / "bad.h5", inputs, labels)
     job = mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", *args,
                    "--out", tmp_path / "m.h5")  # fmt: skip
@@ -244,3 +250,41 @@ def test_collect_refuses_unknown_layer_and_wrong_width(tmp_path, one_process_mod
     job = mpiscale(2, "collect", "--model", out, "--data", f"{wrong}:/images", "--out", tmp_path / "a.h5")
     assert job.returncode == 2 and "the model takes rows of 64 numbers" in job.stderr
     assert not (tmp_path / "a.h5").exists()
+
+
+def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):
+    """A NaN in rank 1's third round: every rank stops with one message naming the sample, status 2, no output."""
+    rows = np.random.default_rng(2).random((900, 64)).astype(np.float32)
+    rows[777, 5] = np.nan  # rank 1's block is 450-899; rounds of 100 rows
+    data = user_file(tmp_path / "nan.h5", rows, np.zeros(900, np.int64))
+    job = mpiscale(2, "collect", "--model", one_process_model, "--data", f"{data}:/images", "--batch-size", 100,
+                   "--out", tmp_path / "a.h5", timeout=60)  # fmt: skip
+    assert job.returncode == 2, job.output
+    assert "round 4 failed: rank 1: " in job.stderr and "sample 777 holds NaN or infinite values" in job.stderr
+    assert "Traceback" not in job.output and not (tmp_path / "a.h5").exists()
+
+
+def test_collect_finds_the_training_data_from_another_directory(tmp_path):
+    """A model trained in one directory is collected from another: the results file names its data absolutely;
+    an older file naming it relative to where training ran gets a message that says so."""
+    trained = tmp_path / "trained"
+    trained.mkdir()
+
+    def in_directory(where: Path, *args) -> object:
+        process = launch(1, [*MPISCALE, *map(str, args)], cwd=where)
+        return finish(process, f"mpiscale {args[0]} in {where.name}", 120)
+
+    assert_ok(
+        in_directory(trained, "train", "--epochs", 1, "--hidden", "8", "--out", "model.h5", "--progress-every", 0)
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert_ok(in_directory(elsewhere, "collect", "--model", trained / "model.h5", "--out", "acts.h5"))
+    with h5py.File(elsewhere / "acts.h5", "r") as file:
+        assert file["relu1"].shape == (1437, 8)
+    with h5py.File(trained / "model.h5", "r+") as file:  # as versions before this one wrote it
+        file.attrs["data"] = "model.digits.h5:/inputs"
+    again = in_directory(elsewhere, "collect", "--model", trained / "model.h5", "--out", "again.h5")
+    assert again.returncode == 2, again.output
+    assert "names its training data model.digits.h5, a path relative to where training ran" in again.stderr
+    assert "pass --data FILE:/dataset" in again.stderr and not (elsewhere / "again.h5").exists()
