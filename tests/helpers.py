@@ -54,7 +54,7 @@ def launch(
         env=environment,
         text=True,
         start_new_session=True,
-        cwd=REPO,
+        cwd=popen.pop("cwd", REPO),
         stdout=popen.pop("stdout", subprocess.PIPE),
         stderr=popen.pop("stderr", subprocess.PIPE),
         **popen,
