@@ -50,6 +50,8 @@ def parse(raw: bytes) -> Command:
         message = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise Rejected('not JSON: a command is an object such as {"id": "1", "command": "stop"}') from None
+    except RecursionError:  # a few KB of brackets: the parser's recursion, not the job, gives up
+        raise Rejected("nested too deeply: a command is a flat JSON object") from None
     if not isinstance(message, dict):
         raise Rejected(f"a command is a JSON object, got {type(message).__name__}")
     id = message.get("id")

@@ -41,6 +41,7 @@ class TelemetrySettings:
             raise ValueError(f"telemetry settings: {error}") from None
         if not interval > 0 or buffer < 1:
             raise ValueError("MPISCALE_TELEMETRY_INTERVAL_S must be > 0 and MPISCALE_TELEMETRY_BUFFER >= 1")
+        check_job_id(env.get("MPISCALE_JOB_ID", ""))
         if scrape is not None and not 0 <= scrape < 65536:
             raise ValueError(f"MPISCALE_PROMETHEUS_PORT={scrape}: a port is 0 to 65535")
         return cls(
@@ -53,6 +54,18 @@ class TelemetrySettings:
             enabled=env.get("MPISCALE_TELEMETRY", "1") != "0",
             prometheus_port=scrape,
             prometheus_addr=env.get("MPISCALE_PROMETHEUS_ADDR") or "0.0.0.0",
+        )
+
+
+def check_job_id(job: str) -> None:
+    """Refuse an ``MPISCALE_JOB_ID`` that cannot be a part of an MQTT topic (wildcards, NUL, empty levels)."""
+    if not job:
+        return
+    bad = sorted({c for c in job if c in "#+\0"})
+    if bad or job.startswith("/") or job.endswith("/") or "//" in job or len(job.encode()) > 200:
+        raise ValueError(
+            f"MPISCALE_JOB_ID={job!r}: a job id names MQTT topics, so it holds no # + or NUL, no empty part "
+            "between slashes, and at most 200 bytes (user/1234 is fine)"
         )
 
 

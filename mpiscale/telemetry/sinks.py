@@ -16,9 +16,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import random
 import ssl
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +53,8 @@ def mqtt_client(settings: TelemetrySettings, identifier: str | None = None, will
     import aiomqtt
 
     assert settings.broker is not None
+    if settings.tls_ca and not os.path.isfile(settings.tls_ca):
+        raise FileNotFoundError(f"MPISCALE_BROKER_CA={settings.tls_ca}: no such file")
     tls = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else None
     last_will = aiomqtt.Will(will[0], will[1], qos=1, retain=True) if will is not None else None
     return aiomqtt.Client(
@@ -95,6 +99,7 @@ class MqttSink:
         self.dropped = 0
         self.connected = False
         self._ever_connected = False
+        self._said_unreachable = False
         self._queue: deque[tuple[str, bytes, bool]] = deque()
         self._wake = asyncio.Event()
         self._closing = asyncio.Event()
@@ -126,7 +131,8 @@ class MqttSink:
                 continue
             try:
                 will = (topic(self.job, "status"), self._lost)
-                async with mqtt_client(self.settings, f"mpiscale-{self.job}", will) as client:
+                # a client id of its own: a client that connects under a guessable one would take the job's session
+                async with mqtt_client(self.settings, f"mpiscale-{self.job}-{uuid.uuid4().hex[:12]}", will) as client:
                     self.connected, self._ever_connected, failures, retry_until = True, True, 0, None
                     if self._last_status is not None and self._last_status not in self._queue:
                         self._queue.appendleft(self._last_status)
@@ -134,6 +140,12 @@ class MqttSink:
                     return
             except (aiomqtt.MqttError, OSError) as error:
                 self.connected = False
+                if not self._ever_connected and not self._said_unreachable:
+                    self._said_unreachable = True  # once: a wrong password or CA must not pass silently
+                    host, port = self.settings.broker or ("", 0)
+                    reason = str(error) or type(error).__name__
+                    log.warning("telemetry: cannot connect to the broker %s:%d (%s); the job runs on, and its "
+                                "telemetry is tried again in the background", host, port, reason)  # fmt: skip
                 if self._closing.is_set():  # the job's end: retry at once, for CLOSE_UNCONNECTED_S at most
                     # bounded here, not only by close()'s cancel: aiomqtt may turn a cancel in connect into MqttError
                     retry_until = retry_until or time.monotonic() + CLOSE_UNCONNECTED_S
@@ -172,7 +184,10 @@ class MqttSink:
             if message.retain:
                 log.warning("telemetry: ignored a retained message on %s", message.topic)
                 continue
-            self.on_control(bytes(message.payload) if message.payload is not None else b"")
+            try:
+                self.on_control(bytes(message.payload) if message.payload is not None else b"")
+            except Exception:  # a bug the message found must not stop the job's telemetry: said, and skipped
+                log.exception("telemetry: a control message on %s could not be handled; it is ignored", message.topic)
 
     async def _send(self, client) -> None:
         """Send the buffer as it fills, until closing with an empty buffer."""

@@ -22,6 +22,7 @@ FLOOD = [
     b"",
     b"stop",
     b"\xff\xfe",
+    b"[" * 2000 + b"]" * 2000,  # deeper than the JSON parser's recursion allows
     b"[1, 2]",
     b'{"command": "stop"}',  # no id
     b'{"id": 7, "command": "stop"}',
@@ -66,7 +67,13 @@ def test_stop_checkpoints_and_exits_0_and_the_run_resumes_as_if_never_stopped(br
         return len(answers) - len(more) + sum(more)
 
     subscriber.wait_for(lambda _: rejections() == 500, timeout=60)
+    impostor = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="mpiscale-c1")  # the id jobs once used
+    impostor.connect("127.0.0.1", broker.port)
+    impostor.loop_start()
+    time.sleep(1.0)
     stopped = control("c1", "stop", "--broker", broker.address)
+    impostor.loop_stop()
+    impostor.disconnect()
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert "acknowledged: stop" in stopped.stdout and "completed: stopped after iteration" in stopped.stdout
     done = finish(job, "dictlearn stopped by a control command", 60)
@@ -83,6 +90,9 @@ def test_stop_checkpoints_and_exits_0_and_the_run_resumes_as_if_never_stopped(br
     shown = [p["detail"] for p in answers if p["event"] == "rejected"]
     assert any("not JSON" in d for d in shown) and any("unknown command 'reboot'" in d for d in shown), shown
     assert any("more control messages rejected" in d for d in shown), shown
+    assert any("nested too deeply" in d for d in shown), shown
+    states = [p["state"] for p in subscriber.payloads("status")]
+    assert "lost" not in states, states  # the impostor took no session of the job's
 
     total = str(step + 30)
     resumed = finish(dictlearn(4, tmp_path / "a.h5", *options, "--iterations", total, "--resume"), "resume", 120)
@@ -118,7 +128,7 @@ def test_passwords_tls_and_the_acl_let_a_user_control_only_their_own_jobs(tmp_pa
     for user, password in (("alice", "alice-secret"), ("bob", "bob-secret")):
         create = ["-c"] if not passwords.exists() else []
         subprocess.run(["mosquitto_passwd", *create, "-b", str(passwords), user, password], check=True, timeout=30)
-    (tmp_path / "acl").write_text("topic read mpiscale/#\npattern readwrite mpiscale/%u/#\n")  # as in the docs
+    (tmp_path / "acl").write_text("pattern read mpiscale/#\npattern readwrite mpiscale/%u/#\n")  # as in the docs
     files = {"password_file": passwords, "acl_file": tmp_path / "acl", "cafile": tmp_path / "ca.pem",
              "certfile": tmp_path / "server.pem", "keyfile": tmp_path / "server.key"}  # fmt: skip
     security = "allow_anonymous false\n" + "".join(f"{name} {path}\n" for name, path in files.items())
@@ -132,6 +142,9 @@ def test_passwords_tls_and_the_acl_let_a_user_control_only_their_own_jobs(tmp_pa
                      env={**alice, "MPISCALE_JOB_ID": "alice/7"})  # fmt: skip
         dumped = control("alice/7", "dump", env={**os.environ, **alice})  # sent once the job says it runs
         assert dumped.returncode == 0 and "completed: every rank of 2" in dumped.stdout, dumped.stderr
+        watched = subprocess.run([*MPISCALE, "watch", "alice/7", "--timeout", "3"], capture_output=True,
+                                 text=True, timeout=30, env={**os.environ, **bob})  # fmt: skip
+        assert "alice/7" in watched.stdout and "running" in watched.stdout, watched.stdout + watched.stderr
         publish_as("bob", "bob-secret", broker.port, tmp_path / "ca.pem", "mpiscale/alice/7/control",
                    {"id": "bob-1", "command": "stop"})  # fmt: skip
         time.sleep(3)  # the job agrees on requests every 0.2 s: a stop that got through would have ended it
@@ -145,7 +158,13 @@ def test_passwords_tls_and_the_acl_let_a_user_control_only_their_own_jobs(tmp_pa
         assert ended.returncode == 1 and "job alice/7 has ended (stopped)" in ended.stderr
         wrong = {**alice, "MPISCALE_BROKER_PASSWORD": "guess", "MPISCALE_JOB_ID": "alice/8"}
         short = [*command, str(tmp_path / "w.h5"), "--iterations", "200"]
-        assert_ok(finish(launch(2, short, env=wrong), "memstore with a refused password", 120))
+        refused_password = finish(launch(2, short, env=wrong), "memstore with a refused password", 120)
+        assert_ok(refused_password)
+        assert refused_password.stderr.count("telemetry: cannot connect to the broker") == 1, refused_password.stderr
+        no_ca = {**alice, "MPISCALE_BROKER_CA": str(tmp_path / "missing.pem"), "MPISCALE_JOB_ID": "alice/9"}
+        missing_ca = finish(launch(2, short, env=no_ca), "memstore with a missing CA file", 120)
+        assert_ok(missing_ca)
+        assert "telemetry: cannot connect to the broker" in missing_ca.stderr and "missing.pem" in missing_ca.stderr
     finally:
         broker.stop()
 

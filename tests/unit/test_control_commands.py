@@ -6,6 +6,7 @@ import pytest
 
 from mpiscale.telemetry import problems, record
 from mpiscale.telemetry.control import Command, Rejected, parse
+from mpiscale.telemetry.settings import TelemetrySettings
 
 
 def test_commands_parse():
@@ -19,6 +20,7 @@ def test_commands_parse():
     "raw, reason, id",
     [
         (b"stop", "not JSON", None),
+        (b"[" * 2000 + b"]" * 2000, "nested too deeply", None),
         (b"\xff", "not JSON", None),
         (b"[]", "a JSON object, got list", None),
         (b'{"command": "stop"}', "id must be a string", None),
@@ -40,3 +42,10 @@ def test_answers_follow_the_schema():
     assert not problems(record("event", "j", event="rejected", rank=0, detail="not JSON", id=None))
     assert not problems(record("event", "j", event="completed", rank=0, detail="stopped", id="a1"))
     assert problems(record("event", "j", event="completed", rank=0, detail="stopped"))  # an answer needs its id
+
+
+@pytest.mark.parametrize("job", ["alice/#", "a+b", "/alice/7", "alice/", "alice//7", "a\0b", "x" * 201])
+def test_a_job_id_that_cannot_name_mqtt_topics_is_refused(job):
+    with pytest.raises(ValueError, match="a job id names MQTT topics"):
+        TelemetrySettings.from_env({"MPISCALE_JOB_ID": job})
+    assert TelemetrySettings.from_env({"MPISCALE_JOB_ID": "alice/4242_3"}).enabled
