@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +34,10 @@ class MemstoreConfig:
         "empty: everything in --checkpoints",
     )  # fmt: skip
     checkpoint_every: int = option(10, "iterations between checkpoints of a durable job (they bound the logs)")
+    accept_rollback: bool = option(
+        False, "recover even when logs are lost or damaged (or journal.json is gone), from the newest state the "
+        "remaining files hold, losing the commits after it (refused without this)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         problems = []
@@ -43,8 +46,8 @@ class MemstoreConfig:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.reinforce <= 1:
             problems.append(f"reinforce must be a fraction in [0, 1], got {self.reinforce}")
-        if not (self.rate >= 0 and math.isfinite(self.rate)):
-            problems.append(f"rate must be a number >= 0, got {self.rate}")
+        if not 0 <= self.rate <= 1:  # NaN fails too
+            problems.append(f"rate must be a number in [0, 1], got {self.rate}")
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.local_dir and not self.checkpoints:

@@ -60,12 +60,13 @@ class DurableLog:
             raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
         self._pending.append(op)
 
-    async def recover(self, meta: dict | None = None) -> Recovered | None:
+    async def recover(self, meta: dict | None = None, accept_rollback: bool = False) -> Recovered | None:
         """Rebuild the store from its checkpoints and logs, or start them (collective; first call).
 
         ``meta`` (JSON) names the job: logs and checkpoints of another job are
-        refused with a CheckpointError before anything is written. Returns
-        None when there was nothing to recover.
+        refused with a CheckpointError before anything is written. Lost or
+        damaged logs are refused too, unless ``accept_rollback``. Returns None
+        when there was nothing to recover.
         """
         if self._journal is not None:
             raise RuntimeError("recover() was called already")
@@ -79,7 +80,7 @@ class DurableLog:
         )
         self._journal = Journal(self.system, checkpoints)
         try:
-            recovered = await recover(self._journal, self.replica, self.save, json_safe(meta or {}))
+            recovered = await recover(self._journal, self.replica, self.save, json_safe(meta or {}), accept_rollback)
         except BaseException:
             self.close()
             raise

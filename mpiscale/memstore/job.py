@@ -91,7 +91,7 @@ class _Memstore:
         if config.checkpoints:
             problem, recovered = None, None
             try:
-                recovered = await store.recover(config.workload())
+                recovered = await store.recover(config.workload(), config.accept_rollback)
             except (CheckpointError, DataFileError) as error:  # agreed: every rank raised it
                 problem = ValueError(f"mpiscale memstore: {error}")
             await system.agree(problem, "the store's checkpoints and logs")

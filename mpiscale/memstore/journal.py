@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import Checkpointer, CheckpointError, WriteAheadLog, encode_record, publish, replay
+from ..io import Checkpointer, CheckpointError, ReplayReport, WriteAheadLog, encode_record, publish, replay
 from ..ranks import as_mpi
 from ..runtime import ActorSystem
 
@@ -136,7 +136,7 @@ class Journal:
         run = self.comm.bcast(secrets.token_hex(6) if self.system.rank == 0 else None, 0)
         if self.system.rank == 0:
             temporary = self.record_file.with_name("journal.json.tmp")
-            temporary.write_text(json.dumps({"run": run, "start": start, "meta": meta}))
+            temporary.write_text(json.dumps({"run": run, "start": start, "ranks": self.system.size, "meta": meta}))
             publish(temporary, self.record_file)
         self.comm.Barrier()
         self.run, self.start = run, start
@@ -190,29 +190,38 @@ class Journal:
         self._own, self._copies = None, {}
 
     # ----------------------------------------------------------------- reading
-    def listing(self, run: str) -> list[Segment]:
-        """The segments of ``run`` on this rank's node."""
-        found = [_parse(self.node, path.name) for path in self.wal_dir(self.node).glob(f"run-{run}.*.wal")]
+    def listing(self, run: str | None) -> list[Segment]:
+        """The segments of ``run`` (None: of any run) on this rank's node."""
+        pattern = f"run-{run}.*.wal" if run is not None else "run-*.wal"
+        found = [_parse(self.node, path.name) for path in self.wal_dir(self.node).glob(pattern)]
         return [segment for segment in found if segment is not None]
 
-    def read(self, segments: list[Segment], after: int) -> list[Commit]:
-        """The consecutive commits after ``after`` in one old rank's ``segments`` (a gap ends them, with a warning)."""
+    def wal_places(self) -> str:
+        """Where the logs live, for messages: every node's log directory."""
+        return str(self._local / "node-*" / "wal") if self._local is not None else str(self.wal_dir(0))
+
+    def read(self, segments: list[Segment], after: int) -> tuple[list[Commit], str]:
+        """(the consecutive commits after ``after`` in one old rank's ``segments``, the log whose last record was
+        torn or ""); a gap ends them, with a warning."""
         commits: list[Commit] = []
+        torn = ""
         for segment in sorted(segments, key=lambda s: s.start):
             path = self.wal_dir(segment.node) / segment.name
+            report = ReplayReport()
             try:
-                records = list(replay(path))
+                records = list(replay(path, report))
             except OSError as error:
                 raise CheckpointError(f"the log {path} cannot be read: {error}") from error
+            torn = str(path) if report.torn_bytes else torn
             for number, arrays in records:
                 expected = after + len(commits) + 1
                 if number > expected:
                     log.warning("%s jumps from commit %d to %d: the commits after %d are redone", path, expected - 1,
                                 number, expected - 1)  # fmt: skip
-                    return commits
+                    return commits, torn
                 if number == expected:
                     commits.append(decode_commit(number, arrays))
-        return commits
+        return commits, torn
 
 
 def _parse(node: int, name: str) -> Segment | None:
@@ -239,9 +248,8 @@ def existing_segments(run: str, found: list[Segment]) -> dict[int, list[Segment]
     return chosen
 
 
-def lost_logs(found: list[Segment]) -> list[int]:
-    """Old ranks with no log anywhere, when some old rank has one."""
-    if not found:
-        return []
-    world = found[0].world
+def lost_logs(found: list[Segment], ranks: int | None) -> list[int]:
+    """Old ranks with no log anywhere: of ``ranks`` (the run's world, as its record says), or of the world the
+    logs found name (records of older versions do not say)."""
+    world = ranks if ranks is not None else (found[0].world if found else 0)
     return sorted(set(range(world)) - {segment.rank for segment in found})

@@ -54,18 +54,28 @@ class Recovered:
 
 
 async def recover(
-    journal: Journal, replica: Replica, save: Callable[[int, dict, dict], None], meta: dict
+    journal: Journal,
+    replica: Replica,
+    save: Callable[[int, dict, dict], None],
+    meta: dict,
+    accept_rollback: bool = False,
 ) -> Recovered | None:
     """Restore ``replica`` from its checkpoints and logs (collective); None when there is nothing to restore.
 
     ``save(commit, replicated, meta)`` checkpoints the recovered state, when
-    commits were replayed.
+    commits were replayed. Committed data is never dropped silently: logs that
+    are gone or damaged, or a missing ``journal.json`` beside earlier logs or
+    checkpoints, raise a CheckpointError naming what is missing and what would
+    be lost, unless ``accept_rollback`` (then: a warning, and the state of the
+    newest commit every remaining log holds).
     """
     began = time.perf_counter()
     comm = journal.comm
     record = comm.bcast(_readable(journal.read_record) if comm.Get_rank() == 0 else None, 0)
     if isinstance(record, CheckpointError):
         raise record
+    if record is None:
+        _no_record(journal, accept_rollback)
     if record is not None and record.get("meta") != meta:
         raise CheckpointError(_difference(journal, record.get("meta", {}), meta))
     restored = journal.checkpoints.load()
@@ -85,7 +95,7 @@ async def recover(
     if restored is not None:
         source = f"the checkpoint of commit {checkpoint} ({', '.join(sorted(set(restored.sources.values())))})"
     if record is not None:
-        commits, logs = await _replay(replica, journal, record["run"], checkpoint)
+        commits, logs = await _replay(replica, journal, record, checkpoint, accept_rollback)
         source += f"; {len(commits)} commits from {logs}"
     replayed = time.perf_counter()
     last = checkpoint + len(commits)
@@ -116,6 +126,30 @@ async def recover(
     )
 
 
+def _no_record(journal: Journal, accept_rollback: bool) -> None:
+    """Without ``journal.json``, refuse to start over while logs or checkpoints of an earlier run are there."""
+    comm = journal.comm
+    logs = len({(s.node, s.name) for listing in comm.allgather(journal.listing(None)) for s in listing})
+    steps = journal.checkpoints.steps()
+    if not logs and not steps:
+        return
+    found = ", ".join(part for part in (f"{logs} log files" if logs else "", f"checkpoints {steps}" if steps else "")
+                      if part)  # fmt: skip
+    _refuse_rollback(accept_rollback, (
+        f"{journal.record_file} is missing, but {found} of an earlier run are there: the file names the run whose "
+        "logs hold the commits after the newest checkpoint, so starting without it would lose them. Restore it"
+    ), journal.comm)  # fmt: skip
+
+
+def _refuse_rollback(accept_rollback: bool, problem: str, comm) -> None:
+    """Raise ``problem`` (the same on every rank), or, when the caller accepts the rollback, warn once and go on."""
+    if not accept_rollback:
+        raise CheckpointError(f"{problem}, or accept the loss with accept_rollback (mpiscale memstore "
+                              "--accept-rollback)")  # fmt: skip
+    if comm.Get_rank() == 0:
+        log.warning("%s; the rollback is accepted: recovering what remains", problem)
+
+
 def _readable(read):
     try:
         return read()
@@ -129,39 +163,46 @@ def _difference(journal: Journal, saved: dict, meta: dict) -> str:
     return f"the store in {journal.directory} belongs to another job ({'; '.join(differences)})"
 
 
-async def _replay(replica: Replica, journal: Journal, run: str, after: int) -> tuple[list[Commit], str]:
-    """Apply every commit after ``after`` that all of ``run``'s logs hold; returns them and where they came from."""
-    comm = journal.comm
+async def _replay(
+    replica: Replica, journal: Journal, record: dict, after: int, accept_rollback: bool
+) -> tuple[list[Commit], str]:
+    """Apply every commit after ``after`` that all logs of the run in ``record`` hold; returns them and where they
+    came from."""
+    comm, run = journal.comm, record["run"]
     found = [segment for listing in comm.allgather(journal.listing(run)) for segment in listing]
     found = list({(s.node, s.name): s for s in found}.values())  # ranks on one node list the same files
     plan, problem = None, None
     if comm.Get_rank() == 0:
         try:
-            lost = lost_logs(found)
-            if lost:
-                raise CheckpointError(
-                    f"the logs of ranks {lost} of run {run} are gone from their nodes and their partners' "
-                    f"(both copies lost: more than one node?); the updates after commit {after} cannot be "
-                    f"recovered. Remove {journal.wal_dir(0).parent.parent} 's wal directories to restart from "
-                    f"the checkpoint of commit {after}, accepting that loss"
-                )
             plan = existing_segments(run, found)
         except CheckpointError as error:
             problem = str(error)
     plan, problem = comm.bcast((plan, problem), 0)
     if problem:
         raise CheckpointError(problem)
+    lost = lost_logs(found, record.get("ranks"))
+    if lost:
+        _refuse_rollback(accept_rollback, (
+            f"the logs of run {run} of ranks {lost} are gone from {journal.wal_places()} (a node's disk "
+            f"and its partner's copy lost, or another --local-dir): every commit after the checkpoint of commit "
+            f"{after} would be lost. Bring the node-local directories back"
+        ), comm)  # fmt: skip
+        plan = {}
     readers = _assign(plan, journal.nodes_of)
     mine: dict[int, list[Commit]] = {}
+    torn: dict[int, str] = {}
     problem = None
     try:
         for old_rank, segments in plan.items():
             if readers[old_rank] == comm.Get_rank():
-                mine[old_rank] = journal.read(segments, after)
+                mine[old_rank], torn_log = journal.read(segments, after)
+                if torn_log:
+                    torn[old_rank] = torn_log
     except (CheckpointError, DataFileError) as error:
         problem = str(error)
     world = journal.system.world
     await world.agree(problem, "memory store", CheckpointError)
+    _check_torn_tails(mine, torn, after, accept_rollback, comm)
     reach = min((len(commits) for commits in mine.values()), default=np.iinfo(np.int64).max)
     every = np.array([reach], np.int64)
     await world.allreduce(every, op="min", out=every)
@@ -186,6 +227,21 @@ async def _replay(replica: Replica, journal: Journal, run: str, after: int) -> t
     if comm.Get_rank() == 0 and count < max((len(c) for c in mine.values()), default=0):
         log.info("commits after %d are not in every log (a rank died mid-commit): they are redone", after + count)
     return commits, where
+
+
+def _check_torn_tails(mine: dict[int, list[Commit]], torn: dict[int, str], after: int, accept: bool, comm) -> None:
+    """A crash tears at most the commit in flight: a log that ends torn more than one commit behind the others is
+    damaged (a bad length field, say), and trusting it would drop the intact commits after it (collective)."""
+    every = [held for part in comm.allgather([(len(c), torn.get(r, "")) for r, c in mine.items()]) for held in part]
+    most = max((count for count, _ in every), default=0)
+    damaged = sorted((count, path) for count, path in every if path and count < most - 1)
+    if damaged:
+        count, path = damaged[0]
+        _refuse_rollback(accept, (
+            f"the log {path} is damaged after commit {after + count} (its next record's frame is cut short while "
+            f"other logs hold commits up to {after + most}, and a crash tears only the commit in flight): the "
+            f"commits after {after + count} would be lost. Restore the file"
+        ), comm)  # fmt: skip
 
 
 def _assign(plan: dict, nodes_of: list[int]) -> dict[int, int]:

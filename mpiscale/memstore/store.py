@@ -336,14 +336,16 @@ class MemoryStore:
             raise RuntimeError(f"{what}() needs a store made with durable=Durability(...)")
         return self.durable
 
-    async def recover(self, meta: dict | None = None) -> Recovered | None:
+    async def recover(self, meta: dict | None = None, accept_rollback: bool = False) -> Recovered | None:
         """Rebuild the store from its checkpoints and logs, or start them (collective; durable stores, first call).
 
         ``meta`` (JSON) names the job: logs and checkpoints of another job are
-        refused with a CheckpointError before anything is written. Returns
-        None when there was nothing to recover.
+        refused with a CheckpointError before anything is written. Committed
+        data is never dropped silently: logs that are gone or damaged, or a
+        missing ``journal.json``, are refused naming what would be lost, unless
+        ``accept_rollback``. Returns None when there was nothing to recover.
         """
-        return await self._durable("recover").recover(meta)
+        return await self._durable("recover").recover(meta, accept_rollback)
 
     @property
     def commits(self) -> int:

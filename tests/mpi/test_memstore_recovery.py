@@ -7,6 +7,7 @@ applied twice.
 
 import json
 import re
+import shutil
 import signal
 import sys
 import time
@@ -213,3 +214,79 @@ def test_python_api_recovers_upserts_deletes_and_reinforcements_on_another_world
     assert_ok(job)
     assert "memstore recovered 15 commits from the checkpoint of commit 12" in job.stdout, job.output[-4000:]
     assert "3 commits from" in job.stdout and f"memstore ok: {then[0]} ranks, 4040 records" in job.stdout
+
+
+def test_lost_logs_are_refused_until_the_rollback_is_accepted(tmp_path, uninterrupted):
+    """Both simulated nodes' local directories gone after 14 iterations (checkpoint of iteration 10, commit 11, the
+    load being commit 1): the rerun is
+    refused, naming the lost logs and the commits after the checkpoint; accepted, it redoes them and ends as the
+    uninterrupted run. A rerun with another --local-dir is the same case."""
+    out, checkpoints, local = tmp_path / "store.h5", tmp_path / "checkpoints", tmp_path / "local"
+    durable = ("--out", out, "--checkpoints", checkpoints, "--local-dir", local)
+    nodes = ("--ranks-per-node", "1")
+    assert_ok(memstore(2, *durable, "--iterations", 14, options=nodes))
+    elsewhere = memstore(2, "--out", out, "--checkpoints", checkpoints, "--local-dir", tmp_path / "other",
+                         options=nodes)  # fmt: skip
+    shutil.rmtree(local)
+    refused = memstore(2, *durable, options=nodes)
+    for job in (elsewhere, refused):
+        assert job.returncode == 2, job.output[-3000:]
+        assert "of ranks [0, 1] are gone from" in job.stderr and "node-*" in job.stderr, job.stderr
+        assert "every commit after the checkpoint of commit 11 would be lost" in job.stderr
+        assert "--accept-rollback" in job.stderr and "Traceback" not in job.stderr
+    accepted = memstore(2, *durable, "--accept-rollback", options=nodes)
+    assert_ok(accepted)
+    assert "the rollback is accepted" in accepted.stderr
+    assert "recovered 60,000 records after iteration 10 from the checkpoint" in accepted.stdout, accepted.stdout
+    assert_same(results(out), uninterrupted)
+
+
+def test_a_deleted_journal_record_is_refused_and_keeps_the_logs(tmp_path, uninterrupted):
+    out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
+    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--iterations", 14))
+    logs = sorted(path.name for path in (checkpoints / "wal").glob("*.wal"))
+    (checkpoints / "journal.json").unlink()
+    refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert f"{checkpoints / 'journal.json'} is missing, but 4 log files, checkpoints [11] of an earlier run" in (
+        refused.stderr
+    ), refused.stderr
+    assert sorted(path.name for path in (checkpoints / "wal").glob("*.wal")) == logs  # nothing deleted
+    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--accept-rollback"))
+    assert_same(results(out), uninterrupted)
+
+
+def test_a_damaged_length_field_is_not_taken_for_a_torn_tail(tmp_path):
+    """The first record of a log after the checkpoint claims 4 GB: the later intact commits of that log must not be
+    dropped as if a crash had torn it."""
+    out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
+    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--iterations", 14))
+    log = max((checkpoints / "wal").glob("*.rank-00001-*"), key=lambda path: path.name)
+    data = bytearray(log.read_bytes())
+    data[8:12] = (0xFFFFFF00).to_bytes(4, "little")  # the first record's length (after the 8-byte magic)
+    log.write_bytes(bytes(data))
+    refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert f"the log {log} is damaged after commit 11" in refused.stderr, refused.stderr
+    assert "other logs hold commits up to 15" in refused.stderr and "commits after 11 would be lost" in refused.stderr
+
+
+def test_two_jobs_on_one_node_local_directory(tmp_path):
+    """A second job on the first one's node-local directory is refused before it touches the first one's logs."""
+    local = tmp_path / "local"
+    first = [*MPISCALE, "memstore", *WORKLOAD, "--iterations", "1000000", "--out", str(tmp_path / "a.h5"),
+             "--checkpoints", str(tmp_path / "a"), "--local-dir", str(local)]  # fmt: skip
+    job = launch(2, first)
+    deadline = time.monotonic() + 120
+    while job.poll() is None and time.monotonic() < deadline and not list(local.glob("node-0/wal/*.wal")):
+        time.sleep(0.05)
+    logs = sorted(local.glob("node-0/wal/*.wal"))
+    assert logs, "the first job never started its logs"
+    run = logs[0].name.split(".")[0]  # its checkpoints rotate its segments; the run's own stay
+    second = memstore(2, "--out", tmp_path / "b.h5", "--checkpoints", tmp_path / "b", "--local-dir", local)
+    assert second.returncode == 2, second.output[-3000:]
+    assert f"node-local directory {local / 'node-0'} is in use by another job" in second.stderr, second.stderr
+    assert list(local.glob(f"node-0/wal/{run}.*.wal")) and job.poll() is None
+    job.send_signal(signal.SIGTERM)
+    stopped = finish(job, "the first memstore after SIGTERM", 60)
+    assert "stopped on request" in stopped.stdout, stopped.output[-3000:]

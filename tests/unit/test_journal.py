@@ -37,7 +37,8 @@ def test_own_node_first_then_the_partner_copy_and_lost_ranks_named():
     assert [(s.node, s.copy) for s in chosen[0]] == [(0, False), (0, False)]
     assert [(s.node, s.copy) for s in chosen[2]] == [(0, True), (0, True)]
     assert [s.start for s in chosen[3]] == [10, 20] and all(s.copy for s in chosen[3])
-    assert lost_logs(found) == [1] and lost_logs([]) == []
+    assert lost_logs(found, 4) == [1] and lost_logs(found, None) == [1]  # the run's record says 4, or the logs do
+    assert lost_logs([], 4) == [0, 1, 2, 3] and lost_logs([], None) == []  # every log gone; an old record: unknown
 
 
 def test_logs_of_two_world_sizes_in_one_run_are_refused():

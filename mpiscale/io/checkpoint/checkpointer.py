@@ -97,8 +97,7 @@ class Checkpointer:
             except (OSError, LockedError) as error:
                 problem = error
         agree(self._front, problem, "opening the checkpoint directory", CheckpointError)
-        if self.layout.local is not None and self._node_leader:
-            self.layout.node_dir(self.node).mkdir(parents=True, exist_ok=True)
+        self._node_lock = self._lock_node_directory()
         self._front.Barrier()
         self._restorer = Restorer(self.layout, self._front, self.node)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-checkpoint")
@@ -111,6 +110,28 @@ class Checkpointer:
         self._base: dict | None = None  # manifest of the last full save (background thread only)
         self._deltas = 0
         atexit.register(self._at_exit)
+
+    def _lock_node_directory(self) -> OutputLock | None:
+        """Each node's first rank makes and locks ``local_dir/node-K`` (collective): a second job on the same
+        node-local directory would delete this one's logs and shards as leftovers, so it is refused."""
+        if self.layout.local is None:
+            return None
+        where = self.layout.node_dir(self.node)
+        lock = OutputLock(where / "lock", f"node-local directory {where}")
+        problem = None
+        if self._node_leader:
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+                lock.acquire()
+            except (OSError, LockedError) as error:
+                problem = error
+        try:
+            agree(self._front, problem, "opening the node-local directory", CheckpointError)
+        except CheckpointError:
+            lock.release()
+            self._lock.release()
+            raise
+        return lock
 
     # ----------------------------------------------------------------- saving
     def save(
@@ -398,6 +419,8 @@ class Checkpointer:
         finally:
             atexit.unregister(self._at_exit)
             self._pool.shutdown(wait=True)
+            if self._node_lock is not None:
+                self._node_lock.release()
             self._lock.release()
 
     def __enter__(self) -> Checkpointer:
