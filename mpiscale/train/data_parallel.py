@@ -7,11 +7,16 @@ produces them), the first one small so communication starts early, the
 others up to ``bucket_mib``. A full bucket starts a hierarchical allreduce at
 once (in a worker thread, so it runs while backward goes on); buckets start
 strictly in index order, the same on every rank. ``await synchronize()`` after
-backward starts what is left (a parameter that got no gradient counts as
-zero, as DDP's ``find_unused_parameters`` does, so it cannot hang the job),
-waits, and writes the averaged gradients back. Inside ``no_sync()`` backward
-only accumulates, for micro-batches. ``compression`` (``compression.Exact``
-by default, ``Narrow`` or ``PowerSGD``) decides what travels.
+backward starts what is left (a parameter that got no gradient on a rank
+counts as zero there, as DDP's ``find_unused_parameters`` does, so it cannot
+hang the job), waits, and writes the averaged gradients back; a parameter no
+rank gave a gradient keeps its gradient unset, as in DDP, so momentum and
+weight decay leave it alone. Then, as DDP does before each forward, rank 0's
+buffers (BatchNorm's running statistics) go to every rank, in one broadcast
+(``broadcast_buffers=False`` keeps each rank's own). Inside ``no_sync()``
+backward only accumulates, for micro-batches. ``compression``
+(``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
+travels. Parameters in any memory format (``channels_last`` too) work.
 """
 
 from __future__ import annotations
@@ -39,11 +44,13 @@ class _Bucket:
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
         self.buffer = np.zeros(int(self.offsets[-1]), np.float32)
         self.ready: set[int] = set()
+        self.used = np.zeros(len(params), np.int32)  # 1 where this rank had a gradient this step
 
     def take(self, position: int, grad: torch.Tensor | None) -> None:
         """Copy parameter ``position``'s gradient into the buffer (zeros for none) and mark it ready."""
         view = self.view(position)
         view[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
+        self.used[position] = grad is not None
         self.ready.add(position)
 
     def view(self, index: int) -> np.ndarray:
@@ -60,8 +67,9 @@ class DataParallel:
         bucket_mib: float = BUCKET_MIB,
         first_bucket_mib: float = FIRST_BUCKET_MIB,
         compression: Compression | None = None,
+        broadcast_buffers: bool = True,
     ) -> None:
-        self.system, self.module = system, module
+        self.system, self.module, self.broadcast_buffers = system, module, broadcast_buffers
         self.compression: Compression = compression or Exact(system)
         params = [p for p in module.parameters() if p.requires_grad]
         wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32 or p.device.type != "cpu"})
@@ -77,9 +85,35 @@ class DataParallel:
     async def broadcast_parameters(self) -> None:
         """Give every rank rank 0's parameters and buffers (collective; call once before training)."""
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                array = tensor.detach().numpy()
-                await self.system.world.bcast_array(array, root=0)  # parameters are contiguous tensors
+            for tensor in self.module.parameters():
+                await self._broadcast(tensor)
+        await self._broadcast_buffers()
+
+    async def _broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's values of ``tensor`` on every rank, whatever its memory format."""
+        array = tensor.detach().numpy()
+        if array.flags.c_contiguous:
+            await self.system.world.bcast_array(array, root=0)
+            return
+        ordered = np.ascontiguousarray(array)  # channels_last and other strides: in logical order, and back
+        await self.system.world.bcast_array(ordered, root=0)
+        tensor.copy_(torch.from_numpy(ordered))
+
+    async def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers on every rank, their bytes packed into one broadcast (collective)."""
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        with torch.no_grad():
+            arrays = [np.array(b.detach().numpy(), order="C") for b in buffers]  # (0-d ones stay 0-d)
+            packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+            await self.system.world.bcast_array(packed, root=0)
+            offset = 0
+            for tensor, array in zip(buffers, arrays):
+                size = array.nbytes
+                values = packed[offset : offset + size].view(array.dtype).reshape(array.shape)
+                tensor.copy_(torch.from_numpy(values))
+                offset += size
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -110,23 +144,42 @@ class DataParallel:
         self._launched += 1
 
     async def synchronize(self) -> None:
-        """After backward: average every gradient over the ranks (collective)."""
+        """After backward: average every gradient over the ranks, then rank 0's buffers to all (collective).
+
+        A parameter no rank gave a gradient keeps its gradient unset; one frozen (``requires_grad=False``)
+        after wrapping is refused on every rank, as DDP refuses it: wrap the model again.
+        """
         for bucket in self._buckets[self._launched :]:
             for position, param in enumerate(bucket.params):
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
                     bucket.take(position, param.grad)
             self._start(bucket)
+        for bucket in self._buckets:
+            await self.compression.finish(bucket)
+        # per parameter: 2 frozen since wrapping, 1 given a gradient, 0 neither; the maximum over the ranks
+        states = np.concatenate([np.where([not p.requires_grad for p in b.params], 2, b.used) for b in self._buckets])
+        await self.system.world.allreduce(states, op="max", out=states)
+        if (states == 2).any():
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            frozen = [names.get(id(p), "?") for b in self._buckets for p in b.params if not p.requires_grad]
+            raise RuntimeError(f"parameters {frozen or 'of another rank'} were frozen after DataParallel wrapped the "
+                               "model: wrap it again after changing requires_grad")  # fmt: skip
+        first = 0
         with torch.no_grad():
             for bucket in self._buckets:
-                await self.compression.finish(bucket)
                 for position, param in enumerate(bucket.params):
+                    if not states[first + position]:  # no rank had a gradient: unset, as DDP leaves it
+                        continue
                     average = torch.from_numpy(bucket.view(position).reshape(param.shape))
                     if param.grad is None:
                         param.grad = average.clone()
                     else:
                         param.grad.copy_(average)
+                first += len(bucket.params)
                 bucket.ready.clear()
         self._launched = 0
+        if self.broadcast_buffers:
+            await self._broadcast_buffers()
 
     @staticmethod
     def _plan(params: list[torch.nn.Parameter], first_mib: float, cap_mib: float) -> list[_Bucket]:

@@ -42,6 +42,14 @@ def test_torch_tensors_of_four_dtypes(ranks, per_node):
 COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user"]
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_data_parallel_behaves_as_ddp_where_users_rely_on_it(ranks):
+    """Unused and frozen parameters, channels_last, BatchNorm statistics (programs/data_parallel_like_ddp.py)."""
+    job = run_mpi("data_parallel_like_ddp.py", ranks, timeout=180)
+    assert_ok(job)
+    assert f"data parallel like DDP ok: {ranks} ranks" in job.stdout, job.output[-3000:]
+
+
 @pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2)])
 def test_data_parallel_training_equals_one_process_on_the_whole_batch(ranks, per_node):
     """Exact sums on every layout; on a flat and a two-level one, the compressed schemes too (each within its own
