@@ -206,7 +206,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         from ..kernels.devices import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
-    checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
+    checkpoints_used = config.checkpoints  # always open: a stop or SIGTERM checkpoints even without periodic ones
     check_outputs(config.out, checkpoints_used)
     check_not_an_input(config.out, [config.data] if config.data else [], comm)
     results_lock = lock_results(config.out, comm)  # before anything is written
@@ -215,15 +215,13 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         info, planted = _prepare_data(config, comm)
         state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
         history, start = History.start(config.iterations, config.atoms), 0
-        if config.checkpoint_every or config.resume:
-            checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-            start = _restore(config, info, checkpoints, state, history)
-            if start and system.rank == 0:
-                print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
-            elif config.resume and not start and system.rank == 0:
-                log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
-        saves = checkpoints is not None
-        plan = Plan("iteration", "signals", config.iterations, config.progress_every, config.checkpoint_every, saves,
+        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        start = _restore(config, info, checkpoints, state, history)
+        if start and system.rank == 0:
+            print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
+        elif config.resume and not start and system.rank == 0:
+            log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
+        plan = Plan("iteration", "signals", config.iterations, config.progress_every, config.checkpoint_every, True,
                     checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
         return _Learning(
             system, config, comm, info, planted, state, history, start, checkpoints, device, label, threads,

@@ -136,7 +136,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
-    checkpoints_used = config.checkpoints if config.checkpoint_every or config.resume else None
+    checkpoints_used = config.checkpoints  # always open: a stop or SIGTERM checkpoints even without periodic ones
     check_outputs(config.out, checkpoints_used)
     check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
     results_lock = lock_results(config.out, comm)
@@ -153,15 +153,12 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
         set_standardization(model, mean, std)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         curves, start = Curves(), 0
-        if config.checkpoint_every or config.resume:
-            checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-            start = _restore(
-                config, data, spec, checkpoints, TrainingState(model, optimizer, config.checkpoints), curves
-            )
+        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        start = _restore(config, data, spec, checkpoints, TrainingState(model, optimizer, config.checkpoints), curves)
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
         parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
         total = config.epochs * (data.samples // config.batch_size)  # the reader drops the last partial batch
-        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, checkpoints is not None,
+        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
                     checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,

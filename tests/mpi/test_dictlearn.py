@@ -262,15 +262,25 @@ def test_cuda_device_learns_the_cpu_dictionary_on_a_real_gpu(tmp_path):
         assert str(file.attrs["device"]).startswith("cuda:")
 
 
-def test_sigterm_stops_the_job_and_it_resumes(tmp_path):
+@pytest.mark.parametrize("periodic", [["--checkpoint-every", "50"], []], ids=["periodic-checkpoints", "none"])
+def test_sigterm_stops_the_job_and_it_resumes(tmp_path, periodic):
     """Preemption as Slurm does it: SIGTERM mid-run stops every rank after the same iteration, with a checkpoint
-    of it and the results so far, within seconds; the resumed run (on another world size) matches."""
-    options = [*KSVD, "--checkpoint-every", "50", "--snr-db", "20"]
+    of it and the results so far, within seconds; the resumed run (on another world size) matches. Without
+    periodic checkpoints too: a job that can resume checkpoints when it is stopped."""
+    options = [*KSVD, *periodic, "--snr-db", "20"]
     command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(tmp_path / "a.h5"), *options]
-    process = launch(2, [*command, "--iterations", "1000000"])
-    latest = tmp_path / "a.checkpoints" / "latest"
+    process = launch(2, [*command, "--iterations", "1000000"], env={"MPISCALE_TELEMETRY_INTERVAL_S": "0.1"})
+    latest, telemetry = tmp_path / "a.checkpoints" / "latest", tmp_path / "a.h5.telemetry.jsonl"
+
+    def far_enough() -> bool:
+        if periodic:
+            return latest.exists() and int(latest.read_text()) >= 100
+        lines = telemetry.read_text().splitlines()[:-1] if telemetry.exists() else []  # (the last may be partial)
+        steps = [json.loads(line).get("step", 0) for line in lines]
+        return max(steps, default=0) >= 100
+
     deadline = time.monotonic() + 60
-    while not (latest.exists() and int(latest.read_text()) >= 100) and time.monotonic() < deadline:
+    while not far_enough() and time.monotonic() < deadline:
         if process.poll() is not None:
             break
         time.sleep(0.05)

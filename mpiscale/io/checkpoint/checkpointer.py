@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -88,8 +89,10 @@ class Checkpointer:
             log.warning("checkpoint: one node only, so there is no partner copy (level 2 is off)")
         self._lock = OutputLock(self.layout.shared / "lock", f"checkpoint directory {self.layout.shared}")
         problem = None
+        self._made_directory = False  # rank 0 made it: an empty one goes again at close
         if self.rank == 0:
             try:
+                self._made_directory = not self.layout.shared.exists()
                 self.layout.shared.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
                 for debris in self.layout.shared.glob("*.tmp"):  # a dead job's half-written files
@@ -422,6 +425,9 @@ class Checkpointer:
             if self._node_lock is not None:
                 self._node_lock.release()
             self._lock.release()
+            if self._made_directory:  # a job that never needed a checkpoint leaves no empty directory behind
+                with contextlib.suppress(OSError):
+                    self.layout.shared.rmdir()
 
     def __enter__(self) -> Checkpointer:
         return self
