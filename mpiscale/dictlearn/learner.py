@@ -206,8 +206,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         from ..kernels.devices import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
-    checkpoints_used = config.checkpoints  # always open: a stop or SIGTERM checkpoints even without periodic ones
-    check_outputs(config.out, checkpoints_used)
+    check_outputs(config.out, config.checkpoints)  # always open: a stop checkpoints without periodic ones too
     check_not_an_input(config.out, [config.data] if config.data else [], comm)
     results_lock = lock_results(config.out, comm)  # before anything is written
     checkpoints = None

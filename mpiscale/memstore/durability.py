@@ -49,15 +49,14 @@ class DurableLog:
         self._journal: Journal | None = None
         self._checkpointed = 0  # the commit of the newest checkpoint
 
-    @property
-    def recovered(self) -> bool:
-        """Whether ``recover`` has run, so changes may be logged."""
-        return self._journal is not None
+    def check_ready(self) -> None:
+        """Refuse changes before ``recover`` has run (the store checks before it applies one)."""
+        if self._journal is None:
+            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
 
     def log(self, op: Op) -> None:
         """Keep an applied change for the next commit's record."""
-        if self._journal is None:
-            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
+        self.check_ready()
         self._pending.append(op)
 
     async def recover(self, meta: dict | None = None, accept_rollback: bool = False) -> Recovered | None:

@@ -133,8 +133,7 @@ def _no_record(journal: Journal, accept_rollback: bool) -> None:
     steps = journal.checkpoints.steps()
     if not logs and not steps:
         return
-    found = ", ".join(part for part in (f"{logs} log files" if logs else "", f"checkpoints {steps}" if steps else "")
-                      if part)  # fmt: skip
+    found = ", ".join([f"{logs} log files"] * bool(logs) + [f"checkpoints {steps}"] * bool(steps))
     _refuse_rollback(accept_rollback, (
         f"{journal.record_file} is missing, but {found} of an earlier run are there: the file names the run whose "
         "logs hold the commits after the newest checkpoint, so starting without it would lose them. Restore it"

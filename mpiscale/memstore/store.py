@@ -322,8 +322,8 @@ class MemoryStore:
 
     def _ready_to_change(self) -> None:
         """Refuse a change to a durable store before ``recover()`` (the same on every rank), before it is applied."""
-        if self.durable is not None and not self.durable.recovered:
-            raise RuntimeError("a durable store must recover() before it changes (it may hold a dead job's records)")
+        if self.durable is not None:
+            self.durable.check_ready()
 
     # ------------------------------------------------------------ durability (see durability.py)
     def _log(self, op: Op) -> None:

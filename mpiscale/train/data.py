@@ -32,9 +32,9 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     """Check ``path``'s inputs and labels (collective); returns (data, classes, feature mean, feature std).
 
     Inputs must be numbers without NaN or infinity, labels integers >= 0, one
-    per input row. Every rank raises the same
-    ``DataFileError``: the checks use totals every rank sees. The data's path
-    is kept absolute, so results files name it from anywhere.
+    per input row. Every rank raises the same ``DataFileError``: the checks
+    use totals every rank sees. The data's path is kept absolute, so results
+    files name it from anywhere.
     """
     from mpi4py import MPI
 

@@ -136,8 +136,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
-    checkpoints_used = config.checkpoints  # always open: a stop or SIGTERM checkpoints even without periodic ones
-    check_outputs(config.out, checkpoints_used)
+    check_outputs(config.out, config.checkpoints)  # always open: a stop checkpoints without periodic ones too
     check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
     results_lock = lock_results(config.out, comm)
     checkpoints = None
