@@ -8,14 +8,17 @@ so collectives never match the runtime's point-to-point traffic.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import functools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, problem_text, raise_agreed, split_nodes
 from . import transport
+from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import check_signatures, signature_digest
 from .hierarchical import HierarchicalAllreduce
@@ -25,6 +28,41 @@ from .progress import ProgressEngine
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _collective(
+    method: Callable[Concatenate[Communicator, P], Awaitable[R]],
+) -> Callable[Concatenate[Communicator, P], Awaitable[R]]:
+    """Record the call in the communicator's log while it runs (how an abandoned collective is found)."""
+    operation = method.__name__
+
+    @functools.wraps(method)
+    async def logged(self: Communicator, *args: P.args, **kwargs: P.kwargs) -> R:
+        number, posted = self.log.begin(operation), self._posted
+        try:
+            return await method(self, *args, **kwargs)
+        except BaseException:
+            if self._posted == posted:  # refused before any MPI call: the other ranks need not match it
+                self.log.cancel(number)
+            raise
+        finally:
+            self.log.end(number)
+
+    return logged
+
+
+def world_ranks(MPI: ModuleType, comm: Comm) -> tuple[int, ...]:
+    """The world rank of each member of ``comm``, in its rank order."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
 
 
 #: A reduction applied outside MPI: the contributions stacked in rank order (rows) -> the reduced row.
@@ -43,11 +81,15 @@ class Communicator:
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+        #: The collectives this rank started here, and those still pending.
+        self.log = CollectiveLog(name, world_ranks(MPI, comm))
+        self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
 
     async def _wait(self, request, what: str, keep: object = None) -> None:
+        self._posted += 1
         await self._engine.wait(request, f"{what} on {self.name}", keep)
 
     def _op(self, op: str):
@@ -75,6 +117,7 @@ class Communicator:
         await self._wait(self.comm.Iallgather(mine, every), f"{what} check")
         check_signatures(every.tolist(), f"{what} on {self.name}", self.rank, signature)
 
+    @_collective
     async def agree(self, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError) -> None:
         """All ranks go on, or all raise ``kind`` naming every failing rank and its message (collective).
 
@@ -99,10 +142,12 @@ class Communicator:
         ]
         raise_agreed(messages, problem, what, kind)
 
+    @_collective
     async def barrier(self) -> None:
         """Wait until every rank has reached the barrier."""
         await self._wait(self.comm.Ibarrier(), "barrier")
 
+    @_collective
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
@@ -115,6 +160,7 @@ class Communicator:
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
 
+    @_collective
     async def reduce(
         self, array: np.ndarray, op: str = "sum", root: int = 0, out: np.ndarray | None = None
     ) -> np.ndarray | None:
@@ -132,6 +178,7 @@ class Communicator:
         await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
         return result
 
+    @_collective
     async def bcast_array(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Broadcast ``root``'s array into ``array`` on every rank (same shape everywhere)."""
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
@@ -140,6 +187,7 @@ class Communicator:
         await self._wait(self.comm.Ibcast(array, root), "bcast")
         return array
 
+    @_collective
     async def bcast(self, obj: object = None, root: int = 0) -> object:
         """Broadcast any picklable object (arrays travel without pickling their data)."""
         MPI = self._MPI
@@ -162,6 +210,7 @@ class Communicator:
                 await self._wait(self.comm.Ibcast([piece, MPI.BYTE], root), "bcast")
         return obj if self.rank == root else transport.deserialize(parts)
 
+    @_collective
     async def allgather(self, array: np.ndarray) -> np.ndarray:
         """Stack every rank's array (same shape and dtype): result shape (size, *shape)."""
         data = self._array(array, "allgather")
@@ -170,6 +219,7 @@ class Communicator:
         await self._wait(self.comm.Iallgather(data, result), "allgather", keep=data)
         return result
 
+    @_collective
     async def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:
         """Stack every rank's array on ``root``; None elsewhere."""
         data = self._array(array, "gather")
@@ -178,6 +228,7 @@ class Communicator:
         await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
         return result
 
+    @_collective
     async def alltoallv(self, rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Send ``counts[r]`` rows of ``rows`` (grouped by destination, in rank order) to each rank ``r``.
 
@@ -198,6 +249,7 @@ class Communicator:
         await self._wait(self.comm.Ialltoallv(send, receive), "alltoallv", keep=data)
         return result, received_counts
 
+    @_collective
     async def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""
         data = self._array(array, "reduce_scatter")
@@ -223,6 +275,8 @@ class Hierarchy:
     node_index: int
     node_count: int
     reducer: HierarchicalAllreduce
+    #: The hierarchical allreduces this rank started, and those still pending.
+    log: CollectiveLog
 
     async def allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
@@ -247,9 +301,13 @@ class Hierarchy:
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
+        number = self.log.begin("allreduce")
         if isinstance(op, str):
-            return self.reducer.start(data, self.world._op(op), op, out)
-        return self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out)
+            future = self.reducer.start(data, self.world._op(op), op, out)
+        else:
+            future = self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out)
+        future.add_done_callback(lambda _: self.log.end(number))
+        return future
 
 
 def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
@@ -258,11 +316,13 @@ def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, c
     is_leader = node_comm.Get_rank() == 0
     leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
     leaders = Communicator(MPI, leader_comm, engine, config, "leaders") if is_leader else None
+    world = Communicator(MPI, world_comm.Dup(), engine, config, "world")
     return Hierarchy(
         reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config.check_collectives),
-        world=Communicator(MPI, world_comm.Dup(), engine, config, "world"),
+        world=world,
         node=Communicator(MPI, node_comm, engine, config, f"node{index}"),
         leaders=leaders,
         node_index=index,
         node_count=count,
+        log=CollectiveLog("world (hierarchical)", world.log.members),
     )

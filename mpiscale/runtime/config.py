@@ -49,6 +49,9 @@ class RuntimeConfig:
     #: Seconds a checkpoint save may take before the job ends with a report (0: 120 s + 1 s per 20 MB).
     #: A rank stuck in collective I/O that another rank abandoned (full disk, quota) would wait forever.
     io_timeout_s: float = 0.0
+    #: Seconds a rank waits in one collective before it asks the other ranks whether each will enter it (0: never).
+    #: A rank that left ``main`` or waits in another operation then ends the job with a report naming every rank.
+    collective_check_s: float = 30.0
     #: MPI thread level requested at initialisation.
     thread_level: str = "multiple"
 
@@ -64,6 +67,8 @@ class RuntimeConfig:
             raise ValueError(f"MPISCALE_SHUTDOWN_TIMEOUT_S must be > 0, got {self.shutdown_timeout_s}")
         if self.stop_grace_s <= 0:
             raise ValueError(f"MPISCALE_STOP_GRACE_S must be > 0, got {self.stop_grace_s}")
+        if not self.collective_check_s >= 0:
+            raise ValueError(f"MPISCALE_COLLECTIVE_CHECK_S must be >= 0 (0: never), got {self.collective_check_s}")
         if self.io_timeout_s < 0:
             raise ValueError(f"MPISCALE_IO_TIMEOUT_S must be >= 0 (0: scaled to the bytes), got {self.io_timeout_s}")
 

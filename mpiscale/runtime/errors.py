@@ -70,6 +70,10 @@ def check_signatures(digests: Sequence[int], what: str, rank: int, signature: st
         )
 
 
+class CollectiveAbandoned(MpiscaleError, RuntimeError):
+    """A rank waits in a collective that another rank will never enter (it left ``main``, or called another one)."""
+
+
 class TransportError(MpiscaleError, RuntimeError):
     """A frame that this runtime cannot decode (corrupt or from another program)."""
 

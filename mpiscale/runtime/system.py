@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
 from .collectives import Communicator, Hierarchy, build_hierarchy
 from .config import RuntimeConfig, load_mpi
@@ -59,6 +60,9 @@ class _SystemActor(Actor):
     def spawn(self, cls: type, args: tuple, kwargs: dict, name: str | None, restart: RestartPolicy | None) -> ActorRef:
         return self.system.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
 
+    def collective_state(self) -> dict[str, Any]:
+        return self.system.collective_state()
+
 
 class ActorSystem:
     """The runtime of one rank: actors, messaging, collectives, lifecycle."""
@@ -83,6 +87,7 @@ class ActorSystem:
         self._failing = False
         self._dropped = 0
         self._main_task: asyncio.Task | None = None
+        self._main_state = "running"  # then how it left: "returned", "raised JobRefused" or "called sys.exit"
         self.exit_status = 0  # set when every rank refused the job (JobRefused)
         #: Stop and checkpoint requests, agreed by every rank at a steering job's step ends (SIGTERM feeds it).
         self.steering = Steering(MPI, world.Dup(), self._engine)
@@ -334,6 +339,18 @@ class ActorSystem:
         sys.stderr.flush()
         self._MPI.COMM_WORLD.Abort(status)
 
+    def _collective_logs(self) -> list[CollectiveLog]:
+        h = self.hierarchy
+        return [h.world.log, h.node.log, h.log] + ([h.leaders.log] if h.leaders else [])
+
+    def collective_state(self) -> dict[str, Any]:
+        """Where ``main`` is and the collectives this rank started (what another rank asks when one waits long)."""
+        logs = {log.name: log.state() for log in self._collective_logs()}
+        return {"main": self._main_state, "host": self.host, "logs": logs}
+
+    async def _ask_collective_state(self, rank: int, timeout: float) -> dict[str, Any]:
+        return await self.ask(ActorRef(rank, SYSTEM_ACTOR), "collective_state", (), {}, timeout)
+
     def waiting_in(self) -> tuple[str, float] | None:
         """The collective this rank has waited in longest right now, and for how many seconds (None: none)."""
         return self._engine.waiting_in()
@@ -435,12 +452,19 @@ class ActorSystem:
         loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
+        watch = None
+        if self.config.collective_check_s > 0 and self.size > 1:
+            checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self._ask_collective_state, self.fail,
+                                     self.config.collective_check_s)  # fmt: skip
+            watch = loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
         try:
             self._main_task = loop.create_task(_exit_as_exception(main(self)), name="main")
             refused: JobRefused | None = None
             try:
                 result = await self._main_task
+                self._main_state = "returned"
             except JobRefused as refusal:
+                self._main_state = "raised JobRefused"
                 refused, result, self.exit_status = refusal, None, refusal.status
                 if self.rank == 0:
                     sys.stdout.flush()
@@ -449,12 +473,15 @@ class ActorSystem:
             except asyncio.CancelledError:
                 await asyncio.Event().wait()  # the shutdown task exits the process
             except _MainExit as exit_request:
+                self._main_state = "called sys.exit"
                 code = exit_request.exit.code
                 if code not in (0, None):
                     self.fail(exit_request.exit, "main exited", code if isinstance(code, int) else 1)
                 result = None
             except Exception as error:
                 self.fail(error, "main raised an exception")
+            if watch is not None:
+                watch.cancel()
             if refused is None:
                 await self._until_quiet()
             else:  # every rank should be here; if one is not, fail rather than wait for it

@@ -1,5 +1,7 @@
 """Remote failures reach the asker; unhandled failures end the whole job quickly."""
 
+import re
+
 import pytest
 from helpers import assert_ok, run_mpi
 
@@ -39,3 +41,59 @@ def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, 
     assert f"job failed on rank {failing_rank} of {ranks}" in job.stderr, job.stderr
     assert context in job.stderr, job.stderr
     assert error in job.stderr, job.stderr
+
+
+CHECK_S = 1.0  # MPISCALE_COLLECTIVE_CHECK_S in these runs: a report within about twice that
+
+
+@pytest.mark.parametrize(
+    "scenario, header, lines",
+    [
+        (
+            "left-main",
+            "allreduce #2 on world (rank{s} {waiters} wait{one} in it; rank {last} never will)",
+            ["waits in allreduce #2 on world for", "called at abandoned.py:20",
+             "left main (returned) after 1 collective on world; the last: barrier #1, called at abandoned.py:16"],
+        ),
+        (
+            "left-main-hierarchical",
+            "allreduce #1 on world (hierarchical) (rank{s} {waiters} wait{one} in it; rank {last} never will)",
+            ["waits in allreduce #1 on world (hierarchical) for", "called at abandoned.py:23",
+             "left main (returned) after 0 collectives on world (hierarchical)"],
+        ),
+    ],
+)  # fmt: skip
+def test_a_collective_a_rank_left_main_without_ends_the_job_with_one_report(ranks, scenario, header, lines):
+    job = run_mpi("abandoned.py", ranks, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
+    assert job.returncode != 0, job.output
+    assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"
+    last = ranks - 1
+    waiters = ", ".join(map(str, range(last)))
+    expected = header.format(s="" if last == 1 else "s", waiters=waiters, one="s" if last == 1 else "", last=last)
+    assert job.stderr.count("CollectiveAbandoned: a collective that not every rank will enter") == 1, job.stderr
+    assert f"not every rank will enter: {expected}" in job.stderr, job.stderr
+    assert "job failed on rank 0 of" in job.stderr, job.stderr  # the lowest waiting rank reports
+    for rank in range(last):
+        assert f"rank {rank} (host " in job.stderr, job.stderr
+    for line in lines:
+        assert line in job.stderr, job.stderr
+
+
+def test_a_collective_the_ranks_call_differently_ends_the_job_naming_both_operations():
+    # Unchecked, Open MPI pairs rank 0's barrier with the others' allreduce on 1 and 3; rank 2 is left waiting.
+    env = {"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S), "MPISCALE_CHECK_COLLECTIVES": "0"}
+    job = run_mpi("abandoned.py", 4, "other-operation", env=env, timeout=60)
+    assert job.returncode != 0, job.output
+    assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"
+    assert job.stderr.count("CollectiveAbandoned: a collective that not every rank will enter") == 1, job.stderr
+    assert re.search(r"rank 0 \(host [^)]*\): waits in barrier #2 on world", job.stderr), job.stderr
+    assert re.search(r"rank 2 \(host [^)]*\): waits in allreduce #2 on world", job.stderr), job.stderr
+    assert "job failed on rank 0 of 4" in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("scenario, said", [("slow-rank", "slow rank ok"), ("slow-leaves-late", "late finish ok")])
+def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
+    job = run_mpi("abandoned.py", ranks, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
+    assert_ok(job)
+    assert f"{said} on {ranks} ranks" in job.stdout
+    assert "CollectiveAbandoned" not in job.stderr, job.stderr

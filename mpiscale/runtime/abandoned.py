@@ -1,0 +1,203 @@
+"""Collectives some rank will never enter: found by asking the other ranks, then reported.
+
+MPI cannot tell a rank that waits in a collective that a peer returned from
+``main`` or called another operation: it waits forever. Each ``Communicator``
+keeps a :class:`CollectiveLog` (how many collectives this rank started on it,
+which are still pending, and the code line that called each). A rank that has
+waited ``collective_check_s`` in one asks every other member for its logs
+(an ask to the runtime's system actor, answered while that rank awaits a
+collective or waits to shut down) and :func:`diagnose` decides from the
+answers. Only proof ends the job: a member that left ``main`` after fewer
+collectives on that communicator, or one that waits in a different operation
+at the same position. A member that is only slow, busy or silent is never
+taken for a culprit; the question is asked again, less and less often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CollectiveAbandoned
+
+_RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_ASK_TIMEOUT_S = 2.0  # a rank that does not answer within this is listed as silent
+_LONGEST_INTERVAL = 8  # the question is asked again after 1, 2, 4, 8, 8, ... times collective_check_s
+
+
+def call_site() -> str:
+    """``file:line`` of the nearest caller outside the runtime package (where user code started a collective)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_RUNTIME_DIR):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+@dataclass
+class CollectiveLog:
+    """The collectives one rank started on one communicator, and which of them still wait."""
+
+    name: str
+    members: tuple[int, ...]  # world ranks, in the communicator's rank order
+    started: int = 0
+    last: tuple[str, int, str] | None = None  # (operation, number, call site) of the latest one
+    pending: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # number -> (operation, site, since)
+
+    def begin(self, operation: str) -> int:
+        """Record a collective this rank enters; returns its number (1 = the first on this communicator)."""
+        self.started += 1
+        site = call_site()
+        self.last = (operation, self.started, site)
+        self.pending[self.started] = (operation, site, time.monotonic())
+        return self.started
+
+    def end(self, number: int) -> None:
+        """The collective ``number`` completed (or failed) on this rank."""
+        self.pending.pop(number, None)
+
+    def cancel(self, number: int) -> None:
+        """The collective ``number`` was refused before it reached MPI (bad arguments): it does not count."""
+        self.pending.pop(number, None)
+        if number == self.started:
+            self.started -= 1
+            self.last = None
+
+    def oldest(self) -> tuple[int, str, str, float] | None:
+        """(number, operation, site, seconds waited) of the oldest pending collective, or None."""
+        if not self.pending:
+            return None
+        number = min(self.pending)
+        operation, site, since = self.pending[number]
+        return number, operation, site, time.monotonic() - since
+
+    def state(self) -> dict[str, Any]:
+        """Plain data for another rank's diagnosis."""
+        now = time.monotonic()
+        return {
+            "started": self.started,
+            "last": self.last,
+            "pending": {n: (op, site, now - since) for n, (op, site, since) in self.pending.items()},
+        }
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'' if len(ranks) == 1 else 's'} {', '.join(map(str, ranks))}"
+
+
+def describe_rank(rank: int, state: dict[str, Any] | None, log: str) -> str:
+    """One line of the report: what ``rank`` does on the communicator ``log``, from its answer."""
+    if state is None:
+        return f"rank {rank}: no answer within {_ASK_TIMEOUT_S:g} s (busy outside the runtime, or gone)"
+    own = state["logs"].get(log, {"started": 0, "last": None, "pending": {}})
+    if own["pending"]:
+        number = min(own["pending"])
+        operation, site, waited = own["pending"][number]
+        where = f"waits in {operation} #{number} on {log} for {waited:.1f} s, called at {site}"
+    else:
+        where = f"is not in a collective on {log} ({_plural(own['started'], 'collective')} started on it)"
+    if state["main"] != "running":
+        last = own["last"]
+        tail = f"; the last: {last[0]} #{last[1]}, called at {last[2]}" if last else ""
+        where = f"left main ({state['main']}) after {_plural(own['started'], 'collective')} on {log}{tail}"
+    return f"rank {rank} (host {state['host']}): {where}"
+
+
+def diagnose(
+    me: int, host: str, log: CollectiveLog, states: dict[int, dict[str, Any] | None]
+) -> tuple[str, int] | None:
+    """The report if some member provably never enters this rank's oldest pending collective on ``log``.
+
+    ``states`` holds every other member's answer (None: no answer). Returns
+    (report, the rank that should print it: the lowest member waiting at that
+    position, whichever operation), or None when nothing is proven.
+    """
+    oldest = log.oldest()
+    if oldest is None:
+        return None
+    number, operation, _, _ = oldest
+    culprits = []
+    waiting = [me]
+    stuck = [me]  # waiting in collective ``number`` here, whichever operation
+    for rank, state in states.items():
+        if state is None:
+            continue
+        own = state["logs"].get(log.name, {"started": 0, "pending": {}})
+        other = own["pending"].get(number)
+        if state["main"] != "running" and own["started"] < number:
+            culprits.append(rank)
+        elif other is not None and other[0] != operation:
+            culprits.append(rank)
+            stuck.append(rank)
+        elif other is not None:
+            waiting.append(rank)
+            stuck.append(rank)
+    if not culprits:
+        return None
+    lines = [
+        f"a collective that not every rank will enter: {operation} #{number} on {log.name} "
+        f"({_ranks(sorted(waiting))} {'waits' if len(waiting) == 1 else 'wait'} in it; {_ranks(culprits)} never will)",
+        describe_rank(me, {"main": "running", "host": host, "logs": {log.name: log.state()}}, log.name),
+    ]
+    lines += [describe_rank(rank, states[rank], log.name) for rank in sorted(states)]
+    return "\n  ".join(lines), min(stuck)
+
+
+class AbandonedWatch:
+    """Asks the other ranks about a collective this rank has waited in too long; fails the job on proof."""
+
+    def __init__(
+        self,
+        rank: int,
+        host: str,
+        logs: Callable[[], list[CollectiveLog]],
+        ask_state: Callable[[int, float], Awaitable[dict[str, Any]]],
+        fail: Callable[[BaseException, str], None],
+        check_s: float,
+    ) -> None:
+        self._rank, self._host = rank, host
+        self._logs = logs
+        self._ask_state = ask_state
+        self._fail = fail
+        self._check_s = check_s
+        self._asked: dict[tuple[str, int], tuple[float, int]] = {}  # (log, number) -> (next question, times asked)
+
+    async def run(self) -> None:
+        """Look at the pending collectives a few times per ``check_s``, until cancelled."""
+        while True:
+            await asyncio.sleep(max(self._check_s / 4, 0.1))
+            for log in self._logs():
+                oldest = log.oldest()
+                if oldest is None or oldest[3] < self._check_s:
+                    continue
+                key = (log.name, oldest[0])
+                due, times = self._asked.get(key, (0.0, 0))
+                if time.monotonic() < due:
+                    continue
+                interval = self._check_s * min(2**times, _LONGEST_INTERVAL)
+                self._asked[key] = (time.monotonic() + interval, times + 1)
+                await self._check(log, times)
+
+    async def _check(self, log: CollectiveLog, times: int) -> None:
+        others = [rank for rank in log.members if rank != self._rank]
+        answers = await asyncio.gather(*(self._answer(rank) for rank in others))
+        found = diagnose(self._rank, self._host, log, dict(zip(others, answers)))
+        if found is None:
+            return
+        report, reporter = found
+        if reporter == self._rank or times > 0:  # the lowest waiting rank reports; the others if it has not
+            self._fail(CollectiveAbandoned(report), "a collective cannot complete")
+
+    async def _answer(self, rank: int) -> dict[str, Any] | None:
+        try:
+            return await self._ask_state(rank, _ASK_TIMEOUT_S)
+        except Exception:  # silent, shutting down, gone: no proof either way
+            return None

@@ -1,0 +1,46 @@
+"""Collectives some rank never enters: the job must end with a report, never hang (MPISCALE_COLLECTIVE_CHECK_S)."""
+
+import asyncio
+import sys
+import time
+
+import numpy as np
+
+import mpiscale
+
+
+async def main(system):
+    scenario = sys.argv[1]
+    last = system.size - 1
+    ones = np.ones(4)
+    await system.world.barrier()
+    if scenario == "left-main":
+        if system.rank == last:
+            return  # forgets the final allreduce the others wait in
+        await system.world.allreduce(ones)
+    elif scenario == "left-main-hierarchical":
+        if system.rank != last:
+            await system.hierarchy.allreduce(ones)
+    elif scenario == "other-operation":
+        if system.rank == 0:
+            await system.world.barrier()
+        else:
+            await system.world.allreduce(ones)
+    elif scenario == "slow-rank":  # late, busy outside the loop, but it does enter: no report, the right sum
+        if system.rank == last:
+            time.sleep(3 * system.config.collective_check_s)
+        total = await system.world.allreduce(ones)
+        assert np.array_equal(total, ones * system.size), total
+        await system.world.barrier()
+        if system.rank == 0:
+            print(f"slow rank ok on {system.size} ranks", flush=True)
+    elif scenario == "slow-leaves-late":  # one rank works on alone after the last collective: a normal end
+        if system.rank == 0:
+            await asyncio.sleep(3 * system.config.collective_check_s)
+            print(f"late finish ok on {system.size} ranks", flush=True)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+if __name__ == "__main__":
+    mpiscale.run(main)

@@ -1,0 +1,60 @@
+"""The decision behind the report of a collective some rank will never enter (a pure function of the ranks' answers)."""
+
+from mpiscale.runtime.abandoned import CollectiveLog, diagnose
+
+
+def _state(main="running", started=0, pending=None, last=None):
+    return {"main": main, "host": "n1", "logs": {"world": {"started": started, "last": last, "pending": pending or {}}}}
+
+
+def _waiting_in(operation: str, number: int) -> CollectiveLog:
+    log = CollectiveLog("world", (0, 1, 2))
+    for _ in range(number - 1):
+        log.end(log.begin("barrier"))
+    assert log.begin(operation) == number
+    return log
+
+
+def test_a_rank_that_left_main_before_the_collective_is_named():
+    log = _waiting_in("allreduce", 3)
+    states = {
+        1: _state(pending={3: ("allreduce", "job.py:9", 4.0)}),
+        2: _state("returned", 2, last=("barrier", 2, "job.py:7")),
+    }
+    report, reporter = diagnose(0, "n0", log, states)
+    assert report.startswith(
+        "a collective that not every rank will enter: allreduce #3 on world (ranks 0, 1 wait in it; rank 2 never will)"
+    )
+    assert (
+        "rank 2 (host n1): left main (returned) after 2 collectives on world; the last: barrier #2, called at job.py:7"
+        in report
+    )
+    assert "rank 1 (host n1): waits in allreduce #3 on world for 4.0 s, called at job.py:9" in report
+    assert reporter == 0
+
+
+def test_a_rank_that_left_after_entering_it_is_not_a_culprit():
+    # rank 2 was the root of a broadcast it already finished: the wait is someone else's
+    log = _waiting_in("bcast", 3)
+    assert diagnose(0, "n0", log, {1: _state(), 2: _state("returned", 3)}) is None
+
+
+def test_late_busy_or_silent_ranks_prove_nothing():
+    log = _waiting_in("allreduce", 3)
+    assert diagnose(1, "n0", log, {0: _state(started=2), 2: None}) is None
+
+
+def test_another_operation_at_the_same_position_is_named_and_the_lowest_stuck_rank_reports():
+    log = _waiting_in("allreduce", 2)
+    states = {0: _state(started=2, pending={2: ("barrier", "job.py:5", 1.0)}), 1: _state("returned", 2)}
+    report, reporter = diagnose(2, "n0", log, states)
+    assert "(rank 2 waits in it; rank 0 never will)" in report
+    assert "rank 0 (host n1): waits in barrier #2 on world" in report
+    assert reporter == 0
+
+
+def test_a_call_refused_before_mpi_does_not_count():
+    log = CollectiveLog("world", (0, 1))
+    log.end(log.begin("allreduce"))
+    log.cancel(log.begin("allreduce"))  # e.g. an object array, refused on this rank only
+    assert log.started == 1 and not log.pending and log.oldest() is None
