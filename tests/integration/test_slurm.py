@@ -78,10 +78,10 @@ def test_a_plain_run_of_the_dictlearn_template(slurm, uninterrupted):
 
 @pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, uninterrupted, tmp_path, launcher):
-    """What --signal=B:USR1@120 does before the limit (here sent at once, the same signal to the batch shell),
-    with either launcher line inside the allocation."""
+    """What --signal=B:USR1@120 does before the limit (here sent by hand to a job without a time limit: the same
+    signal to the batch shell), with either launcher line inside the allocation."""
     run = tmp_path / "run"
-    job = dictlearn(slurm, run, MPISCALE_LAUNCHER=launcher)
+    job = dictlearn(slurm, run, "--time=UNLIMITED", MPISCALE_LAUNCHER=launcher)
     wait_for_checkpoint(slurm, job, run, 1000)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)
@@ -119,17 +119,22 @@ def test_a_killed_rank_ends_the_run_and_the_requeued_job_resumes(slurm, uninterr
     assert attrs["iterations"] == ITERATIONS and np.abs(dictionary - uninterrupted[2]).max() < 1e-9
 
 
-def test_a_job_out_of_requeues_is_resumed_by_a_resubmission_on_another_task_count(slurm, uninterrupted, tmp_path):
-    """REQUEUES=0: the time-limit stop is not requeued; the same template submitted with 3 tasks resumes the
-    checkpoint resharded and ends with the uninterrupted run's dictionary."""
+def test_a_job_out_of_requeues_runs_on_and_a_scancel_resumes_on_another_task_count(slurm, uninterrupted, tmp_path):
+    """REQUEUES=0: the time-limit signal neither stops nor requeues the last run; a plain scancel (what the time
+    limit itself sends too) stops it with a checkpoint, and the template submitted with 3 tasks resumes it
+    resharded to the uninterrupted run's dictionary."""
     run = tmp_path / "run"
     first = dictlearn(slurm, run, REQUEUES="0")
     wait_for_checkpoint(slurm, first, run, 1000)
     slurm.run(["scancel", "--signal=USR1", "--batch", first])
+    slurm.wait(first, 60, until=lambda j: "it runs on to its limit" in output(run, first) or j.state != "RUNNING")
+    assert "the job was requeued 0 times already (--requeue 0): it runs on to its limit" in output(run, first)
+    slurm.run(["scancel", first])
     stopped = slurm.wait(first, 120)
-    assert stopped.restarts == 0 and stopped.state == "FAILED", stopped.fields  # 143: stopped, not finished
-    assert "the job was requeued 0 times already (--requeue 0)" in output(run, first)
-    step = checkpointed(run)
+    assert stopped.restarts == 0 and stopped.state == "CANCELLED", stopped.fields
+    text = output(run, first)
+    step = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[1].split(";")[0])
+    assert step < ITERATIONS and checkpointed(run) == step and "requeueing" not in text
     second = dictlearn(slurm, run, "--ntasks=3")
     done(slurm, second)
     text = output(run, second)
@@ -137,19 +142,58 @@ def test_a_job_out_of_requeues_is_resumed_by_a_resubmission_on_another_task_coun
     assert np.abs(learned(run)[0] - uninterrupted[2]).max() < 1e-9
 
 
+def test_a_sigterm_sent_to_the_ranks_stops_the_job_and_is_not_requeued(slurm, tmp_path):
+    """scancel --signal=TERM signals the ranks, not the batch shell: they stop with a checkpoint (status 143),
+    which is a cancel, not a failure to requeue."""
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run)
+    wait_for_checkpoint(slurm, job, run, 1000)
+    slurm.run(["scancel", "--signal=TERM", job])
+    stopped = slurm.wait(job, 120)
+    assert stopped.restarts == 0 and stopped.state == "FAILED" and stopped.exit_code == "143:0", stopped.fields
+    text = output(run, job)
+    assert "the ranks were stopped by SIGTERM (status 143), sent to them directly: not restarted nor requeued" in text
+    step = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[1].split(";")[0])
+    assert step < ITERATIONS and checkpointed(run) == step and "requeueing" not in text
+
+
+def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_path):
+    """The template's lead (--signal=B:USR1@120) with --time=1: Slurm signals at its first check (within about a
+    minute; here by hand as soon as a checkpoint is there), and a requeued run would stop as it starts. The
+    launcher warns and the run goes on to its end (here well within its one-minute limit)."""
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run, "--time=1")
+    wait_for_checkpoint(slurm, job, run, 1000)
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    finished = done(slurm, job)
+    assert finished.restarts == 0
+    text = output(run, job)
+    assert "WARNING: the time limit is near " in text and "Give the job a longer --time, or a shorter lead." in text
+    assert "every rank stops after its step" not in text and "requeueing" not in text
+    _, attrs = learned(run)
+    assert attrs["iterations"] == ITERATIONS and attrs["stop_reason"] == "iterations"
+
+
 def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
     """Each with small settings: train on the bundled digits, collect its activations, a small memory store."""
-    common = {"MPISCALE_HOME": str(REPO), "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
+    common = {"MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
+    # Where mpiscale is, three ways: MPISCALE_HOME (train); the checkout of the mpiscale on PATH (memstore, from a
+    # copy of its template); neither, so the checkout the template was submitted from (collect).
     train = slurm.submit(TEMPLATES / "train.sbatch", "--ntasks=2", cwd=tmp_path,
-                         env={**common, "RUN": "train", "EPOCHS": "2", "OPTIONS": "--progress-every 0"})  # fmt: skip
-    store = slurm.submit(TEMPLATES / "memstore.sbatch", "--nodes=1", "--ntasks=2", cwd=tmp_path,
-                         env={**common, "RUN": "store", "RECORDS": "20000", "ITERATIONS": "50",
+                         env={**common, "MPISCALE_HOME": str(REPO), "RUN": "train", "EPOCHS": "2",
+                              "OPTIONS": "--progress-every 0"})  # fmt: skip
+    bare_path = ":".join(part for part in os.environ["PATH"].split(":") if ".venv" not in part)
+    copy = tmp_path / "my-memstore.sbatch"
+    copy.write_text((TEMPLATES / "memstore.sbatch").read_text())
+    venv_path = f"{REPO}/.venv/bin:{bare_path}"
+    store = slurm.submit(copy, "--nodes=1", "--ntasks=2", cwd=tmp_path,
+                         env={**common, "PATH": venv_path, "RUN": "store", "RECORDS": "20000", "ITERATIONS": "50",
                               "CHECKPOINT_EVERY": "10", "LOCAL": str(tmp_path / "local")})  # fmt: skip
     done(slurm, train)
     with h5py.File(tmp_path / "train" / "model.h5", "r") as model:
         assert model.attrs["world_size"] == 2
     collect = slurm.submit(TEMPLATES / "collect.sbatch", "--ntasks=2", cwd=tmp_path,
-                           env={**common, "MODEL": "train/model.h5", "OUT": "acts.h5"})  # fmt: skip
+                           env={**common, "PATH": bare_path, "MODEL": "train/model.h5", "OUT": "acts.h5"})  # fmt: skip
     done(slurm, collect)
     with h5py.File(tmp_path / "acts.h5", "r") as acts:
         assert (
