@@ -119,9 +119,10 @@ def _broker_settings(args: argparse.Namespace, command: str):
 def _watch(args: argparse.Namespace) -> int:
     """Show a job from its broker (JOB --broker) or its telemetry file (--file); 0 when it finished or stopped."""
     import asyncio
+    import time
     from pathlib import Path
 
-    from .telemetry import watch_broker, watch_file
+    from .telemetry import GONE_INTERVALS, watch_broker, watch_file
 
     if args.file:
         if not Path(args.file).is_file():
@@ -142,8 +143,12 @@ def _watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: broker {settings.broker[0]}:{settings.broker[1]}: {error}", file=sys.stderr)
             return 1
     state = view.latest.get("status", {}).get("state")
+    silent = view.silent_s(time.time())
     if state == "stopped":
         print("mpiscale watch: the job stopped on request; its state is saved, and a resumed run goes on")
+    elif view.gone(time.time()) and silent is not None:
+        print(f"mpiscale watch: the job ({state}) has said nothing for {silent:.0f} s, {GONE_INTERVALS} heartbeat "
+              "intervals: it died without a final status, or its rank 0 is blocked", file=sys.stderr)  # fmt: skip
     elif state != "finished":
         print(f"mpiscale watch: the job ended {state or 'without a status'}", file=sys.stderr)
     return 0 if state in ("finished", "stopped") else 1

@@ -6,10 +6,11 @@ from .remote import JobEnded, new_id, send_command
 from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
 from .settings import TelemetrySettings, job_id, restart_count
-from .watch import watch_broker, watch_file
+from .watch import GONE_INTERVALS, watch_broker, watch_file
 from .watchdog import Finding, Watchdog, WatchdogSettings
 
 __all__ = [
+    "GONE_INTERVALS",
     "LEVELS",
     "SCHEMA",
     "Command",

@@ -4,8 +4,12 @@ The view keeps the latest record of each kind and the recent events, and
 draws a few lines: the job and its state, a progress bar with the rate and
 the ETA, the slowest rank and the metrics' spread, and the last events. In a
 terminal it redraws in place; otherwise it prints the view when it changes.
-It ends when the job's status says it has ended (``finished``, ``stopped``, ``failed``,
-``lost``).
+It ends when the job's status says it has ended (``finished``, ``stopped``, ``failed``), or
+when the job has said nothing for many heartbeat intervals (it died without a final
+status, or its rank 0 is blocked). ``lost`` (the job's broker connection dropped, also
+when the broker itself went down) does not end it: the job may come back. From a broker
+it redraws every second, so a heartbeat that stops shows, and it reconnects when its own
+connection drops.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
 
@@ -22,7 +27,11 @@ from .schema import KINDS, problems
 from .settings import TelemetrySettings
 from .sinks import mqtt_client, topic
 
-ENDED = ("finished", "stopped", "failed", "lost")
+ENDED = ("finished", "stopped", "failed")
+STALE_INTERVALS = 5  # a heartbeat this many intervals late is shown as missing
+GONE_INTERVALS = 30  # and this many: the job is taken for dead
+_UNKNOWN_INTERVAL_S = 2.0  # telemetry's default interval, until two heartbeats tell the real one
+_REDRAW_S = 1.0
 
 
 class View:
@@ -32,6 +41,7 @@ class View:
         self.latest: dict[str, dict] = {}
         self.events: deque[dict] = deque(maxlen=5)
         self.rejected = 0
+        self._beats: deque[float] = deque(maxlen=5)  # the times of the latest heartbeats
 
     def take(self, payload: object) -> None:
         if problems(payload):
@@ -41,10 +51,31 @@ class View:
         self.latest[payload["kind"]] = payload
         if payload["kind"] == "event":
             self.events.append(payload)
+        elif payload["kind"] == "heartbeat":
+            self._beats.append(payload["time"])
 
     @property
     def ended(self) -> bool:
         return self.latest.get("status", {}).get("state") in ENDED
+
+    @property
+    def interval_s(self) -> float:
+        """The job's heartbeat interval as its records show it (the longest recent gap)."""
+        beats = list(self._beats)
+        gaps = [later - earlier for earlier, later in zip(beats, beats[1:]) if later > earlier]
+        return max(gaps) if gaps else _UNKNOWN_INTERVAL_S
+
+    def silent_s(self, now: float) -> float | None:
+        """Seconds since the job's last heartbeat (or status, before any); None before any record or after its end."""
+        if self.ended:
+            return None
+        last = self._beats[-1] if self._beats else self.latest.get("status", {}).get("time")
+        return None if last is None else max(0.0, now - last)
+
+    def gone(self, now: float) -> bool:
+        """Whether the job has said nothing for so long that it is taken for dead."""
+        silent = self.silent_s(now)
+        return silent is not None and silent > GONE_INTERVALS * self.interval_s
 
     def lines(self) -> list[str]:
         status = self.latest.get("status")
@@ -72,6 +103,12 @@ class View:
         if beat is not None:
             age = time.time() - beat["time"]
             lines.append(f"heartbeat {age:.1f} s ago; {beat['dropped']} records dropped by the publisher")
+        silent = self.silent_s(time.time())
+        if silent is not None and silent > STALE_INTERVALS * self.interval_s:
+            lines.append(f"NO HEARTBEAT for {silent:.0f} s (one every {self.interval_s:.1f} s): the job is stalled, "
+                         "or it died without a final status")  # fmt: skip
+        if status["state"] == "lost":
+            lines.append("the job's connection to the broker dropped; watching for it to come back")
         for event in self.events:
             stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
             lines.append(f"  {stamp} rank {event['rank']}: {event['event']} {event['detail']}")
@@ -83,6 +120,10 @@ def _clock(seconds: float) -> str:
     return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
+def _without_age(lines: list[str]) -> list[str]:
+    return [line for line in lines if not line.startswith("heartbeat ")]
+
+
 class Screen:
     """Draws a view: in place on a terminal, else a new block whenever it changes."""
 
@@ -92,8 +133,8 @@ class Screen:
 
     def draw(self, view: View) -> None:
         lines = view.lines()
-        if lines == self.last:
-            return
+        if lines == self.last or (not self.tty and _without_age(lines) == _without_age(self.last)):
+            return  # a log gets a new block when something but the heartbeat's age changed
         if self.tty and self.shown:
             self.stream.write(f"\x1b[{self.shown}F\x1b[J")
         self.stream.write("\n".join(lines) + "\n" + ("" if self.tty else "\n"))
@@ -115,7 +156,7 @@ def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, pol
                     view.rejected += 1
                 continue
             screen.draw(view)
-            if view.ended or not follow:
+            if view.ended or not follow or view.gone(time.time()):
                 return view
             records.seek(start)  # a line still being written is read again in full
             time.sleep(poll_s)
@@ -124,18 +165,42 @@ def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, pol
 async def watch_broker(
     settings: TelemetrySettings, job: str, stream: TextIO = sys.stdout, timeout_s: float | None = None
 ) -> View:
-    """Show a job from its broker's records (the retained status first) until its status says it ended."""
+    """Show a job from its broker's records (the retained status first) until it ended or is gone.
+
+    A connection that drops once the job was seen is made again (the retained
+    status brings the view up to date); a broker never reached raises.
+    """
+    import aiomqtt  # imported when used: a job without a broker never loads it
+
     view, screen = View(), Screen(stream)
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                async for _ in _records(settings, job, view):
+                    screen.draw(view)
+                    if view.ended or view.gone(time.time()):
+                        return view
+            except (aiomqtt.MqttError, OSError) as error:
+                if not view.latest:
+                    raise
+                sys.stderr.write(f"mpiscale watch: lost the broker ({error}); connecting again\n")
+                await asyncio.sleep(_REDRAW_S)
+
+
+async def _records(settings: TelemetrySettings, job: str, view: View) -> AsyncIterator[None]:
+    """Feed the job's records into ``view``; yields after each, and every second when none comes."""
     async with mqtt_client(settings) as client:
         for kind in KINDS:
             await client.subscribe(topic(job, kind), qos=1)
-        async with asyncio.timeout(timeout_s):
-            async for message in client.messages:
-                try:
-                    view.take(json.loads(bytes(message.payload)))
-                except ValueError:
-                    view.rejected += 1
-                screen.draw(view)
-                if view.ended:
-                    break
-    return view
+        messages = aiter(client.messages)
+        while True:
+            try:
+                message = await asyncio.wait_for(anext(messages), _REDRAW_S)
+            except TimeoutError:
+                yield
+                continue
+            try:
+                view.take(json.loads(bytes(message.payload)))
+            except ValueError:
+                view.rejected += 1
+            yield

@@ -59,12 +59,19 @@ def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
     """Rank 0 (the publisher) SIGKILLed mid-run: the broker sends the job's last will, retained."""
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t2",
            "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}  # fmt: skip
+    watcher = subprocess.Popen([*MPISCALE, "watch", "t2", "--broker", broker.address, "--timeout", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     job = memstore(2, tmp_path / "m.h5", "--iterations", 100000, env=env)
     finished = finish(job, "memstore killed", 180)
     assert finished.returncode == 137, finished.output[-3000:]
     subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
     lost = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "lost", timeout=20)
     assert not problems(lost) and lost["job"] == "t2"
+    # watch shows the heartbeat missing (it redraws without new records), waits for the lost job, then gives up
+    shown, errors = watcher.communicate(timeout=60)
+    assert watcher.returncode == 1, shown[-2000:] + errors
+    assert "NO HEARTBEAT for " in shown and "watching for it to come back" in shown, shown[-3000:]
+    assert "mpiscale watch: the job (lost) has said nothing for " in errors, errors
 
 
 def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tmp_path):
@@ -78,6 +85,9 @@ def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tm
         time.sleep(2)
         broker.start()
         subscriber.wait_for(lambda p: p["kind"] == "progress", timeout=60)
+        watcher = subprocess.Popen([*MPISCALE, "watch", "t3", "--broker", broker.address, "--timeout", "120"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        time.sleep(1)
         broker.stop()
         time.sleep(1.5)
         heard = len(subscriber.messages)
@@ -94,6 +104,10 @@ def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tm
     assert not problems(status)
     steps = [p["step"] for p in subscriber.payloads("progress")]
     assert steps == sorted(steps) and 0 < steps[-1] < 10**7, steps[-5:]
+    shown, errors = watcher.communicate(timeout=60)  # it connected again and saw the job to its end
+    assert watcher.returncode == 0, shown[-2000:] + errors
+    assert "mpiscale watch: lost the broker (" in errors and "; connecting again" in errors, errors
+    assert "job t3: memstore on 2 ranks" in shown and "stopped" in shown, shown[-2000:]
 
 
 def test_a_job_ending_while_the_sink_waits_to_reconnect_still_sends_its_last_records(broker, subscriber, monkeypatch):
@@ -136,6 +150,20 @@ def test_without_a_broker_the_records_go_to_a_file_beside_the_results(tmp_path):
     assert records[0]["kind"] == "status" and records[-1] == {**records[-1], "kind": "status", "state": "finished"}
     shown = subprocess.run([*MPISCALE, "watch", "--file", str(path)], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0 and "] 300/300" in shown.stdout and "finished" in shown.stdout, shown.stdout
+
+
+def test_watch_of_the_file_of_a_job_that_died_ends_saying_so(tmp_path):
+    """No final status ever comes from a killed job: watch --file ends once the job has said nothing for 30
+    heartbeat intervals (here 0.2 s each)."""
+    out = tmp_path / "m.h5"
+    env = {"MPISCALE_JOB_ID": "t5", "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}
+    finished = finish(memstore(2, out, "--iterations", 100000, env=env), "memstore killed", 180)
+    assert finished.returncode == 137, finished.output[-3000:]
+    shown = subprocess.run([*MPISCALE, "watch", "--file", f"{out}.telemetry.jsonl"], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert shown.returncode == 1, shown.stdout[-2000:] + shown.stderr
+    assert "mpiscale watch: the job (running) has said nothing for " in shown.stderr, shown.stderr
+    assert "it died without a final status, or its rank 0 is blocked" in shown.stderr
 
 
 def test_a_malformed_broker_setting_is_refused(tmp_path):

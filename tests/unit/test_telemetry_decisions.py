@@ -3,6 +3,8 @@
 import pytest
 
 from mpiscale.telemetry import Watchdog, WatchdogSettings, pace, spread
+from mpiscale.telemetry.schema import record
+from mpiscale.telemetry.watch import View
 
 
 def report(rank: int, step: int, time: float, wait_s: float = 0.0, waiting_in=None, **metrics) -> dict:
@@ -68,3 +70,28 @@ def test_even_waiting_is_no_straggler():
         t = 2.0 * interval
         reports = {r: report(r, interval, t, wait_s=0.5 * t) for r in range(3)}
         assert watchdog.look(reports, t) == []
+
+
+def _records(*beats: float, state: str = "running") -> View:
+    view = View()
+    status = {"ranks": 2, "host": "h", "command": "memstore", "state": state}
+    view.take({**record("status", "j", **status), "time": 0.0})
+    for beat in beats:
+        view.take({**record("heartbeat", "j", ranks_reporting=2, oldest_report_s=0.1, dropped=0), "time": beat})
+    return view
+
+
+def test_watch_takes_a_job_for_dead_after_30_of_its_own_heartbeat_intervals():
+    view = _records(1.0, 1.2, 1.4)
+    assert view.interval_s == pytest.approx(0.2)
+    assert not view.gone(1.4 + 29 * 0.2) and view.gone(1.4 + 31 * 0.2)
+    assert "NO HEARTBEAT for" in "\n".join(view.lines())  # its time is long past
+    assert view.silent_s(2.0) == pytest.approx(0.6)
+
+
+def test_watch_waits_for_a_lost_job_and_never_calls_an_ended_one_dead():
+    lost = _records(1.0, 1.2, state="lost")
+    assert not lost.ended and not lost.gone(3.0)
+    assert "watching for it to come back" in "\n".join(lost.lines())
+    finished = _records(1.0, 1.2, state="finished")
+    assert finished.ended and not finished.gone(10**9) and finished.silent_s(10**9) is None
