@@ -143,10 +143,11 @@ def _watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: broker {settings.broker[0]}:{settings.broker[1]}: {error}", file=sys.stderr)
             return 1
     state = view.latest.get("status", {}).get("state")
-    silent = view.silent_s(time.time())
+    now = time.time()
+    silent = view.silent_s(now)
     if state == "stopped":
         print("mpiscale watch: the job stopped on request; its state is saved, and a resumed run goes on")
-    elif view.gone(time.time()) and silent is not None:
+    elif view.gone(now) and silent is not None:
         print(f"mpiscale watch: the job ({state}) has said nothing for {silent:.0f} s, {GONE_INTERVALS} heartbeat "
               "intervals: it died without a final status, or its rank 0 is blocked", file=sys.stderr)  # fmt: skip
     elif state != "finished":

@@ -28,6 +28,11 @@ from .errors import CollectiveAbandoned
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _ASK_TIMEOUT_S = 2.0  # a rank that does not answer within this is listed as silent
 _LONGEST_INTERVAL = 8  # the question is asked again after 1, 2, 4, 8, 8, ... times collective_check_s
+_NO_COLLECTIVES: dict[str, Any] = {
+    "started": 0,
+    "last": None,
+    "pending": {},
+}  # the log of a communicator a rank never used
 
 
 def call_site() -> str:
@@ -97,7 +102,7 @@ def describe_rank(rank: int, state: dict[str, Any] | None, log: str) -> str:
     """One line of the report: what ``rank`` does on the communicator ``log``, from its answer."""
     if state is None:
         return f"rank {rank}: no answer within {_ASK_TIMEOUT_S:g} s (busy outside the runtime, or gone)"
-    own = state["logs"].get(log, {"started": 0, "last": None, "pending": {}})
+    own = state["logs"].get(log, _NO_COLLECTIVES)
     if own["pending"]:
         number = min(own["pending"])
         operation, site, waited = own["pending"][number]
@@ -130,7 +135,7 @@ def diagnose(
     for rank, state in states.items():
         if state is None:
             continue
-        own = state["logs"].get(log.name, {"started": 0, "pending": {}})
+        own = state["logs"].get(log.name, _NO_COLLECTIVES)
         other = own["pending"].get(number)
         if state["main"] != "running" and own["started"] < number:
             culprits.append(rank)
@@ -168,7 +173,7 @@ class AbandonedWatch:
         self._ask_state = ask_state
         self._fail = fail
         self._check_s = check_s
-        self._asked: dict[tuple[str, int], tuple[float, int]] = {}  # (log, number) -> (next question, times asked)
+        self._asked: dict[str, tuple[int, float, int]] = {}  # log -> (collective number, next question, times asked)
 
     async def run(self) -> None:
         """Look at the pending collectives a few times per ``check_s``, until cancelled."""
@@ -178,12 +183,13 @@ class AbandonedWatch:
                 oldest = log.oldest()
                 if oldest is None or oldest[3] < self._check_s:
                     continue
-                key = (log.name, oldest[0])
-                due, times = self._asked.get(key, (0.0, 0))
+                number, due, times = self._asked.get(log.name, (oldest[0], 0.0, 0))
+                if number != oldest[0]:  # another collective than the one asked about: ask afresh
+                    due, times = 0.0, 0
                 if time.monotonic() < due:
                     continue
                 interval = self._check_s * min(2**times, _LONGEST_INTERVAL)
-                self._asked[key] = (time.monotonic() + interval, times + 1)
+                self._asked[log.name] = (oldest[0], time.monotonic() + interval, times + 1)
                 await self._check(log, times)
 
     async def _check(self, log: CollectiveLog, times: int) -> None:

@@ -43,6 +43,13 @@ class View:
         self.rejected = 0
         self._beats: deque[float] = deque(maxlen=5)  # the times of the latest heartbeats
 
+    def take_raw(self, raw: str | bytes) -> None:
+        """Take one record as it came (a JSON line, an MQTT payload); what is not JSON counts as rejected."""
+        try:
+            self.take(json.loads(raw))
+        except ValueError:
+            self.rejected += 1
+
     def take(self, payload: object) -> None:
         if problems(payload):
             self.rejected += 1
@@ -150,10 +157,7 @@ def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, pol
             start = records.tell()
             line = records.readline()
             if line.endswith("\n"):
-                try:
-                    view.take(json.loads(line))
-                except ValueError:
-                    view.rejected += 1
+                view.take_raw(line)
                 continue
             screen.draw(view)
             if view.ended or not follow or view.gone(time.time()):
@@ -199,8 +203,5 @@ async def _records(settings: TelemetrySettings, job: str, view: View) -> AsyncIt
             except TimeoutError:
                 yield
                 continue
-            try:
-                view.take(json.loads(bytes(message.payload)))
-            except ValueError:
-                view.rejected += 1
+            view.take_raw(bytes(message.payload))
             yield
