@@ -107,7 +107,6 @@ SlurmdParameters=config_overrides
 SchedulerParameters=sched_interval=1,sched_min_interval=100000
 # A finished job stays visible to scontrol for the test's polling (at 4 s, one test's early job was gone)
 MinJobAge=600
-KillWait=10
 EnforcePartLimits=ALL
 MpiDefault=none
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs=4 RealMemory=1000 State=UNKNOWN

@@ -13,10 +13,12 @@ job the time to stop after its step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import io
 import itertools
 import logging
+import math
 import os
 import signal
 import sys
@@ -35,6 +37,7 @@ from .collectives import Communicator, Hierarchy, build_hierarchy
 from .config import RuntimeConfig, load_mpi
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
 from .eventloop import new_event_loop
+from .peers import LocalPeers
 from .progress import ProgressEngine
 from .steering import Steering
 
@@ -43,6 +46,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
 _FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
+# One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
+# srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
+_SAME_STOP_S = 2.0
 _MESSAGE, _REPLY = 0, 1
 
 
@@ -93,6 +99,11 @@ class ActorSystem:
         self.steering = Steering(MPI, world.Dup(), self._engine)
         #: The signal that asked this rank's job to stop after its current step (None: none did).
         self.stop_signal: int | None = None
+        self._stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
+        self._local_peers = LocalPeers.gather(world, self.host)
+        #: Called as ``await reporter(detail, rank)`` (a second at most each) before the job ends because another
+        #: rank died: telemetry names it there.
+        self.death_reporters: list[Callable[[str, int], Awaitable[None]]] = []
 
     # ----------------------------------------------------------- properties
     @property
@@ -400,6 +411,36 @@ class ActorSystem:
         sys.stderr.write(self.diagnostics())
         sys.stderr.flush()
 
+    def _on_terminate(self) -> None:
+        """SIGTERM or SIGUSR2 from outside; a repeat within ``_SAME_STOP_S`` of the first is the same request."""
+        now = time.monotonic()
+        if now - self._stop_asked_at < _SAME_STOP_S:
+            return
+        if self._stop_asked_at == -math.inf:
+            self._stop_asked_at = now
+            dead = self._local_peers.gone()
+            if dead:  # the launcher ends a job whose rank died: no step can end, no stop can be agreed
+                asyncio.get_running_loop().create_task(self._peers_died(dead), name="a rank died")
+                return
+        self._on_signal(signal.SIGTERM)
+
+    async def _peers_died(self, dead: dict[int, int]) -> None:
+        named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(dead.items()))
+        detail = (
+            f"{named} on host {self._local_peers.host} ended while the job ran (killed by a signal, such as the "
+            "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
+        )
+        for reporter in self.death_reporters:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reporter(detail, min(dead)), 1.0)
+        if self._failing:  # this rank's own report is out
+            return
+        self._failing = True  # one line, not a second report: a rank that failed has printed its own
+        sys.stdout.flush()
+        sys.stderr.write(f"mpiscale: rank {self.rank}: a SIGTERM came, and {detail}\n")
+        sys.stderr.flush()
+        self._MPI.COMM_WORLD.Abort(1)
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if signum == signal.SIGTERM and self.steering.active and self.stop_signal is None and not self._stopping:
@@ -446,9 +487,9 @@ class ActorSystem:
         engine_task = loop.create_task(self._engine.run(), name="mpiscale progress engine")
         engine_task.add_done_callback(self._engine_finished)
         signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-        for signum in signals[:2]:
-            loop.add_signal_handler(signum, self._on_signal, signum)
-        loop.add_signal_handler(signal.SIGUSR2, self._on_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
+        for signum in (signal.SIGTERM, signal.SIGUSR2):
+            loop.add_signal_handler(signum, self._on_terminate)
         loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)

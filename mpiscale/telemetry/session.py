@@ -114,6 +114,7 @@ class Telemetry:
             restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
+            system.death_reporters.append(session.fail)
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
         return session
 
@@ -299,15 +300,17 @@ class Telemetry:
                 self.event("finished", f"{self.command} finished")
             await self._end("stopped" if self.stopped_after else "finished")
 
-    async def fail(self, detail: str) -> None:
-        """The job is failing on this rank (not collective): rank 0 says so, and closes its sink."""
+    async def fail(self, detail: str, rank: int = 0) -> None:
+        """The job is failing on this rank (not collective), or ``rank`` died: rank 0 says so, and closes its sink."""
         if self._task is not None:
             self._task.cancel()
-        if self.system.rank == 0 and self.group is not None:
-            self.emit(record("event", self.job, event="failure", rank=0, detail=detail))
+        if self.system.rank == 0 and self.group is not None and self.sink is not None:
+            self.emit(record("event", self.job, event="failure", rank=rank, detail=detail))
             await self._end("failed")
 
     async def _end(self, state: str) -> None:
+        if self.fail in self.system.death_reporters:
+            self.system.death_reporters.remove(self.fail)
         self.emit(record("status", self.job, state=state, command=self.command, ranks=self.system.size,
                          host=socket.gethostname()), retain=True)  # fmt: skip
         sink, self.sink = self.sink, None  # late reports and events are dropped

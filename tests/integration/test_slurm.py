@@ -5,6 +5,7 @@ an oversized request refused. Results are compared with an uninterrupted run of 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import h5py
@@ -101,7 +102,9 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, u
     assert any(r["kind"] == "event" and r["event"] == "restarted" and r["job"] == job for r in records)
 
 
-def test_a_killed_rank_ends_the_run_and_the_requeued_job_resumes(slurm, uninterrupted, tmp_path):
+def test_a_killed_rank_ends_the_run_at_once_and_the_requeued_job_resumes(slurm, uninterrupted, tmp_path):
+    """srun ends the step of a rank killed by SIGKILL with SIGTERM to the other, then SIGKILL only KillWait (30 s,
+    Slurm's default here) later: the other sees the dead rank of its host and ends the run within seconds."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run)
     wait_for_checkpoint(slurm, job, run, 2000)
@@ -109,14 +112,37 @@ def test_a_killed_rank_ends_the_run_and_the_requeued_job_resumes(slurm, uninterr
              and "mpiscale dictlearn" in command and str(run) in command]  # fmt: skip
     assert len(ranks) == 2, ranks
     os.kill(max(ranks), signal.SIGKILL)
+    killed = time.monotonic()
+    slurm.wait(job, 60, until=lambda j: j.restarts == 1)
+    assert time.monotonic() - killed < 15, "the run outlived its killed rank"  # KillWait is 30 s
     finished = done(slurm, job)
-    assert finished.restarts == 1
     text = output(run, job)
-    assert "a rank was killed by SIGKILL (status 137)" in text
-    assert f"the job failed (status 137): requeueing job {job} (requeue 1 of 5)" in text
-    assert "resumed from the checkpoint of iteration " in text
+    assert f" (pid {max(ranks)}) on host " in text and "ended while the job ran (killed by a signal" in text, text
+    assert f"the job failed (status 1): requeueing job {job} (requeue 1 of 5)" in text
+    assert "resumed from the checkpoint of iteration " in text and finished.restarts == 1
     dictionary, attrs = learned(run)
     assert attrs["iterations"] == ITERATIONS and np.abs(dictionary - uninterrupted[2]).max() < 1e-9
+
+
+def test_a_plain_scancel_under_mpirun_stops_with_a_checkpoint_and_resumes(slurm, uninterrupted, tmp_path):
+    """Slurm's cancel signals mpirun as well as the ranks; mpirun used to kill them a second later. Now they stop
+    after their step with a checkpoint, and a resubmission resumes from it to the uninterrupted run's dictionary."""
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run, MPISCALE_LAUNCHER="mpirun")
+    wait_for_checkpoint(slurm, job, run, 1000)
+    slurm.run(["scancel", job])
+    stopped = slurm.wait(job, 60)
+    assert stopped.state == "CANCELLED" and stopped.restarts == 0, stopped.fields
+    records = [json.loads(line) for line in (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "status" and records[-1]["state"] == "stopped", records[-3:]
+    detail = records[-2]["detail"]  # mpirun drops what the ranks print after its SIGTERM: telemetry says it
+    assert detail.startswith("dictlearn stopped after iteration ") and detail.endswith(", its state saved"), detail
+    step = int(detail.split("iteration ")[1].split(",")[0])
+    assert checkpointed(run) == step
+    second = dictlearn(slurm, run)
+    done(slurm, second)
+    assert f"resumed from the checkpoint of iteration {step}" in output(run, second)
+    assert np.abs(learned(run)[0] - uninterrupted[2]).max() < 1e-9
 
 
 def test_a_job_out_of_requeues_runs_on_and_a_scancel_resumes_on_another_task_count(slurm, uninterrupted, tmp_path):

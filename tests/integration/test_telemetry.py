@@ -74,6 +74,22 @@ def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
     assert "mpiscale watch: the job (lost) has said nothing for " in errors, errors
 
 
+def test_a_dead_rank_is_named_by_a_failure_event(broker, subscriber, tmp_path):
+    """Rank 1 SIGKILLed mid-run: mpirun's SIGTERM reaches rank 0, which finds rank 1's process gone and says so."""
+    env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t5",
+           "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=3000"}  # fmt: skip
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 100000, env=env)
+    finished = finish(job, "memstore with rank 1 killed", 180)
+    assert finished.returncode != 0
+    failure = subscriber.wait_for(lambda p: p["kind"] == "event" and p["event"] == "failure", timeout=20)
+    assert not problems(failure) and failure["rank"] == 1, failure
+    assert re.fullmatch(r"rank 1 \(pid \d+\) on host \S+ ended while the job ran \(killed by a signal, .*\); the "
+                        r"job cannot go on", failure["detail"]), failure  # fmt: skip
+    status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] != "running", timeout=20)
+    assert status["state"] == "failed", status
+    assert f"mpiscale: rank 0: a SIGTERM came, and {failure['detail']}" in finished.stderr, finished.stderr[-3000:]
+
+
 def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tmp_path):
     """The job starts while the broker is down, the broker comes up, goes away and comes back: publishing resumes
     after each return, and the job still obeys its control topic. The test ends the job with ``stop`` once it

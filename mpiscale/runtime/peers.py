@@ -1,0 +1,56 @@
+"""The other ranks of this host, by process: which of them have died.
+
+A rank killed by a signal (the out-of-memory killer, a crash) makes the
+launcher end the job with SIGTERM to the others: srun ends the step that way
+(then SIGKILL only KillWait seconds later, 30 by default), and mpirun too.
+A healthy job takes SIGTERM as a request to stop after its step with a
+checkpoint; a step that needs the dead rank never ends. So when a SIGTERM
+comes, a rank looks for a dead rank on its host, and if one is gone it ends
+the job at once, naming it. Ranks on other hosts cannot be seen this way.
+
+Only ranks whose process this one could see at start-up are watched, so a
+process namespace per rank (some containers) never looks like a death.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..ranks import Comm
+
+
+@dataclass(frozen=True)
+class LocalPeers:
+    """rank -> pid of the other ranks on this host that this process can see."""
+
+    pids: dict[int, int]
+    host: str
+
+    @classmethod
+    def gather(cls, world: Comm, host: str) -> LocalPeers:
+        """Collective over ``world`` (at start-up): every rank's host and pid."""
+        everyone = world.allgather((host, os.getpid()))
+        rank = world.Get_rank()
+        pids = {r: pid for r, (where, pid) in enumerate(everyone) if where == host and r != rank and alive(pid)}
+        return cls(pids, host)
+
+    def gone(self) -> dict[int, int]:
+        """rank -> pid of the watched ranks whose process has ended."""
+        return {rank: pid for rank, pid in self.pids.items() if not alive(pid)}
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, ended but not yet collected by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): the signal's answer stands
+    return state not in ("Z", "X")
