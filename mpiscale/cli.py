@@ -159,7 +159,7 @@ def _control(args: argparse.Namespace) -> int:
     """Send a command to a running job; 0 when the job completed it, 1 if it rejected it or did not answer."""
     import asyncio
 
-    from .telemetry import LEVELS, Command, JobEnded, new_id, send_command
+    from .telemetry import LEVELS, Command, JobEnded, NoToken, new_id, send_command
 
     if (args.command_name == "log-level") != (args.level is not None) or (args.level or "INFO").upper() not in LEVELS:
         print("mpiscale control: log-level takes a LEVEL (DEBUG, INFO, WARNING, ERROR); other commands none",
@@ -175,6 +175,9 @@ def _control(args: argparse.Namespace) -> int:
     except JobEnded as error:
         print(f"mpiscale control: {error}", file=sys.stderr)
         return 1
+    except NoToken as error:
+        print(f"mpiscale control: {error}", file=sys.stderr)
+        return 2
     except TimeoutError:
         print(f"mpiscale control: no answer from job {args.job} within {args.timeout:g} s: is it running, "
               f"publishing to {where}, and may this user read its topics?", file=sys.stderr)  # fmt: skip

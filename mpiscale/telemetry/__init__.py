@@ -2,10 +2,11 @@
 
 from .aggregate import pace, spread
 from .control import LEVELS, Command
-from .remote import JobEnded, new_id, send_command
+from .remote import JobEnded, NoToken, new_id, send_command
 from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
 from .settings import TelemetrySettings, job_id, restart_count
+from .token import read as read_token
 from .watch import GONE_INTERVALS, watch_broker, watch_file
 from .watchdog import Finding, Watchdog, WatchdogSettings
 
@@ -16,6 +17,7 @@ __all__ = [
     "Command",
     "Finding",
     "JobEnded",
+    "NoToken",
     "Telemetry",
     "TelemetrySettings",
     "Watchdog",
@@ -25,6 +27,7 @@ __all__ = [
     "new_id",
     "pace",
     "problems",
+    "read_token",
     "record",
     "restart_count",
     "send_command",

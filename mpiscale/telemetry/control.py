@@ -1,14 +1,15 @@
 """Remote control of a running job: the commands and their check.
 
-A command is a JSON object published to ``mpiscale/<job>/control``::
+A command is a JSON object published to ``mpiscale/<job>/control``, with the
+job's token (``mpiscale.telemetry.token``)::
 
-    {"id": "a1", "command": "checkpoint"}
-    {"id": "a2", "command": "stop"}              # checkpoint, then end with status 0
-    {"id": "a3", "command": "dump"}              # every rank writes its diagnostics to stderr
-    {"id": "a4", "command": "log-level", "level": "DEBUG"}
+    {"id": "a1", "command": "checkpoint", "token": "..."}
+    {"id": "a2", "command": "stop", "token": "..."}   # checkpoint, then end with status 0
+    {"id": "a3", "command": "dump", "token": "..."}   # every rank writes its diagnostics to stderr
+    {"id": "a4", "command": "log-level", "level": "DEBUG", "token": "..."}
 
-Rank 0 checks each one (``parse``): a command it cannot obey is rejected
-with the reason, and never reaches the job. ``dump`` and ``log-level`` act on
+Rank 0 checks each one (``parse``): a command it cannot obey, or without the
+job's token, is rejected with the reason, and never reaches the job. ``dump`` and ``log-level`` act on
 every rank at once. ``checkpoint`` and ``stop`` change the job's state, so
 every rank must act after the same step: telemetry hands them to the
 runtime's steering (``mpiscale.runtime.steering``), where the ranks agree on
@@ -20,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+
+from .token import matches
 
 COMMANDS = ("checkpoint", "stop", "dump", "log-level")
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -42,8 +45,9 @@ class Rejected(ValueError):
         self.id = id
 
 
-def parse(raw: bytes) -> Command:
-    """The command in a control message, or :class:`Rejected` with the reason."""
+def parse(raw: bytes, token: str | None) -> Command:
+    """The command in a control message that carries ``token``, or :class:`Rejected` with the reason (every
+    command is rejected when ``token`` is None: the job could not keep one)."""
     if len(raw) > MAX_BYTES:
         raise Rejected(f"a command is at most {MAX_BYTES} bytes, got {len(raw)}")
     try:
@@ -63,9 +67,12 @@ def parse(raw: bytes) -> Command:
     level = message.get("level")
     if name == "log-level" and level not in LEVELS:
         raise Rejected(f"log-level needs level, one of {', '.join(LEVELS)}; got {level!r}"[:200], id)
-    extra = set(message) - {"id", "command", "level"}
+    extra = set(message) - {"id", "command", "level", "token"}
     if extra:
         raise Rejected(f"unknown fields {sorted(extra)}"[:200], id)
+    if not matches(message.get("token"), token):
+        raise Rejected("no token or not this job's: send commands with mpiscale control, which reads the job's "
+                       "token file, or give them the token as MPISCALE_CONTROL_TOKEN", id)  # fmt: skip
     return Command(id, name, level)
 
 

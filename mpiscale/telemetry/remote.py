@@ -10,17 +10,38 @@ from collections.abc import Callable
 from .control import Command
 from .settings import TelemetrySettings
 from .sinks import mqtt_client, topic
+from .token import read
 
 
 class JobEnded(RuntimeError):
     """The job's retained status says it is no longer running."""
 
 
+class NoToken(RuntimeError):
+    """The job's control token cannot be read here; the message says where it was looked for."""
+
+
+def job_token(job: str) -> str:
+    """``job``'s control token, or NoToken saying why not."""
+    try:
+        return read(job)
+    except OSError as error:
+        raise NoToken(f"no control token for job {job} ({error.strerror}: {error.filename}); the job writes it at "
+                      "its start, readable by its user only: run this as that user, on a host that shares the job's "
+                      "home, or set MPISCALE_CONTROL_TOKEN to it") from None  # fmt: skip
+
+
 async def send_command(
-    settings: TelemetrySettings, job: str, command: Command, timeout_s: float, say: Callable[[str], None] = print
+    settings: TelemetrySettings,
+    job: str,
+    command: Command,
+    timeout_s: float,
+    say: Callable[[str], None] = print,
 ) -> bool:
-    """Publish ``command`` to ``job``'s control topic once its status says it runs; True once the job completed it,
-    False if it rejected it.
+    """Publish ``command`` with the job's token to ``job``'s control topic once its status says it runs; True once
+    the job completed it, False if it rejected it.
+
+    The token is read then (a job writes it as it starts): NoToken when it cannot be.
 
     Raises JobEnded when the job's status says it ended, TimeoutError when no
     final answer came within ``timeout_s``.
@@ -28,7 +49,8 @@ async def send_command(
     async with mqtt_client(settings, f"mpiscale-control-{uuid.uuid4().hex[:8]}") as client:
         for kind in ("status", "event"):  # before publishing: no answer is missed
             await client.subscribe(topic(job, kind), qos=1)
-        message = {"id": command.id, "command": command.command} | ({"level": command.level} if command.level else {})
+        message: dict[str, str] = {"id": command.id, "command": command.command}
+        message |= {"level": command.level} if command.level else {}
         sent = False
         async with asyncio.timeout(timeout_s):
             async for received in client.messages:
@@ -41,6 +63,7 @@ async def send_command(
                 if record.get("kind") == "status" and not sent:  # the job listens once it has said it runs
                     if record.get("state") != "running":
                         raise JobEnded(f"job {job} has ended ({record.get('state')})")
+                    message["token"] = job_token(job)
                     await client.publish(topic(job, "control"), json.dumps(message).encode(), qos=1)
                     sent = True
                     say(f"sent {command.command} (id {command.id}) to job {job}")

@@ -35,6 +35,7 @@ from .prometheus import PrometheusEndpoint, open_endpoint
 from .schema import record
 from .settings import TelemetrySettings, job_id, restart_count
 from .sinks import FileSink, MqttSink, lost_status
+from .token import issue, token_path
 from .watchdog import Watchdog, WatchdogSettings
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class Telemetry:
         self.reports: dict[int, dict] = {}  # rank -> its latest report: its node's on a node's first rank, all on 0
         self._commands: dict[str, str] = {}  # rank 0: id -> command, for checkpoints and stops not yet obeyed
         self._rejected = 0  # rank 0: control messages rejected in this interval
+        self._token: str | None = None  # rank 0 with a broker: what commands must carry (None: all are refused)
         self._task: asyncio.Task | None = None
         self._leader = 0
         self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
@@ -122,8 +124,13 @@ class Telemetry:
         host = socket.gethostname()
         if self.settings.broker is not None:
             lost = lost_status(self.job, self.command, self.system.size, host)
+            try:
+                self._token = issue(self.job)
+                kept = f"; control token in {token_path(self.job)}"
+            except OSError as error:
+                kept = f"; no control: the token cannot be written ({error})"
             self.sink = MqttSink(self.settings, self.job, lost, on_control=self.on_control)
-            where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/"
+            where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/{kept}"
         else:
             path = Path(f"{out or self.command}.telemetry.jsonl")
             try:
@@ -175,7 +182,7 @@ class Telemetry:
     def on_control(self, raw: bytes) -> None:
         """A message on the job's control topic: rejected with the reason, or acknowledged and obeyed."""
         try:
-            command = parse(raw)
+            command = parse(raw, self._token)
         except Rejected as error:
             self._rejected += 1
             if self._rejected <= REJECTIONS_SHOWN:  # a flood costs a few events per interval, then one count

@@ -14,7 +14,7 @@ import paho.mqtt.client as mqtt
 from helpers import assert_ok, finish, launch
 from mqtt_broker import start_broker
 
-from mpiscale.telemetry import problems
+from mpiscale.telemetry import problems, read_token
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 KSVD = ["--atoms", "50", "--sparsity", "3", "--samples", "1500", "--features", "20", "--snr-db", "20"]
@@ -67,6 +67,16 @@ def test_stop_checkpoints_and_exits_0_and_the_run_resumes_as_if_never_stopped(br
         return len(answers) - len(more) + sum(more)
 
     subscriber.wait_for(lambda _: rejections() == 500, timeout=60)
+    # well-formed commands without the job's token (on a broker without ACLs, anyone's): rejected, the job runs on
+    token = read_token("c1")
+    for id, given in (("bare", {}), ("wrong", {"token": token[:-1] + "?"})):
+        subscriber.client.publish("mpiscale/c1/control", json.dumps({"id": id, "command": "stop", **given}), qos=1)
+        refused = subscriber.wait_for(lambda p, id=id: p["kind"] == "event" and p.get("id") == id, timeout=30)
+        assert refused["event"] == "rejected" and "no token or not this job's" in refused["detail"], refused
+    assert job.poll() is None
+    elsewhere = control("c1", "stop", "--broker", broker.address, env={**os.environ, "MPISCALE_TOKEN_DIR": "/nowhere"})
+    assert elsewhere.returncode == 2, elsewhere.stdout + elsewhere.stderr
+    assert "no control token for job c1 (No such file or directory: /nowhere/c1.token)" in elsewhere.stderr
     impostor = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="mpiscale-c1")  # the id jobs once used
     impostor.connect("127.0.0.1", broker.port)
     impostor.loop_start()

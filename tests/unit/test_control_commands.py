@@ -4,16 +4,51 @@ import json
 
 import pytest
 
-from mpiscale.telemetry import problems, record
+from mpiscale.telemetry import problems, record, token
 from mpiscale.telemetry.control import Command, Rejected, parse
 from mpiscale.telemetry.settings import TelemetrySettings
 
+TOKEN = "s3cret-token"
+
 
 def test_commands_parse():
-    assert parse(b'{"id": "a1", "command": "stop"}') == Command("a1", "stop")
-    assert parse(json.dumps({"command": "log-level", "level": "DEBUG", "id": "x"}).encode()) == Command(
-        "x", "log-level", "DEBUG"
-    )
+    assert parse(b'{"id": "a1", "command": "stop", "token": "s3cret-token"}', TOKEN) == Command("a1", "stop")
+    message = {"command": "log-level", "level": "DEBUG", "id": "x", "token": TOKEN}
+    assert parse(json.dumps(message).encode(), TOKEN) == Command("x", "log-level", "DEBUG")
+
+
+@pytest.mark.parametrize(
+    "given, job_token",
+    [
+        (None, TOKEN),
+        ("", TOKEN),
+        ("s3cret-toke", TOKEN),
+        (TOKEN + "n", TOKEN),
+        (7, TOKEN),
+        (["s3cret-token"], TOKEN),
+        (TOKEN, None),
+    ],  # fmt: skip
+)
+def test_a_command_without_the_jobs_token_is_rejected(given, job_token):
+    message = {"id": "a1", "command": "stop"} | ({} if given is None else {"token": given})
+    with pytest.raises(Rejected, match="no token or not this job's") as refused:
+        parse(json.dumps(message).encode(), job_token)
+    assert refused.value.id == "a1"
+
+
+def test_the_token_file_is_the_users_alone_and_names_any_job(tmp_path):
+    env = {"MPISCALE_TOKEN_DIR": str(tmp_path / "jobs")}
+    first = token.issue("alice/7", env)
+    path = token.token_path("alice/7", env)
+    assert path == tmp_path / "jobs" / "alice%2F7.token" and path.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "jobs").stat().st_mode & 0o777 == 0o700
+    assert token.read("alice/7", env) == first and len(first) >= 32
+    second = token.issue("alice/7", env)  # a requeued run: a new token, in the same file
+    assert second != first and token.read("alice/7", env) == second
+    assert token.read("alice/7", {**env, "MPISCALE_CONTROL_TOKEN": "chosen"}) == "chosen"
+    assert token.issue("alice/8", {**env, "MPISCALE_CONTROL_TOKEN": "chosen"}) == "chosen"
+    with pytest.raises(FileNotFoundError):
+        token.read("bob/1", env)
 
 
 @pytest.mark.parametrize(
@@ -34,7 +69,7 @@ def test_commands_parse():
 )
 def test_malformed_messages_are_rejected_with_a_reason(raw, reason, id):
     with pytest.raises(Rejected, match=reason.replace("[", r"\[").replace("]", r"\]")) as refused:
-        parse(raw)
+        parse(raw, TOKEN)
     assert refused.value.id == id and len(str(refused.value)) <= 200
 
 
