@@ -37,12 +37,12 @@ class Job:
         return self.stdout + self.stderr
 
 
-# The environment as the test session began, before any unit test initialised an MPI singleton in this
-# process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
-# own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
 # Jobs' control tokens go to a directory of this session, not the user's home: two test sessions at once (CI beside
 # a developer's run) never take each other's tokens for the same job ids.
 os.environ.setdefault("MPISCALE_TOKEN_DIR", tempfile.mkdtemp(prefix="mpiscale-tokens-"))
+# The environment as the test session began, before any unit test initialised an MPI singleton in this
+# process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
+# own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
 SESSION_ENVIRONMENT = dict(os.environ)
 
 

@@ -26,15 +26,13 @@ class LocalPeers:
     """rank -> pid of the other ranks on this host that this process can see."""
 
     pids: dict[int, int]
-    host: str
 
     @classmethod
     def gather(cls, world: Comm, host: str) -> LocalPeers:
-        """Collective over ``world`` (at start-up): every rank's host and pid."""
+        """Collective over ``world`` (at start-up): every rank's host and pid; this rank is on ``host``."""
         everyone = world.allgather((host, os.getpid()))
         rank = world.Get_rank()
-        pids = {r: pid for r, (where, pid) in enumerate(everyone) if where == host and r != rank and alive(pid)}
-        return cls(pids, host)
+        return cls({r: pid for r, (where, pid) in enumerate(everyone) if where == host and r != rank and alive(pid)})
 
     def gone(self) -> dict[int, int]:
         """rank -> pid of the watched ranks whose process has ended."""

@@ -334,7 +334,6 @@ class ActorSystem:
         """Print one failure report for this rank and abort the whole job with ``status``."""
         if self._failing:
             return
-        self._failing = True
         if isinstance(error, SystemExit):  # a deliberate exit: its message is the report
             text = f"{error.code}\n"
         else:
@@ -345,8 +344,13 @@ class ActorSystem:
             f"(host {self.host}, pid {os.getpid()})\n{context}\n\n{text}{bar}\n"
             f"mpiscale: aborting all {self.size} ranks\n"
         )
+        self._abort(report, status)
+
+    def _abort(self, last_words: str, status: int) -> None:
+        """Write this rank's ``last_words`` to stderr (after what it printed) and abort every rank with ``status``."""
+        self._failing = True
         sys.stdout.flush()
-        sys.stderr.write(report)
+        sys.stderr.write(last_words)
         sys.stderr.flush()
         self._MPI.COMM_WORLD.Abort(status)
 
@@ -427,19 +431,14 @@ class ActorSystem:
     async def _peers_died(self, dead: dict[int, int]) -> None:
         named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(dead.items()))
         detail = (
-            f"{named} on host {self._local_peers.host} ended while the job ran (killed by a signal, such as the "
+            f"{named} on host {self.host} ended while the job ran (killed by a signal, such as the "
             "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
         )
         for reporter in self.death_reporters:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reporter(detail, min(dead)), 1.0)
-        if self._failing:  # this rank's own report is out
-            return
-        self._failing = True  # one line, not a second report: a rank that failed has printed its own
-        sys.stdout.flush()
-        sys.stderr.write(f"mpiscale: rank {self.rank}: a SIGTERM came, and {detail}\n")
-        sys.stderr.flush()
-        self._MPI.COMM_WORLD.Abort(1)
+        if not self._failing:  # one line, not a second report: a rank that failed has printed its own
+            self._abort(f"mpiscale: rank {self.rank}: a SIGTERM came, and {detail}\n", 1)
 
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name

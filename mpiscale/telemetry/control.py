@@ -9,11 +9,11 @@ job's token (``mpiscale.telemetry.token``)::
     {"id": "a4", "command": "log-level", "level": "DEBUG", "token": "..."}
 
 Rank 0 checks each one (``parse``): a command it cannot obey, or without the
-job's token, is rejected with the reason, and never reaches the job. ``dump`` and ``log-level`` act on
-every rank at once. ``checkpoint`` and ``stop`` change the job's state, so
-every rank must act after the same step: telemetry hands them to the
-runtime's steering (``mpiscale.runtime.steering``), where the ranks agree on
-them at the job's step ends, as they do on a SIGTERM.
+job's token, is rejected with the reason, and never reaches the job. ``dump``
+and ``log-level`` act on every rank at once. ``checkpoint`` and ``stop`` change
+the job's state, so every rank must act after the same step: telemetry hands
+them to the runtime's steering (``mpiscale.runtime.steering``), where the
+ranks agree on them at the job's step ends, as they do on a SIGTERM.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from mpiscale.runtime.peers import LocalPeers, alive
 def test_a_killed_child_is_gone_before_and_after_it_is_reaped():
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        peers = LocalPeers({1: child.pid, 2: os.getpid()}, "here")
+        peers = LocalPeers({1: child.pid, 2: os.getpid()})
         assert alive(child.pid) and peers.gone() == {}
         child.send_signal(signal.SIGKILL)
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not yet reaped: a zombie
