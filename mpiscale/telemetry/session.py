@@ -215,7 +215,7 @@ class Telemetry:
         return {
             "rank": self.system.rank, "step": self.step, "total": self.total, "items": self.items,
             "time": time.time(), "waiting_in": self.system.waiting_in(), "wait_s": waited,
-            "host": socket.gethostname(), "pid": os.getpid(),
+            "host": socket.gethostname(), "pid": os.getpid(), "via": self._leader,
             "metrics": self.system.traffic() | self._machine(usage, waited),
         }  # fmt: skip
 

@@ -11,6 +11,10 @@ report travels up to an interval before rank 0 looks at it). A rank
 the share of its time spent waiting in collectives is under
 ``straggler_ratio`` of the other ranks' median share while they wait at
 least a fifth of theirs: everyone else waits for it, every step.
+
+A rank's reports reach rank 0 through its node's first rank (``via``): when
+that leader is stuck, its node's other ranks fall silent with it though they
+only wait for it, so the leader alone is named, with the ranks behind it.
 """
 
 from __future__ import annotations
@@ -76,20 +80,36 @@ class Watchdog:
         waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
         long_waiters = {r: w for r, w in waiters.items() if w[1] >= self.settings.hang_after_s / 2}
         fresh_s = max(self.settings.hang_after_s / 2, 2.5 * self.report_interval_s)
-        found = []
+        stuck = {}  # rank -> seconds without advancing, for the ranks others wait for
         for rank, report in reports.items():
             still = now - self._advanced[rank][1]
             waiting_itself = rank in waiters and now - report["time"] < fresh_s
-            others = sorted(r for r in long_waiters if r != rank)
-            if still >= self.settings.hang_after_s and not waiting_itself and others:
-                what, seconds = long_waiters[others[0]]
-                where = f"step {report['step']}"
-                found.append(Finding("hang", rank, (
-                    f"rank {rank} (host {report.get('host')}, pid {report.get('pid')}) has not advanced for "
-                    f"{still:.0f} s ({where}, last report {now - report['time']:.0f} s ago), while ranks {others} "
-                    f"wait in collectives (rank {others[0]}: {what}, {seconds:.0f} s)"
-                )))  # fmt: skip
+            if still >= self.settings.hang_after_s and not waiting_itself and any(r != rank for r in long_waiters):
+                stuck[rank] = still
+        behind = {r: leader for r in reports if (leader := self._silent_leader(reports, r)) is not None}
+        found = []
+        for rank in sorted(stuck.keys() - behind.keys()):
+            report, others = reports[rank], sorted(r for r in long_waiters if r != rank)
+            what, seconds = long_waiters[others[0]]
+            unseen = sorted(r for r, leader in behind.items() if leader == rank)
+            through = f"; ranks {unseen} report through it and are unseen since" if unseen else ""
+            found.append(Finding("hang", rank, (
+                f"rank {rank} (host {report.get('host')}, pid {report.get('pid')}) has not advanced for "
+                f"{stuck[rank]:.0f} s (step {report['step']}, last report {now - report['time']:.0f} s ago), while "
+                f"ranks {others} wait in collectives (rank {others[0]}: {what}, {seconds:.0f} s){through}"
+            )))  # fmt: skip
         return found
+
+    def _silent_leader(self, reports: dict[int, dict], rank: int) -> int | None:
+        """The node leader ``rank`` reports through, if that leader fell silent when ``rank`` did (None: not so).
+
+        The leader forwards its own report with its node's, so while it runs its reports stay an interval or
+        more ahead of a stuck rank's; a leader silent since about the rank's last report explains the rank's silence.
+        """
+        leader = reports[rank].get("via", rank)
+        if leader == rank or leader not in reports:
+            return None
+        return leader if reports[leader]["time"] < reports[rank]["time"] + 1.5 * self.report_interval_s else None
 
     def _stragglers(self, reports: dict[int, dict]) -> list[Finding]:
         shares = {}

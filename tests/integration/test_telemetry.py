@@ -189,20 +189,24 @@ def test_a_malformed_broker_setting_is_refused(tmp_path):
 
 
 def test_a_stuck_rank_is_named_every_rank_dumps_and_the_job_ends(tmp_path):
-    """Rank 1 stops inside an iteration (its event loop blocked) while the others wait in a collective."""
+    """Rank 2, the first rank of the second of two simulated nodes, stops inside an iteration (its event loop
+    blocked) while the others wait in a collective. Rank 3's reports go through rank 2, so they stop too: rank 3
+    is listed behind rank 2, never named as hung itself."""
     env = {"MPISCALE_JOB_ID": "t6", "MPISCALE_HANG_AFTER_S": "2", "MPISCALE_HANG_ACTION": "abort",
-           "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=100,hang=120"}  # fmt: skip
+           "MPISCALE_RANKS_PER_NODE": "2", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
+           "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=1000,hang=120"}  # fmt: skip
     started = time.monotonic()
-    done = finish(memstore(3, tmp_path / "m.h5", "--iterations", 100000, env=env), "memstore with a hang", 120)
+    done = finish(memstore(4, tmp_path / "m.h5", "--iterations", 100000, env=env), "memstore with a hang", 120)
     assert done.returncode == 1 and time.monotonic() - started < 60, done.output[-4000:]
-    assert "mpiscale: telemetry: hang: rank 1 (host" in done.stderr and "wait in collectives" in done.stderr
-    assert "RuntimeError: hang detected: rank 1" in done.stderr
-    dumped = {rank for rank in range(3) if f"mpiscale diagnostics: rank {rank} of 3" in done.stderr}
-    assert dumped == {0, 2}, dumped  # the waiting ranks; rank 1's C-level stacks come from faulthandler
+    assert "mpiscale: telemetry: hang: rank 2 (host" in done.stderr and "wait in collectives" in done.stderr
+    assert "; ranks [3] report through it and are unseen since" in done.stderr, done.stderr[-4000:]
+    assert "hang: rank 3" not in done.stderr and "RuntimeError: hang detected: rank 2" in done.stderr
+    dumped = {rank for rank in range(4) if f"mpiscale diagnostics: rank {rank} of 4" in done.stderr}
+    assert dumped == {0, 1, 3}, dumped  # the waiting ranks; rank 2's C-level stacks come from faulthandler
     assert "Current thread" in done.stderr or "Thread 0x" in done.stderr
     records = [json.loads(line) for line in (tmp_path / "m.h5.telemetry.jsonl").read_text().splitlines()]
     hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
-    assert len(hangs) == 1 and hangs[0]["rank"] == 1 and not problems(hangs[0])
+    assert len(hangs) == 1 and hangs[0]["rank"] == 2 and not problems(hangs[0])
     assert records[-1]["kind"] == "status" and records[-1]["state"] == "failed"
 
 

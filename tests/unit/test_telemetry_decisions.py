@@ -52,6 +52,27 @@ def test_a_waiting_rank_whose_report_is_an_interval_old_still_waits_itself():
     assert [(f.kind, f.rank) for f in watchdog.look(reports, 4.2)] == [("hang", 1)]
 
 
+def test_the_ranks_behind_a_stuck_node_leader_are_not_named_but_listed_with_it():
+    """Ranks 2 and 3 form a node whose reports go through rank 2: when rank 2 is stuck, rank 3's reports stop too."""
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=10))
+    watchdog.look({r: {**report(r, 5, 0), "via": r - r % 2} for r in range(4)}, 0.0)
+    waiting = ("allreduce on world", 8.0)
+    reports = {
+        0: report(0, 5, 12, waiting_in=waiting),
+        1: {**report(1, 5, 12, waiting_in=waiting), "via": 0},
+        2: {**report(2, 5, 1), "via": 2},
+        3: {**report(3, 5, 1, waiting_in=("bcast on node", 0.5)), "via": 2},
+    }
+    found = watchdog.look(reports, 12.0)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 2)]
+    assert found[0].detail.endswith("; ranks [3] report through it and are unseen since"), found[0].detail
+    alive_leader = {**reports, 2: {**report(2, 5, 12, waiting_in=waiting), "via": 2}}  # rank 3 alone is silent
+    assert [(f.kind, f.rank) for f in Watchdog(WatchdogSettings(hang_after_s=10)).look(alive_leader, 0.0)] == []
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=10))
+    watchdog.look({r: {**report(r, 5, 0), "via": r - r % 2} for r in range(4)}, 0.0)
+    assert [(f.kind, f.rank) for f in watchdog.look(alive_leader, 12.0)] == [("hang", 3)]
+
+
 def test_a_straggler_is_the_rank_the_others_wait_for_report_after_report():
     watchdog = Watchdog(WatchdogSettings(straggler_intervals=3))
     found = []
