@@ -28,11 +28,19 @@ while the caller polls, and measured at a third to a half of the blocking ones'
 bandwidth here; in a thread, the blocking ones run at full speed while the
 event loop goes on. The worker takes calls in the order they were made, the
 same on every rank (as all collectives require), so several may be in flight.
+
+A blocking collective busy-polls until its last rank arrives. A rank that starts
+a gradient bucket during backward would spin a core for as long as the slowest
+rank computes, and with a core per rank that spinning takes the core from the
+compute threads (whose slowness it waits for). So the worker first waits,
+mostly asleep, in a non-blocking barrier until every rank has reached the call,
+and only then enters the blocking collectives, which all ranks now run together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -44,6 +52,8 @@ from ..ranks import Comm, block_rows
 from .errors import check_signatures, signature_digest
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
+_GATE_SPIN_S = 20e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
+_GATE_SLEEP_S = 500e-6  # the longest sleep between its polls: a call starts at most this late
 
 
 class HierarchicalAllreduce:
@@ -52,6 +62,7 @@ class HierarchicalAllreduce:
     def __init__(self, MPI: ModuleType, node: Comm, world: Comm, node_index: int, check: bool) -> None:
         self._MPI, self._check = MPI, check
         self._node, self._world = node.Dup(), world.Dup()
+        self._gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.blocks = world.allreduce(self.local_size, op=MPI.MAX)
         self.nodes = world.allreduce(1 if self.local_rank == 0 else 0)
@@ -74,6 +85,7 @@ class HierarchicalAllreduce:
         self._worker.shutdown(wait=True)
 
     def _run(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> np.ndarray:
+        self._until_all_arrived()
         if self._check:
             self._agree_on(f"{array.dtype}{array.shape} {op_name}")
         if not isinstance(op, self._MPI.Op):  # a reduction function, applied outside MPI
@@ -97,6 +109,16 @@ class HierarchicalAllreduce:
             return result
         np.copyto(out, result)
         return out
+
+    def _until_all_arrived(self) -> None:
+        """Return once every rank has reached this call: polled a few microseconds, then with sleeps doubling
+        to ``_GATE_SLEEP_S``, so that a rank ahead of the others leaves its core to compute threads."""
+        request, pause = self._gate.Ibarrier(), _GATE_SPIN_S
+        started = time.perf_counter()
+        while not request.Test():
+            if time.perf_counter() - started > _GATE_SPIN_S:
+                time.sleep(pause)
+                pause = min(2 * pause, _GATE_SLEEP_S)
 
     def _reduce(self, flat: np.ndarray, total: np.ndarray, op: Any) -> None:
         if self.nodes == 1:

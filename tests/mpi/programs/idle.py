@@ -1,4 +1,5 @@
-"""An idle rank must not burn a core: CPU time while nothing happens, and while an ask waits."""
+"""An idle rank must not burn a core: CPU time while nothing happens, while an ask waits, and while a large
+allreduce waits for a late rank (the worker thread's blocking MPI would spin)."""
 
 import asyncio
 import time
@@ -27,10 +28,17 @@ async def main(system):
     await system.world.barrier()
     idle = await cpu_share(asyncio.sleep(2.0))
     waiting = await cpu_share(sleepers[(system.rank + 1) % system.size].ask("nap", 2.0))
-    shares = await system.world.allgather(np.array([idle, waiting]))
+    # a gradient-sized allreduce the last rank reaches 2 s after the others: they wait, they must not spin
+    late = system.rank == system.size - 1
+    gradients = np.ones(1 << 20, np.float32)
+    if late:
+        await asyncio.sleep(2.0)
+    behind = await cpu_share(system.hierarchy.allreduce(gradients, out=gradients))
+    assert (gradients == system.size).all()
+    shares = await system.world.allgather(np.array([idle, waiting, 0.0 if late else behind]))
     if system.rank == 0:
-        for rank, (a, b) in enumerate(shares):
-            print(f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}")
+        for rank, (a, b, c) in enumerate(shares):
+            print(f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}, on a late rank's allreduce {c:.1%}")
         assert (shares < 0.10).all(), f"an idle rank used 10% of a core or more: {shares}"
         print("idle ok")
 
