@@ -66,8 +66,10 @@ def launch(
 
 
 def start_mpi(program: str, ranks: int, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
-    """Start ``tests/mpi/programs/<program>`` on ``ranks`` ranks."""
-    return launch(ranks, [sys.executable, str(PROGRAMS / program), *args], env=env, **popen)
+    """Start ``tests/mpi/programs/<program>`` on ``ranks`` ranks (their telemetry off unless ``env`` turns it on:
+    ``mpiscale.run`` would write PROGRAM.telemetry.jsonl in the repository)."""
+    environment = {"MPISCALE_TELEMETRY": "0", **(env or {})}
+    return launch(ranks, [sys.executable, str(PROGRAMS / program), *args], env=environment, **popen)
 
 
 def finish(process: subprocess.Popen, what: str, timeout: float) -> Job:

@@ -88,6 +88,11 @@ class Communicator:
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
 
+    @property
+    def world_ranks(self) -> tuple[int, ...]:
+        """The world rank of each member, in this communicator's rank order."""
+        return self.log.members
+
     async def _wait(self, request, what: str, keep: object = None) -> None:
         self._posted += 1
         await self._engine.wait(request, f"{what} on {self.name}", keep)

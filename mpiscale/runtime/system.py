@@ -104,6 +104,18 @@ class ActorSystem:
         #: Called as ``await reporter(detail, rank)`` (a second at most each) before the job ends because another
         #: rank died: telemetry names it there.
         self.death_reporters: list[Callable[[str, int], Awaitable[None]]] = []
+        self._at_end: list[Callable[[], Awaitable[None]]] = []
+
+    def communicator(self, name: str) -> Communicator:
+        """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives
+        (telemetry's), kept apart from those a job's reports number on ``world`` (collective, blocking)."""
+        return Communicator(self._MPI, self.world.comm.Dup(), self._engine, self.config, name)
+
+    def at_end(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run ``await hook()`` once ``main`` has returned on every rank and no message is in flight, before the
+        actors stop: the place for a collective that must not meet a rank still in ``main`` (collective: every rank
+        adds the same hooks in the same order)."""
+        self._at_end.append(hook)
 
     # ----------------------------------------------------------- properties
     @property
@@ -524,6 +536,11 @@ class ActorSystem:
                 watch.cancel()
             if refused is None:
                 await self._until_quiet()
+                for hook in self._at_end:
+                    try:
+                        await hook()
+                    except Exception as error:  # the others may wait in the hook's collective: end them all
+                        self.fail(error, "a hook run at the job's end failed")
             else:  # every rank should be here; if one is not, fail rather than wait for it
                 try:
                     await asyncio.wait_for(self._until_quiet(), self.config.shutdown_timeout_s)

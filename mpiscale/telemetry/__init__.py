@@ -9,6 +9,8 @@ from .settings import TelemetrySettings, job_id, restart_count
 from .token import read as read_token
 from .watch import GONE_INTERVALS, watch_broker, watch_file
 from .watchdog import Finding, Watchdog, WatchdogSettings
+from .watched import report_step
+from .watched import run as run_watched
 
 __all__ = [
     "GONE_INTERVALS",
@@ -29,7 +31,9 @@ __all__ = [
     "problems",
     "read_token",
     "record",
+    "report_step",
     "restart_count",
+    "run_watched",
     "send_command",
     "set_current",
     "spread",

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..kernels.devices import gpu_memory_mib
-from ..runtime import Actor, ActorGroup, ActorSystem, Orders
+from ..runtime import Actor, ActorGroup, ActorSystem, Communicator, Orders
 from .aggregate import pace, spread
 from .control import Rejected, parse, set_log_level
 from .prometheus import PrometheusEndpoint, open_endpoint
@@ -68,8 +68,11 @@ class Collector(Actor):
 class Telemetry:
     """One per rank; build with ``await Telemetry.start(system, command, out)`` (collective)."""
 
-    def __init__(self, system: ActorSystem, settings: TelemetrySettings, job: str, command: str) -> None:
+    def __init__(
+        self, system: ActorSystem, settings: TelemetrySettings, job: str, command: str, comm: Communicator
+    ) -> None:
         self.system, self.settings, self.job, self.command = system, settings, job, command
+        self._comm = comm  # the session's start and end, apart from the job's collectives
         self.step, self.total, self.items = 0, 0, 0.0
         self.phase_s: dict[str, float] = {}  # seconds spent in each of the job's phases so far
         self.stopped_after = ""  # where the job stopped on request ("iteration 12"); empty if it ran to its end
@@ -95,16 +98,18 @@ class Telemetry:
         and are rejected otherwise.
         """
         settings, watching = TelemetrySettings.from_env(), WatchdogSettings.from_env()
-        agreed = await system.world.bcast((job_id(), settings.enabled) if system.rank == 0 else None, 0)
+        comm = system.communicator("telemetry")  # the job's own collectives on world keep their numbers
+        agreed = await comm.bcast((job_id(), settings.enabled) if system.rank == 0 else None, 0)
         assert isinstance(agreed, tuple)
         job, enabled = agreed
-        session = cls(system, settings, str(job), command)
+        session = cls(system, settings, str(job), command, comm)
         if not enabled:  # rank 0's choice: every rank must take part in the session's collectives, or none
             return session
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
-        session.group = await system.spawn_group(Collector, session, name=name)
-        leader = await system.node.bcast(system.rank, 0)  # the node's first rank
-        session._leader = leader if isinstance(leader, int) else 0
+        system.spawn_local(Collector, session, name=name)
+        await comm.barrier()
+        session.group = ActorGroup(name, system.size)
+        session._leader = system.node.world_ranks[0]  # the node's first rank
         if system.rank == 0:
             session._open_sink(out)
             if settings.prometheus_port is not None:
@@ -292,7 +297,7 @@ class Telemetry:
         if self.group is None:
             return
         final = np.array([self.step, self.total, self.items], np.float64)
-        every = await self.system.world.allgather(final)  # the last numbers, not the last interval's
+        every = await self._comm.allgather(final)  # the last numbers, not the last interval's
         if self.system.rank == 0:
             self.reports[0] = self._report()
             for rank, (step, total, items) in enumerate(every):

@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 import pytest
-from helpers import assert_ok, finish, launch
+from helpers import assert_ok, finish, launch, start_mpi
 from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
@@ -208,6 +208,43 @@ def test_a_stuck_rank_is_named_every_rank_dumps_and_the_job_ends(tmp_path):
     hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
     assert len(hangs) == 1 and hangs[0]["rank"] == 2 and not problems(hangs[0])
     assert records[-1]["kind"] == "status" and records[-1]["state"] == "failed"
+
+
+def read_records(path) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and all(not problems(p) for p in records), [problems(p) for p in records if problems(p)]
+    return records
+
+
+def test_a_users_own_job_on_the_runtime_is_watched_like_the_projects_jobs(tmp_path):
+    """``mpiscale.run(main, name=...)`` of a user's script: the steps it reports with ``mpiscale.report_step`` reach
+    the records during the run, and it ends with a finished status, in NAME.telemetry.jsonl where it ran."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t10", "MPISCALE_TELEMETRY_INTERVAL_S": "0.2"}
+    done = finish(start_mpi("user_job.py", 2, "150", env=env, cwd=tmp_path), "a user's job with telemetry", 120)
+    assert_ok(done)
+    assert "telemetry: job t10 -> my-steps.telemetry.jsonl" in done.stdout
+    records = read_records(tmp_path / "my-steps.telemetry.jsonl")
+    assert records[0] == {**records[0], "kind": "status", "state": "running", "command": "my-steps", "ranks": 2}
+    steps = [(p["step"], p["total"]) for p in records if p["kind"] == "progress"]
+    assert steps[-1] == (150, 150) and any(0 < step < 150 for step, _ in steps), steps
+    assert records[-1] == {**records[-1], "kind": "status", "state": "finished"}
+
+
+def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path):
+    """Rank 1 of a user's job blocks at its step 50 while the others wait in the allreduce: MPISCALE_HANG_* work
+    for ``mpiscale.run`` jobs as for the project's own (its records under the script's name)."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t11", "MPISCALE_HANG_AFTER_S": "2",
+           "MPISCALE_HANG_ACTION": "abort", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}  # fmt: skip
+    job = start_mpi("user_job.py", 3, "100000", "1", "50", env=env, cwd=tmp_path)
+    done = finish(job, "a user's job with a hang", 120)
+    assert done.returncode == 1 and done.elapsed < 60, done.output[-4000:]
+    named = re.search(r"mpiscale: telemetry: hang: rank 1 \(host [^)]*\) has not advanced for \d+ s \(step (\d+), ",
+                      done.stderr)  # fmt: skip
+    assert named and 0 < int(named[1]) < 50, done.stderr[-4000:]  # its last report before it blocked
+    records = read_records(tmp_path / "user_job.telemetry.jsonl")
+    hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
+    assert [p["rank"] for p in hangs] == [1] and "wait in collectives" in hangs[0]["detail"]
+    assert records[-1] == {**records[-1], "kind": "status", "state": "failed", "command": "user_job"}
 
 
 def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from helpers import assert_ok, run_mpi
+from helpers import assert_ok, finish, run_mpi, start_mpi
 
 
 def test_remote_errors_deadlines_supervision(ranks):
@@ -63,8 +63,11 @@ CHECK_S = 1.0  # MPISCALE_COLLECTIVE_CHECK_S in these runs: a report within abou
         ),
     ],
 )  # fmt: skip
-def test_a_collective_a_rank_left_main_without_ends_the_job_with_one_report(ranks, scenario, header, lines):
-    job = run_mpi("abandoned.py", ranks, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
+def test_a_collective_a_rank_left_main_without_ends_the_job_with_one_report(ranks, scenario, header, lines, tmp_path):
+    """With ``mpiscale.run``'s telemetry on: its own collectives (start, end) never shift the job's numbers."""
+    env = {"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S), "MPISCALE_TELEMETRY": "1"}
+    job = finish(start_mpi("abandoned.py", ranks, scenario, env=env, cwd=tmp_path), f"abandoned.py {scenario}", 60)
+    assert (tmp_path / "abandoned.telemetry.jsonl").exists()
     assert job.returncode != 0, job.output
     assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"
     last = ranks - 1

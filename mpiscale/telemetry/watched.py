@@ -1,0 +1,68 @@
+"""``mpiscale.run``: a user's job on the runtime, watched as the project's own jobs are.
+
+The job gets the same telemetry session as ``mpiscale dictlearn`` and the
+rest: records to the broker or a JSON-lines file, a heartbeat, hang and
+straggler detection (``MPISCALE_HANG_*``), the ``dump`` and ``log-level``
+commands, a ``failure`` event when a rank dies. ``report_step`` tells it how
+far this rank got; a job that never calls it is still watched, with its step
+left at 0.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+from ..runtime import ActorSystem, RuntimeConfig
+from ..runtime import run as run_bare
+from .session import Telemetry, current, set_current
+
+T = TypeVar("T")
+
+
+def run(
+    main: Callable[[ActorSystem], Awaitable[T]], *, name: str | None = None, config: RuntimeConfig | None = None
+) -> T:
+    """Run ``await main(system)`` on every rank, as ``mpiscale.runtime.run`` does, with the job's telemetry.
+
+    ``name`` is what telemetry calls the job (default: the script's name);
+    without ``MPISCALE_BROKER`` its records go to ``NAME.telemetry.jsonl`` in
+    the working directory. ``MPISCALE_TELEMETRY=0`` turns telemetry off.
+    """
+    command = name or _script_name()
+    return run_bare(lambda system: _watched(system, command, main), config=config)
+
+
+def report_step(step: int, total: int = 0, items: float = 0.0, phases: dict[str, float] | None = None) -> None:
+    """This rank finished step ``step`` of ``total`` (0: unknown), having processed ``items`` more (for the rate)
+    and spent ``phases`` seconds in its named phases. Cheap, not collective; nothing happens outside ``run``."""
+    session = current()
+    if session is not None:
+        session.update(step, total, items, phases)
+
+
+async def _watched(system: ActorSystem, command: str, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
+    session = await Telemetry.start(system, command, None)
+    set_current(session)
+    try:
+        result = await main(system)
+    except SystemExit as exit_request:
+        if exit_request.code not in (0, None):
+            await session.fail(f"exit status {exit_request.code}")
+        else:
+            system.at_end(session.close)
+        raise
+    except BaseException as error:
+        await session.fail(f"{type(error).__name__}: {error}")
+        raise
+    finally:
+        set_current(None)
+    system.at_end(session.close)  # its last numbers are collective: only once main returned on every rank
+    return result
+
+
+def _script_name() -> str:
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return script or "python"
