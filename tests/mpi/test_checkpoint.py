@@ -119,7 +119,7 @@ def test_background_failure_at_exit_fails_the_job(tmp_path):
 def test_sigkill_during_save_keeps_previous_checkpoint(ranks, tmp_path):
     env = {"MPISCALE_RANKS_PER_NODE": "1"}
     args = [sys.executable, str(PROGRAMS / PROGRAM), "kill", str(tmp_path / "shared"), str(tmp_path / "local")]
-    process = launch(ranks, args, env=env)
+    process = launch(ranks, args, env=env, cwd=tmp_path)
     pid_file, victim, deadline = tmp_path / "shared" / "victim.pid", None, time.monotonic() + 60
     while victim is None and process.poll() is None and time.monotonic() < deadline:
         if pid_file.exists():

@@ -6,16 +6,20 @@ import h5py
 from helpers import REPO, assert_ok, finish, launch
 
 
-def test_hello_actors(ranks):
-    process = launch(ranks, [sys.executable, str(REPO / "examples" / "hello_actors.py")])
+def test_hello_actors(ranks, tmp_path):
+    """Run from the user's own directory, where ``mpiscale.run`` leaves the job's telemetry records."""
+    process = launch(ranks, [sys.executable, str(REPO / "examples" / "hello_actors.py")], cwd=tmp_path)
     job = finish(process, "examples/hello_actors.py", timeout=90)
     assert_ok(job)
     assert f"{ranks} ranks, total {2 * 100 * 45 * ranks}" in job.stdout
+    last = (tmp_path / "hello_actors.telemetry.jsonl").read_text().splitlines()[-1]
+    assert '"state": "finished", "command": "hello_actors"' in last, last
 
 
 def _train(ranks: int, workdir, epochs: int) -> str:
     script = REPO / "examples" / "train_with_checkpoints.py"
-    process = launch(ranks, [sys.executable, str(script), str(workdir), "--epochs", str(epochs)])
+    command = [sys.executable, str(script), str(workdir), "--epochs", str(epochs)]
+    process = launch(ranks, command, cwd=workdir.parent)
     job = finish(process, f"examples/train_with_checkpoints.py --epochs {epochs} on {ranks} ranks", timeout=90)
     assert_ok(job)
     return job.stdout
@@ -36,7 +40,8 @@ def test_image_patch_dictionary(tmp_path):
     """The image-patch example writes its data set; dictlearn learns from it with the example TOML; inspect plots."""
     patches = tmp_path / "patches.h5"
     script = REPO / "examples" / "image_patches.py"
-    job = finish(launch(2, [sys.executable, str(script), str(patches), "--per-image", "2000"]), "image_patches", 90)
+    command = [sys.executable, str(script), str(patches), "--per-image", "2000"]
+    job = finish(launch(2, command, cwd=tmp_path), "image_patches", 90)
     assert_ok(job)
     assert "/patches (4000, 64)" in job.stdout
     out = tmp_path / "atoms.h5"

@@ -206,7 +206,8 @@ def test_python_api_recovers_upserts_deletes_and_reinforcements_on_another_world
     def run(ranks: int, per_node: int, *args):
         options = ("--ranks-per-node", str(per_node)) if per_node else ()
         command = [sys.executable, str(PROGRAMS / "memstore_invariance.py"), "4000", "14", str(tmp_path), *args]
-        return finish(launch(ranks, command, options=options), f"memstore_invariance on {ranks} ranks", 180)
+        process = launch(ranks, command, options=options, cwd=tmp_path)
+        return finish(process, f"memstore_invariance on {ranks} ranks", 180)
 
     killed = run(*first, "16")  # steps 13-15 (a reinforcement, an upsert, the delete) follow the checkpoint of 12
     assert killed.returncode == 137, killed.output[-4000:]
