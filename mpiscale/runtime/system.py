@@ -168,11 +168,20 @@ class ActorSystem:
         return await ActorRef(rank, SYSTEM_ACTOR).ask("spawn", cls, args, kwargs, name, restart)
 
     async def spawn_group(
-        self, cls: type, *args: Any, name: str, restart: RestartPolicy | None = None, **kwargs: Any
+        self,
+        cls: type,
+        *args: Any,
+        name: str,
+        restart: RestartPolicy | None = None,
+        over: Communicator | None = None,
+        **kwargs: Any,
     ) -> ActorGroup:
-        """Collective: every rank spawns one ``cls`` named ``name``; returns when all exist."""
+        """Collective: every rank spawns one ``cls`` named ``name``; returns when all exist.
+
+        ``over``: the communicator over every rank whose barrier waits for them (default ``world``; a layer's own,
+        from :meth:`communicator`, keeps the job's numbering of world's collectives as it is)."""
         self.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
-        await self.world.barrier()
+        await (over or self.world).barrier()
         return ActorGroup(name, self.size)
 
     # ------------------------------------------------------------- messaging

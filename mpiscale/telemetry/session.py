@@ -106,9 +106,7 @@ class Telemetry:
         if not enabled:  # rank 0's choice: every rank must take part in the session's collectives, or none
             return session
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
-        system.spawn_local(Collector, session, name=name)
-        await comm.barrier()
-        session.group = ActorGroup(name, system.size)
+        session.group = await system.spawn_group(Collector, session, name=name, over=comm)
         session._leader = system.node.world_ranks[0]  # the node's first rank
         if system.rank == 0:
             session._open_sink(out)

@@ -45,22 +45,25 @@ def report_step(step: int, total: int = 0, items: float = 0.0, phases: dict[str,
 
 async def _watched(system: ActorSystem, command: str, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
     session = await Telemetry.start(system, command, None)
+    # its last numbers are collective: the runtime runs this only once main returned (or exited 0) on every rank
+    system.at_end(session.close)
     set_current(session)
     try:
-        result = await main(system)
-    except SystemExit as exit_request:
-        if exit_request.code not in (0, None):
-            await session.fail(f"exit status {exit_request.code}")
-        else:
-            system.at_end(session.close)
-        raise
+        return await main(system)
     except BaseException as error:
-        await session.fail(f"{type(error).__name__}: {error}")
+        detail = _failure(error)
+        if detail is not None:
+            await session.fail(detail)
         raise
     finally:
         set_current(None)
-    system.at_end(session.close)  # its last numbers are collective: only once main returned on every rank
-    return result
+
+
+def _failure(error: BaseException) -> str | None:
+    """What the failure event says of how ``main`` ended (None: ``sys.exit(0)``, no failure)."""
+    if isinstance(error, SystemExit):
+        return None if error.code in (0, None) else f"exit status {error.code}"
+    return f"{type(error).__name__}: {error}"
 
 
 def _script_name() -> str:
