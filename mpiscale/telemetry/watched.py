@@ -67,5 +67,8 @@ def _failure(error: BaseException) -> str | None:
 
 
 def _script_name() -> str:
-    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
-    return script or "python"
+    """The script's stem; for ``python -m package``, the package's name; for ``python -c``, "python"."""
+    if not sys.argv or sys.argv[0] in ("", "-c", "-m"):
+        return "python"
+    script = Path(sys.argv[0])
+    return script.parent.name if script.stem == "__main__" else script.stem

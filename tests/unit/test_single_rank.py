@@ -16,7 +16,9 @@ class Counter(mpiscale.Actor):
         return self.value
 
 
-def test_single_rank_job_runs_and_returns_main_result():
+def test_single_rank_job_runs_and_returns_main_result(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # mpiscale.run writes its telemetry records where it runs
+
     async def main(system):
         ref = await system.spawn(Counter, 10, name="counter")
         with pytest.raises(ValueError, match="already lives on rank 0"):
@@ -34,6 +36,7 @@ def test_single_rank_job_runs_and_returns_main_result():
 
     results, final, total, checksum = mpiscale.run(main)
     assert results == [11, 12, 13] and final == 113 and total == [1.0, 1.0, 1.0] and checksum == 10
+    assert [path.name for path in tmp_path.iterdir()] == ["pytest.telemetry.jsonl"]  # python -m pytest: its package
 
 
 def test_event_loop_honours_sub_millisecond_sleeps():
