@@ -4,7 +4,7 @@ RUN     := launch/mpiscale-run
 RANKS   ?= 4
 DEMO    ?= demo-output
 
-.PHONY: setup demo ring test lint bench gpu-check
+.PHONY: setup demo ring test test-slow lint bench gpu-check
 
 setup:
 	@bash launch/setup.sh
@@ -29,6 +29,10 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest
+
+# The minutes-long tests make test leaves out (a real Slurm time limit and its requeue: about four minutes)
+test-slow: setup
+	$(PY) -m pytest -m slow
 
 bench: setup
 	$(RUN) -n 2 -- .venv/bin/mpiscale bench pingpong --json bench-pingpong.json

@@ -243,3 +243,36 @@ def _processes():
             except OSError:
                 continue
             yield int(entry.name), command
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_slurms_own_time_limit_signal_requeues_a_job_longer_than_the_lead(slurm, tmp_path):
+    """The template as it is (--signal=B:USR1@120), a real --time=6, Slurm's default KillWait, and a job far longer
+    than the lead: Slurm itself signals the batch shell 120-150 s before the limit (it checks every 30 s and sends
+    early rather than late), every rank checkpoints, the job is requeued and resumes; a plain scancel then stops
+    the resumed run with a checkpoint, with no SIGKILL anywhere. About four minutes: ``make test-slow``."""
+    run = tmp_path / "run"
+    job = dictlearn(slurm, run, "--time=6", ITERATIONS="100000000", CHECKPOINT_EVERY="50000")
+    started = time.monotonic()
+    slurm.wait(job, 60, until=lambda j: j.state == "RUNNING")
+    requeued = slurm.wait(job, 400, until=lambda j: j.restarts == 1)
+    ran = time.monotonic() - started
+    assert 6 * 60 - 180 <= ran <= 6 * 60 - 120 + 30, f"requeued {ran:.0f} s after the start"
+    print(f"job {job}: requeued {ran:.0f} s after it started")
+    slurm.wait(job, 120, until=lambda j: "resumed from the checkpoint of iteration " in output(run, job))
+    text = output(run, job)
+    assert "the time limit is near: every rank stops after its step with a checkpoint" in text
+    assert "mpiscale-run: WARNING" not in text
+    assert f"the time limit is near: requeueing job {job} (requeue 1 of 5)" in text
+    stopped = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[1].split(";")[0])
+    assert stopped > 50000 and f"resumed from the checkpoint of iteration {stopped} in {run}/checkpoints" in text
+    slurm.run(["scancel", job])
+    cancelled = slurm.wait(job, 120)
+    assert cancelled.state == "CANCELLED" and cancelled.restarts == 1, (requeued.fields, cancelled.fields)
+    text = output(run, job)
+    last = int(text.split("stopped on request (a stop command or SIGTERM) after iteration ")[-1].split(";")[0])
+    assert last > stopped and checkpointed(run) == last and "SIGKILL" not in text and "killed by" not in text, text
+    records = [json.loads(line) for line in (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()]
+    states = [r["state"] for r in records if r["kind"] == "status"]
+    assert states == ["running", "stopped", "running", "stopped"], states
