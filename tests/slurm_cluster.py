@@ -152,6 +152,10 @@ PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
     # --------------------------------------------------------------- teardown
     def stop(self) -> None:
         self.run(["scancel", "--user=root"], check=False)
+        # a job left running (a test that failed half-way) ends before the daemons: its step daemons go with it
+        deadline = time.monotonic() + 45  # KillWait (30 s) and some
+        while self.run(["squeue", "-h"], check=False).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
         self.run(["scontrol", "shutdown"], check=False)
         for _, pid_file in self._pids:
             _wait_gone(pid_file, 20)

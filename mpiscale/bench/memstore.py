@@ -11,6 +11,9 @@
    (``np.add.at``, ``np.histogram``-style binning, ``argpartition``), and the
    seed system's reference of 1.17 ms for 1M records on one process.
 3. Memory per record and bytes each rank sends per iteration.
+   A single-record get from another rank's partition by a client on rank 0,
+   idle (against a bare 8-byte ask in the same run) and while the store
+   iterates (against the iteration's time: a get waits for at most one pass).
 4. Durability at 1M records (100k with --quick): iterations with a commit
    (logged on this node and, with simulated nodes, the partner's) against the
    same iterations without, the commit against a plain write + fsync of the
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import statistics
@@ -31,12 +35,12 @@ import numpy as np
 from numba import njit, prange
 
 from ..kernels.devices import cuda_usable
-from ..kernels.memstore import decay
+from ..kernels.memstore import decay, owners
 from ..kernels.threads import share_cores
 from ..memstore import Durability, MemoryStore, StoreClient, serve_queries
 from ..memstore.job import record_ids
 from ..ranks import rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem, RuntimeConfig
+from ..runtime import Actor, ActorSystem, RuntimeConfig
 from .report import best_of, table, write_json
 
 
@@ -192,6 +196,76 @@ async def _lookup_rate(system: ActorSystem, store: MemoryStore, records: int, rn
     return rate | ({"client_rank0": LOOKUP_BATCH / statistics.median(client_times)} if client_times else {})
 
 
+class _Echo(Actor):
+    """The bare ask a single get is compared with: the same round trip with no store behind it."""
+
+    def echo(self, payload: np.ndarray) -> np.ndarray:
+        return payload
+
+
+def _p50_p99_us(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return 1e6 * statistics.median(ordered), 1e6 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+async def _single_gets(system: ActorSystem, records: int, gets: int, iterations: int) -> dict:
+    """Rank 0's client gets one record owned by another rank: ``gets`` times while every rank is idle, against a
+    bare 8-byte ask to that rank in the same run, then without pause while the store runs ``iterations`` full
+    iterations (a get waits for the owner's kernel pass in progress). Latencies in µs, p50 and p99."""
+    store, ids, rng = await _loaded_store(system, records, 13, MemoryStore(system))
+    client = StoreClient(store, await serve_queries(store, name="bench-single-gets"))
+    echo = await system.spawn_group(_Echo, name="bench-single-gets-echo")
+    owner = 1 % system.size
+    candidates = record_ids(np.arange(min(records, 100_000)))
+    remote = candidates[owners(candidates, system.size) == owner]
+    picks = [remote[i : i + 1] for i in np.random.default_rng(5).integers(0, len(remote), gets)]
+    clock = time.perf_counter
+    idle: list[float] = []
+    bare: list[float] = []
+    await system.world.barrier()
+    if system.rank == 0:
+        payload = np.zeros(8, np.uint8)
+        for one in picks:
+            start = clock()
+            found, _ = await client.get(one)
+            idle.append(clock() - start)
+            assert found.all()
+            start = clock()
+            payload = await echo[owner].ask("echo", payload)
+            bare.append(clock() - start)
+    await system.world.barrier()  # the owner serves the gets meanwhile
+    busy: list[float] = []
+    iteration_s: list[float] = []
+    running = True
+
+    async def keep_getting() -> None:
+        index = 0
+        while running:
+            start = clock()
+            await client.get(picks[index % len(picks)])
+            busy.append(clock() - start)
+            index += 1
+
+    getter = asyncio.get_running_loop().create_task(keep_getting()) if system.rank == 0 else None
+    per_rank = int(records * REINFORCED) // system.size
+    for iteration in range(iterations):
+        picked, deltas = _reinforcements(rng, ids, per_rank)
+        start = clock()
+        await store.reinforce(picked, deltas, iteration)
+        await store.iterate(RATE, TOP_K)
+        iteration_s.append(clock() - start)
+    running = False
+    if getter is not None:
+        await getter
+    await system.world.barrier()
+    result: dict = {"records": records, "iteration_ms": 1e3 * statistics.median(iteration_s)}
+    if system.rank == 0:
+        for name, samples in (("idle_get", idle), ("bare_ask", bare), ("get_while_iterating", busy)):
+            result[f"{name}_us"] = dict(zip(("p50", "p99"), _p50_p99_us(samples)))
+        result["gets_while_iterating"] = len(busy)
+    return result
+
+
 async def _durability(system: ActorSystem, records: int, iterations: int, directory: str) -> dict:
     """Iterations with and without commits, a raw write + fsync of a commit's bytes, and a recovery, timed."""
     per_node = RuntimeConfig.from_env().ranks_per_node
@@ -270,6 +344,7 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
     baseline = (
         {records: 1e3 * _numpy_iteration(records, 3 if quick else 5) for records in sizes} if system.rank == 0 else {}
     )
+    gets = await _single_gets(system, sizes[0], 500 if quick else 5000, iterations)
     scratch = system.world.comm.bcast(
         tempfile.mkdtemp(prefix="memstore-bench-", dir=os.path.dirname(os.path.abspath(json_path)))
         if system.rank == 0
@@ -308,6 +383,13 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
         if run["lookup_ids_per_s"]:
             rates = ", ".join(f"{way} {rate:,.0f}" for way, rate in run["lookup_ids_per_s"].items())
             print(f"batched lookup of {LOOKUP_BATCH:,} ids among {run['records']:,} records, ids/s: {rates}")
+    g = gets
+    print(f"single-record get by rank 0 from rank {1 % system.size}'s partition ({g['records']:,} records), µs:")
+    print(table(["get idle p50", "p99", "bare ask p50", "get/ask", "while iterating p50", "p99", "iteration ms",
+                 "p99/iteration"], [[g["idle_get_us"]["p50"], g["idle_get_us"]["p99"], g["bare_ask_us"]["p50"],
+                 g["idle_get_us"]["p50"] / g["bare_ask_us"]["p50"], g["get_while_iterating_us"]["p50"],
+                 g["get_while_iterating_us"]["p99"], g["iteration_ms"],
+                 g["get_while_iterating_us"]["p99"] / 1e3 / g["iteration_ms"]]]))  # fmt: skip
     d = durability
     print(
         f"durability at {d['records']:,} records ({'log and partner copy' if d['partner_copies'] else 'log'}"
@@ -320,6 +402,7 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
                  d["recovery_s"]]]))  # fmt: skip
     print(f"recovery: {d['recovery_source']}")
     results = {
+        "single_get": gets,
         "durability": durability,
         "threads_per_rank": threads,
         "decay_gb_per_s": bandwidth,

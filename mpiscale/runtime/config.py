@@ -24,6 +24,9 @@ class RuntimeConfig:
     #: After the last MPI activity, poll without sleeping for this long (µs).
     #: Longer = lower latency for bursts, more CPU spent while waiting.
     spin_us: int = 500
+    #: After sending an ask to another rank, poll for its reply in the asker's own stack for up to this long (µs)
+    #: when no other task is ready to run: a fast reply then costs no task switch. 0: await it at once.
+    ask_spin_us: int = 100
     #: Longest sleep between polls of an idle rank (µs). Bounds the added
     #: latency of the first message after a quiet period, and the idle CPU use.
     max_sleep_us: int = 2000
@@ -58,7 +61,7 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.thread_level not in _THREAD_LEVELS:
             raise ValueError(f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}")
-        for name in ("spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node", "pool_bytes"):
+        for name in ("spin_us", "ask_spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node", "pool_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.chunk_bytes < 1:

@@ -121,6 +121,23 @@ class ProgressEngine:
         self.kick()
         return done
 
+    def poll_until(self, future: asyncio.Future, seconds: float) -> None:
+        """Poll MPI in the caller's stack until ``future`` is done or ``seconds`` have passed, yielding the core
+        (``sched_yield``) after each empty poll. Only while no other callback is ready to run in the event loop:
+        a task that spins must not hold up the others (``asyncio.gather`` of several asks sends them all first)."""
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
+        if ready is None or ready:
+            return
+        clock = time.monotonic
+        end = clock() + seconds
+        while not future.done():
+            if self._poll():
+                self._last_activity = clock()
+            elif clock() > end:
+                return
+            else:
+                os.sched_yield()
+
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
         future = asyncio.get_running_loop().create_future()

@@ -83,6 +83,7 @@ class ActorSystem:
         self._p2p = world.Dup()
         self._control = world.Dup()
         self._engine = ProgressEngine(MPI, self._p2p, config, self._on_envelope)
+        self._ask_spin_s = config.ask_spin_us * 1e-6
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
         self._cells: dict[str, ActorCell] = {}
@@ -209,6 +210,8 @@ class ActorSystem:
         self._asks[ask_id] = _PendingAsk(future, ref, method, time.monotonic())
         try:
             self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id))
+            if ref.rank != self.rank and self._ask_spin_s:
+                self._engine.poll_until(future, self._ask_spin_s)  # a fast reply then needs no task switch
             if timeout is None:
                 value, failed = await future
             else:
@@ -264,7 +267,11 @@ class ActorSystem:
             else:
                 self.fail(missing, "a tell was addressed to an actor that does not exist")
             return
-        cell.post(Message(method, args, kwargs, reply_to, source))
+        message = Message(method, args, kwargs, reply_to, source)
+        if source == self.rank:
+            cell.post(message)  # a local send returns before its handler runs, as a remote one does
+        else:
+            cell.deliver(message)
 
     # ------------------------------------------------------------- lifecycle
     async def agree(

@@ -37,7 +37,12 @@ def test_bench_pingpong_writes_json(tmp_path):
     sizes = [row["bytes"] for row in record["round_trip"]]
     assert sizes[0] == 8 and sizes[-1] == 16 << 20
     assert all(min(row["raw_rtt_s"], row["asyncio_floor_rtt_s"], row["ask_rtt_s"]) > 0 for row in record["round_trip"])
-    assert record["one_way"]["tell_msgs_per_s"] > 0 and "floor/raw" in job.stdout
+    assert record["one_way"]["tell_msgs_per_s"] > 0 and "p99/p50" in job.stdout
+    for row in record["round_trip"]:
+        assert (
+            0 < row["ask_rtt_s"] <= row["ask_p99_s"] and row["persistent_rtt_s"] > 0 and row["mpi4py_pickle_rtt_s"] > 0
+        )
+    assert record["many_actors"]["ask_rtt_s"] > 0 and record["mpi4py_futures"]["rtt_s"] > 0
 
 
 def test_bench_pingpong_refuses_wrong_world_size():
@@ -137,6 +142,13 @@ def test_bench_memstore_writes_json(tmp_path):
     assert durable["records"] == 100_000 and durable["ms_committed"] > 0 and durable["ms_raw_write_fsync_rank0"] > 0
     assert durable["bytes_logged_per_commit_rank0"] > 0 and "5 commits from 2 logs" in durable["recovery_source"]
     assert not list(tmp_path.glob("memstore-bench-*"))  # the scratch directory is gone
+    gets = record["single_get"]
+    assert (
+        gets["records"] == 100_000 and gets["gets_while_iterating"] > 0 and "single-record get by rank 0" in job.stdout
+    )
+    assert all(
+        0 < gets[name]["p50"] <= gets[name]["p99"] for name in ("idle_get_us", "bare_ask_us", "get_while_iterating_us")
+    )
 
 
 def test_bench_telemetry_writes_json(tmp_path):

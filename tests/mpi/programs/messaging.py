@@ -45,6 +45,32 @@ class Echo(Actor):
         return value
 
 
+class Mixed(Actor):
+    """Handlers of every kind: one that suspends (its actor's task runs it), plain ones and one that awaits nothing
+    (run at once where they arrive when the actor is idle), a plain one that returns a coroutine."""
+
+    def __init__(self):
+        self.log = []
+
+    async def pause(self, seconds: float):
+        await asyncio.sleep(seconds)
+        self.log.append("paused")
+
+    def add(self, value: int):
+        self.log.append(value)
+
+    async def snapshot(self) -> list:
+        return list(self.log)
+
+    def deferred(self, value: int):
+        return self._later(value)
+
+    async def _later(self, value: int) -> int:
+        await asyncio.sleep(0.01)
+        self.log.append(("later", value))
+        return value * 2
+
+
 class Relay(Actor):
     """Forwards to the actor it is given (a reference travelling in a message)."""
 
@@ -118,6 +144,16 @@ async def main(system):
     assert sorted(seen) == list(range(size)), seen.keys()
     for sender, seqs in seen.items():
         assert seqs == list(range(count)), f"rank {rank}: messages from {sender} out of order"
+
+    # Handlers run at once where they arrive, or in the actor's task, still one at a time and in the order sent.
+    mixed = await system.spawn_group(Mixed, name="mixed")
+    target = mixed[(rank + 1) % size]  # each rank's member hears from one rank
+    target.tell("pause", 0.05)
+    for value in range(50):
+        target.tell("add", value)
+    assert await target.ask("deferred", 7) == 14
+    log = await target.ask("snapshot")
+    assert log == ["paused", *range(50), ("later", 7)], log
 
     # Payloads round-trip unchanged through another rank, at any nesting depth.
     other = echoes[(rank + 1) % size]
