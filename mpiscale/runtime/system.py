@@ -52,6 +52,11 @@ _SAME_STOP_S = 2.0
 _MESSAGE, _REPLY = 0, 1
 
 
+def _expire(future: asyncio.Future, ref: ActorRef, method: str, timeout: float) -> None:
+    if not future.done():
+        future.set_exception(AskTimeout(f"no reply from actor {ref} to {method!r} within {timeout:g}s"))
+
+
 @dataclass
 class _PendingAsk:
     future: asyncio.Future
@@ -205,21 +210,23 @@ class ActorSystem:
     async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any:
         """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
         self._check_rank(ref)
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
         ask_id = next(self._ask_ids)
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
         self._asks[ask_id] = _PendingAsk(future, ref, method, time.monotonic())
+        # a timer that fails the future (asyncio.wait_for would add a task and tens of µs to every ask)
+        timer = None if timeout is None else loop.call_later(timeout, _expire, future, ref, method, timeout)
         try:
             self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id))
             if ref.rank != self.rank and self._ask_spin_s:
                 self._engine.poll_until(future, self._ask_spin_s)  # a fast reply then needs no task switch
-            if timeout is None:
-                value, failed = await future
-            else:
-                value, failed = await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise AskTimeout(f"no reply from actor {ref} to {method!r} within {timeout:g}s") from None
+            value, failed = await future
         finally:
             self._asks.pop(ask_id, None)
+            if timer is not None:
+                timer.cancel()
         if failed:
             value.raise_here()
         return value

@@ -101,6 +101,13 @@ async def main(system):
     else:
         raise AssertionError("no timeout")
     assert isinstance(await peer.ask("ping", timeout=30), int)
+    for bad in (-1.0, float("nan")):  # refused before anything is sent
+        try:
+            await peer.ask("ping", timeout=bad)
+        except ValueError as error:
+            assert "timeout must be >= 0 seconds or None" in str(error), error
+        else:
+            raise AssertionError(f"timeout={bad} accepted")
 
     # Supervision: a failed tell restarts the actor with its original arguments.
     fragile = await system.spawn_group(Fragile, 10, name="fragile")
