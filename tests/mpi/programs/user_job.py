@@ -1,8 +1,10 @@
 """A user's own job on the runtime: steps of an allreduce, each reported with ``mpiscale.report_step``.
 
 ``user_job.py STEPS [HANG_RANK HANG_STEP]``: with a hang, that rank blocks its
-event loop (a stuck native call) at that step while the others wait in the
-allreduce.
+event loop (a stuck native call) at that step, or later if it has run for less
+than HANG_AFTER_RUNNING_S by then (so telemetry saw some of its steps on a slow
+machine too), while the others wait in the allreduce. It prints the step it
+blocks at.
 """
 
 import sys
@@ -14,12 +16,14 @@ import mpiscale
 
 STEPS = int(sys.argv[1])
 HANG = (int(sys.argv[2]), int(sys.argv[3])) if len(sys.argv) > 3 else None
+HANG_AFTER_RUNNING_S = 2.0
 
 
 async def main(system: mpiscale.ActorSystem) -> float:
-    total = 0.0
+    total, started = 0.0, time.monotonic()
     for step in range(1, STEPS + 1):
-        if HANG == (system.rank, step):
+        if HANG and HANG[0] == system.rank and step >= HANG[1] and time.monotonic() - started > HANG_AFTER_RUNNING_S:
+            print(f"rank {system.rank} blocks at step {step}", flush=True)
             time.sleep(120)
         total += float((await system.world.allreduce(np.array([float(step)])))[0])
         time.sleep(0.01)  # the step's own work
