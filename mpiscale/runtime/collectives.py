@@ -208,12 +208,12 @@ class Communicator:
         await self._wait(self.comm.Ibcast([frame, MPI.BYTE], root), "bcast")
         header = transport.decode_frame(frame)
         if header.inline_parts is not None:
-            return obj if self.rank == root else transport.deserialize(header.inline_parts)
+            return obj if self.rank == root else transport.load(header, header.inline_parts)
         parts = encoded.parts if self.rank == root else [transport.allocate(n) for n in header.sizes]
         for part in parts:
             for piece in chunks(part, self._config.chunk_bytes):
                 await self._wait(self.comm.Ibcast([piece, MPI.BYTE], root), "bcast")
-        return obj if self.rank == root else transport.deserialize(parts)
+        return obj if self.rank == root else transport.load(header, parts)
 
     @_collective
     async def allgather(self, array: np.ndarray) -> np.ndarray:

@@ -58,6 +58,7 @@ class _Inbound:
     frame: memoryview
     parts: list = field(default_factory=list)
     missing: int = -1  # part receives still outstanding; -1 until the frame arrived
+    header: transport.FrameHeader | None = None
 
 
 class ProgressEngine:
@@ -79,6 +80,7 @@ class ProgressEngine:
         self._sleeper: asyncio.Future | None = None
         self._pool = transport.BufferPool(config.pool_bytes)
         self._stopped = False
+        self._yielded = False  # the engine waits for its next turn in the loop's ready queue (it is spinning)
         self.messages_sent = 0
         self.messages_received = 0
         self.bytes_sent = 0  # messages' frames and parts (collectives are not counted)
@@ -88,20 +90,20 @@ class ProgressEngine:
         self._waits: dict[int, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ API
-    def send(self, dest: int, obj: object) -> asyncio.Future:
-        """Send ``obj`` to rank ``dest``; the future resolves when the buffers are reusable."""
+    def send(self, dest: int, obj: object, track: bool = True) -> asyncio.Future | None:
+        """Send ``obj`` to rank ``dest``; the future resolves when the buffers are reusable (None without
+        ``track``: the runtime's own asks and replies need none)."""
         seq = self._send_seq.get(dest, 0)
         self._send_seq[dest] = seq + 1
         encoded = transport.encode(obj, seq, self._config.inline_bytes)
         MPI, comm = self._MPI, self._comm
         self.messages_sent += 1
         self.bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
-        done = asyncio.get_running_loop().create_future()
         frame_request = comm.Isend([encoded.frame, MPI.BYTE], dest, transport.FRAME_TAG)
         if not encoded.parts and frame_request.Test():  # small message, already on its way
-            done.set_result(encoded.nbytes)
             self.kick()
-            return done
+            return _completed(encoded.nbytes) if track else None
+        done = asyncio.get_running_loop().create_future() if track else None
         requests = [frame_request]
         if encoded.parts:
             tag = transport.data_tag(seq, self._tag_ub)
@@ -112,7 +114,7 @@ class ProgressEngine:
 
         def one_done() -> None:
             remaining[0] -= 1
-            if remaining[0] == 0 and not done.done():
+            if remaining[0] == 0 and done is not None and not done.done():
                 done.set_result(encoded.nbytes)
 
         what = f"send to rank {dest} (seq {seq}, {encoded.nbytes} bytes)"
@@ -126,8 +128,8 @@ class ProgressEngine:
         (``sched_yield``) after each empty poll. Only while no other callback is ready to run in the event loop:
         a task that spins must not hold up the others (``asyncio.gather`` of several asks sends them all first)."""
         ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
-        if ready is None or ready:
-            return
+        if ready is None or (ready and not (self._yielded and len(ready) == 1)):
+            return  # (the one ready callback of a yielded engine is its own next turn, which this poll stands for)
         clock = time.monotonic
         end = clock() + seconds
         while not future.done():
@@ -201,11 +203,11 @@ class ProgressEngine:
                         break
                 else:
                     self._last_activity = clock()
-                await asyncio.sleep(0)
+                await self._yield()
                 continue
             if self._poll():
                 self._last_activity = clock()
-                await asyncio.sleep(0)
+                await self._yield()
                 continue
             # Sleep a fraction of the time already spent idle: the latency this
             # adds stays proportional, so two ranks waiting on each other cannot
@@ -218,6 +220,14 @@ class ProgressEngine:
             self._sleeper = None
 
     # ------------------------------------------------------------ internals
+    async def _yield(self) -> None:
+        """Let the other ready tasks run once; meanwhile an asker may poll in the engine's place."""
+        self._yielded = True
+        try:
+            await asyncio.sleep(0)
+        finally:
+            self._yielded = False
+
     def _poll(self) -> bool:
         progressed = self._match_frames()
         if self._pending:
@@ -234,10 +244,21 @@ class ProgressEngine:
             matched = True
             source = status.Get_source()
             frame = transport.allocate(status.Get_count(MPI.BYTE))
-            inbound = _Inbound(source, frame)
-            self._inbound.setdefault(source, deque()).append(inbound)
             request = message.Irecv([frame, MPI.BYTE])
-            if request.Test():  # eager data is already here
+            arrived = request.Test()  # eager data is already here
+            queue = self._inbound.get(source)
+            if arrived and not queue:  # nothing from source is before it
+                header = transport.decode_frame(frame)
+                if header.inline_parts is not None:  # a small message: delivered at once, never queued
+                    self.bytes_received += len(frame)
+                    self.messages_received += 1
+                    self._deliver(source, transport.load(header, header.inline_parts))
+                    continue
+            inbound = _Inbound(source, frame)
+            if queue is None:
+                queue = self._inbound[source] = deque()
+            queue.append(inbound)
+            if arrived:
                 self._frame_arrived(inbound)
             else:
                 self._pending.append(
@@ -257,7 +278,7 @@ class ProgressEngine:
         return True
 
     def _frame_arrived(self, inbound: _Inbound) -> None:
-        header = transport.decode_frame(inbound.frame)
+        header = inbound.header = transport.decode_frame(inbound.frame)
         self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
             inbound.parts = header.inline_parts
@@ -284,7 +305,14 @@ class ProgressEngine:
         while queue and queue[0].missing == 0:
             inbound = queue.popleft()
             self.messages_received += 1
-            self._deliver(source, transport.deserialize(inbound.parts))
+            assert inbound.header is not None  # set when its frame arrived
+            self._deliver(source, transport.load(inbound.header, inbound.parts))
+
+
+def _completed(result: object) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
 
 
 def _resolve(future: asyncio.Future) -> None:

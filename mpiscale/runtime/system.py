@@ -199,13 +199,16 @@ class ActorSystem:
         if not 0 <= ref.rank < self.size:
             raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {self.size} ranks")
 
-    def _post(self, rank: int, envelope: tuple) -> asyncio.Future:
+    def _post(self, rank: int, envelope: tuple, track: bool = True) -> asyncio.Future | None:
+        """Send an envelope (to this rank's own actors without MPI); a future for its buffers when ``track``."""
         if rank == self.rank:
             self._on_envelope(rank, envelope)
+            if not track:
+                return None
             future = asyncio.get_running_loop().create_future()
             future.set_result(0)
             return future
-        return self._engine.send(rank, envelope)
+        return self._engine.send(rank, envelope, track)
 
     async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any:
         """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
@@ -219,7 +222,7 @@ class ActorSystem:
         # a timer that fails the future (asyncio.wait_for would add a task and tens of µs to every ask)
         timer = None if timeout is None else loop.call_later(timeout, _expire, future, ref, method, timeout)
         try:
-            self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id))
+            self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id), track=False)
             if ref.rank != self.rank and self._ask_spin_s:
                 self._engine.poll_until(future, self._ask_spin_s)  # a fast reply then needs no task switch
             value, failed = await future
@@ -234,7 +237,9 @@ class ActorSystem:
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
         self._check_rank(ref)
-        return self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, -1))
+        sent = self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, -1))
+        assert sent is not None  # tracked
+        return sent
 
     def reply(self, reply_to: tuple[int, int], value: Any) -> None:
         """Answer an ask with a value or a :class:`Failure`."""
@@ -243,12 +248,12 @@ class ActorSystem:
         if failed and rank != self.rank:
             value = value.picklable()
         try:
-            self._post(rank, (_REPLY, ask_id, value, failed))
+            self._post(rank, (_REPLY, ask_id, value, failed), track=False)
         except Exception as error:  # the result could not be pickled
             if failed:
                 raise
             failure = Failure.capture(error, f"{self._origin}, sending a reply").picklable()
-            self._post(rank, (_REPLY, ask_id, failure, True))
+            self._post(rank, (_REPLY, ask_id, failure, True), track=False)
 
     def _on_envelope(self, source: int, envelope: tuple) -> None:
         if envelope[0] == _REPLY:

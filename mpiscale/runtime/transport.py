@@ -10,7 +10,9 @@ pickle. On the wire a message is:
   from the message's sequence number, split into chunks of at most
   ``chunk_bytes`` so that buffers over 2 GiB travel with an MPI-3 library.
 
-Part 0 is the pickle stream; parts 1.. are the out-of-band buffers.
+Part 0 is the pickle stream; parts 1.. are the out-of-band buffers. A small
+tuple of plain values (see :mod:`.compact`) skips pickle: its frame carries one
+inline part, the compact bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import compact
 from .errors import TransportError
 
 FRAME_TAG = 1
@@ -30,6 +33,9 @@ _DATA_TAG_BASE = 2
 _MAGIC = 0x4353504D  # "MPSC"
 _HEADER = struct.Struct("<IIQ")  # magic, number of parts (high bit: inline), sequence
 _INLINE_BIT = 1 << 31
+_COMPACT_BIT = 1 << 30
+_COMPACT_COUNT = 1 | _INLINE_BIT | _COMPACT_BIT  # the part count field of a compact frame
+_COMPACT_HEAD = _HEADER.size + 8  # header and the one part's size
 _SIZE_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
 _ALIGN = 64
 
@@ -165,6 +171,16 @@ def deserialize(parts: list) -> object:
     return pickle.loads(parts[0], buffers=parts[1:])
 
 
+def load(header: FrameHeader, parts: list) -> object:
+    """The message of a decoded frame, given its parts (``header.inline_parts`` or the received ones)."""
+    if header.compact:
+        try:
+            return compact.decode(parts[0])
+        except compact.NotCompact as error:
+            raise TransportError(f"message seq {header.seq}: {error}") from None
+    return deserialize(parts)
+
+
 def _size_table(count: int) -> struct.Struct:
     return _SIZE_TABLES[count] if count < len(_SIZE_TABLES) else struct.Struct(f"<{count}Q")
 
@@ -173,8 +189,13 @@ def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
     """Serialize ``obj`` and build its frame; small messages carry their parts inline.
 
     In an inline frame the pickle stream follows the part table directly and
-    each buffer starts at a 64-byte aligned offset.
+    each buffer starts at a 64-byte aligned offset. A compact message is the
+    header, its size and its compact bytes.
     """
+    body = compact.encode(obj)  # None unless obj is a tuple of plain values
+    if body is not None and len(body) <= inline_bytes:
+        size = len(body)
+        return Encoded(_HEADER.pack(_MAGIC, _COMPACT_COUNT, seq) + _SIZE_TABLES[1].pack(size) + body, [], size)
     parts = serialize(obj)
     sizes = [part.nbytes for part in parts]
     total = sum(sizes)
@@ -191,13 +212,14 @@ def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
     return Encoded(b"".join(pieces), [], total)
 
 
-@dataclass
+@dataclass(slots=True)
 class FrameHeader:
     """What a receiver learns from a frame: sequence, part sizes, inline parts if any."""
 
     seq: int
     sizes: list[int]
     inline_parts: list[memoryview] | None
+    compact: bool = False  # one inline part, compact bytes rather than a pickle stream
 
 
 def decode_frame(frame: memoryview) -> FrameHeader:
@@ -206,10 +228,16 @@ def decode_frame(frame: memoryview) -> FrameHeader:
     if length < _HEADER.size:
         raise TransportError(f"frame of {length} bytes is shorter than the header")
     magic, count, seq = _HEADER.unpack_from(frame)
+    if count == _COMPACT_COUNT and magic == _MAGIC and length >= _COMPACT_HEAD:  # the common small message
+        (size,) = _SIZE_TABLES[1].unpack_from(frame, _HEADER.size)
+        if _COMPACT_HEAD + size == length:
+            return FrameHeader(seq, [size], [frame[_COMPACT_HEAD:]], True)
     if magic != _MAGIC:
         raise TransportError(f"frame starts with {magic:#x}, not an mpiscale frame")
-    inline = count & _INLINE_BIT
-    count &= ~_INLINE_BIT
+    inline, is_compact = count & _INLINE_BIT, count & _COMPACT_BIT
+    count &= ~(_INLINE_BIT | _COMPACT_BIT)
+    if is_compact and (count != 1 or not inline):
+        raise TransportError(f"compact frame with {count} parts{'' if inline else ', not inline'}")
     offset = _HEADER.size + 8 * count
     if length < offset:
         raise TransportError("frame is shorter than its part table")
@@ -224,7 +252,7 @@ def decode_frame(frame: memoryview) -> FrameHeader:
         offset += size
     if offset > length:
         raise TransportError("frame is shorter than its inline parts")
-    return FrameHeader(seq, list(sizes), parts)
+    return FrameHeader(seq, list(sizes), parts, bool(is_compact))
 
 
 class BufferPool:

@@ -1,10 +1,14 @@
-"""Message encoding without MPI: frames, inline and separate parts."""
+"""Message encoding without MPI: frames, inline and separate parts, compact messages."""
+
+import enum
+import marshal
+import struct
 
 import numpy as np
 import pytest
 import torch
 
-from mpiscale.runtime import transport
+from mpiscale.runtime import compact, transport
 
 
 def roundtrip(obj, inline_bytes=65536):
@@ -14,11 +18,11 @@ def roundtrip(obj, inline_bytes=65536):
     assert header.seq == 5
     if header.inline_parts is not None:
         assert encoded.parts == []
-        return transport.deserialize(header.inline_parts), encoded
+        return transport.load(header, header.inline_parts), encoded
     received = [transport.allocate(n) for n in header.sizes]
     for source, target in zip(encoded.parts, received):
         target[:] = source
-    return transport.deserialize(received), encoded
+    return transport.load(header, received), encoded
 
 
 def test_small_message_is_one_inline_frame():
@@ -74,3 +78,87 @@ def test_torch_tensors_round_trip():
         got = value[name]
         assert type(got) is type(tensor) and got.dtype == tensor.dtype
         assert torch.equal(got.detach(), tensor.detach()) and got.requires_grad == tensor.requires_grad
+
+
+# ---- compact messages: small tuples of plain values travel without pickle
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        (0, "actor", "method", (np.arange(3, dtype=np.float32), 1, "two", None), {}, 7),
+        (1, 5, np.zeros((2, 3), dtype=">i4"), False),
+        (True, 2**80, -0.0, float("inf"), b"\x00\xff", "ünïcode", {"k": 1.5, "flag": None}),
+        ((), (np.array(2.5),), np.zeros((0, 4))),
+    ],
+    ids=["ask", "reply", "scalars", "0d-and-empty"],
+)
+def test_plain_tuples_travel_compact_and_keep_their_types(message):
+    value, encoded = roundtrip(message)
+    assert transport.decode_frame(memoryview(bytearray(encoded.frame))).compact
+    assert type(value) is tuple and len(value) == len(message)
+    for got, sent in zip(_flatten(value), _flatten(message)):
+        assert type(got) is type(sent)
+        if isinstance(sent, np.ndarray):
+            assert got.dtype == sent.dtype and got.shape == sent.shape and np.array_equal(got, sent)
+            assert got.flags.writeable and got.flags.c_contiguous
+        else:
+            assert got == sent or (got != got and sent != sent)
+
+
+def _flatten(value):
+    for item in value:
+        yield from (_flatten(item) if type(item) is tuple else [item])
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        (Colour.RED, 1),  # an int subclass keeps its class
+        (np.float64(1.5),),  # numpy scalars stay numpy scalars
+        (np.zeros(compact.MAX_ARRAY_BYTES + 1, dtype=np.uint8),),  # large arrays go out of band
+        (np.asfortranarray(np.ones((2, 3))),),  # Fortran order is kept
+        (np.array([1, None], dtype=object),),
+        ([1, 2],),  # lists, nested tuples, dicts of non-plain values
+        (((1,),),),
+        ({"a": [1]},),
+        {"not": "a tuple"},
+    ],
+    ids=["intenum", "np-scalar", "large-array", "fortran", "object-array", "list", "nested", "dict", "dict-top"],
+)
+def test_other_values_are_pickled_as_they_are(message):
+    assert compact.encode(message) is None
+    value, encoded = roundtrip(message)
+    assert not transport.decode_frame(memoryview(bytearray(encoded.frame))).compact
+    assert type(value) is type(message)
+    if isinstance(message, tuple) and isinstance(message[0], np.ndarray):
+        assert value[0].flags.f_contiguous == message[0].flags.f_contiguous and np.array_equal(value[0], message[0])
+
+
+def _compact_frame(body: bytes) -> memoryview:
+    frame = transport.encode((1,), seq=3, inline_bytes=65536).frame
+    return memoryview(bytearray(frame[: len(frame) - len(marshal.dumps(((1,), ())))]) + body)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xff\x00garbage",
+        marshal.dumps([1, 2]),
+        marshal.dumps(((1,), (5 << 16,))),  # an array position outside the message
+        marshal.dumps(((("O", (1,), b"\x00" * 8),), (0,))),  # an object dtype
+        marshal.dumps(((("<f8", (3,), b"\x00" * 8),), (0,))),  # a shape its bytes do not fill
+    ],
+    ids=["garbage", "not-a-pair", "bad-position", "object-dtype", "short-data"],
+)
+def test_a_corrupt_compact_frame_is_a_transport_error(body):
+    frame = _compact_frame(body)
+    struct.pack_into("<Q", frame, 16, len(body))
+    header = transport.decode_frame(frame)
+    assert header.compact
+    with pytest.raises(transport.TransportError, match="seq 3: not a compact message"):
+        transport.load(header, header.inline_parts)
