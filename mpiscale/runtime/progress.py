@@ -8,6 +8,12 @@ One engine per rank runs as an asyncio task. Each turn it
 3. hands completed inbound messages to the runtime, in the order each source
    sent them.
 
+Small one-way messages (``post``) to the same rank within one turn of the
+event loop leave together, as one batch frame, at the end of that turn: a lone
+message waits for nothing but the turn, and a stream of them costs one MPI
+message per batch. Any other send to that rank sends the batch first, so each
+receiver sees a sender's messages in the order they were made.
+
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
 processes with ``sched_yield`` each turn (so oversubscribed ranks stay fast);
@@ -37,6 +43,7 @@ Deliver = Callable[[int, Any], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
 _SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its idle time so far
 _MIN_SLEEP_S = 20e-6
+_BATCH_MAX_MESSAGES = 4096  # a batch leaves at once when it holds this many messages or inline_bytes
 
 
 @dataclass
@@ -75,6 +82,9 @@ class ProgressEngine:
         self._pending: list[_Pending] = []
         self._inbound: dict[int, deque[_Inbound]] = {}
         self._send_seq: dict[int, int] = {}
+        self._outbox: dict[int, list[bytes]] = {}  # compact messages per destination, sent at the turn's end
+        self._outbox_bytes: dict[int, int] = {}
+        self._flush_scheduled = False
         self._status = MPI.Status()
         self._last_activity = time.monotonic()
         self._sleeper: asyncio.Future | None = None
@@ -90,11 +100,57 @@ class ProgressEngine:
         self._waits: dict[int, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ API
-    def send(self, dest: int, obj: object, track: bool = True) -> asyncio.Future | None:
-        """Send ``obj`` to rank ``dest``; the future resolves when the buffers are reusable (None without
-        ``track``: the runtime's own asks and replies need none)."""
+    def post(self, dest: int, obj: object) -> bool:
+        """Queue a small message of plain values (``transport.compact_body``) for rank ``dest``, to leave with the
+        others queued for it at the end of this loop turn; its arrays are copied now. False, queuing nothing,
+        when it does not qualify: then :meth:`send` it."""
+        body = transport.compact_body(obj, self._config.inline_bytes)
+        if body is None:
+            return False
+        queued = self._outbox.get(dest)
+        if queued is None:
+            queued = self._outbox[dest] = []
+            self._outbox_bytes[dest] = 0
+        queued.append(body)
+        self._outbox_bytes[dest] += len(body)
+        self.messages_sent += 1
+        if len(queued) >= _BATCH_MAX_MESSAGES or self._outbox_bytes[dest] >= self._config.inline_bytes:
+            self._send_batch(dest)
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+        return True
+
+    def flush(self) -> None:
+        """Send every queued batch now."""
+        self._flush_scheduled = False
+        for dest in list(self._outbox):
+            self._send_batch(dest)
+
+    def _send_batch(self, dest: int) -> None:
+        bodies = self._outbox.pop(dest)
+        del self._outbox_bytes[dest]
+        if len(bodies) == 1:  # a lone message travels as any compact one
+            frame = transport.encode_compact(bodies[0], self._next_seq(dest))
+        else:
+            frame = transport.encode_batch(bodies, self._next_seq(dest))
+        self.bytes_sent += len(frame)
+        request = self._comm.Isend([frame, self._MPI.BYTE], dest, transport.FRAME_TAG)
+        if not request.Test():
+            self._pending.append(_Pending(request, _nothing, f"batch of {len(bodies)} to rank {dest}", keep=frame))
+        self.kick()
+
+    def _next_seq(self, dest: int) -> int:
         seq = self._send_seq.get(dest, 0)
         self._send_seq[dest] = seq + 1
+        return seq
+
+    def send(self, dest: int, obj: object, track: bool = True) -> asyncio.Future | None:
+        """Send ``obj`` to rank ``dest``, after what :meth:`post` queued for it; the future resolves when the
+        buffers are reusable (None without ``track``: the runtime's own asks and replies need none)."""
+        if dest in self._outbox:
+            self._send_batch(dest)
+        seq = self._next_seq(dest)
         encoded = transport.encode(obj, seq, self._config.inline_bytes)
         MPI, comm = self._MPI, self._comm
         self.messages_sent += 1
@@ -102,7 +158,7 @@ class ProgressEngine:
         frame_request = comm.Isend([encoded.frame, MPI.BYTE], dest, transport.FRAME_TAG)
         if not encoded.parts and frame_request.Test():  # small message, already on its way
             self.kick()
-            return _completed(encoded.nbytes) if track else None
+            return completed(encoded.nbytes) if track else None
         done = asyncio.get_running_loop().create_future() if track else None
         requests = [frame_request]
         if encoded.parts:
@@ -165,8 +221,8 @@ class ProgressEngine:
 
     @property
     def idle(self) -> bool:
-        """True when no request is pending and no inbound message is partial."""
-        return not self._pending and not any(self._inbound.values())
+        """True when nothing is queued to send, no request is pending and no inbound message is partial."""
+        return not self._outbox and not self._pending and not any(self._inbound.values())
 
     def waiting_in(self) -> tuple[str, float] | None:
         """(what, seconds) of the oldest request awaited through ``wait`` still pending, or None."""
@@ -251,8 +307,7 @@ class ProgressEngine:
                 header = transport.decode_frame(frame)
                 if header.inline_parts is not None:  # a small message: delivered at once, never queued
                     self.bytes_received += len(frame)
-                    self.messages_received += 1
-                    self._deliver(source, transport.load(header, header.inline_parts))
+                    self._deliver_inline(source, header)
                     continue
             inbound = _Inbound(source, frame)
             if queue is None:
@@ -281,7 +336,6 @@ class ProgressEngine:
         header = inbound.header = transport.decode_frame(inbound.frame)
         self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
-            inbound.parts = header.inline_parts
             inbound.missing = 0
             self._deliver_ready(inbound.source)
             return
@@ -304,12 +358,31 @@ class ProgressEngine:
         queue = self._inbound[source]
         while queue and queue[0].missing == 0:
             inbound = queue.popleft()
-            self.messages_received += 1
             assert inbound.header is not None  # set when its frame arrived
-            self._deliver(source, transport.load(inbound.header, inbound.parts))
+            if inbound.header.inline_parts is not None:
+                self._deliver_inline(source, inbound.header)
+            else:
+                self.messages_received += 1
+                self._deliver(source, transport.load(inbound.header, inbound.parts))
+
+    def _deliver_inline(self, source: int, header: transport.FrameHeader) -> None:
+        """Deliver the message, or the batch of messages, that a frame carries inline."""
+        assert header.inline_parts is not None
+        if header.batch:
+            for message in transport.load_batch(header):
+                self.messages_received += 1
+                self._deliver(source, message)
+        else:
+            self.messages_received += 1
+            self._deliver(source, transport.load(header, header.inline_parts))
 
 
-def _completed(result: object) -> asyncio.Future:
+def _nothing() -> None:
+    """A completed batch send needs no action: its frame was kept alive until then."""
+
+
+def completed(result: object) -> asyncio.Future:
+    """A future that is already done, with ``result``."""
     future = asyncio.get_running_loop().create_future()
     future.set_result(result)
     return future

@@ -38,7 +38,7 @@ from .config import RuntimeConfig, load_mpi
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
 from .eventloop import new_event_loop
 from .peers import LocalPeers
-from .progress import ProgressEngine
+from .progress import ProgressEngine, completed
 from .steering import Steering
 
 log = logging.getLogger(__name__)
@@ -203,11 +203,7 @@ class ActorSystem:
         """Send an envelope (to this rank's own actors without MPI); a future for its buffers when ``track``."""
         if rank == self.rank:
             self._on_envelope(rank, envelope)
-            if not track:
-                return None
-            future = asyncio.get_running_loop().create_future()
-            future.set_result(0)
-            return future
+            return completed(0) if track else None
         return self._engine.send(rank, envelope, track)
 
     async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any:
@@ -237,7 +233,10 @@ class ActorSystem:
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
         self._check_rank(ref)
-        sent = self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, -1))
+        envelope = (_MESSAGE, ref.name, method, args, kwargs, -1)
+        if ref.rank != self.rank and self._engine.post(ref.rank, envelope):  # small: copied now, sent at turn's end
+            return completed(0)
+        sent = self._post(ref.rank, envelope)
         assert sent is not None  # tracked
         return sent
 

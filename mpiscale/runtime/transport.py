@@ -12,7 +12,8 @@ pickle. On the wire a message is:
 
 Part 0 is the pickle stream; parts 1.. are the out-of-band buffers. A small
 tuple of plain values (see :mod:`.compact`) skips pickle: its frame carries one
-inline part, the compact bytes.
+inline part, the compact bytes. A *batch* frame carries several compact
+messages to one rank, each an inline part, delivered in order.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _MAGIC = 0x4353504D  # "MPSC"
 _HEADER = struct.Struct("<IIQ")  # magic, number of parts (high bit: inline), sequence
 _INLINE_BIT = 1 << 31
 _COMPACT_BIT = 1 << 30
+_BATCH_BIT = 1 << 29
 _COMPACT_COUNT = 1 | _INLINE_BIT | _COMPACT_BIT  # the part count field of a compact frame
 _COMPACT_HEAD = _HEADER.size + 8  # header and the one part's size
 _SIZE_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
@@ -172,13 +174,42 @@ def deserialize(parts: list) -> object:
 
 
 def load(header: FrameHeader, parts: list) -> object:
-    """The message of a decoded frame, given its parts (``header.inline_parts`` or the received ones)."""
+    """The message of a decoded frame, given its parts (``header.inline_parts`` or the received ones); for a
+    batch frame, see :func:`load_batch`."""
     if header.compact:
-        try:
-            return compact.decode(parts[0])
-        except compact.NotCompact as error:
-            raise TransportError(f"message seq {header.seq}: {error}") from None
+        return _load_compact(header, parts[0])
     return deserialize(parts)
+
+
+def load_batch(header: FrameHeader) -> list:
+    """The messages of a batch frame, in the order they were sent."""
+    assert header.batch and header.inline_parts is not None
+    return [_load_compact(header, part) for part in header.inline_parts]
+
+
+def _load_compact(header: FrameHeader, data: memoryview) -> object:
+    try:
+        return compact.decode(data)
+    except compact.NotCompact as error:
+        raise TransportError(f"message seq {header.seq}: {error}") from None
+
+
+def compact_body(obj: object, limit: int) -> bytes | None:
+    """``obj``'s compact bytes if it qualifies and they take at most ``limit`` bytes, else None."""
+    body = compact.encode(obj)
+    return body if body is not None and len(body) <= limit else None
+
+
+def encode_compact(body: bytes, seq: int) -> bytes:
+    """The frame of one compact message (from :func:`compact_body`)."""
+    return _HEADER.pack(_MAGIC, _COMPACT_COUNT, seq) + _SIZE_TABLES[1].pack(len(body)) + body
+
+
+def encode_batch(bodies: list[bytes], seq: int) -> bytes:
+    """One frame for several compact messages (from :func:`compact_body`), delivered in this order."""
+    count = len(bodies)
+    return b"".join([_HEADER.pack(_MAGIC, count | _INLINE_BIT | _COMPACT_BIT | _BATCH_BIT, seq),
+                     _size_table(count).pack(*map(len, bodies)), *bodies])  # fmt: skip
 
 
 def _size_table(count: int) -> struct.Struct:
@@ -192,10 +223,9 @@ def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
     each buffer starts at a 64-byte aligned offset. A compact message is the
     header, its size and its compact bytes.
     """
-    body = compact.encode(obj)  # None unless obj is a tuple of plain values
-    if body is not None and len(body) <= inline_bytes:
-        size = len(body)
-        return Encoded(_HEADER.pack(_MAGIC, _COMPACT_COUNT, seq) + _SIZE_TABLES[1].pack(size) + body, [], size)
+    body = compact_body(obj, inline_bytes)
+    if body is not None:
+        return Encoded(encode_compact(body, seq), [], len(body))
     parts = serialize(obj)
     sizes = [part.nbytes for part in parts]
     total = sum(sizes)
@@ -219,7 +249,8 @@ class FrameHeader:
     seq: int
     sizes: list[int]
     inline_parts: list[memoryview] | None
-    compact: bool = False  # one inline part, compact bytes rather than a pickle stream
+    compact: bool = False  # inline parts of compact bytes rather than a pickle stream (one unless a batch)
+    batch: bool = False  # each inline part is a message of its own
 
 
 def decode_frame(frame: memoryview) -> FrameHeader:
@@ -234,10 +265,12 @@ def decode_frame(frame: memoryview) -> FrameHeader:
             return FrameHeader(seq, [size], [frame[_COMPACT_HEAD:]], True)
     if magic != _MAGIC:
         raise TransportError(f"frame starts with {magic:#x}, not an mpiscale frame")
-    inline, is_compact = count & _INLINE_BIT, count & _COMPACT_BIT
-    count &= ~(_INLINE_BIT | _COMPACT_BIT)
-    if is_compact and (count != 1 or not inline):
-        raise TransportError(f"compact frame with {count} parts{'' if inline else ', not inline'}")
+    inline, is_compact, batch = count & _INLINE_BIT, count & _COMPACT_BIT, count & _BATCH_BIT
+    count &= ~(_INLINE_BIT | _COMPACT_BIT | _BATCH_BIT)
+    if is_compact and not inline or (count != 1 and is_compact and not batch) or (batch and not is_compact):
+        raise TransportError(f"frame with {count} parts has inconsistent flags {inline=} {is_compact=} {batch=}")
+    if batch:
+        return _decode_batch(frame, seq, count)
     offset = _HEADER.size + 8 * count
     if length < offset:
         raise TransportError("frame is shorter than its part table")
@@ -253,6 +286,20 @@ def decode_frame(frame: memoryview) -> FrameHeader:
     if offset > length:
         raise TransportError("frame is shorter than its inline parts")
     return FrameHeader(seq, list(sizes), parts, bool(is_compact))
+
+
+def _decode_batch(frame: memoryview, seq: int, count: int) -> FrameHeader:
+    offset = _HEADER.size + 8 * count
+    if len(frame) < offset:
+        raise TransportError("batch frame is shorter than its part table")
+    sizes = _size_table(count).unpack_from(frame, _HEADER.size)
+    parts = []
+    for size in sizes:
+        parts.append(frame[offset : offset + size])
+        offset += size
+    if offset != len(frame):
+        raise TransportError(f"batch frame of {len(frame)} bytes holds {offset} bytes of messages")
+    return FrameHeader(seq, list(sizes), parts, True, True)
 
 
 class BufferPool:

@@ -162,3 +162,20 @@ def test_a_corrupt_compact_frame_is_a_transport_error(body):
     assert header.compact
     with pytest.raises(transport.TransportError, match="seq 3: not a compact message"):
         transport.load(header, header.inline_parts)
+
+
+def test_a_batch_frame_carries_its_messages_in_order():
+    messages = [(0, "actor", "add", (i, np.full(2, i)), {}, -1) for i in range(5)]
+    bodies = [transport.compact_body(m, 65536) for m in messages]
+    header = transport.decode_frame(memoryview(bytearray(transport.encode_batch(bodies, seq=9))))
+    assert header.batch and header.seq == 9
+    for got, sent in zip(transport.load_batch(header), messages, strict=True):
+        assert got[:3] == sent[:3] and got[3][0] == sent[3][0] and np.array_equal(got[3][1], sent[3][1])
+
+
+def test_a_batch_frame_whose_sizes_disagree_with_it_is_refused():
+    frame = bytearray(transport.encode_batch([transport.compact_body((1,), 100)] * 3, seq=1))
+    with pytest.raises(transport.TransportError, match="holds"):
+        transport.decode_frame(memoryview(frame + b"\x00"))
+    with pytest.raises(transport.TransportError, match="part table"):
+        transport.decode_frame(memoryview(frame[:20]))

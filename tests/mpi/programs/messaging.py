@@ -16,6 +16,7 @@ class Recorder(Actor):
 
     def __init__(self):
         self.seen: dict[int, list[int]] = {}
+        self.notes: dict[int, list[int]] = {}
 
     def record(self, sender: int, seq: int, payload=None):
         if payload is not None:
@@ -25,6 +26,15 @@ class Recorder(Actor):
 
     def sequences(self):
         return self.seen
+
+    def note(self, sender: int, seq: int, values: np.ndarray):
+        assert values.flags.writeable and (values == seq).all(), (seq, values)
+        notes = self.notes.setdefault(sender, [])
+        assert seq == len(notes), f"note {seq} from rank {sender} after {len(notes)}"
+        notes.append(seq)
+
+    def notes_from(self, sender: int) -> int:
+        return len(self.notes.get(sender, []))
 
 
 class Tally(Actor):
@@ -144,6 +154,19 @@ async def main(system):
     assert sorted(seen) == list(range(size)), seen.keys()
     for sender, seqs in seen.items():
         assert seqs == list(range(count)), f"rank {rank}: messages from {sender} out of order"
+
+    # A burst of small tells in one loop turn leaves in batches (several, past the batch limits), in order, each
+    # with the values its arrays held when it was told (a tell whose future is done has copied them, as batched
+    # ones do); an ask after them sees them all.
+    burst, mutable = 10_000, np.zeros(3)
+    target = recorders[(rank + 1) % size]
+    for seq in range(burst):
+        mutable[:] = seq
+        if not target.tell("note", rank, seq, mutable).done():  # sent without a copy: the buffer is in flight
+            mutable = mutable.copy()
+    mutable[:] = -1
+    assert await target.ask("notes_from", rank) == burst
+    await system.world.barrier()
 
     # Handlers run at once where they arrive, or in the actor's task, still one at a time and in the order sent.
     mixed = await system.spawn_group(Mixed, name="mixed")
