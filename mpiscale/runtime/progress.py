@@ -9,10 +9,11 @@ One engine per rank runs as an asyncio task. Each turn it
    sent them.
 
 Small one-way messages (``post``) to the same rank within one turn of the
-event loop leave together, as one batch frame, at the end of that turn: a lone
-message waits for nothing but the turn, and a stream of them costs one MPI
-message per batch. Any other send to that rank sends the batch first, so each
-receiver sees a sender's messages in the order they were made.
+event loop leave together, as one batch frame, at the end of that turn; the
+first of a turn leaves at once, so a lone message never waits (not even for
+a long computation after it in the same turn), and a stream of them costs one
+MPI message per batch. Any other send to that rank sends the batch first, so
+each receiver sees a sender's messages in the order they were made.
 
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
@@ -85,6 +86,7 @@ class ProgressEngine:
         self._outbox: dict[int, list[bytes]] = {}  # compact messages per destination, sent at the turn's end
         self._outbox_bytes: dict[int, int] = {}
         self._flush_scheduled = False
+        self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
         self._status = MPI.Status()
         self._last_activity = time.monotonic()
         self._sleeper: asyncio.Future | None = None
@@ -103,7 +105,11 @@ class ProgressEngine:
     def post(self, dest: int, obj: object) -> bool:
         """Queue a small message of plain values (``transport.compact_body``) for rank ``dest``, to leave with the
         others queued for it at the end of this loop turn; its arrays are copied now. False, queuing nothing,
-        when it does not qualify: then :meth:`send` it."""
+        when it is the first to ``dest`` this turn or does not qualify: then :meth:`send` it."""
+        if dest not in self._sent_this_turn:
+            self._sent_this_turn.add(dest)
+            self._schedule_flush()  # which also ends the turn's record
+            return False
         body = transport.compact_body(obj, self._config.inline_bytes)
         if body is None:
             return False
@@ -116,14 +122,17 @@ class ProgressEngine:
         self.messages_sent += 1
         if len(queued) >= _BATCH_MAX_MESSAGES or self._outbox_bytes[dest] >= self._config.inline_bytes:
             self._send_batch(dest)
-        elif not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
         return True
 
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
     def flush(self) -> None:
-        """Send every queued batch now."""
+        """Send every queued batch now; the loop turn ends here for :meth:`post`."""
         self._flush_scheduled = False
+        self._sent_this_turn.clear()
         for dest in list(self._outbox):
             self._send_batch(dest)
 
@@ -232,9 +241,10 @@ class ProgressEngine:
         return what, time.monotonic() - started
 
     def describe(self) -> list[str]:
-        """One line per pending request, oldest first (for diagnostics)."""
+        """One line per pending request, oldest first, then per queued batch (for diagnostics)."""
         now = time.monotonic()
-        return [f"{p.what}: pending {now - p.started:.3f}s" for p in self._pending]
+        queued = [f"{len(bodies)} small messages queued for rank {dest}" for dest, bodies in self._outbox.items()]
+        return [f"{p.what}: pending {now - p.started:.3f}s" for p in self._pending] + queued
 
     def stop(self) -> None:
         self._stopped = True
