@@ -199,17 +199,22 @@ def _futures_round_trip(comm: Comm, repeats: int) -> list[float]:
     return samples
 
 
+RAW_WINDOW = 256  # Isends in flight at once in the raw stream
+
+
 def _raw_stream(comm: Comm, count: int) -> float:
-    """Messages per second of back-to-back 8-byte Isend -> Recv."""
+    """Messages per second of back-to-back 8-byte Isend -> Recv, ``RAW_WINDOW`` Isends at a time (then Waitall).
+    All ``count`` Isends at once, as before, swung from 0.1 to 1.7 million messages/s from run to run here (a
+    receiver that falls behind queues unexpected messages); windows of 256 gave 1.4-2.0 million steadily."""
+    from mpi4py import MPI
+
     buffer = np.zeros(8, dtype=np.uint8)
     comm.Barrier()
     start = time.perf_counter()
     if comm.Get_rank() == 0:
-        requests = [comm.Isend(buffer, 1, 9) for _ in range(count)]
+        for first in range(0, count, RAW_WINDOW):
+            MPI.Request.Waitall([comm.Isend(buffer, 1, 9) for _ in range(min(RAW_WINDOW, count - first))])
         comm.Recv(buffer, 1, 10)
-        from mpi4py import MPI
-
-        MPI.Request.Waitall(requests)
     else:
         for _ in range(count):
             comm.Recv(buffer, 0, 9)
