@@ -17,6 +17,8 @@ What qualifies (anything else goes through pickle, so no value changes type):
   scalar values, or a tuple of scalars and such arrays.
 
 Received arrays are writable copies, as pickled ones are writable views.
+The dtype codes here (:func:`plain_dtype_code`, :func:`dtype_from_code`) are
+also those of the pickled path's out-of-band arrays.
 """
 
 from __future__ import annotations
@@ -29,9 +31,29 @@ import numpy as np
 #: Largest array that travels in a compact message; larger ones go out of band, without a copy.
 MAX_ARRAY_BYTES = 4096
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-_NOT_COMPACT = None
-_dtype_strings: dict[np.dtype, str | None] = {}
+_codes: dict[np.dtype, str | None] = {}
 _dtypes: dict[str, np.dtype] = {}
+
+
+def plain_dtype_code(dtype: np.dtype) -> str | None:
+    """``dtype.str`` for a dtype whose bytes are its values, None for object, structured or sub-array ones
+    (cached)."""
+    code = _codes.get(dtype, "")
+    if code == "":
+        plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
+        code = _codes[dtype] = dtype.str if plain else None
+    return code
+
+
+def dtype_from_code(code: str) -> np.dtype:
+    """The dtype a :func:`plain_dtype_code` names (cached); ValueError for one that holds objects."""
+    dtype = _dtypes.get(code)
+    if dtype is None:
+        dtype = np.dtype(code)
+        if dtype.hasobject:
+            raise ValueError(f"dtype {code!r} holds objects")
+        _dtypes[code] = dtype
+    return dtype
 
 
 class NotCompact(ValueError):
@@ -39,11 +61,7 @@ class NotCompact(ValueError):
 
 
 def _array_entry(array: np.ndarray) -> tuple | None:
-    dtype = array.dtype
-    code = _dtype_strings.get(dtype, "")
-    if code == "":
-        plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
-        code = _dtype_strings[dtype] = dtype.str if plain else None
+    code = plain_dtype_code(array.dtype)
     if code is None or array.nbytes > MAX_ARRAY_BYTES or not array.flags.c_contiguous:
         return None
     return (code, array.shape, array.tobytes())
@@ -60,7 +78,7 @@ def _plain_dict(value: dict) -> bool:
 def encode(message: object) -> bytes | None:
     """The compact bytes of ``message``, or None when it does not qualify."""
     if type(message) is not tuple:
-        return _NOT_COMPACT
+        return None
     scalars = _SCALARS
     items: list | None = None
     positions: list[int] = []
@@ -71,22 +89,22 @@ def encode(message: object) -> bytes | None:
         if kind is np.ndarray:
             entry = _array_entry(item)
             if entry is None:
-                return _NOT_COMPACT
+                return None
             items = items or list(message)
             items[index] = entry
             positions.append(index << 16)
         elif kind is tuple:
             inner = _encode_inner(item, index, positions)
             if inner is None:
-                return _NOT_COMPACT
+                return None
             if inner is not item:
                 items = items or list(message)
                 items[index] = inner
         elif kind is dict:
             if not _plain_dict(item):
-                return _NOT_COMPACT
+                return None
         else:
-            return _NOT_COMPACT
+            return None
     body = message if items is None else tuple(items)
     return marshal.dumps((body, tuple(positions)))
 
@@ -142,13 +160,7 @@ def decode(data: Any) -> tuple:
 def _rebuild(entry: Any) -> np.ndarray:
     try:
         code, shape, data = entry
-        dtype = _dtypes.get(code)
-        if dtype is None:
-            dtype = np.dtype(code)
-            if dtype.hasobject:
-                raise ValueError(f"dtype {code!r} holds objects")
-            _dtypes[code] = dtype
-        array = np.frombuffer(bytearray(data), dtype=dtype)
+        array = np.frombuffer(bytearray(data), dtype=dtype_from_code(code))
         if len(shape) == 1 and array.shape == shape:
             return array
         return array.reshape(shape)

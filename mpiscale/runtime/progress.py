@@ -313,6 +313,7 @@ class ProgressEngine:
             request = message.Irecv([frame, MPI.BYTE])
             arrived = request.Test()  # eager data is already here
             queue = self._inbound.get(source)
+            header = None
             if arrived and not queue:  # nothing from source is before it
                 header = transport.decode_frame(frame)
                 if header.inline_parts is not None:  # a small message: delivered at once, never queued
@@ -324,7 +325,7 @@ class ProgressEngine:
                 queue = self._inbound[source] = deque()
             queue.append(inbound)
             if arrived:
-                self._frame_arrived(inbound)
+                self._frame_arrived(inbound, header)
             else:
                 self._pending.append(
                     _Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}")
@@ -342,8 +343,9 @@ class ProgressEngine:
             item.on_done()
         return True
 
-    def _frame_arrived(self, inbound: _Inbound) -> None:
-        header = inbound.header = transport.decode_frame(inbound.frame)
+    def _frame_arrived(self, inbound: _Inbound, header: transport.FrameHeader | None = None) -> None:
+        """Its frame is here (``header``: already decoded): deliver it, or post the receives of its parts."""
+        header = inbound.header = header or transport.decode_frame(inbound.frame)
         self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
             inbound.missing = 0

@@ -47,33 +47,16 @@ def data_tag(seq: int, tag_upper_bound: int) -> int:
     return _DATA_TAG_BASE + seq % (tag_upper_bound - _DATA_TAG_BASE + 1)
 
 
-_DTYPES: dict[str, np.dtype] = {}
-
-
 def _rebuild_array(buffer: pickle.PickleBuffer, code: str, shape: tuple, fortran: bool) -> np.ndarray:
-    dtype = _DTYPES.get(code)
-    if dtype is None:
-        dtype = _DTYPES[code] = np.dtype(code)
-    array = np.frombuffer(buffer, dtype=dtype)
+    array = np.frombuffer(buffer, dtype=compact.dtype_from_code(code))
     if len(shape) == 1:
         return array
     return array.reshape(shape, order="F" if fortran else "C")
 
 
-_DTYPE_CODES: dict[np.dtype, str | None] = {}
-
-
-def _dtype_code(dtype: np.dtype) -> str | None:
-    """``dtype.str`` for plain dtypes, None for object/structured/sub-array ones (cached)."""
-    if dtype not in _DTYPE_CODES:
-        plain = not dtype.hasobject and dtype.fields is None and dtype.subdtype is None
-        _DTYPE_CODES[dtype] = dtype.str if plain else None
-    return _DTYPE_CODES[dtype]
-
-
 def _reduce_array(array: np.ndarray):
     """Send a plain-dtype array as one out-of-band buffer (strided arrays are made contiguous)."""
-    code = _dtype_code(array.dtype)
+    code = compact.plain_dtype_code(array.dtype)
     if code is None:
         return array.__reduce_ex__(5)
     flags = array.flags
