@@ -1,0 +1,20 @@
+"""Pipeline-parallel training: a model cut into stages, one per rank, micro-batches as actor messages.
+
+``split_sequential`` cuts an ``nn.Sequential``; ``Pipeline.start`` makes this rank's stage; the schedules
+(``1f1b``, ``gpipe``) are compiled to one action list per stage and checked before the first step.
+"""
+
+from .schedule import SCHEDULES, Action, ScheduleError, build
+from .split import balanced_starts, split_sequential
+from .stages import Pipeline, StepStats
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Pipeline",
+    "ScheduleError",
+    "StepStats",
+    "balanced_starts",
+    "build",
+    "split_sequential",
+]

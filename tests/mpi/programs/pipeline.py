@@ -1,0 +1,151 @@
+"""Pipeline-parallel training against one process that accumulates gradients over the same micro-batches.
+
+usage: pipeline.py check DTYPE    every schedule and case below, in float64 (to 1e-12) or float32 (to 1e-6)
+       pipeline.py fail           stage 1 raises in the forward pass of micro-batch 2 at step 1
+
+One stage per rank; the cuts make stages of unequal cost (the widest layer sits
+alone on one stage). Cases: micro-batches as a batch tensor cut evenly, as a
+list of micro-batches of different sizes, fewer micro-batches than stages, and
+(at 2+ ranks) a first stage whose output is integer ids, so no gradient goes
+back to it. Each rank compares its own stage's parameters by name with the
+one-process run after every step.
+"""
+
+import asyncio
+import sys
+from collections import OrderedDict
+
+import torch
+
+import mpiscale
+from mpiscale.train.pipeline import Pipeline, split_sequential
+
+STEPS = 3
+FEATURES = 6
+
+
+class Bucketize(torch.nn.Module):
+    """Integer ids from the first feature: an output that carries no gradient."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[:, :3].abs() * 4).long().clamp(max=15)
+
+
+class EmbedMean(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = torch.nn.Embedding(16, FEATURES)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table(ids).mean(dim=1)
+
+
+def mlp(dtype: torch.dtype, ids: bool) -> torch.nn.Sequential:
+    torch.manual_seed(7)
+    layers: list[tuple[str, torch.nn.Module]] = [("bucketize", Bucketize()), ("embed", EmbedMean())] if ids else []
+    layers += [("hidden1", torch.nn.Linear(FEATURES, 32)), ("act1", torch.nn.Tanh()),
+               ("hidden2", torch.nn.Linear(32, 256)), ("act2", torch.nn.Tanh()),
+               ("hidden3", torch.nn.Linear(256, 16)), ("act3", torch.nn.Tanh()),
+               ("output", torch.nn.Linear(16, 1))]  # fmt: skip
+    return torch.nn.Sequential(OrderedDict(layers)).to(dtype)
+
+
+def points(stages: int, ids: bool) -> list[str] | None:
+    if ids:
+        return [["embed"], ["embed", "hidden2"], ["embed", "hidden2", "output"]][stages - 2]
+    return [[], ["hidden2"], ["hidden2", "act2"], ["hidden2", "act2", "output"]][stages - 1]
+
+
+def batches(dtype: torch.dtype, sizes: list[int], step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(100 + step)
+    xs = [torch.randn(n, FEATURES, generator=generator, dtype=dtype) for n in sizes]
+    return xs, [x.sum(dim=1, keepdim=True).sin() for x in xs]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum() / 16
+
+
+async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: bool, ids: bool, tolerance: float):
+    stages = system.size
+    whole = mlp(dtype, ids)
+    reference = mlp(dtype, ids)
+    stage = split_sequential(whole, stages, points(stages, ids))[system.rank]
+    name = f"p.{schedule}.{len(sizes)}.{as_tensor}.{ids}.{dtype}".replace("torch.", "")
+    pipeline = await Pipeline.start(system, stage, loss_fn, len(sizes), schedule, name=name)
+    params = list(stage.parameters())  # none on a first stage that only makes ids
+    optimizer = torch.optim.SGD(params or [torch.zeros(0, requires_grad=True)], lr=0.05, momentum=0.9)
+    expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        xs, ys = batches(dtype, sizes, step)
+        optimizer.zero_grad()
+        if as_tensor:
+            stats = await pipeline.step(torch.cat(xs), torch.cat(ys))
+        else:
+            stats = await pipeline.step(xs, ys)
+        optimizer.step()
+        expected_optimizer.zero_grad()
+        expected_loss = 0.0
+        for x, y in zip(xs, ys):
+            loss = loss_fn(reference(x), y)
+            loss.backward()
+            expected_loss += loss.item()
+        expected_optimizer.step()
+        mine = dict(stage.named_parameters())
+        for key, value in reference.named_parameters():
+            if key in mine:
+                difference = (mine[key] - value).abs().max().item()
+                assert difference <= tolerance, (name, step, key, difference)
+        if pipeline.last:
+            bound = tolerance * max(1.0, abs(expected_loss))
+            assert abs(stats.loss - expected_loss) <= bound, (stats.loss, expected_loss)
+        else:
+            assert stats.loss is None
+        if pipeline.first:
+            assert stats.micro_batch_sizes == sizes
+        limit = min(stages - system.rank, len(sizes)) if schedule == "1f1b" else len(sizes)
+        assert stats.peak_held == limit, (name, stats.peak_held, limit)
+        assert stats.compute_s > 0 and stats.idle_s >= 0
+
+
+async def check(system, dtype_name: str) -> None:
+    dtype = {"float64": torch.float64, "float32": torch.float32}[dtype_name]
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    for schedule in ("1f1b", "gpipe"):
+        cases = [([6, 6, 6, 6, 6, 6], True, False), ([9, 1, 4, 7, 2, 5, 3], False, False)]
+        cases.append(([5] * max(1, system.size - 1), False, False))  # fewer micro-batches than stages
+        if system.size >= 2:
+            cases.append(([4, 8, 3], False, True))
+        for sizes, as_tensor, ids in cases:
+            await check_case(system, dtype, schedule, sizes, as_tensor, ids, tolerance)
+    await system.world.barrier()
+    if system.rank == 0:
+        print(f"pipeline ok on {system.size} ranks ({dtype_name})", flush=True)
+
+
+async def fail(system) -> None:
+    class Failing(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.calls == 2 + 4:  # step 1, micro-batch 2
+                raise ValueError("stage module failed on purpose")
+            self.calls += 1
+            return x * 2
+
+        calls = 0
+
+    stage = Failing() if system.rank == 1 else torch.nn.Linear(3, 3)
+    pipeline = await Pipeline.start(system, stage, lambda out, y: out.sum(), 4)
+    for _ in range(3):
+        await pipeline.step(torch.ones(8, 3), torch.ones(8, 3))
+    await asyncio.sleep(30)  # never reached: the job ends first
+
+
+async def main(system) -> None:
+    torch.set_num_threads(1)
+    if sys.argv[1] == "check":
+        await check(system, sys.argv[2])
+    else:
+        await fail(system)
+
+
+mpiscale.run(main)

@@ -1,0 +1,22 @@
+"""Pipeline-parallel training on real MPI ranks, one stage per rank."""
+
+import pytest
+from helpers import assert_ok, run_mpi
+
+
+@pytest.mark.parametrize("ranks, dtype", [(2, "float64"), (3, "float64"), (4, "float32")])
+def test_stages_train_as_one_process_accumulating_the_same_micro_batches(ranks, dtype):
+    """Both schedules; micro-batches cut from a tensor, of different sizes, fewer than the stages, integer ids
+    between stages; float64 to 1e-12, float32 to 1e-6 after every step."""
+    job = run_mpi("pipeline.py", ranks, "check", dtype)
+    assert_ok(job)
+    assert f"pipeline ok on {ranks} ranks ({dtype})" in job.stdout
+
+
+def test_a_stage_that_fails_ends_the_job_with_one_report_naming_it():
+    job = run_mpi("pipeline.py", 3, "fail", timeout=60)
+    assert job.returncode != 0
+    assert job.elapsed < 30, f"job took {job.elapsed:.1f}s to end"
+    assert job.stderr.count("mpiscale: job failed on rank") == 1, job.stderr
+    assert "job failed on rank 1 of 3" in job.stderr
+    assert "ValueError: stage module failed on purpose\nin pipeline stage 1 of 3, F2 (step 1)" in job.stderr
