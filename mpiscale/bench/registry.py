@@ -33,6 +33,12 @@ def _ddp(args: argparse.Namespace, json_path: str) -> object:
     return run(lambda system: run_ddp_bench(system, json_path, quick=args.quick))
 
 
+def _pipeline(args: argparse.Namespace, json_path: str) -> object:
+    from .pipeline import run_pipeline_bench
+
+    return run(lambda system: run_pipeline_bench(system, json_path, quick=args.quick))
+
+
 def _memstore(args: argparse.Namespace, json_path: str) -> object:
     from .memstore import run_memstore_bench
 
@@ -98,6 +104,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             _allreduce,
         ),
         Benchmark("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo (any ranks)", _ddp),
+        Benchmark(
+            "pipeline",
+            "a pipeline training step (1F1B, GPipe) vs one process, the ideal pipeline and "
+            "torch.distributed.pipelining on gloo (2+ ranks, one stage each)",
+            _pipeline,
+        ),
         Benchmark(
             "memstore",
             "memory store: decay vs numpy and a memory copy; full iterations at 1M and 10M records (any ranks)",

@@ -18,10 +18,14 @@ each receiver sees a sender's messages in the order they were made.
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
 processes with ``sched_yield`` each turn (so oversubscribed ranks stay fast);
-after that it sleeps a quarter of the time it has been idle, up to
+after that it sleeps a quarter of the time it has been quiet, up to
 ``max_sleep_us``. An idle rank therefore costs a few hundred short wake-ups per
 second, not a core, and the latency a sleep adds stays proportional to the
-quiet time before it.
+quiet time before it. Quiet time is what the engine itself spent polling and
+sleeping in vain since the last activity: time the loop spent in other work (a
+handler's or ``main``'s computation) does not count, so a rank that computes
+for a millisecond and then awaits a message polls for it at once rather than
+sleeping a quarter of that millisecond.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class ProgressEngine:
         self._flush_scheduled = False
         self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
         self._status = MPI.Status()
-        self._last_activity = time.monotonic()
+        self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
         self._pool = transport.BufferPool(config.pool_bytes)
         self._stopped = False
@@ -199,7 +203,7 @@ class ProgressEngine:
         end = clock() + seconds
         while not future.done():
             if self._poll():
-                self._last_activity = clock()
+                self._quiet_s = 0.0
             elif clock() > end:
                 return
             else:
@@ -223,7 +227,7 @@ class ProgressEngine:
 
     def kick(self) -> None:
         """Note local activity: poll continuously again for the spin window."""
-        self._last_activity = time.monotonic()
+        self._quiet_s = 0.0
         sleeper = self._sleeper
         if sleeper is not None and not sleeper.done():
             sleeper.set_result(None)
@@ -257,28 +261,29 @@ class ProgressEngine:
         max_sleep = self._config.max_sleep_us * 1e-6
         clock = time.monotonic
         while not self._stopped:
-            now = clock()
-            idle = now - self._last_activity
-            if idle < spin:
+            if self._quiet_s < spin:
                 # Spinning: poll in a tight loop for a short burst before giving
                 # the event loop back; other ready tasks wait at most one burst.
-                burst_end = now + _BURST_S
+                began = clock()
+                burst_end = began + _BURST_S
                 while not self._poll():
                     if clock() > burst_end:
                         os.sched_yield()
+                        self._quiet_s += clock() - began
                         break
                 else:
-                    self._last_activity = clock()
+                    self._quiet_s = 0.0
                 await self._yield()
                 continue
             if self._poll():
-                self._last_activity = clock()
+                self._quiet_s = 0.0
                 await self._yield()
                 continue
-            # Sleep a fraction of the time already spent idle: the latency this
+            # Sleep a fraction of the time already spent quiet: the latency this
             # adds stays proportional, so two ranks waiting on each other cannot
             # ratchet each other up to the longest sleep.
-            delay = min(max(idle * _SLEEP_FRACTION, _MIN_SLEEP_S), max_sleep)
+            delay = min(max(self._quiet_s * _SLEEP_FRACTION, _MIN_SLEEP_S), max_sleep)
+            self._quiet_s += delay
             self._sleeper = loop.create_future()
             handle = loop.call_later(delay, _resolve, self._sleeper)
             await self._sleeper
