@@ -70,3 +70,13 @@ def test_image_patch_dictionary(tmp_path):
     )
     assert_ok(job)
     assert "256 atoms of 64 features" in job.stdout and image.stat().st_size > 10_000
+
+
+def test_pipeline_example_learns(tmp_path):
+    """Three stages, 1F1B: the mean loss of the last 20 steps is well below that of the first 20."""
+    process = launch(3, [sys.executable, str(REPO / "examples" / "pipeline_mlp.py")], cwd=tmp_path)
+    job = finish(process, "examples/pipeline_mlp.py on 3 ranks", timeout=90)
+    assert_ok(job)
+    lines = [line for line in job.stdout.splitlines() if "mean loss" in line]
+    means = [float(line.split("mean loss ")[1].split(",")[0]) for line in lines]
+    assert len(means) == 3 and means[-1] < 0.7 * means[0], job.stdout
