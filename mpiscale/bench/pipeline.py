@@ -74,6 +74,17 @@ async def run_pipeline_bench(system: ActorSystem, json_path: str, quick: bool = 
     return _report(system, json_path, records, steps, torch)
 
 
+def _accumulate(torch, model, x, y, micro_batches: int) -> None:
+    """One process's backward over the micro-batches, gradients summed in ``model``'s ``.grad``."""
+    for xs, ys in zip(torch.tensor_split(x, micro_batches), torch.tensor_split(y, micro_batches)):
+        _loss(model(xs), ys).backward()
+
+
+def _my_stage(system: ActorSystem, torch):
+    """This rank's stage of the bench's model, the same cut for ours and torch's."""
+    return split_sequential(_model(torch, system.size), system.size)[system.rank]
+
+
 async def _one_process(system: ActorSystem, torch, x, y, micro_batches: int, steps: int) -> float:
     """Median step of the whole model on rank 0 alone, accumulating over the micro-batches."""
     model = _model(torch, system.size)
@@ -81,14 +92,13 @@ async def _one_process(system: ActorSystem, torch, x, y, micro_batches: int, ste
     async def step() -> None:
         if system.rank == 0:
             model.zero_grad()
-            for xs, ys in zip(torch.tensor_split(x, micro_batches), torch.tensor_split(y, micro_batches)):
-                _loss(model(xs), ys).backward()
+            _accumulate(torch, model, x, y, micro_batches)
 
     return await median_slowest_async(system, step, steps)
 
 
 async def _ours(system: ActorSystem, torch, x, y, micro_batches: int, schedule: str, steps: int) -> dict:
-    stage = split_sequential(_model(torch, system.size), system.size)[system.rank]
+    stage = _my_stage(system, torch)
     name = f"bench.{schedule}.{micro_batches}"
     pipeline = await Pipeline.start(system, stage, _loss, micro_batches, schedule, name=name)
     stats = []
@@ -118,8 +128,7 @@ def _gradient_difference(system: ActorSystem, torch, stage, x, y, micro_batches:
     from mpi4py import MPI
 
     whole = _model(torch, system.size)
-    for xs, ys in zip(torch.tensor_split(x, micro_batches), torch.tensor_split(y, micro_batches)):
-        _loss(whole(xs), ys).backward()
+    _accumulate(torch, whole, x, y, micro_batches)
     reference = dict(whole.named_parameters())
     mine = max((p.grad - reference[n].grad).abs().max().item() for n, p in stage.named_parameters())
     return system.world.comm.allreduce(mine, op=MPI.MAX)
@@ -129,7 +138,7 @@ async def _torch(system: ActorSystem, torch, x, y, micro_batches: int, schedule:
     """Median step of torch.distributed.pipelining with the same stage, micro-batches and schedule, on gloo."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    stage = split_sequential(_model(torch, system.size), system.size)[system.rank]
+    stage = _my_stage(system, torch)
     pipe = PipelineStage(stage, system.rank, system.size, torch.device("cpu"))
     kind = Schedule1F1B if schedule == "1f1b" else ScheduleGPipe
     runner = kind(pipe, micro_batches, loss_fn=_loss, scale_grads=False)

@@ -46,7 +46,7 @@ from .config import RuntimeConfig
 
 Deliver = Callable[[int, Any], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
-_SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its idle time so far
+_SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its quiet time so far
 _MIN_SLEEP_S = 20e-6
 _BATCH_MAX_MESSAGES = 4096  # a batch leaves at once when it holds this many messages or inline_bytes
 

@@ -76,8 +76,8 @@ def check(lists: list[list[Action]], micro_batches: int) -> None:
     """Refuse ``lists`` (one per stage) unless each stage runs every micro-batch's forward once, then its
     backward once, and the stages together run to the end: a deadlock shows here as stages that can go no
     further, each named with the action it would wait in."""
+    expected = {Action(kind, m) for kind in (FORWARD, BACKWARD) for m in range(micro_batches)}
     for stage, actions in enumerate(lists):
-        expected = {Action(kind, m) for kind in (FORWARD, BACKWARD) for m in range(micro_batches)}
         if len(actions) != len(expected) or set(actions) != expected:
             raise ScheduleError(f"stage {stage} must run F and B of micro-batches 0..{micro_batches - 1} once each")
         seen: set[int] = set()

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ...runtime import Actor, ActorRef, ActorSystem
-from .schedule import FORWARD, Action, build
+from .schedule import BACKWARD, FORWARD, Action, build
 
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
 
@@ -72,7 +72,7 @@ class StageInbox(Actor):
         self.arrivals.put((FORWARD, step, micro_batch), tensor.requires_grad_(needs_grad))
 
     def gradient(self, step: int, micro_batch: int, tensor: torch.Tensor) -> None:
-        self.arrivals.put(("B", step, micro_batch), tensor)
+        self.arrivals.put((BACKWARD, step, micro_batch), tensor)
 
 
 @dataclass
@@ -186,7 +186,7 @@ class Pipeline:
         run.held_bytes -= size
         if out.requires_grad:
             waited = time.perf_counter()
-            grad = None if self.last else await self._arrivals.take(("B", run.step, m))
+            grad = None if self.last else await self._arrivals.take((BACKWARD, run.step, m))
             began = time.perf_counter()
             out.backward(grad)
             run.compute_s += time.perf_counter() - began
