@@ -115,14 +115,15 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
 
     Nodes are the shared-memory domains, or blocks of ``ranks_per_node``
-    consecutive ranks when that is set (to simulate several nodes on one
-    machine). Nodes are numbered in the order of their lowest rank.
+    consecutive world ranks when that is set (to simulate several nodes on one
+    machine; a communicator over some of the ranks splits as the world does).
+    Nodes are numbered in the order of their lowest rank.
     """
     from mpi4py import MPI
 
     rank = comm.Get_rank()
     if ranks_per_node:
-        node_comm = comm.Split(rank // ranks_per_node, rank)
+        node_comm = comm.Split(MPI.COMM_WORLD.Get_rank() // ranks_per_node, rank)
     else:
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
     first = node_comm.bcast(rank, 0)  # the node's lowest rank (node ranks follow world order)

@@ -1,7 +1,7 @@
 """The actor runtime on MPI. Knows nothing about ML, HDF5 or MQTT."""
 
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
-from .collectives import Communicator, Hierarchy
+from .collectives import Communicator, Group, Hierarchy
 from .config import RuntimeConfig
 from .errors import (
     ActorNotFound,
@@ -28,6 +28,7 @@ __all__ = [
     "CollectiveAbandoned",
     "CollectiveMismatch",
     "Communicator",
+    "Group",
     "Hierarchy",
     "JobRefused",
     "Orders",

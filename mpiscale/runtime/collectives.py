@@ -315,19 +315,59 @@ class Hierarchy:
         return future
 
 
-def build_hierarchy(MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig) -> Hierarchy:
-    """Create the communicators (collective over ``world_comm``; call once at start-up)."""
+def build_hierarchy(
+    MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig, name: str = "world"
+) -> Hierarchy:
+    """Create the communicators (collective over ``world_comm``; the runtime's at start-up, a :class:`Group`'s when
+    it is made). ``name`` names its ``world`` communicator; the node communicators are named after it."""
     node_comm, index, count = split_nodes(world_comm, config.ranks_per_node)
     is_leader = node_comm.Get_rank() == 0
     leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
-    leaders = Communicator(MPI, leader_comm, engine, config, "leaders") if is_leader else None
-    world = Communicator(MPI, world_comm.Dup(), engine, config, "world")
+    prefix = "" if name == "world" else f"{name}."
+    leaders = Communicator(MPI, leader_comm, engine, config, f"{prefix}leaders") if is_leader else None
+    world = Communicator(MPI, world_comm.Dup(), engine, config, name)
     return Hierarchy(
         reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config.check_collectives),
         world=world,
-        node=Communicator(MPI, node_comm, engine, config, f"node{index}"),
+        node=Communicator(MPI, node_comm, engine, config, f"{prefix}node{index}"),
         leaders=leaders,
         node_index=index,
         node_count=count,
-        log=CollectiveLog("world (hierarchical)", world.log.members),
+        log=CollectiveLog(f"{name} (hierarchical)", world.log.members),
     )
+
+
+@dataclass
+class Group:
+    """Some of the world's ranks with collectives of their own (``ActorSystem.split``): the ``rank``, ``size``,
+    ``world`` and ``hierarchy`` an ``ActorSystem`` offers, so what reduces over the whole job (``DataParallel``,
+    the gradient compressions) reduces over a group alike."""
+
+    name: str
+    hierarchy: Hierarchy
+
+    @property
+    def world(self) -> Communicator:
+        """Awaitable collectives over the group's ranks."""
+        return self.hierarchy.world
+
+    @property
+    def rank(self) -> int:
+        return self.hierarchy.world.rank
+
+    @property
+    def size(self) -> int:
+        return self.hierarchy.world.size
+
+    def logs(self) -> list[CollectiveLog]:
+        """The collective logs of its communicators (for the watch on collectives some rank abandoned)."""
+        h = self.hierarchy
+        return [h.world.log, h.node.log, h.log] + ([h.leaders.log] if h.leaders else [])
+
+    def free(self) -> None:
+        """Stop the reducer's thread and free the communicators (at the runtime's end)."""
+        h = self.hierarchy
+        h.reducer.close()
+        for comm in (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None):
+            if comm is not None:
+                comm.Free()

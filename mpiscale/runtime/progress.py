@@ -225,6 +225,18 @@ class ProgressEngine:
         self.kick()
         return future
 
+    def count_wait(self, future: asyncio.Future, what: str) -> None:
+        """Count the time until ``future`` is done as waiting on others (``waiting_in``, ``collective_wait_s``),
+        as for a collective: for a wait on another rank's message (a pipeline stage's activation)."""
+        key, started = id(future), time.monotonic()
+        self._waits[key] = (what, started)
+
+        def done(_: asyncio.Future) -> None:
+            if self._waits.pop(key, None) is not None:
+                self.collective_wait_s += time.monotonic() - started
+
+        future.add_done_callback(done)
+
     def kick(self) -> None:
         """Note local activity: poll continuously again for the spin window."""
         self._quiet_s = 0.0

@@ -33,7 +33,7 @@ import numpy as np
 
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
-from .collectives import Communicator, Hierarchy, build_hierarchy
+from .collectives import Communicator, Group, Hierarchy, build_hierarchy
 from .config import RuntimeConfig, load_mpi
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
 from .eventloop import new_event_loop
@@ -91,6 +91,7 @@ class ActorSystem:
         self._ask_spin_s = config.ask_spin_us * 1e-6
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
+        self._groups = [Group("world", self.hierarchy)]  # the whole job's, then those ``split`` made
         self._cells: dict[str, ActorCell] = {}
         self._asks: dict[int, _PendingAsk] = {}
         self._ask_ids = itertools.count()
@@ -111,11 +112,25 @@ class ActorSystem:
         #: rank died: telemetry names it there.
         self.death_reporters: list[Callable[[str, int], Awaitable[None]]] = []
         self._at_end: list[Callable[[], Awaitable[None]]] = []
+        #: What a rank does in the job (``"pipeline stage 1 of 4"``), named with it when it dies; a job fills it.
+        self.roles: dict[int, str] = {}
 
     def communicator(self, name: str) -> Communicator:
         """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives
         (telemetry's), kept apart from those a job's reports number on ``world`` (collective, blocking)."""
         return Communicator(self._MPI, self.world.comm.Dup(), self._engine, self.config, name)
+
+    def split(self, color: int, name: str) -> Group:
+        """Collective over every rank: the ranks that pass the same ``color`` form a :class:`Group` with
+        collectives of its own (ranks in world order), named ``name`` in reports; e.g. the replicas of one pipeline
+        stage, which average their gradients. Blocking, like :meth:`communicator`; freed when the runtime ends."""
+        if not isinstance(color, int) or color < 0:
+            raise ValueError(f"split takes a colour >= 0, got {color!r}")
+        comm = self.world.comm.Split(color, self.rank)
+        group = Group(name, build_hierarchy(self._MPI, comm, self._engine, self.config, name))
+        comm.Free()  # the hierarchy holds duplicates of its own
+        self._groups.append(group)
+        return group
 
     def at_end(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run ``await hook()`` once ``main`` has returned on every rank and no message is in flight, before the
@@ -361,13 +376,10 @@ class ActorSystem:
         return self._engine.idle
 
     def _free(self) -> None:
-        h = self.hierarchy
-        h.reducer.close()
-        comms = (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None, self._control, self._p2p,
-                 self.steering.comm)  # fmt: skip
-        for comm in comms:
-            if comm is not None:
-                comm.Free()
+        for group in self._groups:
+            group.free()
+        for comm in (self._control, self._p2p, self.steering.comm):
+            comm.Free()
 
     def fail(self, error: BaseException, context: str, status: int = 1) -> None:
         """Print one failure report for this rank and abort the whole job with ``status``."""
@@ -394,8 +406,7 @@ class ActorSystem:
         self._MPI.COMM_WORLD.Abort(status)
 
     def _collective_logs(self) -> list[CollectiveLog]:
-        h = self.hierarchy
-        return [h.world.log, h.node.log, h.log] + ([h.leaders.log] if h.leaders else [])
+        return [log for group in self._groups for log in group.logs()]
 
     def collective_state(self) -> dict[str, Any]:
         """Where ``main`` is and the collectives this rank started (what another rank asks when one waits long)."""
@@ -408,6 +419,11 @@ class ActorSystem:
     def waiting_in(self) -> tuple[str, float] | None:
         """The collective this rank has waited in longest right now, and for how many seconds (None: none)."""
         return self._engine.waiting_in()
+
+    def count_wait(self, future: asyncio.Future, what: str) -> None:
+        """Count the time until ``future`` is done as time waiting on other ranks, as a collective's is: telemetry
+        reports it and the hang watch takes ``what`` for where this rank waits (a message another rank owes it)."""
+        self._engine.count_wait(future, what)
 
     @property
     def collective_wait_s(self) -> float:
@@ -468,7 +484,8 @@ class ActorSystem:
         self._on_signal(signal.SIGTERM)
 
     async def _peers_died(self, dead: dict[int, int]) -> None:
-        named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(dead.items()))
+        named = ", ".join(f"rank {rank} (pid {pid}{', ' + self.roles[rank] if rank in self.roles else ''})"
+                          for rank, pid in sorted(dead.items()))  # fmt: skip
         detail = (
             f"{named} on host {self.host} ended while the job ran (killed by a signal, such as the "
             "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"

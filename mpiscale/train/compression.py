@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ..kernels.halves import SumOfBits, from_bits, to_bits
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, Group
 
 
 class Bucket(Protocol):
@@ -58,7 +58,7 @@ class Compression(Protocol):
 class Exact:
     """float32 on the wire."""
 
-    def __init__(self, system: ActorSystem) -> None:
+    def __init__(self, system: ActorSystem | Group) -> None:
         self.system = system
         self._futures: dict[int, asyncio.Future] = {}
 
@@ -73,7 +73,7 @@ class Exact:
 class Narrow:
     """16-bit floats on the wire: ``float16`` (IEEE half) or ``bfloat16``."""
 
-    def __init__(self, system: ActorSystem, kind: str) -> None:
+    def __init__(self, system: ActorSystem | Group, kind: str) -> None:
         self.system, self.kind, self.sum = system, kind, SumOfBits(kind)
         self._wire: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
 
@@ -106,7 +106,7 @@ class PowerSGD:
     """Rank-``rank`` PowerSGD with error feedback, after ``start_step`` exact steps."""
 
     def __init__(
-        self, system: ActorSystem, rank: int = 4, start_step: int = 10, min_rate: float = 2.0, seed: int = 0
+        self, system: ActorSystem | Group, rank: int = 4, start_step: int = 10, min_rate: float = 2.0, seed: int = 0
     ) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be at least 1, got {rank}")
@@ -179,7 +179,7 @@ class PowerSGD:
             gradient[...] = average
 
 
-def scheme(system: ActorSystem, name: str, powersgd_rank: int = 4, powersgd_start: int = 10) -> Compression:
+def scheme(system: ActorSystem | Group, name: str, powersgd_rank: int = 4, powersgd_start: int = 10) -> Compression:
     """The scheme a trainer's ``compression`` setting names: none, fp16, bf16 or powersgd."""
     if name == "none":
         return Exact(system)

@@ -51,6 +51,15 @@ class TrainConfig:
     )
     powersgd_rank: int = option(4, "powersgd: rank of the factors")
     powersgd_start: int = option(10, "powersgd: exact steps before compression starts")
+    stages: int = option(
+        1,
+        "pipeline stages: the model cut into STAGES parts of balanced parameter count, each on its own rank; the "
+        "ranks must be a multiple (STAGES x replicas, each stage's replicas averaging their gradients)",
+    )
+    micro_batches: int = option(
+        1, "micro-batches each replica's share of a batch is cut into and pipelined (with STAGES or alone)"
+    )
+    schedule: str = option("1f1b", "pipeline schedule: 1f1b (at most STAGES micro-batches held) or gpipe")
     out: str = option("model.h5", "results file: the trained weights, learning curves, settings")
     checkpoint_every: int = option(0, "checkpoint every N steps (0 = never)")
     checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
@@ -63,7 +72,15 @@ class TrainConfig:
             problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.powersgd_start < 0:
             problems.append(f"powersgd_start must be 0 or more, got {self.powersgd_start}")
-        for name in ("epochs", "batch_size", "powersgd_rank"):
+        if self.schedule != "1f1b":  # imported only then: the pipeline package brings torch
+            from .pipeline.schedule import SCHEDULES
+
+            if self.schedule not in SCHEDULES:
+                problems.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.pipelined and self.compression != "none":
+            problems.append("compression applies to data-parallel training only: drop it, or use STAGES 1 and "
+                            "MICRO_BATCHES 1")  # fmt: skip
+        for name in ("epochs", "batch_size", "powersgd_rank", "stages", "micro_batches"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.checkpoint_every < 0:
@@ -82,6 +99,11 @@ class TrainConfig:
             problems.append("validation needs DATA: the bundled digits bring their own held-out set")
         if problems:
             raise ValueError("train settings: " + "; ".join(problems))
+
+    @property
+    def pipelined(self) -> bool:
+        """Trained as a pipeline (stages or micro-batches), not by plain data parallelism."""
+        return self.stages > 1 or self.micro_batches > 1
 
     @property
     def widths(self) -> list[int]:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, Group
 from .compression import Compression, Exact
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
@@ -58,11 +58,12 @@ class _Bucket:
 
 
 class DataParallel:
-    """Wraps ``module`` for data-parallel training on every rank of ``system`` (construct on every rank)."""
+    """Wraps ``module`` for data-parallel training on every rank of ``system``, or of a ``Group`` of ranks (a pipeline
+    stage's replicas); construct it on each of them."""
 
     def __init__(
         self,
-        system: ActorSystem,
+        system: ActorSystem | Group,
         module: torch.nn.Module,
         bucket_mib: float = BUCKET_MIB,
         first_bucket_mib: float = FIRST_BUCKET_MIB,

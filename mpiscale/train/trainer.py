@@ -64,7 +64,7 @@ from .state import OPTIMIZER_SETTINGS, TrainingState, json_array
 log = logging.getLogger(__name__)
 
 #: Settings a checkpoint must share with the run that resumes it.
-_COMPATIBLE = ("hidden", "batch_size", "seed", "learning_rate", "weight_decay")
+COMPATIBLE = ("hidden", "batch_size", "seed", "learning_rate", "weight_decay")
 
 
 async def train(system: ActorSystem, config: TrainConfig) -> dict:
@@ -75,6 +75,10 @@ async def train(system: ActorSystem, config: TrainConfig) -> dict:
     status 2, agreed by every rank; a checkpoint or results file that cannot be
     written ends it with status 1.
     """
+    if config.pipelined:
+        from .pipelined import prepare_pipeline
+
+        return await run_lifecycle(system, "train", lambda: prepare_pipeline(system, config))
     return await run_lifecycle(system, "train", lambda: _prepare(system, config))
 
 
@@ -106,28 +110,49 @@ class _Training(HeldOutputs):
     def save(self, done: int) -> None:
         assert self.checkpoints is not None
         state = TrainingState(self.model, self.optimizer, self.config.checkpoints)
-        meta = settings_meta(_compatibility(self.config, self.data, self.spec))
+        meta = settings_meta(compatibility(self.config, self.data, self.spec))
         self.checkpoints.save(done, replicated=state_arrays(state, self.curves), meta=meta)
 
     def steps(self, start: int) -> AsyncGenerator[Step, None]:
         return _steps(self, start)
 
     async def finish(self, ended: Ended) -> dict:
-        system, config = self.system, self.config
         weights = [tensor.numpy() for tensor in self.model.state_dict().values()]  # views: written in place
-        await same_bits_everywhere(system, weights, "weights")
-        hosts = sorted(set(self.comm.allgather(socket.gethostname())))
-        results = TrainResults(
-            config, self.data, self.validation, self.spec, self.model, self.curves, system.size, hosts, self.threads
-        )
-        score = ""
-        if self.curves.epochs["validation_accuracy"]:
-            score = f"; held-out accuracy {self.curves.epochs['validation_accuracy'][-1]:.1%}"
-        done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
-        failed = f"mpiscale train: could not write {config.out}: {{}}".format
-        await write_results(system, config.out, partial(write, results=results), done, failed)
-        loss = self.curves.steps["loss"][-1] if self.curves.done else None
-        return {"steps": ended.done, "loss": loss, "score": score}
+        await same_bits_everywhere(self.system, weights, "weights")
+        return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
+                                     self.model, self.curves, self.threads, ended)  # fmt: skip
+
+
+async def finish_training(
+    system: ActorSystem,
+    config: TrainConfig,
+    comm: Comm,
+    data: LabelledData,
+    validation: LabelledData | None,
+    spec: dict,
+    model: torch.nn.Module | None,
+    curves: Curves,
+    threads: int,
+    ended: Ended,
+) -> dict:
+    """Rank 0 writes the results file of ``model`` (the whole model there; None elsewhere), every rank agrees; the
+    summary every rank returns."""
+    hosts = sorted(set(comm.allgather(socket.gethostname())))
+    score = ""
+    if curves.epochs["validation_accuracy"]:
+        score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
+    done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
+    failed = f"mpiscale train: could not write {config.out}: {{}}".format
+    if model is not None:
+        results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads)
+        writer = partial(write, results=results)
+    await write_results(system, config.out, writer if model is not None else _nothing, done, failed)
+    loss = curves.steps["loss"][-1] if curves.done else None
+    return {"steps": ended.done, "loss": loss, "score": score}
+
+
+def _nothing(file) -> None:
+    raise AssertionError("only rank 0 writes the results file")
 
 
 def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
@@ -141,7 +166,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     results_lock = lock_results(config.out, comm)
     checkpoints = None
     try:
-        data, validation, classes, mean, std = _prepare_data(config, comm)
+        data, validation, classes, mean, std = prepare_data(config, comm)
         if config.batch_size > data.samples:
             raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
         if config.batch_size < system.size:
@@ -170,7 +195,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
         raise
 
 
-def _prepare_data(config: TrainConfig, comm: Comm):
+def prepare_data(config: TrainConfig, comm: Comm):
     """(training data, held-out data or None, classes, feature mean, feature std), checked."""
     if config.data:
         train_path, validation_path = config.data, config.validation
@@ -191,8 +216,8 @@ def _prepare_data(config: TrainConfig, comm: Comm):
     return data, validation, classes, mean, std
 
 
-def _compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
-    return {name: getattr(config, name) for name in _COMPATIBLE} | {"samples": data.samples, "spec": spec}
+def compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
+    return {name: getattr(config, name) for name in COMPATIBLE} | {"samples": data.samples, "spec": spec}
 
 
 def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves) -> int:
@@ -206,7 +231,7 @@ def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curv
                 f"{config.epochs} epochs: give more --epochs to continue it"
             )
 
-    expected = _compatibility(config, data, spec)
+    expected = compatibility(config, data, spec)
     restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", within_steps)
     if restored is None:
         if config.resume and checkpoints.rank == 0:
@@ -270,7 +295,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
                     comm_wait_s=waited,
                 )
                 phases = {"compute": now - began - waited, "allreduce": waited}
-                yield Step(_progress_text(epoch, curves), config.batch_size, phases)
+                yield Step(progress_text(epoch, curves), config.batch_size, phases)
             if held_out is not None:
                 loss_value, accuracy = await _score(system, model, held_out)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
@@ -278,7 +303,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
         reader.close()
 
 
-def _progress_text(epoch: int, curves: Curves) -> str:
+def progress_text(epoch: int, curves: Curves) -> str:
     recent = slice(-20, None)
     time_s = np.diff([0.0, *curves.steps["time_s"]])[recent]
     share = sum(curves.steps["comm_wait_s"][recent]) / max(float(np.sum(time_s)), 1e-9)

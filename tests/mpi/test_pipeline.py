@@ -10,7 +10,16 @@ def test_stages_train_as_one_process_accumulating_the_same_micro_batches(ranks, 
     between stages; float64 to 1e-12, float32 to 1e-6 after every step."""
     job = run_mpi("pipeline.py", ranks, "check", dtype)
     assert_ok(job)
-    assert f"pipeline ok on {ranks} ranks ({dtype})" in job.stdout
+    assert f"pipeline ok on {ranks} stages x 1 replicas ({dtype})" in job.stdout
+
+
+@pytest.mark.parametrize("ranks, replicas, dtype", [(4, 2, "float64"), (2, 2, "float64"), (4, 2, "float32")])
+def test_stage_replicas_train_as_one_process_accumulating_every_replicas_micro_batches(ranks, replicas, dtype):
+    """S x D ranks: each replica its own batch; replicas that start from other weights take replica 0's; the
+    gradients averaged over a stage's replicas equal one process's sum over all micro-batches divided by D."""
+    job = run_mpi("pipeline.py", ranks, "check", dtype, str(replicas))
+    assert_ok(job)
+    assert f"pipeline ok on {ranks // replicas} stages x {replicas} replicas ({dtype})" in job.stdout
 
 
 def test_a_stage_that_fails_ends_the_job_with_one_report_naming_it():

@@ -6,7 +6,7 @@
 
 from .schedule import SCHEDULES, Action, ScheduleError, build
 from .split import balanced_starts, split_sequential
-from .stages import Pipeline, StepStats
+from .stages import Pipeline, StepStats, stage_of
 
 __all__ = [
     "SCHEDULES",
@@ -17,4 +17,5 @@ __all__ = [
     "balanced_starts",
     "build",
     "split_sequential",
+    "stage_of",
 ]

@@ -17,6 +17,14 @@ caller steps its own optimizer over its own stage.
 Whether a gradient comes back is decided by the output alone: an output that
 does not require a gradient (a stage without parameters at the front, integer
 token ids) is sent as such and the stage before does not wait for one.
+
+With ``replicas=D`` the ``S x D`` ranks run D copies of the pipeline on D
+batches: rank ``r`` holds stage ``r // D`` of copy ``r % D`` (the replicas of a
+stage are neighbours, so on a cluster they share a node and their reduction
+stays there, as in Megatron's ordering). At the start each stage's replicas
+take replica 0's parameters and buffers; after each step they average their
+gradients with the hierarchical allreduce of a group of their own, one buffer
+per dtype (float64 stays float64), as ``DataParallel`` averages over ranks.
 """
 
 from __future__ import annotations
@@ -28,9 +36,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from ...runtime import Actor, ActorRef, ActorSystem
+from ...runtime import Actor, ActorRef, ActorSystem, Group
 from .schedule import BACKWARD, FORWARD, Action, build
 
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
@@ -54,11 +63,13 @@ class _Arrivals:
         else:
             self.arrived[key] = tensor
 
-    async def take(self, key: Key) -> torch.Tensor:
+    async def take(self, key: Key, on_wait: Callable[[asyncio.Future], None]) -> torch.Tensor:
+        """The tensor of ``key``, once it arrived; ``on_wait(future)`` first when it has to be waited for."""
         tensor = self.arrived.pop(key, None)
         if tensor is not None:
             return tensor
         future = self.waiting[key] = asyncio.get_running_loop().create_future()
+        on_wait(future)
         return await future
 
 
@@ -77,9 +88,10 @@ class StageInbox(Actor):
 
 @dataclass
 class StepStats:
-    """What one step of one stage did: the loss (the last stage's sum over micro-batches, else None), seconds of
-    compute, seconds idle waiting for a neighbour (this stage's share of the bubble), the most micro-batches
-    whose activations it held at once, and their bytes."""
+    """What one step of one stage did: the loss (the last stage's sum over micro-batches of this replica's batch,
+    else None), seconds of compute, seconds idle waiting for a neighbour (this stage's share of the bubble), the
+    most micro-batches whose activations it held at once and their bytes, the first stage's micro-batch sizes,
+    and the seconds spent averaging gradients over the replicas."""
 
     loss: float | None
     compute_s: float
@@ -87,11 +99,17 @@ class StepStats:
     peak_held: int
     peak_held_bytes: int
     micro_batch_sizes: list[int] = field(default_factory=list)
+    reduce_s: float = 0.0  # seconds averaging gradients over the stage's replicas
+
+
+def stage_of(rank: int, replicas: int = 1) -> int:
+    """The pipeline stage rank ``rank`` holds when every stage has ``replicas`` replicas."""
+    return rank // replicas
 
 
 class Pipeline:
-    """Stage ``system.rank`` of a model cut into ``system.size`` stages (make it with :meth:`start` on every
-    rank)."""
+    """Stage ``stage_of(system.rank, replicas)`` of a model cut into ``system.size // replicas`` stages (make it
+    with :meth:`start` on every rank)."""
 
     def __init__(
         self,
@@ -101,17 +119,24 @@ class Pipeline:
         micro_batches: int,
         schedule: str,
         name: str,
+        replicas: int,
     ) -> None:
+        if not isinstance(replicas, int) or replicas < 1 or system.size % replicas:
+            raise ValueError(f"replicas must divide the {system.size} ranks, got {replicas!r}")
         self.system, self.module, self.loss_fn = system, module, loss_fn
-        self.stage, self.stages = system.rank, system.size
+        self.replicas, self.stages = replicas, system.size // replicas
+        self.stage, self.replica = divmod(system.rank, replicas)
         self.micro_batches, self.schedule = micro_batches, schedule
         self.actions: list[Action] = build(schedule, self.stages, micro_batches)[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._arrivals = _Arrivals()
         self._inbox = f"{name}.inbox"
-        self._before = ActorRef(self.stage - 1, self._inbox)
-        self._after = ActorRef(self.stage + 1, self._inbox)
+        self._before = ActorRef(system.rank - replicas, self._inbox)
+        self._after = ActorRef(system.rank + replicas, self._inbox)
         self._step = 0
+        self._name = name
+        #: The ranks holding this stage, which average their gradients (None with one replica).
+        self.group: Group | None = None
 
     @classmethod
     async def start(
@@ -122,12 +147,25 @@ class Pipeline:
         micro_batches: int,
         schedule: str = "1f1b",
         name: str = "pipeline",
+        replicas: int = 1,
     ) -> Pipeline:
-        """Collective: this rank's stage (``module``) of a pipeline of ``system.size`` stages, rank order;
-        ``loss_fn(output, target)`` gives the last stage's loss of one micro-batch. The schedule is compiled and
-        checked here, the same on every rank, and the stages' inboxes exist on every rank on return."""
-        pipeline = cls(system, module, loss_fn, micro_batches, schedule, name)
+        """Collective: this rank's stage (``module``) of a pipeline of ``system.size // replicas`` stages in rank
+        order, each stage on ``replicas`` neighbouring ranks (see :func:`stage_of`); ``loss_fn(output, target)``
+        gives the last stage's loss of one micro-batch. The schedule is compiled and checked here, the same on every
+        rank; on return the stages' inboxes exist on every rank and a stage's replicas hold replica 0's weights."""
+        pipeline = cls(system, module, loss_fn, micro_batches, schedule, name, replicas)
+        for rank in range(system.size):
+            stage, replica = divmod(rank, replicas)
+            copy = f", replica {replica} of {replicas}" if replicas > 1 else ""
+            system.roles[rank] = f"{name}: pipeline stage {stage} of {pipeline.stages}{copy}"
         await system.spawn_group(StageInbox, pipeline._arrivals, name=pipeline._inbox)
+        if replicas > 1:
+            pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    array = np.ascontiguousarray(tensor.detach().numpy())
+                    await pipeline.group.world.bcast_array(array, root=0)
+                    tensor.copy_(torch.from_numpy(array))
         return pipeline
 
     def split(self, batch: torch.Tensor | Sequence[Any] | None, what: str) -> list[Any]:
@@ -161,12 +199,39 @@ class Pipeline:
                 else:
                     await self._backward(run, action.micro_batch)
         self._check_drained(run.step)
+        if self.group is not None:
+            began = time.perf_counter()
+            await _average_gradients(self.group, self.module)
+            run.reduce_s = time.perf_counter() - began
         sizes = [len(part) for part in run.inputs] if run.inputs is not None else []
-        return StepStats(run.loss if self.last else None, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes)
+        return StepStats(run.loss if self.last else None, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes,
+                         run.reduce_s)  # fmt: skip
+
+    async def evaluate(self, inputs: Any, targets: Any, metric: Callable[[Any, Any], Any]) -> Any:
+        """Forward passes only, without gradients (collective over the stages, like :meth:`step`): ``inputs`` on
+        the first stage cut into the pipeline's micro-batches (any number of rows, none too), ``targets`` likewise
+        on the last, which returns the sum of ``metric(output, target)`` over the micro-batches (None elsewhere)."""
+        step = self._step
+        self._step += 1
+        xs = list(torch.tensor_split(inputs, self.micro_batches)) if self.first else None
+        ts = list(torch.tensor_split(targets, self.micro_batches)) if self.last else None
+        total = None
+        with torch.no_grad():
+            for m in range(self.micro_batches):
+                with self._noted(Action(FORWARD, m), step):
+                    x = xs[m] if xs is not None else await self._take((FORWARD, step, m))
+                    out = self.module(x)
+                    if ts is not None:
+                        value = metric(out, ts[m])
+                        total = value if total is None else total + value
+                    else:
+                        self._after.tell("activation", step, m, out, False)
+        self._check_drained(step)
+        return total
 
     async def _forward(self, run: _StepRun, m: int) -> None:
         waited = time.perf_counter()
-        x = run.inputs[m] if run.inputs is not None else await self._arrivals.take((FORWARD, run.step, m))
+        x = run.inputs[m] if run.inputs is not None else await self._take((FORWARD, run.step, m))
         began = time.perf_counter()
         out = self.module(x)
         if run.targets is not None:
@@ -186,13 +251,21 @@ class Pipeline:
         run.held_bytes -= size
         if out.requires_grad:
             waited = time.perf_counter()
-            grad = None if self.last else await self._arrivals.take((BACKWARD, run.step, m))
+            grad = None if self.last else await self._take((BACKWARD, run.step, m))
             began = time.perf_counter()
             out.backward(grad)
             run.compute_s += time.perf_counter() - began
             run.idle_s += began - waited
         if x is not None:
             self._before.tell("gradient", run.step, m, x.grad if x.grad is not None else torch.zeros_like(x))
+
+    async def _take(self, key: Key) -> torch.Tensor:
+        """The activation or gradient of ``key``; a wait for it counts as waiting on the neighbour that owes it."""
+        kind, step, m = key
+        source = self.stage - 1 if kind == FORWARD else self.stage + 1
+        what = f"pipeline stage {self.stage} for the {'activation' if kind == FORWARD else 'gradient'} of micro-batch "
+        return await self._arrivals.take(key, lambda future: self.system.count_wait(
+            future, f"{what}{m} (step {step}) from stage {source}"))  # fmt: skip
 
     @contextlib.contextmanager
     def _noted(self, action: Action, step: int) -> Iterator[None]:
@@ -222,6 +295,7 @@ class _StepRun:
     loss: float = 0.0
     compute_s: float = 0.0
     idle_s: float = 0.0
+    reduce_s: float = 0.0
     held_bytes: int = 0
     peak: int = 0
     peak_bytes: int = 0
@@ -229,3 +303,30 @@ class _StepRun:
 
 def _nbytes(value: Any) -> int:
     return value.nbytes if isinstance(value, torch.Tensor) else 0
+
+
+async def _average_gradients(group: Group, module: torch.nn.Module) -> None:
+    """Every trainable parameter's gradient averaged over ``group`` (collective over it): one allreduce per dtype;
+    a parameter no replica gave a gradient keeps none, one that only some did counts as zero on the others."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    had = np.array([p.grad is not None for p in params], np.int32)
+    await group.world.allreduce(had, op="max", out=had)
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param, given in zip(params, had):
+        if given:
+            by_dtype.setdefault(param.dtype, []).append(param)
+    with torch.no_grad():
+        for dtype in sorted(by_dtype, key=str):  # the same order on every replica
+            members = by_dtype[dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in members])
+            buffer = flat.numpy()
+            await group.hierarchy.allreduce(buffer, out=buffer)
+            flat /= group.size
+            offset = 0
+            for param in members:
+                average = flat[offset : offset + param.numel()].view_as(param)
+                if param.grad is None:
+                    param.grad = average.clone()
+                else:
+                    param.grad.copy_(average)
+                offset += param.numel()

@@ -1,10 +1,14 @@
 """Pipeline-parallel training against one process that accumulates gradients over the same micro-batches.
 
-usage: pipeline.py check DTYPE    every schedule and case below, in float64 (to 1e-12) or float32 (to 1e-6)
+usage: pipeline.py check DTYPE [REPLICAS]
+                                  every schedule and case below, in float64 (to 1e-12) or float32 (to 1e-6)
        pipeline.py fail           stage 1 raises in the forward pass of micro-batch 2 at step 1
 
-One stage per rank; the cuts make stages of unequal cost (the widest layer sits
-alone on one stage). Cases: micro-batches as a batch tensor cut evenly, as a
+One stage per rank, or REPLICAS ranks per stage (each replica its own batch,
+the reference accumulating every replica's micro-batches and dividing by
+REPLICAS; the replicas other than 0 start from other weights, which the
+pipeline replaces with replica 0's). The cuts make stages of unequal cost (the
+widest layer sits alone on one stage). Cases: micro-batches as a batch tensor cut evenly, as a
 list of micro-batches of different sizes, fewer micro-batches than stages, and
 (at 2+ ranks) a first stage whose output is integer ids, so no gradient goes
 back to it. Each rank compares its own stage's parameters by name with the
@@ -18,7 +22,7 @@ from collections import OrderedDict
 import torch
 
 import mpiscale
-from mpiscale.train.pipeline import Pipeline, split_sequential
+from mpiscale.train.pipeline import Pipeline, split_sequential, stage_of
 
 STEPS = 3
 FEATURES = 6
@@ -66,18 +70,25 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).sum() / 16
 
 
-async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: bool, ids: bool, tolerance: float):
-    stages = system.size
+async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: bool, ids: bool, tolerance: float,
+                     replicas: int):  # fmt: skip
+    stages = system.size // replicas
+    replica = system.rank % replicas
     whole = mlp(dtype, ids)
     reference = mlp(dtype, ids)
-    stage = split_sequential(whole, stages, points(stages, ids))[system.rank]
+    stage = split_sequential(whole, stages, points(stages, ids))[stage_of(system.rank, replicas)]
+    if replica:
+        with torch.no_grad():
+            for param in stage.parameters():
+                param.add_(1.0)
     name = f"p.{schedule}.{len(sizes)}.{as_tensor}.{ids}.{dtype}".replace("torch.", "")
-    pipeline = await Pipeline.start(system, stage, loss_fn, len(sizes), schedule, name=name)
+    pipeline = await Pipeline.start(system, stage, loss_fn, len(sizes), schedule, name=name, replicas=replicas)
     params = list(stage.parameters())  # none on a first stage that only makes ids
     optimizer = torch.optim.SGD(params or [torch.zeros(0, requires_grad=True)], lr=0.05, momentum=0.9)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
-        xs, ys = batches(dtype, sizes, step)
+        every = [batches(dtype, sizes, step * replicas + r) for r in range(replicas)]
+        xs, ys = every[replica]
         optimizer.zero_grad()
         if as_tensor:
             stats = await pipeline.step(torch.cat(xs), torch.cat(ys))
@@ -85,12 +96,17 @@ async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: 
             stats = await pipeline.step(xs, ys)
         optimizer.step()
         expected_optimizer.zero_grad()
-        expected_loss = 0.0
-        for x, y in zip(xs, ys):
-            loss = loss_fn(reference(x), y)
-            loss.backward()
-            expected_loss += loss.item()
+        losses = [0.0] * replicas
+        for r, (rxs, rys) in enumerate(every):
+            for x, y in zip(rxs, rys):
+                loss = loss_fn(reference(x), y)
+                loss.backward()
+                losses[r] += loss.item()
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.grad /= replicas
         expected_optimizer.step()
+        expected_loss = losses[replica]
         mine = dict(stage.named_parameters())
         for key, value in reference.named_parameters():
             if key in mine:
@@ -103,24 +119,25 @@ async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: 
             assert stats.loss is None
         if pipeline.first:
             assert stats.micro_batch_sizes == sizes
-        limit = min(stages - system.rank, len(sizes)) if schedule == "1f1b" else len(sizes)
+        limit = min(stages - pipeline.stage, len(sizes)) if schedule == "1f1b" else len(sizes)
         assert stats.peak_held == limit, (name, stats.peak_held, limit)
         assert stats.compute_s > 0 and stats.idle_s >= 0
 
 
-async def check(system, dtype_name: str) -> None:
+async def check(system, dtype_name: str, replicas: int) -> None:
     dtype = {"float64": torch.float64, "float32": torch.float32}[dtype_name]
     tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    stages = system.size // replicas
     for schedule in ("1f1b", "gpipe"):
         cases = [([6, 6, 6, 6, 6, 6], True, False), ([9, 1, 4, 7, 2, 5, 3], False, False)]
-        cases.append(([5] * max(1, system.size - 1), False, False))  # fewer micro-batches than stages
-        if system.size >= 2:
+        cases.append(([5] * max(1, stages - 1), False, False))  # fewer micro-batches than stages
+        if stages >= 2:
             cases.append(([4, 8, 3], False, True))
         for sizes, as_tensor, ids in cases:
-            await check_case(system, dtype, schedule, sizes, as_tensor, ids, tolerance)
+            await check_case(system, dtype, schedule, sizes, as_tensor, ids, tolerance, replicas)
     await system.world.barrier()
     if system.rank == 0:
-        print(f"pipeline ok on {system.size} ranks ({dtype_name})", flush=True)
+        print(f"pipeline ok on {stages} stages x {replicas} replicas ({dtype_name})", flush=True)
 
 
 async def fail(system) -> None:
@@ -143,7 +160,7 @@ async def fail(system) -> None:
 async def main(system) -> None:
     torch.set_num_threads(1)
     if sys.argv[1] == "check":
-        await check(system, sys.argv[2])
+        await check(system, sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 1)
     else:
         await fail(system)
 

@@ -1,0 +1,300 @@
+"""The pipeline-parallel training job (``mpiscale train --stages S --micro-batches M``).
+
+The MLP of data-parallel ``train`` is cut into S stages of balanced parameter
+count; the ranks are S x D (D replicas of each stage, rank ``r`` holding stage
+``r // D``). Each step the first stage's ranks read their replica's part of the
+global batch's inputs and the last stage's ranks its labels (the same global
+order as data-parallel training), the pipeline runs its schedule over M
+micro-batches, the replicas of each stage average their gradients, and every
+rank steps Adam over its own stage. The loss is scaled as in data-parallel
+training, so a pipeline run follows the one-process run within rounding.
+
+Checkpoints keep the weights and Adam's state by parameter name
+(:mod:`.pipeline.state`): a run resumes on another number of stages, replicas
+or micro-batches. The results file is data-parallel training's, written by
+rank 0 with the stages' weights gathered there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.optim import Adam
+
+from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
+from ..jobs import (
+    Ended,
+    HeldOutputs,
+    Plan,
+    Step,
+    check_not_an_input,
+    check_outputs,
+    close_checkpointer,
+    lock_results,
+    restore_compatible,
+    settings_meta,
+    state_arrays,
+)
+from ..kernels.threads import share_cores
+from ..ranks import Comm, ranks_sharing_cores
+from ..runtime import ActorSystem
+from .config import TrainConfig
+from .curves import Curves
+from .data import LabelledData, resident_block
+from .model import build_mlp, set_standardization
+from .pipeline import Pipeline, split_sequential, stage_of
+from .pipeline.state import INDEX, StageState, restore_rows
+from .state import load_model_arrays
+from .trainer import compatibility, finish_training, prepare_data, progress_text
+
+
+@dataclass
+class _Edge:
+    """What a first or last stage reads: the data sets, over the communicator of that stage's replicas."""
+
+    comm: Comm
+    names: list[str]
+
+
+@dataclass
+class _PipelineTraining(HeldOutputs):
+    """The job between its checks and its results (a ``jobs.SteppedJob``)."""
+
+    system: ActorSystem
+    config: TrainConfig
+    comm: Comm
+    data: LabelledData
+    validation: LabelledData | None
+    spec: dict
+    stage: torch.nn.Sequential
+    optimizer: torch.optim.Optimizer | None  # None on a stage without parameters
+    state: StageState
+    curves: Curves
+    start: int
+    edge: _Edge | None
+    checkpoints: Checkpointer | None
+    threads: int
+    results_lock: OutputLock | None
+    plan: Plan
+    replicas: int
+    pipeline: Pipeline | None = None
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # this step's loss, hits and rows (last stage)
+
+    async def restore(self) -> int:
+        """The pipeline started (each stage's replicas take replica 0's weights), then the checkpoint's steps."""
+        config = self.config
+        self.pipeline = await Pipeline.start(
+            self.system, self.stage, self._loss, config.micro_batches, config.schedule, "train", self.replicas
+        )
+        return self.start
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's cross-entropy, scaled as data-parallel training scales it (the global batch's mean once
+        the replicas average); its sums and hits are kept for the step's curves."""
+        loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
+        self.sums += (loss.item(), (logits.argmax(dim=1) == labels).sum().item(), len(labels))
+        return loss * (self.replicas / self.config.batch_size)
+
+    def save(self, done: int) -> None:
+        assert self.checkpoints is not None
+        sharded, index = self.state.sharded(self.comm)
+        meta = settings_meta(compatibility(self.config, self.data, self.spec)) | {INDEX: index}
+        self.checkpoints.save(done, sharded=sharded, replicated=state_arrays(self.curves), meta=meta)
+
+    def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        return _steps(self, start)
+
+    async def finish(self, ended: Ended) -> dict:
+        mine = {name: t.detach().numpy() for name, t in self.stage.state_dict().items()}
+        parts = self.comm.gather(mine if self.system.rank % self.replicas == 0 else {}, root=0)
+        model = None
+        if parts is not None:
+            model = build_mlp(self.spec)
+            load_model_arrays(model, {f"model.{n}": a for part in parts for n, a in part.items()}, "the stages")
+        return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
+                                     model, self.curves, self.threads, ended)  # fmt: skip
+
+
+def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTraining:
+    """The checked job of this rank: its stage, optimizer, data reader's communicator and restored state."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    threads = share_cores(ranks_sharing_cores(comm))
+    torch.set_num_threads(threads)
+    check_outputs(config.out, config.checkpoints)
+    check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
+    results_lock = lock_results(config.out, comm)
+    checkpoints, edge = None, None
+    try:
+        replicas = _replicas(system.size, config)
+        data, validation, classes, mean, std = prepare_data(config, comm)
+        if config.batch_size > data.samples:
+            raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
+        share = config.batch_size // replicas  # the smallest replica's share of a batch
+        if share < config.micro_batches:
+            raise ValueError(
+                f"a batch of {config.batch_size} over {replicas} replicas leaves {share} samples to cut into "
+                f"{config.micro_batches} micro-batches: use a batch of at least {replicas * config.micro_batches}"
+            )
+        spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
+        torch.manual_seed(config.seed)
+        model = build_mlp(spec)
+        set_standardization(model, mean, std)
+        children = len(model)
+        if config.stages > children:
+            raise ValueError(f"the model has {children} modules, too few for {config.stages} stages")
+        index = stage_of(system.rank, replicas)
+        stage = split_sequential(model, config.stages)[index]
+        params = list(stage.parameters())
+        optimizer = Adam(params, lr=config.learning_rate, weight_decay=config.weight_decay) if params else None
+        state = StageState(stage, optimizer, saves=system.rank % replicas == 0)
+        edge = _edge(comm, data, index, config.stages)
+        curves = Curves()
+        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        start = _restore(config, data, spec, checkpoints, state, curves)
+        total = config.epochs * (data.samples // config.batch_size)
+        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
+                    checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
+        return _PipelineTraining(
+            system, config, comm, data, validation, spec, stage, optimizer, state, curves, start, edge, checkpoints,
+            threads, results_lock, plan, replicas,
+        )  # fmt: skip
+    except BaseException:
+        close_checkpointer(checkpoints)
+        if edge is not None:
+            edge.comm.Free()
+        if results_lock is not None:
+            results_lock.release()
+        raise
+
+
+def _replicas(size: int, config: TrainConfig) -> int:
+    if size % config.stages:
+        raise ValueError(
+            f"{size} ranks cannot hold {config.stages} stages: run on a multiple of {config.stages} ranks "
+            "(stages x replicas)"
+        )
+    return size // config.stages
+
+
+def _edge(comm: Comm, data: LabelledData, stage: int, stages: int) -> _Edge | None:
+    """The first stage's ranks read inputs, the last stage's labels (one stage: both), each over their own
+    communicator (collective over ``comm``); None on middle stages."""
+    from mpi4py import MPI
+
+    names = ([data.inputs] if stage == 0 else []) + ([data.labels] if stage == stages - 1 else [])
+    color = MPI.UNDEFINED if not names else 0 if stage == 0 else 1
+    split = comm.Split(color, comm.Get_rank())
+    return _Edge(split, names) if names else None
+
+
+def _restore(config, data, spec, checkpoints, state: StageState, curves: Curves) -> int:
+    total = config.epochs * (data.samples // config.batch_size)
+
+    def usable(restored) -> None:
+        if restored.step > total:
+            raise CheckpointError(
+                f"the newest checkpoint in {config.checkpoints} is at step {restored.step}, past the {total} steps of "
+                f"{config.epochs} epochs: give more --epochs to continue it"
+            )
+        if INDEX not in restored.meta:
+            raise CheckpointError(
+                f"the checkpoint in {config.checkpoints} is of data-parallel training (no --stages or "
+                "--micro-batches): resume it without them"
+            )
+
+    expected = compatibility(config, data, spec)
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable)
+    if restored is None:
+        return 0
+    restored = restore_rows(checkpoints, restored, state)
+    state.load(restored, config.checkpoints)
+    curves.from_arrays(restored.replicated)
+    if checkpoints.rank == 0:
+        print(f"resumed from the checkpoint of step {restored.step} in {config.checkpoints}", flush=True)
+    return restored.step
+
+
+async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, None]:
+    """The steps from ``start``, one ``Step`` after each; the held-out score after each epoch."""
+    system, config, pipeline, edge = job.system, job.config, job.pipeline, job.edge
+    assert pipeline is not None
+    data, curves, optimizer = job.data, job.curves, job.optimizer
+    per_epoch = data.samples // config.batch_size
+    reader = None
+    if edge is not None:
+        reader = BatchReader(data.path, edge.names, config.batch_size, edge.comm, shuffle=True, seed=config.seed,
+                             drop_last=True)  # fmt: skip
+    held_out = resident_block(job.validation, edge.comm) if job.validation is not None and edge else None
+    totals = np.zeros(3)
+    step = start
+    clock = time.perf_counter() - curves.elapsed
+    try:
+        if job.validation is not None and len(curves.epochs["epoch"]) < start // per_epoch:
+            await _score(job, held_out, start // per_epoch)  # the checkpoint came before its epoch was scored
+        for epoch in range(start // per_epoch, config.epochs):
+            job.stage.train()
+            async for batch in _batches(reader, epoch, step - epoch * per_epoch, per_epoch):
+                inputs = labels = None
+                if batch is not None:
+                    if data.inputs in batch.data:
+                        rows = np.asarray(batch.data[data.inputs], np.float32).reshape(len(batch.ids), -1)
+                        inputs = torch.from_numpy(rows)
+                    if data.labels in batch.data:
+                        labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
+                job.sums[:] = 0.0
+                began = time.perf_counter()
+                job.stage.zero_grad()
+                stats = await pipeline.step(inputs, labels)
+                if optimizer is not None:
+                    optimizer.step()
+                totals[:] = job.sums
+                await system.world.allreduce(totals, out=totals)
+                step += 1
+                now = time.perf_counter()
+                curves.record_step(loss=totals[0] / totals[2], accuracy=totals[1] / totals[2], time_s=now - clock,
+                                   comm_wait_s=stats.idle_s + stats.reduce_s)  # fmt: skip
+                phases = {"compute": stats.compute_s, "idle": stats.idle_s, "reduce": stats.reduce_s,
+                          "other": now - began - stats.compute_s - stats.idle_s - stats.reduce_s}  # fmt: skip
+                yield Step(progress_text(epoch, curves), config.batch_size, phases)
+            if job.validation is not None:
+                await _score(job, held_out, epoch + 1)
+    finally:
+        if reader is not None:
+            reader.close()
+        if edge is not None:
+            edge.comm.Free()
+
+
+async def _batches(reader: BatchReader | None, epoch: int, skip: int, per_epoch: int) -> AsyncGenerator:
+    """The reader's batches of ``epoch`` after the first ``skip``; on a middle stage, as many Nones."""
+    if reader is not None:
+        async for batch in reader.aepoch(epoch, skip):
+            yield batch
+    else:
+        for _ in range(skip, per_epoch):
+            yield None
+
+
+async def _score(job: _PipelineTraining, held_out: tuple[np.ndarray, np.ndarray] | None, epoch: int) -> None:
+    """The held-out loss and accuracy through the pipeline (every replica its block; one allreduce)."""
+    assert job.pipeline is not None
+    inputs = labels = None
+    if held_out is not None:
+        inputs, labels = torch.from_numpy(held_out[0]), torch.from_numpy(held_out[1])
+
+    def metric(logits: torch.Tensor, target: torch.Tensor) -> np.ndarray:
+        loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum").item() if len(target) else 0.0
+        return np.array([loss, float((logits.argmax(dim=1) == target).sum().item()), float(len(target))])
+
+    job.stage.eval()
+    sums = await job.pipeline.evaluate(inputs, labels, metric)
+    if not job.pipeline.last:
+        sums = np.zeros(3)
+    await job.system.world.allreduce(sums, out=sums)
+    job.curves.record_epoch(epoch=epoch, validation_loss=sums[0] / sums[2], validation_accuracy=sums[1] / sums[2])

@@ -1,0 +1,101 @@
+"""`mpiscale train --stages S --micro-batches M` under real mpirun, against one process training data-parallel.
+
+The pipeline cuts the same MLP with the same initial weights, reads the same
+global batches and scales the loss the same way, so its weights must follow a
+one-rank data-parallel run within float32 rounding, whatever the stages,
+replicas, micro-batches or schedule, and across a resume on another shape.
+"""
+
+import h5py
+import numpy as np
+import pytest
+from helpers import assert_ok, run_mpi
+from test_train import mpiscale, weights
+
+EPOCHS = ["--epochs", "2", "--batch-size", "96"]
+TOLERANCE = 1e-5  # float32 weights after 28 Adam steps (measured: under 1e-6)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """Weights and per-step loss of data-parallel training on one rank."""
+    out = tmp_path_factory.mktemp("one") / "model.h5"
+    assert_ok(mpiscale(1, "train", *EPOCHS, "--out", out))
+    with h5py.File(out, "r") as file:
+        return weights(out), file["curves/step/loss"][()]
+
+
+def assert_follows(one_process, out) -> None:
+    expected, loss = one_process
+    got = weights(out)
+    assert got.keys() == expected.keys()
+    difference = max(np.abs(got[name] - expected[name]).max() for name in expected)
+    assert difference < TOLERANCE, difference
+    with h5py.File(out, "r") as file:
+        assert file.attrs["format"] == "mpiscale.train-results/1"
+        np.testing.assert_allclose(file["curves/step/loss"][()], loss, rtol=1e-5)
+        assert len(file["curves/epoch/validation_accuracy"][()]) == 2
+
+
+@pytest.mark.parametrize(
+    "ranks, options",
+    [(2, ["--stages", "2", "--micro-batches", "4"]),
+     (3, ["--stages", "3", "--micro-batches", "5", "--schedule", "gpipe"]),
+     (4, ["--stages", "2", "--micro-batches", "3"])],  # 2 stages x 2 replicas
+)  # fmt: skip
+def test_pipeline_training_follows_one_process(one_process, tmp_path, ranks, options):
+    out = tmp_path / "model.h5"
+    job = mpiscale(ranks, "train", *EPOCHS, *options, "--out", out)
+    assert_ok(job)
+    assert f"wrote {out}: 28 steps on {ranks} ranks" in job.stdout
+    assert_follows(one_process, out)
+
+
+def test_a_killed_stage_ends_the_job_naming_it_and_the_run_resumes_on_another_shape(one_process, tmp_path):
+    """Rank 1 (stage 1 of 2) SIGKILLed mid-step: the job ends at once, its rank and stage named; resumed from the
+    last checkpoint on 2 stages x 2 replicas, it ends as the uninterrupted one-process run."""
+    options = [*EPOCHS, "--stages", "2", "--micro-batches", "4", "--checkpoint-every", "5", "--out"]
+    killed = run_mpi("pipeline_train_kill.py", 2, "1", "12", *options, str(tmp_path / "a.h5"), timeout=90)
+    assert killed.returncode != 0 and killed.elapsed < 30 and not (tmp_path / "a.h5").exists()
+    assert "rank 1 (pid " in killed.stderr and ", train: pipeline stage 1 of 2) on host " in killed.stderr
+    assert killed.stderr.count("ended while the job ran") == 1, killed.stderr
+    again = ["--stages", "2", "--micro-batches", "3", "--checkpoint-dir", tmp_path / "a.checkpoints", "--resume"]
+    resumed = mpiscale(4, "train", *EPOCHS, *again, "--out", tmp_path / "b.h5")
+    assert_ok(resumed)
+    assert "resumed from the checkpoint of step 10 in " in resumed.stdout
+    assert_follows(one_process, tmp_path / "b.h5")
+
+
+def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_ones(one_process, tmp_path):
+    """Parameters by name: a 3-stage run's checkpoint goes on as one stage with micro-batches; a data-parallel
+    run's checkpoint is refused with what to do, before any step."""
+    first = mpiscale(3, "train", "--epochs", "1", "--batch-size", "96", "--stages", "3", "--checkpoint-every", "14",
+                     "--out", tmp_path / "a.h5")  # fmt: skip
+    assert_ok(first)
+    again = ["--checkpoint-dir", tmp_path / "a.checkpoints", "--resume", "--out", tmp_path / "b.h5"]
+    resumed = mpiscale(2, "train", *EPOCHS, "--micro-batches", "2", *again)
+    assert_ok(resumed)
+    assert_follows(one_process, tmp_path / "b.h5")
+    plain = mpiscale(1, "train", "--epochs", "1", "--checkpoint-every", "5", "--out", tmp_path / "c.h5")
+    assert_ok(plain)
+    refused = mpiscale(2, "train", "--epochs", "2", "--stages", "2", "--resume", "--checkpoint-dir",
+                       tmp_path / "c.checkpoints", "--out", tmp_path / "d.h5")  # fmt: skip
+    assert refused.returncode == 2 and not (tmp_path / "d.h5").exists()
+    assert "is of data-parallel training (no --stages or --micro-batches): resume it without them" in refused.stderr
+
+
+@pytest.mark.parametrize(
+    "ranks, options, message",
+    [(3, ["--stages", "2"], "3 ranks cannot hold 2 stages: run on a multiple of 2 ranks (stages x replicas)"),
+     (4, ["--stages", "4", "--hidden", ""], "the model has 2 modules, too few for 4 stages"),
+     (2, ["--stages", "2", "--micro-batches", "80", "--batch-size", "64"],
+      "a batch of 64 over 1 replicas leaves 64 samples to cut into 80 micro-batches"),
+     (2, ["--stages", "2", "--compression", "bf16"], "compression applies to data-parallel training only"),
+     (2, ["--stages", "0"], "stages must be at least 1, got 0"),
+     (2, ["--stages", "2", "--schedule", "zb"], "schedule must be one of 1f1b, gpipe, got 'zb'")],
+)  # fmt: skip
+def test_bad_pipeline_settings_are_refused_before_any_step(tmp_path, ranks, options, message):
+    job = mpiscale(ranks, "train", "--epochs", "1", *options, "--out", tmp_path / "m.h5")
+    assert job.returncode == 2, job.output[-3000:]
+    assert message in job.stderr, job.stderr[-3000:]
+    assert not (tmp_path / "m.h5").exists()
