@@ -317,3 +317,20 @@ def test_rank_0_serves_prometheus_metrics_while_the_job_runs(tmp_path):
     assert 50 < rss < 24 * 1024
     with pytest.raises(OSError):  # the endpoint ends with the job
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
+def test_a_stuck_pipeline_stage_is_named_by_the_hang_watch(tmp_path):
+    """Stage 1 of 3 blocks in a forward pass: its neighbours wait for its messages (no collective), and that wait
+    counts as waiting on others, so the watch names rank 1 and what stage 0 waits for from it."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t25", "MPISCALE_HANG_AFTER_S": "2",
+           "MPISCALE_HANG_ACTION": "abort", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}  # fmt: skip
+    options = ["--stages", "3", "--micro-batches", "4", "--epochs", "5", "--out", str(tmp_path / "m.h5")]
+    job = start_mpi("pipeline_train_fault.py", 3, "hang", "1", "60", *options, env=env, cwd=tmp_path)
+    done = finish(job, "a pipeline with a stuck stage", 120)
+    assert done.returncode == 1 and done.elapsed < 60, done.output[-4000:]
+    assert "rank 1 blocks at step 60" in done.stdout
+    records = read_records(tmp_path / "m.h5.telemetry.jsonl")
+    hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
+    assert [p["rank"] for p in hangs] == [1], hangs
+    assert re.search(r"rank 0: pipeline stage 0 for the gradient of micro-batch \d \(step 60\) from stage 1, ",
+                     hangs[0]["detail"]), hangs[0]["detail"]  # fmt: skip

@@ -13,7 +13,7 @@ def test_stages_train_as_one_process_accumulating_the_same_micro_batches(ranks, 
     assert f"pipeline ok on {ranks} stages x 1 replicas ({dtype})" in job.stdout
 
 
-@pytest.mark.parametrize("ranks, replicas, dtype", [(4, 2, "float64"), (2, 2, "float64"), (4, 2, "float32")])
+@pytest.mark.parametrize("ranks, replicas, dtype", [(4, 2, "float64"), (2, 2, "float32")])
 def test_stage_replicas_train_as_one_process_accumulating_every_replicas_micro_batches(ranks, replicas, dtype):
     """S x D ranks: each replica its own batch; replicas that start from other weights take replica 0's; the
     gradients averaged over a stage's replicas equal one process's sum over all micro-batches divided by D."""

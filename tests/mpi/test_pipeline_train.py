@@ -55,7 +55,7 @@ def test_a_killed_stage_ends_the_job_naming_it_and_the_run_resumes_on_another_sh
     """Rank 1 (stage 1 of 2) SIGKILLed mid-step: the job ends at once, its rank and stage named; resumed from the
     last checkpoint on 2 stages x 2 replicas, it ends as the uninterrupted one-process run."""
     options = [*EPOCHS, "--stages", "2", "--micro-batches", "4", "--checkpoint-every", "5", "--out"]
-    killed = run_mpi("pipeline_train_kill.py", 2, "1", "12", *options, str(tmp_path / "a.h5"), timeout=90)
+    killed = run_mpi("pipeline_train_fault.py", 2, "kill", "1", "12", *options, str(tmp_path / "a.h5"), timeout=90)
     assert killed.returncode != 0 and killed.elapsed < 30 and not (tmp_path / "a.h5").exists()
     assert "rank 1 (pid " in killed.stderr and ", train: pipeline stage 1 of 2) on host " in killed.stderr
     assert killed.stderr.count("ended while the job ran") == 1, killed.stderr
@@ -90,11 +90,11 @@ def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_on
      (4, ["--stages", "4", "--hidden", ""], "the model has 2 modules, too few for 4 stages"),
      (2, ["--stages", "2", "--micro-batches", "80", "--batch-size", "64"],
       "a batch of 64 over 1 replicas leaves 64 samples to cut into 80 micro-batches"),
-     (2, ["--stages", "2", "--compression", "bf16"], "compression applies to data-parallel training only"),
-     (2, ["--stages", "0"], "stages must be at least 1, got 0"),
      (2, ["--stages", "2", "--schedule", "zb"], "schedule must be one of 1f1b, gpipe, got 'zb'")],
 )  # fmt: skip
 def test_bad_pipeline_settings_are_refused_before_any_step(tmp_path, ranks, options, message):
+    """What only the world or the data can refute, and one settings check through the command line (the others:
+    tests/unit/test_train_parts.py)."""
     job = mpiscale(ranks, "train", "--epochs", "1", *options, "--out", tmp_path / "m.h5")
     assert job.returncode == 2, job.output[-3000:]
     assert message in job.stderr, job.stderr[-3000:]

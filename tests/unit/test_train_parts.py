@@ -27,6 +27,19 @@ def test_train_settings_from_a_table_and_the_command_line(tmp_path):
         CollectConfig(layers=" , ")
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [({"stages": 2, "compression": "bf16"}, "compression applies to data-parallel training only"),
+     ({"stages": 0}, "stages must be at least 1, got 0"),
+     ({"micro_batches": 0}, "micro_batches must be at least 1, got 0"),
+     ({"stages": 2, "schedule": "zb"}, "schedule must be one of 1f1b, gpipe, got 'zb'")],
+)  # fmt: skip
+def test_bad_pipeline_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**settings)
+    assert TrainConfig(micro_batches=4).pipelined and not TrainConfig().pipelined
+
+
 def test_adam_state_survives_a_round_trip():
     """Save after 3 steps, load into a fresh model and optimizer: the next step is the same to the bit."""
     torch.manual_seed(0)
