@@ -58,6 +58,7 @@ from .data import LabelledData, check_classes, check_labelled, resident_block
 from .data_parallel import DataParallel
 from .digits import write_digits
 from .model import build_mlp, set_standardization
+from .pipeline.state import INDEX as PIPELINE_INDEX
 from .results import TrainResults, write
 from .state import OPTIMIZER_SETTINGS, TrainingState, json_array
 
@@ -229,6 +230,11 @@ def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curv
             raise CheckpointError(
                 f"the newest checkpoint in {config.checkpoints} is at step {restored.step}, past the {total} steps of "
                 f"{config.epochs} epochs: give more --epochs to continue it"
+            )
+        if PIPELINE_INDEX in restored.meta:
+            raise CheckpointError(
+                f"the checkpoint in {config.checkpoints} is of pipeline training: resume it with --stages or "
+                "--micro-batches (any: --micro-batches 2 alone trains as one stage)"
             )
 
     expected = compatibility(config, data, spec)

@@ -68,7 +68,7 @@ def test_a_killed_stage_ends_the_job_naming_it_and_the_run_resumes_on_another_sh
 
 def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_ones(one_process, tmp_path):
     """Parameters by name: a 3-stage run's checkpoint goes on as one stage with micro-batches; a data-parallel
-    run's checkpoint is refused with what to do, before any step."""
+    run's checkpoint is refused by a pipeline run and the reverse, with what to do, before any step."""
     first = mpiscale(3, "train", "--epochs", "1", "--batch-size", "96", "--stages", "3", "--checkpoint-every", "14",
                      "--out", tmp_path / "a.h5")  # fmt: skip
     assert_ok(first)
@@ -82,6 +82,10 @@ def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_on
                        tmp_path / "c.checkpoints", "--out", tmp_path / "d.h5")  # fmt: skip
     assert refused.returncode == 2 and not (tmp_path / "d.h5").exists()
     assert "is of data-parallel training (no --stages or --micro-batches): resume it without them" in refused.stderr
+    reverse = mpiscale(2, "train", *EPOCHS, "--checkpoint-dir", tmp_path / "a.checkpoints", "--resume", "--out",
+                       tmp_path / "e.h5")  # fmt: skip
+    assert reverse.returncode == 2 and not (tmp_path / "e.h5").exists()
+    assert "is of pipeline training: resume it with --stages or --micro-batches" in reverse.stderr
 
 
 @pytest.mark.parametrize(
