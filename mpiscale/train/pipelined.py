@@ -25,22 +25,17 @@ import numpy as np
 import torch
 from torch.optim import Adam
 
-from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
+from ..io import BatchReader, Checkpointer, OutputLock
 from ..jobs import (
     Ended,
     HeldOutputs,
     Plan,
     Step,
-    check_not_an_input,
-    check_outputs,
     close_checkpointer,
-    lock_results,
-    restore_compatible,
     settings_meta,
     state_arrays,
 )
-from ..kernels.threads import share_cores
-from ..ranks import Comm, ranks_sharing_cores
+from ..ranks import Comm
 from ..runtime import ActorSystem
 from .config import TrainConfig
 from .curves import Curves
@@ -49,7 +44,15 @@ from .model import build_mlp, set_standardization
 from .pipeline import Pipeline, split_sequential, stage_of
 from .pipeline.state import INDEX, StageState, restore_rows
 from .state import load_model_arrays
-from .trainer import compatibility, finish_training, prepare_data, progress_text
+from .trainer import (
+    claim_outputs,
+    compatibility,
+    finish_training,
+    prepare_data,
+    progress_text,
+    restored_training,
+    training_plan,
+)
 
 
 @dataclass
@@ -124,11 +127,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    threads = share_cores(ranks_sharing_cores(comm))
-    torch.set_num_threads(threads)
-    check_outputs(config.out, config.checkpoints)
-    check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
-    results_lock = lock_results(config.out, comm)
+    threads, results_lock = claim_outputs(config, comm)
     checkpoints, edge = None, None
     try:
         replicas = _replicas(system.size, config)
@@ -157,9 +156,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         curves = Curves()
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
         start = _restore(config, data, spec, checkpoints, state, curves)
-        total = config.epochs * (data.samples // config.batch_size)
-        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
-                    checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
+        plan = training_plan(config, data)
         return _PipelineTraining(
             system, config, comm, data, validation, spec, stage, optimizer, state, curves, start, edge, checkpoints,
             threads, results_lock, plan, replicas,
@@ -194,22 +191,8 @@ def _edge(comm: Comm, data: LabelledData, stage: int, stages: int) -> _Edge | No
 
 
 def _restore(config, data, spec, checkpoints, state: StageState, curves: Curves) -> int:
-    total = config.epochs * (data.samples // config.batch_size)
-
-    def usable(restored) -> None:
-        if restored.step > total:
-            raise CheckpointError(
-                f"the newest checkpoint in {config.checkpoints} is at step {restored.step}, past the {total} steps of "
-                f"{config.epochs} epochs: give more --epochs to continue it"
-            )
-        if INDEX not in restored.meta:
-            raise CheckpointError(
-                f"the checkpoint in {config.checkpoints} is of data-parallel training (no --stages or "
-                "--micro-batches): resume it without them"
-            )
-
-    expected = compatibility(config, data, spec)
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable)
+    """The steps of the checkpoint a resumed run continues (0: none), this stage's part loaded into ``state``."""
+    restored = restored_training(config, data, spec, checkpoints, pipelined=True)
     if restored is None:
         return 0
     restored = restore_rows(checkpoints, restored, state)

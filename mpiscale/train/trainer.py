@@ -30,6 +30,7 @@ from ..io import (
     CheckpointError,
     DataFileError,
     OutputLock,
+    Restored,
 )
 from ..jobs import (
     Ended,
@@ -160,11 +161,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
-    threads = share_cores(ranks_sharing_cores(comm))
-    torch.set_num_threads(threads)
-    check_outputs(config.out, config.checkpoints)  # always open: a stop checkpoints without periodic ones too
-    check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
-    results_lock = lock_results(config.out, comm)
+    threads, results_lock = claim_outputs(config, comm)
     checkpoints = None
     try:
         data, validation, classes, mean, std = prepare_data(config, comm)
@@ -182,9 +179,7 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
         start = _restore(config, data, spec, checkpoints, TrainingState(model, optimizer, config.checkpoints), curves)
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
         parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
-        total = config.epochs * (data.samples // config.batch_size)  # the reader drops the last partial batch
-        plan = Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
-                    checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
+        plan = training_plan(config, data)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
             threads, results_lock, plan,
@@ -194,6 +189,23 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
         if results_lock is not None:
             results_lock.release()
         raise
+
+
+def claim_outputs(config: TrainConfig, comm: Comm) -> tuple[int, OutputLock | None]:
+    """(torch threads per rank, now set; the results file's lock): the outputs checked, none of them an input, and
+    locked against a second job (collective)."""
+    threads = share_cores(ranks_sharing_cores(comm))
+    torch.set_num_threads(threads)
+    check_outputs(config.out, config.checkpoints)  # always open: a stop checkpoints without periodic ones too
+    check_not_an_input(config.out, [spec for spec in (config.data, config.validation) if spec], comm)
+    return threads, lock_results(config.out, comm)
+
+
+def training_plan(config: TrainConfig, data: LabelledData) -> Plan:
+    """How the lifecycle counts, shows and saves the steps of a training run."""
+    total = config.epochs * (data.samples // config.batch_size)  # the reader drops the last partial batch
+    return Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
+                checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
 
 
 def prepare_data(config: TrainConfig, comm: Comm):
@@ -221,27 +233,41 @@ def compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
     return {name: getattr(config, name) for name in COMPATIBLE} | {"samples": data.samples, "spec": spec}
 
 
-def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves) -> int:
-    """The steps of the checkpoint a resumed run continues (0: none), its state loaded into ``state`` and ``curves``."""
+def restored_training(
+    config: TrainConfig, data: LabelledData, spec: dict, checkpoints: Checkpointer, pipelined: bool
+) -> Restored | None:
+    """The checkpoint a resumed run continues (None: none, or not resuming), refused unless it is within the run's
+    steps, of the same kind of training (data-parallel, or pipeline: ``pipelined``) and of the same settings."""
     total = config.epochs * (data.samples // config.batch_size)
 
-    def within_steps(restored) -> None:
+    def usable(restored: Restored) -> None:
         if restored.step > total:
             raise CheckpointError(
                 f"the newest checkpoint in {config.checkpoints} is at step {restored.step}, past the {total} steps of "
                 f"{config.epochs} epochs: give more --epochs to continue it"
             )
-        if PIPELINE_INDEX in restored.meta:
+        if pipelined and PIPELINE_INDEX not in restored.meta:
+            raise CheckpointError(
+                f"the checkpoint in {config.checkpoints} is of data-parallel training (no --stages or "
+                "--micro-batches): resume it without them"
+            )
+        if not pipelined and PIPELINE_INDEX in restored.meta:
             raise CheckpointError(
                 f"the checkpoint in {config.checkpoints} is of pipeline training: resume it with --stages or "
                 "--micro-batches (any: --micro-batches 2 alone trains as one stage)"
             )
 
     expected = compatibility(config, data, spec)
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", within_steps)
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable)
+    if restored is None and config.resume and checkpoints.rank == 0:
+        log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
+    return restored
+
+
+def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves) -> int:
+    """The steps of the checkpoint a resumed run continues (0: none), its state loaded into ``state`` and ``curves``."""
+    restored = restored_training(config, data, spec, checkpoints, pipelined=False)
     if restored is None:
-        if config.resume and checkpoints.rank == 0:
-            log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
         return 0
     arrays = dict(restored.replicated)
     if OPTIMIZER_SETTINGS not in arrays:  # checkpoints before the optimizer's settings travelled among its arrays

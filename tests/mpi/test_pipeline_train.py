@@ -6,6 +6,8 @@ one-rank data-parallel run within float32 rounding, whatever the stages,
 replicas, micro-batches or schedule, and across a resume on another shape.
 """
 
+import re
+
 import h5py
 import numpy as np
 import pytest
@@ -62,7 +64,7 @@ def test_a_killed_stage_ends_the_job_naming_it_and_the_run_resumes_on_another_sh
     again = ["--stages", "2", "--micro-batches", "3", "--checkpoint-dir", tmp_path / "a.checkpoints", "--resume"]
     resumed = mpiscale(4, "train", *EPOCHS, *again, "--out", tmp_path / "b.h5")
     assert_ok(resumed)
-    assert "resumed from the checkpoint of step 10 in " in resumed.stdout
+    assert re.search(r"resumed from the checkpoint of step (5|10) in ", resumed.stdout)  # 10's may be unwritten
     assert_follows(one_process, tmp_path / "b.h5")
 
 
