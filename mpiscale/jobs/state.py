@@ -67,8 +67,10 @@ def restore_compatible(
     expected: dict,
     unit: str,
     check: Callable[[Restored], None] | None = None,
+    rows: dict[str, tuple[int, int]] | None = None,
 ) -> Restored | None:
-    """The newest checkpoint when ``resume`` (None if there is none), or None when starting afresh.
+    """The newest checkpoint when ``resume`` (None if there is none), or None when starting afresh; ``rows`` are
+    the rows of sharded arrays this rank reads (``Checkpointer.load``'s; by default its block).
 
     Without ``resume`` an existing checkpoint is refused, never overwritten.
     ``check`` (the step against the run's length, say) runs next; then
@@ -85,7 +87,7 @@ def restore_compatible(
                 "pass --resume to continue from them, or choose another --checkpoint-dir"
             )
         return None
-    restored = checkpoints.load()
+    restored = checkpoints.load(rows=rows)
     if restored is None:
         return None
     if check is not None:

@@ -212,12 +212,9 @@ class ProgressEngine:
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
         future = asyncio.get_running_loop().create_future()
-        key, started = id(future), time.monotonic()
-        self._waits[key] = (what, started)
+        self.count_wait(future, what)
 
         def resolve() -> None:
-            if self._waits.pop(key, None) is not None:
-                self.collective_wait_s += time.monotonic() - started
             if not future.done():
                 future.set_result(None)
 

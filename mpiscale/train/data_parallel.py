@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ..runtime import ActorSystem, Group
+from ..runtime import ActorSystem, Communicator, Group
 from .compression import Compression, Exact
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
@@ -55,6 +55,37 @@ class _Bucket:
 
     def view(self, index: int) -> np.ndarray:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
+
+
+async def broadcast_module(world: Communicator, module: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers of ``module`` on every rank of ``world`` (collective over it)."""
+    with torch.no_grad():
+        for tensor in module.parameters():
+            array = tensor.detach().numpy()
+            if array.flags.c_contiguous:
+                await world.bcast_array(array, root=0)
+                continue
+            ordered = np.ascontiguousarray(array)  # channels_last and other strides: in logical order, and back
+            await world.bcast_array(ordered, root=0)
+            tensor.copy_(torch.from_numpy(ordered))
+    await broadcast_buffers(world, module)
+
+
+async def broadcast_buffers(world: Communicator, module: torch.nn.Module) -> None:
+    """Rank 0's buffers of ``module`` on every rank of ``world``, their bytes packed into one broadcast."""
+    buffers = list(module.buffers())
+    if not buffers:
+        return
+    with torch.no_grad():
+        arrays = [np.array(b.detach().numpy(), order="C") for b in buffers]  # (0-d ones stay 0-d)
+        packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        await world.bcast_array(packed, root=0)
+        offset = 0
+        for tensor, array in zip(buffers, arrays):
+            size = array.nbytes
+            values = packed[offset : offset + size].view(array.dtype).reshape(array.shape)
+            tensor.copy_(torch.from_numpy(values))
+            offset += size
 
 
 class DataParallel:
@@ -85,36 +116,7 @@ class DataParallel:
 
     async def broadcast_parameters(self) -> None:
         """Give every rank rank 0's parameters and buffers (collective; call once before training)."""
-        with torch.no_grad():
-            for tensor in self.module.parameters():
-                await self._broadcast(tensor)
-        await self._broadcast_buffers()
-
-    async def _broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0's values of ``tensor`` on every rank, whatever its memory format."""
-        array = tensor.detach().numpy()
-        if array.flags.c_contiguous:
-            await self.system.world.bcast_array(array, root=0)
-            return
-        ordered = np.ascontiguousarray(array)  # channels_last and other strides: in logical order, and back
-        await self.system.world.bcast_array(ordered, root=0)
-        tensor.copy_(torch.from_numpy(ordered))
-
-    async def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers on every rank, their bytes packed into one broadcast (collective)."""
-        buffers = list(self.module.buffers())
-        if not buffers:
-            return
-        with torch.no_grad():
-            arrays = [np.array(b.detach().numpy(), order="C") for b in buffers]  # (0-d ones stay 0-d)
-            packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
-            await self.system.world.bcast_array(packed, root=0)
-            offset = 0
-            for tensor, array in zip(buffers, arrays):
-                size = array.nbytes
-                values = packed[offset : offset + size].view(array.dtype).reshape(array.shape)
-                tensor.copy_(torch.from_numpy(values))
-                offset += size
+        await broadcast_module(self.system.world, self.module)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -180,7 +182,7 @@ class DataParallel:
                 bucket.ready.clear()
         self._launched = 0
         if self.broadcast_buffers:
-            await self._broadcast_buffers()
+            await broadcast_buffers(self.system.world, self.module)
 
     @staticmethod
     def _plan(params: list[torch.nn.Parameter], first_mib: float, cap_mib: float) -> list[_Bucket]:

@@ -132,8 +132,6 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     try:
         replicas = _replicas(system.size, config)
         data, validation, classes, mean, std = prepare_data(config, comm)
-        if config.batch_size > data.samples:
-            raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
         share = config.batch_size // replicas  # the smallest replica's share of a batch
         if share < config.micro_batches:
             raise ValueError(
@@ -236,8 +234,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
                 stats = await pipeline.step(inputs, labels)
                 if optimizer is not None:
                     optimizer.step()
-                totals[:] = job.sums
-                await system.world.allreduce(totals, out=totals)
+                await system.world.allreduce(job.sums, out=totals)
                 step += 1
                 now = time.perf_counter()
                 curves.record_step(loss=totals[0] / totals[2], accuracy=totals[1] / totals[2], time_s=now - clock,

@@ -60,6 +60,7 @@ from .data_parallel import DataParallel
 from .digits import write_digits
 from .model import build_mlp, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
+from .pipeline.state import NO_ROWS
 from .results import TrainResults, write
 from .state import OPTIMIZER_SETTINGS, TrainingState, json_array
 
@@ -165,8 +166,6 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     checkpoints = None
     try:
         data, validation, classes, mean, std = prepare_data(config, comm)
-        if config.batch_size > data.samples:
-            raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
         if config.batch_size < system.size:
             raise ValueError(f"batch size {config.batch_size} leaves ranks without samples: use at least {system.size}")
         spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
@@ -209,7 +208,8 @@ def training_plan(config: TrainConfig, data: LabelledData) -> Plan:
 
 
 def prepare_data(config: TrainConfig, comm: Comm):
-    """(training data, held-out data or None, classes, feature mean, feature std), checked."""
+    """(training data, held-out data or None, classes, feature mean, feature std), checked, also against the batch
+    size."""
     if config.data:
         train_path, validation_path = config.data, config.validation
     else:
@@ -226,6 +226,8 @@ def prepare_data(config: TrainConfig, comm: Comm):
             log.warning("%s has labels up to %d, unseen in training", validation_path, held_out_classes - 1)
             classes = held_out_classes
     check_classes(data, classes)
+    if config.batch_size > data.samples:
+        raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
     return data, validation, classes, mean, std
 
 
@@ -258,7 +260,8 @@ def restored_training(
             )
 
     expected = compatibility(config, data, spec)
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable)
+    rows = NO_ROWS if pipelined else None  # a pipeline rank's range comes from the checkpoint's index
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows)
     if restored is None and config.resume and checkpoints.rank == 0:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
     return restored

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ...runtime import Actor, ActorRef, ActorSystem, Group
+from ..data_parallel import broadcast_module
 from .schedule import BACKWARD, FORWARD, Action, build
 
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
@@ -134,7 +135,6 @@ class Pipeline:
         self._before = ActorRef(system.rank - replicas, self._inbox)
         self._after = ActorRef(system.rank + replicas, self._inbox)
         self._step = 0
-        self._name = name
         #: The ranks holding this stage, which average their gradients (None with one replica).
         self.group: Group | None = None
 
@@ -161,11 +161,7 @@ class Pipeline:
         await system.spawn_group(StageInbox, pipeline._arrivals, name=pipeline._inbox)
         if replicas > 1:
             pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
-            with torch.no_grad():
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    array = np.ascontiguousarray(tensor.detach().numpy())
-                    await pipeline.group.world.bcast_array(array, root=0)
-                    tensor.copy_(torch.from_numpy(array))
+            await broadcast_module(pipeline.group.world, module)
         return pipeline
 
     def split(self, batch: torch.Tensor | Sequence[Any] | None, what: str) -> list[Any]:
@@ -261,11 +257,14 @@ class Pipeline:
 
     async def _take(self, key: Key) -> torch.Tensor:
         """The activation or gradient of ``key``; a wait for it counts as waiting on the neighbour that owes it."""
+        return await self._arrivals.take(key, lambda future: self.system.count_wait(future, self._awaited(key)))
+
+    def _awaited(self, key: Key) -> str:
+        """What this stage waits for, for the hang watch (made only when it has to wait)."""
         kind, step, m = key
         source = self.stage - 1 if kind == FORWARD else self.stage + 1
-        what = f"pipeline stage {self.stage} for the {'activation' if kind == FORWARD else 'gradient'} of micro-batch "
-        return await self._arrivals.take(key, lambda future: self.system.count_wait(
-            future, f"{what}{m} (step {step}) from stage {source}"))  # fmt: skip
+        what = "activation" if kind == FORWARD else "gradient"
+        return f"pipeline stage {self.stage} for the {what} of micro-batch {m} (step {step}) from stage {source}"
 
     @contextlib.contextmanager
     def _noted(self, action: Action, step: int) -> Iterator[None]:

@@ -19,12 +19,15 @@ import numpy as np
 import torch
 
 from ...io import Checkpointer, Restored
+from ..state import load_model_arrays
 
 MODEL, OPTIMIZER = "pipeline.model", "pipeline.optimizer"
 INDEX = "pipeline_index"  # the key of the index in the checkpoint's metadata
 _ADAM = ("exp_avg", "exp_avg_sq", "step")
 
 Entry = tuple[str, str, list[int], int]  # name, dtype, shape, byte offset in the whole array
+#: What a first read of a checkpoint takes of these arrays: nothing (a rank's range comes from the index it holds).
+NO_ROWS = {MODEL: (0, 0), OPTIMIZER: (0, 0)}
 
 
 def _model_arrays(module: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
@@ -43,9 +46,10 @@ def _optimizer_arrays(module: torch.nn.Module, optimizer: torch.optim.Optimizer 
     return arrays
 
 
-def _pack(arrays: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, list[tuple[str, str, list[int], int]]]:
+def _pack(arrays: list[tuple[str, np.ndarray]]) -> tuple[np.ndarray, list[Entry]]:
     """The arrays' bytes end to end, and (name, dtype, shape, offset) for each."""
-    entries, parts, offset = [], [], 0
+    entries: list[Entry] = []
+    parts, offset = [], 0
     for name, array in arrays:
         flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         entries.append((name, array.dtype.str, list(array.shape), offset))
@@ -65,14 +69,16 @@ class StageState:
 
     def sharded(self, comm) -> tuple[dict[str, np.ndarray], dict]:
         """(sharded arrays for ``Checkpointer.save``, the index for its metadata); collective over ``comm``."""
-        arrays, index = {}, {}
+        arrays: dict[str, np.ndarray] = {}
+        index: dict[str, list[Entry]] = {}
         for key, found in ((MODEL, _model_arrays(self.module)),
                            (OPTIMIZER, _optimizer_arrays(self.module, self.optimizer))):  # fmt: skip
             packed, entries = _pack(found if self.saves else [])
-            sizes = comm.allgather(packed.nbytes)
-            start = sum(sizes[: comm.Get_rank()])
-            everyone = comm.allgather([(n, d, s, start + o) for n, d, s, o in entries])
-            arrays[key], index[key] = packed, [entry for part in everyone for entry in part]
+            start, index[key] = 0, []
+            for size, part in comm.allgather((packed.nbytes, entries)):  # each rank's bytes follow the one before's
+                index[key] += [(name, dtype, shape, start + offset) for name, dtype, shape, offset in part]
+                start += size
+            arrays[key] = packed
         return arrays, index
 
     def rows(self, index: dict) -> dict[str, tuple[int, int]]:
@@ -90,20 +96,13 @@ class StageState:
         """Take this stage's weights and Adam state from ``restored`` (loaded with :meth:`rows`)."""
         index = restored.meta[INDEX]
         model = _unpack(restored, MODEL, index[MODEL])
-        state = self.module.state_dict()
-        for name, tensor in state.items():
-            saved = model.get(name)
-            if saved is None or tuple(saved.shape) != tuple(tensor.shape):
-                found = "missing" if saved is None else f"of shape {tuple(saved.shape)}"
-                raise ValueError(f"{where}: the weights {name} are {found}, the model needs {tuple(tensor.shape)}")
-            state[name] = torch.from_numpy(saved.copy())
-        self.module.load_state_dict(state)
+        load_model_arrays(self.module, {f"model.{name}": array for name, array in model.items()}, where)
         if self.optimizer is None:
             return
         moments = _unpack(restored, OPTIMIZER, index[OPTIMIZER])
         optimizer_state = {}
         for position, (name, _) in enumerate(self.module.named_parameters()):
-            entries = {key: torch.from_numpy(moments[f"{name}.{key}"].copy()) for key in _ADAM
+            entries = {key: torch.from_numpy(moments[f"{name}.{key}"]) for key in _ADAM
                        if f"{name}.{key}" in moments}  # fmt: skip
             if entries:
                 optimizer_state[position] = entries
@@ -116,17 +115,20 @@ def _nbytes(dtype: str, shape: Iterable[int]) -> int:
 
 
 def _unpack(restored: Restored, key: str, index: list[Entry]) -> dict[str, np.ndarray]:
-    """The entries that lie whole within this rank's rows of sharded array ``key``."""
+    """The entries that lie whole within this rank's rows of sharded array ``key`` (aligned copies)."""
     start, stop = restored.rows[key]
     data = restored.sharded[key]
     arrays = {}
     for name, dtype, shape, offset in index:
         size = _nbytes(dtype, shape)
         if start <= offset and offset + size <= stop:
-            arrays[name] = data[offset - start : offset - start + size].view(np.dtype(dtype)).reshape(shape)
+            arrays[name] = data[offset - start : offset - start + size].copy().view(np.dtype(dtype)).reshape(shape)
     return arrays
 
 
 def restore_rows(checkpoints: Checkpointer, restored: Restored, state: StageState) -> Restored:
-    """``restored`` read again with this rank's own rows of the pipeline's arrays (collective)."""
-    return checkpoints.load(restored.step, rows=state.rows(restored.meta[INDEX]))  # type: ignore[return-value]
+    """``restored`` (read with :data:`NO_ROWS`) read again with this rank's own rows of the pipeline's arrays
+    (collective)."""
+    again = checkpoints.load(restored.step, rows=state.rows(restored.meta[INDEX]))
+    assert again is not None  # the step was just read
+    return again
