@@ -14,6 +14,7 @@ from it, and ``mpiscale inspect`` shows which inputs activate each atom.
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -27,14 +28,14 @@ from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem, JobRefused
 from .config import CollectConfig
-from .model import module_names, standardizer
+from .model import first_bad_row, input_layout, module_names
 from .results import load_trained
 
 ACTIVATIONS_FORMAT = "mpiscale.activations/1"
 
 
 class _BadRows(AgreedError):
-    """A round's rows hold NaN or infinity on some rank: bad input (status 2), found as the rows are read."""
+    """Some rank's rows of a round hold values the model cannot take: bad input (status 2), found as they are read."""
 
 
 @dataclass
@@ -45,6 +46,8 @@ class _Job:
     name: str
     samples: int
     features: int  # numbers per input row
+    dtype: np.dtype  # the numpy type the model takes them as
+    spec: dict  # the model's shape, as its results file gives it
     widths: dict[str, int]
     attrs: dict
     lock: OutputLock | None
@@ -83,9 +86,11 @@ def _prepare(config: CollectConfig) -> _Job:
     with ShardedDataset(path, name, comm) as data:
         name, shape, dtype = data.name, data.shape, data.dtype
     features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
-    inputs = standardizer(model).mean.numel()
-    if dtype.kind not in "biuf" or features != inputs:
-        raise DataFileError(path, f"the model takes rows of {inputs} numbers, the data set holds {dtype} {shape}", name)
+    spec = json.loads(trained["model"])
+    inputs, model_dtype = input_layout(spec)
+    kinds, what = ("biu", "integer token ids") if model_dtype.kind == "i" else ("biuf", "numbers")
+    if dtype.kind not in kinds or features != inputs:
+        raise DataFileError(path, f"the model takes rows of {inputs} {what}, the data set holds {dtype} {shape}", name)
     labels = config.labels or (str(trained["labels"]) if not config.data else "")
     attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
     if "image_shape" in trained:
@@ -93,13 +98,13 @@ def _prepare(config: CollectConfig) -> _Job:
     check_outputs(config.out, None)
     check_not_an_input(config.out, [config.model, path], comm)
     lock = lock_results(config.out, comm)
-    widths = _widths(model, config.layer_names, inputs)
-    return _Job(comm, model, path, name, shape[0], inputs, widths, attrs, lock)
+    widths = _widths(model, config.layer_names, inputs, model_dtype)
+    return _Job(comm, model, path, name, shape[0], inputs, model_dtype, spec, widths, attrs, lock)
 
 
-def _widths(model: torch.nn.Module, layers: list[str], inputs: int) -> dict[str, int]:
+def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dtype) -> dict[str, int]:
     """Each layer's output width, from one row of zeros."""
-    captured = _run(model, layers, np.zeros((1, inputs), np.float32))
+    captured = _run(model, layers, np.zeros((1, inputs), dtype))
     return {name: captured[name].shape[1] for name in layers}
 
 
@@ -139,8 +144,8 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         for index in range(rounds):
             lo = min(start + index * config.batch_size, stop)
             hi = min(lo + config.batch_size, stop)
-            rows = np.asarray(data.read_collective(lo, hi), np.float32).reshape(hi - lo, job.features)
-            run_agreed(comm, f"round {index + 1}", partial(_check_finite, job, rows, lo), _BadRows)
+            rows = np.asarray(data.read_collective(lo, hi), job.dtype).reshape(hi - lo, job.features)
+            run_agreed(comm, f"round {index + 1}", partial(_check_rows, job, rows, lo), _BadRows)
             captured: dict[str, np.ndarray] = {}
             # agreed: a failure on one rank must not leave the others waiting in the collective write
             run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}", partial(_capture, job, rows, captured))
@@ -153,12 +158,12 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
     return {"samples": job.samples, "widths": job.widths}
 
 
-def _check_finite(job: _Job, rows: np.ndarray, first: int) -> None:
-    """Refuse rows holding NaN or infinity (their activations would be NaN); ``first`` is the first row's number."""
-    bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
-    if len(bad):
-        raise DataFileError(job.path, f"sample {first + bad[0]} holds NaN or infinite values; clean the data first",
-                            job.name)  # fmt: skip
+def _check_rows(job: _Job, rows: np.ndarray, first: int) -> None:
+    """Refuse rows the model cannot take (NaN or infinity, token ids it does not know); ``first`` is the first row's
+    number."""
+    bad = first_bad_row(job.spec, rows)
+    if bad is not None:
+        raise DataFileError(job.path, f"sample {first + bad[0]} {bad[1]}", job.name)
 
 
 def _capture(job: _Job, rows: np.ndarray, into: dict[str, np.ndarray]) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..jobs import option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+MODELS = ("mlp", "transformer")
 
 
 def _positive(config, names: tuple[str, ...], problems: list[str]) -> None:
@@ -30,14 +31,24 @@ class TrainConfig:
     data: str = option(
         "",
         "training data: an HDF5 file (or an index of several) holding the INPUTS and LABELS data sets, one sample "
-        "per row; empty = scikit-learn's bundled handwritten digits (8x8 images), written beside OUT",
+        "per row; empty = scikit-learn's bundled handwritten digits (8x8 images) for the MLP, or for the "
+        "transformer synthetic sequences (24 tokens of 16, labelled by the most frequent of tokens 0-3), written "
+        "beside OUT",
     )
     inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
     labels: str = option("labels", "the data set of integer class labels in DATA (0 .. classes-1)")
     validation: str = option(
         "", "held-out data with the same data sets, scored after every epoch (the digits: their last 20%%)"
     )
-    hidden: str = option("128,64", "widths of the hidden layers, comma-separated (ReLU after each)")
+    model: str = option(
+        "mlp",
+        "mlp (HIDDEN layers over rows of numbers) or transformer (an encoder of ENCODER_LAYERS over rows of integer "
+        "token ids, mean-pooled into the classifier)",
+    )
+    hidden: str = option("128,64", "mlp: widths of the hidden layers, comma-separated (ReLU after each)")
+    width: int = option(64, "transformer: the embedding width (a multiple of HEADS)")
+    heads: int = option(4, "transformer: attention heads per layer")
+    encoder_layers: int = option(2, "transformer: self-attention layers")
     epochs: int = option(20, "passes over the training data")
     batch_size: int = option(64, "global mini-batch (split over the ranks; the last partial batch is dropped)")
     learning_rate: float = option(1e-3, "Adam's step size")
@@ -70,6 +81,8 @@ class TrainConfig:
         problems: list[str] = []
         if self.compression not in COMPRESSIONS:
             problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
+        if self.model not in MODELS:
+            problems.append(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
         if self.powersgd_start < 0:
             problems.append(f"powersgd_start must be 0 or more, got {self.powersgd_start}")
         if self.schedule != "1f1b":  # imported only then: the pipeline package brings torch
@@ -80,9 +93,12 @@ class TrainConfig:
         if self.pipelined and self.compression != "none":
             problems.append("compression applies to data-parallel training only: drop it, or use STAGES 1 and "
                             "MICRO_BATCHES 1")  # fmt: skip
-        for name in ("epochs", "batch_size", "powersgd_rank", "stages", "micro_batches"):
+        for name in ("epochs", "batch_size", "powersgd_rank", "stages", "micro_batches", "width", "heads",
+                     "encoder_layers"):  # fmt: skip
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.width >= 1 and self.heads >= 1 and self.width % self.heads:
+            problems.append(f"width must be a multiple of heads, got width {self.width} and {self.heads} heads")
         if self.checkpoint_every < 0:
             problems.append(f"checkpoint_every must be 0 or more, got {self.checkpoint_every}")
         _positive(self, ("learning_rate", "bucket_mib"), problems)

@@ -21,6 +21,9 @@ class LabelledData:
     samples: int
     features: int
     patch_shape: list[int] | None  # rows that are images (for the catalogue and plots)
+    integers: bool  # the inputs are stored as integers (token ids, for a transformer)
+    lowest: float  # the smallest and largest input value
+    highest: float
 
     @property
     def spec(self) -> str:
@@ -61,6 +64,8 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     first_bad = comm.allreduce(first + int(bad[0]) if len(bad) else shape[0], op=MPI.MIN)
     extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)  # (lowest, -highest)
     comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
+    span = np.array([block.min(initial=np.inf), -block.max(initial=-np.inf)])  # of the inputs: (lowest, -highest)
+    comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
     if first_bad < shape[0]:
         raise DataFileError(path, f"sample {first_bad} holds NaN or infinite values; clean the data first", inputs)
     if extremes[0] < 0:
@@ -68,13 +73,14 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     samples = shape[0]
     mean = sums[0] / samples
     std = np.sqrt(np.maximum(sums[1] / samples - mean * mean, 0.0))
-    checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape)
+    checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
+                           dtype.kind in "biu", float(span[0]), float(-span[1]))  # fmt: skip
     return checked, int(-extremes[1]) + 1, mean, std
 
 
-def resident_block(data: LabelledData, comm: Comm) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs as float32 rows, labels) of this rank's block of the file, read collectively."""
-    inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(np.float32)
+def resident_block(data: LabelledData, comm: Comm, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs as rows of ``dtype``, labels) of this rank's block of the file, read collectively."""
+    inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(dtype)
     return inputs, read_dataset(data.path, data.labels, comm).astype(np.int64)
 
 

@@ -1,9 +1,12 @@
-"""The model ``mpiscale train`` fits: a multilayer perceptron whose shape is a small JSON-able dict.
+"""The models ``mpiscale train`` fits, each described by a small JSON-able dict (its ``spec``).
 
-The inputs are standardised inside the model (the training set's mean and
-scale are buffers), so a saved model takes raw rows, in training and in
-``mpiscale collect`` alike. Modules are named ``hidden1``, ``relu1``, ...,
-``output``: the names ``collect --layers`` takes.
+The default is a multilayer perceptron over rows of numbers. Its inputs are
+standardised inside the model (the training set's mean and scale are
+buffers), so a saved model takes raw rows, in training and in ``mpiscale
+collect`` alike. Modules are named ``hidden1``, ``relu1``, ..., ``output``:
+the names ``collect --layers`` takes. A spec of kind ``transformer`` is the
+encoder of :mod:`.encoder`, over rows of integer tokens. Specs without a kind
+(results files of earlier versions) are MLPs.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+
+from .encoder import build_encoder
 
 
 class Standardize(torch.nn.Module):
@@ -27,6 +32,43 @@ class Standardize(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.scale
+
+
+TRANSFORMER = "transformer"
+
+
+def build_model(spec: dict) -> torch.nn.Sequential:
+    """The untrained model of ``spec`` (its weights drawn from torch's generator)."""
+    return build_encoder(spec) if spec.get("kind") == TRANSFORMER else build_mlp(spec)
+
+
+def input_layout(spec: dict) -> tuple[int, np.dtype]:
+    """(numbers per input row, the numpy type the model takes them as): floats for the MLP, token ids otherwise."""
+    if spec.get("kind") == TRANSFORMER:
+        return spec["length"], np.dtype(np.int64)
+    return spec["inputs"], np.dtype(np.float32)
+
+
+def first_bad_row(spec: dict, rows: np.ndarray) -> tuple[int, str] | None:
+    """(index, what is wrong) of the first of ``rows`` the model cannot take, or None: NaN or infinity for the MLP,
+    token ids outside its vocabulary for the transformer."""
+    if spec.get("kind") == TRANSFORMER:
+        bad = np.flatnonzero(((rows < 0) | (rows >= spec["vocab"])).any(axis=1))
+        why = f"holds token ids outside 0 .. {spec['vocab'] - 1}, the model's vocabulary"
+    else:
+        bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
+        why = "holds NaN or infinite values; clean the data first"
+    return (int(bad[0]), why) if len(bad) else None
+
+
+def describe(spec: dict) -> str:
+    """The model in a few words, for reports."""
+    if spec.get("kind") == TRANSFORMER:
+        return (
+            f"transformer encoder of {spec['layers']} layers (width {spec['width']}, {spec['heads']} heads) over "
+            f"{spec['length']} tokens of {spec['vocab']} -> {spec['classes']} classes"
+        )
+    return f"MLP {spec['inputs']} -> {' -> '.join(map(str, spec['hidden']))} -> {spec['classes']} classes"
 
 
 def build_mlp(spec: dict) -> torch.nn.Sequential:

@@ -40,7 +40,7 @@ from ..runtime import ActorSystem
 from .config import TrainConfig
 from .curves import Curves
 from .data import LabelledData, resident_block
-from .model import build_mlp, set_standardization
+from .model import build_model, input_layout
 from .pipeline import Pipeline, split_sequential, stage_of
 from .pipeline.state import INDEX, StageState, restore_rows
 from .state import load_model_arrays
@@ -116,7 +116,7 @@ class _PipelineTraining(HeldOutputs):
         parts = self.comm.gather(mine if self.system.rank % self.replicas == 0 else {}, root=0)
         model = None
         if parts is not None:
-            model = build_mlp(self.spec)
+            model = build_model(self.spec)
             load_model_arrays(model, {f"model.{n}": a for part in parts for n, a in part.items()}, "the stages")
         return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
                                      model, self.curves, self.threads, ended)  # fmt: skip
@@ -131,17 +131,13 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     checkpoints, edge = None, None
     try:
         replicas = _replicas(system.size, config)
-        data, validation, classes, mean, std = prepare_data(config, comm)
+        data, validation, spec, model = prepare_data(config, comm)
         share = config.batch_size // replicas  # the smallest replica's share of a batch
         if share < config.micro_batches:
             raise ValueError(
                 f"a batch of {config.batch_size} over {replicas} replicas leaves {share} samples to cut into "
                 f"{config.micro_batches} micro-batches: use a batch of at least {replicas * config.micro_batches}"
             )
-        spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
-        torch.manual_seed(config.seed)
-        model = build_mlp(spec)
-        set_standardization(model, mean, std)
         children = len(model)
         if config.stages > children:
             raise ValueError(f"the model has {children} modules, too few for {config.stages} stages")
@@ -211,7 +207,8 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     if edge is not None:
         reader = BatchReader(data.path, edge.names, config.batch_size, edge.comm, shuffle=True, seed=config.seed,
                              drop_last=True)  # fmt: skip
-    held_out = resident_block(job.validation, edge.comm) if job.validation is not None and edge else None
+    dtype = input_layout(job.spec)[1]
+    held_out = resident_block(job.validation, edge.comm, dtype) if job.validation is not None and edge else None
     totals = np.zeros(3)
     step = start
     clock = time.perf_counter() - curves.elapsed
@@ -224,7 +221,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
                 inputs = labels = None
                 if batch is not None:
                     if data.inputs in batch.data:
-                        rows = np.asarray(batch.data[data.inputs], np.float32).reshape(len(batch.ids), -1)
+                        rows = np.asarray(batch.data[data.inputs], dtype).reshape(len(batch.ids), -1)
                         inputs = torch.from_numpy(rows)
                     if data.labels in batch.data:
                         labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))

@@ -6,7 +6,8 @@ Layout, all readable with plain h5py:
 - ``/curves/step/<metric>`` (loss, accuracy, time_s, comm_wait_s: one row per step) and
   ``/curves/epoch/<metric>`` (epoch, validation_loss, validation_accuracy);
 - attributes: the usual mpiscale ones (version, format, created, world size, config),
-  ``model`` (the model's shape as JSON: inputs, hidden widths, classes), ``data`` and
+  ``model`` (the model's shape as JSON: inputs, hidden widths, classes; or the transformer's kind,
+  vocab, length, width, heads, layers, classes), ``data`` and
   ``validation`` (FILE:/dataset), ``labels``, ``samples``, ``steps``, ``hosts``,
   ``threads_per_rank`` and ``image_shape`` when the inputs are images.
 """
@@ -24,7 +25,7 @@ from ..io import open_file, stamp
 from .config import TrainConfig
 from .curves import EPOCH_METRICS, STEP_METRICS, Curves
 from .data import LabelledData
-from .model import build_mlp, module_names
+from .model import build_model, describe, module_names
 from .state import load_model_arrays, model_arrays
 
 RESULTS_FORMAT = "mpiscale.train-results/1"
@@ -73,7 +74,7 @@ def load_trained(path: str) -> tuple[torch.nn.Sequential, dict]:
     with open_file(path, (RESULTS_FORMAT,)) as file:
         attrs = {key: file.attrs[key] for key in file.attrs}
         arrays = {f"model.{name}": file["model"][name][()] for name in file["model"]}
-    model = build_mlp(json.loads(attrs["model"]))
+    model = build_model(json.loads(attrs["model"]))
     load_model_arrays(model, arrays, path)
     model.eval()
     return model, attrs
@@ -88,8 +89,7 @@ def summarize(path: str) -> str:
     spec, config = json.loads(attrs["model"]), json.loads(attrs["config"])
     parameters = sum(p.numel() for p in model.parameters())
     lines = [
-        f"{path}: MLP {spec['inputs']} -> {' -> '.join(map(str, spec['hidden']))} -> {spec['classes']} classes "
-        f"({parameters:,} parameters), trained on {attrs['world_size']} ranks "
+        f"{path}: {describe(spec)} ({parameters:,} parameters), trained on {attrs['world_size']} ranks "
         f"({', '.join(json.loads(attrs['hosts']))}), "
         f"mpiscale {attrs['mpiscale_version']}, {attrs['created']}",
         f"data: {attrs['data']} ({attrs['samples']} samples); held out: {attrs['validation'] or 'none'}",

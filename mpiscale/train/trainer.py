@@ -52,13 +52,13 @@ from ..jobs import (
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
+from .bundled import write_digits, write_sequences
 from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
 from .data import LabelledData, check_classes, check_labelled, resident_block
 from .data_parallel import DataParallel
-from .digits import write_digits
-from .model import build_mlp, set_standardization
+from .model import TRANSFORMER, build_model, input_layout, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
 from .pipeline.state import NO_ROWS
 from .results import TrainResults, write
@@ -165,13 +165,9 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     threads, results_lock = claim_outputs(config, comm)
     checkpoints = None
     try:
-        data, validation, classes, mean, std = prepare_data(config, comm)
+        data, validation, spec, model = prepare_data(config, comm)
         if config.batch_size < system.size:
             raise ValueError(f"batch size {config.batch_size} leaves ranks without samples: use at least {system.size}")
-        spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
-        torch.manual_seed(config.seed)
-        model = build_mlp(spec)
-        set_standardization(model, mean, std)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         curves, start = Curves(), 0
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
@@ -207,13 +203,16 @@ def training_plan(config: TrainConfig, data: LabelledData) -> Plan:
                 checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
 
 
-def prepare_data(config: TrainConfig, comm: Comm):
-    """(training data, held-out data or None, classes, feature mean, feature std), checked, also against the batch
-    size."""
+def prepare_data(
+    config: TrainConfig, comm: Comm
+) -> tuple[LabelledData, LabelledData | None, dict, torch.nn.Sequential]:
+    """(training data, held-out data or None, the model's spec, the initial model), the data checked, also against
+    the model and the batch size; the weights drawn from the seed (collective)."""
+    transformer = config.model == TRANSFORMER
     if config.data:
         train_path, validation_path = config.data, config.validation
     else:
-        train_path, validation_path = write_digits(config.out, comm)
+        train_path, validation_path = (write_sequences if transformer else write_digits)(config.out, comm)
     data, classes, mean, std = check_labelled(train_path, config.inputs, config.labels, comm)
     validation = None
     if validation_path:
@@ -228,7 +227,38 @@ def prepare_data(config: TrainConfig, comm: Comm):
     check_classes(data, classes)
     if config.batch_size > data.samples:
         raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
-    return data, validation, classes, mean, std
+    torch.manual_seed(config.seed)
+    if transformer:
+        vocab = _vocabulary(data, validation)
+        spec = {"kind": TRANSFORMER, "vocab": vocab, "length": data.features, "width": config.width,
+                "heads": config.heads, "layers": config.encoder_layers, "classes": classes}  # fmt: skip
+        return data, validation, spec, build_model(spec)
+    spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
+    model = build_model(spec)
+    set_standardization(model, mean, std)
+    return data, validation, spec, model
+
+
+#: The largest vocabulary a transformer takes: token ids beyond it are a mistake (ids not renumbered), not a model.
+MAX_VOCABULARY = 1 << 24
+
+
+def _vocabulary(data: LabelledData, validation: LabelledData | None) -> int:
+    """One more than the largest token id of both files, which must hold integers 0 .. MAX_VOCABULARY - 1."""
+    for checked in (data, validation):
+        if checked is None:
+            continue
+        if not checked.integers:
+            raise DataFileError(checked.path, (
+                "the transformer takes integer token ids, one sequence per row; these inputs are not integers "
+                "(use --model mlp for rows of numbers)"
+            ), checked.inputs)  # fmt: skip
+        if checked.lowest < 0 or checked.highest >= MAX_VOCABULARY:
+            raise DataFileError(checked.path, (
+                f"token ids must lie in 0 .. {MAX_VOCABULARY - 1}, found {checked.lowest:.0f} .. {checked.highest:.0f} "
+                "(renumber them, e.g. with numpy.unique(tokens, return_inverse=True))"
+            ), checked.inputs)  # fmt: skip
+    return int(max(data.highest, validation.highest if validation is not None else 0)) + 1
 
 
 def compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
@@ -294,7 +324,8 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
         seed=config.seed,
         drop_last=True,
     )
-    held_out = resident_block(job.validation, job.comm) if job.validation is not None else None
+    dtype = input_layout(job.spec)[1]
+    held_out = resident_block(job.validation, job.comm, dtype) if job.validation is not None else None
     scale = system.size / config.batch_size  # the averaged gradient is the global batch's mean
     totals = np.zeros(2)
     step = start
@@ -309,7 +340,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
             model.train()
             async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
                 began = time.perf_counter()
-                x = torch.from_numpy(np.asarray(batch.data[data.inputs], np.float32).reshape(len(batch.ids), -1))
+                x = torch.from_numpy(np.asarray(batch.data[data.inputs], dtype).reshape(len(batch.ids), -1))
                 y = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
                 optimizer.zero_grad()
                 logits = model(x)

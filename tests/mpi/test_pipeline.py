@@ -7,7 +7,8 @@ from helpers import assert_ok, run_mpi
 @pytest.mark.parametrize("ranks, dtype", [(2, "float64"), (3, "float64"), (4, "float32")])
 def test_stages_train_as_one_process_accumulating_the_same_micro_batches(ranks, dtype):
     """Both schedules; micro-batches cut from a tensor, of different sizes, fewer than the stages, integer ids
-    between stages; float64 to 1e-12, float32 to 1e-6 after every step."""
+    between stages, the training job's transformer encoder (float64); float64 to 1e-12, float32 to 1e-6 after every
+    step."""
     job = run_mpi("pipeline.py", ranks, "check", dtype)
     assert_ok(job)
     assert f"pipeline ok on {ranks} stages x 1 replicas ({dtype})" in job.stdout

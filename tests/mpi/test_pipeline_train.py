@@ -6,11 +6,13 @@ one-rank data-parallel run within float32 rounding, whatever the stages,
 replicas, micro-batches or schedule, and across a resume on another shape.
 """
 
+import json
 import re
 
 import h5py
 import numpy as np
 import pytest
+import torch
 from helpers import assert_ok, run_mpi
 from test_train import mpiscale, weights
 
@@ -103,3 +105,54 @@ def test_bad_pipeline_settings_are_refused_before_any_step(tmp_path, ranks, opti
     assert job.returncode == 2, job.output[-3000:]
     assert message in job.stderr, job.stderr[-3000:]
     assert not (tmp_path / "m.h5").exists()
+
+
+def test_the_transformer_trains_as_a_pipeline_and_collect_reads_a_users_tokens(tmp_path):
+    """The encoder on the bundled sequences, 2 stages against one rank; ``collect`` of its pooled layer on tokens
+    a user wrote with h5py (int16, another data set name); bad token files refused by both jobs.
+
+    The tolerance is wider than the MLP's: Adam turns float32 rounding in gradients that are zero in exact
+    arithmetic (the attention's key bias) into full-size steps, on any change of the summation order (2 data-parallel
+    ranks differ from one as much, 1.5e-5 after 10 steps, measured). tests/mpi/test_pipeline.py checks the encoder's
+    pipeline in float64 to 1e-12.
+    """
+    options = ["--model", "transformer", "--epochs", "1", "--batch-size", "400", "--width", "32", "--heads", "2"]
+    one, two = tmp_path / "one.h5", tmp_path / "two.h5"
+    assert_ok(mpiscale(1, "train", *options, "--out", one))
+    job = mpiscale(2, "train", *options, "--stages", "2", "--micro-batches", "4", "--out", two)
+    assert_ok(job)
+    assert f"wrote {two}: 10 steps on 2 ranks; held-out accuracy" in job.stdout
+    expected, got = weights(one), weights(two)
+    assert got.keys() == expected.keys() and "encoder2.self_attn.in_proj_weight" in got
+    assert max(np.abs(got[name] - expected[name]).max() for name in expected) < 1e-4
+    with h5py.File(one, "r") as a, h5py.File(two, "r") as b:
+        assert json.loads(b.attrs["model"])["kind"] == "transformer"
+        np.testing.assert_allclose(b["curves/step/loss"][()], a["curves/step/loss"][()], rtol=1e-4)
+        assert b["curves/epoch/validation_accuracy"][-1] > 0.5  # 4 classes: chance is 0.25
+
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, 16, size=(50, 24)).astype(np.int16)
+    data = tmp_path / "mine.h5"
+    with h5py.File(data, "w") as file:
+        file["tokens"] = tokens
+        file["floats"] = tokens.astype(np.float32)
+        file["labels"] = np.zeros(50, np.int64)
+        bad = tokens.copy()
+        bad[31, 5] = 16
+        file["bad"] = bad
+    acts = tmp_path / "acts.h5"
+    assert_ok(mpiscale(2, "collect", "--model", two, "--data", f"{data}:/tokens", "--layers", "pool",
+                       "--batch-size", 16, "--out", acts))  # fmt: skip
+    from mpiscale.train.results import load_trained
+
+    net, _ = load_trained(str(two))
+    with torch.no_grad():
+        pooled = net[:-1](torch.from_numpy(tokens.astype(np.int64))).numpy()
+    with h5py.File(acts, "r") as file:
+        np.testing.assert_allclose(file["pool"][()], pooled, rtol=1e-4, atol=1e-5)
+    refused = mpiscale(2, "collect", "--model", two, "--data", f"{data}:/bad", "--layers", "pool", "--out",
+                       tmp_path / "b.h5")  # fmt: skip
+    assert refused.returncode == 2 and "sample 31 holds token ids outside 0 .. 15" in refused.stderr, refused.stderr
+    floats = mpiscale(1, "train", *options, "--data", data, "--inputs", "floats", "--batch-size", 10, "--out",
+                      tmp_path / "f.h5")  # fmt: skip
+    assert floats.returncode == 2 and "the transformer takes integer token ids" in floats.stderr, floats.stderr

@@ -7,7 +7,7 @@ import torch
 
 from mpiscale.dictlearn.catalogue import catalogue, format_catalogue
 from mpiscale.jobs import load_settings
-from mpiscale.train import digits
+from mpiscale.train import bundled
 from mpiscale.train.config import CollectConfig, TrainConfig
 from mpiscale.train.model import build_mlp
 from mpiscale.train.state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
@@ -32,9 +32,12 @@ def test_train_settings_from_a_table_and_the_command_line(tmp_path):
     [({"stages": 2, "compression": "bf16"}, "compression applies to data-parallel training only"),
      ({"stages": 0}, "stages must be at least 1, got 0"),
      ({"micro_batches": 0}, "micro_batches must be at least 1, got 0"),
-     ({"stages": 2, "schedule": "zb"}, "schedule must be one of 1f1b, gpipe, got 'zb'")],
+     ({"stages": 2, "schedule": "zb"}, "schedule must be one of 1f1b, gpipe, got 'zb'"),
+     ({"model": "cnn"}, "model must be one of mlp, transformer, got 'cnn'"),
+     ({"model": "transformer", "width": 30, "heads": 4}, "width must be a multiple of heads, got width 30 and 4 heads"),
+     ({"encoder_layers": 0}, "encoder_layers must be at least 1, got 0")],
 )  # fmt: skip
-def test_bad_pipeline_settings_are_refused(settings, message):
+def test_bad_pipeline_and_model_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**settings)
     assert TrainConfig(micro_batches=4).pipelined and not TrainConfig().pipelined
@@ -108,9 +111,22 @@ def test_the_bundled_digits_are_scikit_learns(where, monkeypatch, tmp_path):
     from sklearn.datasets import load_digits as reference
 
     if where == "through scikit-learn":
-        monkeypatch.setattr(digits, "sklearn_digits_file", lambda: tmp_path / "moved.csv.gz")
-    inputs, labels = digits.load_digits()
+        monkeypatch.setattr(bundled, "sklearn_digits_file", lambda: tmp_path / "moved.csv.gz")
+    inputs, labels = bundled.load_digits()
     expected = reference()
     assert inputs.dtype == np.float32 and inputs.flags.c_contiguous and labels.dtype == np.int64
     np.testing.assert_array_equal(inputs, expected.data.astype(np.float32))
     np.testing.assert_array_equal(labels, expected.target)
+
+
+def test_the_bundled_sequences_are_labelled_by_their_most_frequent_class_token():
+    """The transformer's default task: every label is the strict majority among the class tokens, classes balanced,
+    the same arrays on every call."""
+    tokens, labels = bundled.make_sequences()
+    counts = np.stack([(tokens == token).sum(axis=1) for token in range(bundled.SEQUENCE_CLASSES)], axis=1)
+    ordered = np.sort(counts, axis=1)
+    assert (ordered[:, -1] > ordered[:, -2]).all()
+    np.testing.assert_array_equal(counts.argmax(axis=1), labels)
+    assert tokens.min() == 0 and tokens.max() == bundled.VOCABULARY - 1
+    assert np.bincount(labels).min() > 0.2 * len(labels)
+    np.testing.assert_array_equal(bundled.make_sequences()[0], tokens)

@@ -11,7 +11,8 @@ pipeline replaces with replica 0's). The cuts make stages of unequal cost (the
 widest layer sits alone on one stage). Cases: micro-batches as a batch tensor cut evenly, as a
 list of micro-batches of different sizes, fewer micro-batches than stages, and
 (at 2+ ranks) a first stage whose output is integer ids, so no gradient goes
-back to it. Each rank compares its own stage's parameters by name with the
+back to it; in float64 also the training job's transformer encoder, split by
+balanced parameter count, on token ids. Each rank compares its own stage's parameters by name with the
 one-process run after every step.
 """
 
@@ -22,10 +23,12 @@ from collections import OrderedDict
 import torch
 
 import mpiscale
+from mpiscale.train.encoder import build_encoder
 from mpiscale.train.pipeline import Pipeline, split_sequential, stage_of
 
 STEPS = 3
 FEATURES = 6
+ENCODER = {"vocab": 12, "length": 8, "width": 16, "heads": 2, "layers": 2, "classes": 1}
 
 
 class Bucketize(torch.nn.Module):
@@ -44,8 +47,12 @@ class EmbedMean(torch.nn.Module):
         return self.table(ids).mean(dim=1)
 
 
-def mlp(dtype: torch.dtype, ids: bool) -> torch.nn.Sequential:
+def model(dtype: torch.dtype, kind: str) -> torch.nn.Sequential:
+    """kind: mlp, ids (an MLP after a first stage of integer ids) or encoder."""
     torch.manual_seed(7)
+    if kind == "encoder":
+        return build_encoder(ENCODER).to(dtype)
+    ids = kind == "ids"
     layers: list[tuple[str, torch.nn.Module]] = [("bucketize", Bucketize()), ("embed", EmbedMean())] if ids else []
     layers += [("hidden1", torch.nn.Linear(FEATURES, 32)), ("act1", torch.nn.Tanh()),
                ("hidden2", torch.nn.Linear(32, 256)), ("act2", torch.nn.Tanh()),
@@ -54,14 +61,21 @@ def mlp(dtype: torch.dtype, ids: bool) -> torch.nn.Sequential:
     return torch.nn.Sequential(OrderedDict(layers)).to(dtype)
 
 
-def points(stages: int, ids: bool) -> list[str] | None:
-    if ids:
+def points(stages: int, kind: str) -> list[str] | None:
+    if kind == "encoder":
+        return None  # balanced parameter count
+    if kind == "ids":
         return [["embed"], ["embed", "hidden2"], ["embed", "hidden2", "output"]][stages - 2]
     return [[], ["hidden2"], ["hidden2", "act2"], ["hidden2", "act2", "output"]][stages - 1]
 
 
-def batches(dtype: torch.dtype, sizes: list[int], step: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def batches(
+    dtype: torch.dtype, sizes: list[int], step: int, kind: str
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     generator = torch.Generator().manual_seed(100 + step)
+    if kind == "encoder":
+        xs = [torch.randint(ENCODER["vocab"], (n, ENCODER["length"]), generator=generator) for n in sizes]
+        return xs, [(x < 3).to(dtype).mean(dim=1, keepdim=True) for x in xs]
     xs = [torch.randn(n, FEATURES, generator=generator, dtype=dtype) for n in sizes]
     return xs, [x.sum(dim=1, keepdim=True).sin() for x in xs]
 
@@ -70,24 +84,24 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).sum() / 16
 
 
-async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: bool, ids: bool, tolerance: float,
+async def check_case(system, dtype, schedule: str, sizes: list[int], as_tensor: bool, kind: str, tolerance: float,
                      replicas: int):  # fmt: skip
     stages = system.size // replicas
     replica = system.rank % replicas
-    whole = mlp(dtype, ids)
-    reference = mlp(dtype, ids)
-    stage = split_sequential(whole, stages, points(stages, ids))[stage_of(system.rank, replicas)]
+    whole = model(dtype, kind)
+    reference = model(dtype, kind)
+    stage = split_sequential(whole, stages, points(stages, kind))[stage_of(system.rank, replicas)]
     if replica:
         with torch.no_grad():
             for param in stage.parameters():
                 param.add_(1.0)
-    name = f"p.{schedule}.{len(sizes)}.{as_tensor}.{ids}.{dtype}".replace("torch.", "")
+    name = f"p.{schedule}.{len(sizes)}.{as_tensor}.{kind}.{dtype}".replace("torch.", "")
     pipeline = await Pipeline.start(system, stage, loss_fn, len(sizes), schedule, name=name, replicas=replicas)
     params = list(stage.parameters())  # none on a first stage that only makes ids
     optimizer = torch.optim.SGD(params or [torch.zeros(0, requires_grad=True)], lr=0.05, momentum=0.9)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     for step in range(STEPS):
-        every = [batches(dtype, sizes, step * replicas + r) for r in range(replicas)]
+        every = [batches(dtype, sizes, step * replicas + r, kind) for r in range(replicas)]
         xs, ys = every[replica]
         optimizer.zero_grad()
         if as_tensor:
@@ -129,12 +143,14 @@ async def check(system, dtype_name: str, replicas: int) -> None:
     tolerance = 1e-12 if dtype == torch.float64 else 1e-6
     stages = system.size // replicas
     for schedule in ("1f1b", "gpipe"):
-        cases = [([6, 6, 6, 6, 6, 6], True, False), ([9, 1, 4, 7, 2, 5, 3], False, False)]
-        cases.append(([5] * max(1, stages - 1), False, False))  # fewer micro-batches than stages
+        cases = [([6, 6, 6, 6, 6, 6], True, "mlp"), ([9, 1, 4, 7, 2, 5, 3], False, "mlp")]
+        cases.append(([5] * max(1, stages - 1), False, "mlp"))  # fewer micro-batches than stages
         if stages >= 2:
-            cases.append(([4, 8, 3], False, True))
-        for sizes, as_tensor, ids in cases:
-            await check_case(system, dtype, schedule, sizes, as_tensor, ids, tolerance, replicas)
+            cases.append(([4, 8, 3], False, "ids"))
+        if dtype == torch.float64 and replicas == 1:
+            cases.append(([5, 3, 6, 4], False, "encoder"))
+        for sizes, as_tensor, kind in cases:
+            await check_case(system, dtype, schedule, sizes, as_tensor, kind, tolerance, replicas)
     await system.world.barrier()
     if system.rank == 0:
         print(f"pipeline ok on {stages} stages x {replicas} replicas ({dtype_name})", flush=True)
