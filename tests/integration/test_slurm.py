@@ -24,6 +24,10 @@ DICTLEARN = {
     "OPTIONS": "--samples 1500 --features 20 --sparsity 3 --snr-db 20 --progress-every 0",
     "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
 }
+# mpirun inside the allocation: the launcher sets mpirun's wait before it kills stopped ranks (and again before it
+# exits) to half of KillWait, 14 s here. The ranks of these runs checkpoint in a tenth of a second, so the tests
+# set the wait a site may set itself, 3 s, and save the rest.
+MPIRUN = {"MPISCALE_LAUNCHER": "mpirun", "OMPI_MCA_odls_base_sigkill_timeout": "3"}
 
 
 def dictlearn(slurm, run: Path, *options: str, **settings: str) -> str:
@@ -82,7 +86,9 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, u
     """What --signal=B:USR1@120 does before the limit (here sent by hand to a job without a time limit: the same
     signal to the batch shell), with either launcher line inside the allocation."""
     run = tmp_path / "run"
-    job = dictlearn(slurm, run, "--time=UNLIMITED", MPISCALE_LAUNCHER=launcher)
+    job = dictlearn(
+        slurm, run, "--time=UNLIMITED", **(MPIRUN if launcher == "mpirun" else {"MPISCALE_LAUNCHER": "srun"})
+    )
     wait_for_checkpoint(slurm, job, run, 1000)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)
@@ -128,7 +134,7 @@ def test_a_plain_scancel_under_mpirun_stops_with_a_checkpoint_and_resumes(slurm,
     """Slurm's cancel signals mpirun as well as the ranks; mpirun used to kill them a second later. Now they stop
     after their step with a checkpoint, and a resubmission resumes from it to the uninterrupted run's dictionary."""
     run = tmp_path / "run"
-    job = dictlearn(slurm, run, MPISCALE_LAUNCHER="mpirun")
+    job = dictlearn(slurm, run, **MPIRUN)
     wait_for_checkpoint(slurm, job, run, 1000)
     slurm.run(["scancel", job])
     stopped = slurm.wait(job, 60)
@@ -201,13 +207,15 @@ def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_pa
 
 
 def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
-    """Each with small settings: train on the bundled digits, collect its activations, a small memory store."""
+    """Each with small settings: pipeline training on the bundled digits, signalled as before its time limit,
+    requeued and resumed; collect of its activations; a small memory store."""
     common = {"MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
     # Where mpiscale is, three ways: MPISCALE_HOME (train); the checkout of the mpiscale on PATH (memstore, from a
     # copy of its template); neither, so the checkout the template was submitted from (collect).
-    train = slurm.submit(TEMPLATES / "train.sbatch", "--ntasks=2", cwd=tmp_path,
-                         env={**common, "MPISCALE_HOME": str(REPO), "RUN": "train", "EPOCHS": "2",
-                              "OPTIONS": "--progress-every 0"})  # fmt: skip
+    train = slurm.submit(TEMPLATES / "train.sbatch", "--ntasks=2", "--time=UNLIMITED", cwd=tmp_path,
+                         env={**common, "MPISCALE_HOME": str(REPO), "RUN": "train", "EPOCHS": "30",
+                              "CHECKPOINT_EVERY": "40",
+                              "OPTIONS": "--stages 2 --micro-batches 4 --progress-every 0"})  # fmt: skip
     bare_path = ":".join(part for part in os.environ["PATH"].split(":") if ".venv" not in part)
     copy = tmp_path / "my-memstore.sbatch"
     copy.write_text((TEMPLATES / "memstore.sbatch").read_text())
@@ -215,9 +223,15 @@ def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
     store = slurm.submit(copy, "--nodes=1", "--ntasks=2", cwd=tmp_path,
                          env={**common, "PATH": venv_path, "RUN": "store", "RECORDS": "20000", "ITERATIONS": "50",
                               "CHECKPOINT_EVERY": "10", "LOCAL": str(tmp_path / "local")})  # fmt: skip
-    done(slurm, train)
+    wait_for_checkpoint(slurm, train, tmp_path / "train", 40)
+    slurm.run(["scancel", "--signal=USR1", "--batch", train])
+    assert done(slurm, train).restarts == 1
+    text = output(tmp_path / "train", train, "mpiscale-train")
+    assert f"the time limit is near: requeueing job {train} (requeue 1 of 5)" in text
+    assert "resumed from the checkpoint of step " in text
     with h5py.File(tmp_path / "train" / "model.h5", "r") as model:
-        assert model.attrs["world_size"] == 2
+        assert model.attrs["world_size"] == 2 and model.attrs["steps"] == 30 * (1437 // 64)
+        assert json.loads(model.attrs["config"])["stages"] == 2
     collect = slurm.submit(TEMPLATES / "collect.sbatch", "--ntasks=2", cwd=tmp_path,
                            env={**common, "PATH": bare_path, "MODEL": "train/model.h5", "OUT": "acts.h5"})  # fmt: skip
     done(slurm, collect)

@@ -84,7 +84,7 @@ def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_on
                        "--out", tmp_path / "d.h5")  # fmt: skip
     assert refused.returncode == 2 and not (tmp_path / "d.h5").exists()
     assert "is of data-parallel training (no --stages or --micro-batches): resume it without them" in refused.stderr
-    reverse = mpiscale(2, "train", *EPOCHS, "--checkpoint-dir", tmp_path / "a.checkpoints", "--resume", "--out",
+    reverse = mpiscale(1, "train", *EPOCHS, "--checkpoint-dir", tmp_path / "a.checkpoints", "--resume", "--out",
                        tmp_path / "e.h5")  # fmt: skip
     assert reverse.returncode == 2 and not (tmp_path / "e.h5").exists()
     assert "is of pipeline training: resume it with --stages or --micro-batches" in reverse.stderr
@@ -150,7 +150,7 @@ def test_the_transformer_trains_as_a_pipeline_and_collect_reads_a_users_tokens(t
         pooled = net[:-1](torch.from_numpy(tokens.astype(np.int64))).numpy()
     with h5py.File(acts, "r") as file:
         np.testing.assert_allclose(file["pool"][()], pooled, rtol=1e-4, atol=1e-5)
-    refused = mpiscale(2, "collect", "--model", two, "--data", f"{data}:/bad", "--layers", "pool", "--out",
+    refused = mpiscale(1, "collect", "--model", two, "--data", f"{data}:/bad", "--layers", "pool", "--out",
                        tmp_path / "b.h5")  # fmt: skip
     assert refused.returncode == 2 and "sample 31 holds token ids outside 0 .. 15" in refused.stderr, refused.stderr
     floats = mpiscale(1, "train", *options, "--data", data, "--inputs", "floats", "--batch-size", 10, "--out",

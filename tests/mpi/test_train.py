@@ -138,7 +138,7 @@ def test_resume_on_another_world_size(tmp_path):
         np.testing.assert_allclose(file["curves/epoch/validation_accuracy"][()],
                                    reference_file["curves/epoch/validation_accuracy"][()], atol=0.02)  # fmt: skip
 
-    refused = mpiscale(2, "train", *common, "--epochs", 4, "--out", resumed, "--checkpoint-every", 10)
+    refused = mpiscale(1, "train", *common, "--epochs", 4, "--out", resumed, "--checkpoint-every", 10)
     assert refused.returncode == 2 and "pass --resume" in refused.stderr
 
 
