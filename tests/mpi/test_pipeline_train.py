@@ -141,7 +141,7 @@ def test_the_transformer_trains_as_a_pipeline_and_collect_reads_a_users_tokens(t
         bad[31, 5] = 16
         file["bad"] = bad
     acts = tmp_path / "acts.h5"
-    assert_ok(mpiscale(2, "collect", "--model", two, "--data", f"{data}:/tokens", "--layers", "pool",
+    assert_ok(mpiscale(1, "collect", "--model", two, "--data", f"{data}:/tokens", "--layers", "pool",
                        "--batch-size", 16, "--out", acts))  # fmt: skip
     from mpiscale.train.results import load_trained
 
