@@ -63,6 +63,17 @@ class RowWriter:
             failure = error
         self._agree(failure)
 
+    def add(self, layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+        """Create more data sets (collective: the same ``layout`` on every rank), for shapes known only later."""
+        assert self.file is not None, "add after close"
+        failure = None
+        try:
+            for name, (shape, dtype) in layout.items():
+                self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")
+        except (OSError, RuntimeError, ValueError) as error:
+            failure = error
+        self._agree(failure)
+
     def write(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
         assert self.file is not None, "write after close"

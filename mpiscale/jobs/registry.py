@@ -54,9 +54,10 @@ JOBS: dict[str, JobEntry] = {
         ),
         JobEntry(
             "train",
-            "data-parallel training of an MLP classifier (run under launch/mpiscale-run -n N)",
-            "Train on FILE.h5 (inputs and labels data sets), or on scikit-learn's bundled digits when --data is not "
-            "given.",
+            "data-parallel or pipeline training of an MLP or transformer classifier "
+            "(run under launch/mpiscale-run -n N)",
+            "Train on FILE.h5 (inputs and labels data sets), or on bundled data when --data is not given "
+            "(scikit-learn's digits; synthetic token sequences for --model transformer).",
             "mpiscale.train.config:TrainConfig",
             "mpiscale.train.trainer:train",
             "mpiscale.train-results/1",
@@ -88,6 +89,19 @@ JOBS: dict[str, JobEntry] = {
             "mpiscale.memstore.job",
             "hpc/slurm/memstore.sbatch",
             steers=True,
+        ),
+        JobEntry(
+            "compress-adapters",
+            "many LoRA adapters compressed into shared components per layer group (exact PCA over the ranks)",
+            "Read the PEFT adapters of --adapters (each rank its share), find each layer group's shared components "
+            "and write them with every adapter's loadings and errors to --out.",
+            "mpiscale.adapters.config:AdaptersConfig",
+            "mpiscale.adapters.job:compress_adapters",
+            "mpiscale.adapters/1",
+            "mpiscale.adapters.results",
+            "hpc/slurm/compress-adapters.sbatch",
+            steers=False,
+            plots=True,
         ),
     ]
 }

@@ -43,9 +43,9 @@ def test_inspect_refuses_a_file_of_no_job_and_a_plot_of_a_job_without_one(tmp_pa
     with h5py.File(other, "w") as file:
         file.attrs["format"] = "someone.else/1"
     assert main(["inspect", str(other)]) == 2
-    assert "is not a results file of dictlearn, train or memstore" in capsys.readouterr().err
+    assert "is not a results file of dictlearn, train, memstore or compress-adapters" in capsys.readouterr().err
     store = tmp_path / "store.h5"
     with h5py.File(store, "w") as file:
         file.attrs["format"] = JOBS["memstore"].results_format
     assert main(["inspect", str(store), "--plot", str(tmp_path / "p.png")]) == 2
-    assert "--plot draws dictlearn and train results, not memstore's" in capsys.readouterr().err
+    assert "--plot draws dictlearn, train and compress-adapters results, not memstore's" in capsys.readouterr().err

@@ -1,0 +1,53 @@
+"""Settings of ``mpiscale compress-adapters``: one dataclass, from TOML and the command line."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ..jobs import option
+from .pca import METHODS
+
+
+@dataclass
+class AdaptersConfig:
+    """Which adapters, how many components, and where the compressed file goes."""
+
+    adapters: str = option(
+        "",
+        "the LoRA adapters (PEFT directories with adapter_config.json and adapter_model.safetensors): a directory "
+        "of them, one adapter directory, a quoted glob 'runs/*/adapter', or a list FILE.txt (one path a line)",
+    )
+    out: str = option("adapters.h5", "the compressed file: components per layer group, loadings per adapter")
+    components: int = option(
+        0, "shared components per layer group and side (A, B); 0 = the fewest that explain VARIANCE"
+    )
+    variance: float = option(0.99, "with COMPONENTS 0: the share of each group's sum of squares to keep")
+    method: str = option(
+        "exact",
+        "exact (the d x d second moment summed over the ranks, or the Gram matrix when there are fewer rows) or "
+        "randomized (a range finder: needs COMPONENTS; for many adapters and a small k)",
+    )
+    oversampling: int = option(10, "randomized: extra random directions beyond COMPONENTS")
+    power_iterations: int = option(2, "randomized: passes that sharpen the range (one allreduce of d x (k+p) each)")
+    seed: int = option(0, "randomized: seed of the random directions (the same on every rank)")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if self.method not in METHODS:
+            problems.append(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.components < 0:
+            problems.append(f"components must be 0 or more, got {self.components}")
+        if not (0 < self.variance <= 1 and math.isfinite(self.variance)):
+            problems.append(f"variance must be in (0, 1], got {self.variance}")
+        if self.method == "randomized" and self.components == 0:
+            problems.append("the randomized method needs COMPONENTS (the range it finds has k + OVERSAMPLING columns)")
+        if self.oversampling < 0 or self.power_iterations < 0:
+            problems.append("oversampling and power_iterations must be 0 or more")
+        if problems:
+            raise ValueError("compress-adapters settings: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        """Plain values (for the output file)."""
+        return asdict(self)

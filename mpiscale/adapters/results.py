@@ -1,0 +1,79 @@
+"""The compressed file of ``mpiscale compress-adapters`` (``mpiscale.adapters/1``): its report and its plot.
+
+Layout, all readable with plain h5py (strings are fixed-length UTF-8 bytes):
+
+- ``/adapters/{name, path, sha256, config}``: one row per adapter (``config`` is its
+  adapter_config.json), and ``/adapters/error``: the relative error of its whole update;
+- ``/modules``: the layer groups' module names, in order; group i is ``/groups/NNNN`` (i in
+  four digits) with, for each side S in A and B, ``S/components`` (k x in for A, k x out for
+  B), ``S/loadings`` (adapters x r x k) and ``S/explained`` (each component's share of the
+  side's sum of squares), and ``error`` (each adapter's relative error in this group);
+- attributes: the usual mpiscale ones, ``base_model``, ``target_modules`` (JSON), ``rank``,
+  ``adapters``.
+
+Adapter i's matrices of group g are ``A = loadings_A[i] @ components_A`` and
+``B = (loadings_B[i] @ components_B).T``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..io import open_file
+from .job import ADAPTERS_FORMAT
+
+
+def group_names(file) -> list[str]:
+    """The module name of each group, in order."""
+    return [name.decode() for name in file["modules"][()]]
+
+
+def summarize(path: str) -> str:
+    """Adapters, groups, components kept, how much of the parameters is stored, and the errors."""
+    with open_file(path, (ADAPTERS_FORMAT,)) as file:
+        modules = group_names(file)
+        names = [name.decode() for name in file["adapters/name"][()]]
+        errors = file["adapters/error"][()]
+        rank = int(file.attrs["rank"])
+        kept, original, stored = [], 0, 0
+        for index in range(len(modules)):
+            group = file[f"groups/{index:04d}"]
+            a, b = group["A/components"], group["B/components"]
+            kept.append((a.shape[0], b.shape[0], group["A/explained"][()].sum(), group["B/explained"][()].sum()))
+            original += len(names) * rank * (a.shape[1] + b.shape[1])
+            stored += a.size + b.size + len(names) * rank * (a.shape[0] + b.shape[0])
+        base = file.attrs["base_model"] or "(not named)"
+    ks = np.array([k for k in kept for k in k[:2]])
+    explained = np.array([share for k in kept for share in k[2:]])
+    worst = int(np.argmax(errors))
+    return "\n".join([
+        f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups",
+        f"components per group and side: {ks.min()}-{ks.max()} (median {np.median(ks):.0f}); they explain "
+        f"{explained.min():.2%}-{explained.max():.2%} of each side's sum of squares",
+        f"stored: {stored:,} of {original:,} parameters ({stored / max(original, 1):.1%})",
+        f"relative error of an adapter's update: median {np.median(errors):.3g}, largest {errors[worst]:.3g} "
+        f"({names[worst]})",
+    ])  # fmt: skip
+
+
+def plot(path: str, image: str) -> None:
+    """The cumulative explained share against the number of components, one line per group and side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    with open_file(path, (ADAPTERS_FORMAT,)) as file:
+        for index in range(len(group_names(file))):
+            for axis, side in zip(axes, ("A", "B"), strict=True):
+                shares = np.cumsum(file[f"groups/{index:04d}/{side}/explained"][()])
+                axis.plot(np.arange(1, len(shares) + 1), shares, alpha=0.6)
+    for axis, side in zip(axes, ("A", "B"), strict=True):
+        axis.set_xlabel(f"components ({side} side)")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("share of the sum of squares explained")
+    figure.suptitle("explained share per layer group")
+    figure.tight_layout()
+    figure.savefig(image, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,157 @@
+"""`mpiscale compress-adapters` under real mpirun, on adapters written the ways users write them.
+
+Planted adapters (a known shared subspace plus noise, saved with safetensors' numpy API)
+check the components against numpy's exact decomposition of every adapter stacked, the
+angle to the planted subspace, each adapter's error against its update rebuilt here, and
+that 1, 2 and 4 ranks give the same result. Adapters saved by peft itself are rebuilt
+exactly when every component is kept.
+"""
+
+import h5py
+import numpy as np
+import pytest
+from adapter_files import peft_adapters, read_adapter
+from helpers import assert_ok
+from test_train import mpiscale
+
+from mpiscale.adapters.planted import MODULES, lora_config, write_adapter, write_planted
+
+COUNT, RANK, SHARED = 16, 4, 6
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planted")
+    bases = write_planted(root / "adapters", COUNT, RANK, shared=SHARED)
+    stacked = {}
+    for module in MODULES:
+        weights = [read_adapter(root / "adapters" / f"task-{i}") for i in range(COUNT)]
+        stacked[module] = (np.concatenate([w[f"{module}.lora_A.weight"] for w in weights]),
+                           np.concatenate([w[f"{module}.lora_B.weight"].T for w in weights]))  # fmt: skip
+    return root, bases, stacked
+
+
+def compressed(path) -> dict:
+    with h5py.File(path, "r") as file:
+        out = {"modules": [m.decode() for m in file["modules"][()]], "error": file["adapters/error"][()],
+               "names": [n.decode() for n in file["adapters/name"][()]]}  # fmt: skip
+        for index in range(len(out["modules"])):
+            group = file[f"groups/{index:04d}"]
+            out[index] = {key: group[key][()] for key in ("A/components", "A/loadings", "A/explained", "B/components",
+                                                           "B/loadings", "B/explained", "error")}  # fmt: skip
+        return out
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_exact_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(adapters, tmp_path, ranks):
+    root, bases, stacked = adapters
+    out = tmp_path / "c.h5"
+    job = mpiscale(ranks, "compress-adapters", "--adapters", root / "adapters", "--components", SHARED, "--out", out)
+    assert_ok(job)
+    assert f"wrote {out}: {COUNT} adapters, 2 layer groups" in job.stdout
+    got = compressed(out)
+    assert got["modules"] == MODULES and got["names"] == [f"task-{i}" for i in range(COUNT)]
+    updates, rebuilt = np.zeros(COUNT), np.zeros(COUNT)
+    for index, module in enumerate(MODULES):
+        group = got[index]
+        for side, rows, basis in (
+            ("A", stacked[module][0], bases[module][0]),
+            ("B", stacked[module][1], bases[module][1]),
+        ):
+            squares = np.linalg.svd(rows, compute_uv=False) ** 2
+            np.testing.assert_allclose(group[f"{side}/explained"], squares[:SHARED] / squares.sum(), rtol=1e-9)
+            cosines = np.linalg.svd(basis @ group[f"{side}/components"].T.astype(np.float64), compute_uv=False)
+            assert cosines.min() > 0.9999, cosines  # the largest principal angle to the planted subspace
+        for i in range(COUNT):
+            a, b_t = stacked[module][0][i * RANK : (i + 1) * RANK], stacked[module][1][i * RANK : (i + 1) * RANK]
+            update = b_t.T @ a
+            a_rebuilt = group["A/loadings"][i] @ group["A/components"]
+            b_rebuilt = (group["B/loadings"][i] @ group["B/components"]).T
+            error = np.linalg.norm(update - b_rebuilt @ a_rebuilt) / np.linalg.norm(update)
+            assert error == pytest.approx(group["error"][i], rel=1e-3, abs=1e-7)
+            updates[i] += np.linalg.norm(update) ** 2
+            rebuilt[i] += np.linalg.norm(update - b_rebuilt @ a_rebuilt) ** 2
+    np.testing.assert_allclose(got["error"], np.sqrt(rebuilt / updates), rtol=1e-3)
+    assert got["error"].max() < 0.01  # noise 1e-3 against weights of order 1
+
+
+def test_randomized_and_variance_chosen_components(adapters, tmp_path):
+    """The range finder's components explain what the exact ones do; --variance keeps the fewest that reach it."""
+    root, _, stacked = adapters
+    assert_ok(mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--components", SHARED, "--method",
+                       "randomized", "--out", tmp_path / "r.h5"))  # fmt: skip
+    assert_ok(mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--variance", 0.6, "--out",
+                       tmp_path / "v.h5"))  # fmt: skip
+    randomized, chosen = compressed(tmp_path / "r.h5"), compressed(tmp_path / "v.h5")
+    for index, module in enumerate(MODULES):
+        for side, rows in zip("AB", stacked[module], strict=True):
+            squares = np.linalg.svd(rows, compute_uv=False) ** 2
+            share = squares / squares.sum()
+            np.testing.assert_allclose(randomized[index][f"{side}/explained"], share[:SHARED], rtol=1e-6)
+            fewest = int(np.argmax(np.cumsum(share) >= 0.6)) + 1
+            np.testing.assert_allclose(chosen[index][f"{side}/explained"], share[:fewest], rtol=1e-9)
+
+
+def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_path):
+    """Random adapters of a tiny Llama saved by peft, and one of them saved again in bfloat16 as a user might: with
+    every component kept (12 rows in 32 dimensions: the Gram path) each adapter's matrices come back."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    directory = peft_adapters(tmp_path, 3, RANK)
+    half = directory / "task-bf16"
+    half.mkdir()
+    weights = load_file(directory / "task-0" / "adapter_model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(half / "adapter_model.safetensors"))
+    (half / "adapter_config.json").write_text((directory / "task-0" / "adapter_config.json").read_text())
+    out = tmp_path / "c.h5"
+    assert_ok(mpiscale(2, "compress-adapters", "--adapters", directory, "--variance", 1.0, "--out", out))
+    got = compressed(out)
+    assert got["names"] == ["task-0", "task-1", "task-2", "task-bf16"] and len(got["modules"]) == 4  # 2 layers x q, v
+    assert got["modules"][0] == "base_model.model.model.layers.0.self_attn.q_proj"
+    assert got["error"].max() < 1e-6
+    for i, name in enumerate(got["names"]):
+        original = read_adapter(directory / name)
+        for index, module in enumerate(got["modules"]):
+            group = got[index]
+            np.testing.assert_allclose(group["A/loadings"][i] @ group["A/components"],
+                                       original[f"{module}.lora_A.weight"], atol=1e-5)  # fmt: skip
+            np.testing.assert_allclose((group["B/loadings"][i] @ group["B/components"]).T,
+                                       original[f"{module}.lora_B.weight"], atol=1e-5)  # fmt: skip
+    report = mpiscale(1, "inspect", out)
+    assert_ok(report)
+    assert "4 LoRA adapters of rank 4 on base model " in report.stdout and "4 layer groups" in report.stdout
+
+
+def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adapters, tmp_path):
+    """Checked from the headers before any group is read (a rank of 8 among rank 4); NaN found when its group is
+    read. Exit status 2, one message, no output file left; an output that would replace an input is refused."""
+    root, _, _ = adapters
+    mixed = tmp_path / "mixed"
+    write_planted(mixed, 3, RANK)
+    rng = np.random.default_rng(5)
+    tensors = {f"{m}.lora_A.weight": rng.standard_normal((8, 64)).astype(np.float32) for m in MODULES}
+    tensors |= {f"{m}.lora_B.weight": rng.standard_normal((48, 8)).astype(np.float32) for m in MODULES}
+    write_adapter(mixed / "task-3", tensors, lora_config(8))
+    out = tmp_path / "c.h5"
+    job = mpiscale(2, "compress-adapters", "--adapters", mixed, "--out", out)
+    assert job.returncode == 2 and not out.exists(), job.stderr[-2000:]
+    assert f"{mixed / 'task-3'}: rank 8, another than {mixed / 'task-0'} (rank 4)" in job.stderr
+    assert job.stderr.count("mpiscale compress-adapters:") == 1, job.stderr
+
+    broken = tmp_path / "broken"
+    write_planted(broken, 3, RANK)
+    nan = {key: value for key, value in read_adapter(broken / "task-2").items()}
+    nan[f"{MODULES[1]}.lora_A.weight"][0, 0] = np.nan
+    (broken / "task-2" / "adapter_model.safetensors").unlink()
+    from safetensors.numpy import save_file
+
+    save_file({k: v.astype(np.float32) for k, v in nan.items()}, str(broken / "task-2" / "adapter_model.safetensors"))
+    job = mpiscale(2, "compress-adapters", "--adapters", broken, "--out", out)
+    assert job.returncode == 2 and not out.exists() and not (tmp_path / "c.h5.tmp").exists(), job.stderr[-2000:]
+    assert f"task-2/adapter_model.safetensors: {MODULES[1]} holds NaN or infinite values" in job.stderr
+
+    inside = root / "adapters" / "task-0" / "adapter_model.safetensors"
+    job = mpiscale(1, "compress-adapters", "--adapters", root / "adapters", "--out", inside)
+    assert job.returncode == 2 and "adapter_model.safetensors" in job.stderr
+    assert read_adapter(root / "adapters" / "task-0")  # still there, still readable

@@ -1,0 +1,109 @@
+"""Reading LoRA adapters: finding them, refusing what would be compressed wrongly, bfloat16 and NaN."""
+
+import re
+
+import numpy as np
+import pytest
+
+from mpiscale.adapters import AdapterError, find_adapters, open_adapter
+from mpiscale.adapters.files import check_alike
+from mpiscale.adapters.planted import MODULES, lora_config, write_adapter, write_planted
+
+
+def pair(rank: int = 4, inputs: int = 8, outputs: int = 6, module: str = MODULES[0]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"{module}.lora_A.weight": rng.standard_normal((rank, inputs)).astype(np.float32),
+            f"{module}.lora_B.weight": rng.standard_normal((outputs, rank)).astype(np.float32)}  # fmt: skip
+
+
+def test_adapters_are_found_in_a_directory_a_glob_or_a_list_in_natural_order(tmp_path):
+    for index in (2, 10, 1):
+        write_adapter(tmp_path / "runs" / f"task-{index}", pair(), lora_config(4))
+    (tmp_path / "runs" / "notes").mkdir()  # not an adapter: skipped
+    expected = [str(tmp_path / "runs" / f"task-{index}") for index in (1, 2, 10)]
+    assert find_adapters(str(tmp_path / "runs")) == expected
+    assert find_adapters(str(tmp_path / "runs" / "task-*")) == expected
+    assert find_adapters(str(tmp_path / "runs" / "task-2")) == [expected[1]]
+    listing = tmp_path / "mine.txt"
+    listing.write_text("# my adapters\nruns/task-10\n\nruns/task-1  # the first\n")
+    assert find_adapters(str(listing)) == [expected[2], expected[0]]
+    with pytest.raises(AdapterError, match="no adapter directories"):
+        find_adapters(str(tmp_path / "runs" / "notes"))
+    with pytest.raises(AdapterError, match="no adapter directories match this pattern"):
+        find_adapters(str(tmp_path / "elsewhere-*"))
+
+
+@pytest.mark.parametrize(
+    "tensors, settings, message",
+    [(pair(), lora_config(4, peft_type="IA3"), "a IA3 adapter: only LoRA adapters can be compressed"),
+     (pair(), lora_config(4, use_dora=True), "a DoRA adapter"),
+     (pair(), lora_config(4, rank_pattern={"q_proj": 8}), "rank_pattern gives modules their own rank"),
+     (pair() | {"lm_head.weight": np.zeros((3, 3), np.float32)}, lora_config(4),
+      "holds lm_head.weight, which is neither a LoRA A nor its B"),
+     ({f"{MODULES[0]}.lora_A.weight": np.zeros((4, 8), np.float32)}, lora_config(4), "has lora_A but no lora_B"),
+     (pair(rank=4), lora_config(8), "A is (4, 8) and B is (6, 4), not (r, in) and (out, r) with r = 8"),
+     ({}, lora_config(4), "holds no LoRA matrices")],
+)  # fmt: skip
+def test_adapters_that_would_be_compressed_wrongly_are_refused_naming_them(tmp_path, tensors, settings, message):
+    directory = write_adapter(tmp_path / "a", tensors, settings)
+    with pytest.raises(AdapterError, match=re.escape(message)) as raised:
+        open_adapter(str(directory))
+    assert str(directory) in str(raised.value)
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    directory = write_adapter(tmp_path / "a", pair(), lora_config(4))
+    weights = directory / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])
+    with pytest.raises(AdapterError, match="adapter_model.safetensors: cannot read it"):
+        open_adapter(str(directory))
+    weights.unlink()
+    with pytest.raises(AdapterError, match="cannot read it"):
+        open_adapter(str(directory))
+    (directory / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="adapter_config.json: cannot read it"):
+        open_adapter(str(directory))
+
+
+@pytest.mark.parametrize(
+    "changes, tensors, message",
+    [({"base_model_name_or_path": "other"}, pair(), "base model 'other', not 'tiny-llama'"),
+     ({"target_modules": ["k_proj"]}, pair(), "target modules"),
+     ({"r": 2}, pair(rank=2), "rank 2, another than .*(rank 4)"),
+     ({}, pair(module=MODULES[1]), "other modules or shapes"),
+     ({}, pair(inputs=9), "other modules or shapes .*: a module's shape differs")],
+)  # fmt: skip
+def test_adapters_of_other_models_ranks_or_modules_are_refused(tmp_path, changes, tensors, message):
+    reference = open_adapter(str(write_adapter(tmp_path / "first", pair(), lora_config(4))))
+    other = open_adapter(str(write_adapter(tmp_path / "other", tensors, lora_config(4) | changes)))
+    with pytest.raises(AdapterError, match=message):
+        check_alike(other, reference)
+    check_alike(open_adapter(str(write_adapter(tmp_path / "same", pair(), lora_config(4, lora_alpha=3)))), reference)
+
+
+def test_bfloat16_adapters_read_as_float64_and_nan_is_refused(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {key: torch.from_numpy(value).to(torch.bfloat16) for key, value in pair().items()}
+    directory = tmp_path / "bf16"
+    directory.mkdir()
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text((write_adapter(tmp_path / "x", pair(), lora_config(4)) /
+                                                    "adapter_config.json").read_text())  # fmt: skip
+    adapter = open_adapter(str(directory))
+    a, b = adapter.read(adapter.modules[0])
+    assert a.dtype == np.float64 and a.shape == (4, 8) and b.shape == (6, 4)
+    np.testing.assert_array_equal(a, tensors[f"{MODULES[0]}.lora_A.weight"].to(torch.float64).numpy())
+    bad = pair()
+    bad[f"{MODULES[0]}.lora_B.weight"][2, 1] = np.nan
+    nan = open_adapter(str(write_adapter(tmp_path / "nan", bad, lora_config(4))))
+    with pytest.raises(AdapterError, match="q_proj holds NaN or infinite values"):
+        nan.read(nan.modules[0])
+
+
+def test_planted_adapters_read_back(tmp_path):
+    write_planted(tmp_path, 2)
+    adapter = open_adapter(str(tmp_path / "task-1"))
+    assert adapter.name == "task-1" and adapter.rank == 4 and [m.name for m in adapter.modules] == MODULES
+    assert (adapter.modules[0].inputs, adapter.modules[0].outputs) == (64, 48)
