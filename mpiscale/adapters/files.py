@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MpiscaleError
 from ..io import natural_key
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -26,11 +27,15 @@ _A, _B = ".lora_A.weight", ".lora_B.weight"
 _LIST_SUFFIXES = (".txt", ".list")
 
 
-class AdapterError(ValueError):
+class AdapterError(MpiscaleError, ValueError):
     """An adapter that cannot be read, or does not match the others: bad input (exit status 2)."""
 
     def __init__(self, path: str, problem: str) -> None:
+        self.path, self.problem = path, problem
         super().__init__(f"{path}: {problem}")
+
+    def __reduce__(self):  # an error travels between ranks like any value
+        return type(self), (self.path, self.problem)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 Planted adapters (a known shared subspace plus noise, saved with safetensors' numpy API)
 check the components against numpy's exact decomposition of every adapter stacked, the
-angle to the planted subspace, each adapter's error against its update rebuilt here, and
-that 1, 2 and 4 ranks give the same result. Adapters saved by peft itself are rebuilt
+angle to the planted subspace and each adapter's error against its update rebuilt here,
+on 1, 2 and 4 ranks. Adapters saved by peft itself are rebuilt
 exactly when every component is kept.
 """
 
@@ -16,7 +16,7 @@ from test_train import mpiscale
 
 from mpiscale.adapters.planted import MODULES, lora_config, write_adapter, write_planted
 
-COUNT, RANK, SHARED = 16, 4, 6
+COUNT, RANK, SHARED = 15, 4, 6
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,20 @@ def compressed(path) -> dict:
         return out
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_exact_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(adapters, tmp_path, ranks):
+@pytest.mark.parametrize(
+    "ranks, options",
+    [(2, ["--components", SHARED]), (4, ["--components", SHARED, "--method", "randomized"]), (1, ["--variance", 0.6])],
+)  # fmt: skip
+def test_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(adapters, tmp_path, ranks, options):
+    """Exact, the range finder (4 ranks: blocks of 4, 4, 4 and 3 adapters) and the fewest components that explain
+    60%: what numpy's decomposition of every adapter stacked explains, and each adapter's error as rebuilt here."""
     root, bases, stacked = adapters
     out = tmp_path / "c.h5"
-    job = mpiscale(ranks, "compress-adapters", "--adapters", root / "adapters", "--components", SHARED, "--out", out)
+    job = mpiscale(ranks, "compress-adapters", "--adapters", root / "adapters", *options, "--out", out)
     assert_ok(job)
     assert f"wrote {out}: {COUNT} adapters, 2 layer groups" in job.stdout
     got = compressed(out)
-    assert got["modules"] == MODULES and got["names"] == [f"task-{i}" for i in range(COUNT)]
+    assert got["modules"] == list(MODULES) and got["names"] == [f"task-{i}" for i in range(COUNT)]
     updates, rebuilt = np.zeros(COUNT), np.zeros(COUNT)
     for index, module in enumerate(MODULES):
         group = got[index]
@@ -59,9 +64,12 @@ def test_exact_components_match_numpy_and_the_planted_subspace_on_any_number_of_
             ("B", stacked[module][1], bases[module][1]),
         ):
             squares = np.linalg.svd(rows, compute_uv=False) ** 2
-            np.testing.assert_allclose(group[f"{side}/explained"], squares[:SHARED] / squares.sum(), rtol=1e-9)
-            cosines = np.linalg.svd(basis @ group[f"{side}/components"].T.astype(np.float64), compute_uv=False)
-            assert cosines.min() > 0.9999, cosines  # the largest principal angle to the planted subspace
+            share = squares / squares.sum()
+            kept = SHARED if "--components" in options else int(np.argmax(np.cumsum(share) >= 0.6)) + 1
+            np.testing.assert_allclose(group[f"{side}/explained"], share[:kept], rtol=1e-6)
+            if kept == SHARED:
+                cosines = np.linalg.svd(basis @ group[f"{side}/components"].T.astype(np.float64), compute_uv=False)
+                assert cosines.min() > 0.9999, cosines  # the largest principal angle to the planted subspace
         for i in range(COUNT):
             a, b_t = stacked[module][0][i * RANK : (i + 1) * RANK], stacked[module][1][i * RANK : (i + 1) * RANK]
             update = b_t.T @ a
@@ -72,29 +80,14 @@ def test_exact_components_match_numpy_and_the_planted_subspace_on_any_number_of_
             updates[i] += np.linalg.norm(update) ** 2
             rebuilt[i] += np.linalg.norm(update - b_rebuilt @ a_rebuilt) ** 2
     np.testing.assert_allclose(got["error"], np.sqrt(rebuilt / updates), rtol=1e-3)
-    assert got["error"].max() < 0.01  # noise 1e-3 against weights of order 1
-
-
-def test_randomized_and_variance_chosen_components(adapters, tmp_path):
-    """The range finder's components explain what the exact ones do; --variance keeps the fewest that reach it."""
-    root, _, stacked = adapters
-    assert_ok(mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--components", SHARED, "--method",
-                       "randomized", "--out", tmp_path / "r.h5"))  # fmt: skip
-    assert_ok(mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--variance", 0.6, "--out",
-                       tmp_path / "v.h5"))  # fmt: skip
-    randomized, chosen = compressed(tmp_path / "r.h5"), compressed(tmp_path / "v.h5")
-    for index, module in enumerate(MODULES):
-        for side, rows in zip("AB", stacked[module], strict=True):
-            squares = np.linalg.svd(rows, compute_uv=False) ** 2
-            share = squares / squares.sum()
-            np.testing.assert_allclose(randomized[index][f"{side}/explained"], share[:SHARED], rtol=1e-6)
-            fewest = int(np.argmax(np.cumsum(share) >= 0.6)) + 1
-            np.testing.assert_allclose(chosen[index][f"{side}/explained"], share[:fewest], rtol=1e-9)
+    if "--components" in options:
+        assert got["error"].max() < 0.01  # noise 1e-3 against weights of order 1
 
 
 def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_path):
     """Random adapters of a tiny Llama saved by peft, and one of them saved again in bfloat16 as a user might: with
     every component kept (12 rows in 32 dimensions: the Gram path) each adapter's matrices come back."""
+    pytest.importorskip("peft", reason="pip install peft (the test extras) to write adapters with peft itself")
     import torch
     from safetensors.torch import load_file, save_file
 
