@@ -105,5 +105,5 @@ def test_bfloat16_adapters_read_as_float64_and_nan_is_refused(tmp_path):
 def test_planted_adapters_read_back(tmp_path):
     write_planted(tmp_path, 2)
     adapter = open_adapter(str(tmp_path / "task-1"))
-    assert adapter.name == "task-1" and adapter.rank == 4 and [m.name for m in adapter.modules] == MODULES
+    assert adapter.name == "task-1" and adapter.rank == 4 and [m.name for m in adapter.modules] == list(MODULES)
     assert (adapter.modules[0].inputs, adapter.modules[0].outputs) == (64, 48)
