@@ -44,6 +44,26 @@ def _job(args: argparse.Namespace) -> int:
     return run_job(entry.name, args.job_settings, args, under_telemetry)
 
 
+def _export_adapter(args: argparse.Namespace) -> int:
+    """``compress-adapters export FILE NAME [--to DIRECTORY]``: one process, no MPI job."""
+    from .adapters.export import export_adapter
+    from .errors import MpiscaleError
+
+    if len(args.export) != 3 or args.export[0] != "export":
+        print("mpiscale compress-adapters: the only positional form is: export FILE NAME [--to DIRECTORY]",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    _, compressed, name = args.export
+    directory = args.to or name
+    try:
+        tensors = export_adapter(compressed, name, directory)
+    except (MpiscaleError, OSError) as error:
+        print(f"mpiscale compress-adapters export: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {directory}: adapter {name} rebuilt from {compressed} ({len(tensors) // 2} modules)")
+    return 0
+
+
 def _index(args: argparse.Namespace) -> int:
     from .io import DataFileError, resolve_files, write_index
 
@@ -220,6 +240,11 @@ def parser() -> argparse.ArgumentParser:
         job = commands.add_parser(entry.name, help=entry.summary, description=f"{entry.description} {settings}")
         add_options(job, kind)
         job.set_defaults(handler=_job, job_settings=kind)
+        if entry.name == "compress-adapters":
+            job.add_argument("export", nargs="*", metavar="export FILE NAME",
+                             help="instead of compressing: rebuild adapter NAME of the compressed FILE in the PEFT "
+                             "format, into the new directory --to")  # fmt: skip
+            job.add_argument("--to", metavar="DIRECTORY", help="export: the adapter's directory (default: ./NAME)")
 
     index = commands.add_parser(
         "index",
@@ -293,6 +318,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if getattr(args, "export", None):
+        return _export_adapter(args)
     for name in ("tokens", "laps", "samples", "top_inputs", "atoms"):
         if (getattr(args, name, 1) or 1) < 1:
             parser().error(f"--{name} must be at least 1")

@@ -187,3 +187,13 @@ def check_alike(adapter: Adapter, reference: Adapter) -> None:
 
 def _comparable(value: object) -> object:
     return sorted(value) if isinstance(value, list) else value
+
+
+def write_adapter(directory: Path, tensors: dict[str, np.ndarray], settings: dict) -> Path:
+    """``directory`` with adapter_model.safetensors holding ``tensors`` and adapter_config.json holding ``settings``."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)  # never into an existing directory: it may hold another adapter
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps(settings, indent=2))
+    return directory

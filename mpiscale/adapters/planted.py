@@ -7,10 +7,11 @@ directions and the components found scores a compression.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
+
+from .files import write_adapter
 
 MODULES = ("base_model.model.model.layers.0.self_attn.q_proj", "base_model.model.model.layers.0.self_attn.v_proj")
 
@@ -19,16 +20,6 @@ def lora_config(rank: int, **changes: object) -> dict:
     """An adapter_config.json as peft writes it for a LoRA of ``rank`` (the keys compression reads)."""
     return {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"],
             "base_model_name_or_path": "tiny-llama", "use_dora": False} | changes  # fmt: skip
-
-
-def write_adapter(directory: Path, tensors: dict[str, np.ndarray], settings: dict) -> Path:
-    """``directory`` with adapter_model.safetensors holding ``tensors`` and adapter_config.json holding ``settings``."""
-    from safetensors.numpy import save_file
-
-    directory.mkdir(parents=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(json.dumps(settings, indent=2))
-    return directory
 
 
 def write_planted(

@@ -14,7 +14,8 @@ from adapter_files import peft_adapters, read_adapter
 from helpers import assert_ok
 from test_train import mpiscale
 
-from mpiscale.adapters.planted import MODULES, lora_config, write_adapter, write_planted
+from mpiscale.adapters.files import write_adapter
+from mpiscale.adapters.planted import MODULES, lora_config, write_planted
 
 COUNT, RANK, SHARED = 15, 4, 6
 
@@ -86,7 +87,8 @@ def test_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(
 
 def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_path):
     """Random adapters of a tiny Llama saved by peft, and one of them saved again in bfloat16 as a user might: with
-    every component kept (12 rows in 32 dimensions: the Gram path) each adapter's matrices come back."""
+    every component kept (12 rows in 32 dimensions: the Gram path) each adapter's matrices come back, and one
+    exported in the PEFT format loads with PeftModel and gives the original adapter's outputs."""
     pytest.importorskip("peft", reason="pip install peft (the test extras) to write adapters with peft itself")
     import torch
     from safetensors.torch import load_file, save_file
@@ -114,6 +116,24 @@ def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_pat
     report = mpiscale(1, "inspect", out)
     assert_ok(report)
     assert "4 LoRA adapters of rank 4 on base model " in report.stdout and "4 layer groups" in report.stdout
+
+    from mpiscale.cli import main
+
+    exported = tmp_path / "task-1-rebuilt"
+    assert main(["compress-adapters", "export", str(out), "task-1", "--to", str(exported)]) == 0
+    assert main(["compress-adapters", "export", str(out), "task-1", "--to", str(exported)]) == 2  # exists: refused
+    assert main(["compress-adapters", "export", str(out), "task-9", "--to", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    tokens = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for adapter in (directory / "task-1", exported):
+        model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"), adapter).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
 
 
 def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adapters, tmp_path):

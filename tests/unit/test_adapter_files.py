@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mpiscale.adapters import AdapterError, find_adapters, open_adapter
-from mpiscale.adapters.files import check_alike
-from mpiscale.adapters.planted import MODULES, lora_config, write_adapter, write_planted
+from mpiscale.adapters.files import check_alike, write_adapter
+from mpiscale.adapters.planted import MODULES, lora_config, write_planted
 
 
 def pair(rank: int = 4, inputs: int = 8, outputs: int = 6, module: str = MODULES[0]) -> dict[str, np.ndarray]:
