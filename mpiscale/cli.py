@@ -307,7 +307,7 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--dir",
         default="bench-scratch",
-        help="checkpoint, dictlearn, reader, telemetry: scratch directory for data and checkpoints "
+        help="adapters, checkpoint, dictlearn, reader, telemetry: scratch directory for data and checkpoints "
         "(default: %(default)s)",
     )
     bench.add_argument("--json", help="where to write the JSON record (default: bench-NAME.json)")

@@ -62,13 +62,17 @@ class Adapter:
         return os.path.join(self.path, WEIGHTS)
 
     def read(self, module: Module) -> tuple[np.ndarray, np.ndarray]:
-        """(A, B) of ``module`` in float64, whatever type the file stores (bfloat16 included)."""
-        import torch
+        """(A, B) of ``module`` in float64, whatever type the file stores: numpy reads float16/32/64, torch only
+        bfloat16 (numpy has no such type), so most runs never import torch."""
         from safetensors import SafetensorError, safe_open
 
+        keys = [module.name + suffix for suffix in (_A, _B)]
         try:
-            with safe_open(self.weights, framework="pt") as file:
-                pair = [file.get_tensor(module.name + suffix).to(torch.float64).numpy() for suffix in (_A, _B)]
+            with safe_open(self.weights, framework="numpy") as file:
+                if all(file.get_slice(key).get_dtype() != "BF16" for key in keys):
+                    pair = [file.get_tensor(key).astype(np.float64) for key in keys]
+                else:
+                    pair = _read_bfloat16(self.weights, keys)
         except (OSError, SafetensorError, KeyError) as error:
             raise AdapterError(self.weights, f"cannot read {module.name}: {error}") from None
         if not all(np.isfinite(matrix).all() for matrix in pair):
@@ -82,6 +86,14 @@ class Adapter:
             for block in iter(lambda: stream.read(1 << 20), b""):
                 digest.update(block)
         return digest.hexdigest()
+
+
+def _read_bfloat16(weights: str, keys: list[str]) -> list[np.ndarray]:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as file:
+        return [file.get_tensor(key).to(torch.float64).numpy() for key in keys]
 
 
 def find_adapters(spec: str) -> list[str]:

@@ -2,11 +2,14 @@
 
 Every rank checks the headers of its block of adapters against the first
 one, then the layer groups go one at a time: each rank reads its adapters'
-A and B of that group, the ranks find the group's shared components
-together (:mod:`.pca`: a sum over adapters, so one allreduce makes it exact
-for any number of them), and each rank writes its adapters' loadings and
-errors straight into the one output file (parallel HDF5). A rank's memory is
-one group of its own adapters plus a d x d matrix, however many adapters.
+A and B of that group (a first pass checks them, so that a bad one ends the
+job with one message), the ranks find the group's shared components together
+(:mod:`.pca`: a sum over adapters, so one allreduce makes it exact for any
+number of them), and each rank writes its adapters' loadings and errors
+straight into the one output file (parallel HDF5). Every pass reads the
+adapters one at a time: a rank holds one adapter's matrices and a d x d
+matrix, however many adapters it has (the Gram path, for fewer rows than
+dimensions, gathers its rows: fewer than d x d numbers).
 
 For adapter i and group g, with components C_A (k_A x in) and C_B (k_B x out):
 A_i ~ L_A C_A with L_A = A_i C_A^T, and B_i ~ C_B^T L_B^T with L_B = B_i^T C_B^T.
@@ -25,7 +28,8 @@ import numpy as np
 
 from ..io import OutputLock, RowWriter, WriteError
 from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, start_agreed
-from ..ranks import AgreedError, Comm, rank_rows, run_agreed
+from ..kernels.threads import share_cores
+from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem, JobRefused
 from .config import AdaptersConfig
 from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
@@ -67,6 +71,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Job:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    share_cores(ranks_sharing_cores(comm))  # BLAS threads: this rank's share of the host's cores
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
     check_outputs(config.out, None)
@@ -115,12 +120,11 @@ def _compress(system: ActorSystem, config: AdaptersConfig, job: _Job) -> dict:
         _write_replicated(writer, system.rank, {"modules": _strings([m.name for m in modules])}
                           | {f"adapters/{key}": values for key, values in table.items()})  # fmt: skip
         for index, module in enumerate(modules):
-            pairs: list[tuple[np.ndarray, np.ndarray]] = []
-            run_agreed(comm, f"reading {module.name}", partial(_read, job.mine, module, pairs), _BadWeights)
-            sides = _group(config, comm, module, pairs)
+            run_agreed(comm, f"reading {module.name}", partial(_check_group, job.mine, module), _BadWeights)
+            sides = _group(config, comm, module, job.mine)
             group = f"groups/{index:04d}"
             writer.add(_group_layout(group, sides, count, reference.rank))
-            loadings, norm2, error2 = _loadings_and_errors(pairs, sides["A"], sides["B"])
+            loadings, norm2, error2 = _loadings_and_errors(job.mine, module, sides["A"], sides["B"])
             norms += norm2
             errors += error2
             relative = np.sqrt(np.divide(error2, norm2, out=np.zeros_like(norm2), where=norm2 > 0))
@@ -138,20 +142,24 @@ def _compress(system: ActorSystem, config: AdaptersConfig, job: _Job) -> dict:
     return _summary(system, config, job, kept, overall)
 
 
-def _read(adapters: list[Adapter], module: Module, into: list) -> None:
-    into.extend(adapter.read(module) for adapter in adapters)
+def _check_group(adapters: list[Adapter], module: Module) -> None:
+    """Read every adapter's matrices of ``module`` once, so that a bad one is agreed on before any collective."""
+    for adapter in adapters:
+        adapter.read(module)
 
 
-def _group(config: AdaptersConfig, comm: Comm, module: Module, pairs: list) -> dict[str, Components]:
-    """The shared components of the A rows and of the B columns of one group (collective)."""
+def _group(config: AdaptersConfig, comm: Comm, module: Module, adapters: list[Adapter]) -> dict[str, Components]:
+    """The shared components of the A rows and of the B columns of one group (collective); each pass re-reads the
+    adapters one at a time, so a rank never holds more than one of them."""
 
-    def find(rows: np.ndarray) -> Components:
-        return shared_components(rows, comm, config.method, config.components, config.variance,
+    def find(side: int, dimension: int) -> Components:
+        def rows():
+            return (adapter.read(module)[side].T if side else adapter.read(module)[0] for adapter in adapters)
+
+        return shared_components(rows, dimension, comm, config.method, config.components, config.variance,
                                  config.oversampling, config.power_iterations, config.seed)  # fmt: skip
 
-    a_rows = np.concatenate([a for a, _ in pairs]) if pairs else np.empty((0, module.inputs))
-    b_rows = np.concatenate([b.T for _, b in pairs]) if pairs else np.empty((0, module.outputs))
-    return {"A": find(a_rows), "B": find(b_rows)}
+    return {"A": find(0, module.inputs), "B": find(1, module.outputs)}
 
 
 def _group_layout(group: str, sides: dict[str, Components], count: int, rank: int) -> dict:
@@ -166,18 +174,19 @@ def _group_layout(group: str, sides: dict[str, Components], count: int, rank: in
 
 
 def _loadings_and_errors(
-    pairs: list[tuple[np.ndarray, np.ndarray]], a_side: Components, b_side: Components
+    adapters: list[Adapter], module: Module, a_side: Components, b_side: Components
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Each adapter's loadings on both sides, and its update's squared norm and squared error.
+    """Each adapter's loadings on both sides, and its update's squared norm and squared error (one read each).
 
     With projections P_A and P_B the rebuilt update is P_B B A P_A, so its
     squared error is ||B A||^2 - ||P_B B A P_A||^2 = tr(B^T B A A^T) - tr(L_B L_B^T L_A L_A^T).
     """
-    rank = pairs[0][0].shape[0] if pairs else 0
-    a_loads = np.empty((len(pairs), rank, len(a_side.vectors)))
-    b_loads = np.empty((len(pairs), rank, len(b_side.vectors)))
-    norm2, error2 = np.zeros(len(pairs)), np.zeros(len(pairs))
-    for i, (a, b) in enumerate(pairs):
+    rank = adapters[0].rank if adapters else 0
+    a_loads = np.empty((len(adapters), rank, len(a_side.vectors)))
+    b_loads = np.empty((len(adapters), rank, len(b_side.vectors)))
+    norm2, error2 = np.zeros(len(adapters)), np.zeros(len(adapters))
+    for i, adapter in enumerate(adapters):
+        a, b = adapter.read(module)
         a_loads[i] = a @ a_side.vectors.T
         b_loads[i] = b.T @ b_side.vectors.T
         norm2[i] = np.einsum("ij,ji->", b.T @ b, a @ a.T)

@@ -1,7 +1,7 @@
 """Shared components of rows spread over the ranks: exact, or by a randomized range finder, always in float64.
 
-Each rank holds some rows (the rows of its adapters' A matrices of one layer
-group, or of their B matrices transposed). The components are the top
+Each rank has some rows (the rows of its adapters' A matrices of one layer
+group, or of their B matrices transposed), read a block at a time. The components are the top
 eigenvectors of the rows' second-moment matrix ``X^T X``, a sum over rows and
 so over ranks: an allreduce makes it exact whatever the number of adapters
 (no chunked "meta-PCA"). The rows are not centred: an adapter is rebuilt as a
@@ -18,6 +18,7 @@ projection of its own matrices on the components, with nothing added.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +42,12 @@ class Components:
         return self.variances / self.total if self.total > 0 else np.zeros_like(self.variances)
 
 
+Rows = Callable[[], Iterable[np.ndarray]]  # every call yields this rank's row blocks anew (re-read, not kept)
+
+
 def shared_components(
-    rows: np.ndarray,
+    rows: Rows,
+    dimension: int,
     comm: Comm,
     method: str,
     components: int,
@@ -51,23 +56,24 @@ def shared_components(
     power_iterations: int = 2,
     seed: int = 0,
 ) -> Components:
-    """The components of every rank's ``rows`` (collective): ``components`` of them, or (0) the fewest that
-    explain ``variance`` of the total; never more than the rows' numerical rank."""
+    """The components of every rank's rows (collective): ``components`` of them, or (0) the fewest that explain
+    ``variance`` of the total; never more than the rows' numerical rank.
+
+    ``rows()`` is called once per pass over the rows, so a rank holds one block at a time: memory is d x d (or
+    d x (k + p)) whatever the number of rows, except on the Gram path, whose rows (fewer than d) are gathered.
+    """
     from mpi4py import MPI
 
-    rows = np.ascontiguousarray(rows, np.float64)
-    dimension = rows.shape[1]
-    count = comm.allreduce(len(rows), op=MPI.SUM)
+    count = comm.allreduce(sum(len(block) for block in rows()), op=MPI.SUM)
     if method == "randomized":
         width = min(components + oversampling, dimension, count)
-        values, vectors, total = _randomized(rows, comm, width, power_iterations, seed)
+        values, vectors, total = _randomized(rows, dimension, comm, width, power_iterations, seed)
     elif count >= dimension:
-        values, vectors, total = _covariance(rows, comm)
+        values, vectors, total = _covariance(rows, dimension, comm)
     else:
-        values, vectors, total = _gram(rows, comm)
-    kept = (
-        int(np.count_nonzero(values > max(values[0], 0.0) * dimension * np.finfo(np.float64).eps)) if len(values) else 0
-    )
+        values, vectors, total = _gram(rows, dimension, comm)
+    tiny = max(values[0], 0.0) * dimension * np.finfo(np.float64).eps if len(values) else 0.0
+    kept = int(np.count_nonzero(values > tiny))
     if components:
         kept = min(components, kept)
     else:
@@ -77,47 +83,56 @@ def shared_components(
     return comm.bcast(found, root=0)  # rank 0's, to the bit, wherever the ranks' rounding differed
 
 
-def _covariance(rows: np.ndarray, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
+def _covariance(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
     from mpi4py import MPI
 
-    moment = rows.T @ rows
+    moment = np.zeros((dimension, dimension))
+    for block in rows():
+        moment += block.T @ block
     comm.Allreduce(MPI.IN_PLACE, moment)
     values, vectors = np.linalg.eigh(moment)
     order = np.argsort(values)[::-1]
     return values[order], vectors[:, order].T, float(np.trace(moment))
 
 
-def _gram(rows: np.ndarray, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
+def _gram(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
     """Fewer rows than dimensions: every rank takes all the rows and solves their Gram matrix."""
-    stacked = np.concatenate([part for part in comm.allgather(rows) if len(part)])
+    mine = [block for block in rows()]
+    local = np.concatenate(mine) if mine else np.empty((0, dimension))
+    stacked = np.concatenate([part for part in comm.allgather(local) if len(part)])
     gram = stacked @ stacked.T
     values, left = np.linalg.eigh(gram)
     order = np.argsort(values)[::-1]
     values, left = values[order], left[:, order]
     positive = values > 0
-    vectors = np.zeros((len(values), stacked.shape[1]))
+    vectors = np.zeros((len(values), dimension))
     vectors[positive] = (left[:, positive].T @ stacked) / np.sqrt(values[positive])[:, None]
     return values, vectors, float(np.trace(gram))
 
 
 def _randomized(
-    rows: np.ndarray, comm: Comm, width: int, power_iterations: int, seed: int
+    rows: Rows, dimension: int, comm: Comm, width: int, power_iterations: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray, float]:
     from mpi4py import MPI
 
     def moment_times(block: np.ndarray) -> np.ndarray:
-        product = rows.T @ (rows @ block)
+        product = np.zeros_like(block)
+        for part in rows():
+            product += part.T @ (part @ block)
         comm.Allreduce(MPI.IN_PLACE, product)
         return product
 
-    probe = np.random.default_rng(seed).standard_normal((rows.shape[1], width))  # the same on every rank
+    probe = np.random.default_rng(seed).standard_normal((dimension, width))  # the same on every rank
     basis = np.linalg.qr(moment_times(probe))[0]
     for _ in range(power_iterations):
         basis = np.linalg.qr(moment_times(basis))[0]
-    projected = rows @ basis
-    small = projected.T @ projected
+    small, total = np.zeros((width, width)), 0.0
+    for part in rows():
+        projected = part @ basis
+        small += projected.T @ projected
+        total += float(np.einsum("ij,ij->", part, part))
     comm.Allreduce(MPI.IN_PLACE, small)
+    total = comm.allreduce(total, op=MPI.SUM)
     values, rotation = np.linalg.eigh(small)
     order = np.argsort(values)[::-1]
-    total = comm.allreduce(float(np.einsum("ij,ij->", rows, rows)), op=MPI.SUM)
     return values[order], (basis @ rotation[:, order]).T, total

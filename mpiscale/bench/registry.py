@@ -82,6 +82,12 @@ def _dictlearn(args: argparse.Namespace, json_path: str) -> object:
     return run(lambda system: run_dictlearn_bench(system, json_path, args.dir, quick=args.quick))
 
 
+def _adapters(args: argparse.Namespace, json_path: str) -> object:
+    from .adapters import run_adapters_bench
+
+    return run_adapters_bench(json_path, args.dir, quick=args.quick)
+
+
 def _telemetry(args: argparse.Namespace, json_path: str) -> object:
     from .telemetry import run_telemetry_bench
 
@@ -120,6 +126,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "checkpoint",
             "level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
             _checkpoint,
+        ),
+        Benchmark(
+            "adapters",
+            "compressing N planted LoRA adapters: ours at 1, 2 and 4 ranks vs one process's covariance and eigh, "
+            "chunked meta-PCA and scikit-learn PCA (one process, no mpirun; it launches ours)",
+            _adapters,
         ),
         Benchmark("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)", _omp),
         Benchmark(
