@@ -18,7 +18,7 @@ projection of its own matrices on the components, with nothing added.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +43,25 @@ class Components:
 
 
 Rows = Callable[[], Iterable[np.ndarray]]  # every call yields this rank's row blocks anew (re-read, not kept)
+
+#: Row blocks are gathered up to this many bytes before a product: one adapter's 16 rows against a d x d matrix
+#: would stream the whole matrix through memory for very little arithmetic.
+BATCH_BYTES = 32 << 20
+
+
+def batched(rows: Rows, dimension: int) -> Iterator[np.ndarray]:
+    """The blocks of ``rows()`` stacked into batches of at most ``BATCH_BYTES`` (or one block, if larger)."""
+    limit = max(1, BATCH_BYTES // (8 * dimension))
+    pending: list[np.ndarray] = []
+    held = 0
+    for block in rows():
+        pending.append(block)
+        held += len(block)
+        if held >= limit:
+            yield np.concatenate(pending)
+            pending, held = [], 0
+    if pending:
+        yield np.concatenate(pending)
 
 
 def shared_components(
@@ -79,45 +98,46 @@ def shared_components(
     else:
         reached = np.cumsum(values[:kept]) >= variance * total
         kept = int(np.argmax(reached)) + 1 if reached.any() else kept
-    found = Components(np.ascontiguousarray(vectors[:kept]), values[:kept].copy(), total)
+    found = Components(np.ascontiguousarray(vectors(kept)), values[:kept].copy(), total)
     return comm.bcast(found, root=0)  # rank 0's, to the bit, wherever the ranks' rounding differed
 
 
-def _covariance(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
+def _covariance(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
     from mpi4py import MPI
 
     moment = np.zeros((dimension, dimension))
-    for block in rows():
+    for block in batched(rows, dimension):
         moment += block.T @ block
     comm.Allreduce(MPI.IN_PLACE, moment)
     values, vectors = np.linalg.eigh(moment)
     order = np.argsort(values)[::-1]
-    return values[order], vectors[:, order].T, float(np.trace(moment))
+    return values[order], lambda kept: vectors[:, order[:kept]].T, float(np.trace(moment))
 
 
-def _gram(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, np.ndarray, float]:
+def _gram(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
     """Fewer rows than dimensions: every rank takes all the rows and solves their Gram matrix."""
-    mine = [block for block in rows()]
+    mine = list(rows())
     local = np.concatenate(mine) if mine else np.empty((0, dimension))
     stacked = np.concatenate([part for part in comm.allgather(local) if len(part)])
     gram = stacked @ stacked.T
     values, left = np.linalg.eigh(gram)
     order = np.argsort(values)[::-1]
     values, left = values[order], left[:, order]
-    positive = values > 0
-    vectors = np.zeros((len(values), dimension))
-    vectors[positive] = (left[:, positive].T @ stacked) / np.sqrt(values[positive])[:, None]
+
+    def vectors(kept: int) -> np.ndarray:  # only the kept ones: each costs a pass over the rows
+        return (left[:, :kept].T @ stacked) / np.sqrt(values[:kept])[:, None]
+
     return values, vectors, float(np.trace(gram))
 
 
 def _randomized(
     rows: Rows, dimension: int, comm: Comm, width: int, power_iterations: int, seed: int
-) -> tuple[np.ndarray, np.ndarray, float]:
+) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
     from mpi4py import MPI
 
     def moment_times(block: np.ndarray) -> np.ndarray:
         product = np.zeros_like(block)
-        for part in rows():
+        for part in batched(rows, dimension):
             product += part.T @ (part @ block)
         comm.Allreduce(MPI.IN_PLACE, product)
         return product
@@ -127,7 +147,7 @@ def _randomized(
     for _ in range(power_iterations):
         basis = np.linalg.qr(moment_times(basis))[0]
     small, total = np.zeros((width, width)), 0.0
-    for part in rows():
+    for part in batched(rows, dimension):
         projected = part @ basis
         small += projected.T @ projected
         total += float(np.einsum("ij,ij->", part, part))
@@ -135,4 +155,4 @@ def _randomized(
     total = comm.allreduce(total, op=MPI.SUM)
     values, rotation = np.linalg.eigh(small)
     order = np.argsort(values)[::-1]
-    return values[order], (basis @ rotation[:, order]).T, total
+    return values[order], lambda kept: (basis @ rotation[:, order[:kept]]).T, total
