@@ -26,11 +26,11 @@ from functools import partial
 
 import numpy as np
 
-from ..io import OutputLock, RowWriter, WriteError
-from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, start_agreed
+from ..io import OutputLock, RowWriter
+from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .config import AdaptersConfig
 from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
 from .pca import Components, shared_components
@@ -55,16 +55,8 @@ class _Job:
 async def compress_adapters(system: ActorSystem, config: AdaptersConfig) -> dict:
     """Run the job on every rank; bad input (adapters that do not match, settings) ends it before any group is read,
     with one message naming the adapter and status 2."""
-    job = await start_agreed(system, "compress-adapters", lambda: _prepare(system, config))
-    try:
-        return _compress(system, config, job)
-    except WriteError as error:
-        raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
-    except _BadWeights as error:
-        raise JobRefused(f"mpiscale compress-adapters: {error}", status=2) from None
-    finally:
-        if job.lock is not None:
-            job.lock.release()
+    return await run_without_steps(system, "compress-adapters", lambda: _prepare(system, config),
+                                   lambda job: _compress(system, config, job), _BadWeights)  # fmt: skip
 
 
 def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Job:

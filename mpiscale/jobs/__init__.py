@@ -2,7 +2,15 @@
 progress, and results written with the ranks' agreement."""
 
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
-from .outputs import check_not_an_input, check_outputs, close_checkpointer, lock_results, start_agreed, write_results
+from .outputs import (
+    check_not_an_input,
+    check_outputs,
+    close_checkpointer,
+    lock_results,
+    run_without_steps,
+    start_agreed,
+    write_results,
+)
 from .progress import ProgressLine, duration
 from .registry import JOBS, JobEntry, job_of_results, jobs_table
 from .settings import add_options, load_settings, option, option_fields, run_job
@@ -43,6 +51,7 @@ __all__ = [
     "run_job",
     "same_bits_everywhere",
     "settings_meta",
+    "run_without_steps",
     "start_agreed",
     "state_arrays",
     "Stateful",

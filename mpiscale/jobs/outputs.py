@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import h5py
 
@@ -22,7 +22,7 @@ from ..io import (
     write_file,
 )
 from ..ranks import Comm, agree
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, JobRefused
 
 Job = TypeVar("Job")
 
@@ -47,6 +47,36 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
     await system.agree(problem, "the input and settings", status=status)
     assert prepared  # the agreement raised on every rank otherwise
     return job  # type: ignore[return-value]
+
+
+class HoldsLock(Protocol):
+    """A prepared job without steps: it holds its output's lock (None: not locked) until it ends."""
+
+    lock: OutputLock | None
+
+
+Held = TypeVar("Held", bound=HoldsLock)
+
+
+async def run_without_steps(
+    system: ActorSystem,
+    command: str,
+    prepare: Callable[[], Held],
+    work: Callable[[Held], dict],
+    bad_input: type[Exception],
+) -> dict:
+    """A job with no steps to stop after: ``prepare`` agreed by every rank, then ``work``; a ``WriteError`` ends it
+    with status 1, a ``bad_input`` found while working (agreed by every rank) with status 2; the lock is released."""
+    job = await start_agreed(system, command, prepare)
+    try:
+        return work(job)
+    except WriteError as error:
+        raise JobRefused(f"mpiscale {command}: {error}", status=1) from None
+    except bad_input as error:
+        raise JobRefused(f"mpiscale {command}: {error}", status=2) from None
+    finally:
+        if job.lock is not None:
+            job.lock.release()
 
 
 def check_outputs(out: str, checkpoints: str | None) -> None:

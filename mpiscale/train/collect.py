@@ -22,11 +22,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
-from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, start_agreed
+from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, split_spec
+from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .config import CollectConfig
 from .model import first_bad_row, input_layout, module_names
 from .results import load_trained
@@ -55,16 +55,8 @@ class _Job:
 
 async def collect(system: ActorSystem, config: CollectConfig) -> dict:
     """Run the job on every rank; bad input ends it before any row is read, with one message and status 2."""
-    job = await start_agreed(system, "collect", lambda: _prepare(config))
-    try:
-        return _write(system, config, job)
-    except WriteError as error:
-        raise JobRefused(f"mpiscale collect: {error}", status=1) from None
-    except _BadRows as error:
-        raise JobRefused(f"mpiscale collect: {error}", status=2) from None
-    finally:
-        if job.lock is not None:
-            job.lock.release()
+    return await run_without_steps(system, "collect", lambda: _prepare(config),
+                                   lambda job: _write(system, config, job), _BadRows)  # fmt: skip
 
 
 def _prepare(config: CollectConfig) -> _Job:
