@@ -14,6 +14,8 @@ import pytest
 from helpers import REPO
 from slurm_cluster import SubmitError
 
+from mpiscale.adapters.planted import write_planted
+
 TEMPLATES = REPO / "hpc" / "slurm"
 ITERATIONS = 10000  # 4-8 s on 2 ranks: time to signal or kill a run in the middle
 DICTLEARN = {
@@ -206,9 +208,9 @@ def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_pa
     assert attrs["iterations"] == ITERATIONS and attrs["stop_reason"] == "iterations"
 
 
-def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
+def test_the_train_collect_memstore_and_compress_adapters_templates_run(slurm, tmp_path):
     """Each with small settings: pipeline training on the bundled digits, signalled as before its time limit,
-    requeued and resumed; collect of its activations; a small memory store."""
+    requeued and resumed; collect of its activations; a small memory store; six adapters compressed."""
     common = {"MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
     # Where mpiscale is, three ways: MPISCALE_HOME (train); the checkout of the mpiscale on PATH (memstore, from a
     # copy of its template); neither, so the checkout the template was submitted from (collect).
@@ -241,6 +243,14 @@ def test_the_train_collect_and_memstore_templates_run(slurm, tmp_path):
         )
     done(slurm, store)
     assert "wrote store/store.h5" in output(tmp_path / "store", store, "mpiscale-memstore")
+
+    write_planted(tmp_path / "adapters", 6)
+    compress = slurm.submit(TEMPLATES / "compress-adapters.sbatch", "--ntasks=2", cwd=tmp_path,
+                            env={**common, "MPISCALE_HOME": str(REPO), "ADAPTERS": "adapters", "OUT": "c/adapters.h5",
+                                 "OPTIONS": "--components 4"})  # fmt: skip
+    done(slurm, compress)
+    with h5py.File(tmp_path / "c" / "adapters.h5", "r") as compressed:
+        assert compressed.attrs["world_size"] == 2 and compressed["groups/0000/A/loadings"].shape == (6, 4, 4)
 
 
 def test_an_oversized_request_is_refused_with_slurms_reason(slurm, tmp_path):
