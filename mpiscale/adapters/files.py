@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MpiscaleError
-from ..io import natural_key
+from ..io import is_list_file, listed_paths, natural_key
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
-_LIST_SUFFIXES = (".txt", ".list")
+_SUFFIXES = {"A": _A, "B": _B}
 
 
 class AdapterError(MpiscaleError, ValueError):
@@ -61,23 +61,24 @@ class Adapter:
     def weights(self) -> str:
         return os.path.join(self.path, WEIGHTS)
 
-    def read(self, module: Module) -> tuple[np.ndarray, np.ndarray]:
-        """(A, B) of ``module`` in float64, whatever type the file stores: numpy reads float16/32/64, torch only
-        bfloat16 (numpy has no such type), so most runs never import torch."""
+    def read(self, module: Module, sides: str = "AB") -> list[np.ndarray]:
+        """The matrices of ``module`` named by ``sides`` (``"AB"``, ``"A"`` or ``"B"``), in float64 whatever type
+        the file stores: numpy reads float16/32/64, torch only bfloat16 (numpy has no such type), so most runs
+        never import torch."""
         from safetensors import SafetensorError, safe_open
 
-        keys = [module.name + suffix for suffix in (_A, _B)]
+        keys = [module.name + _SUFFIXES[side] for side in sides]
         try:
             with safe_open(self.weights, framework="numpy") as file:
                 if all(file.get_slice(key).get_dtype() != "BF16" for key in keys):
-                    pair = [file.get_tensor(key).astype(np.float64) for key in keys]
+                    matrices = [file.get_tensor(key).astype(np.float64) for key in keys]
                 else:
-                    pair = _read_bfloat16(self.weights, keys)
+                    matrices = _read_bfloat16(self.weights, keys)
         except (OSError, SafetensorError, KeyError) as error:
             raise AdapterError(self.weights, f"cannot read {module.name}: {error}") from None
-        if not all(np.isfinite(matrix).all() for matrix in pair):
+        if not all(np.isfinite(matrix).all() for matrix in matrices):
             raise AdapterError(self.weights, f"{module.name} holds NaN or infinite values")
-        return pair[0], pair[1]
+        return matrices
 
     def checksum(self) -> str:
         """SHA-256 of the weights file (recorded in the output, so a result names exactly what it compressed)."""
@@ -98,15 +99,10 @@ def _read_bfloat16(weights: str, keys: list[str]) -> list[np.ndarray]:
 
 def find_adapters(spec: str) -> list[str]:
     """Adapter directories, in a stable order: ``spec`` is an adapter directory, a directory of them, a glob of
-    them, or a text file listing one per line (relative to the file; ``#`` starts a comment)."""
-    if os.path.isfile(spec) and spec.endswith(_LIST_SUFFIXES):
-        base = os.path.dirname(os.path.abspath(spec))
-        with open(spec, encoding="utf-8") as stream:
-            lines = [line.split("#", 1)[0].strip() for line in stream]
-        found = [os.path.join(base, line) for line in lines if line]
-        if not found:
-            raise AdapterError(spec, "the list of adapters is empty")
-        return found
+    them, or a text file listing one per line (.txt, .lst or .list, as ``--data`` takes them: relative to the file,
+    ``#`` starts a comment)."""
+    if is_list_file(spec):
+        return listed_paths(spec)
     if os.path.isdir(spec):
         if os.path.isfile(os.path.join(spec, CONFIG)):
             return [spec]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -104,16 +105,17 @@ def _compress(system: ActorSystem, config: AdaptersConfig, job: _Job) -> dict:
         f"adapters/{key}": ((count,), v.dtype) for key, v in table.items()
     }
     layout["adapters/error"] = ((count,), np.dtype(np.float64))
-    layout["modules"] = ((len(modules),), _strings([m.name for m in modules]).dtype)
+    names = _strings([m.name for m in modules])
+    layout["modules"] = ((len(modules),), names.dtype)
     progress = ProgressLine(len(modules), 0, config.progress_every if system.rank == 0 else None, "adapters", "group")
     norms, errors = np.zeros(len(job.mine)), np.zeros(len(job.mine))
     kept: list[tuple[int, int]] = []
     with RowWriter(config.out, layout, comm, config.to_dict(), attrs, ADAPTERS_FORMAT) as writer:
-        _write_replicated(writer, system.rank, {"modules": _strings([m.name for m in modules])}
+        _write_replicated(writer, system.rank, {"modules": names}
                           | {f"adapters/{key}": values for key, values in table.items()})  # fmt: skip
         for index, module in enumerate(modules):
             run_agreed(comm, f"reading {module.name}", partial(_check_group, job.mine, module), _BadWeights)
-            sides = _group(config, comm, module, job.mine)
+            sides = _group(config, comm, module, job.mine, count * reference.rank)
             group = f"groups/{index:04d}"
             writer.add(_group_layout(group, sides, count, reference.rank))
             loadings, norm2, error2 = _loadings_and_errors(job.mine, module, sides["A"], sides["B"])
@@ -140,18 +142,22 @@ def _check_group(adapters: list[Adapter], module: Module) -> None:
         adapter.read(module)
 
 
-def _group(config: AdaptersConfig, comm: Comm, module: Module, adapters: list[Adapter]) -> dict[str, Components]:
-    """The shared components of the A rows and of the B columns of one group (collective); each pass re-reads the
-    adapters one at a time, so a rank never holds more than one of them."""
+def _group(
+    config: AdaptersConfig, comm: Comm, module: Module, adapters: list[Adapter], rows: int
+) -> dict[str, Components]:
+    """The shared components of the A rows and of the B columns of one group (``rows`` of each over all the ranks;
+    collective); each pass re-reads one side of the adapters one at a time, so a rank never holds more than one."""
 
-    def find(side: int, dimension: int) -> Components:
-        def rows():
-            return (adapter.read(module)[side].T if side else adapter.read(module)[0] for adapter in adapters)
+    def find(side: str, dimension: int) -> Components:
+        def blocks() -> Iterator[np.ndarray]:  # A's rows, or B's columns as rows
+            for adapter in adapters:
+                (matrix,) = adapter.read(module, side)
+                yield matrix if side == "A" else matrix.T
 
-        return shared_components(rows, dimension, comm, config.method, config.components, config.variance,
+        return shared_components(blocks, rows, dimension, comm, config.method, config.components, config.variance,
                                  config.oversampling, config.power_iterations, config.seed)  # fmt: skip
 
-    return {"A": find(0, module.inputs), "B": find(1, module.outputs)}
+    return {"A": find("A", module.inputs), "B": find("B", module.outputs)}
 
 
 def _group_layout(group: str, sides: dict[str, Components], count: int, rank: int) -> dict:

@@ -66,6 +66,7 @@ def batched(rows: Rows, dimension: int) -> Iterator[np.ndarray]:
 
 def shared_components(
     rows: Rows,
+    count: int,
     dimension: int,
     comm: Comm,
     method: str,
@@ -75,15 +76,13 @@ def shared_components(
     power_iterations: int = 2,
     seed: int = 0,
 ) -> Components:
-    """The components of every rank's rows (collective): ``components`` of them, or (0) the fewest that explain
-    ``variance`` of the total; never more than the rows' numerical rank.
+    """The components of every rank's rows (collective; ``count`` rows of ``dimension`` numbers on all the ranks
+    together): ``components`` of them, or (0) the fewest that explain ``variance`` of the total; never more than the
+    rows' numerical rank.
 
     ``rows()`` is called once per pass over the rows, so a rank holds one block at a time: memory is d x d (or
     d x (k + p)) whatever the number of rows, except on the Gram path, whose rows (fewer than d) are gathered.
     """
-    from mpi4py import MPI
-
-    count = comm.allreduce(sum(len(block) for block in rows()), op=MPI.SUM)
     if method == "randomized":
         width = min(components + oversampling, dimension, count)
         values, vectors, total = _randomized(rows, dimension, comm, width, power_iterations, seed)

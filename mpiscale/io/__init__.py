@@ -9,7 +9,7 @@ from .lock import OutputLock
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
-from .sources import natural_key, resolve_files, split_spec
+from .sources import is_list_file, listed_paths, natural_key, resolve_files, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
@@ -31,6 +31,8 @@ __all__ = [
     "checksum",
     "encode_record",
     "epoch_order",
+    "is_list_file",
+    "listed_paths",
     "natural_key",
     "open_file",
     "publish",

@@ -42,8 +42,8 @@ def natural_key(path: str) -> list:
 
 def resolve_files(pattern: str) -> list[str]:
     """The files a spec's file part names, in a stable order (one process; callers broadcast it)."""
-    if os.path.isfile(pattern) and pattern.endswith(LIST_SUFFIXES):
-        return _listed(pattern)
+    if is_list_file(pattern):
+        return listed_paths(pattern)
     if os.path.exists(pattern) or not _GLOB_CHARS.search(pattern):
         return [pattern]
     matches = sorted((path for path in glob.glob(pattern) if os.path.isfile(path)), key=natural_key)
@@ -52,7 +52,13 @@ def resolve_files(pattern: str) -> list[str]:
     return matches
 
 
-def _listed(path: str) -> list[str]:
+def is_list_file(path: str) -> bool:
+    """Whether ``path`` is a text file listing paths (by its suffix: .txt, .lst or .list)."""
+    return os.path.isfile(path) and path.endswith(LIST_SUFFIXES)
+
+
+def listed_paths(path: str) -> list[str]:
+    """The paths a list file names, one a line, relative to the list's directory; ``#`` starts a comment."""
     base = os.path.dirname(os.path.abspath(path))
     try:
         with open(path, encoding="utf-8") as stream:
