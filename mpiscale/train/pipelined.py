@@ -51,6 +51,7 @@ from .trainer import (
     prepare_data,
     progress_text,
     restored_training,
+    steps_per_epoch,
     training_plan,
 )
 
@@ -202,7 +203,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     system, config, pipeline, edge = job.system, job.config, job.pipeline, job.edge
     assert pipeline is not None
     data, curves, optimizer = job.data, job.curves, job.optimizer
-    per_epoch = data.samples // config.batch_size
+    per_epoch = steps_per_epoch(config, data)
     reader = None
     if edge is not None:
         reader = BatchReader(data.path, edge.names, config.batch_size, edge.comm, shuffle=True, seed=config.seed,

@@ -196,9 +196,14 @@ def claim_outputs(config: TrainConfig, comm: Comm) -> tuple[int, OutputLock | No
     return threads, lock_results(config.out, comm)
 
 
+def steps_per_epoch(config: TrainConfig, data: LabelledData) -> int:
+    """Full batches in one pass over the data (the reader drops the last partial batch)."""
+    return data.samples // config.batch_size
+
+
 def training_plan(config: TrainConfig, data: LabelledData) -> Plan:
     """How the lifecycle counts, shows and saves the steps of a training run."""
-    total = config.epochs * (data.samples // config.batch_size)  # the reader drops the last partial batch
+    total = config.epochs * steps_per_epoch(config, data)
     return Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
                 checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
 
@@ -270,7 +275,7 @@ def restored_training(
 ) -> Restored | None:
     """The checkpoint a resumed run continues (None: none, or not resuming), refused unless it is within the run's
     steps, of the same kind of training (data-parallel, or pipeline: ``pipelined``) and of the same settings."""
-    total = config.epochs * (data.samples // config.batch_size)
+    total = config.epochs * steps_per_epoch(config, data)
 
     def usable(restored: Restored) -> None:
         if restored.step > total:
