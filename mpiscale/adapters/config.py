@@ -31,6 +31,14 @@ class AdaptersConfig:
     oversampling: int = option(10, "randomized: extra random directions beyond COMPONENTS")
     power_iterations: int = option(2, "randomized: passes that sharpen the range (one allreduce of d x (k+p) each)")
     seed: int = option(0, "randomized: seed of the random directions (the same on every rank)")
+    resume: bool = option(
+        False, "finish a stopped run: the layer groups it completed are in OUT.partial (any number of ranks)"
+    )
+    add_to: str = option(
+        "",
+        "an earlier compressed FILE.h5 the new adapters join (it is read, never changed; OUT is a new file): "
+        "components from its stored form and the new adapters together, no need of its adapters' weights",
+    )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
 
     def __post_init__(self) -> None:

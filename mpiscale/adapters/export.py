@@ -16,7 +16,7 @@ import numpy as np
 
 from ..io import open_file
 from .files import AdapterError, write_adapter
-from .job import ADAPTERS_FORMAT
+from .layout import READABLE_FORMATS, group_name
 from .results import group_names
 
 
@@ -24,7 +24,7 @@ def export_adapter(compressed: str, name: str, directory: str) -> dict[str, np.n
     """Write adapter ``name`` of ``compressed`` into the new ``directory``; returns its tensors."""
     if os.path.exists(directory):
         raise AdapterError(directory, "exists already: give a new directory (an adapter is never written over)")
-    with open_file(compressed, (ADAPTERS_FORMAT,)) as file:
+    with open_file(compressed, READABLE_FORMATS) as file:
         names = [value.decode() for value in file["adapters/name"][()]]
         if name not in names:
             listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
@@ -33,7 +33,7 @@ def export_adapter(compressed: str, name: str, directory: str) -> dict[str, np.n
         settings = json.loads(file["adapters/config"][row])
         tensors = {}
         for index, module in enumerate(group_names(file)):
-            group = file[f"groups/{index:04d}"]
+            group = file[group_name(index)]
             a = group["A/loadings"][row].astype(np.float64) @ group["A/components"][()]
             b = (group["B/loadings"][row].astype(np.float64) @ group["B/components"][()]).T
             tensors[f"{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)

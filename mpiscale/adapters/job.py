@@ -1,15 +1,21 @@
 """The compression job (``mpiscale compress-adapters``): many LoRA adapters into shared components per layer group.
 
-Every rank checks the headers of its block of adapters against the first
-one, then the layer groups go one at a time: each rank reads its adapters'
-A and B of that group (a first pass checks them, so that a bad one ends the
-job with one message), the ranks find the group's shared components together
+Every rank checks its block of the adapters before anything is written (the
+headers against the first adapter, then every matrix read once: a bad one
+ends the job with one message). Then the layer groups go one at a time, a
+step each of the jobs' common lifecycle: each rank reads its adapters' A and
+B of that group, the ranks find the group's shared components together
 (:mod:`.pca`: a sum over adapters, so one allreduce makes it exact for any
-number of them), and each rank writes its adapters' loadings and errors
-straight into the one output file (parallel HDF5). Every pass reads the
-adapters one at a time: a rank holds one adapter's matrices and a d x d
-matrix, however many adapters it has (the Gram path, for fewer rows than
-dimensions, gathers its rows: fewer than d x d numbers).
+number of them), and each rank writes its adapters' loadings, update norms
+and errors straight into the one output file (parallel HDF5). Every pass
+reads the adapters one at a time: a rank holds one adapter's matrices and a
+d x d matrix, however many adapters it has (the Gram path, for fewer rows
+than dimensions, gathers its rows: fewer than d x d numbers).
+
+A stop (SIGTERM, a stop command) after a group closes the file as
+``OUT.partial``; ``--resume`` reopens it and does the remaining groups, on any
+number of ranks (its data sets are global, by adapter). ``--add-to EARLIER``
+joins new adapters to an earlier compressed file (see :mod:`.earlier`).
 
 For adapter i and group g, with components C_A (k_A x in) and C_B (k_B x out):
 A_i ~ L_A C_A with L_A = A_i C_A^T, and B_i ~ C_B^T L_B^T with L_B = B_i^T C_B^T.
@@ -19,48 +25,257 @@ from r x r products (the update itself, out x in, is never formed).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..io import OutputLock, RowWriter
-from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
+from ..io import DataFileError, OutputLock, RowWriter, WriteError, open_file
+from ..jobs import (
+    Ended,
+    HeldOutputs,
+    Plan,
+    Step,
+    announce,
+    check_not_an_input,
+    check_outputs,
+    lock_results,
+    run_lifecycle,
+)
 from ..kernels.threads import share_cores
-from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
-from ..runtime import ActorSystem
+from ..ranks import Comm, rank_rows, ranks_sharing_cores
+from ..runtime import ActorSystem, JobRefused
 from .config import AdaptersConfig
+from .earlier import Earlier, update_norm2
 from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
+from .layout import ADAPTERS_FORMAT, group_name, strings
 from .pca import Components, shared_components
 
-ADAPTERS_FORMAT = "mpiscale.adapters/1"
+#: The settings a resumed run must share with the stopped one (the others, such as progress, may change).
+RESULT_SETTINGS = ("components", "variance", "method", "oversampling", "power_iterations", "seed", "add_to")
 
 
-class _BadWeights(AgreedError):
-    """An adapter's matrices could not be read, or hold NaN, on some rank: bad input (status 2)."""
-
-
-@dataclass
-class _Job:
-    comm: Comm
-    paths: list[str]
-    reference: Adapter
-    mine: list[Adapter]  # this rank's block of the adapters
-    first: int  # the global index of this rank's first adapter
-    lock: OutputLock | None
+def kept_name(out: str) -> str:
+    """Where a stopped run keeps the groups it completed."""
+    return f"{out}.partial"
 
 
 async def compress_adapters(system: ActorSystem, config: AdaptersConfig) -> dict:
     """Run the job on every rank; bad input (adapters that do not match, settings) ends it before any group is read,
     with one message naming the adapter and status 2."""
-    return await run_without_steps(system, "compress-adapters", lambda: _prepare(system, config),
-                                   lambda job: _compress(system, config, job), _BadWeights)  # fmt: skip
+    return await run_lifecycle(system, "compress-adapters", lambda: _prepare(system, config))
 
 
-def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Job:
+@dataclass
+class _Compression(HeldOutputs):
+    """One run: the adapters of every rank (``paths``), this rank's block (``mine``) and the file being written."""
+
+    system: ActorSystem
+    config: AdaptersConfig
+    comm: Comm
+    paths: list[str]
+    reference: Adapter
+    mine: list[Adapter]
+    first: int  # the global index of this rank's first adapter among the new ones
+    results_lock: OutputLock | None
+    earlier: Earlier | None  # --add-to: its adapters come first in the file
+    plan: Plan
+    checkpoints: None = None  # the output file is the job's only state
+    writer: RowWriter | None = field(default=None, repr=False)
+
+    @property
+    def count(self) -> int:
+        """Adapters in the output file."""
+        return len(self.paths) + (self.earlier.count if self.earlier else 0)
+
+    @property
+    def groups(self) -> tuple[Module, ...]:
+        return self.reference.modules
+
+    async def restore(self) -> int:
+        """Open the output (a stopped run's ``OUT.partial`` with ``--resume``, else a new one); the groups done."""
+        table = self._table()
+        kept = kept_name(self.config.out)
+        resuming = self.comm.bcast(self.config.resume and os.path.exists(kept), root=0)
+        problem = None
+        if self.system.rank == 0:
+            problem = self._already_joined(table) or (_not_resumable(kept, self.config, table) if resuming else None)
+        await self.system.agree(ValueError(f"mpiscale compress-adapters: {problem}") if problem else None,
+                                "the adapters and the stopped run")  # fmt: skip
+        if resuming:
+            self.writer = RowWriter.reopen(self.config.out, kept, self.comm)
+            done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
+            if self.system.rank == 0:
+                print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups "
+                      "were done", flush=True)  # fmt: skip
+            announce("resumed", f"from {kept} after group {done}")
+            return done
+        self.writer = self._create(table)
+        return 0
+
+    async def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        for index in range(start, len(self.groups)):
+            try:
+                text = self._compress_group(index)
+                self._writer.mark(groups_done=index + 1)
+            except WriteError as error:
+                raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+            await asyncio.sleep(0)  # a group computes without awaiting: let the loop take signals and commands now
+            yield Step(text, self.count)
+
+    def save(self, done: int) -> None:
+        self._writer.flush()  # every completed group is in the file already
+
+    async def finish(self, ended: Ended) -> dict:
+        try:
+            if ended.done < len(self.groups):
+                return self._keep(ended.done)
+            overall = self._overall_errors()
+            kept = [(self._writer.file[f"{group_name(i)}/A/components"].shape[0],  # type: ignore[index]
+                     self._writer.file[f"{group_name(i)}/B/components"].shape[0])  # type: ignore[index]
+                    for i in range(len(self.groups))]  # fmt: skip
+            self._writer.close()
+        except WriteError as error:
+            raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+        return self._summary(kept, overall)
+
+    def release(self) -> None:
+        super().release()
+        if self.writer is not None and self.writer.file is not None:
+            self.writer.abandon()  # an error mid-group, maybe on this rank alone
+
+    @property
+    def _writer(self) -> RowWriter:
+        assert self.writer is not None, "the output is opened by restore"
+        return self.writer
+
+    def _table(self) -> dict[str, np.ndarray]:
+        """Every adapter's name, directory, weights checksum and settings: the earlier file's, then this run's (each
+        rank hashes its own; one allgather)."""
+        mine = [(a.name, a.path, a.checksum(), json.dumps(a.config, sort_keys=True)) for a in self.mine]
+        rows = [row for part in self.comm.allgather(mine) for row in part]
+        columns = dict(zip(("name", "path", "sha256", "config"), map(list, zip(*rows, strict=True)), strict=True))
+        table = {key: strings(values) for key, values in columns.items()}
+        if self.earlier is not None:
+            table = {key: np.concatenate([self.earlier.table[key], values]) for key, values in table.items()}
+        return table
+
+    def _already_joined(self, table: dict[str, np.ndarray]) -> str | None:
+        """A new adapter whose weights are already in the earlier file (the same checksum)."""
+        if self.earlier is None:
+            return None
+        earlier = {checksum: row for row, checksum in enumerate(table["sha256"][: self.earlier.count])}
+        for row in range(self.earlier.count, self.count):
+            if table["sha256"][row] in earlier:
+                old = table["name"][earlier[table["sha256"][row]]].decode()
+                return f"{table['path'][row].decode()}: its weights are in {self.earlier.path} already (as {old})"
+        return None
+
+    def _create(self, table: dict[str, np.ndarray]) -> RowWriter:
+        """The new output file with the adapters' table and the module names (collective)."""
+        reference, count = self.reference, self.count
+        attrs = {
+            "base_model": str(reference.config.get("base_model_name_or_path") or ""),
+            "target_modules": json.dumps(reference.config.get("target_modules")),
+            "rank": reference.rank,
+            "adapters": count,
+            "groups_done": 0,
+        }
+        bound = np.zeros(count, np.int8)
+        bound[: count - len(self.paths)] = 1  # earlier adapters: known only from their compressed form
+        replicated = {f"adapters/{key}": values for key, values in table.items()}
+        replicated |= {"adapters/error_bound": bound, "modules": strings([m.name for m in self.groups])}
+        layout = {name: (values.shape, values.dtype) for name, values in replicated.items()}
+        layout["adapters/error"] = ((count,), np.dtype(np.float64))
+        writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, ADAPTERS_FORMAT)
+        _write_replicated(writer, self.system.rank, replicated)
+        return writer
+
+    def _compress_group(self, index: int) -> str:
+        """Find group ``index``'s components and write them, and every adapter's loadings, norms and errors."""
+        module, rank = self.groups[index], self.reference.rank
+        sides = {side: self._components(index, module, side) for side in "AB"}
+        group = group_name(index)
+        self._writer.add(_group_layout(group, sides, self.count, rank))
+        offset = self.earlier.count if self.earlier else 0
+        self._write_adapters(group, offset + self.first, *_loadings_and_errors(self.mine, module, sides, rank))
+        if self.earlier is not None:
+            first, stop = rank_rows(self.earlier.count, self.system.size, self.system.rank)
+            vectors = {side: found.vectors for side, found in sides.items()}
+            self._write_adapters(group, first, *self.earlier.reprojected(index, first, stop, vectors))
+        replicated = {f"{group}/{side}/components": found.vectors for side, found in sides.items()}
+        replicated |= {f"{group}/{side}/explained": found.explained for side, found in sides.items()}
+        replicated |= {f"{group}/{side}/total": np.array([found.total]) for side, found in sides.items()}
+        _write_replicated(self._writer, self.system.rank, replicated)
+        return f"{module.name}: k {len(sides['A'].vectors)} (A) {len(sides['B'].vectors)} (B)"
+
+    def _components(self, index: int, module: Module, side: str) -> Components:
+        """The shared components of one side of a group (collective): A's rows, or B's columns as rows, of every
+        adapter, re-read one at a time on each pass, and rank 0 adds the earlier file's moment as rows."""
+        earlier, unseen = self.earlier.side(index, side) if self.earlier else (np.empty((0, 0)), 0.0)
+
+        def blocks() -> Iterator[np.ndarray]:
+            if self.system.rank == 0 and len(earlier):
+                yield earlier
+            for adapter in self.mine:
+                (matrix,) = adapter.read(module, side)
+                yield matrix if side == "A" else matrix.T
+
+        config, dimension = self.config, module.inputs if side == "A" else module.outputs
+        rows = len(self.paths) * self.reference.rank + len(earlier)
+        return shared_components(blocks, rows, dimension, self.comm, config.method, config.components, config.variance,
+                                 config.oversampling, config.power_iterations, config.seed, unseen)  # fmt: skip
+
+    def _write_adapters(
+        self, group: str, start: int, loadings: dict[str, np.ndarray], norm2: np.ndarray, error2: np.ndarray
+    ) -> None:
+        """Adapters ``start...``'s loadings, update norms and relative errors of a group (collective)."""
+        relative = np.sqrt(np.divide(error2, norm2, out=np.zeros_like(norm2), where=norm2 > 0))
+        arrays = {f"{group}/{side}/loadings": loadings[side] for side in "AB"}
+        self._writer.write(start, arrays | {f"{group}/error": relative, f"{group}/norm": np.sqrt(norm2)})
+
+    def _overall_errors(self) -> np.ndarray:
+        """Each adapter's relative error over all its groups, from the file (a resumed run did only some groups);
+        every rank its block of the adapters, written too (collective)."""
+        self._writer.flush()  # the other ranks' rows, visible to this rank's reads
+        first, stop = rank_rows(self.count, self.system.size, self.system.rank)
+        norm2, error2 = np.zeros(stop - first), np.zeros(stop - first)
+        for index in range(len(self.groups)):
+            found = self._writer.file[group_name(index)]  # type: ignore[index]
+            norm = found["norm"][first:stop]
+            norm2 += norm**2
+            error2 += (found["error"][first:stop] * norm) ** 2
+        overall = np.sqrt(np.divide(error2, norm2, out=np.zeros_like(norm2), where=norm2 > 0))
+        self._writer.write(first, {"adapters/error": overall})
+        return overall
+
+    def _keep(self, done: int) -> dict:
+        """Stopped after ``done`` groups: the file goes to ``OUT.partial`` for a resumed run (collective)."""
+        kept = kept_name(self.config.out)
+        self._writer.close(kept)
+        if self.system.rank == 0:
+            print(f"mpiscale compress-adapters: kept the {done} of {len(self.groups)} layer groups done in {kept}; "
+                  "run the same command with --resume (on any number of ranks) to finish", flush=True)  # fmt: skip
+        return {"adapters": self.count, "groups": len(self.groups), "groups_done": done, "stopped": True}
+
+    def _summary(self, kept: list[tuple[int, int]], overall: np.ndarray) -> dict:
+        """The job's line on rank 0 and its summary on every rank."""
+        modules, rank, count = self.groups, self.reference.rank, self.count
+        original = count * rank * sum(m.inputs + m.outputs for m in modules)
+        stored = sum(ka * m.inputs + kb * m.outputs + count * rank * (ka + kb) for (ka, kb), m in zip(kept, modules))
+        worst = max(self.comm.allgather(float(overall.max(initial=0.0))))
+        joined = f" ({self.earlier.count} of them from {self.earlier.path})" if self.earlier else ""
+        if self.system.rank == 0:
+            print(f"wrote {self.config.out}: {count} adapters{joined}, {len(modules)} layer groups, "
+                  f"{stored / original:.1%} of the parameters; largest relative error of an adapter's update "
+                  f"{worst:.3g}", flush=True)  # fmt: skip
+        return {"adapters": count, "groups": len(modules), "stored_share": stored / original, "worst_error": worst}
+
+
+def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -68,6 +283,10 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Job:
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
     check_outputs(config.out, None)
+    kept = kept_name(config.out)
+    if os.path.exists(kept) and not config.resume:
+        raise ValueError(f"{kept} holds the layer groups of a stopped run: pass --resume to finish it (on any number "
+                         "of ranks), or remove it to start over")  # fmt: skip
     paths = find_adapters(config.adapters)
     names: dict[str, str] = {}
     for path in paths:
@@ -75,152 +294,93 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Job:
         if name in names:
             raise AdapterError(path, f"has the name of {names[name]}: adapters are named by their directories")
         names[name] = path
-    weights = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
-    check_not_an_input(config.out, weights, comm)
+    inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
+    check_not_an_input(config.out, [*inputs, *([config.add_to] if config.add_to else [])], comm)
     lock = lock_results(config.out, comm)  # the last collective: the checks below may fail on one rank alone
     try:
-        reference = open_adapter(paths[0])
+        earlier = Earlier.open(config.add_to) if config.add_to else None
+        if earlier is not None:
+            _check_new_names(earlier, names)
+        reference = earlier.reference if earlier else open_adapter(paths[0])
         first, stop = rank_rows(len(paths), system.size, system.rank)
         mine = [open_adapter(path) for path in paths[first:stop]]
         for adapter in mine:
             check_alike(adapter, reference)
+            for module in adapter.modules:
+                adapter.read(module)  # unreadable or NaN: refused now, not half-way
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return _Job(comm, paths, reference, mine, first, lock)
+    plan = Plan("group", "adapters", len(reference.modules), config.progress_every, saves=True)
+    return _Compression(system, config, comm, paths, reference, mine, first, lock, earlier, plan)
 
 
-def _compress(system: ActorSystem, config: AdaptersConfig, job: _Job) -> dict:
-    comm, reference, count = job.comm, job.reference, len(job.paths)
-    table = _adapter_table(job)
-    modules = reference.modules
-    attrs = {
-        "base_model": str(reference.config.get("base_model_name_or_path") or ""),
-        "target_modules": json.dumps(reference.config.get("target_modules")),
-        "rank": reference.rank,
-        "adapters": count,
-    }
-    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-        f"adapters/{key}": ((count,), v.dtype) for key, v in table.items()
-    }
-    layout["adapters/error"] = ((count,), np.dtype(np.float64))
-    names = _strings([m.name for m in modules])
-    layout["modules"] = ((len(modules),), names.dtype)
-    progress = ProgressLine(len(modules), 0, config.progress_every if system.rank == 0 else None, "adapters", "group")
-    norms, errors = np.zeros(len(job.mine)), np.zeros(len(job.mine))
-    kept: list[tuple[int, int]] = []
-    with RowWriter(config.out, layout, comm, config.to_dict(), attrs, ADAPTERS_FORMAT) as writer:
-        _write_replicated(writer, system.rank, {"modules": names}
-                          | {f"adapters/{key}": values for key, values in table.items()})  # fmt: skip
-        for index, module in enumerate(modules):
-            run_agreed(comm, f"reading {module.name}", partial(_check_group, job.mine, module), _BadWeights)
-            sides = _group(config, comm, module, job.mine, count * reference.rank)
-            group = f"groups/{index:04d}"
-            writer.add(_group_layout(group, sides, count, reference.rank))
-            loadings, norm2, error2 = _loadings_and_errors(job.mine, module, sides["A"], sides["B"])
-            norms += norm2
-            errors += error2
-            relative = np.sqrt(np.divide(error2, norm2, out=np.zeros_like(norm2), where=norm2 > 0))
-            writer.write(job.first, {f"{group}/{side}/loadings": loadings[side] for side in sides}
-                         | {f"{group}/error": relative})  # fmt: skip
-            replicated = {f"{group}/{side}/components": c.vectors for side, c in sides.items()}
-            replicated |= {f"{group}/{side}/explained": c.explained for side, c in sides.items()}
-            _write_replicated(writer, system.rank, replicated)
-            kept.append((len(sides["A"].vectors), len(sides["B"].vectors)))
-            text = f"{module.name}: k {kept[-1][0]} (A) {kept[-1][1]} (B)"
-            progress.update(index + 1, text, count)
-        overall = np.sqrt(np.divide(errors, norms, out=np.zeros_like(norms), where=norms > 0))
-        writer.write(job.first, {"adapters/error": overall})
-    progress.finish()
-    return _summary(system, config, job, kept, overall)
+def _check_new_names(earlier: Earlier, names: dict[str, str]) -> None:
+    """Refuse a new adapter named as an earlier one: names are how adapters are exported."""
+    for old in earlier.table["name"]:
+        if old.decode() in names:
+            path = names[old.decode()]
+            raise AdapterError(path, f"has the name of an adapter in {earlier.path}: adapters are named by their "
+                                     "directories")  # fmt: skip
 
 
-def _check_group(adapters: list[Adapter], module: Module) -> None:
-    """Read every adapter's matrices of ``module`` once, so that a bad one is agreed on before any collective."""
-    for adapter in adapters:
-        adapter.read(module)
-
-
-def _group(
-    config: AdaptersConfig, comm: Comm, module: Module, adapters: list[Adapter], rows: int
-) -> dict[str, Components]:
-    """The shared components of the A rows and of the B columns of one group (``rows`` of each over all the ranks;
-    collective); each pass re-reads one side of the adapters one at a time, so a rank never holds more than one."""
-
-    def find(side: str, dimension: int) -> Components:
-        def blocks() -> Iterator[np.ndarray]:  # A's rows, or B's columns as rows
-            for adapter in adapters:
-                (matrix,) = adapter.read(module, side)
-                yield matrix if side == "A" else matrix.T
-
-        return shared_components(blocks, rows, dimension, comm, config.method, config.components, config.variance,
-                                 config.oversampling, config.power_iterations, config.seed)  # fmt: skip
-
-    return {"A": find("A", module.inputs), "B": find("B", module.outputs)}
+def _not_resumable(kept: str, config: AdaptersConfig, table: dict[str, np.ndarray]) -> str | None:
+    """Why the stopped run in ``kept`` cannot go on with these settings and adapters (None: it can)."""
+    remedy = f"remove {kept} to start over, or run with the settings and adapters it was started with"
+    try:
+        with open_file(kept, (ADAPTERS_FORMAT,)) as file:
+            saved = json.loads(file.attrs["config"])
+            same = all(np.array_equal(file[f"adapters/{key}"][()], table[key]) for key in ("name", "sha256"))
+            done = "groups_done" in file.attrs
+    except (DataFileError, KeyError, OSError, ValueError) as error:
+        return f"{kept} cannot be resumed ({error}); remove it to start over"
+    settings = config.to_dict()
+    differences = [f"{key}: stopped run {saved.get(key)!r}, now {settings[key]!r}" for key in RESULT_SETTINGS
+                   if saved.get(key) != settings[key]]  # fmt: skip
+    if differences:
+        return f"{kept} was started with other settings ({'; '.join(differences)}): {remedy}"
+    if not same:
+        return f"{kept} holds other adapters (names or weights differ): {remedy}"
+    if not done:
+        return f"{kept} does not say how many groups it completed; remove it to start over"
+    return None
 
 
 def _group_layout(group: str, sides: dict[str, Components], count: int, rank: int) -> dict:
     """The data sets of one group, whose shapes are known once its components are."""
-    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {f"{group}/error": ((count,), np.dtype(np.float64))}
+    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+        f"{group}/error": ((count,), np.dtype(np.float64)),
+        f"{group}/norm": ((count,), np.dtype(np.float64)),
+    }
     for side, found in sides.items():
         k, dimension = found.vectors.shape
         layout[f"{group}/{side}/components"] = ((k, dimension), np.dtype(np.float32))
         layout[f"{group}/{side}/loadings"] = ((count, rank, k), np.dtype(np.float32))
         layout[f"{group}/{side}/explained"] = ((k,), np.dtype(np.float64))
+        layout[f"{group}/{side}/total"] = ((1,), np.dtype(np.float64))
     return layout
 
 
 def _loadings_and_errors(
-    adapters: list[Adapter], module: Module, a_side: Components, b_side: Components
+    adapters: list[Adapter], module: Module, sides: dict[str, Components], rank: int
 ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
     """Each adapter's loadings on both sides, and its update's squared norm and squared error (one read each).
 
     With projections P_A and P_B the rebuilt update is P_B B A P_A, so its
     squared error is ||B A||^2 - ||P_B B A P_A||^2 = tr(B^T B A A^T) - tr(L_B L_B^T L_A L_A^T).
     """
-    rank = adapters[0].rank if adapters else 0
-    a_loads = np.empty((len(adapters), rank, len(a_side.vectors)))
-    b_loads = np.empty((len(adapters), rank, len(b_side.vectors)))
+    a_side, b_side = sides["A"].vectors, sides["B"].vectors
+    a_loads, b_loads = np.empty((len(adapters), rank, len(a_side))), np.empty((len(adapters), rank, len(b_side)))
     norm2, error2 = np.zeros(len(adapters)), np.zeros(len(adapters))
     for i, adapter in enumerate(adapters):
         a, b = adapter.read(module)
-        a_loads[i] = a @ a_side.vectors.T
-        b_loads[i] = b.T @ b_side.vectors.T
-        norm2[i] = np.einsum("ij,ji->", b.T @ b, a @ a.T)
-        kept = np.einsum("ij,ji->", b_loads[i] @ b_loads[i].T, a_loads[i] @ a_loads[i].T)
-        error2[i] = max(norm2[i] - kept, 0.0)
+        a_loads[i], b_loads[i] = a @ a_side.T, b.T @ b_side.T
+        norm2[i] = update_norm2(a, b.T)
+        error2[i] = max(norm2[i] - update_norm2(a_loads[i], b_loads[i]), 0.0)
     return {"A": a_loads, "B": b_loads}, norm2, error2
-
-
-def _adapter_table(job: _Job) -> dict[str, np.ndarray]:
-    """Every adapter's name, directory, weights checksum and settings (each rank hashes its own; one allgather)."""
-    mine = [(a.name, a.path, a.checksum(), json.dumps(a.config, sort_keys=True)) for a in job.mine]
-    rows = [row for part in job.comm.allgather(mine) for row in part]
-    columns = list(zip(*rows, strict=True))
-    return {key: _strings(list(values)) for key, values in zip(("name", "path", "sha256", "config"), columns,
-                                                                strict=True)}  # fmt: skip
-
-
-def _strings(values: list[str]) -> np.ndarray:
-    """Fixed-length UTF-8 bytes (parallel HDF5 writes no variable-length strings)."""
-    encoded = [value.encode() for value in values]
-    return np.array(encoded, dtype=f"S{max(1, *map(len, encoded))}")
 
 
 def _write_replicated(writer: RowWriter, rank: int, arrays: dict[str, np.ndarray]) -> None:
     """Arrays every rank holds: rank 0 writes them, the others take part in the collective write with no rows."""
     writer.write(0, arrays if rank == 0 else {name: array[:0] for name, array in arrays.items()})
-
-
-def _summary(system: ActorSystem, config: AdaptersConfig, job: _Job, kept: list, overall: np.ndarray) -> dict:
-    """The job's line on rank 0 and its summary on every rank."""
-    modules, rank = job.reference.modules, job.reference.rank
-    count = len(job.paths)
-    original = count * rank * sum(m.inputs + m.outputs for m in modules)
-    stored = sum(ka * m.inputs + kb * m.outputs + count * rank * (ka + kb) for (ka, kb), m in zip(kept, modules))
-    worst = max(job.comm.allgather(float(overall.max(initial=0.0))))
-    if system.rank == 0:
-        print(f"wrote {config.out}: {count} adapters, {len(modules)} layer groups, {stored / original:.1%} of the "
-              f"parameters; largest relative error of an adapter's update {worst:.3g}", flush=True)  # fmt: skip
-    return {"adapters": count, "groups": len(modules), "stored_share": stored / original, "worst_error": worst}

@@ -75,10 +75,12 @@ def shared_components(
     oversampling: int = 10,
     power_iterations: int = 2,
     seed: int = 0,
+    unseen: float = 0.0,
 ) -> Components:
     """The components of every rank's rows (collective; ``count`` rows of ``dimension`` numbers on all the ranks
     together): ``components`` of them, or (0) the fewest that explain ``variance`` of the total; never more than the
-    rows' numerical rank.
+    rows' numerical rank. ``unseen``: a sum of squares of rows not given (what an earlier compression left out of
+    the rows it gives), counted in the total the components' shares are of.
 
     ``rows()`` is called once per pass over the rows, so a rank holds one block at a time: memory is d x d (or
     d x (k + p)) whatever the number of rows, except on the Gram path, whose rows (fewer than d) are gathered.
@@ -90,6 +92,7 @@ def shared_components(
         values, vectors, total = _covariance(rows, dimension, comm)
     else:
         values, vectors, total = _gram(rows, dimension, comm)
+    total += unseen
     tiny = max(values[0], 0.0) * dimension * np.finfo(np.float64).eps if len(values) else 0.0
     kept = int(np.count_nonzero(values > tiny))
     if components:

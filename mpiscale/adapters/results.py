@@ -1,15 +1,20 @@
-"""The compressed file of ``mpiscale compress-adapters`` (``mpiscale.adapters/1``): its report and its plot.
+"""The compressed file of ``mpiscale compress-adapters`` (``mpiscale.adapters/2``): its report and its plot.
 
 Layout, all readable with plain h5py (strings are fixed-length UTF-8 bytes):
 
 - ``/adapters/{name, path, sha256, config}``: one row per adapter (``config`` is its
-  adapter_config.json), and ``/adapters/error``: the relative error of its whole update;
+  adapter_config.json), ``/adapters/error``: the relative error of its whole update, and
+  ``/adapters/error_bound``: 1 where that error is an upper bound (an adapter that joined the file
+  from an earlier compressed file, whose weights the job no longer had);
 - ``/modules``: the layer groups' module names, in order; group i is ``/groups/NNNN`` (i in
   four digits) with, for each side S in A and B, ``S/components`` (k x in for A, k x out for
-  B), ``S/loadings`` (adapters x r x k) and ``S/explained`` (each component's share of the
-  side's sum of squares), and ``error`` (each adapter's relative error in this group);
+  B), ``S/loadings`` (adapters x r x k), ``S/explained`` (each component's share of the
+  side's sum of squares) and ``S/total`` (that sum), ``norm`` (each adapter's update norm
+  ||B A|| in this group) and ``error`` (its relative error in this group);
 - attributes: the usual mpiscale ones, ``base_model``, ``target_modules`` (JSON), ``rank``,
-  ``adapters``.
+  ``adapters``, ``groups_done``.
+
+Version 1 files (no ``norm``, ``total``, ``error_bound``) are read too, but cannot be joined.
 
 Adapter i's matrices of group g are ``A = loadings_A[i] @ components_A`` and
 ``B = (loadings_B[i] @ components_B).T``.
@@ -20,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import open_file
-from .job import ADAPTERS_FORMAT
+from .layout import READABLE_FORMATS, group_name
 
 
 def group_names(file) -> list[str]:
@@ -30,14 +35,15 @@ def group_names(file) -> list[str]:
 
 def summarize(path: str) -> str:
     """Adapters, groups, components kept, how much of the parameters is stored, and the errors."""
-    with open_file(path, (ADAPTERS_FORMAT,)) as file:
+    with open_file(path, READABLE_FORMATS) as file:
         modules = group_names(file)
         names = [name.decode() for name in file["adapters/name"][()]]
         errors = file["adapters/error"][()]
+        bounds = int(file["adapters/error_bound"][()].sum()) if "adapters/error_bound" in file else 0
         rank = int(file.attrs["rank"])
         kept, original, stored = [], 0, 0
         for index in range(len(modules)):
-            group = file[f"groups/{index:04d}"]
+            group = file[group_name(index)]
             a, b = group["A/components"], group["B/components"]
             kept.append((a.shape[0], b.shape[0], group["A/explained"][()].sum(), group["B/explained"][()].sum()))
             original += len(names) * rank * (a.shape[1] + b.shape[1])
@@ -52,7 +58,8 @@ def summarize(path: str) -> str:
         f"{explained.min():.2%}-{explained.max():.2%} of each side's sum of squares",
         f"stored: {stored:,} of {original:,} parameters ({stored / max(original, 1):.1%})",
         f"relative error of an adapter's update: median {np.median(errors):.3g}, largest {errors[worst]:.3g} "
-        f"({names[worst]})",
+        f"({names[worst]})" + (f"; {bounds} of them are upper bounds (adapters that joined from an earlier file)"
+                               if bounds else ""),
     ])  # fmt: skip
 
 
@@ -64,10 +71,10 @@ def plot(path: str, image: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    with open_file(path, (ADAPTERS_FORMAT,)) as file:
+    with open_file(path, READABLE_FORMATS) as file:
         for index in range(len(group_names(file))):
             for axis, side in zip(axes, ("A", "B"), strict=True):
-                shares = np.cumsum(file[f"groups/{index:04d}/{side}/explained"][()])
+                shares = np.cumsum(file[f"{group_name(index)}/{side}/explained"][()])
                 axis.plot(np.arange(1, len(shares) + 1), shares, alpha=0.6)
     for axis, side in zip(axes, ("A", "B"), strict=True):
         axis.set_xlabel(f"components ({side} side)")

@@ -6,7 +6,9 @@ rank writes its rows of each round where they belong, and the memory a rank
 needs is one round's rows whatever the data size. The file goes to a temporary
 name, is checked for room first (a full disk mid-write hangs MPI-IO), and is
 renamed into place by ``close``; a failure on any rank is raised on every rank
-and leaves nothing behind.
+and leaves nothing behind. A job stopped half-way may ``close`` the file under
+another name instead and ``reopen`` it in a later run, on any number of ranks
+(the data sets are global: no rank owns a part of them).
 """
 
 from __future__ import annotations
@@ -63,6 +65,59 @@ class RowWriter:
             failure = error
         self._agree(failure)
 
+    @classmethod
+    def reopen(cls, path: str | os.PathLike, kept: str | os.PathLike, comm: AnyComm | None = None) -> RowWriter:
+        """Go on writing ``kept`` (a file an earlier run left with ``close(kept)``) as the temporary file of
+        ``path`` (collective); its data sets and attributes stay as they are."""
+        writer = cls.__new__(cls)
+        writer.path, writer.comm = os.fspath(path), as_mpi(comm)
+        writer.size, writer.rank = size_and_rank(writer.comm)
+        writer.temporary, writer.file = f"{writer.path}.tmp", None
+        failure: BaseException | None = None
+        try:
+            if writer.rank == 0:
+                os.replace(kept, writer.temporary)
+        except OSError as error:
+            failure = error
+        agree(writer.comm, failure, f"reopening {kept}", WriteError)
+        settle_background_io()
+        try:
+            writer.file = h5py.File(writer.temporary, "r+", **file_access(writer.comm))
+        except (OSError, RuntimeError) as error:
+            failure = error
+        try:
+            agree(writer.comm, failure, f"reopening {kept}", WriteError)
+        except WriteError:
+            with contextlib.suppress(OSError, RuntimeError):
+                if writer.file is not None:
+                    writer.file.close()
+            if writer.rank == 0:  # the stopped run's work stays where it was, never removed
+                with contextlib.suppress(OSError):
+                    os.replace(writer.temporary, kept)
+            raise
+        return writer
+
+    def mark(self, **attrs: str | int | float) -> None:
+        """Set file attributes (collective: the same values on every rank)."""
+        assert self.file is not None, "mark after close"
+        failure = None
+        try:
+            for key, value in attrs.items():
+                self.file.attrs[key] = value
+        except (OSError, RuntimeError) as error:
+            failure = error
+        self._agree(failure)
+
+    def flush(self) -> None:
+        """Push what was written to the disk (collective)."""
+        assert self.file is not None, "flush after close"
+        failure = None
+        try:
+            self.file.flush()
+        except (OSError, RuntimeError) as error:
+            failure = error
+        self._agree(failure)
+
     def add(self, layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
         """Create more data sets (collective: the same ``layout`` on every rank), for shapes known only later."""
         assert self.file is not None, "add after close"
@@ -85,15 +140,16 @@ class RowWriter:
             failure = error
         self._agree(failure)
 
-    def close(self) -> None:
-        """Flush and put the file in place (collective)."""
+    def close(self, name: str | os.PathLike | None = None) -> None:
+        """Flush and put the file in place (collective); ``name``: under that name instead (an unfinished file a
+        later run will ``reopen``)."""
         failure = None
         try:
             if self.file is not None:
                 self.file.close()
                 self.file = None
             if self.rank == 0:
-                publish(self.temporary, self.path)
+                publish(self.temporary, self.path if name is None else name)
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
@@ -121,11 +177,21 @@ class RowWriter:
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
             self.close()
-        elif issubclass(kind, (WriteError, AgreedError)) or self.size == 1:
-            self.abort()  # every rank raised it together, or there is no other rank
+        elif issubclass(kind, (WriteError, AgreedError)):
+            self.abort()  # every rank raised it together
+        else:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """After an error that may be this rank's alone (not collective): remove what a later run cannot use.
+
+        The other ranks may wait in a collective write, so closing the file
+        (collective with MPI-IO) could wait for them forever; the error ends
+        the job (the runtime aborts every rank), and rank 0 unlinks the
+        temporary name. With one rank there is nobody to wait for.
+        """
+        if self.size == 1:
+            self.abort()
         elif self.rank == 0:
-            # An error of this rank's alone, raised while the others wait in a collective write: closing the
-            # file (collective with MPI-IO) would wait for them forever. The error ends the job (the runtime
-            # aborts every rank); only the temporary name goes.
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)

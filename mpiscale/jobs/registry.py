@@ -94,13 +94,14 @@ JOBS: dict[str, JobEntry] = {
             "compress-adapters",
             "many LoRA adapters compressed into shared components per layer group (exact PCA over the ranks)",
             "Read the PEFT adapters of --adapters (each rank its share), find each layer group's shared components "
-            "and write them with every adapter's loadings and errors to --out.",
+            "and write them with every adapter's loadings and errors to --out. A stopped run resumes (--resume); new "
+            "adapters join an earlier file (--add-to).",
             "mpiscale.adapters.config:AdaptersConfig",
             "mpiscale.adapters.job:compress_adapters",
-            "mpiscale.adapters/1",
+            "mpiscale.adapters/2",
             "mpiscale.adapters.results",
             "hpc/slurm/compress-adapters.sbatch",
-            steers=False,
+            steers=True,
             plots=True,
         ),
     ]
