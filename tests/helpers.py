@@ -44,6 +44,11 @@ os.environ.setdefault("MPISCALE_TOKEN_DIR", tempfile.mkdtemp(prefix="mpiscale-to
 # process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
 # own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
 SESSION_ENVIRONMENT = dict(os.environ)
+# Once a rank exits with an error, mpirun waits odls_base_sigkill_timeout (1 s) before it kills the other ranks and
+# as long again before it exits, though they have all exited already: 2 s of every refused job, of which the suite
+# runs hundreds. Tests in which the surviving ranks must report a dead one in that grace take mpirun's default back.
+SESSION_ENVIRONMENT.setdefault("OMPI_MCA_odls_base_sigkill_timeout", "0")
+MPIRUN_GRACE = {"OMPI_MCA_odls_base_sigkill_timeout": "1"}  # mpirun's own default
 
 
 def launch(

@@ -9,7 +9,8 @@ projection of its own matrices on the components, with nothing added.
 
 - ``exact``: the d x d matrix summed over the ranks and solved with ``eigh``;
   when there are fewer rows than d, the rows themselves are gathered and the
-  smaller Gram matrix is solved instead (the same components).
+  smaller Gram matrix is solved instead (the same components). With a fixed
+  number of components only their eigenvectors are computed.
 - ``randomized`` (Halko, Martinsson and Tropp): a random d x (k + p) block,
   ``power_iterations`` passes of multiplying by ``X^T X`` (each one allreduce
   of d x (k + p)), then the small (k + p) x (k + p) problem. For many rows
@@ -89,9 +90,9 @@ def shared_components(
         width = min(components + oversampling, dimension, count)
         values, vectors, total = _randomized(rows, dimension, comm, width, power_iterations, seed)
     elif count >= dimension:
-        values, vectors, total = _covariance(rows, dimension, comm)
+        values, vectors, total = _covariance(rows, dimension, comm, components)
     else:
-        values, vectors, total = _gram(rows, dimension, comm)
+        values, vectors, total = _gram(rows, dimension, comm, components)
     total += unseen
     tiny = max(values[0], 0.0) * dimension * np.finfo(np.float64).eps if len(values) else 0.0
     kept = int(np.count_nonzero(values > tiny))
@@ -104,27 +105,39 @@ def shared_components(
     return comm.bcast(found, root=0)  # rank 0's, to the bit, wherever the ranks' rounding differed
 
 
-def _covariance(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
+def top_eigenpairs(matrix: np.ndarray, wanted: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The eigenvalues of a symmetric ``matrix``, largest first, and their vectors (columns): the ``wanted`` largest
+    only when it is fewer than all (LAPACK's subset solver: it skips the others' vectors), else all of them."""
+    size = len(matrix)
+    if 0 < wanted < size:
+        from scipy.linalg import eigh
+
+        values, vectors = eigh(matrix, subset_by_index=[size - wanted, size - 1], driver="evr", check_finite=False)
+    else:
+        values, vectors = np.linalg.eigh(matrix)
+    return values[::-1], vectors[:, ::-1]
+
+
+def _covariance(
+    rows: Rows, dimension: int, comm: Comm, wanted: int
+) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
     from mpi4py import MPI
 
     moment = np.zeros((dimension, dimension))
     for block in batched(rows, dimension):
         moment += block.T @ block
     comm.Allreduce(MPI.IN_PLACE, moment)
-    values, vectors = np.linalg.eigh(moment)
-    order = np.argsort(values)[::-1]
-    return values[order], lambda kept: vectors[:, order[:kept]].T, float(np.trace(moment))
+    values, vectors = top_eigenpairs(moment, wanted)
+    return values, lambda kept: vectors[:, :kept].T, float(np.trace(moment))
 
 
-def _gram(rows: Rows, dimension: int, comm: Comm) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
+def _gram(rows: Rows, dimension: int, comm: Comm, wanted: int) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
     """Fewer rows than dimensions: every rank takes all the rows and solves their Gram matrix."""
     mine = list(rows())
     local = np.concatenate(mine) if mine else np.empty((0, dimension))
     stacked = np.concatenate([part for part in comm.allgather(local) if len(part)])
     gram = stacked @ stacked.T
-    values, left = np.linalg.eigh(gram)
-    order = np.argsort(values)[::-1]
-    values, left = values[order], left[:, order]
+    values, left = top_eigenpairs(gram, wanted)
 
     def vectors(kept: int) -> np.ndarray:  # only the kept ones: each costs a pass over the rows
         return (left[:, :kept].T @ stacked) / np.sqrt(values[:kept])[:, None]
@@ -155,6 +168,5 @@ def _randomized(
         total += float(np.einsum("ij,ij->", part, part))
     comm.Allreduce(MPI.IN_PLACE, small)
     total = comm.allreduce(total, op=MPI.SUM)
-    values, rotation = np.linalg.eigh(small)
-    order = np.argsort(values)[::-1]
-    return values[order], lambda kept: (basis @ rotation[:, order[:kept]]).T, total
+    values, rotation = top_eigenpairs(small)
+    return values, lambda kept: (basis @ rotation[:, :kept]).T, total

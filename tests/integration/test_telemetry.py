@@ -12,7 +12,7 @@ import time
 import urllib.request
 
 import pytest
-from helpers import assert_ok, finish, launch, start_mpi
+from helpers import MPIRUN_GRACE, assert_ok, finish, launch, start_mpi
 from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
@@ -77,7 +77,7 @@ def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
 def test_a_dead_rank_is_named_by_a_failure_event(broker, subscriber, tmp_path):
     """Rank 1 SIGKILLed mid-run: mpirun's SIGTERM reaches rank 0, which finds rank 1's process gone and says so."""
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t5",
-           "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=3000"}  # fmt: skip
+           "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=3000", **MPIRUN_GRACE}  # fmt: skip
     job = memstore(2, tmp_path / "m.h5", "--iterations", 100000, env=env)
     finished = finish(job, "memstore with rank 1 killed", 180)
     assert finished.returncode != 0
