@@ -276,6 +276,7 @@ class _Compression(HeldOutputs):
 
 
 def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
+    import scipy.linalg  # noqa: F401  (its own BLAS, loaded now so that share_cores limits its threads too)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
