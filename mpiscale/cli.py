@@ -34,7 +34,7 @@ def _job(args: argparse.Namespace) -> int:
     from .jobs import JOBS, observed, run_job
     from .runtime import run
 
-    entry = JOBS[args.command]
+    entry = JOBS[args.job_name]
     job = entry.load("entry")
 
     def under_telemetry(config):
@@ -218,6 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
 def parser() -> argparse.ArgumentParser:
     """The argument parser (every option documented in --help)."""
     from .bench.registry import BENCHMARKS
+    from .circuits.commands import add_commands as add_circuit_commands
     from .jobs import JOBS, add_options
 
     top = argparse.ArgumentParser(
@@ -235,11 +236,14 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_demo)
 
     settings = "Settings come from the defaults, then --config FILE.toml, then these options."
+    nested = {"circuits": add_circuit_commands(commands)}  # commands with sub-commands, one of them a job
     for entry in JOBS.values():
         kind = entry.load("settings")
-        job = commands.add_parser(entry.name, help=entry.summary, description=f"{entry.description} {settings}")
+        parent, _, name = entry.name.rpartition(" ")
+        where = nested[parent] if parent else commands
+        job = where.add_parser(name, help=entry.summary, description=f"{entry.description} {settings}")
         add_options(job, kind)
-        job.set_defaults(handler=_job, job_settings=kind)
+        job.set_defaults(handler=_job, job_settings=kind, job_name=entry.name)
         if entry.name == "compress-adapters":
             job.add_argument("export", nargs="*", metavar="export FILE NAME",
                              help="instead of compressing: rebuild adapter NAME of the compressed FILE in the PEFT "

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..io import DataFileError, OutputLock, RowWriter, WriteError, open_file
+from ..io import DataFileError, OutputLock, RowWriter, WriteError, fixed_strings, open_file
 from ..jobs import (
     Ended,
     HeldOutputs,
@@ -51,7 +51,7 @@ from ..runtime import ActorSystem, JobRefused
 from .config import AdaptersConfig
 from .earlier import Earlier, update_norm2
 from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
-from .layout import ADAPTERS_FORMAT, group_name, strings
+from .layout import ADAPTERS_FORMAT, group_name
 from .pca import Components, shared_components
 
 #: The settings a resumed run must share with the stopped one (the others, such as progress, may change).
@@ -158,7 +158,7 @@ class _Compression(HeldOutputs):
         mine = [(a.name, a.path, a.checksum(), json.dumps(a.config, sort_keys=True)) for a in self.mine]
         rows = [row for part in self.comm.allgather(mine) for row in part]
         columns = dict(zip(("name", "path", "sha256", "config"), map(list, zip(*rows, strict=True)), strict=True))
-        table = {key: strings(values) for key, values in columns.items()}
+        table = {key: fixed_strings(values) for key, values in columns.items()}
         if self.earlier is not None:
             table = {key: np.concatenate([self.earlier.table[key], values]) for key, values in table.items()}
         return table
@@ -187,11 +187,11 @@ class _Compression(HeldOutputs):
         bound = np.zeros(count, np.int8)
         bound[: count - len(self.paths)] = 1  # earlier adapters: known only from their compressed form
         replicated = {f"adapters/{key}": values for key, values in table.items()}
-        replicated |= {"adapters/error_bound": bound, "modules": strings([m.name for m in self.groups])}
+        replicated |= {"adapters/error_bound": bound, "modules": fixed_strings([m.name for m in self.groups])}
         layout = {name: (values.shape, values.dtype) for name, values in replicated.items()}
         layout["adapters/error"] = ((count,), np.dtype(np.float64))
         writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, ADAPTERS_FORMAT)
-        _write_replicated(writer, self.system.rank, replicated)
+        writer.write_replicated(replicated)
         return writer
 
     def _compress_group(self, index: int) -> str:
@@ -209,7 +209,7 @@ class _Compression(HeldOutputs):
         replicated = {f"{group}/{side}/components": found.vectors for side, found in sides.items()}
         replicated |= {f"{group}/{side}/explained": found.explained for side, found in sides.items()}
         replicated |= {f"{group}/{side}/total": np.array([found.total]) for side, found in sides.items()}
-        _write_replicated(self._writer, self.system.rank, replicated)
+        self._writer.write_replicated(replicated)
         return f"{module.name}: k {len(sides['A'].vectors)} (A) {len(sides['B'].vectors)} (B)"
 
     def _components(self, index: int, module: Module, side: str) -> Components:
@@ -380,8 +380,3 @@ def _loadings_and_errors(
         norm2[i] = update_norm2(a, b.T)
         error2[i] = max(norm2[i] - update_norm2(a_loads[i], b_loads[i]), 0.0)
     return {"A": a_loads, "B": b_loads}, norm2, error2
-
-
-def _write_replicated(writer: RowWriter, rank: int, arrays: dict[str, np.ndarray]) -> None:
-    """Arrays every rank holds: rank 0 writes them, the others take part in the collective write with no rows."""
-    writer.write(0, arrays if rank == 0 else {name: array[:0] for name, array in arrays.items()})

@@ -1,8 +1,6 @@
-"""The compressed file's format names and its strings (shared by the job that writes it and its readers)."""
+"""The compressed file's format names and where its groups live (shared by the job that writes it and its readers)."""
 
 from __future__ import annotations
-
-import numpy as np
 
 #: What ``compress-adapters`` writes: version 2 adds each group's update norms (``norm``) and each side's whole sum
 #: of squares (``total``), which a resumed or joining run needs, and ``adapters/error_bound``.
@@ -14,9 +12,3 @@ READABLE_FORMATS = ("mpiscale.adapters/1", ADAPTERS_FORMAT)
 def group_name(index: int) -> str:
     """Where group ``index`` lives in the file."""
     return f"groups/{index:04d}"
-
-
-def strings(values: list[str]) -> np.ndarray:
-    """Fixed-length UTF-8 bytes (parallel HDF5 writes no variable-length strings)."""
-    encoded = [value.encode() for value in values]
-    return np.array(encoded, dtype=f"S{max(1, *map(len, encoded))}")

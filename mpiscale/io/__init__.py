@@ -4,7 +4,7 @@ from ..ranks import rank_rows
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
-from .h5file import open_file, publish, stamp, utc_timestamp, write_file
+from .h5file import fixed_strings, open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
@@ -31,6 +31,7 @@ __all__ = [
     "checksum",
     "encode_record",
     "epoch_order",
+    "fixed_strings",
     "is_list_file",
     "listed_paths",
     "natural_key",

@@ -74,6 +74,12 @@ def stamp(file: h5py.File, file_format: str, world_size: int, config: dict | Non
     file.attrs["config"] = json.dumps(config or {}, sort_keys=True, default=str)
 
 
+def fixed_strings(values: list[str]) -> np.ndarray:
+    """Fixed-length UTF-8 bytes (parallel HDF5 writes no variable-length strings)."""
+    encoded = [value.encode() for value in values]
+    return np.array(encoded, dtype=f"S{max(1, *map(len, encoded))}")
+
+
 def file_access(comm: Comm | None) -> dict:
     """``h5py.File`` keywords for a file every rank of ``comm`` opens: the MPI-IO driver.
 

@@ -140,6 +140,10 @@ class RowWriter:
             failure = error
         self._agree(failure)
 
+    def write_replicated(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write whole arrays every rank holds (collective): rank 0 writes them, the others take part with no rows."""
+        self.write(0, arrays if self.rank == 0 else {name: array[:0] for name, array in arrays.items()})
+
     def close(self, name: str | os.PathLike | None = None) -> None:
         """Flush and put the file in place (collective); ``name``: under that name instead (an unfinished file a
         later run will ``reopen``)."""

@@ -20,7 +20,7 @@ from typing import Any
 class JobEntry:
     """What the command line needs to know of a job."""
 
-    name: str  # the sub-command
+    name: str  # the sub-command ("circuits run": the sub-command run of the command circuits)
     summary: str  # its line in ``mpiscale --help``
     description: str  # the first lines of ``mpiscale NAME --help``
     settings: str  # "module:Class": the settings dataclass (``jobs.option`` fields), one option per field
@@ -103,6 +103,18 @@ JOBS: dict[str, JobEntry] = {
             "hpc/slurm/compress-adapters.sbatch",
             steers=True,
             plots=True,
+        ),
+        JobEntry(
+            "circuits run",
+            "every circuit of a catalogue on a data set, over the ranks (each model's shared prefix once per batch)",
+            "Run every circuit of --catalogue (or those --where selects) on --data and write one column per circuit to "
+            "--out. A stopped or killed run resumes at its last written batch (--resume).",
+            "mpiscale.circuits.config:CircuitsRunConfig",
+            "mpiscale.circuits.features:run_circuits",
+            "mpiscale.circuit-features/1",
+            None,
+            "hpc/slurm/circuits-run.sbatch",
+            steers=True,
         ),
     ]
 }

@@ -2,7 +2,8 @@
 
 Each field is declared with ``option(default, help)``; the command line gets
 one ``--flag`` per field (its help text and default in ``--help``) and a TOML
-file may hold the settings at its top level or in a table named after the job.
+file may hold the settings at its top level or in a table named after the job (``[circuits-run]`` for
+``mpiscale circuits run``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def run_job(command: str, kind: type[Settings], args: argparse.Namespace, job: C
     """
     overrides = {f.name: getattr(args, f.name, None) for f in option_fields(kind)}
     try:
-        settings = load_settings(kind, command, args.config, overrides)
+        settings = load_settings(kind, command.replace(" ", "-"), args.config, overrides)
     except ValueError as error:
         if launched_rank() != 0:
             return 0

@@ -1,0 +1,98 @@
+"""Running models up to the layers circuits read: one forward pass per model and batch, whatever the circuits.
+
+A model is loaded by its kind: an mpiscale train results file (its layers are
+the modules ``collect --layers`` names), or a user's module saved with
+TorchScript (``torch.jit.save``) or ``torch.export`` (``torch.export.save``),
+whose output is the activation its circuits project. For a train model,
+forward hooks capture every wanted layer and the pass stops once the deepest
+has run: the layers after it are never computed, and circuits of several
+layers of one model share the pass (the common prefix is computed once).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..io import DataFileError
+from .store import ModelRef, file_sha256
+
+
+class _Reached(Exception):
+    """Raised by the last wanted layer's hook: the pass has everything it needs."""
+
+
+class ModelRunner:
+    """One model, the ``layers`` its circuits read (``""``: the module's own output)."""
+
+    def __init__(self, model: ModelRef, layers: list[str], verify: bool = True) -> None:
+        if verify and file_sha256(model.path) != model.sha256:
+            raise DataFileError(model.path, "has changed since its circuits were added to the catalogue (its "
+                                            "SHA-256 differs): add them again from the new model")  # fmt: skip
+        self.model, self.layers = model, layers
+        self.module = load_module(model)
+        if model.kind == "train":
+            known = {name for name, _ in self.module.named_modules() if name}
+            missing = [layer for layer in layers if layer not in known]
+            if missing:
+                raise DataFileError(model.path, f"has no module {', '.join(missing)} (the catalogue names it)")
+
+    def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """Each layer's output for ``rows`` (float32, one row per input)."""
+        inputs = torch.from_numpy(np.ascontiguousarray(rows, self.model.input_dtype))
+        with torch.no_grad():
+            if self.model.kind != "train":
+                output = self.module(inputs)
+                return {"": output.reshape(len(rows), -1).numpy().astype(np.float32, copy=False)}
+            return self._hooked(inputs)
+
+    def _hooked(self, inputs: torch.Tensor) -> dict[str, np.ndarray]:
+        captured: dict[str, np.ndarray] = {}
+        hooks = []
+        for name in self.layers:
+
+            def keep(module, args, output, name=name) -> None:
+                captured[name] = output.reshape(len(inputs), -1).numpy().astype(np.float32, copy=True)
+                if len(captured) == len(self.layers):
+                    raise _Reached
+
+            hooks.append(self.module.get_submodule(name).register_forward_hook(keep))
+        try:
+            self.module(inputs)
+        except _Reached:
+            pass
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return captured
+
+
+def load_module(model: ModelRef) -> torch.nn.Module:
+    """The model of ``model``'s file, ready for inference."""
+    if model.kind == "train":
+        from ..train.results import load_trained
+
+        return load_trained(model.path)[0]
+    try:
+        if model.kind == "export":
+            return torch.export.load(model.path).module()
+        module = torch.jit.load(model.path, map_location="cpu")
+    except Exception as error:  # torch's loaders raise many kinds for a file that is not theirs
+        raise DataFileError(model.path, f"cannot be loaded as a {model.kind} module: {error}") from None
+    module.eval()
+    return module
+
+
+def detect_module(path: str) -> str:
+    """``export`` or ``torchscript``: the kind of saved module ``path`` holds (a DataFileError for neither)."""
+    try:
+        torch.export.load(path)
+        return "export"
+    except Exception:  # not an exported program: try TorchScript
+        pass
+    try:
+        torch.jit.load(path, map_location="cpu")
+        return "torchscript"
+    except Exception:  # neither loader takes it
+        raise DataFileError(path, "is neither a torch.export program (torch.export.save) nor a TorchScript module "
+                                  "(torch.jit.save)") from None  # fmt: skip

@@ -1,0 +1,158 @@
+"""Circuits to add, from what users have: a dictlearn results file, or their own saved module.
+
+A dictlearn results file names its data (``FILE:/layer``, as ``collect``
+writes it), and the activations file names its model: so ``from_dictlearn``
+finds the model and the layer by itself, and ``--model``/``--layer`` say them
+for activations written some other way. A path a file names relative to where
+an earlier job ran is also looked for beside that file. Each atom becomes a
+circuit (the model up to the layer, then the projection on the atom), with its
+usage and top inputs from the dictionary's own coder over its data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import h5py
+import numpy as np
+
+from ..dictlearn.catalogue import catalogue
+from ..dictlearn.results import RESULTS_FORMAT as DICTLEARN_FORMAT
+from ..io import DataFileError, open_file, split_spec
+from ..train.model import input_layout
+from ..train.results import RESULTS_FORMAT as TRAIN_FORMAT
+from .prefix import ModelRunner, detect_module
+from .store import CatalogueError, ModelRef, NewCircuits
+
+
+def from_dictlearn(results: str, model: str = "", layer: str = "", top: int = 5, data: str = "") -> NewCircuits:
+    """One circuit per atom of ``results``' dictionary (``top`` 0: no usage and top inputs, no pass over the data)."""
+    with open_file(results, (DICTLEARN_FORMAT,)) as file:
+        dictionary = file["dictionary"][()]
+        spec = data or str(file.attrs["data"])
+    activations, dataset = split_spec(spec)
+    activations = _beside(activations, results)
+    if not model:
+        model = _model_of(activations, results)
+    model = _beside(model, activations)
+    with open_file(model, (TRAIN_FORMAT,)) as file:
+        inputs, dtype = input_layout(json.loads(file.attrs["model"]))
+    reference = ModelRef.of(model, "train", inputs, dtype.name)
+    layer = layer or dataset
+    runner = ModelRunner(reference, [layer], verify=False)
+    width = runner(np.zeros((1, inputs), dtype))[layer].shape[1]
+    if width != dictionary.shape[1]:
+        raise CatalogueError(results, f"atoms have {dictionary.shape[1]} numbers, but layer {layer!r} of {model} "
+                                      f"outputs {width}: give the --layer the dictionary was learned on")  # fmt: skip
+    atoms = len(dictionary)
+    stem = os.path.splitext(os.path.basename(model))[0]
+    batch = NewCircuits(reference, layer, [f"{stem}.{layer}/atom{j:04d}" for j in range(atoms)],
+                        dictionary.astype(np.float32), os.path.abspath(results),
+                        atom_numbers=np.arange(atoms, dtype=np.int64))  # fmt: skip
+    if top > 0:
+        entries, _ = catalogue(results, top, f"{activations}:/{dataset}")
+        batch.usage = np.zeros(atoms, np.int64)
+        batch.top_inputs = np.full((atoms, top), -1, np.int64)
+        batch.top_labels = [[] for _ in range(atoms)]
+        for entry in entries:
+            batch.usage[entry.atom] = entry.used_by
+            batch.top_inputs[entry.atom, : len(entry.ids)] = entry.ids
+            if entry.labels is not None:
+                batch.top_labels[entry.atom] = [str(label) for label in entry.labels]
+    return batch
+
+
+def from_module(path: str, name: str, inputs: int, input_dtype: str = "float32", atoms: str = "") -> NewCircuits:
+    """The circuits of a user's saved module: one per output number, or one per row of the ``atoms`` matrix."""
+    if inputs < 1:
+        raise ValueError(f"{path}: give --inputs N, the numbers per input row the module takes")
+    if not name:
+        raise ValueError(f"{path}: give --name, the circuit's name (several outputs are named NAME/0, NAME/1 ...)")
+    reference = ModelRef.of(path, detect_module(path), inputs, np.dtype(input_dtype).name)
+    try:
+        width = ModelRunner(reference, [""], verify=False)(np.zeros((1, inputs), input_dtype))[""].shape[1]
+    except DataFileError:
+        raise
+    except Exception as error:  # the module itself refused the input
+        raise CatalogueError(path, f"did not take a row of {inputs} {input_dtype} numbers: {error}") from None
+    projections = read_matrix(atoms) if atoms else np.eye(width, dtype=np.float32)
+    if projections.ndim != 2 or projections.shape[1] != width:
+        raise CatalogueError(atoms, f"atoms must be a matrix of rows of {width} numbers (the module's output), got "
+                                    f"shape {projections.shape}")  # fmt: skip
+    count = len(projections)
+    names = [name] if count == 1 else [f"{name}/{j}" for j in range(count)]
+    numbers = np.full(count, -1, np.int64) if atoms else np.arange(count, dtype=np.int64)
+    return NewCircuits(reference, "", names, projections.astype(np.float32), os.path.abspath(path),
+                       atom_numbers=numbers)  # fmt: skip
+
+
+def read_matrix(spec: str) -> np.ndarray:
+    """A user's matrix: ``FILE.npy`` or ``FILE.h5:/dataset`` (any writer), as float64."""
+    if spec.endswith(".npy"):
+        try:
+            return np.atleast_2d(np.load(spec, allow_pickle=False)).astype(np.float64)
+        except (OSError, ValueError) as error:
+            raise DataFileError(spec, f"is not a readable .npy array: {error}") from None
+    path, name = split_spec(spec)
+    if not name:
+        raise DataFileError(spec, "give FILE.npy or FILE.h5:/dataset")
+    with open_file(path) as file:
+        if name not in file or not isinstance(file[name], h5py.Dataset):
+            raise DataFileError(path, "no such data set", name)
+        values = file[name][()]
+    if values.dtype.kind not in "biuf":
+        raise DataFileError(path, f"holds {values.dtype}, not numbers", name)
+    return np.atleast_2d(values).astype(np.float64)
+
+
+def parse_fields(pairs: list[str], fields_file: str, count: int) -> dict[str, list]:
+    """User fields: ``KEY=VALUE`` pairs (numbers where they parse as one) for every circuit, and a JSON file: an
+    object (for every circuit) or a list of objects (one per circuit)."""
+    fields: dict[str, list] = {}
+    if fields_file:
+        try:
+            with open(fields_file, encoding="utf-8") as stream:
+                document = json.load(stream)
+        except (OSError, ValueError) as error:
+            raise DataFileError(fields_file, f"is not a readable JSON file: {error}") from None
+        rows = document if isinstance(document, list) else [document] * count
+        if len(rows) != count or not all(isinstance(row, dict) for row in rows):
+            raise DataFileError(fields_file, f"must hold one object, or a list of {count} objects (one per circuit)")
+        keys = sorted({key for row in rows for key in row})
+        missing = [key for key in keys if any(key not in row for row in rows)]
+        if missing:
+            raise DataFileError(fields_file, f"field {missing[0]!r} is missing from some circuits: give it to all")
+        fields = {key: [row[key] for row in rows] for key in keys}
+    for pair in pairs:
+        key, equals, value = pair.partition("=")
+        if not equals or not key:
+            raise ValueError(f"--field {pair!r}: write KEY=VALUE")
+        fields[key.strip()] = [_value(value.strip())] * count
+    return fields
+
+
+def _value(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _model_of(activations: str, results: str) -> str:
+    with open_file(activations) as file:
+        model = file.attrs.get("model")
+    if not model:
+        why = "does not name its model (it was not written by mpiscale collect)"
+        raise CatalogueError(results, f"learned from {activations}, which {why}: give --model TRAIN.h5 and --layer")
+    return str(model)
+
+
+def _beside(path: str, named_by: str) -> str:
+    """``path`` as a file names it: as given if it exists, else relative to that file's directory."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    nearby = os.path.join(os.path.dirname(os.path.abspath(named_by)), path)
+    if os.path.exists(nearby):
+        return nearby
+    raise DataFileError(named_by, f"names {path}, which is found neither from {os.getcwd()} nor beside it")
