@@ -120,3 +120,13 @@ def run_cli(
     """``mpiscale ARGS`` on ``ranks`` ranks to its end (not checked), with a hard timeout."""
     command = [sys.executable, "-m", "mpiscale.cli", *map(str, args)]
     return finish(launch(ranks, command, env=env, options=options), f"mpiscale {' '.join(map(str, args))}", timeout)
+
+
+def run_alone(*args: object, timeout: float = 120, cwd: Path | None = None) -> Job:
+    """``mpiscale ARGS`` as one plain process (no launcher: a singleton rank, a second faster), with a hard timeout."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mpiscale.cli", *map(str, args)],
+        env=SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1"}, cwd=cwd or REPO, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    return finish(process, f"mpiscale {' '.join(map(str, args))} alone", timeout)

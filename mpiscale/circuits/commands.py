@@ -44,7 +44,7 @@ def add_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAc
     add.add_argument("--inputs", type=int, default=0, help="--module: numbers per input row it takes")
     add.add_argument("--input-dtype", default="float32", choices=["float32", "float64", "int64"],
                      help="--module: the type of its inputs (default: float32)")  # fmt: skip
-    add.add_argument("--atoms", default="", metavar="FILE.npy", help="--module: project its output on these rows "
+    add.add_argument("--projections", default="", metavar="FILE.npy", help="--module: project its output on these rows "
                      "(FILE.npy or FILE.h5:/X; default: one circuit per output number)")  # fmt: skip
     add.add_argument("--tag", action="append", default=[], help="a tag for every circuit added (repeatable)")
     add.add_argument("--field", action="append", default=[], metavar="KEY=VALUE",
@@ -103,7 +103,7 @@ def _add(args: argparse.Namespace) -> int:
         if args.dictlearn:
             batch = from_dictlearn(args.dictlearn, args.model, args.layer, args.top, args.data)
         else:
-            batch = from_module(args.module, args.name, args.inputs, args.input_dtype, args.atoms)
+            batch = from_module(args.module, args.name, args.inputs, args.input_dtype, args.projections)
         batch.tags = args.tag
         batch.fields = parse_fields(args.field, args.fields, batch.count)
         batch.space = args.space

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from functools import partial
@@ -224,8 +225,11 @@ class _Run(HeldOutputs):
 
     def release(self) -> None:
         super().release()
-        if self.writer is not None and self.writer.file is not None:
-            self.writer.abandon()
+        if self.writer is not None and self.writer.file is not None and self.system.rank == 0:
+            # A failure mid-run, maybe a dead rank: closing the file is collective and could wait for it forever.
+            # The flagged batches are complete on disk, so the file stays for --resume.
+            print(f"mpiscale circuits run: the batches written so far are kept in {self.writer.temporary}; run the "
+                  "same command with --resume to finish", file=sys.stderr, flush=True)  # fmt: skip
 
     @property
     def _writer(self) -> RowWriter:

@@ -75,7 +75,10 @@ def from_module(path: str, name: str, inputs: int, input_dtype: str = "float32",
     except DataFileError:
         raise
     except Exception as error:  # the module itself refused the input
-        raise CatalogueError(path, f"did not take a row of {inputs} {input_dtype} numbers: {error}") from None
+        hint = ", export it with a batch dimension of any size (torch.export.Dim('batch', min=1))"
+        raise CatalogueError(path, f"did not take a batch of one row of {inputs} {input_dtype} numbers (circuits run "
+                                   f"in batches of any size{hint if reference.kind == 'export' else ''}): "
+                                   f"{error}") from None  # fmt: skip
     projections = read_matrix(atoms) if atoms else np.eye(width, dtype=np.float32)
     if projections.ndim != 2 or projections.shape[1] != width:
         raise CatalogueError(atoms, f"atoms must be a matrix of rows of {width} numbers (the module's output), got "

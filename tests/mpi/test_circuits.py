@@ -1,0 +1,318 @@
+"""The circuit catalogue from a real pipeline (train -> collect -> dictlearn) and users' own modules: add, search,
+similar over the ranks, and `circuits run --all-features` checked against the models run in this process."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+from helpers import assert_ok, finish, launch, run_alone, run_cli
+
+from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
+from mpiscale.dictlearn.catalogue import catalogue
+from mpiscale.train.results import load_trained
+
+DIGITS = 64  # the bundled digits: 8 x 8 pixels
+
+
+class Heavy(torch.nn.Module):
+    """A user's module that takes a while per batch (many products), so a run can be stopped or killed mid-way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.inner = torch.nn.Parameter(torch.randn(DIGITS, 256, generator=generator) / 8)
+        self.mix = torch.nn.Parameter(torch.randn(256, 256, generator=generator) / 16)
+        self.out = torch.nn.Parameter(torch.randn(256, 6, generator=generator) / 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.inner)
+        for _ in range(60):
+            h = torch.tanh(h @ self.mix)
+        return h @ self.out
+
+
+class Small(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.layer = torch.nn.Linear(DIGITS, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.layer(x))
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory) -> Path:
+    """A digit classifier (one process), its two hidden layers' activations, a dictionary of each; a user's
+    TorchScript module and an exported one."""
+    root = tmp_path_factory.mktemp("pipeline")
+    assert_ok(run_alone("train", "--epochs", 1, "--hidden", "24,12", "--out", root / "model.h5",
+                        "--progress-every", 0))  # fmt: skip
+    assert_ok(run_alone("collect", "--model", root / "model.h5", "--layers", "relu1,relu2", "--out", root / "acts.h5"))
+    for layer, atoms in (("relu1", 10), ("relu2", 6)):
+        assert_ok(run_alone("dictlearn", "--data", f"{root / 'acts.h5'}:/{layer}", "--atoms", atoms, "--sparsity", 2,
+                            "--iterations", 30, "--out", root / f"{layer}.h5", "--progress-every", 0))  # fmt: skip
+    torch.jit.save(torch.jit.script(Small().eval()), root / "small.pt")
+    batch = {"x": {0: torch.export.Dim("batch", min=1)}}  # circuits run in batches of any size
+    program = torch.export.export(Heavy().eval(), (torch.zeros(2, DIGITS),), dynamic_shapes=batch)
+    torch.export.save(program, root / "heavy.pt2")
+    return root
+
+
+def build_catalogue(root: Path, path: Path) -> None:
+    """relu1's and relu2's atoms (tags, fields), the TorchScript module projected on atoms a user wrote with h5py,
+    and the exported heavy module's outputs."""
+    assert_ok(run_alone("circuits", "add", path, "--dictlearn", root / "relu1.h5", "--tag", "digits", "--field",
+                        "epoch=1", "--field", "note=first"))  # fmt: skip
+    assert_ok(run_alone("circuits", "add", path, "--dictlearn", root / "relu2.h5", "--tag", "digits", "--tag", "deep"))
+    with h5py.File(root / "projections.h5", "w") as file:
+        file["P"] = np.random.default_rng(2).standard_normal((3, 5))
+    (root / "fields.json").write_text(json.dumps([{"score": 0.5, "who": "a"}, {"score": 2.0, "who": "b"},
+                                                  {"score": 7.0, "who": "c"}]))  # fmt: skip
+    assert_ok(run_alone("circuits", "add", path, "--module", root / "small.pt", "--name", "small", "--inputs", DIGITS,
+                        "--projections", f"{root / 'projections.h5'}:/P", "--fields", root / "fields.json"))  # fmt: skip
+    assert_ok(run_alone("circuits", "add", path, "--module", root / "heavy.pt2", "--name", "heavy", "--inputs",
+                        DIGITS, "--tag", "slow"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def built(pipeline) -> Path:
+    path = pipeline / "catalogue.h5"
+    build_catalogue(pipeline, path)
+    return path
+
+
+def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, built):
+    """Atoms are the dictionaries' rows; usage and top inputs are the dictionary's own coder's; the model is an
+    external link to the train results' weights (never a copy); fields and tags are columns; a name taken, a NaN
+    embedding and a file that is not a catalogue are refused with the catalogue left byte for byte."""
+    model = pipeline / "model.h5"
+    with h5py.File(built, "r") as file, h5py.File(model, "r") as weights:
+        assert file.attrs["format"] == "mpiscale.circuits/1" and file.attrs["circuits"] == 10 + 6 + 3 + 6
+        names = file["circuits/name"].asstr()[()]
+        assert list(names[:2]) == ["model.relu1/atom0000", "model.relu1/atom0001"] and names[-1] == "heavy/5"
+        group = file["models/0000"]
+        assert group.attrs["kind"] == "train" and group.attrs["sha256"] == file_sha256(str(model))
+        np.testing.assert_array_equal(group["weights/hidden1.weight"][()], weights["model/hidden1.weight"][()])
+        assert isinstance(group.get("weights", getlink=True), h5py.ExternalLink)
+        assert [file[f"models/{m}"].attrs["kind"] for m in ("0001", "0002")] == ["torchscript", "export"]
+        for index, layer in enumerate(("relu1", "relu2")):
+            prefix = file[f"prefixes/{index:04d}"]
+            assert prefix.attrs["layer"] == layer
+            with h5py.File(pipeline / f"{layer}.h5", "r") as learned:
+                np.testing.assert_array_equal(prefix["atoms"][()], learned["dictionary"][()].astype(np.float32))
+        entries, _ = catalogue(str(pipeline / "relu1.h5"), 5)
+        for entry in entries:
+            assert file["circuits/usage"][entry.atom] == entry.used_by
+            np.testing.assert_array_equal(file["circuits/top_inputs"][entry.atom, : len(entry.ids)], entry.ids)
+            assert list(file["circuits/top_labels"].asstr()[entry.atom, : len(entry.ids)]) == list(map(str,
+                                                                                                    entry.labels))  # fmt: skip
+        assert list(file["circuits/fields/score"][16:19]) == [0.5, 2.0, 7.0]
+        assert np.isnan(file["circuits/fields/score"][0]) and file["circuits/fields/epoch"][0] == 1.0
+        assert file["circuits/fields/note"].asstr()[0] == "first" and file["circuits/fields/note"].asstr()[16] == ""
+        assert file["circuits/tags"].asstr()[12] == "digits,deep"
+        np.testing.assert_allclose(np.linalg.norm(file["spaces/0000/vectors"][()], axis=1), 1, rtol=1e-6)
+
+    before = built.read_bytes()
+    taken = run_alone("circuits", "add", built, "--dictlearn", pipeline / "relu1.h5", "--top", 0)
+    assert taken.returncode == 2 and "holds a circuit named 'model.relu1/atom0000' already" in taken.stderr
+    np.save(pipeline / "nan.npy", np.full((3, 4), np.nan))
+    nan = run_alone("circuits", "add", built, "--module", pipeline / "small.pt", "--name", "other", "--inputs", DIGITS,
+                    "--projections", f"{pipeline / 'projections.h5'}:/P", "--embeddings", pipeline / "nan.npy")  # fmt: skip
+    assert nan.returncode == 2 and "embeddings row 0 holds NaN" in nan.stderr
+    wrong = run_alone("circuits", "add", pipeline / "model.h5", "--dictlearn", pipeline / "relu2.h5", "--top", 0)
+    assert wrong.returncode == 2 and "not an mpiscale file of format mpiscale.circuits/1" in wrong.stderr
+    width = run_alone("circuits", "add", built, "--dictlearn", pipeline / "relu2.h5", "--layer", "relu1", "--top", 0)
+    assert width.returncode == 2 and "layer 'relu1'" in width.stderr and "outputs 24" in width.stderr
+    assert built.read_bytes() == before and not Path(f"{built}.tmp").exists()
+
+
+def test_search_filters_metadata(built):
+    """Filters on derived columns, numbers, user fields, tags and patterns; refused filters name the columns."""
+    with h5py.File(built, "r") as file:
+        usage = file["circuits/usage"][()]
+    busy = int(((usage >= 200) & (np.arange(len(usage)) >= 10) & (np.arange(len(usage)) < 16)).sum())
+    found = run_alone("circuits", "search", built, "--where", "layer=relu2;usage>=200", "--limit", 0)
+    assert_ok(found)
+    assert f"{busy} of 25 circuits match" in found.stdout
+    assert_ok(scored := run_alone("circuits", "search", built, "--where", "score>1", "--where", "who!=c",
+                                  "--json", built.parent / "s.json"))  # fmt: skip
+    assert "1 of 25 circuits match" in scored.stdout and "small/1" in scored.stdout
+    assert [r["name"] for r in json.loads((built.parent / "s.json").read_text())] == ["small/1"]
+    assert "6 of 25" in run_alone("circuits", "search", built, "--where", "tag=slow").stdout
+    assert "16 of 25" in run_alone("circuits", "search", built, "--where", "name=model.relu?/atom*").stdout
+    unknown = run_alone("circuits", "search", built, "--where", "colour=red")
+    assert unknown.returncode == 2 and "no column 'colour'" in unknown.stderr and "usage" in unknown.stderr
+    text = run_alone("circuits", "search", built, "--where", "layer>3")
+    assert text.returncode == 2 and "layer is text" in text.stderr
+
+
+def test_similar_is_exact_and_the_same_on_any_number_of_ranks(pipeline, tmp_path):
+    """4,000 user embeddings of 24 numbers in one space (a 2,000-row slice per add): batched vector queries with a
+    filter on 1 process and on 3 ranks equal numpy's brute force; --to leaves the circuit itself out."""
+    path = tmp_path / "big.h5"
+    rng = np.random.default_rng(5)
+    vectors = rng.standard_normal((4000, 24))
+    model = ModelRef.of(str(pipeline / "small.pt"), "torchscript", DIGITS, "float32")
+    for part in range(2):  # in this process: the command line's add is tested above, and loads torch each time
+        batch = NewCircuits(model, "", [f"part{part}/{j}" for j in range(2000)], rng.standard_normal((2000, 5)),
+                            "test", embeddings=vectors[part * 2000 : (part + 1) * 2000], space="mine",
+                            fields={"part": [part] * 2000})  # fmt: skip
+        add_circuits(str(path), batch)
+    queries = rng.standard_normal((7, 24))
+    np.save(tmp_path / "q.npy", queries)
+    args = ["circuits", "similar", path, "--vector", tmp_path / "q.npy", "-k", 10, "--where", "atom<0;part!=1"]
+    one = run_alone(*args, "--json", tmp_path / "one.json")
+    assert_ok(one)
+    many = run_cli(3, *args, "--json", tmp_path / "many.json", timeout=90)
+    assert_ok(many)
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    scores = (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ unit[:2000].T  # part 1 filtered out
+    expected = np.argsort(-scores, axis=1)[:, :10]
+    for name in ("one", "many"):
+        found = json.loads((tmp_path / f"{name}.json").read_text())
+        assert [[n["row"] for n in q["neighbours"]] for q in found] == expected.tolist()
+        for query, row in zip(found, scores):
+            np.testing.assert_allclose([n["cosine"] for n in query["neighbours"]], np.sort(row)[::-1][:10], atol=1e-5)
+    near = run_cli(2, "circuits", "similar", path, "--to", "part1/7", "-k", 3, "--json", tmp_path / "to.json")
+    assert_ok(near)
+    to = json.loads((tmp_path / "to.json").read_text())[0]["neighbours"]
+    own = unit[2007] @ unit.T
+    own[2007] = -np.inf
+    assert [n["row"] for n in to] == list(np.argsort(-own)[:3])
+    zero = np.zeros((1, 24))
+    np.save(tmp_path / "zero.npy", zero)
+    refused = run_cli(2, "circuits", "similar", path, "--vector", tmp_path / "zero.npy", timeout=60)
+    assert refused.returncode == 2 and "is all zeros" in refused.stderr
+
+
+def expected_features(pipeline: Path, inputs: np.ndarray) -> np.ndarray:
+    """Every circuit of ``build_catalogue`` computed here: the models in torch, the projections in numpy."""
+    net, _ = load_trained(str(pipeline / "model.h5"))
+    columns = []
+    with torch.no_grad():
+        x = torch.from_numpy(inputs)
+        for layer, upto in (("relu1", 3), ("relu2", 5)):
+            with h5py.File(pipeline / f"{layer}.h5", "r") as file:
+                columns.append(net[:upto](x).numpy() @ file["dictionary"][()].T)
+        with h5py.File(pipeline / "projections.h5", "r") as file:
+            columns.append(Small().eval()(x).numpy() @ file["P"][()].T)
+        columns.append(Heavy().eval()(x).numpy())
+    return np.concatenate(columns, axis=1)
+
+
+def digits(pipeline: Path) -> np.ndarray:
+    with h5py.File(pipeline / "model.digits.h5", "r") as file:
+        return file["inputs"][()]
+
+
+def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path):
+    """Every circuit on the digits, 2 ranks in batches of 100 (a last short batch): each column equals the circuit
+    computed in this process; a filtered run keeps the catalogue's column order; a changed model is refused."""
+    data = f"{pipeline / 'model.digits.h5'}:/inputs"
+    out = tmp_path / "f.h5"
+    job = run_cli(2, "circuits", "run", "--catalogue", built, "--data", data, "--out", out, "--all-features",
+                  "--batch-size", 100, timeout=120)  # fmt: skip
+    assert_ok(job)
+    assert "wrote" in job.stdout and "25 circuits of 3 models on 1437 inputs" in job.stdout
+    expected = expected_features(pipeline, digits(pipeline))
+    with h5py.File(out, "r") as file:
+        assert file.attrs["format"] == "mpiscale.circuit-features/1"
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(file["sample_ids"][()], np.arange(1437))
+        assert file["done"][()].all() and file["circuits"][-1] == b"heavy/5"
+    some = tmp_path / "some.h5"
+    assert_ok(run_alone("circuits", "run", "--catalogue", built, "--data", data, "--out", some, "--all-features",
+                        "--where", "tag=digits;atom>=3"))  # fmt: skip
+    with h5py.File(some, "r") as file:
+        rows = file["circuit_rows"][()]
+        assert list(rows) == [*range(3, 10), *range(13, 16)]
+        np.testing.assert_allclose(file["features"][()], expected[:, rows], rtol=1e-4, atol=1e-4)
+
+
+def _rank_pids(marker: str) -> list[int]:
+    """The ranks (python processes) of the job whose command line holds ``marker``."""
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, found):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].decode() == sys.executable and b"mpiscale.cli" in argv:
+            pids.append(pid)
+    return pids
+
+
+def _started(process, log: Path, step: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None and step not in log.read_text():
+        time.sleep(0.02)
+    assert process.poll() is None, log.read_text()
+
+
+def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline, tmp_path):
+    """The slow exported module over the digits in batches of 20 on 2 ranks. SIGTERM after a few steps keeps
+    OUT.partial; a plain rerun and a resume with another batch size are refused and leave it as it was; --resume on
+    3 ranks finishes. A rank SIGKILLed mid-run ends the job, OUT.tmp keeps the flagged batches, and --resume on 1
+    rank finishes. Both equal the module run here."""
+    path = tmp_path / "slow.h5"
+    assert_ok(run_alone("circuits", "add", path, "--module", pipeline / "heavy.pt2", "--name", "heavy", "--inputs",
+                        DIGITS))  # fmt: skip
+    data = f"{pipeline / 'model.digits.h5'}:/inputs"
+    with torch.no_grad():
+        expected = Heavy().eval()(torch.from_numpy(digits(pipeline))).numpy()
+    common = ["circuits", "run", "--catalogue", str(path), "--data", data, "--all-features", "--batch-size", "20"]
+
+    out, partial, log = tmp_path / "stopped.h5", tmp_path / "stopped.h5.partial", tmp_path / "stopped.log"
+    with open(log, "w") as stdout:
+        process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
+                             "0.001"], stdout=stdout)  # fmt: skip
+        _started(process, log, "step 3/")
+        process.send_signal(signal.SIGTERM)
+        stopped = finish(process, "circuits run after SIGTERM", 60)
+    assert "SIGTERM received, stopping after the current step" in stopped.stderr, stopped.stderr[-3000:]
+    assert partial.exists() and not out.exists() and not Path(f"{out}.tmp").exists()
+    with h5py.File(partial, "r") as file:
+        done = int(file["done"][()].sum())
+    assert 2 <= done < 72, done
+    before = partial.read_bytes()
+    plain = run_alone(*common, "--out", out)
+    assert plain.returncode == 2 and "pass --resume" in plain.stderr
+    other = run_alone(*common[:-1], "30", "--out", out, "--resume")
+    assert other.returncode == 2 and "batch_size: stopped run 20, now 30" in other.stderr
+    assert partial.read_bytes() == before
+    resumed = run_cli(3, *common, "--out", out, "--resume", timeout=120)
+    assert_ok(resumed)
+    assert f"resumed from {partial}: {done} of 72 batches were written" in resumed.stdout
+    with h5py.File(out, "r") as file:
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-5)
+        assert file["done"][()].all()
+
+    out, log = tmp_path / "killed.h5", tmp_path / "killed.log"
+    with open(log, "w") as stdout:
+        process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
+                             "0.001"], stdout=stdout)  # fmt: skip
+        _started(process, log, "step 3/")
+        os.kill(max(_rank_pids(str(out))), signal.SIGKILL)
+        killed = finish(process, "circuits run with a rank killed", 60)
+    assert killed.returncode != 0
+    kept = Path(f"{out}.tmp")
+    assert kept.exists() and not out.exists()
+    with h5py.File(kept, "r") as file:
+        flagged = file["done"][()].astype(bool)
+        assert 2 <= flagged.sum() < 72
+        rows = np.concatenate([np.arange(b * 20, min(b * 20 + 20, 1437)) for b in np.flatnonzero(flagged)])
+        np.testing.assert_allclose(file["features"][()][rows], expected[rows], rtol=1e-4, atol=1e-5)
+    resumed = run_alone(*common, "--out", out, "--resume")
+    assert_ok(resumed)
+    with h5py.File(out, "r") as file:
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-5)
