@@ -11,10 +11,12 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 from helpers import REPO
 from slurm_cluster import SubmitError
 
 from mpiscale.adapters.planted import write_planted
+from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits
 
 TEMPLATES = REPO / "hpc" / "slurm"
 ITERATIONS = 10000  # 4-8 s on 2 ranks: time to signal or kill a run in the middle
@@ -208,9 +210,10 @@ def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_pa
     assert attrs["iterations"] == ITERATIONS and attrs["stop_reason"] == "iterations"
 
 
-def test_the_train_collect_memstore_and_compress_adapters_templates_run(slurm, tmp_path):
+def test_the_train_collect_memstore_circuits_and_compress_adapters_templates_run(slurm, tmp_path):
     """Each with small settings: pipeline training on the bundled digits, signalled as before its time limit,
-    requeued and resumed; collect of its activations; a small memory store; six adapters compressed."""
+    requeued and resumed; collect of its activations; a small memory store; a module's circuits on its data; six
+    adapters compressed."""
     common = {"MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
     # Where mpiscale is, three ways: MPISCALE_HOME (train); the checkout of the mpiscale on PATH (memstore, from a
     # copy of its template); neither, so the checkout the template was submitted from (collect).
@@ -243,6 +246,20 @@ def test_the_train_collect_memstore_and_compress_adapters_templates_run(slurm, t
         )
     done(slurm, store)
     assert "wrote store/store.h5" in output(tmp_path / "store", store, "mpiscale-memstore")
+    # circuits run over the trained model's data: a user's exported module in a catalogue
+    module = torch.nn.Sequential(torch.nn.Linear(64, 3), torch.nn.Tanh()).eval()
+    program = torch.export.export(module, (torch.zeros(2, 64),), dynamic_shapes=({0: torch.export.Dim("b", min=1)},))
+    torch.export.save(program, tmp_path / "tanh.pt2")
+    model = ModelRef.of(str(tmp_path / "tanh.pt2"), "export", 64, "float32")
+    add_circuits(str(tmp_path / "cat.h5"), NewCircuits(model, "", ["a", "b", "c"], np.eye(3), "test"))
+    circuits = slurm.submit(TEMPLATES / "circuits-run.sbatch", "--ntasks=2", cwd=tmp_path,
+                            env={**common, "MPISCALE_HOME": str(REPO), "CATALOGUE": "cat.h5",
+                                 "DATA": "train/model.digits.h5:/inputs", "OUT": "f/features.h5"})  # fmt: skip
+    done(slurm, circuits)
+    with h5py.File(tmp_path / "train" / "model.digits.h5", "r") as digits, torch.no_grad():
+        expected = module(torch.from_numpy(digits["inputs"][()])).numpy()
+    with h5py.File(tmp_path / "f" / "features.h5", "r") as features:
+        np.testing.assert_allclose(features["features"][()], expected, rtol=1e-5, atol=1e-6)
 
     write_planted(tmp_path / "adapters", 6)
     compress = slurm.submit(TEMPLATES / "compress-adapters.sbatch", "--ntasks=2", cwd=tmp_path,

@@ -77,8 +77,9 @@ def build_catalogue(root: Path, path: Path) -> None:
         file["P"] = np.random.default_rng(2).standard_normal((3, 5))
     (root / "fields.json").write_text(json.dumps([{"score": 0.5, "who": "a"}, {"score": 2.0, "who": "b"},
                                                   {"score": 7.0, "who": "c"}]))  # fmt: skip
+    projections = f"{root / 'projections.h5'}:/P"
     assert_ok(run_alone("circuits", "add", path, "--module", root / "small.pt", "--name", "small", "--inputs", DIGITS,
-                        "--projections", f"{root / 'projections.h5'}:/P", "--fields", root / "fields.json"))  # fmt: skip
+                        "--projections", projections, "--fields", root / "fields.json"))  # fmt: skip
     assert_ok(run_alone("circuits", "add", path, "--module", root / "heavy.pt2", "--name", "heavy", "--inputs",
                         DIGITS, "--tag", "slow"))  # fmt: skip
 
@@ -113,8 +114,8 @@ def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, bu
         for entry in entries:
             assert file["circuits/usage"][entry.atom] == entry.used_by
             np.testing.assert_array_equal(file["circuits/top_inputs"][entry.atom, : len(entry.ids)], entry.ids)
-            assert list(file["circuits/top_labels"].asstr()[entry.atom, : len(entry.ids)]) == list(map(str,
-                                                                                                    entry.labels))  # fmt: skip
+            labels = file["circuits/top_labels"].asstr()[entry.atom, : len(entry.ids)]
+            assert list(labels) == [str(label) for label in entry.labels]
         assert list(file["circuits/fields/score"][16:19]) == [0.5, 2.0, 7.0]
         assert np.isnan(file["circuits/fields/score"][0]) and file["circuits/fields/epoch"][0] == 1.0
         assert file["circuits/fields/note"].asstr()[0] == "first" and file["circuits/fields/note"].asstr()[16] == ""
@@ -125,8 +126,9 @@ def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, bu
     taken = run_alone("circuits", "add", built, "--dictlearn", pipeline / "relu1.h5", "--top", 0)
     assert taken.returncode == 2 and "holds a circuit named 'model.relu1/atom0000' already" in taken.stderr
     np.save(pipeline / "nan.npy", np.full((3, 4), np.nan))
+    projections = f"{pipeline / 'projections.h5'}:/P"
     nan = run_alone("circuits", "add", built, "--module", pipeline / "small.pt", "--name", "other", "--inputs", DIGITS,
-                    "--projections", f"{pipeline / 'projections.h5'}:/P", "--embeddings", pipeline / "nan.npy")  # fmt: skip
+                    "--projections", projections, "--embeddings", pipeline / "nan.npy")  # fmt: skip
     assert nan.returncode == 2 and "embeddings row 0 holds NaN" in nan.stderr
     wrong = run_alone("circuits", "add", pipeline / "model.h5", "--dictlearn", pipeline / "relu2.h5", "--top", 0)
     assert wrong.returncode == 2 and "not an mpiscale file of format mpiscale.circuits/1" in wrong.stderr
