@@ -88,6 +88,12 @@ def _adapters(args: argparse.Namespace, json_path: str) -> object:
     return run_adapters_bench(json_path, args.dir, quick=args.quick)
 
 
+def _circuits(args: argparse.Namespace, json_path: str) -> object:
+    from .circuits import run_circuits_bench
+
+    return run_circuits_bench(json_path, quick=args.quick)
+
+
 def _telemetry(args: argparse.Namespace, json_path: str) -> object:
     from .telemetry import run_telemetry_bench
 
@@ -132,6 +138,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "compressing N planted LoRA adapters: ours at 1, 2 and 4 ranks vs one process's covariance and eigh, "
             "chunked meta-PCA and scikit-learn PCA (one process, no mpirun; it launches ours)",
             _adapters,
+        ),
+        Benchmark(
+            "circuits",
+            "similar search vs numpy and faiss IndexFlatIP at 1/10/100%% filter selectivity; 100 feature circuits "
+            "at once vs one at a time (one process, no mpirun)",
+            _circuits,
         ),
         Benchmark("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)", _omp),
         Benchmark(

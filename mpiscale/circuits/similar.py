@@ -51,7 +51,7 @@ def search_block(
     block: int = BLOCK_ROWS,
 ) -> Neighbours:  # fmt: skip
     """Each query's best ``k`` among the space's rows ``start:stop`` that pass ``filters`` (one process)."""
-    best, best_rows = empty_top_k(len(queries), k)
+    found = Neighbours(*empty_top_k(len(queries), k))
     for lo in range(start, stop, block):
         hi = min(lo + block, stop)
         vectors, circuits = catalogue.vectors(space.index, lo, hi)
@@ -59,8 +59,23 @@ def search_block(
         if filters and hi > lo:
             first, last = int(circuits.min()), int(circuits.max()) + 1
             allowed = matching(catalogue, filters, first, last)[circuits - first]
-        merge_top_k(queries @ vectors.T, circuits, allowed, best, best_rows)
-    return Neighbours(best, best_rows)
+        nearest(vectors, circuits, allowed, queries, found)
+    return found
+
+
+def nearest(
+    vectors: np.ndarray, ids: np.ndarray, allowed: np.ndarray, queries: np.ndarray, found: Neighbours,
+    block: int = BLOCK_ROWS,
+) -> None:  # fmt: skip
+    """Fold unit ``vectors`` (with their ``ids`` and ``allowed`` mask) into each query's running best ``found``,
+    ``block`` rows per matrix product (bounded scratch memory). A block the filter mostly rejects is cut to its
+    allowed rows first: a copy of a few rows costs less than the products it saves."""
+    for lo in range(0, len(vectors), block):
+        hi = min(lo + block, len(vectors))
+        rows, keys, passes = vectors[lo:hi], ids[lo:hi], allowed[lo:hi]
+        if passes.sum() < len(passes) // 2:
+            rows, keys, passes = rows[passes], keys[passes], np.ones(int(passes.sum()), bool)
+        merge_top_k(queries @ rows.T, keys, passes, found.scores, found.rows)
 
 
 def merge_neighbours(parts: list[Neighbours], k: int) -> Neighbours:

@@ -6,14 +6,15 @@ Candidates are compared as (score, id) pairs, so ties go to the smaller id and
 the result is the same whatever the blocks are and however the candidates are
 split over ranks: merging the ranks' lists with the same rule gives the
 single-process answer. The insertion is O(k) only for a candidate that beats
-the current k-th; most of a large block is one comparison each. Queries run in
-parallel (Numba threads).
+the current k-th; most of a large block is one comparison each. It runs on one
+thread: the matrix product before it is where the time goes, and Numba threads
+next to BLAS's busy threads on the same cores made a single query 4x slower.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 #: The id of an empty slot: larger than any real id, so it loses every tie.
 NO_ID = np.iinfo(np.int64).max
@@ -33,11 +34,11 @@ def merge_top_k(
            np.ascontiguousarray(allowed, np.bool_), best, best_ids)  # fmt: skip
 
 
-@njit(parallel=True, cache=True)
+@njit(cache=True)
 def _merge(scores, ids, allowed, best, best_ids):  # pragma: no cover - compiled
     queries, n = scores.shape
     k = best.shape[1]
-    for q in prange(queries):
+    for q in range(queries):
         row, top, top_ids = scores[q], best[q], best_ids[q]
         for j in range(n):
             if not allowed[j]:
