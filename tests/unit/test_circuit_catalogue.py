@@ -1,0 +1,96 @@
+"""The catalogue's parts in one process: the running top-k, the batch checks, appends, the lock, and filters."""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiscale.circuits.catalogue import Catalogue
+from mpiscale.circuits.filters import Filter, check_filters, matching, parse_filters
+from mpiscale.circuits.store import CatalogueError, ModelRef, NewCircuits, add_circuits
+from mpiscale.io import LockedError, OutputLock
+from mpiscale.kernels.topk import NO_ID, empty_top_k, merge_top_k
+
+MODEL = ModelRef("/nowhere/model.pt", "0" * 64, "torchscript", 4, "float32")
+
+
+def batch(names, width=3, **more) -> NewCircuits:
+    rng = np.random.default_rng(len(names))
+    return NewCircuits(MODEL, "", list(names), rng.standard_normal((len(names), width)), "test", **more)
+
+
+def test_the_running_top_k_is_the_same_whatever_the_blocks_and_breaks_ties_by_id():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, (3, 500)).astype(np.float32)  # many ties
+    ids = rng.permutation(500).astype(np.int64)
+    allowed = rng.random(500) < 0.7
+    expected = []
+    for row in scores:
+        candidates = [(-row[j], ids[j]) for j in range(500) if allowed[j]]
+        expected.append([identity for _, identity in sorted(candidates)[:7]])
+    for block in (500, 64, 1):
+        best, best_ids = empty_top_k(3, 7)
+        for lo in range(0, 500, block):
+            merge_top_k(scores[:, lo : lo + block], ids[lo : lo + block], allowed[lo : lo + block], best, best_ids)
+        assert best_ids.tolist() == expected
+    best, best_ids = empty_top_k(1, 4)
+    merge_top_k(np.ones((1, 2), np.float32), np.array([9, 3]), np.array([True, False]), best, best_ids)
+    assert best_ids.tolist() == [[9, NO_ID, NO_ID, NO_ID]] and np.isinf(best[0, 1:]).all()
+
+
+def test_batches_append_and_fields_widen_and_refusals_leave_the_file_as_it_was(tmp_path):
+    path = str(tmp_path / "c.h5")
+    assert add_circuits(path, batch(["a", "b"], tags=["x"], fields={"n": [1, 2]})) == 2
+    assert add_circuits(path, batch(["c"], fields={"who": ["me"]}, space="s2")) == 3
+    with Catalogue(path) as catalogue:
+        assert list(catalogue.column("name")) == ["a", "b", "c"]
+        assert np.isnan(catalogue.column("n")[2]) and list(catalogue.column("who")) == ["", "", "me"]
+        assert [s.name for s in catalogue.spaces] == ["model:output", "s2"] and len(catalogue.prefixes) == 1
+        assert catalogue.atoms(0).shape == (3, 3)
+    before = open(path, "rb").read()
+    refusals = [
+        (batch(["a"]), "holds a circuit named 'a' already"),
+        (batch(["d", "d"]), "names two circuits 'd'"),
+        (batch(["d"], width=5), "atoms are 5 wide"),
+        (batch(["d"], fields={"n": ["text"]}), "field 'n' is number"),
+        (batch(["d"], tags=["a,b"]), "without commas"),
+        (batch(["d"], fields={"1x": [1]}), "field '1x'"),
+        (NewCircuits(MODEL, "", ["d"], np.zeros((1, 3)), "test"), "atoms row 0 is all zeros"),
+        (NewCircuits(MODEL, "", ["d"], np.full((1, 3), np.nan), "test"), "atoms row 0 holds NaN"),
+    ]
+    for bad, message in refusals:
+        with pytest.raises(CatalogueError, match=message):
+            add_circuits(path, bad)
+    assert open(path, "rb").read() == before and not os.path.exists(f"{path}.tmp")
+
+
+def test_a_second_writer_is_refused_while_one_adds(tmp_path):
+    path = str(tmp_path / "c.h5")
+    add_circuits(path, batch(["a"]))
+    holder = OutputLock(f"{path}.lock", "another job")
+    holder.acquire()
+    try:
+        with pytest.raises(LockedError, match="is in use by another job"):
+            add_circuits(path, batch(["b"]))
+    finally:
+        holder.release()
+    assert add_circuits(path, batch(["b"])) == 2
+
+
+def test_filters_parse_check_and_match(tmp_path):
+    path = str(tmp_path / "c.h5")
+    add_circuits(path, batch(["p/1", "p/2", "q/1"], tags=["t"], fields={"score": [1.0, 5.0, 9.0]}))
+    with Catalogue(path) as catalogue:
+        assert matching(catalogue, parse_filters(["score>=5;name=p/*"])).tolist() == [False, True, False]
+        assert matching(catalogue, parse_filters(["tag!=t"])).tolist() == [False, False, False]
+        chosen = matching(catalogue, parse_filters(["model=model.pt", "atom=-1", "name=q/*"]))
+        assert chosen.tolist() == [False, False, True]
+        for text, message in (("nope=1", "no column 'nope'"), ("name>2", "name is text"),
+                              ("score=high", "'high' is not one"), ("score=nan", "NaN matches nothing")):  # fmt: skip
+            with pytest.raises(CatalogueError, match=message):
+                check_filters(catalogue, [Filter.parse(text)])
+    with pytest.raises(ValueError, match="write KEY=VALUE"):
+        Filter.parse("just words")
+    with h5py.File(path, "r") as file:  # plain h5py reads what the filters read
+        assert list(file["circuits/fields/score"][()]) == [1.0, 5.0, 9.0]
