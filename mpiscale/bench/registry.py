@@ -94,6 +94,12 @@ def _circuits(args: argparse.Namespace, json_path: str) -> object:
     return run_circuits_bench(json_path, quick=args.quick)
 
 
+def _graph(args: argparse.Namespace, json_path: str) -> object:
+    from .graph import run_graph_bench
+
+    return run(lambda system: run_graph_bench(system, json_path, quick=args.quick))
+
+
 def _telemetry(args: argparse.Namespace, json_path: str) -> object:
     from .telemetry import run_telemetry_bench
 
@@ -144,6 +150,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "similar search vs numpy and faiss IndexFlatIP at 1/10/100%% filter selectivity; 100 feature circuits "
             "at once vs one at a time (one process, no mpirun)",
             _circuits,
+        ),
+        Benchmark(
+            "graph",
+            "a 16-node circuit plan sequential (the floor), as one remote call per node, and compiled over the "
+            "ranks: overhead per cross-rank edge (2 ranks)",
+            _graph,
         ),
         Benchmark("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)", _omp),
         Benchmark(

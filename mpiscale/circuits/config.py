@@ -19,8 +19,14 @@ class CircuitsRunConfig:
         "run every circuit of the catalogue (or those --where selects): each model's shared prefix once per "
         "batch, each layer's atoms as one matrix product",
     )
+    plan: str = option(
+        "",
+        "a composition plan (TOML: circuits and ops as a graph, compiled over the ranks; its outputs are written "
+        "as /outputs/NODE)",
+    )
     where: str = option("", "only circuits matching these filters, separated by ';' (e.g. 'layer=hidden2;usage>=10')")
-    batch_size: int = option(1024, "input rows per rank and batch (one forward pass each)")
+    batch_size: int = option(1024, "input rows per batch (one forward pass of each model)")
+    in_flight: int = option(0, "--plan: batches in flight at once (0 = twice the ranks: the ranks work as a pipeline)")
     resume: bool = option(
         False,
         "finish a stopped or killed run from its last written batch (OUT.partial, or OUT.tmp after a kill; "
@@ -32,6 +38,8 @@ class CircuitsRunConfig:
         problems: list[str] = []
         if self.batch_size < 1:
             problems.append(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.in_flight < 0:
+            problems.append(f"in_flight must be 0 or more, got {self.in_flight}")
         if self.progress_every < 0:
             problems.append(f"progress_every must be 0 or more, got {self.progress_every}")
         if problems:
@@ -43,4 +51,4 @@ class CircuitsRunConfig:
 
 
 #: The settings a resumed run must share with the stopped one.
-RESULT_SETTINGS = ("catalogue", "data", "all_features", "where", "batch_size")
+RESULT_SETTINGS = ("catalogue", "data", "all_features", "plan", "where", "batch_size")

@@ -108,9 +108,10 @@ JOBS: dict[str, JobEntry] = {
             "circuits run",
             "every circuit of a catalogue on a data set, over the ranks (each model's shared prefix once per batch)",
             "Run every circuit of --catalogue (or those --where selects) on --data and write one column per circuit to "
-            "--out. A stopped or killed run resumes at its last written batch (--resume).",
+            "--out, or a composition --plan of circuits and ops compiled over the ranks. A stopped or killed run "
+            "resumes at its last written batch (--resume).",
             "mpiscale.circuits.config:CircuitsRunConfig",
-            "mpiscale.circuits.features:run_circuits",
+            "mpiscale.circuits.job:run_circuits",
             "mpiscale.circuit-features/1",
             None,
             "hpc/slurm/circuits-run.sbatch",

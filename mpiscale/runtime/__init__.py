@@ -1,6 +1,7 @@
 """The actor runtime on MPI. Knows nothing about ML, HDF5 or MQTT."""
 
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
+from .arrivals import Arrivals
 from .collectives import Communicator, Group, Hierarchy
 from .config import RuntimeConfig
 from .errors import (
@@ -24,6 +25,7 @@ __all__ = [
     "ActorRef",
     "ActorStopped",
     "ActorSystem",
+    "Arrivals",
     "AskTimeout",
     "CollectiveAbandoned",
     "CollectiveMismatch",

@@ -318,3 +318,88 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     assert_ok(resumed)
     with h5py.File(out, "r") as file:
         np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-5)
+
+
+PLAN = """
+outputs = ["gate", "gap", "both"]
+
+[[node]]
+name = "shallow"
+circuits = "layer=relu1;atom<4"
+
+[[node]]
+name = "deep"
+circuits = ["model.relu2/atom0001", "model.relu2/atom0003"]
+
+[[node]]
+name = "user"
+circuits = "tag=slow"
+rank = 2
+
+[[node]]
+name = "both"
+op = "concat"
+inputs = ["shallow", "deep"]
+
+[[node]]
+name = "head"
+op = "linear"
+inputs = ["both"]
+weights = "head.h5:/W"
+bias = "bias.npy"
+
+[[node]]
+name = "gate"
+op = "sigmoid"
+inputs = ["head"]
+
+[[node]]
+name = "gap"
+op = "subtract"
+inputs = ["head", "user"]
+"""
+
+
+def test_a_plan_runs_compiled_over_3_ranks_as_it_means_and_refuses_what_cannot_run(pipeline, built, tmp_path):
+    """Circuits of two layers of one model (one model node: its shared prefix runs once per batch), a user's
+    module pinned to rank 2, and ops on user-written weights: each output equals the plan computed here from the
+    models; plans that cannot run are refused with every problem in one message, before any output exists."""
+    rng = np.random.default_rng(3)
+    weights, bias = rng.standard_normal((6, 6)), rng.standard_normal(6)
+    with h5py.File(tmp_path / "head.h5", "w") as file:
+        file["W"] = weights
+    np.save(tmp_path / "bias.npy", bias)
+    (tmp_path / "plan.toml").write_text(PLAN)
+    data, out = f"{pipeline / 'model.digits.h5'}:/inputs", tmp_path / "plan.h5"
+    job = run_cli(3, "circuits", "run", "--catalogue", built, "--data", data, "--plan", tmp_path / "plan.toml",
+                  "--out", out, "--batch-size", 128, timeout=120)  # fmt: skip
+    assert_ok(job)
+    assert "plan of 9 nodes on 3 ranks" in job.stdout  # 7 of the plan, a node per model
+    every = expected_features(pipeline, digits(pipeline))  # the catalogue's 25 columns
+    both = np.concatenate([every[:, :4], every[:, [11, 13]]], axis=1)
+    head = both @ weights.T + bias
+    with h5py.File(out, "r") as file:
+        nodes = [n.decode() for n in file["plan/nodes"][()]]
+        assert nodes.count("model:0") == 1 and "model:2" in nodes  # one node per model, whatever reads it
+        assert file["plan/ranks"][nodes.index("user")] == 2
+        np.testing.assert_allclose(file["outputs/both"][()], both, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(file["outputs/gate"][()], 1 / (1 + np.exp(-head)), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(file["outputs/gap"][()], head - every[:, 19:25], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(file["sample_ids"][()], np.arange(1437))
+
+    cycle = PLAN.replace('inputs = ["head", "user"]', 'inputs = ["gap", "user"]').replace('"gap", "both"', '"gone"')
+    shapes = PLAN.replace('"model.relu2/atom0003"', '"model.relu2/atom0099"').replace('"head.h5:/W"', '"bias.npy"')
+    cases = {
+        "cycle": (cycle, ["nodes gap -> gap form a cycle", "output 'gone' is not a node"]),
+        "shapes": (shapes, ["the catalogue has no circuit 'model.relu2/atom0099'", "bias has 6 numbers for 1 outputs",
+                            "subtract takes inputs of one width, got head (1), user (6)"]),
+    }  # fmt: skip
+    for name, (text, messages) in cases.items():
+        (tmp_path / f"{name}.toml").write_text(text)
+        refused = run_alone("circuits", "run", "--catalogue", built, "--data", data, "--plan",
+                            tmp_path / f"{name}.toml", "--out", tmp_path / "no.h5")  # fmt: skip
+        assert refused.returncode == 2 and all(m in refused.stderr for m in messages), refused.stderr
+    far = run_cli(2, "circuits", "run", "--catalogue", built, "--data", data, "--plan", tmp_path / "plan.toml",
+                  "--out", tmp_path / "no.h5", timeout=60)  # fmt: skip
+    assert far.returncode == 2 and "node 'user' is placed on rank 2, but the job has 2 ranks" in far.stderr
+    assert not (tmp_path / "no.h5").exists() and not (tmp_path / "no.h5.tmp").exists()  # only its telemetry file

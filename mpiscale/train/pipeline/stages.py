@@ -29,7 +29,6 @@ per dtype (float64 stays float64), as ``DataParallel`` averages over ranks.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -39,52 +38,32 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...runtime import Actor, ActorRef, ActorSystem, Group
+from ...runtime import Actor, ActorRef, ActorSystem, Arrivals, Group
 from ..data_parallel import broadcast_module
 from .schedule import BACKWARD, FORWARD, Action, build
 
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
 
 
-class _Arrivals:
-    """Activations and gradients that came from the neighbouring stages, until this stage's schedule takes them."""
-
-    def __init__(self) -> None:
-        self.arrived: dict[Key, torch.Tensor] = {}
-        self.waiting: dict[Key, asyncio.Future] = {}
-
-    def put(self, key: Key, tensor: torch.Tensor) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"pipeline message {key} carries a {type(tensor).__name__}, not a tensor")
-        future = self.waiting.pop(key, None)
-        if future is not None:
-            future.set_result(tensor)
-        elif key in self.arrived:
-            raise RuntimeError(f"pipeline message {key} arrived twice")
-        else:
-            self.arrived[key] = tensor
-
-    async def take(self, key: Key, on_wait: Callable[[asyncio.Future], None]) -> torch.Tensor:
-        """The tensor of ``key``, once it arrived; ``on_wait(future)`` first when it has to be waited for."""
-        tensor = self.arrived.pop(key, None)
-        if tensor is not None:
-            return tensor
-        future = self.waiting[key] = asyncio.get_running_loop().create_future()
-        on_wait(future)
-        return await future
-
-
 class StageInbox(Actor):
-    """The message end of a stage: what the neighbours tell it goes to its :class:`_Arrivals`."""
+    """The message end of a stage: what the neighbours tell it goes to its arrivals."""
 
-    def __init__(self, arrivals: _Arrivals) -> None:
+    def __init__(self, arrivals: Arrivals[Key, torch.Tensor]) -> None:
         self.arrivals = arrivals
 
     def activation(self, step: int, micro_batch: int, tensor: torch.Tensor, needs_grad: bool) -> None:
-        self.arrivals.put((FORWARD, step, micro_batch), tensor.requires_grad_(needs_grad))
+        self.arrivals.put(
+            (FORWARD, step, micro_batch), _tensor(tensor, FORWARD, step, micro_batch).requires_grad_(needs_grad)
+        )
 
     def gradient(self, step: int, micro_batch: int, tensor: torch.Tensor) -> None:
-        self.arrivals.put((BACKWARD, step, micro_batch), tensor)
+        self.arrivals.put((BACKWARD, step, micro_batch), _tensor(tensor, BACKWARD, step, micro_batch))
+
+
+def _tensor(value: Any, *key: Any) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"pipeline message {key} carries a {type(value).__name__}, not a tensor")
+    return value
 
 
 @dataclass
@@ -130,7 +109,7 @@ class Pipeline:
         self.micro_batches, self.schedule = micro_batches, schedule
         self.actions: list[Action] = build(schedule, self.stages, micro_batches)[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self._arrivals = _Arrivals()
+        self._arrivals: Arrivals[Key, torch.Tensor] = Arrivals("pipeline message")
         self._inbox = f"{name}.inbox"
         self._before = ActorRef(system.rank - replicas, self._inbox)
         self._after = ActorRef(system.rank + replicas, self._inbox)

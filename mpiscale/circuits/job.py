@@ -1,0 +1,283 @@
+"""``mpiscale circuits run``: circuits on a data set, batch by batch over the ranks, resumable at the last batch.
+
+What runs is a ``Work``: every circuit of the catalogue (``--all-features``,
+:mod:`.features`) or a composition plan compiled over the ranks (``--plan``,
+:mod:`.composed`). This module is what both share: the inputs checked, the
+output file, the steps, and resuming.
+
+The inputs are cut into batches of ``batch_size`` rows, numbered globally (the
+same batches on any number of ranks); each step runs the work's share of the
+pending batches. The output data sets are created whole at the start and
+flushed, so later writes change no HDF5 metadata. After a step's rows are
+written and flushed, its batches are flagged in ``/done`` and flushed: a run
+killed at any point leaves a file whose flagged batches are complete. A stop
+(SIGTERM, a stop command) keeps the file as ``OUT.partial``; a failure or a
+killed rank leaves ``OUT.tmp``. ``--resume`` reopens either and runs only the
+batches not flagged, on any number of ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import h5py
+import numpy as np
+
+from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
+from ..jobs import (
+    Ended,
+    HeldOutputs,
+    Plan,
+    Step,
+    announce,
+    check_not_an_input,
+    check_outputs,
+    lock_results,
+    run_lifecycle,
+)
+from ..kernels.threads import share_cores
+from ..ranks import Comm, ranks_sharing_cores
+from ..runtime import ActorSystem, JobRefused
+from .config import RESULT_SETTINGS, CircuitsRunConfig
+
+FEATURES_FORMAT = "mpiscale.circuit-features/1"
+
+Write = tuple[str, int, np.ndarray]  # (data set, first row, rows)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The data set the work reads, and where the batches are."""
+
+    path: str
+    name: str
+    samples: int
+    batch_size: int
+
+    def bounds(self, batch: int | None) -> tuple[int, int]:
+        """Rows ``[lo, hi)`` of ``batch`` (None: an empty range)."""
+        if batch is None:
+            return 0, 0
+        lo = batch * self.batch_size
+        return lo, min(lo + self.batch_size, self.samples)
+
+
+class Work(Protocol):
+    """What runs on the batches: its output data sets, and one step of it on every rank."""
+
+    per_step: int  # batches a step runs (over all ranks)
+    models: list[str]  # the model files it reads (never to be an output)
+    sha256: str  # of the plan it runs ("" for none): a resumed run must run the same one
+
+    def layout(self, samples: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]: ...
+
+    def replicated(self) -> dict[str, np.ndarray]: ...
+
+    async def start(self) -> None: ...
+
+    async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
+        """This rank's rows of the step's ``batches`` as writes in an order every rank shares (a rank with no rows
+        writes none), and the first failure this rank saw (collective)."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+async def run_circuits(system: ActorSystem, config: CircuitsRunConfig) -> dict:
+    """Run the job on every rank; bad input ends it before any batch, with one message and status 2."""
+    return await run_lifecycle(system, "circuits run", lambda: _prepare(system, config))
+
+
+def kept_name(out: str) -> str:
+    """Where a stopped run keeps the batches it wrote."""
+    return f"{out}.partial"
+
+
+@dataclass
+class _Run(HeldOutputs):
+    system: ActorSystem
+    config: CircuitsRunConfig
+    comm: Comm
+    work: Work
+    inputs: Inputs
+    pending: list[int]  # the batches still to run
+    done: np.ndarray  # every batch's flag (rank 0 writes them)
+    kept: str | None  # the earlier run's file this one resumes
+    results_lock: OutputLock | None
+    plan: Plan
+    checkpoints: None = None  # the output file is the job's only state
+    writer: RowWriter | None = field(default=None, repr=False)
+
+    async def restore(self) -> int:
+        await self.work.start()
+        if self.kept is not None:
+            self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
+            done = len(self.done) - len(self.pending)
+            if self.system.rank == 0:
+                print(f"mpiscale circuits run: resumed from {self.kept}: {done} of {len(self.done)} batches were "
+                      "written", flush=True)  # fmt: skip
+            announce("resumed", f"from {self.kept} after {done} batches")
+            return 0
+        layout = self.work.layout(self.inputs.samples)
+        layout |= {"sample_ids": ((self.inputs.samples,), np.dtype(np.int64)), "done": ((len(self.done),),
+                                                                                       np.dtype(np.int8))}  # fmt: skip
+        replicated = self.work.replicated()
+        layout |= {name: (array.shape, array.dtype) for name, array in replicated.items()}
+        attrs = {"catalogue": os.path.abspath(self.config.catalogue), "plan_sha256": self.work.sha256,
+                 "data": f"{self.inputs.path}:/{self.inputs.name}", "batch_size": self.config.batch_size}  # fmt: skip
+        try:
+            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT)
+            self.writer.write_replicated(replicated | {"done": self.done})
+            self.writer.flush()  # every data set's metadata is on disk: a kill from now on loses no more than a step
+        except WriteError as error:
+            raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+        return 0
+
+    async def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        per_step = self.work.per_step
+        with ShardedDataset(self.inputs.path, self.inputs.name, self.comm) as data:
+            for step in range(start, self.plan.total):
+                batches = self.pending[step * per_step : (step + 1) * per_step]
+                writes, failure = await self.work.step(batches, data, self.inputs)
+                problem = DataFileError(self.inputs.path, failure, self.inputs.name) if failure else None
+                await self.system.agree(problem, f"step {step + 1}")
+                try:
+                    for name, first, rows in writes:
+                        self._writer.write(first, {name: rows})
+                    self._writer.flush()
+                    self.done[batches] = 1
+                    self._writer.write_replicated({"done": self.done})
+                    self._writer.flush()
+                except WriteError as error:
+                    raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+                await asyncio.sleep(0)  # a step may compute without awaiting: let the loop take signals now
+                samples = sum(hi - lo for lo, hi in map(self.inputs.bounds, batches))
+                finished = min(len(self.pending), (step + 1) * per_step)
+                yield Step(f"{finished} of {len(self.pending)} batches", samples)
+
+    def save(self, done: int) -> None:
+        self._writer.flush()  # every written batch is in the file already
+
+    async def finish(self, ended: Ended) -> dict:
+        out = self.config.out
+        try:
+            if ended.done < self.plan.total:
+                kept = kept_name(out)
+                self._writer.close(kept)
+                if self.system.rank == 0:
+                    print(f"mpiscale circuits run: kept the batches written in {kept}; run the same command with "
+                          "--resume (on any number of ranks) to finish", flush=True)  # fmt: skip
+                return {"samples": self.inputs.samples, "stopped": True}
+            self._writer.close()
+        except WriteError as error:
+            raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+        if self.system.rank == 0:
+            print(f"wrote {out}: {self.work.describe()} on {self.inputs.samples} inputs", flush=True)
+        return {"samples": self.inputs.samples, "stopped": False}
+
+    def release(self) -> None:
+        super().release()
+        if self.writer is not None and self.writer.file is not None and self.system.rank == 0:
+            # A failure mid-run, maybe a dead rank: closing the file is collective and could wait for it forever.
+            # The flagged batches are complete on disk, so the file stays for --resume.
+            print(f"mpiscale circuits run: the batches written so far are kept in {self.writer.temporary}; run the "
+                  "same command with --resume to finish", file=sys.stderr, flush=True)  # fmt: skip
+
+    @property
+    def _writer(self) -> RowWriter:
+        assert self.writer is not None, "the output is opened by restore"
+        return self.writer
+
+
+def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
+    import torch
+    from mpi4py import MPI
+
+    from .composed import plan_work
+    from .features import all_features_work
+
+    comm = MPI.COMM_WORLD
+    torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))
+    if config.all_features == bool(config.plan):
+        raise ValueError("give --all-features (every circuit of the catalogue, or those --where selects) or --plan "
+                         "PLAN.toml (a composition of circuits and ops)")  # fmt: skip
+    if not config.catalogue or not config.data:
+        raise ValueError("give --catalogue CATALOGUE.h5 and --data FILE.h5:/dataset")
+    path, name = split_spec(config.data)
+    with ShardedDataset(path, name, comm) as data:
+        name, shape, dtype = data.name, data.shape, data.dtype
+    if shape[0] == 0:
+        raise DataFileError(path, "holds no rows", name)
+    width = int(np.prod(shape[1:])) if len(shape) > 1 else 0
+    if config.plan:
+        work: Work = plan_work(system, config, width, dtype)
+    else:
+        work = all_features_work(system, config, path, name, width, dtype)
+    check_outputs(config.out, None)
+    check_not_an_input(config.out, [config.catalogue, config.data, *([config.plan] if config.plan else []),
+                                    *work.models], comm)  # fmt: skip
+    lock = lock_results(config.out, comm)
+    inputs = Inputs(path, name, shape[0], config.batch_size)
+    try:
+        batches = -(-shape[0] // config.batch_size)
+        found = _earlier_run(config, work, shape[0], batches) if system.rank == 0 else None
+        kept, pending = comm.bcast(found, root=0)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    done = np.ones(batches, np.int8)
+    done[pending] = 0
+    plan = Plan("step", "samples", -(-len(pending) // work.per_step), config.progress_every, saves=True)
+    return _Run(system, config, comm, work, inputs, pending, done, kept, lock, plan)
+
+
+def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: int) -> tuple:
+    """(the earlier run's file to resume or None, the batches still to run); refuses what cannot be resumed."""
+    partial_file, killed = kept_name(config.out), f"{config.out}.tmp"
+    kept = partial_file if os.path.exists(partial_file) else killed if os.path.exists(killed) else None
+    if kept is None:
+        return None, list(range(batches))
+    done = _written_batches(kept)
+    if not config.resume:
+        raise ValueError(f"{kept} holds {int(done.sum()) if done is not None else 'some'} written batches of an "
+                         "earlier run: pass --resume to finish it (on any number of ranks), or remove it to start "
+                         "over")  # fmt: skip
+    if done is None:
+        raise DataFileError(kept, "cannot be resumed: it was cut off before its data sets were complete; remove it "
+                                  "and run again")  # fmt: skip
+    with h5py.File(kept, "r") as file:
+        stored = json.loads(file.attrs["config"])
+        replicated = {name: file[name][()] for name in work.replicated()}
+        plan_sha256 = str(file.attrs.get("plan_sha256", ""))
+        rows = file["sample_ids"].shape[0]
+    changed = [f"{key}: stopped run {stored.get(key)!r}, now {getattr(config, key)!r}"
+               for key in RESULT_SETTINGS if stored.get(key) != getattr(config, key)]  # fmt: skip
+    for name, now in work.replicated().items():
+        if not np.array_equal(replicated[name], now):
+            changed.append(f"/{name}: the catalogue's circuits changed")
+    if plan_sha256 != work.sha256:
+        changed.append("the plan file changed")
+    if rows != samples:
+        changed.append(f"the data's rows: {rows} then, {samples} now")
+    if changed:
+        raise ValueError(f"{kept} cannot be resumed with other settings ({'; '.join(changed)}): run it as it was, "
+                         "or remove it to start over")  # fmt: skip
+    return kept, [int(b) for b in np.flatnonzero(done == 0)]
+
+
+def _written_batches(path: str) -> np.ndarray | None:
+    """The ``done`` flags of an earlier run's file, or None when it has none readable."""
+    try:
+        with h5py.File(path, "r") as file:
+            if file.attrs.get("format") != FEATURES_FORMAT or "done" not in file:
+                return None
+            return file["done"][()]
+    except OSError:
+        return None

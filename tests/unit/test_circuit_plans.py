@@ -1,0 +1,100 @@
+"""Composition plans in one process: what load_plan refuses, the placement by cost, and ops built and run."""
+
+import numpy as np
+import pytest
+
+from mpiscale.circuits.catalogue import Catalogue
+from mpiscale.circuits.graph import build_graph, place
+from mpiscale.circuits.plan import PlanError, load_plan
+from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_load_plan_lists_every_problem_of_the_file(tmp_path):
+    text = """
+outputs = ["a", "nowhere"]
+extra = 1
+[[node]]
+name = "a"
+op = "subtract"
+inputs = ["b"]
+[[node]]
+name = "b"
+op = "frobnicate"
+inputs = ["a"]
+[[node]]
+name = "c"
+op = "relu"
+inputs = ["d"]
+colour = "red"
+[[node]]
+name = "c"
+circuits = []
+[[node]]
+name = "input"
+op = "relu"
+inputs = ["a"]
+"""
+    with pytest.raises(PlanError) as refused:
+        load_plan(write(tmp_path, text))
+    message = str(refused.value)
+    for expected in ("unknown top-level keys ['extra']", "subtract takes two inputs, got 1", "op must be one of",
+                     "unknown keys ['colour']", "circuits must be a filter", "name must be a word",
+                     "output 'nowhere' is not a node", "node 'c' takes 'd', which is not a node"):  # fmt: skip
+        assert expected in message, message
+    cycle = '[[node]]\nname = "x"\nop = "relu"\ninputs = ["y"]\n[[node]]\nname = "y"\nop = "tanh"\ninputs = ["x"]\n'
+    with pytest.raises(PlanError, match="nodes x -> y -> x form a cycle"):
+        load_plan(write(tmp_path, 'outputs = ["x"]\n' + cycle))
+    with pytest.raises(PlanError, match="not a readable TOML plan"):
+        load_plan(write(tmp_path, "outputs = ["))
+
+
+def test_ops_run_as_the_plan_says_and_nodes_are_placed_by_cost(tmp_path):
+    catalogue_path = str(tmp_path / "c.h5")
+    model = ModelRef("/nowhere/m.pt", "0" * 64, "torchscript", 3, "float32")
+    add_circuits(catalogue_path, NewCircuits(model, "", ["unused"], np.ones((1, 2)), "test"))
+    np.save(tmp_path / "w.npy", np.arange(12.0).reshape(4, 3))
+    text = """
+outputs = ["out", "total"]
+[[node]]
+name = "big"
+op = "linear"
+inputs = ["input"]
+weights = "w.npy"
+[[node]]
+name = "doubled"
+op = "scale"
+factor = 2
+inputs = ["big"]
+[[node]]
+name = "both"
+op = "concat"
+inputs = ["big", "doubled"]
+[[node]]
+name = "out"
+op = "relu"
+inputs = ["both"]
+rank = 0
+[[node]]
+name = "total"
+op = "sum"
+inputs = ["out"]
+"""
+    plan = load_plan(write(tmp_path, text))
+    with Catalogue(catalogue_path) as catalogue:
+        graph = build_graph(plan, catalogue, 3, np.dtype(np.float32), verify=False)
+    rows = np.array([[1, -2, 0.5], [0, 0, -1]], np.float32)
+    values = graph.run(rows)
+    big = rows @ np.arange(12.0).reshape(4, 3).T
+    np.testing.assert_allclose(values["out"], np.maximum(np.concatenate([big, 2 * big], axis=1), 0), rtol=1e-6)
+    np.testing.assert_allclose(values["total"][:, 0], values["out"].sum(axis=1), rtol=1e-6)
+    placed = place(graph, 2, "plan")
+    assert placed["out"] == 0 and placed["big"] == 0 and placed["total"] == 1  # big (12 per row) outweighs the rest
+    graph.nodes["out"].rank = 3
+    with pytest.raises(PlanError, match="node 'out' is placed on rank 3, but the job has 2 ranks"):
+        place(graph, 2, "plan")
