@@ -13,8 +13,8 @@ between the same 2 ranks, per batch:
   edges crosses ranks; ``(compiled - sequential) / 15`` is the overhead of a
   cross-rank edge;
 - **compiled, pipelined**: the placement ``place`` chooses (two halves of
-  the chain) and ``2 x ranks`` batches in flight, per batch: the throughput
-  against the floor.
+  the chain) with 4 (the job's default on 2 ranks) and 16 batches in
+  flight, per batch: the throughput against the floor.
 
 Run it under ``launch/mpiscale-run -n 2``.
 """
@@ -34,6 +34,7 @@ from ..runtime import Actor, ActorGroup, ActorSystem
 from .report import table, write_json
 
 NODES = 16
+IN_FLIGHT = (4, 16)  # batches at once: the job's default on 2 ranks (twice the ranks), and more
 ROWS, WIDTH = 16, 64
 
 
@@ -109,10 +110,11 @@ async def _measure(system: ActorSystem, work: float, batches: int, tag: str) -> 
 
     balanced = CompiledGraph(system, graph, place(graph, system.size, "bench"))
     await balanced.start(f"graph-balanced-{tag}")
-    in_flight = 2 * system.size
+    next_batch = 0
 
-    async def pipelined(step: int) -> None:
-        first = step * in_flight
+    async def pipelined(in_flight: int, step: int) -> None:
+        nonlocal next_batch
+        first, next_batch = next_batch, next_batch + in_flight
         await asyncio.gather(*(balanced.run_batch(first + b, rows if balanced.reads_input else None)
                                for b in range(in_flight)))  # fmt: skip
 
@@ -122,8 +124,12 @@ async def _measure(system: ActorSystem, work: float, batches: int, tag: str) -> 
         "sequential_s": sequential,
         "naive_asks_s": await _per_batch(system, batches, naive),
         "compiled_alternating_s": await _per_batch(system, batches, compiled_alternating),
-        "compiled_pipelined_s": await _per_batch(system, max(2, batches // in_flight), pipelined) / in_flight,
     }
+    for in_flight in IN_FLIGHT:
+        waves = max(2, batches // in_flight)
+        result[f"compiled_pipelined_{in_flight}_s"] = (
+            await _per_batch(system, waves, partial(pipelined, in_flight)) / in_flight
+        )
     edges = NODES - 1
     result["edge_overhead_s"] = (result["compiled_alternating_s"] - sequential) / edges
     result["naive_overhead_per_node_s"] = (result["naive_asks_s"] - sequential) / NODES
@@ -143,7 +149,8 @@ async def run_graph_bench(system: ActorSystem, json_path: str, quick: bool = Fal
         floor = r["sequential_s"]
         for engine, key in (("sequential (floor)", "sequential_s"), ("naive asks", "naive_asks_s"),
                             ("compiled, nodes alternating", "compiled_alternating_s"),
-                            ("compiled, pipelined", "compiled_pipelined_s")):  # fmt: skip
+                            *((f"compiled, {n} batches in flight", f"compiled_pipelined_{n}_s")
+                              for n in IN_FLIGHT)):  # fmt: skip
             rows.append([f"{r['work_s'] * 1e3:g} ms", engine, r[key] * 1e3, f"{r[key] / floor:.2f}x"])
     print(f"a chain of {NODES} nodes passing {ROWS} x {WIDTH} float32 (4 KiB), 2 ranks; ms per batch")
     print(table(["work per node", "engine", "ms per batch", "vs floor"], rows))

@@ -12,8 +12,12 @@ Small one-way messages (``post``) to the same rank within one turn of the
 event loop leave together, as one batch frame, at the end of that turn; the
 first of a turn leaves at once, so a lone message never waits (not even for
 a long computation after it in the same turn), and a stream of them costs one
-MPI message per batch. Any other send to that rank sends the batch first, so
-each receiver sees a sender's messages in the order they were made.
+MPI message per batch. A turn lasts at most ``_TURN_S`` for this purpose: one
+loop pass may run several tasks that each compute for milliseconds (batches in
+flight through a compiled graph), and a message one of them sends after its
+computation leaves at once instead of waiting for the others' to end. Any
+other send to that rank sends the batch first, so each receiver sees a
+sender's messages in the order they were made.
 
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
@@ -48,6 +52,7 @@ Deliver = Callable[[int, Any], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
 _SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its quiet time so far
 _MIN_SLEEP_S = 20e-6
+_TURN_S = 250e-6  # a message posted this long after the turn's first one begins a new turn
 _BATCH_MAX_MESSAGES = 4096  # a batch leaves at once when it holds this many messages or inline_bytes
 
 
@@ -91,6 +96,7 @@ class ProgressEngine:
         self._outbox_bytes: dict[int, int] = {}
         self._flush_scheduled = False
         self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
+        self._turn_began = 0.0  # when the turn's first small message left
         self._status = MPI.Status()
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
@@ -110,7 +116,12 @@ class ProgressEngine:
         """Queue a small message of plain values (``transport.compact_body``) for rank ``dest``, to leave with the
         others queued for it at the end of this loop turn; its arrays are copied now. False, queuing nothing,
         when it is the first to ``dest`` this turn or does not qualify: then :meth:`send` it."""
+        now = time.perf_counter()
+        if self._sent_this_turn and now - self._turn_began > _TURN_S:
+            self.flush()  # a long turn (computations of several tasks in one loop pass): a new turn begins here
         if dest not in self._sent_this_turn:
+            if not self._sent_this_turn:
+                self._turn_began = now
             self._sent_this_turn.add(dest)
             self._schedule_flush()  # which also ends the turn's record
             return False
