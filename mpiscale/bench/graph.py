@@ -16,6 +16,10 @@ between the same 2 ranks, per batch:
   the chain) with 4 (the job's default on 2 ranks) and 16 batches in
   flight, per batch: the throughput against the floor.
 
+- **Ray** (where it installs): the same chain on two Ray actors, nodes
+  alternating, as one remote call per node and as Ray's compiled graph
+  (``experimental_compile``), run by rank 0 alone after the rest.
+
 Run it under ``launch/mpiscale-run -n 2``.
 """
 
@@ -136,22 +140,85 @@ async def _measure(system: ActorSystem, work: float, batches: int, tag: str) -> 
     return result
 
 
+def ray_peer(works: tuple[float, ...], batches: int) -> list[dict] | str:
+    """The same chain as Ray actors on two worker processes (nodes alternating): one remote call per node, and
+    Ray's compiled graph (``experimental_compile``); ms per batch. A string says why Ray could not run."""
+    try:
+        import ray
+        from ray.dag import InputNode
+    except ImportError:
+        return "Ray is not installed (pip install ray, or the bench extra): its rows are left out"
+
+    @ray.remote
+    class Host:
+        def compute(self, value: np.ndarray, work: float) -> np.ndarray:
+            return _spin(work, [value])
+
+    rows = np.ones((ROWS, WIDTH), np.float32)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        hosts = [Host.remote(), Host.remote()]  # type: ignore[attr-defined]
+        results = []
+        for work in works:
+            with InputNode() as source:
+                value = source
+                for index in range(NODES):
+                    value = hosts[index % 2].compute.bind(value, work)
+            compiled = value.experimental_compile()
+
+            def remote_calls(work: float = work) -> None:
+                value = rows
+                for index in range(NODES):
+                    value = ray.get(hosts[index % 2].compute.remote(value, work))
+
+            timings = {}
+
+            def compiled_call(compiled=compiled) -> None:
+                ray.get(compiled.execute(rows))
+
+            for name, once in (("ray_compiled_s", compiled_call), ("ray_actors_s", remote_calls)):
+                for _ in range(3):
+                    once()
+                times = []
+                for _ in range(batches):
+                    start = time.perf_counter()
+                    once()
+                    times.append(time.perf_counter() - start)
+                timings[name] = statistics.median(times)
+            compiled.teardown()
+            results.append({"work_s": work, **timings})
+        return results
+    finally:
+        ray.shutdown()
+
+
 async def run_graph_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     if system.size != 2:
         raise SystemExit(f"bench graph needs 2 ranks, got {system.size}: launch/mpiscale-run -n 2 -- mpiscale "
                          "bench graph")  # fmt: skip
     batches = 10 if quick else 40
-    results = [await _measure(system, work, batches, f"w{index}") for index, work in enumerate((0.0, 0.001))]
+    works = (0.0, 0.001)
+    results = [await _measure(system, work, batches, f"w{index}") for index, work in enumerate(works)]
+    peer = ray_peer(works, batches) if system.rank == 0 else None  # the other rank waits, asleep
+    await system.world.barrier()
     if system.rank != 0:
         return None
+    if isinstance(peer, str):
+        print(peer)
+    else:
+        for result, ray_result in zip(results, peer or []):
+            result.update(ray_result)
     rows = []
     for r in results:
         floor = r["sequential_s"]
         for engine, key in (("sequential (floor)", "sequential_s"), ("naive asks", "naive_asks_s"),
                             ("compiled, nodes alternating", "compiled_alternating_s"),
                             *((f"compiled, {n} batches in flight", f"compiled_pipelined_{n}_s")
-                              for n in IN_FLIGHT)):  # fmt: skip
-            rows.append([f"{r['work_s'] * 1e3:g} ms", engine, r[key] * 1e3, f"{r[key] / floor:.2f}x"])
+                              for n in IN_FLIGHT),
+                            ("Ray actors, one call per node", "ray_actors_s"),
+                            ("Ray compiled graph", "ray_compiled_s")):  # fmt: skip
+            if key in r:
+                rows.append([f"{r['work_s'] * 1e3:g} ms", engine, r[key] * 1e3, f"{r[key] / floor:.2f}x"])
     print(f"a chain of {NODES} nodes passing {ROWS} x {WIDTH} float32 (4 KiB), 2 ranks; ms per batch")
     print(table(["work per node", "engine", "ms per batch", "vs floor"], rows))
     for r in results:
