@@ -26,6 +26,7 @@ waiting.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -60,6 +61,10 @@ class Node:
     cost: int
     compute: Callable[[list], object]
     rank: int | None = None
+    model: str = ""  # a model node: the file it runs (named in its messages)
+
+    def __str__(self) -> str:
+        return f"node {self.name!r}" + (f" ({os.path.basename(self.model)})" if self.model else "")
 
 
 @dataclass
@@ -149,7 +154,7 @@ def _prefix_nodes(catalogue: Catalogue, chosen: dict[str, np.ndarray], input_wid
             continue
         runner = ModelRunner(reference, sorted(wanted), verify)
         cost = max(1, _parameters(runner))
-        nodes[model] = Node(f"model:{model}", (INPUT,), None, cost, partial(_run_model, runner))
+        nodes[model] = Node(f"model:{model}", (INPUT,), None, cost, partial(_run_model, runner), model=reference.path)
     return nodes
 
 
@@ -281,7 +286,7 @@ class CompiledGraph:
                 try:
                     value = node.compute(inputs)
                 except Exception as error:  # the node's own failure, passed on in place of its value
-                    value = Failed(f"node {node.name!r} on batch {batch}: {type(error).__name__}: {error}")
+                    value = Failed(f"{node} on batch {batch}: {type(error).__name__}: {error}")
             else:
                 value = failed
             values[node.name] = value

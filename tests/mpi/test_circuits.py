@@ -406,3 +406,48 @@ def test_a_plan_runs_compiled_over_3_ranks_as_it_means_and_refuses_what_cannot_r
                   "--out", tmp_path / "no.h5", timeout=60)  # fmt: skip
     assert far.returncode == 2 and "node 'user' is placed on rank 2, but the job has 2 ranks" in far.stderr
     assert not (tmp_path / "no.h5").exists() and not (tmp_path / "no.h5.tmp").exists()  # only its telemetry file
+
+
+class Picky(torch.nn.Module):
+    """A user's module that refuses inputs it was not made for (values over 1e6)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x > 1e6).any()):
+            raise RuntimeError("a value over 1e6: not a digit")
+        return x[:, :3]
+
+
+def test_a_node_failing_on_one_rank_ends_the_plan_on_every_rank_with_its_message(pipeline, tmp_path):
+    """A user's module raises on one batch in its model's node on rank 0; the failure travels in place of the value
+    to the node on rank 1 and back to the head on rank 0: the job ends at once with exit 2 and the node's message,
+    and keeps the batches written before."""
+    torch.jit.save(torch.jit.script(Picky()), tmp_path / "picky.pt")
+    model = ModelRef.of(str(tmp_path / "picky.pt"), "torchscript", DIGITS, "float32")
+    add_circuits(str(tmp_path / "c.h5"), NewCircuits(model, "", ["p0", "p1", "p2"], np.eye(3), "test"))
+    inputs = digits(pipeline).copy()
+    inputs[700, 5] = 1e7
+    with h5py.File(tmp_path / "d.h5", "w") as file:
+        file["X"] = inputs
+    np.save(tmp_path / "w.npy", np.ones((2, 3)))
+    plan = """outputs = ["head"]
+[[node]]
+name = "probe"
+circuits = "name=p*"
+rank = 1
+[[node]]
+name = "head"
+op = "linear"
+inputs = ["probe"]
+weights = "w.npy"
+rank = 0
+"""
+    (tmp_path / "plan.toml").write_text(plan)
+    data = f"{tmp_path / 'd.h5'}:/X"
+    job = run_cli(2, "circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", data, "--plan",
+                  tmp_path / "plan.toml", "--out", tmp_path / "o.h5", "--batch-size", 100, timeout=60)  # fmt: skip
+    assert job.returncode == 2, job.output[-3000:]
+    # the module runs in its model's node, placed on rank 0; its failure reached rank 1's node and came back
+    assert "node 'model:0' (picky.pt) on batch 7" in job.stderr and "not a digit" in job.stderr, job.stderr
+    with h5py.File(tmp_path / "o.h5.tmp", "r") as file:
+        done = file["done"][()]
+        assert done[:4].all() and not done[7]  # the steps before the failing one are kept for --resume
