@@ -42,8 +42,10 @@ from ..jobs import (
     announce,
     check_not_an_input,
     check_outputs,
+    kept_name,
     lock_results,
     run_lifecycle,
+    setting_differences,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, rank_rows, ranks_sharing_cores
@@ -56,11 +58,6 @@ from .pca import Components, shared_components
 
 #: The settings a resumed run must share with the stopped one (the others, such as progress, may change).
 RESULT_SETTINGS = ("components", "variance", "method", "oversampling", "power_iterations", "seed", "add_to")
-
-
-def kept_name(out: str) -> str:
-    """Where a stopped run keeps the groups it completed."""
-    return f"{out}.partial"
 
 
 async def compress_adapters(system: ActorSystem, config: AdaptersConfig) -> dict:
@@ -337,8 +334,7 @@ def _not_resumable(kept: str, config: AdaptersConfig, table: dict[str, np.ndarra
     except (DataFileError, KeyError, OSError, ValueError) as error:
         return f"{kept} cannot be resumed ({error}); remove it to start over"
     settings = config.to_dict()
-    differences = [f"{key}: stopped run {saved.get(key)!r}, now {settings[key]!r}" for key in RESULT_SETTINGS
-                   if saved.get(key) != settings[key]]  # fmt: skip
+    differences = setting_differences(saved, {key: settings[key] for key in RESULT_SETTINGS}, "stopped run")
     if differences:
         return f"{kept} was started with other settings ({'; '.join(differences)}): {remedy}"
     if not same:

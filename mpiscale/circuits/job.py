@@ -38,8 +38,10 @@ from ..jobs import (
     announce,
     check_not_an_input,
     check_outputs,
+    kept_name,
     lock_results,
     run_lifecycle,
+    setting_differences,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
@@ -92,11 +94,6 @@ class Work(Protocol):
 async def run_circuits(system: ActorSystem, config: CircuitsRunConfig) -> dict:
     """Run the job on every rank; bad input ends it before any batch, with one message and status 2."""
     return await run_lifecycle(system, "circuits run", lambda: _prepare(system, config))
-
-
-def kept_name(out: str) -> str:
-    """Where a stopped run keeps the batches it wrote."""
-    return f"{out}.partial"
 
 
 @dataclass
@@ -257,8 +254,7 @@ def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: i
         replicated = {name: file[name][()] for name in work.replicated()}
         plan_sha256 = str(file.attrs.get("plan_sha256", ""))
         rows = file["sample_ids"].shape[0]
-    changed = [f"{key}: stopped run {stored.get(key)!r}, now {getattr(config, key)!r}"
-               for key in RESULT_SETTINGS if stored.get(key) != getattr(config, key)]  # fmt: skip
+    changed = setting_differences(stored, {key: getattr(config, key) for key in RESULT_SETTINGS}, "stopped run")
     for name, now in work.replicated().items():
         if not np.array_equal(replicated[name], now):
             changed.append(f"/{name}: the catalogue's circuits changed")

@@ -94,11 +94,22 @@ def restore_compatible(
         check(restored)
     keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
     saved: dict = next((restored.meta[key] for key in keys if key in restored.meta), {})
-    differences = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in expected.items() if saved.get(k) != v]
+    differences = setting_differences(saved, expected, "checkpoint")
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
     announce("resumed", f"from the checkpoint of {unit} {restored.step} in {directory}")
     return restored
+
+
+def setting_differences(saved: dict, expected: dict, then: str) -> list[str]:
+    """``KEY: THEN old, now new`` for each setting of ``expected`` that ``saved`` (an earlier run's) holds otherwise."""
+    return [f"{key}: {then} {saved.get(key)!r}, now {value!r}" for key, value in expected.items()
+            if saved.get(key) != value]  # fmt: skip
+
+
+def kept_name(out: str) -> str:
+    """Where a job stopped before its end keeps the output it wrote so far (``--resume`` goes on from it)."""
+    return f"{out}.partial"
 
 
 def announce(event: str, detail: str) -> None:
