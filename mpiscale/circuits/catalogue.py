@@ -34,6 +34,21 @@ class Prefix:
 
 
 @dataclass(frozen=True)
+class LayerCircuits:
+    """Some circuits of one prefix: its model (an index of ``Catalogue.models``) and layer, their atoms
+    (m x width), and where they stand among the circuits asked for (their output columns)."""
+
+    model: int
+    layer: str
+    atoms: np.ndarray
+    columns: np.ndarray
+
+    def project(self, outputs: np.ndarray, into: np.ndarray) -> None:
+        """The layer's ``outputs`` projected on the atoms, into their columns of ``into``: one product."""
+        into[:, self.columns] = outputs @ self.atoms.T
+
+
+@dataclass(frozen=True)
 class Space:
     """Embeddings of one kind: the vectors similar-search compares."""
 
@@ -122,19 +137,39 @@ class Catalogue:
         """The table rows of a prefix's circuits, in the order of its atoms."""
         return self.file[f"{prefix_group(prefix)}/circuit"][()]
 
+    def layers_of(self, rows: np.ndarray) -> list[LayerCircuits]:
+        """The circuits of ``rows`` (table rows, ascending) grouped by prefix: what runs them is one pass of each
+        model and one product per layer."""
+        parts = []
+        for prefix in self.prefixes:
+            circuits = self.prefix_circuits(prefix.index)
+            chosen = np.isin(circuits, rows)
+            if chosen.any():
+                model = self.models.index(prefix.model)
+                columns = np.searchsorted(rows, circuits[chosen])
+                parts.append(LayerCircuits(model, prefix.layer, self.atoms(prefix.index)[chosen], columns))
+        return parts
+
     def vectors(self, space: int, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """(unit vectors, their circuits' rows) of space rows ``start:stop``."""
         group = self.file[space_group(space)]
         return group["vectors"][start:stop], group["circuit"][start:stop]
 
-    def find(self, name: str) -> int:
-        """The row of the circuit named ``name``."""
-        names = self.column("name")
-        found = np.flatnonzero(names == name)
-        if not len(found):
-            raise CatalogueError(self.path, f"holds no circuit named {name!r} ({self.count} circuits; `mpiscale "
-                                            "circuits search` lists them)")  # fmt: skip
-        return int(found[0])
+    def rows_named(self, names: list[str] | tuple[str, ...]) -> dict[str, int]:
+        """The table row of each of ``names`` the catalogue holds (one read of the names; the others are left
+        out)."""
+        wanted = set(names)
+        return {str(name): row for row, name in enumerate(self.column("name")) if name in wanted}
+
+    def find(self, names: list[str]) -> list[int]:
+        """The rows of the circuits named ``names``, in their order; a name the catalogue does not hold is
+        refused."""
+        found = self.rows_named(names)
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise CatalogueError(self.path, f"holds no circuit named {missing[0]!r} ({self.count} circuits; "
+                                            "`mpiscale circuits search` lists them)")  # fmt: skip
+        return [found[name] for name in names]
 
     def space_named(self, name: str | None, dimension: int | None) -> Space:
         """The space called ``name``, or else the only one of ``dimension`` numbers."""

@@ -17,20 +17,12 @@ import numpy as np
 
 from ..io import DataFileError, ShardedDataset, fixed_strings
 from ..runtime import ActorSystem
-from .catalogue import Catalogue
+from ..train.model import rows_refused
+from .catalogue import Catalogue, LayerCircuits
 from .config import CircuitsRunConfig
 from .filters import Filter, check_filters, matching, parse_filters
 from .job import Inputs, Write
 from .prefix import ModelRunner
-
-
-@dataclass(frozen=True)
-class LayerCircuits:
-    """The selected circuits of one layer: their atoms (m x width) and their columns in the output."""
-
-    layer: str
-    atoms: np.ndarray
-    columns: np.ndarray
 
 
 @dataclass
@@ -44,11 +36,12 @@ class Selection:
     def features(self, inputs: np.ndarray) -> np.ndarray:
         """Every selected circuit on ``inputs`` (rows x circuits): one pass per model, one product per layer."""
         out = np.empty((len(inputs), len(self.names)), np.float32)
+        if not len(inputs):
+            return out
         for runner, layers in self.models:
-            outputs = runner(inputs) if len(inputs) else {}
+            outputs = runner(inputs)
             for chosen in layers:
-                if len(inputs):
-                    out[:, chosen.columns] = outputs[chosen.layer] @ chosen.atoms.T
+                chosen.project(outputs[chosen.layer], out)
         return out
 
 
@@ -60,14 +53,8 @@ def select(catalogue: Catalogue, filters: list[Filter], verify: bool) -> Selecti
         raise DataFileError(catalogue.path, f"no circuit matches {'; '.join(map(str, filters)) or 'anything'}")
     names = list(catalogue.column("name")[rows])
     by_model: dict[int, list[LayerCircuits]] = {}
-    for prefix in catalogue.prefixes:
-        circuits = catalogue.prefix_circuits(prefix.index)
-        chosen = np.isin(circuits, rows)
-        if chosen.any():
-            model = catalogue.models.index(prefix.model)
-            atoms = catalogue.atoms(prefix.index)[chosen]
-            columns = np.searchsorted(rows, circuits[chosen])
-            by_model.setdefault(model, []).append(LayerCircuits(prefix.layer, atoms, columns))
+    for part in catalogue.layers_of(rows):
+        by_model.setdefault(part.model, []).append(part)
     models = [(ModelRunner(catalogue.models[index], [c.layer for c in layers], verify), layers)
               for index, layers in sorted(by_model.items())]  # fmt: skip
     return Selection(names, rows, models)
@@ -85,10 +72,10 @@ def all_features_work(system: ActorSystem, config: CircuitsRunConfig, path: str,
         raise DataFileError(path, f"the selected circuits' models take different inputs: {shown}; select one kind "
                                   "with --where 'model=NAME'")  # fmt: skip
     inputs, wanted = layouts.pop()
-    kinds, what = ("biu", "integer token ids") if np.dtype(wanted).kind == "i" else ("biuf", "numbers")
-    if dtype.kind not in kinds or width != inputs:
-        raise DataFileError(path, f"the circuits' models take rows of {inputs} {what}, the data set holds {dtype} "
-                                  f"rows of {width}", name)  # fmt: skip
+    taken = rows_refused(inputs, np.dtype(wanted), width, dtype)
+    if taken is not None:
+        raise DataFileError(path, f"the circuits' models take rows of {taken}, the data set holds {dtype} rows of "
+                                  f"{width}", name)  # fmt: skip
     return AllFeatures(system, selection, inputs, np.dtype(wanted))
 
 

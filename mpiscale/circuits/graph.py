@@ -36,7 +36,7 @@ import numpy as np
 from ..runtime import Actor, ActorGroup, ActorSystem, Arrivals
 from ..train.pipeline.split import balanced_starts
 from . import ops
-from .catalogue import Catalogue
+from .catalogue import Catalogue, LayerCircuits
 from .filters import check_filters, matching, parse_filters
 from .plan import INPUT, PlanError, PlanSpec
 from .prefix import ModelRunner
@@ -95,7 +95,8 @@ def build_graph(plan: PlanSpec, catalogue: Catalogue, input_width: int, input_dt
     nodes: dict[str, Node] = {}
     circuits: dict[str, list[str]] = {}
     names = catalogue.column("name")
-    prefixes = _prefix_nodes(catalogue, chosen, input_width, verify, problems)
+    parts = {name: catalogue.layers_of(rows) for name, rows in chosen.items() if len(rows)}
+    prefixes = _prefix_nodes(catalogue, parts, input_width, verify, problems)
     widths: dict[str, int | None] = {INPUT: input_width}
     for prefix in prefixes.values():
         nodes[prefix.name] = prefix
@@ -104,7 +105,7 @@ def build_graph(plan: PlanSpec, catalogue: Catalogue, input_width: int, input_dt
         node: Node | None = None
         if spec.op == "circuits":
             if len(chosen[name]):  # none: a problem already, and no width to check others against
-                node = _circuits_node(catalogue, name, chosen[name], spec.rank)
+                node = _circuits_node(name, parts[name], len(chosen[name]), spec.rank)
                 circuits[name] = [str(names[row]) for row in chosen[name]]
         else:
             node = _op_node(spec, [widths.get(source) for source in spec.inputs], problems)
@@ -129,22 +130,20 @@ def _chosen(selected: tuple[str, ...] | str, catalogue: Catalogue, node: str, pr
         if not len(rows):
             problems.append(f"node {node!r}: no circuit matches {selected!r}")
         return rows
-    names = catalogue.column("name")
-    index = {str(name): row for row, name in enumerate(names)}
+    index = catalogue.rows_named(selected)
     missing = [name for name in selected if name not in index]
     if missing:
         problems.append(f"node {node!r}: the catalogue has no circuit {', '.join(map(repr, missing))}")
     return np.array(sorted(index[name] for name in selected if name in index), np.int64)
 
 
-def _prefix_nodes(catalogue: Catalogue, chosen: dict[str, np.ndarray], input_width: int, verify: bool,
+def _prefix_nodes(catalogue: Catalogue, parts: dict[str, list[LayerCircuits]], input_width: int, verify: bool,
                   problems: list[str]) -> dict[int, Node]:  # fmt: skip
     """One node per model any circuits node reads, running it up to every layer the plan needs."""
     layers: dict[int, set[str]] = {}
-    for rows in chosen.values():
-        for prefix in set(catalogue.column("prefix")[rows].tolist()) if len(rows) else ():
-            info = catalogue.prefixes[prefix]
-            layers.setdefault(catalogue.models.index(info.model), set()).add(info.layer)
+    for node_parts in parts.values():
+        for part in node_parts:
+            layers.setdefault(part.model, set()).add(part.layer)
     nodes = {}
     for model, wanted in sorted(layers.items()):
         reference = catalogue.models[model]
@@ -166,27 +165,19 @@ def _run_model(runner: ModelRunner, inputs: list) -> dict[str, np.ndarray]:
     return runner(inputs[0])
 
 
-def _circuits_node(catalogue: Catalogue, name: str, rows: np.ndarray, rank: int | None) -> Node:
-    """The node whose value is one column per circuit of ``rows``: each layer's atoms as one product."""
-    parts = []
-    for prefix in catalogue.prefixes:
-        circuits = catalogue.prefix_circuits(prefix.index)
-        chosen = np.isin(circuits, rows)
-        if chosen.any():
-            model = catalogue.models.index(prefix.model)
-            atoms = np.ascontiguousarray(catalogue.atoms(prefix.index)[chosen].T)
-            parts.append((f"model:{model}", prefix.layer, atoms, np.searchsorted(rows, circuits[chosen])))
-    sources = tuple(dict.fromkeys(source for source, *_ in parts))
-    cost = max(1, sum(a.size for _, _, a, _ in parts))
-    return Node(name, sources, len(rows), cost, partial(_project, sources, parts, len(rows)), rank)
+def _circuits_node(name: str, parts: list[LayerCircuits], width: int, rank: int | None) -> Node:
+    """The node whose value is one column per circuit of ``parts``: each layer's atoms as one product."""
+    sources = tuple(dict.fromkeys(f"model:{part.model}" for part in parts))
+    cost = max(1, sum(part.atoms.size for part in parts))
+    return Node(name, sources, width, cost, partial(_project, parts, width), rank)
 
 
-def _project(sources: tuple[str, ...], parts: list, width: int, inputs: list) -> np.ndarray:
-    layers = dict(zip(sources, inputs))
-    first, layer = parts[0][0], parts[0][1]
-    out = np.empty((len(layers[first][layer]), width), np.float32)
-    for source, layer, atoms, columns in parts:
-        out[:, columns] = layers[source][layer] @ atoms
+def _project(parts: list[LayerCircuits], width: int, inputs: list) -> np.ndarray:
+    by_model = dict(zip(dict.fromkeys(part.model for part in parts), inputs))  # the inputs follow the sources
+    first = parts[0]
+    out = np.empty((len(by_model[first.model][first.layer]), width), np.float32)
+    for part in parts:
+        part.project(by_model[part.model][part.layer], out)
     return out
 
 

@@ -4,9 +4,10 @@ A model is loaded by its kind: an mpiscale train results file (its layers are
 the modules ``collect --layers`` names), or a user's module saved with
 TorchScript (``torch.jit.save``) or ``torch.export`` (``torch.export.save``),
 whose output is the activation its circuits project. For a train model,
-forward hooks capture every wanted layer and the pass stops once the deepest
-has run: the layers after it are never computed, and circuits of several
-layers of one model share the pass (the common prefix is computed once).
+``train.model.layer_outputs`` captures every wanted layer and stops the pass
+once the deepest has run: the layers after it are never computed, and
+circuits of several layers of one model share the pass (the common prefix is
+computed once).
 """
 
 from __future__ import annotations
@@ -15,11 +16,8 @@ import numpy as np
 import torch
 
 from ..io import DataFileError
+from ..train.model import layer_outputs
 from .store import ModelRef, file_sha256
-
-
-class _Reached(Exception):
-    """Raised by the last wanted layer's hook: the pass has everything it needs."""
 
 
 class ModelRunner:
@@ -40,31 +38,11 @@ class ModelRunner:
     def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """Each layer's output for ``rows`` (float32, one row per input)."""
         inputs = torch.from_numpy(np.ascontiguousarray(rows, self.model.input_dtype))
+        if self.model.kind == "train":
+            return layer_outputs(self.module, self.layers, inputs)
         with torch.no_grad():
-            if self.model.kind != "train":
-                output = self.module(inputs)
-                return {"": output.reshape(len(rows), -1).numpy().astype(np.float32, copy=False)}
-            return self._hooked(inputs)
-
-    def _hooked(self, inputs: torch.Tensor) -> dict[str, np.ndarray]:
-        captured: dict[str, np.ndarray] = {}
-        hooks = []
-        for name in self.layers:
-
-            def keep(module, args, output, name=name) -> None:
-                captured[name] = output.reshape(len(inputs), -1).numpy().astype(np.float32, copy=True)
-                if len(captured) == len(self.layers):
-                    raise _Reached
-
-            hooks.append(self.module.get_submodule(name).register_forward_hook(keep))
-        try:
-            self.module(inputs)
-        except _Reached:
-            pass
-        finally:
-            for hook in hooks:
-                hook.remove()
-        return captured
+            output = self.module(inputs)
+        return {"": output.reshape(len(rows), -1).numpy().astype(np.float32, copy=False)}
 
 
 def load_module(model: ModelRef) -> torch.nn.Module:

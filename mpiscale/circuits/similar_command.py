@@ -57,17 +57,15 @@ async def _search(system: ActorSystem, args: argparse.Namespace) -> int:
 def _queries(catalogue: Catalogue, args: argparse.Namespace):
     """(unit query rows, each query's own circuit row or None, the space searched)."""
     if args.to:
-        rows = [catalogue.find(name) for name in args.to]
-        spaces = {int(catalogue.column("space", row, row + 1)[0]) for row in rows}
-        if len(spaces) > 1 and not args.space:
+        rows = catalogue.find(args.to)
+        spaces, places = catalogue.column("space")[rows], catalogue.column("space_row")[rows]
+        if len(set(spaces.tolist())) > 1 and not args.space:
             raise ValueError("the --to circuits are in different embedding spaces: give --space NAME")
-        space = catalogue.space_named(args.space, None) if args.space else catalogue.spaces[spaces.pop()]
-        vectors = []
-        for row in rows:
-            if int(catalogue.column("space", row, row + 1)[0]) != space.index:
-                raise ValueError(f"circuit {catalogue.column('name', row, row + 1)[0]} is not in space {space.name}")
-            at = int(catalogue.column("space_row", row, row + 1)[0])
-            vectors.append(catalogue.vectors(space.index, at, at + 1)[0][0])
+        space = catalogue.space_named(args.space, None) if args.space else catalogue.spaces[int(spaces[0])]
+        for name, where in zip(args.to, spaces):
+            if where != space.index:
+                raise ValueError(f"circuit {name} is not in space {space.name}")
+        vectors = [catalogue.vectors(space.index, int(at), int(at) + 1)[0][0] for at in places]
         return unit_queries(np.array(vectors), "--to"), rows, space
     matrix = read_matrix(args.vector)
     space = catalogue.space_named(args.space, matrix.shape[1])

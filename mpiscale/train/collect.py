@@ -28,7 +28,7 @@ from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem
 from .config import CollectConfig
-from .model import first_bad_row, input_layout, module_names
+from .model import first_bad_row, input_layout, layer_outputs, module_names, rows_refused
 from .results import load_trained
 
 ACTIVATIONS_FORMAT = "mpiscale.activations/1"
@@ -80,9 +80,9 @@ def _prepare(config: CollectConfig) -> _Job:
     features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
     spec = json.loads(trained["model"])
     inputs, model_dtype = input_layout(spec)
-    kinds, what = ("biu", "integer token ids") if model_dtype.kind == "i" else ("biuf", "numbers")
-    if dtype.kind not in kinds or features != inputs:
-        raise DataFileError(path, f"the model takes rows of {inputs} {what}, the data set holds {dtype} {shape}", name)
+    taken = rows_refused(inputs, model_dtype, features, dtype)
+    if taken is not None:
+        raise DataFileError(path, f"the model takes rows of {taken}, the data set holds {dtype} {shape}", name)
     labels = config.labels or (str(trained["labels"]) if not config.data else "")
     attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
     if "image_shape" in trained:
@@ -96,27 +96,8 @@ def _prepare(config: CollectConfig) -> _Job:
 
 def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dtype) -> dict[str, int]:
     """Each layer's output width, from one row of zeros."""
-    captured = _run(model, layers, np.zeros((1, inputs), dtype))
+    captured = layer_outputs(model, layers, torch.from_numpy(np.zeros((1, inputs), dtype)))
     return {name: captured[name].shape[1] for name in layers}
-
-
-def _run(model: torch.nn.Module, layers: list[str], rows: np.ndarray) -> dict[str, np.ndarray]:
-    """The named modules' outputs for ``rows`` (each flattened to one row per input)."""
-    captured: dict[str, np.ndarray] = {}
-    hooks = []
-    for name in layers:
-
-        def keep(module, args, output, name=name) -> None:
-            captured[name] = output.detach().reshape(len(rows), -1).numpy().astype(np.float32, copy=True)
-
-        hooks.append(model.get_submodule(name).register_forward_hook(keep))
-    try:
-        with torch.no_grad():
-            model(torch.from_numpy(rows))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return captured
 
 
 def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
@@ -160,7 +141,7 @@ def _check_rows(job: _Job, rows: np.ndarray, first: int) -> None:
 
 def _capture(job: _Job, rows: np.ndarray, into: dict[str, np.ndarray]) -> None:
     """The layers' outputs for ``rows`` (none: empty arrays of the layers' widths) into ``into``."""
-    into.update(_run(job.model, list(job.widths), rows) if len(rows) else _empty(job.widths))
+    into.update(layer_outputs(job.model, list(job.widths), torch.from_numpy(rows)) if len(rows) else _empty(job.widths))
 
 
 def _empty(widths: dict[str, int]) -> dict[str, np.ndarray]:

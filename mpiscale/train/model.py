@@ -49,6 +49,13 @@ def input_layout(spec: dict) -> tuple[int, np.dtype]:
     return spec["inputs"], np.dtype(np.float32)
 
 
+def rows_refused(inputs: int, wanted: np.dtype, width: int, dtype: np.dtype) -> str | None:
+    """What a model that takes rows of ``inputs`` numbers of type ``wanted`` takes ("64 numbers", "16 integer token
+    ids") when data rows of ``width`` numbers of ``dtype`` are not that; None when they are."""
+    kinds, what = ("biu", "integer token ids") if np.dtype(wanted).kind == "i" else ("biuf", "numbers")
+    return None if dtype.kind in kinds and width == inputs else f"{inputs} {what}"
+
+
 def first_bad_row(spec: dict, rows: np.ndarray) -> tuple[int, str] | None:
     """(index, what is wrong) of the first of ``rows`` the model cannot take, or None: NaN or infinity for the MLP,
     token ids outside its vocabulary for the transformer."""
@@ -96,6 +103,34 @@ def standardizer(model: torch.nn.Module) -> Standardize:
     module = model.get_submodule("standardize")
     assert isinstance(module, Standardize)
     return module
+
+
+class _Reached(Exception):
+    """Raised by the last wanted module's hook: the pass has everything it needs."""
+
+
+def layer_outputs(model: torch.nn.Module, layers: list[str], inputs: torch.Tensor) -> dict[str, np.ndarray]:
+    """The named modules' outputs for ``inputs`` (float32 copies, one row per input). Forward hooks capture them,
+    and the pass stops once the last of them has run: the modules after it are never computed."""
+    captured: dict[str, np.ndarray] = {}
+    hooks = []
+    for name in layers:
+
+        def keep(module, args, output, name=name) -> None:
+            captured[name] = output.detach().reshape(len(inputs), -1).numpy().astype(np.float32, copy=True)
+            if len(captured) == len(layers):
+                raise _Reached
+
+        hooks.append(model.get_submodule(name).register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            model(inputs)
+    except _Reached:
+        pass
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
 
 
 def module_names(model: torch.nn.Module) -> list[str]:
