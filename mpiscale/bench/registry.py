@@ -94,6 +94,12 @@ def _circuits(args: argparse.Namespace, json_path: str) -> object:
     return run_circuits_bench(json_path, quick=args.quick)
 
 
+def _batching(args: argparse.Namespace, json_path: str) -> object:
+    from .batching import run_batching_bench
+
+    return run_batching_bench(json_path, args.dir, quick=args.quick)
+
+
 def _graph(args: argparse.Namespace, json_path: str) -> object:
     from .graph import run_graph_bench
 
@@ -168,6 +174,12 @@ BENCHMARKS: dict[str, Benchmark] = {
             "reader",
             "read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and streamed",
             _reader,
+        ),
+        Benchmark(
+            "batching",
+            "ragged samples within a memory budget: sequential, round-robin, memory and adaptive batching vs "
+            "PyTorch's DataLoader with 0 and 2 workers, and vs unbounded read-ahead (one process, no mpirun)",
+            _batching,
         ),
         Benchmark(
             "telemetry",

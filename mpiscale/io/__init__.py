@@ -1,21 +1,31 @@
 """Parallel I/O and data-pipeline helpers: sharded HDF5 datasets, checkpoints, batch reader, per-sample randomness."""
 
 from ..ranks import rank_rows
+from .batching import STRATEGIES, Batching
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
 from .h5file import fixed_strings, open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
+from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, epoch_order
 from .sample_random import SampleRandom
+from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import is_list_file, listed_paths, natural_key, resolve_files, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
+    "STRATEGIES",
     "Batch",
     "BatchReader",
+    "Batching",
+    "Ragged",
+    "RaggedDataset",
+    "ReaderStats",
+    "SampleBatch",
+    "SampleReader",
     "CheckpointError",
     "Checkpointer",
     "DataFileError",
@@ -32,9 +42,11 @@ __all__ = [
     "encode_record",
     "epoch_order",
     "fixed_strings",
+    "is_variable_length",
     "is_list_file",
     "listed_paths",
     "natural_key",
+    "open_arrays",
     "open_file",
     "publish",
     "rank_rows",

@@ -245,6 +245,10 @@ class ShardedDataset:
         """The files behind the data set, in row order."""
         return [segment.source.path for segment in self._segments]
 
+    def rows_per_file(self) -> list[int]:
+        """Rows of each file behind the data set, in the order of ``files``."""
+        return [segment.stop - segment.start for segment in self._segments]
+
     def attrs(self) -> dict:
         """Attributes of the first file (an empty dict for ``.npy``): mpiscale files keep their config here."""
         first = self._segments[0].source

@@ -73,11 +73,11 @@ def restore_compatible(
     the rows of sharded arrays this rank reads (``Checkpointer.load``'s; by default its block).
 
     Without ``resume`` an existing checkpoint is refused, never overwritten.
-    ``check`` (the step against the run's length, say) runs next; then
     ``expected`` is compared with the settings the checkpoint was saved with
     (``settings_meta``), and a checkpoint of another job is refused, naming
-    every setting that differs. ``unit`` names a step ("iteration", "step") in
-    the messages.
+    every setting that differs (first: a step count means nothing under other
+    settings); ``check`` (the step against the run's length, say) runs next.
+    ``unit`` names a step ("iteration", "step") in the messages.
     """
     if not resume:
         steps = checkpoints.steps()
@@ -90,13 +90,13 @@ def restore_compatible(
     restored = checkpoints.load(rows=rows)
     if restored is None:
         return None
-    if check is not None:
-        check(restored)
     keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
     saved: dict = next((restored.meta[key] for key in keys if key in restored.meta), {})
     differences = setting_differences(saved, expected, "checkpoint")
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
+    if check is not None:
+        check(restored)
     announce("resumed", f"from the checkpoint of {unit} {restored.step} in {directory}")
     return restored
 

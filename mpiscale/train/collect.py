@@ -22,12 +22,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, split_spec
+from ..io import DataFileError, OutputLock, RaggedDataset, RowWriter, ShardedDataset, split_spec
 from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem
 from .config import CollectConfig
+from .encoder import PAD
 from .model import first_bad_row, input_layout, layer_outputs, module_names, rows_refused
 from .results import load_trained
 
@@ -51,6 +52,7 @@ class _Job:
     widths: dict[str, int]
     attrs: dict
     lock: OutputLock | None
+    offsets: str | None  # ragged data: its index (None: rows of one size)
 
 
 async def collect(system: ActorSystem, config: CollectConfig) -> dict:
@@ -75,14 +77,21 @@ def _prepare(config: CollectConfig) -> _Job:
             f"names its training data {path}, a path relative to where training ran, which is not found from "
             f"{os.getcwd()}: pass --data FILE:/dataset"
         ))  # fmt: skip
-    with ShardedDataset(path, name, comm) as data:
-        name, shape, dtype = data.name, data.shape, data.dtype
-    features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
     spec = json.loads(trained["model"])
     inputs, model_dtype = input_layout(spec)
-    taken = rows_refused(inputs, model_dtype, features, dtype)
-    if taken is not None:
-        raise DataFileError(path, f"the model takes rows of {taken}, the data set holds {dtype} {shape}", name)
+    offsets = None
+    if spec.get("ragged"):
+        offsets = config.offsets or (json.loads(trained["config"]).get("offsets", "") if not config.data else "")
+        name, samples = _check_ragged(path, name, offsets, comm, config.layer_names, known)
+        inputs = 1  # a sequence of one token sizes the layers
+    else:
+        with ShardedDataset(path, name, comm) as data:
+            name, shape, dtype = data.name, data.shape, data.dtype
+        features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
+        taken = rows_refused(inputs, model_dtype, features, dtype)
+        if taken is not None:
+            raise DataFileError(path, f"the model takes rows of {taken}, the data set holds {dtype} {shape}", name)
+        samples = shape[0]
     labels = config.labels or (str(trained["labels"]) if not config.data else "")
     attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
     if "image_shape" in trained:
@@ -91,7 +100,25 @@ def _prepare(config: CollectConfig) -> _Job:
     check_not_an_input(config.out, [config.model, path], comm)
     lock = lock_results(config.out, comm)
     widths = _widths(model, config.layer_names, inputs, model_dtype)
-    return _Job(comm, model, path, name, shape[0], inputs, model_dtype, spec, widths, attrs, lock)
+    return _Job(comm, model, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets)
+
+
+def _check_ragged(
+    path: str, name: str, offsets: str, comm: Comm, layers: list[str], known: list[str]
+) -> tuple[str, int]:
+    """(data set name, sequences) of ragged token data for a ragged model, whose per-token layers are refused: a
+    row per sequence needs one width (the layers from ``pool`` on)."""
+    per_token = known[: known.index("pool")] if "pool" in known else []
+    refused = [layer for layer in layers if layer in per_token]
+    if refused:
+        raise ValueError(
+            f"{', '.join(refused)}: a model of sequences of varying length has outputs per token there, of varying "
+            f"length; collect takes one row per sequence: {', '.join(known[len(per_token) :])}"
+        )
+    with RaggedDataset(path, name, offsets, comm) as data:
+        if data.dtype.kind not in "biu" or data.row_shape:
+            raise DataFileError(path, f"the model takes token ids, the data set holds {data.dtype} values", data.name)
+        return data.name, len(data)
 
 
 def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dtype) -> dict[str, int]:
@@ -111,13 +138,13 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
     rounds = max(1, -(-largest // config.batch_size))  # the largest block's rounds: the same on every rank
     progress = ProgressLine(rounds, 0, config.progress_every if rank == 0 else None, "rows", "round")
     with (
-        ShardedDataset(job.path, job.name, comm) as data,
+        _open_inputs(job, comm) as data,
         RowWriter(config.out, layout, comm, config.to_dict(), job.attrs, ACTIVATIONS_FORMAT) as writer,
     ):
         for index in range(rounds):
             lo = min(start + index * config.batch_size, stop)
             hi = min(lo + config.batch_size, stop)
-            rows = np.asarray(data.read_collective(lo, hi), job.dtype).reshape(hi - lo, job.features)
+            rows = _rows(job, data, lo, hi)
             run_agreed(comm, f"round {index + 1}", partial(_check_rows, job, rows, lo), _BadRows)
             captured: dict[str, np.ndarray] = {}
             # agreed: a failure on one rank must not leave the others waiting in the collective write
@@ -129,6 +156,19 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         layers = ", ".join(f"/{name} ({job.samples} x {width})" for name, width in job.widths.items())
         print(f"wrote {config.out}: {layers} from {job.attrs['inputs']}", flush=True)
     return {"samples": job.samples, "widths": job.widths}
+
+
+def _open_inputs(job: _Job, comm: Comm) -> ShardedDataset | RaggedDataset:
+    if job.offsets is None:
+        return ShardedDataset(job.path, job.name, comm)
+    return RaggedDataset(job.path, job.name, job.offsets, comm)
+
+
+def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> np.ndarray:
+    """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences padded with PAD)."""
+    if isinstance(data, RaggedDataset):
+        return data.read(np.arange(lo, hi)).padded(PAD).astype(job.dtype, copy=False)
+    return np.asarray(data.read_collective(lo, hi), job.dtype).reshape(hi - lo, job.features)
 
 
 def _check_rows(job: _Job, rows: np.ndarray, first: int) -> None:

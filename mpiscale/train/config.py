@@ -14,6 +14,7 @@ from pathlib import Path
 from ..jobs import option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+BATCHINGS = ("sequential", "round-robin", "memory")
 MODELS = ("mlp", "transformer")
 
 
@@ -37,6 +38,24 @@ class TrainConfig:
     )
     inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
     labels: str = option("labels", "the data set of integer class labels in DATA (0 .. classes-1)")
+    offsets: str = option(
+        "",
+        "ragged INPUTS (token sequences of varying length, for the transformer): the data set of each sequence's "
+        "start in the flat INPUTS (N starts, or N+1 boundaries ending at the number of tokens); a variable-length "
+        "INPUTS data set needs none",
+    )
+    batching: str = option(
+        "sequential",
+        "how samples make batches: sequential (BATCH_SIZE per step, each rank a block of it), round-robin (the "
+        "same, samples dealt across the ranks) or memory (ragged inputs: each rank's batch at most BATCH_TOKENS "
+        "padded tokens, sequences of similar length together; a step is one batch per rank)",
+    )
+    batch_tokens: int = option(
+        0, "memory batching: the most tokens (sequences x the longest of them) in one rank's batch"
+    )
+    prefetch_mib: float = option(
+        0.0, "round-robin and memory batching: MiB of batches read ahead (0 = two batches' worth)"
+    )
     validation: str = option(
         "", "held-out data with the same data sets, scored after every epoch (the digits: their last 20%%)"
     )
@@ -83,6 +102,17 @@ class TrainConfig:
             problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.model not in MODELS:
             problems.append(f"model must be one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.batching == "adaptive":
+            problems.append("batching adaptive chooses batches from timings, so a run would not be repeatable "
+                            "or resumable step for step: use memory with BATCH_TOKENS")  # fmt: skip
+        elif self.batching not in BATCHINGS:
+            problems.append(f"batching must be one of {', '.join(BATCHINGS)}, got {self.batching!r}")
+        if self.batching == "memory" and self.batch_tokens < 1:
+            problems.append("batching memory needs BATCH_TOKENS: the most padded tokens in one rank's batch")
+        if self.batch_tokens < 0:
+            problems.append(f"batch_tokens must be 0 or more, got {self.batch_tokens}")
+        if not (self.prefetch_mib >= 0 and math.isfinite(self.prefetch_mib)):
+            problems.append(f"prefetch_mib must be a number >= 0, got {self.prefetch_mib}")
         if self.powersgd_start < 0:
             problems.append(f"powersgd_start must be 0 or more, got {self.powersgd_start}")
         if self.schedule != "1f1b":  # imported only then: the pipeline package brings torch
@@ -148,6 +178,11 @@ class CollectConfig:
         "",
         "FILE.h5:/dataset of class labels of DATA's rows, named in the output for the feature catalogue "
         "(default: the training labels when DATA is the training data)",
+    )
+    offsets: str = option(
+        "",
+        "ragged DATA (token sequences of varying length): the data set of each sequence's start in the flat DATA "
+        "(default: the training run's, when DATA is the training data; none for a variable-length data set)",
     )
     layers: str = option(
         "relu1", "modules whose outputs to keep, comma-separated (mpiscale inspect MODEL.h5 lists them)"

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import DataFileError, ShardedDataset, read_dataset
+from ..io import DataFileError, RaggedDataset, ShardedDataset, is_variable_length, read_dataset
 from ..ranks import Comm, rank_rows
+
+SCAN_SAMPLES = 4096  # ragged inputs' samples checked at once
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class LabelledData:
     integers: bool  # the inputs are stored as integers (token ids, for a transformer)
     lowest: float  # the smallest and largest input value
     highest: float
+    ragged: bool = False  # sequences of varying length (features: the longest)
+    offsets: str = ""  # their index of starts in the flat inputs ("" for a variable-length data set)
 
     @property
     def spec(self) -> str:
@@ -78,10 +82,69 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     return checked, int(-extremes[1]) + 1, mean, std
 
 
+def is_ragged(path: str, inputs: str, offsets: str) -> bool:
+    """Whether the inputs are sequences of varying length: an index of starts given, or a variable-length data set."""
+    return bool(offsets) or is_variable_length(path, inputs)
+
+
+def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) -> tuple[LabelledData, int]:
+    """Check ragged token sequences and their labels (collective); returns (data, classes).
+
+    The sequences must be integer token ids, none of them empty; labels
+    integers >= 0, one per sequence. Each rank checks a block of the
+    sequences; every rank raises the same ``DataFileError``.
+    """
+    from mpi4py import MPI
+
+    with RaggedDataset(path, inputs, offsets, comm) as data:
+        lengths, dtype, name = data.lengths, data.dtype, data.name
+        if dtype.kind not in "biu" or data.row_shape:
+            raise DataFileError(path, (
+                f"ragged inputs must be integer token ids, one sequence per sample; got {dtype} values of shape "
+                f"{data.row_shape}"
+            ), name)  # fmt: skip
+        start, stop = rank_rows(len(data), comm.Get_size(), comm.Get_rank())
+        span = np.array([np.inf, np.inf])  # (lowest, -highest)
+        for at in range(start, stop, SCAN_SAMPLES):
+            values = data.read(np.arange(at, min(stop, at + SCAN_SAMPLES))).values
+            if len(values):
+                span = np.minimum(span, [values.min(), -values.max()])
+    comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
+    with ShardedDataset(path, labels, comm) as label_data:
+        label_shape, label_dtype = label_data.shape, label_data.dtype
+    if label_dtype.kind not in "iu" or len(label_shape) != 1:
+        raise DataFileError(
+            path, f"labels must be integers, one per sample; got {label_dtype} of shape {label_shape}", labels
+        )
+    if not len(lengths):
+        raise DataFileError(path, "holds no sequences", name)
+    if label_shape[0] != len(lengths):
+        raise DataFileError(path, f"{len(lengths)} sequences but {label_shape[0]} labels", labels)
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        raise DataFileError(path, f"sequence {empty[0]} is empty ({len(empty)} are): drop empty samples", name)
+    tags = read_dataset(path, labels, comm).astype(np.int64)
+    extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
+    if extremes[0] < 0:
+        raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
+    checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
+                           float(span[0]), float(-span[1]), True, offsets)  # fmt: skip
+    return checked, int(-extremes[1]) + 1
+
+
 def resident_block(data: LabelledData, comm: Comm, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs as rows of ``dtype``, labels) of this rank's block of the file, read collectively."""
+    """(inputs as rows of ``dtype``, labels) of this rank's block of the file, read collectively; ragged inputs
+    padded with ``encoder.PAD`` to the block's longest."""
+    labels = read_dataset(data.path, data.labels, comm).astype(np.int64)
+    if data.ragged:
+        from .encoder import PAD
+
+        with RaggedDataset(data.path, data.inputs, data.offsets, comm) as ragged:
+            start, stop = rank_rows(len(ragged), comm.Get_size(), comm.Get_rank())
+            return ragged.read(np.arange(start, stop)).padded(PAD).astype(dtype), labels
     inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(dtype)
-    return inputs, read_dataset(data.path, data.labels, comm).astype(np.int64)
+    return inputs, labels
 
 
 def check_classes(data: LabelledData, classes: int) -> None:

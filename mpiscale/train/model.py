@@ -16,7 +16,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from .encoder import build_encoder
+from .encoder import PAD, build_encoder
 
 
 class Standardize(torch.nn.Module):
@@ -58,9 +58,12 @@ def rows_refused(inputs: int, wanted: np.dtype, width: int, dtype: np.dtype) -> 
 
 def first_bad_row(spec: dict, rows: np.ndarray) -> tuple[int, str] | None:
     """(index, what is wrong) of the first of ``rows`` the model cannot take, or None: NaN or infinity for the MLP,
-    token ids outside its vocabulary for the transformer."""
+    token ids outside its vocabulary for the transformer (a ragged one's rows padded with ``encoder.PAD``)."""
     if spec.get("kind") == TRANSFORMER:
-        bad = np.flatnonzero(((rows < 0) | (rows >= spec["vocab"])).any(axis=1))
+        outside = (rows < 0) | (rows >= spec["vocab"])
+        if spec.get("ragged"):
+            outside &= rows != PAD
+        bad = np.flatnonzero(outside.any(axis=1))
         why = f"holds token ids outside 0 .. {spec['vocab'] - 1}, the model's vocabulary"
     else:
         bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
@@ -71,9 +74,10 @@ def first_bad_row(spec: dict, rows: np.ndarray) -> tuple[int, str] | None:
 def describe(spec: dict) -> str:
     """The model in a few words, for reports."""
     if spec.get("kind") == TRANSFORMER:
+        tokens = f"sequences of up to {spec['length']}" if spec.get("ragged") else f"{spec['length']}"
         return (
             f"transformer encoder of {spec['layers']} layers (width {spec['width']}, {spec['heads']} heads) over "
-            f"{spec['length']} tokens of {spec['vocab']} -> {spec['classes']} classes"
+            f"{tokens} tokens of {spec['vocab']} -> {spec['classes']} classes"
         )
     return f"MLP {spec['inputs']} -> {' -> '.join(map(str, spec['hidden']))} -> {spec['classes']} classes"
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.optim import Adam
 
-from ..io import BatchReader, Checkpointer, OutputLock
+from ..io import Checkpointer, OutputLock
 from ..jobs import (
     Ended,
     HeldOutputs,
@@ -37,6 +37,7 @@ from ..jobs import (
 )
 from ..ranks import Comm
 from ..runtime import ActorSystem
+from .batches import Reader, TrainingSteps, as_tensors, open_reader, step_samples
 from .config import TrainConfig
 from .curves import Curves
 from .data import LabelledData, resident_block
@@ -45,13 +46,13 @@ from .pipeline import Pipeline, split_sequential, stage_of
 from .pipeline.state import INDEX, StageState, restore_rows
 from .state import load_model_arrays
 from .trainer import (
+    checked_steps,
     claim_outputs,
     compatibility,
     finish_training,
     prepare_data,
     progress_text,
     restored_training,
-    steps_per_epoch,
     training_plan,
 )
 
@@ -85,8 +86,10 @@ class _PipelineTraining(HeldOutputs):
     results_lock: OutputLock | None
     plan: Plan
     replicas: int
+    schedule: TrainingSteps
     pipeline: Pipeline | None = None
     sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # this step's loss, hits and rows (last stage)
+    step_samples: int = 1  # samples of the running step over all replicas
 
     async def restore(self) -> int:
         """The pipeline started (each stage's replicas take replica 0's weights), then the checkpoint's steps."""
@@ -101,12 +104,12 @@ class _PipelineTraining(HeldOutputs):
         the replicas average); its sums and hits are kept for the step's curves."""
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
         self.sums += (loss.item(), (logits.argmax(dim=1) == labels).sum().item(), len(labels))
-        return loss * (self.replicas / self.config.batch_size)
+        return loss * (self.replicas / self.step_samples)
 
     def save(self, done: int) -> None:
         assert self.checkpoints is not None
         sharded, index = self.state.sharded(self.comm)
-        meta = settings_meta(compatibility(self.config, self.data, self.spec)) | {INDEX: index}
+        meta = settings_meta(compatibility(self.config, self.data, self.spec, self.schedule)) | {INDEX: index}
         self.checkpoints.save(done, sharded=sharded, replicated=state_arrays(self.curves), meta=meta)
 
     def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -133,12 +136,9 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     try:
         replicas = _replicas(system.size, config)
         data, validation, spec, model = prepare_data(config, comm)
-        share = config.batch_size // replicas  # the smallest replica's share of a batch
-        if share < config.micro_batches:
-            raise ValueError(
-                f"a batch of {config.batch_size} over {replicas} replicas leaves {share} samples to cut into "
-                f"{config.micro_batches} micro-batches: use a batch of at least {replicas * config.micro_batches}"
-            )
+        schedule = checked_steps(config, data, comm, replicas)
+        if schedule.smallest < config.micro_batches:
+            raise ValueError(_too_few_for_micro_batches(config, replicas, schedule.smallest))
         children = len(model)
         if config.stages > children:
             raise ValueError(f"the model has {children} modules, too few for {config.stages} stages")
@@ -150,11 +150,11 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         edge = _edge(comm, data, index, config.stages)
         curves = Curves()
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-        start = _restore(config, data, spec, checkpoints, state, curves)
-        plan = training_plan(config, data)
+        start = _restore(config, data, spec, checkpoints, state, curves, schedule)
+        plan = training_plan(config, schedule)
         return _PipelineTraining(
             system, config, comm, data, validation, spec, stage, optimizer, state, curves, start, edge, checkpoints,
-            threads, results_lock, plan, replicas,
+            threads, results_lock, plan, replicas, schedule,
         )  # fmt: skip
     except BaseException:
         close_checkpointer(checkpoints)
@@ -163,6 +163,18 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         if results_lock is not None:
             results_lock.release()
         raise
+
+
+def _too_few_for_micro_batches(config: TrainConfig, replicas: int, smallest: int) -> str:
+    if config.batching == "memory":
+        return (
+            f"batching memory with {config.batch_tokens} tokens makes a batch of {smallest} sequences, too few to "
+            f"cut into {config.micro_batches} micro-batches: raise --batch-tokens or lower --micro-batches"
+        )
+    return (
+        f"a batch of {config.batch_size} over {replicas} replicas leaves {smallest} samples to cut into "
+        f"{config.micro_batches} micro-batches: use a batch of at least {replicas * config.micro_batches}"
+    )
 
 
 def _replicas(size: int, config: TrainConfig) -> int:
@@ -185,9 +197,9 @@ def _edge(comm: Comm, data: LabelledData, stage: int, stages: int) -> _Edge | No
     return _Edge(split, names) if names else None
 
 
-def _restore(config, data, spec, checkpoints, state: StageState, curves: Curves) -> int:
+def _restore(config, data, spec, checkpoints, state: StageState, curves: Curves, schedule: TrainingSteps) -> int:
     """The steps of the checkpoint a resumed run continues (0: none), this stage's part loaded into ``state``."""
-    restored = restored_training(config, data, spec, checkpoints, pipelined=True)
+    restored = restored_training(config, data, spec, checkpoints, True, schedule)
     if restored is None:
         return 0
     restored = restore_rows(checkpoints, restored, state)
@@ -203,29 +215,22 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     system, config, pipeline, edge = job.system, job.config, job.pipeline, job.edge
     assert pipeline is not None
     data, curves, optimizer = job.data, job.curves, job.optimizer
-    per_epoch = steps_per_epoch(config, data)
-    reader = None
-    if edge is not None:
-        reader = BatchReader(data.path, edge.names, config.batch_size, edge.comm, shuffle=True, seed=config.seed,
-                             drop_last=True)  # fmt: skip
+    reader = open_reader(config, data, edge.comm, edge.names) if edge is not None else None
     dtype = input_layout(job.spec)[1]
     held_out = resident_block(job.validation, edge.comm, dtype) if job.validation is not None and edge else None
     totals = np.zeros(3)
     step = start
     clock = time.perf_counter() - curves.elapsed
+    finished_epochs, within = job.schedule.locate(start)
     try:
-        if job.validation is not None and len(curves.epochs["epoch"]) < start // per_epoch:
-            await _score(job, held_out, start // per_epoch)  # the checkpoint came before its epoch was scored
-        for epoch in range(start // per_epoch, config.epochs):
+        if job.validation is not None and len(curves.epochs["epoch"]) < finished_epochs:
+            await _score(job, held_out, finished_epochs)  # the checkpoint came before its epoch was scored
+        for epoch in range(finished_epochs, config.epochs):
             job.stage.train()
-            async for batch in _batches(reader, epoch, step - epoch * per_epoch, per_epoch):
-                inputs = labels = None
-                if batch is not None:
-                    if data.inputs in batch.data:
-                        rows = np.asarray(batch.data[data.inputs], dtype).reshape(len(batch.ids), -1)
-                        inputs = torch.from_numpy(rows)
-                    if data.labels in batch.data:
-                        labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
+            skip = within if epoch == finished_epochs else 0
+            async for at, batch in _batches(reader, epoch, skip, job.schedule.per_epoch[epoch]):
+                inputs, labels = as_tensors(batch, data, dtype) if batch is not None else (None, None)
+                job.step_samples = step_samples(reader, config, epoch, at) if reader is not None else 1
                 job.sums[:] = 0.0
                 began = time.perf_counter()
                 job.stage.zero_grad()
@@ -239,7 +244,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
                                    comm_wait_s=stats.idle_s + stats.reduce_s)  # fmt: skip
                 phases = {"compute": stats.compute_s, "idle": stats.idle_s, "reduce": stats.reduce_s,
                           "other": now - began - stats.compute_s - stats.idle_s - stats.reduce_s}  # fmt: skip
-                yield Step(progress_text(epoch, curves), config.batch_size, phases)
+                yield Step(progress_text(epoch, curves), int(totals[2]), phases)
             if job.validation is not None:
                 await _score(job, held_out, epoch + 1)
     finally:
@@ -249,14 +254,14 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
             edge.comm.Free()
 
 
-async def _batches(reader: BatchReader | None, epoch: int, skip: int, per_epoch: int) -> AsyncGenerator:
-    """The reader's batches of ``epoch`` after the first ``skip``; on a middle stage, as many Nones."""
+async def _batches(reader: Reader | None, epoch: int, skip: int, per_epoch: int) -> AsyncGenerator:
+    """(step, batch) of the reader's batches of ``epoch`` after the first ``skip``; on a middle stage, Nones."""
     if reader is not None:
         async for batch in reader.aepoch(epoch, skip):
-            yield batch
+            yield batch.step, batch
     else:
-        for _ in range(skip, per_epoch):
-            yield None
+        for at in range(skip, per_epoch):
+            yield at, None
 
 
 async def _score(job: _PipelineTraining, held_out: tuple[np.ndarray, np.ndarray] | None, epoch: int) -> None:

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from ..io import (
-    BatchReader,
     Checkpointer,
     CheckpointError,
     DataFileError,
@@ -52,11 +51,12 @@ from ..jobs import (
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
+from .batches import TrainingSteps, as_tensors, open_reader, step_samples, training_steps, uses_samples
 from .bundled import write_digits, write_sequences
 from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
-from .data import LabelledData, check_classes, check_labelled, resident_block
+from .data import LabelledData, check_classes, check_labelled, check_ragged, is_ragged, resident_block
 from .data_parallel import DataParallel
 from .model import TRANSFORMER, build_model, input_layout, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
@@ -104,6 +104,7 @@ class _Training(HeldOutputs):
     threads: int
     results_lock: OutputLock | None
     plan: Plan
+    schedule: TrainingSteps
 
     async def restore(self) -> int:
         """Rank 0's weights everywhere (a fresh run's initial ones), then the steps the checkpoint holds."""
@@ -113,7 +114,7 @@ class _Training(HeldOutputs):
     def save(self, done: int) -> None:
         assert self.checkpoints is not None
         state = TrainingState(self.model, self.optimizer, self.config.checkpoints)
-        meta = settings_meta(compatibility(self.config, self.data, self.spec))
+        meta = settings_meta(compatibility(self.config, self.data, self.spec, self.schedule))
         self.checkpoints.save(done, replicated=state_arrays(state, self.curves), meta=meta)
 
     def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -166,18 +167,20 @@ def _prepare(system: ActorSystem, config: TrainConfig) -> _Training:
     checkpoints = None
     try:
         data, validation, spec, model = prepare_data(config, comm)
-        if config.batch_size < system.size:
+        if config.batching != "memory" and config.batch_size < system.size:
             raise ValueError(f"batch size {config.batch_size} leaves ranks without samples: use at least {system.size}")
+        schedule = checked_steps(config, data, comm, system.size)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         curves, start = Curves(), 0
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
-        start = _restore(config, data, spec, checkpoints, TrainingState(model, optimizer, config.checkpoints), curves)
+        state = TrainingState(model, optimizer, config.checkpoints)
+        start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
         parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
-        plan = training_plan(config, data)
+        plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
-            threads, results_lock, plan,
+            threads, results_lock, plan, schedule,
         )  # fmt: skip
     except BaseException:
         close_checkpointer(checkpoints)  # its lock too: the job never started
@@ -196,15 +199,20 @@ def claim_outputs(config: TrainConfig, comm: Comm) -> tuple[int, OutputLock | No
     return threads, lock_results(config.out, comm)
 
 
-def steps_per_epoch(config: TrainConfig, data: LabelledData) -> int:
-    """Full batches in one pass over the data (the reader drops the last partial batch)."""
-    return data.samples // config.batch_size
+def checked_steps(config: TrainConfig, data: LabelledData, comm: Comm, replicas: int) -> TrainingSteps:
+    """The steps of every epoch for ``replicas`` replicas, refused when an epoch makes none (collective)."""
+    schedule = training_steps(config, data, comm, replicas)
+    if not min(schedule.per_epoch):
+        raise ValueError(
+            f"batching {config.batching} with {config.batch_tokens} tokens makes fewer batches an epoch than the "
+            f"{replicas} replicas of a step: lower --batch-tokens"
+        )
+    return schedule
 
 
-def training_plan(config: TrainConfig, data: LabelledData) -> Plan:
+def training_plan(config: TrainConfig, schedule: TrainingSteps) -> Plan:
     """How the lifecycle counts, shows and saves the steps of a training run."""
-    total = config.epochs * steps_per_epoch(config, data)
-    return Plan("step", "samples", total, config.progress_every, config.checkpoint_every, True,
+    return Plan("step", "samples", schedule.total, config.progress_every, config.checkpoint_every, True,
                 checkpoint_at_end=config.checkpoint_every > 0)  # fmt: skip
 
 
@@ -218,6 +226,13 @@ def prepare_data(
         train_path, validation_path = config.data, config.validation
     else:
         train_path, validation_path = (write_sequences if transformer else write_digits)(config.out, comm)
+    if is_ragged(train_path, config.inputs, config.offsets):
+        return _prepare_ragged(config, comm, train_path, validation_path)
+    if config.batching == "memory":
+        raise DataFileError(train_path, (
+            "batching memory bounds batches by tokens: it takes ragged inputs (give --offsets, or a variable-length "
+            "data set); batch rows of one size with --batch-size"
+        ), config.inputs)  # fmt: skip
     data, classes, mean, std = check_labelled(train_path, config.inputs, config.labels, comm)
     validation = None
     if validation_path:
@@ -226,22 +241,57 @@ def prepare_data(
             raise DataFileError(
                 validation_path, f"rows of {validation.features} values, the training rows have {data.features}"
             )
-        if held_out_classes > classes:
-            log.warning("%s has labels up to %d, unseen in training", validation_path, held_out_classes - 1)
-            classes = held_out_classes
+        classes = _with_held_out(validation_path, classes, held_out_classes)
     check_classes(data, classes)
     if config.batch_size > data.samples:
         raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
     torch.manual_seed(config.seed)
     if transformer:
-        vocab = _vocabulary(data, validation)
-        spec = {"kind": TRANSFORMER, "vocab": vocab, "length": data.features, "width": config.width,
-                "heads": config.heads, "layers": config.encoder_layers, "classes": classes}  # fmt: skip
+        spec = _transformer_spec(config, data, validation, classes, data.features)
         return data, validation, spec, build_model(spec)
     spec = {"inputs": data.features, "hidden": config.widths, "classes": classes}
     model = build_model(spec)
     set_standardization(model, mean, std)
     return data, validation, spec, model
+
+
+def _prepare_ragged(
+    config: TrainConfig, comm: Comm, train_path: str, validation_path: str
+) -> tuple[LabelledData, LabelledData | None, dict, torch.nn.Sequential]:
+    """``prepare_data`` for token sequences of varying length (the transformer, padded and masked)."""
+    if config.model != TRANSFORMER:
+        raise DataFileError(train_path, (
+            "the inputs are sequences of varying length: they need --model transformer (an MLP takes rows of one "
+            "size)"
+        ), config.inputs)  # fmt: skip
+    data, classes = check_ragged(train_path, config.inputs, config.offsets, config.labels, comm)
+    validation = None
+    if validation_path:
+        validation, held_out_classes = check_ragged(validation_path, config.inputs, config.offsets, config.labels,
+                                                    comm)  # fmt: skip
+        classes = _with_held_out(validation_path, classes, held_out_classes)
+    check_classes(data, classes)
+    if config.batching != "memory" and config.batch_size > data.samples:
+        raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
+    torch.manual_seed(config.seed)
+    longest = max(data.features, validation.features if validation is not None else 0)
+    spec = _transformer_spec(config, data, validation, classes, longest, ragged=True)
+    return data, validation, spec, build_model(spec)
+
+
+def _with_held_out(validation_path: str, classes: int, held_out_classes: int) -> int:
+    if held_out_classes > classes:
+        log.warning("%s has labels up to %d, unseen in training", validation_path, held_out_classes - 1)
+    return max(classes, held_out_classes)
+
+
+def _transformer_spec(
+    config: TrainConfig, data: LabelledData, validation: LabelledData | None, classes: int, length: int,
+    ragged: bool = False,
+) -> dict:  # fmt: skip
+    spec = {"kind": TRANSFORMER, "vocab": _vocabulary(data, validation), "length": length, "width": config.width,
+            "heads": config.heads, "layers": config.encoder_layers, "classes": classes}  # fmt: skip
+    return spec | {"ragged": True} if ragged else spec
 
 
 #: The largest vocabulary a transformer takes: token ids beyond it are a mistake (ids not renumbered), not a model.
@@ -266,16 +316,25 @@ def _vocabulary(data: LabelledData, validation: LabelledData | None) -> int:
     return int(max(data.highest, validation.highest if validation is not None else 0)) + 1
 
 
-def compatibility(config: TrainConfig, data: LabelledData, spec: dict) -> dict:
-    return {name: getattr(config, name) for name in COMPATIBLE} | {"samples": data.samples, "spec": spec}
+def compatibility(config: TrainConfig, data: LabelledData, spec: dict, schedule: TrainingSteps) -> dict:
+    """The settings a checkpoint must share with the run that resumes it: the batching too where it is not the
+    fixed rows' sequential one (so checkpoints of earlier versions still match), and with memory batching the
+    replicas (a step is one batch per replica: on other replicas, step N is elsewhere in the data)."""
+    settings = {name: getattr(config, name) for name in COMPATIBLE} | {"samples": data.samples, "spec": spec}
+    if uses_samples(config, data):
+        settings |= {"batching": config.batching, "batch_tokens": config.batch_tokens}
+    if config.batching == "memory":
+        settings["replicas"] = schedule.replicas
+    return settings
 
 
 def restored_training(
-    config: TrainConfig, data: LabelledData, spec: dict, checkpoints: Checkpointer, pipelined: bool
-) -> Restored | None:
+    config: TrainConfig, data: LabelledData, spec: dict, checkpoints: Checkpointer, pipelined: bool,
+    schedule: TrainingSteps,
+) -> Restored | None:  # fmt: skip
     """The checkpoint a resumed run continues (None: none, or not resuming), refused unless it is within the run's
     steps, of the same kind of training (data-parallel, or pipeline: ``pipelined``) and of the same settings."""
-    total = config.epochs * steps_per_epoch(config, data)
+    total = schedule.total
 
     def usable(restored: Restored) -> None:
         if restored.step > total:
@@ -294,7 +353,7 @@ def restored_training(
                 "--micro-batches (any: --micro-batches 2 alone trains as one stage)"
             )
 
-    expected = compatibility(config, data, spec)
+    expected = compatibility(config, data, spec, schedule)
     rows = NO_ROWS if pipelined else None  # a pipeline rank's range comes from the checkpoint's index
     restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows)
     if restored is None and config.resume and checkpoints.rank == 0:
@@ -302,9 +361,9 @@ def restored_training(
     return restored
 
 
-def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves) -> int:
+def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves, schedule: TrainingSteps) -> int:
     """The steps of the checkpoint a resumed run continues (0: none), its state loaded into ``state`` and ``curves``."""
-    restored = restored_training(config, data, spec, checkpoints, pipelined=False)
+    restored = restored_training(config, data, spec, checkpoints, False, schedule)
     if restored is None:
         return 0
     arrays = dict(restored.replicated)
@@ -320,22 +379,13 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
     """The steps from ``start``, one ``Step`` after each; the held-out score after each epoch."""
     system, config = job.system, job.config
     data, model, optimizer, parallel, curves = job.data, job.model, job.optimizer, job.parallel, job.curves
-    reader = BatchReader(
-        data.path,
-        [data.inputs, data.labels],
-        config.batch_size,
-        job.comm,
-        shuffle=True,
-        seed=config.seed,
-        drop_last=True,
-    )
+    reader = open_reader(config, data, job.comm, [data.inputs, data.labels])
     dtype = input_layout(job.spec)[1]
     held_out = resident_block(job.validation, job.comm, dtype) if job.validation is not None else None
-    scale = system.size / config.batch_size  # the averaged gradient is the global batch's mean
     totals = np.zeros(2)
     step = start
     clock = time.perf_counter() - curves.elapsed
-    finished_epochs = start // reader.steps
+    finished_epochs, within = job.schedule.locate(start)
     try:
         if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
             # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
@@ -343,14 +393,15 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
             curves.record_epoch(epoch=finished_epochs, validation_loss=loss_value, validation_accuracy=accuracy)
         for epoch in range(finished_epochs, config.epochs):
             model.train()
-            async for batch in reader.aepoch(epoch, step - epoch * reader.steps):
+            async for batch in reader.aepoch(epoch, within if epoch == finished_epochs else 0):
                 began = time.perf_counter()
-                x = torch.from_numpy(np.asarray(batch.data[data.inputs], dtype).reshape(len(batch.ids), -1))
-                y = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
+                x, y = as_tensors(batch, data, dtype)
+                assert x is not None and y is not None  # this reader reads both
+                samples = step_samples(reader, config, epoch, batch.step)
                 optimizer.zero_grad()
                 logits = model(x)
                 loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
-                (loss * scale).backward()
+                (loss * (system.size / samples)).backward()  # the averaged gradient is the global batch's mean
                 waiting = time.perf_counter()
                 await parallel.synchronize()
                 waited = time.perf_counter() - waiting
@@ -360,13 +411,10 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
                 step += 1
                 now = time.perf_counter()
                 curves.record_step(
-                    loss=totals[0] / config.batch_size,
-                    accuracy=totals[1] / config.batch_size,
-                    time_s=now - clock,
-                    comm_wait_s=waited,
+                    loss=totals[0] / samples, accuracy=totals[1] / samples, time_s=now - clock, comm_wait_s=waited
                 )
                 phases = {"compute": now - began - waited, "allreduce": waited}
-                yield Step(progress_text(epoch, curves), config.batch_size, phases)
+                yield Step(progress_text(epoch, curves), samples, phases)
             if held_out is not None:
                 loss_value, accuracy = await _score(system, model, held_out)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)

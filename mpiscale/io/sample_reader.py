@@ -1,0 +1,457 @@
+"""Batches of ragged and fixed-row arrays read ahead in a background thread, within a byte budget.
+
+``SampleReader`` serves one rank the batches ``batching.EpochBatches`` cuts.
+One thread reads batches ahead of the caller; every batch it reads reserves
+its bytes first, and they are released when the batch's memory is: when the
+caller drops its last reference to the arrays (a finalizer on each array's
+memory, so a batch kept by the caller stays counted). So the batches in
+memory (in use, kept, read ahead, being read) never exceed the limit:
+
+- ``memory``: BATCH_BYTES + PREFETCH_BYTES (a padded batch never exceeds
+  BATCH_BYTES, so its packed bytes do not either);
+- ``adaptive``: MEMORY_BYTES, split between batch size and read-ahead depth
+  from the measured read and consume times (``Tuner``);
+- ``sequential`` and ``round-robin``: PREFETCH_BYTES of read-ahead plus the
+  largest batch of the epoch (a batch of a fixed count is as large as its
+  samples make it: the reason to batch by bytes).
+
+The read-ahead always has room for one batch besides the caller's, so a
+caller that drops each batch for the next never waits on memory; one that
+keeps batches until nothing more can be read gets an error that says so,
+never a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from ..ranks import AnyComm, as_mpi, size_and_rank
+from .batching import Batching, EpochBatches, SampleSizes, check_budget
+from .ragged import Ragged, RaggedDataset, mapped, read_in_runs
+from .sharded import ShardedDataset
+
+DEFAULT_WINDOW_BYTES = 64 << 20  # shuffle window, as the fixed-row reader's
+TUNE_EVERY = 4  # batches between the adaptive tuner's decisions
+MAX_DEPTH = 6  # batches the adaptive tuner reads ahead at most
+STUCK_S = 1.0  # seconds the caller waits before it checks whether the reader waits for memory it keeps
+READ_THREADS = 8  # reads of a batch in flight at once (on this VM's disk 8 random reads match one in-order reader)
+
+
+@dataclass
+class SampleBatch:
+    """One rank's batch: ascending sample ids and each array's rows (``Ragged`` for ragged arrays)."""
+
+    epoch: int
+    step: int
+    ids: np.ndarray
+    data: dict[str, Ragged | np.ndarray]
+    nbytes: int
+
+
+@dataclass
+class ReaderStats:
+    """What a reader did: counts, bytes, and where the time went (seconds)."""
+
+    batches: int = 0
+    samples: int = 0
+    packed_bytes: int = 0
+    padded_bytes: int = 0
+    stall_s: float = 0.0  # the caller waiting for a batch
+    read_s: float = 0.0  # the reader thread reading
+    consume_s: float = 0.0  # the caller holding a batch
+    peak_held: int = 0  # most bytes held at once
+    batch_bytes: list[int] = field(default_factory=list)  # the adaptive tuner's choices, in order
+
+    @property
+    def padding_share(self) -> float:
+        return 1.0 - self.packed_bytes / self.padded_bytes if self.padded_bytes else 0.0
+
+
+class _Budget:
+    """Bytes held, with a limit that a reservation waits for (unless nothing is held)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.held, self.peak = limit, 0, 0
+        self._changed = threading.Condition()
+        self.stopped = False
+        self.waiting = False  # a reservation waits for memory
+
+    def reserve(self, nbytes: int) -> bool:
+        with self._changed:
+            while self.held and self.held + nbytes > self.limit and not self.stopped:
+                self.waiting = True
+                self._changed.wait()
+            self.waiting = False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return not self.stopped
+
+    def hold_until_freed(self, arrays: list[np.ndarray], reserved: int) -> None:
+        """Release each array's bytes when its memory is freed, and at once what ``reserved`` held beyond them."""
+        counted = 0
+        for array in arrays:
+            owner: object = array
+            while isinstance(owner, np.ndarray) and owner.base is not None:
+                owner = owner.base  # a view's memory: a mapping, or the array that owns it
+            weakref.finalize(owner, self.release, array.nbytes)
+            counted += array.nbytes
+        self.release(reserved - counted)
+
+    def release(self, nbytes: int) -> None:
+        with self._changed:
+            self.held -= nbytes
+            self._changed.notify_all()
+
+    def stop(self) -> None:
+        with self._changed:
+            self.stopped = True
+            self._changed.notify_all()
+
+
+class Tuner:
+    """Adaptive batching's choice of batch bytes: MEMORY_BYTES / (1 + DEPTH), DEPTH batches read ahead.
+
+    It starts as ``memory`` batching's default (two batches ahead) and moves
+    only on a clear signal, every few batches, from the seconds the caller
+    stalled, consumed and the reader read: when the caller stalled more than
+    5% of the time although reading was faster than consuming (uneven reads
+    the read-ahead could not absorb), one batch more is read ahead, in
+    smaller batches; after three rounds without stalls (below 1%), one batch
+    fewer, in larger batches (fewer per-batch costs). When the disk is the
+    limit (reading slower than consuming) nothing changes: depth would not
+    help and smaller batches would only add per-batch costs.
+    """
+
+    def __init__(self, limit: int, smallest: int) -> None:
+        self.limit, self.smallest, self.depth, self.calm = limit, smallest, 2, 0
+
+    @property
+    def batch_bytes(self) -> int:
+        return max(self.smallest, self.limit // (1 + self.depth))
+
+    def decide(self, stall: float, consume: float, read: float) -> bool:
+        """Update from the seconds of the last batches; True when the batch size changes."""
+        before = self.batch_bytes
+        share = stall / max(stall + consume, 1e-12)
+        self.calm = self.calm + 1 if share < 0.01 else 0
+        if share > 0.05 and read < consume:
+            self.depth = min(self.depth + 1, MAX_DEPTH)
+        elif self.calm >= 3 and self.depth > 1:
+            self.depth, self.calm = self.depth - 1, 0
+        return self.batch_bytes != before
+
+
+class SampleReader:
+    """This rank's batches of same-length arrays, ragged (``RaggedDataset``) or fixed (``ShardedDataset``).
+
+    ``arrays`` maps names to opened data sets of equal sample counts (the
+    reader closes them). The epoch order is ``epoch_order``'s (shuffled
+    within windows of WINDOW samples, by default 64 MiB of the mean sample).
+    ``read`` names the arrays batches hold (default: all); the others only
+    size the batches (a pipeline's last stage reads labels, batched as the
+    first stage's sequences).
+    """
+
+    def __init__(
+        self,
+        arrays: dict[str, RaggedDataset | ShardedDataset],
+        batching: Batching,
+        comm: AnyComm | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        window: int | None = None,
+        read: list[str] | None = None,
+    ) -> None:
+        self.arrays, self.batching, self.shuffle, self.seed = arrays, batching, shuffle, seed
+        self.reads = list(arrays) if read is None else read  # the arrays read (all sized the batches)
+        self.size, self.rank = size_and_rank(as_mpi(comm))
+        counts = {name: len(data) for name, data in arrays.items()}
+        if len(set(counts.values())) != 1:
+            self.close()
+            raise ValueError(f"arrays differ in their number of samples {counts}; a batch needs equal counts")
+        ragged = [data for data in arrays.values() if isinstance(data, RaggedDataset)]
+        samples = next(iter(counts.values()))
+        lengths = np.stack([data.lengths for data in ragged], axis=1) if ragged else np.zeros((samples, 0), np.int64)
+        fixed = sum(d.dtype.itemsize * math.prod(d.shape[1:]) for d in arrays.values() if isinstance(d, ShardedDataset))
+        self.sizes = SampleSizes(lengths, np.array([d.unit_bytes for d in ragged], dtype=np.int64), fixed)
+        try:
+            check_budget(self.sizes, batching, ", ".join(sorted({d.path for d in arrays.values()})))
+        except ValueError:
+            self.close()
+            raise
+        mean = max(1.0, float(self.sizes.packed.mean())) if samples else 1.0
+        self.window = window if window is not None else max(1, int(DEFAULT_WINDOW_BYTES // mean))
+        self.stats = ReaderStats()
+        self._plan: EpochBatches | None = None
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-samples-wait")
+        self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mpiscale-samples-read")
+
+    @property
+    def samples(self) -> int:
+        return self.sizes.samples
+
+    def plan(self, epoch: int, ranks: int | None = None) -> EpochBatches:
+        """The batches of ``epoch`` for this rank (kept for the last epoch asked), or for rank 0 of ``ranks``."""
+        if ranks is not None and ranks != self.size:
+            return EpochBatches(self.sizes, self.batching, epoch, self.seed, self.shuffle, self.window, ranks)
+        if self._plan is None or self._plan.epoch != epoch:
+            self._plan = EpochBatches(self.sizes, self.batching, epoch, self.seed, self.shuffle, self.window,
+                                      self.size, self.rank)  # fmt: skip
+        return self._plan
+
+    def steps(self, epoch: int) -> int:
+        """Global steps of ``epoch`` (the same on every rank; 0 for adaptive batching, which has none up front)."""
+        return self.plan(epoch).steps
+
+    def limit(self, plan: EpochBatches) -> int:
+        """The most bytes of batches in memory while this reader serves ``plan``: one batch and the read-ahead,
+        which must hold a batch at least (refused otherwise: the caller's batch and the next must fit)."""
+        batching = self.batching
+        if batching.strategy == "adaptive":
+            return batching.memory_bytes
+        batch = batching.batch_limit_bytes(self.sizes) if batching.strategy == "memory" else plan.largest()
+        if batching.prefetch_bytes and batching.prefetch_bytes < batch:
+            raise ValueError(
+                f"prefetch_bytes {batching.prefetch_bytes:,} cannot hold the next batch ({batch:,} bytes"
+                f"{' at most' if batching.strategy == 'memory' else ', the largest of the epoch'}): read-ahead "
+                "must hold one batch at least"
+            )
+        return batch + (batching.prefetch_bytes or 2 * batch)
+
+    def read(self, ids: np.ndarray) -> dict[str, Ragged | np.ndarray]:
+        """Every array's rows of the ascending ``ids``, runs of consecutive ids read by several threads at once."""
+        data: dict[str, Ragged | np.ndarray] = {}
+        for name in self.reads:
+            array = self.arrays[name]
+            if isinstance(array, RaggedDataset):
+                data[name] = array.read(ids, self._readers.map)
+                continue
+            rows = mapped((len(ids), *array.shape[1:]), array.dtype)
+            read_in_runs(ids, partial(_read_rows, array), partial(_rows_of, rows), self._readers.map)
+            data[name] = rows
+        return data
+
+    def _batches(self, plan: EpochBatches, start_step: int, tuner: Tuner | None) -> Iterator[tuple[int, np.ndarray]]:
+        """(step, ids) in order; adaptive: cut pool by pool, the rest of a pool cut again when the tuner says so."""
+        if tuner is None:
+            for step in range(start_step, plan.steps):
+                yield step, plan.batch(step)
+            return
+        step = 0
+        for pool in plan.pools():
+            pending = deque(plan.cut(pool, tuner.batch_bytes))
+            limit = tuner.batch_bytes
+            while pending:
+                if tuner.batch_bytes != limit:
+                    limit = tuner.batch_bytes
+                    pending = deque(plan.cut(np.concatenate(list(pending)), limit))
+                ids = pending.popleft()
+                if step >= start_step:
+                    yield step, ids
+                step += 1
+
+    def _serve(self, epoch: int, start_step: int) -> _Serving:
+        plan = self.plan(epoch)
+        tuner = None
+        if self.batching.strategy == "adaptive":
+            smallest = int((self.sizes.lengths @ self.sizes.units + self.sizes.fixed).max(initial=1))
+            tuner = Tuner(self.batching.memory_bytes, smallest)
+        return _Serving(self, plan, self._batches(plan, start_step, tuner), _Budget(self.limit(plan)), tuner)
+
+    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[SampleBatch]:
+        """This rank's batches of ``epoch`` from ``start_step``."""
+        serving = self._serve(epoch, start_step)
+        try:
+            while (batch := serving.next()) is not None:
+                yield batch
+        finally:
+            serving.stop()
+
+    async def aepoch(self, epoch: int, start_step: int = 0) -> AsyncIterator[SampleBatch]:
+        """As ``epoch``, awaiting a batch not yet read so the event loop keeps serving actors."""
+        serving = self._serve(epoch, start_step)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                batch = serving.ready()
+                if batch is None:
+                    batch = await loop.run_in_executor(self._waiter, serving.next)
+                if batch is None:
+                    return
+                yield batch
+        finally:
+            serving.stop()
+
+    def close(self) -> None:
+        """Close the data sets and the helper thread."""
+        for pool in (getattr(self, "_waiter", None), getattr(self, "_readers", None)):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        for array in self.arrays.values():
+            array.close()
+
+    def __enter__(self) -> SampleReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_rows(array: ShardedDataset, start: int, stop: int, out: np.ndarray) -> None:
+    array.read(start, stop, out=out)
+
+
+def _rows_of(rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return rows[lo:hi]
+
+
+_END = object()
+
+
+class _Serving:
+    """One epoch being served: the reader thread, the batches it read ahead, and the caller's side."""
+
+    def __init__(self, reader: SampleReader, plan: EpochBatches, batches, budget: _Budget, tuner: Tuner | None) -> None:
+        self.reader, self.plan, self.budget, self.tuner = reader, plan, budget, tuner
+        self.stats = reader.stats
+        self._queue: deque = deque()
+        self._ready = threading.Condition()
+        self._handed: float | None = None  # when the caller got its batch
+        self._recent = np.zeros(3)  # stall, consume, read seconds since the tuner last decided
+        self._count = 0
+        self._thread = threading.Thread(target=self._read_ahead, args=(batches,), name="mpiscale-samples", daemon=True)
+        self._thread.start()
+
+    def _read_ahead(self, batches) -> None:
+        try:
+            for step, ids in batches:
+                nbytes = int(self.reader.sizes.packed[ids].sum()) if len(ids) else 0
+                if not self.budget.reserve(nbytes):
+                    self.budget.release(nbytes)
+                    return
+                began = time.perf_counter()
+                try:
+                    data = self.reader.read(ids)
+                except BaseException:
+                    self.budget.release(nbytes)
+                    raise
+                self.budget.hold_until_freed([a.values if isinstance(a, Ragged) else a for a in data.values()], nbytes)
+                spent = time.perf_counter() - began
+                padded = self.reader.sizes.padded(ids)
+                self._put(SampleBatch(self.plan.epoch, step, ids, data, nbytes), spent, padded)
+            self._put(_END, 0.0, 0)
+        except BaseException as error:  # handed to the caller, raised there
+            self._put(error, 0.0, 0)
+
+    def _put(self, item, spent: float, padded: int) -> None:
+        with self._ready:
+            self.stats.read_s += spent
+            self.stats.padded_bytes += padded
+            self._recent[2] += spent
+            self._queue.append(item)
+            self._ready.notify_all()
+
+    def _consumed(self) -> None:
+        """The caller asks for the next batch: the time it spent on its last one."""
+        if self._handed is not None:
+            consumed = time.perf_counter() - self._handed
+            self.stats.consume_s += consumed
+            self._recent[1] += consumed
+            self._handed = None
+
+    def _take(self) -> SampleBatch | None:
+        item = self._queue.popleft()
+        if item is _END:
+            self._queue.appendleft(item)
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        self._handed = time.perf_counter()
+        stats = self.stats
+        stats.batches += 1
+        stats.samples += len(item.ids)
+        stats.packed_bytes += item.nbytes
+        stats.peak_held = max(stats.peak_held, self.budget.peak)
+        self._tune()
+        return item
+
+    def _tune(self) -> None:
+        self._count += 1
+        if self.tuner is None or self._count % TUNE_EVERY:
+            return
+        stall, consume, read = self._recent
+        with self._ready:
+            self._recent[:] = 0
+        if self.tuner.decide(stall, consume, read):
+            self.stats.batch_bytes.append(self.tuner.batch_bytes)
+
+    def ready(self) -> SampleBatch | None:
+        """The next batch if it is read already, else None."""
+        with self._ready:
+            if not self._queue:
+                return None
+        self._consumed()
+        with self._ready:
+            return self._take() if self._queue[0] is not _END else None
+
+    def next(self) -> SampleBatch | None:
+        """The next batch, waiting for it; None at the end of the epoch. Refused when the reader waits for memory
+        that only batches the caller keeps hold."""
+        self._consumed()
+        waited = time.perf_counter()
+        with self._ready:
+            blocked = 0
+            while not self._queue:
+                self._ready.wait(STUCK_S)
+                blocked = blocked + 1 if not self._queue and self.budget.waiting else 0
+                if blocked == 1:
+                    gc.collect()  # batches in reference cycles the caller has dropped
+                elif blocked > 1:
+                    raise MemoryError(
+                        f"the reader needs memory for the next batch, but its {self.budget.limit:,} bytes are held by "
+                        f"batches the caller keeps ({self.budget.held:,} bytes): copy what you keep of a batch, or "
+                        "raise the budget"
+                    )
+            stalled = time.perf_counter() - waited
+            self.stats.stall_s += stalled
+            self._recent[0] += stalled
+            return self._take()
+
+    def stop(self) -> None:
+        """End the epoch early or late: stop the thread; the batches it read are released as they are freed."""
+        self._consumed()
+        self.budget.stop()
+        self._thread.join()
+        self._queue.clear()
+
+
+def open_arrays(
+    path: str | os.PathLike, names: list[str], offsets: dict[str, str], comm: AnyComm | None = None
+) -> dict[str, RaggedDataset | ShardedDataset]:
+    """Each of ``names`` of ``path`` opened for a ``SampleReader``: ragged where ``offsets`` names its index
+    (an empty index: a variable-length data set), fixed rows otherwise (independent reads)."""
+    opened: dict[str, RaggedDataset | ShardedDataset] = {}
+    try:
+        for name in names:
+            if name in offsets:
+                opened[name] = RaggedDataset(path, name, offsets[name], comm)
+            else:
+                opened[name] = ShardedDataset(path, name)
+    except BaseException:
+        for data in opened.values():
+            data.close()
+        raise
+    return opened

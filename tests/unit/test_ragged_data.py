@@ -1,0 +1,224 @@
+"""Ragged data sets as users store them, and the batching strategies over them (one process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+
+from mpiscale.io import Batching, DataFileError, RaggedDataset, SampleRandom, SampleReader, open_arrays
+from mpiscale.io.batching import EpochBatches, SampleSizes
+
+SAMPLES = 257
+
+
+def _sequences(samples: int = SAMPLES, seed: int = 0, shortest: int = 1, longest: int = 40) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1000, n).astype(np.int32) for n in rng.integers(shortest, longest + 1, samples)]
+
+
+def _write_layouts(path, rows: list[np.ndarray]) -> None:
+    """The same sequences three ways, as h5py users write them: variable-length, values + starts, values + N+1
+    boundaries (compressed and chunked, as a careful user stores big data)."""
+    lengths = np.array([len(r) for r in rows])
+    edges = np.concatenate([[0], np.cumsum(lengths)])
+    with h5py.File(path, "w") as file:
+        vlen = file.create_dataset("vlen", (len(rows),), dtype=h5py.vlen_dtype(np.int32))
+        for index, row in enumerate(rows):
+            vlen[index] = row
+        file["values"] = np.concatenate(rows)
+        file["starts"] = edges[:-1]
+        file.create_dataset("packed", data=np.concatenate(rows), chunks=(97,), compression="gzip")
+        file["edges"] = edges.astype(np.uint32)
+        file["labels"] = np.arange(len(rows)) % 5
+
+
+@pytest.mark.parametrize(
+    "name, offsets", [("vlen", ""), ("values", "starts"), ("packed", "/edges")], ids=["vlen", "starts", "edges"]
+)
+def test_every_layout_reads_the_sequences_the_user_wrote(tmp_path, name, offsets):
+    rows = _sequences()
+    _write_layouts(tmp_path / "data.h5", rows)
+    with RaggedDataset(tmp_path / "data.h5", name, offsets) as data:
+        assert len(data) == SAMPLES and data.dtype == np.int32
+        assert np.array_equal(data.lengths, [len(r) for r in rows])
+        ids = np.array([0, 1, 2, 50, 51, 200, SAMPLES - 1])
+        batch = data.read(ids)
+        for at, sample in enumerate(ids):
+            assert np.array_equal(batch.row(at), rows[sample])
+        padded = batch.padded(-1)
+        assert padded.shape == (len(ids), max(len(rows[i]) for i in ids))
+        assert np.array_equal(padded[3, : len(rows[50])], rows[50]) and (padded[3, len(rows[50]) :] == -1).all()
+
+
+def test_npy_pairs_and_several_files_with_their_own_offsets(tmp_path):
+    rows = _sequences()
+    halves = [rows[:100], rows[100:]]
+    for part, chunk in enumerate(halves):
+        _write_layouts(tmp_path / f"part-{part}.h5", chunk)
+    with RaggedDataset(str(tmp_path / "part-*.h5"), "values", "starts") as data:  # each file counts its own values
+        assert len(data) == SAMPLES
+        batch = data.read(np.array([98, 99, 100, 101]))  # across the files' border
+        for at, sample in enumerate([98, 99, 100, 101]):
+            assert np.array_equal(batch.row(at), rows[sample])
+    np.save(tmp_path / "values.npy", np.concatenate(rows))
+    np.save(tmp_path / "offsets.npy", np.concatenate([[0], np.cumsum([len(r) for r in rows])]))
+    with RaggedDataset(tmp_path / "values.npy", offsets=str(tmp_path / "offsets.npy")) as data:
+        assert np.array_equal(data.read(np.array([SAMPLES - 1])).row(0), rows[-1])
+
+
+def test_bad_indexes_and_layouts_are_refused_naming_the_problem(tmp_path):
+    path = tmp_path / "bad.h5"
+    with h5py.File(path, "w") as file:
+        file["values"] = np.arange(10)
+        file["falling"] = [0, 4, 3]
+        file["outside"] = [0, 4, 11]
+        file["floats"] = [0.0, 4.0]
+        file["words"] = np.array(["a", "bc"], dtype=h5py.string_dtype())
+    with pytest.raises(DataFileError, match="offset 2 is 3, after 4"):
+        RaggedDataset(path, "values", "falling")
+    with pytest.raises(DataFileError, match="offset 2 is 11, outside 0 .. 10"):
+        RaggedDataset(path, "values", "outside")
+    with pytest.raises(DataFileError, match="offsets must be one row of integers"):
+        RaggedDataset(path, "values", "floats")
+    with pytest.raises(DataFileError, match="fixed rows .* name the index with --offsets"):
+        RaggedDataset(path, "values")
+    with pytest.raises(DataFileError, match="holds no data set 'missing'|missing"):
+        RaggedDataset(path, "values", "missing")
+
+
+def _sizes(rows: list[np.ndarray]) -> SampleSizes:
+    return SampleSizes(np.array([[len(r)] for r in rows]), np.array([4]), 8)
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "round-robin", "memory"])
+def test_each_strategy_serves_every_sample_once_and_the_batches_do_not_depend_on_the_world_size(strategy):
+    sizes = _sizes(_sequences())
+    batching = Batching(strategy, batch_size=24, batch_bytes=1200)
+    one = EpochBatches(sizes, batching, 3, 7, True, 64)
+    for ranks in (2, 3):
+        plans = [EpochBatches(sizes, batching, 3, 7, True, 64, ranks, rank) for rank in range(ranks)]
+        assert len({plan.steps for plan in plans}) == 1
+        served = [plan.batch(step) for step in range(plans[0].steps) for plan in plans]
+        assert np.array_equal(np.sort(np.concatenate(served)), np.arange(SAMPLES))
+        for batch in served:
+            assert (np.diff(batch) > 0).all()  # ascending: reads run over consecutive samples
+        if strategy == "memory":  # the same batches, P of them a step
+            assert [b.tolist() for b in served if len(b)] == [one.batch(s).tolist() for s in range(one.steps)]
+        else:  # the same global batches, each split over the ranks
+            for step in range(one.steps):
+                assert np.array_equal(np.sort(np.concatenate([p.batch(step) for p in plans])), one.batch(step))
+    if strategy == "memory":
+        assert all(sizes.padded(one.batch(s)) <= 1200 for s in range(one.steps))
+    again = EpochBatches(sizes, batching, 3, 7, True, 64)
+    other_epoch = EpochBatches(sizes, batching, 4, 7, True, 64)
+    assert [again.batch(s).tolist() for s in range(again.steps)] == [one.batch(s).tolist() for s in range(one.steps)]
+    assert [other_epoch.batch(s).tolist() for s in range(other_epoch.steps)] != [
+        one.batch(s).tolist() for s in range(one.steps)
+    ]
+
+
+def test_memory_batching_groups_sizes_and_cuts_padding(tmp_path):
+    rows = _sequences(2000, longest=400, shortest=40)
+    _write_layouts(tmp_path / "data.h5", rows)
+
+    def padding(batching: Batching) -> float:
+        with SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}), batching,
+                          shuffle=True) as reader:  # fmt: skip
+            for _ in reader.epoch(0):
+                pass
+            return reader.stats.padding_share
+
+    fixed, grouped = padding(Batching("sequential", batch_size=64)), padding(Batching("memory", batch_bytes=64 << 10))
+    assert fixed > 0.3 and grouped < 0.05, (fixed, grouped)
+
+
+def test_per_sample_random_numbers_are_the_same_whatever_the_strategy(tmp_path):
+    rows = _sequences()
+    _write_layouts(tmp_path / "data.h5", rows)
+    streams, drawn = SampleRandom(11), {}
+    for batching in (Batching("sequential", batch_size=10), Batching("memory", batch_bytes=2000),
+                     Batching("adaptive", memory_bytes=8000)):  # fmt: skip
+        with SampleReader(open_arrays(tmp_path / "data.h5", ["vlen", "labels"], {"vlen": ""}), batching,
+                          shuffle=True, seed=5) as reader:  # fmt: skip
+            values = {}
+            for batch in reader.epoch(2):
+                assert np.array_equal(batch.data["labels"], batch.ids % 5)
+                for sample, numbers in zip(batch.ids.tolist(), streams.uniform(2, batch.ids, 3)):
+                    values[sample] = numbers.tolist()
+            drawn[batching.strategy] = values
+    assert sorted(drawn["adaptive"]) == list(range(SAMPLES))
+    assert drawn["sequential"] == drawn["memory"] == drawn["adaptive"]
+
+
+def test_a_budget_that_cannot_hold_one_sample_is_refused(tmp_path):
+    rows = _sequences()
+    _write_layouts(tmp_path / "data.h5", rows)
+    longest = int(np.argmax([len(r) for r in rows]))
+    with pytest.raises(ValueError, match=f"sample {longest} takes 160 bytes, more than batch_bytes \\(100\\)"):
+        SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}), Batching("memory",
+                     batch_bytes=100))  # fmt: skip
+    with pytest.raises(ValueError, match="raise memory_bytes to at least 320"):
+        SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}), Batching("adaptive",
+                     memory_bytes=300))  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", ["memory", "adaptive"])
+def test_the_reader_never_holds_more_than_its_budget_while_the_caller_is_slow(tmp_path, strategy):
+    rows = _sequences(3000, longest=300)
+    _write_layouts(tmp_path / "data.h5", rows)
+    batching = Batching(strategy, batch_bytes=20_000, prefetch_bytes=30_000, memory_bytes=50_000)
+    with SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}), batching,
+                      shuffle=True) as reader:  # fmt: skip
+        limit = reader.limit(reader.plan(0))
+        served = 0
+        for index, batch in enumerate(reader.epoch(0)):
+            served += len(batch.ids)
+            if index % 10 == 0:
+                os.sched_yield()
+        assert served == 3000
+        assert limit == 50_000 and 0 < reader.stats.peak_held <= limit
+
+
+def test_process_memory_stays_within_the_budget_reading_a_file_eight_times_larger(tmp_path):
+    """The process's VmHWM above its size before reading, not only the reader's count: 64 MiB read with 8 MiB."""
+    path = tmp_path / "big.h5"
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2000, 20000, 1500)
+    with h5py.File(path, "w") as file:
+        file.create_dataset("values", data=np.ones(int(lengths.sum()), np.float32))
+        file["starts"] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    program = f"""
+import sys
+from mpiscale.io import Batching, SampleReader, open_arrays, epoch_order
+from mpiscale.bench.batching import _status_kib
+epoch_order(8, 0, 0, True)
+base = _status_kib("VmRSS")
+with SampleReader(open_arrays({str(path)!r}, ["values"], {{"values": "starts"}}),
+                  Batching("memory", batch_bytes=4 << 20, prefetch_bytes=4 << 20), shuffle=True) as reader:
+    total = sum(batch.nbytes for batch in reader.epoch(0))
+print(total, (_status_kib("VmHWM") - base) * 1024)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120, check=True)
+    total, grown = map(int, done.stdout.split())
+    assert total == lengths.sum() * 4 > 8 * (8 << 20)
+    assert grown <= (8 << 20) + (5 << 20), f"grew {grown / 2**20:.1f} MiB for an 8 MiB budget"
+
+
+def test_a_read_that_fails_ends_the_epoch_with_the_error_and_leaving_early_stops_the_reader(tmp_path):
+    rows = _sequences(2000, longest=300)
+    _write_layouts(tmp_path / "data.h5", rows)
+    with SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}),
+                      Batching("memory", batch_bytes=8000), shuffle=True) as reader:  # fmt: skip
+        for index, _ in enumerate(reader.epoch(0)):
+            if index == 3:
+                break  # the reader thread stops; a second epoch starts cleanly
+        assert sum(len(batch.ids) for batch in reader.epoch(1)) == 2000
+        os.truncate(tmp_path / "data.h5", 4096)  # the disk under the file is gone
+        with pytest.raises(DataFileError, match="truncated"):
+            for _ in reader.epoch(2):
+                pass
