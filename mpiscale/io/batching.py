@@ -62,10 +62,8 @@ class Batching:
         for name in ("batch_size", "batch_bytes", "memory_bytes", "pool"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.batch_tokens < 0:
-            problems.append(f"batch_tokens must be 0 or more, got {self.batch_tokens}")
-        if self.prefetch_bytes < 0:
-            problems.append(f"prefetch_bytes must be 0 or more, got {self.prefetch_bytes}")
+        problems += [f"{name} must be 0 or more, got {getattr(self, name)}"
+                     for name in ("batch_tokens", "prefetch_bytes") if getattr(self, name) < 0]  # fmt: skip
         if problems:
             raise ValueError("batching: " + "; ".join(problems))
 

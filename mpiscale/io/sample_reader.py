@@ -341,7 +341,7 @@ class _Serving:
                 nbytes = int(self.reader.sizes.packed[ids].sum()) if len(ids) else 0
                 if not self.budget.reserve(nbytes):
                     self.budget.release(nbytes)
-                    return
+                    break
                 began = time.perf_counter()
                 try:
                     data = self.reader.read(ids)
@@ -352,9 +352,10 @@ class _Serving:
                 spent = time.perf_counter() - began
                 padded = self.reader.sizes.padded(ids)
                 self._put(SampleBatch(self.plan.epoch, step, ids, data, nbytes), spent, padded)
-            self._put(_END, 0.0, 0)
         except BaseException as error:  # handed to the caller, raised there
             self._put(error, 0.0, 0)
+        finally:  # also when stopped: a caller still waiting for a batch gets the end
+            self._put(_END, 0.0, 0)
 
     def _put(self, item, spent: float, padded: int) -> None:
         with self._ready:
@@ -435,7 +436,9 @@ class _Serving:
         self._consumed()
         self.budget.stop()
         self._thread.join()
-        self._queue.clear()
+        with self._ready:
+            self._queue.clear()
+            self._queue.append(_END)
 
 
 def open_arrays(

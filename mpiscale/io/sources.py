@@ -123,6 +123,11 @@ class H5Source:
             raise DataFileError(self.path, "is an empty (null) data set", dataset.name)
         if not dataset.shape:
             raise DataFileError(self.path, f"is a single {dataset.dtype} value, not rows", dataset.name)
+        if h5py.check_vlen_dtype(dataset.dtype) not in (None, str, bytes):
+            raise DataFileError(self.path, (
+                "holds variable-length rows (samples of varying length), and this reads rows of one size: ragged "
+                "samples are read by RaggedDataset, and taken by mpiscale train and collect (sequences of tokens)"
+            ), dataset.name)  # fmt: skip
         self.shape: tuple[int, ...] = dataset.shape
         self.dtype: np.dtype = dataset.dtype
         create = dataset.id.get_create_plist()

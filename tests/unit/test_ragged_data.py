@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
 import pytest
 
-from mpiscale.io import Batching, DataFileError, RaggedDataset, SampleRandom, SampleReader, open_arrays
+from mpiscale.io import (
+    Batching,
+    DataFileError,
+    RaggedDataset,
+    SampleRandom,
+    SampleReader,
+    ShardedDataset,
+    open_arrays,
+)
 from mpiscale.io.batching import EpochBatches, SampleSizes
 
 SAMPLES = 257
@@ -222,3 +232,27 @@ def test_a_read_that_fails_ends_the_epoch_with_the_error_and_leaving_early_stops
         with pytest.raises(DataFileError, match="truncated"):
             for _ in reader.epoch(2):
                 pass
+
+
+def test_a_reader_of_rows_of_one_size_refuses_variable_length_rows_naming_the_ragged_reader(tmp_path):
+    _write_layouts(tmp_path / "data.h5", _sequences())
+    with pytest.raises(DataFileError, match="holds variable-length rows .* read by RaggedDataset"):
+        ShardedDataset(tmp_path / "data.h5", "vlen")
+
+
+def test_an_awaited_epoch_given_up_midway_closes_at_once(tmp_path):
+    """The event loop's way: batches awaited, the epoch abandoned after two; the reader closes without a hang."""
+    _write_layouts(tmp_path / "data.h5", _sequences(2000, longest=300))
+
+    async def two_then_leave(reader: SampleReader) -> int:
+        epoch = reader.aepoch(0)
+        first, second = await epoch.__anext__(), await epoch.__anext__()
+        await epoch.aclose()
+        return len(first.ids) + len(second.ids)
+
+    reader = SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}),
+                          Batching("memory", batch_bytes=4000), shuffle=True)  # fmt: skip
+    started = time.perf_counter()
+    assert asyncio.run(two_then_leave(reader)) > 0
+    reader.close()
+    assert time.perf_counter() - started < 10
