@@ -29,12 +29,13 @@ lint: setup
 
 # The tests run on TEST_WORKERS pytest-xdist workers: half of the suite's time is waiting (mpirun's grace periods,
 # sleeps, start-up), which the other worker fills (measured: 24 minutes one by one, 19 on two workers; three
-# oversubscribed this 2-core machine four times over and made tests time out). Tests sharing a fixture wider than one
-# test stay together (tests/conftest.py). TEST_WORKERS=0 runs them in this process, one after another.
+# oversubscribed this 2-core machine four times over and made tests time out). A file's tests stay on one worker:
+# they share fixtures (a trained model, the Slurm cluster, which a second one on the host would fight).
+# TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The minutes-long tests make test leaves out (a real Slurm time limit and its requeue: about four minutes)
 test-slow: setup
