@@ -256,3 +256,17 @@ def test_an_awaited_epoch_given_up_midway_closes_at_once(tmp_path):
     assert asyncio.run(two_then_leave(reader)) > 0
     reader.close()
     assert time.perf_counter() - started < 10
+
+
+def test_a_caller_that_keeps_every_batch_is_told_so_instead_of_waiting_forever(tmp_path):
+    _write_layouts(tmp_path / "data.h5", _sequences(2000, longest=300))
+    with SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}),
+                      Batching("memory", batch_bytes=4000), shuffle=True) as reader:  # fmt: skip
+        kept = []
+        started = time.perf_counter()
+        with pytest.raises(MemoryError, match="held by batches the caller keeps .* copy what you keep"):
+            for batch in reader.epoch(0):
+                kept.append(batch)  # never dropped: the budget (12,000 bytes) fills
+        assert 2 <= len(kept) <= 4 and time.perf_counter() - started < 10
+        kept.clear()
+        assert sum(len(batch.ids) for batch in reader.epoch(1)) == 2000  # once dropped, reading goes on
