@@ -25,7 +25,6 @@ A batch's sample ids are ascending (reads then run over consecutive samples).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -157,7 +156,7 @@ def check_budget(sizes: SampleSizes, batching: Batching, what: str) -> None:
     if not batching.by_bytes or not sizes.samples:
         return
     cost, limit, name = batching.bound(sizes)
-    single = cost.lengths @ cost.units + cost.fixed
+    single = cost.packed  # a batch of one pads nothing
     largest = int(np.argmax(single))
     if single[largest] > limit:
         need = int(single[largest]) * (2 if batching.strategy == "adaptive" else 1)
@@ -239,17 +238,3 @@ class EpochBatches:
         """Packed bytes of this rank's largest batch (count strategies: what read-ahead must hold at least)."""
         packed = self.sizes.packed
         return max((int(packed[self.batch(step)].sum()) for step in range(self.steps)), default=0)
-
-
-def padding_share(sizes: SampleSizes, batches: list[np.ndarray]) -> float:
-    """Share of padded bytes that are padding, over ``batches``."""
-    padded = sum(sizes.padded(b) for b in batches)
-    packed = sum(int(sizes.packed[b].sum()) for b in batches)
-    return 1.0 - packed / padded if padded else 0.0
-
-
-def mib(value: float) -> int:
-    """MiB (as users give them) to bytes."""
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"a size in MiB must be a positive number, got {value}")
-    return int(value * MiB)

@@ -31,7 +31,7 @@ from ..ranks import AnyComm, Comm, as_mpi, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import dataset, open_file
 from .sharded import ShardedDataset
-from .sources import is_npy, only_dataset, resolve_files, split_spec
+from .sources import is_npy, on_rank_0, only_dataset, resolve_files, split_spec
 
 MAPPED_FROM = 1 << 20  # arrays of at least this many bytes get a mapping of their own
 READ_TASKS = 32  # groups of runs of one batch read as separate tasks
@@ -115,14 +115,14 @@ class RaggedDataset:
         comm = as_mpi(comm)
         self._values: ShardedDataset | None = None
         self._vlen: list[tuple[int, h5py.Dataset]] = []
-        files = _agreed(comm, lambda: resolve_files(self.path))
+        files = on_rank_0(comm, lambda: resolve_files(self.path))
         try:
             if offsets:
                 self._values = ShardedDataset(files, self.name)
                 self.name = self._values.name
                 self.dtype: np.dtype = self._values.dtype
                 self.row_shape: tuple[int, ...] = self._values.shape[1:]
-                self.offsets = _agreed(comm, self._read_index)
+                self.offsets = on_rank_0(comm, self._read_index)
             else:
                 self._open_vlen(files)
                 self.offsets = np.concatenate([[0], np.cumsum(_agreed_lengths(self._vlen, comm))]).astype(np.int64)
@@ -183,10 +183,6 @@ class RaggedDataset:
 
     def __len__(self) -> int:
         return len(self.lengths)
-
-    def sample_bytes(self) -> np.ndarray:
-        """Each sample's bytes."""
-        return self.lengths * self.unit_bytes
 
     def read(self, ids: np.ndarray, each: Callable = map) -> Ragged:
         """The samples ``ids`` (ascending), packed: one read per run of consecutive ids, the runs handed to
@@ -278,21 +274,6 @@ def runs(ids: np.ndarray) -> list[tuple[int, int]]:
     cuts = np.flatnonzero(np.diff(ids) != 1) + 1
     starts = np.concatenate([[0], cuts])
     return list(zip(starts.tolist(), [*cuts.tolist(), len(ids)]))
-
-
-def _agreed(comm: Comm | None, action):
-    """``action()`` on rank 0, its result (or its error) on every rank."""
-    result, problem = None, None
-    if comm is None or comm.Get_rank() == 0:
-        try:
-            result = action()
-        except DataFileError as error:
-            problem = error
-    if comm is not None:
-        result, problem = comm.bcast((result, problem), 0)
-    if problem is not None:
-        raise problem
-    return result
 
 
 def _agreed_lengths(parts: list[tuple[int, h5py.Dataset]], comm: Comm | None) -> np.ndarray:

@@ -267,7 +267,7 @@ class SampleReader:
         plan = self.plan(epoch)
         tuner = None
         if self.batching.strategy == "adaptive":
-            smallest = int((self.sizes.lengths @ self.sizes.units + self.sizes.fixed).max(initial=1))
+            smallest = int(self.sizes.packed.max(initial=1))  # the largest sample: a batch holds one at least
             tuner = Tuner(self.batching.memory_bytes, smallest)
         return _Serving(self, plan, self._batches(plan, start_step, tuner), _Budget(self.limit(plan)), tuner)
 

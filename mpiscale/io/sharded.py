@@ -33,7 +33,7 @@ from .h5file import (
     settle_background_io,
     stamp,
 )
-from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
+from .sources import H5Source, NpySource, is_npy, on_rank_0, only_dataset, resolve_files
 from .writer import RowWriter
 
 
@@ -174,18 +174,8 @@ class ShardedDataset:
 
     def _open(self, path) -> list[_Segment]:
         files = [os.fspath(p) for p in path] if isinstance(path, list) else None
-        if files is None:
-            found, problem = None, None
-            if self._comm is None or self._comm.Get_rank() == 0:
-                try:
-                    found = resolve_files(os.fspath(path))
-                except DataFileError as error:
-                    problem = error
-            if self._comm is not None:  # one listing for all ranks: a glob never differs between them
-                found, problem = self._comm.bcast((found, problem), 0)
-            if problem is not None:
-                raise problem
-            files = found or []
+        if files is None:  # one listing for all ranks: a glob never differs between them
+            files = on_rank_0(self._comm, lambda: resolve_files(os.fspath(path)))
         sources: list[H5Source | NpySource] = []
         for file in files:
             sources += self._open_file(file)

@@ -17,7 +17,7 @@ from itertools import accumulate
 import numpy as np
 import torch
 
-from ..io import Batching, BatchReader, Ragged, RaggedDataset, SampleBatch, SampleReader, ShardedDataset
+from ..io import Batching, BatchReader, Ragged, RaggedDataset, SampleReader, ShardedDataset
 from ..ranks import Comm
 from .config import TrainConfig
 from .data import LabelledData
@@ -101,6 +101,3 @@ def as_tensors(batch, data: LabelledData, dtype: np.dtype) -> tuple[torch.Tensor
     if data.labels in batch.data:
         labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
     return inputs, labels
-
-
-__all__ = ["Reader", "SampleBatch", "TrainingSteps", "as_tensors", "open_reader", "step_samples", "training_steps"]
