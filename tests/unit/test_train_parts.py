@@ -130,3 +130,12 @@ def test_the_bundled_sequences_are_labelled_by_their_most_frequent_class_token()
     assert tokens.min() == 0 and tokens.max() == bundled.VOCABULARY - 1
     assert np.bincount(labels).min() > 0.2 * len(labels)
     np.testing.assert_array_equal(bundled.make_sequences()[0], tokens)
+
+
+def test_the_ddp_bench_hidden_share_is_clipped_to_what_it_can_mean():
+    from mpiscale.bench.ddp import _hidden_share
+
+    assert _hidden_share(step=1.5, compute=1.0, communication=1.0) == 0.5
+    assert _hidden_share(step=0.8, compute=1.0, communication=1.0) == 1.0  # noise: faster than compute alone
+    assert _hidden_share(step=2.5, compute=1.0, communication=1.0) == 0.0  # noise: slower than no overlap
+    assert _hidden_share(step=1.0, compute=1.0, communication=0.0) == 0.0
