@@ -23,8 +23,8 @@ QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 
 
 def _repeats(nbytes: int, quick: bool) -> int:
-    budget = (64 if quick else 1024) << 20  # bytes reduced per column and size
-    return int(min(200, max(3, budget // nbytes)))
+    budget = (16 if quick else 1024) << 20  # bytes reduced per column and size
+    return int(min(50 if quick else 200, max(3, budget // nbytes)))
 
 
 def init_gloo(comm: Comm):

@@ -24,16 +24,17 @@ from .allreduce import init_gloo
 from .report import median_slowest_async, table, write_json
 
 WIDTH, DEPTH, BATCH = 2048, 3, 64  # about 12.6M parameters: 50 MB of gradients per step
+QUICK_WIDTH = 512  # --quick, the smoke run: 0.8M parameters
 SCHEMES = ("none", "fp16", "bf16", "powersgd")
 POWERSGD_RANK = 4
 
 
-def _model(torch):
+def _model(torch, width: int):
     torch.manual_seed(0)
     layers = []
     for _ in range(DEPTH):
-        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 1))
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
 
 
 def _ddp_hook(torch, model, name: str) -> bool:
@@ -66,15 +67,15 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     if gloo is None:
         raise SystemExit("bench ddp needs torch (pip install torch)")
     _, dist = gloo
-    steps = 4 if quick else 12
-    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(system.rank))
+    steps, width = (4, QUICK_WIDTH) if quick else (12, WIDTH)
+    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(system.rank))
     y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100))
 
     def backward(model, optimizer) -> None:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
 
-    local = _model(torch)
+    local = _model(torch, width)
     local_optimizer = torch.optim.SGD(local.parameters(), lr=1e-4)
 
     async def compute_only() -> None:
@@ -82,7 +83,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
         local_optimizer.step()
 
     def ours(name: str) -> tuple[Callable[[], Awaitable[None]], DataParallel]:
-        model = _model(torch)
+        model = _model(torch, width)
         parallel = DataParallel(system, model, compression=scheme(system, name, POWERSGD_RANK, powersgd_start=2))
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -97,7 +98,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
         # torch's PowerSGD hook chains each bucket's second allreduce in a callback; on gloo, with several buckets,
         # the ranks issued those in different orders and gloo aborted (a collective mismatch). One bucket avoids it.
         cap = 1024 if name == "powersgd" else None
-        model = torch.nn.parallel.DistributedDataParallel(_model(torch), bucket_cap_mb=cap)
+        model = torch.nn.parallel.DistributedDataParallel(_model(torch, width), bucket_cap_mb=cap)
         if not _ddp_hook(torch, model, name):
             return None
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -128,7 +129,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     dist.destroy_process_group()
     if system.rank != 0:
         return None
-    return _report(system, json_path, seconds, sum(p.numel() for p in local.parameters()), steps, torch)
+    return _report(system, json_path, seconds, width, sum(p.numel() for p in local.parameters()), steps, torch)
 
 
 def _hidden_share(step: float, compute: float, communication: float) -> float:
@@ -142,10 +143,10 @@ def _hidden_share(step: float, compute: float, communication: float) -> float:
     return min(1.0, max(0.0, 1.0 - (step - compute) / communication))
 
 
-def _report(system: ActorSystem, json_path: str, seconds: dict, parameters: int, steps: int, torch) -> dict:
+def _report(system: ActorSystem, json_path: str, seconds: dict, width: int, parameters: int, steps: int, torch) -> dict:
     compute, communication = seconds["compute_only"], seconds["communication_only"]
     hidden = _hidden_share(seconds["ours_none"], compute, communication)
-    print(f"training step of an MLP ({DEPTH} x {WIDTH}, {parameters / 1e6:.1f}M parameters, batch {BATCH} per rank), "
+    print(f"training step of an MLP ({DEPTH} x {width}, {parameters / 1e6:.1f}M parameters, batch {BATCH} per rank), "
           f"{system.size} ranks on {system.hierarchy.node_count} nodes, {torch.get_num_threads()} torch threads "
           f"each; median of {steps} steps")  # fmt: skip
     rows = [["compute only", compute * 1e3, "", ""], ["allreduce only (ours)", communication * 1e3, "", ""]]
@@ -160,6 +161,7 @@ def _report(system: ActorSystem, json_path: str, seconds: dict, parameters: int,
     results = {
         "ranks": system.size,
         "nodes": system.hierarchy.node_count,
+        "width": width,
         "parameters": parameters,
         "batch_per_rank": BATCH,
         "torch_threads": torch.get_num_threads(),

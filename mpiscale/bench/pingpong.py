@@ -46,8 +46,8 @@ class Echo(Actor):
 
 
 def _repeats(size: int, quick: bool) -> int:
-    budget = 4 << 20 if quick else 64 << 20
-    return int(min(2000 if quick else 20000, max(5, budget // max(size, 1) // 4)))
+    budget = 1 << 20 if quick else 64 << 20
+    return int(min(300 if quick else 20000, max(5, budget // max(size, 1) // 4)))
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -252,7 +252,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         system.spawn_local(Echo, name=f"{ECHO}.{i}")
     await system.world.barrier()
     comm = system.world.comm.Dup()
-    batches = 3 if quick else 5
+    batches = 2 if quick else 5
     rows, records = [], []
     for size in SIZES:
         repeats = _repeats(size, quick)

@@ -19,12 +19,12 @@ from mpiscale.adapters.planted import write_planted
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits
 
 TEMPLATES = REPO / "hpc" / "slurm"
-ITERATIONS = 10000  # 4-8 s on 2 ranks: time to signal or kill a run in the middle
+ITERATIONS = 6000  # 3-5 s on 2 ranks (checkpoints every 500): time to signal or kill a run in the middle
 DICTLEARN = {
     "MPISCALE_HOME": str(REPO),
     "ATOMS": "50",
     "ITERATIONS": str(ITERATIONS),
-    "CHECKPOINT_EVERY": "1000",
+    "CHECKPOINT_EVERY": "500",
     "OPTIONS": "--samples 1500 --features 20 --sparsity 3 --snr-db 20 --progress-every 0",
     "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
 }
@@ -93,7 +93,7 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, u
     job = dictlearn(
         slurm, run, "--time=UNLIMITED", **(MPIRUN if launcher == "mpirun" else {"MPISCALE_LAUNCHER": "srun"})
     )
-    wait_for_checkpoint(slurm, job, run, 1000)
+    wait_for_checkpoint(slurm, job, run, 500)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)
     assert finished.restarts == 1
@@ -117,7 +117,7 @@ def test_a_killed_rank_ends_the_run_at_once_and_the_requeued_job_resumes(slurm, 
     Slurm's default here) later: the other sees the dead rank of its host and ends the run within seconds."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run)
-    wait_for_checkpoint(slurm, job, run, 2000)
+    wait_for_checkpoint(slurm, job, run, 1000)
     ranks = [pid for pid, command in _processes() if "python" in command.split(" ")[0]
              and "mpiscale dictlearn" in command and str(run) in command]  # fmt: skip
     assert len(ranks) == 2, ranks
@@ -139,7 +139,7 @@ def test_a_plain_scancel_under_mpirun_stops_with_a_checkpoint_and_resumes(slurm,
     after their step with a checkpoint, and a resubmission resumes from it to the uninterrupted run's dictionary."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run, **MPIRUN)
-    wait_for_checkpoint(slurm, job, run, 1000)
+    wait_for_checkpoint(slurm, job, run, 500)
     slurm.run(["scancel", job])
     stopped = slurm.wait(job, 60)
     assert stopped.state == "CANCELLED" and stopped.restarts == 0, stopped.fields
@@ -161,7 +161,7 @@ def test_a_job_out_of_requeues_runs_on_and_a_scancel_resumes_on_another_task_cou
     resharded to the uninterrupted run's dictionary."""
     run = tmp_path / "run"
     first = dictlearn(slurm, run, REQUEUES="0")
-    wait_for_checkpoint(slurm, first, run, 1000)
+    wait_for_checkpoint(slurm, first, run, 500)
     slurm.run(["scancel", "--signal=USR1", "--batch", first])
     slurm.wait(first, 60, until=lambda j: "it runs on to its limit" in output(run, first) or j.state != "RUNNING")
     assert "the job was requeued 0 times already (--requeue 0): it runs on to its limit" in output(run, first)
@@ -183,7 +183,7 @@ def test_a_sigterm_sent_to_the_ranks_stops_the_job_and_is_not_requeued(slurm, tm
     which is a cancel, not a failure to requeue."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run)
-    wait_for_checkpoint(slurm, job, run, 1000)
+    wait_for_checkpoint(slurm, job, run, 500)
     slurm.run(["scancel", "--signal=TERM", job])
     stopped = slurm.wait(job, 120)
     assert stopped.restarts == 0 and stopped.state == "FAILED" and stopped.exit_code == "143:0", stopped.fields
@@ -199,7 +199,7 @@ def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_pa
     launcher warns and the run goes on to its end (here well within its one-minute limit)."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run, "--time=1")
-    wait_for_checkpoint(slurm, job, run, 1000)
+    wait_for_checkpoint(slurm, job, run, 500)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)
     assert finished.restarts == 0

@@ -25,14 +25,14 @@ def test_hierarchical_allreduce_matches_numpy_on_any_layout(ranks, per_node):
     assert f"hierarchical allreduce ok: {ranks} ranks" in job.stdout
 
 
-@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (3, 0), (4, 2)])
+@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
 def test_sixteen_bit_sums_on_the_wire(ranks, per_node):
     job = run_mpi("narrow_sums.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=120)
     assert_ok(job)
     assert f"narrow sums ok: {ranks} ranks" in job.stdout
 
 
-@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (3, 0), (4, 2)])
+@pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
 def test_torch_tensors_of_four_dtypes(ranks, per_node):
     job = run_mpi("tensor_allreduce.py", ranks, env={"MPISCALE_RANKS_PER_NODE": str(per_node)}, timeout=120)
     assert_ok(job)
@@ -42,7 +42,7 @@ def test_torch_tensors_of_four_dtypes(ranks, per_node):
 COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user"]
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [3])  # one world size: 2 ranks checked nothing that 3 do not
 def test_data_parallel_behaves_as_ddp_where_users_rely_on_it(ranks):
     """Unused and frozen parameters, channels_last, BatchNorm statistics (programs/data_parallel_like_ddp.py)."""
     job = run_mpi("data_parallel_like_ddp.py", ranks, timeout=180)
@@ -50,7 +50,7 @@ def test_data_parallel_behaves_as_ddp_where_users_rely_on_it(ranks):
     assert f"data parallel like DDP ok: {ranks} ranks" in job.stdout, job.output[-3000:]
 
 
-@pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2)])
+@pytest.mark.parametrize(("ranks", "per_node"), [(1, 0), (2, 0), (3, 0), (4, 2)])
 def test_data_parallel_training_equals_one_process_on_the_whole_batch(ranks, per_node):
     """Exact sums on every layout; on a flat and a two-level one, the compressed schemes too (each within its own
     bound, the same on every rank)."""
