@@ -27,17 +27,21 @@ lint: setup
 	.venv/bin/lint-imports
 	.venv/bin/mypy mpiscale
 
-# The tests run on TEST_WORKERS pytest-xdist workers: half of the suite's time is waiting (mpirun's grace periods,
-# sleeps, start-up), which the other worker fills (measured: 24 minutes one by one, 19 on two workers; three
-# oversubscribed this 2-core machine four times over and made tests time out). A file's tests stay on one worker:
-# they share fixtures (a trained model, the Slurm cluster, which a second one on the host would fight).
+# The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
+# periods, sleeps, Slurm's scheduling), which the other worker fills (measured: 24 minutes one by one, 18 on two
+# workers). Two keep this 2-core machine's cores busy: three took as long (18:26 against 18:29, idle CPU 0.3%)
+# and made a broker-restart test miss its timing. Most of the CPU is the ranks' start-up (torch and its compiler
+# stack, which torch.optim imports: 2.3 s of a training rank's 3.5; Numba's target: 0.4 s), so tests keep the
+# number of launches and ranks to what they check. A file's tests stay on one worker: they share fixtures (a
+# trained model, the Slurm cluster, which a second one on the host would fight).
 # TEST_WORKERS=0 runs them in this process, one after another.
 TEST_WORKERS ?= 2
 
 test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The minutes-long tests make test leaves out (a real Slurm time limit and its requeue: about four minutes)
+# The tests make test leaves out: a real Slurm time limit and its requeue (about four minutes), and the requeue of
+# an mpirun launcher line (make test requeues an srun line, and stops and resumes an mpirun one)
 test-slow: setup
 	$(PY) -m pytest -m slow
 

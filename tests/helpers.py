@@ -49,9 +49,6 @@ SESSION_ENVIRONMENT = dict(os.environ)
 # runs hundreds. Tests in which the surviving ranks must report a dead one in that grace take mpirun's default back.
 SESSION_ENVIRONMENT.setdefault("OMPI_MCA_odls_base_sigkill_timeout", "0")
 MPIRUN_GRACE = {"OMPI_MCA_odls_base_sigkill_timeout": "1"}  # mpirun's own default
-# Two test workers share the cores: OpenMP threads that wait passively leave them to the other worker's ranks (Numba's
-# parallel kernels spun idle after each region: 22% more CPU for a one-rank dictlearn, measured).
-SESSION_ENVIRONMENT.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def launch(

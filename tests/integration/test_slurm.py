@@ -85,7 +85,9 @@ def test_a_plain_run_of_the_dictlearn_template(slurm, uninterrupted):
     assert records[-1]["kind"] == "status" and records[-1]["state"] == "finished"
 
 
-@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+# Under mpirun the same signal, requeue and resume run in make test-slow; make test stops and resumes an mpirun line
+# (test_a_plain_scancel_under_mpirun_...) and requeues an srun one.
+@pytest.mark.parametrize("launcher", ["srun", pytest.param("mpirun", marks=pytest.mark.slow)])
 def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, uninterrupted, tmp_path, launcher):
     """What --signal=B:USR1@120 does before the limit (here sent by hand to a job without a time limit: the same
     signal to the batch shell), with either launcher line inside the allocation."""

@@ -94,7 +94,7 @@ def test_a_pipeline_checkpoint_resumes_as_one_stage_and_refuses_data_parallel_on
 @pytest.mark.parametrize(
     "ranks, options, message",
     [(3, ["--stages", "2"], "3 ranks cannot hold 2 stages: run on a multiple of 2 ranks (stages x replicas)"),
-     (4, ["--stages", "4", "--hidden", ""], "the model has 2 modules, too few for 4 stages"),
+     (3, ["--stages", "3", "--hidden", ""], "the model has 2 modules, too few for 3 stages"),
      (2, ["--stages", "2", "--micro-batches", "80", "--batch-size", "64"],
       "a batch of 64 over 1 replicas leaves 64 samples to cut into 80 micro-batches"),
      (2, ["--stages", "2", "--schedule", "zb"], "schedule must be one of 1f1b, gpipe, got 'zb'")],
