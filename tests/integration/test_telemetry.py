@@ -101,9 +101,13 @@ def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tm
         time.sleep(2)
         broker.start()
         subscriber.wait_for(lambda p: p["kind"] == "progress", timeout=60)
-        watcher = subprocess.Popen([*MPISCALE, "watch", "t3", "--broker", broker.address, "--timeout", "120"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        time.sleep(1)
+        shown_path = tmp_path / "watch.out"
+        with open(shown_path, "w") as shown_file:
+            watcher = subprocess.Popen([*MPISCALE, "watch", "t3", "--broker", broker.address, "--timeout", "120"],
+                                       stdout=shown_file, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 60  # the watcher has seen the job (on a loaded machine its start takes seconds)
+        while "job t3:" not in shown_path.read_text() and watcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         broker.stop()
         time.sleep(1.5)
         heard = len(subscriber.messages)
@@ -120,7 +124,8 @@ def test_a_broker_away_at_the_start_and_restarted_mid_run(broker, subscriber, tm
     assert not problems(status)
     steps = [p["step"] for p in subscriber.payloads("progress")]
     assert steps == sorted(steps) and 0 < steps[-1] < 10**7, steps[-5:]
-    shown, errors = watcher.communicate(timeout=60)  # it connected again and saw the job to its end
+    _, errors = watcher.communicate(timeout=60)  # it connected again and saw the job to its end
+    shown = shown_path.read_text()
     assert watcher.returncode == 0, shown[-2000:] + errors
     assert "mpiscale watch: lost the broker (" in errors and "; connecting again" in errors, errors
     assert "job t3: memstore on 2 ranks" in shown and "stopped" in shown, shown[-2000:]
