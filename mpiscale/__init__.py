@@ -6,8 +6,16 @@ The runtime's public API (``Actor``, ``ActorRef``, ...) is re-exported here.
 them how far this rank got.
 """
 
-from . import runtime
-from ._version import __version__
+import os as _os
+
+from . import early_stop as _early_stop
+from .ranks import RANK_VARIABLES as _RANK_VARIABLES
+
+if any(_os.environ.get(name) for name in _RANK_VARIABLES):
+    _early_stop.hold()  # a launcher's rank: a stop while it starts is noted, not its silent death
+
+from . import runtime  # noqa: E402  (after the signals are held: importing the runtime takes a while)
+from ._version import __version__  # noqa: E402
 from .runtime import *  # noqa: F403  (the list lives in mpiscale.runtime.__all__)
 from .telemetry import report_step
 from .telemetry import run_watched as run  # noqa: F401  (listed through runtime.__all__)

@@ -10,8 +10,9 @@ functions that need it, so importing this module does not start MPI.
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, overload
 
 if TYPE_CHECKING:  # mpi4py is imported where MPI is used, so that importing this module does not start MPI
     from mpi4py.MPI import Comm as MPIComm
@@ -47,9 +48,13 @@ def as_mpi(comm: AnyComm | None) -> Comm | None:
     return comm if wrapped is None else wrapped  # type: ignore[return-value]  # a WrapsComm has a comm
 
 
+#: Where launchers (mpirun, srun, hydra) put a process's rank, before MPI starts.
+RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
 def launched_rank() -> int:
     """This process's rank as the launcher set it (mpirun, srun, hydra), before MPI starts; 0 when not launched."""
-    for variable in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+    for variable in RANK_VARIABLES:
         if os.environ.get(variable, "").isdigit():
             return int(os.environ[variable])
     return 0
@@ -131,6 +136,43 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     return node_comm, firsts.index(first), len(firsts)
 
 
+T = TypeVar("T")
+
+
+def on_rank_0(comm: Comm | None, action: Callable[[], T], refusals: tuple[type[Exception], ...] = (ValueError,)) -> T:
+    """``action()`` run by rank 0 alone (listing files, reading an index, judging an earlier run's file), its result
+    or its refusal on every rank (collective).
+
+    A decision one rank makes must reach every rank as the same outcome: the
+    ranks never see different listings, and when rank 0 refuses (an exception
+    of ``refusals``), every rank raises that exception, so the job ends with one
+    clean refusal instead of the other ranks waiting for a result that never
+    comes. An exception that would not survive the trip keeps its type's base
+    among ``refusals`` and its message.
+    """
+    result, problem = None, None
+    if comm is None or comm.Get_rank() == 0:
+        try:
+            result = action()
+        except refusals as error:
+            problem = _travelling(error, refusals)
+    if comm is not None:
+        result, problem = comm.bcast((result, problem), 0)
+    if problem is not None:
+        raise problem
+    return result  # type: ignore[return-value]  # set wherever no problem was raised
+
+
+def _travelling(error: Exception, refusals: tuple[type[Exception], ...]) -> Exception:
+    """``error``, or the first of ``refusals`` it is with its message, when it could not be rebuilt on another rank."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # an exception whose __init__ takes other arguments than its message
+        kind = next(kind for kind in refusals if isinstance(error, kind))
+        return kind(str(error))
+
+
 class AgreedError(RuntimeError):
     """A failure every rank raised together (``agree``'s default kind), so collective clean-up is safe."""
 
@@ -159,14 +201,19 @@ def raise_agreed(
     messages: list[str | None], problem: BaseException | str | None, what: str, kind: type[Exception]
 ) -> None:
     """Raise ``kind`` naming every rank with a message (a message said by many ranks, once); nothing if none."""
+    said = by_ranks(messages)
+    if said:
+        cause = problem if isinstance(problem, BaseException) else None
+        raise kind(f"{what} failed: {said}") from cause
+
+
+def by_ranks(messages: list[str | None]) -> str:
+    """``rank 1: x; ranks 0, 2: y``: each message once, with the ranks (list positions) that said it; empty if none."""
     ranks_of: dict[str, list[int]] = {}
     for other, message in enumerate(messages):
         if message:
             ranks_of.setdefault(message, []).append(other)
-    if ranks_of:
-        cause = problem if isinstance(problem, BaseException) else None
-        said = [f"{_ranks(where)}: {message}" for message, where in ranks_of.items()]
-        raise kind(f"{what} failed: " + "; ".join(said)) from cause
+    return "; ".join(f"{_ranks(where)}: {message}" for message, where in ranks_of.items())
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -23,13 +23,22 @@ class AdaptersConfig:
         0, "shared components per layer group and side (A, B); 0 = the fewest that explain VARIANCE"
     )
     variance: float = option(0.99, "with COMPONENTS 0: the share of each group's sum of squares to keep")
+    max_components: int = option(
+        0,
+        "with COMPONENTS 0: at most this many per group and side, whatever VARIANCE asks (0 = no cap; the run's "
+        "last line says when the compressed form outgrew the adapters)",
+    )
     method: str = option(
         "exact",
         "exact (the d x d second moment summed over the ranks, or the Gram matrix when there are fewer rows) or "
         "randomized (a range finder: needs COMPONENTS; for many adapters and a small k)",
     )
     oversampling: int = option(10, "randomized: extra random directions beyond COMPONENTS")
-    power_iterations: int = option(2, "randomized: passes that sharpen the range (one allreduce of d x (k+p) each)")
+    power_iterations: int = option(
+        0,
+        "randomized: passes that sharpen the range (one allreduce of d x (k+p) each); 0 = until a pass adds less "
+        "than 1e-5 of the share the components capture (at most 30)",
+    )
     seed: int = option(0, "randomized: seed of the random directions (the same on every rank)")
     resume: bool = option(
         False, "finish a stopped run: the layer groups it completed are in OUT.partial (any number of ranks)"
@@ -45,8 +54,9 @@ class AdaptersConfig:
         problems: list[str] = []
         if self.method not in METHODS:
             problems.append(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.components < 0:
-            problems.append(f"components must be 0 or more, got {self.components}")
+        if self.components < 0 or self.max_components < 0:
+            problems.append(f"components and max_components must be 0 or more, got {self.components} and "
+                            f"{self.max_components}")  # fmt: skip
         if not (0 < self.variance <= 1 and math.isfinite(self.variance)):
             problems.append(f"variance must be in (0, 1], got {self.variance}")
         if self.method == "randomized" and self.components == 0:

@@ -23,6 +23,7 @@ from ..errors import MpiscaleError
 from ..io import is_list_file, listed_paths, natural_key
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+FLOAT_TYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the types an adapter's weights may have
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _SUFFIXES = {"A": _A, "B": _B}
 
@@ -131,13 +132,29 @@ def open_adapter(path: str) -> Adapter:
     _check_config(path, config)
     weights = os.path.join(path, WEIGHTS)
     try:
-        with safe_open(weights, framework="numpy") as file:  # the header only: shapes, no tensor read
-            shapes = {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
+        os.stat(weights)  # says what is wrong with the path itself (a symlink loop, a dangling link, no such file)
+        with safe_open(weights, framework="numpy") as file:  # the header only: shapes and types, no tensor read
+            slices = {key: file.get_slice(key) for key in file.keys()}
+            shapes = {key: tuple(part.get_shape()) for key, part in slices.items()}
+            types = {key: part.get_dtype() for key, part in slices.items()}
     except (OSError, SafetensorError) as error:  # missing, truncated or not a safetensors file
-        raise AdapterError(weights, f"cannot read it: {error}") from None
+        raise AdapterError(weights, f"cannot read it: {_reason(error)}") from None
+    odd = sorted(key for key, kind in types.items() if kind not in FLOAT_TYPES)
+    if odd:
+        raise AdapterError(weights, (
+            f"{odd[0]} holds {types[odd[0]]} numbers{f' (and {len(odd) - 1} more tensors)' if len(odd) > 1 else ''}: "
+            f"LoRA weights are floating point ({', '.join(FLOAT_TYPES)})"
+        ))  # fmt: skip
     rank = int(config["r"])
     modules = _modules(weights, shapes, rank)
     return Adapter(Path(path).name, os.path.abspath(path), config, rank, modules)
+
+
+def _reason(error: BaseException) -> str:
+    """What an OSError says of a path (its strerror, not the repr of its arguments), else the error's text."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    return str(error)
 
 
 def _check_config(path: str, config: dict) -> None:

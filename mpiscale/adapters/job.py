@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 
@@ -57,7 +58,16 @@ from .layout import ADAPTERS_FORMAT, group_name
 from .pca import Components, shared_components
 
 #: The settings a resumed run must share with the stopped one (the others, such as progress, may change).
-RESULT_SETTINGS = ("components", "variance", "method", "oversampling", "power_iterations", "seed", "add_to")
+RESULT_SETTINGS = (
+    "components",
+    "variance",
+    "max_components",
+    "method",
+    "oversampling",
+    "power_iterations",
+    "seed",
+    "add_to",
+)
 
 
 async def compress_adapters(system: ActorSystem, config: AdaptersConfig) -> dict:
@@ -224,7 +234,8 @@ class _Compression(HeldOutputs):
         config, dimension = self.config, module.inputs if side == "A" else module.outputs
         rows = len(self.paths) * self.reference.rank + len(earlier)
         return shared_components(blocks, rows, dimension, self.comm, config.method, config.components, config.variance,
-                                 config.oversampling, config.power_iterations, config.seed, unseen)  # fmt: skip
+                                 config.oversampling, config.power_iterations, config.seed, unseen,
+                                 config.max_components)  # fmt: skip
 
     def _write_adapters(
         self, group: str, start: int, loadings: dict[str, np.ndarray], norm2: np.ndarray, error2: np.ndarray
@@ -269,6 +280,8 @@ class _Compression(HeldOutputs):
             print(f"wrote {self.config.out}: {count} adapters{joined}, {len(modules)} layer groups, "
                   f"{stored / original:.1%} of the parameters; largest relative error of an adapter's update "
                   f"{worst:.3g}", flush=True)  # fmt: skip
+            if stored > original:
+                print(_outgrown(stored / original, self.config, modules, count, rank), file=sys.stderr, flush=True)
         return {"adapters": count, "groups": len(modules), "stored_share": stored / original, "worst_error": worst}
 
 
@@ -342,6 +355,19 @@ def _not_resumable(kept: str, config: AdaptersConfig, table: dict[str, np.ndarra
     if not done:
         return f"{kept} does not say how many groups it completed; remove it to start over"
     return None
+
+
+def _outgrown(share: float, config: AdaptersConfig, modules: tuple[Module, ...], count: int, rank: int) -> str:
+    """The warning for a compressed form larger than the adapters, with the cap that keeps every group smaller: k
+    components of a group cost k (in + out) numbers and 2 k per adapter row, against its rows' r (in + out)."""
+    rows = count * rank
+    cap = min(rows * (m.inputs + m.outputs) // (m.inputs + m.outputs + 2 * rows) for m in modules)
+    asked = f"--components {config.components}" if config.components else f"--variance {config.variance:g}"
+    return (
+        f"mpiscale compress-adapters: WARNING: the compressed file holds {share:.1%} of the adapters' parameters, "
+        f"more than the {count} adapters of rank {rank} themselves: {asked} keeps too many components. Lower "
+        f"--variance, or cap each group with --max-components {max(cap, 1)} or fewer to store less than the adapters"
+    )
 
 
 def _group_layout(group: str, sides: dict[str, Components], count: int, rank: int) -> dict:

@@ -14,7 +14,11 @@ projection of its own matrices on the components, with nothing added.
 - ``randomized`` (Halko, Martinsson and Tropp): a random d x (k + p) block,
   ``power_iterations`` passes of multiplying by ``X^T X`` (each one allreduce
   of d x (k + p)), then the small (k + p) x (k + p) problem. For many rows
-  and a small k.
+  and a small k. With ``power_iterations`` 0 the passes go on until one adds
+  less than ``CONVERGED`` of what the best k directions of the block capture
+  (their Ritz values, free from the pass's own product): two passes capture
+  0.4-3% less than exact on rows without a strong shared subspace (trained
+  adapters), where a planted one is found in two.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import numpy as np
 from ..ranks import Comm
 
 METHODS = ("exact", "randomized")
+CONVERGED = 1e-5  # randomized, automatic passes: a pass that adds less than this share of the captured sum ends them
+MOST_PASSES = 30
 
 
 @dataclass(frozen=True)
@@ -77,18 +83,19 @@ def shared_components(
     power_iterations: int = 2,
     seed: int = 0,
     unseen: float = 0.0,
+    most: int = 0,
 ) -> Components:
     """The components of every rank's rows (collective; ``count`` rows of ``dimension`` numbers on all the ranks
-    together): ``components`` of them, or (0) the fewest that explain ``variance`` of the total; never more than the
-    rows' numerical rank. ``unseen``: a sum of squares of rows not given (what an earlier compression left out of
-    the rows it gives), counted in the total the components' shares are of.
+    together): ``components`` of them, or (0) the fewest that explain ``variance`` of the total, at most ``most``
+    (0: no cap); never more than the rows' numerical rank. ``unseen``: a sum of squares of rows not given (what an
+    earlier compression left out of the rows it gives), counted in the total the components' shares are of.
 
     ``rows()`` is called once per pass over the rows, so a rank holds one block at a time: memory is d x d (or
     d x (k + p)) whatever the number of rows, except on the Gram path, whose rows (fewer than d) are gathered.
     """
     if method == "randomized":
         width = min(components + oversampling, dimension, count)
-        values, vectors, total = _randomized(rows, dimension, comm, width, power_iterations, seed)
+        values, vectors, total = _randomized(rows, dimension, comm, width, power_iterations, seed, components)
     elif count >= dimension:
         values, vectors, total = _covariance(rows, dimension, comm, components)
     else:
@@ -101,6 +108,7 @@ def shared_components(
     else:
         reached = np.cumsum(values[:kept]) >= variance * total
         kept = int(np.argmax(reached)) + 1 if reached.any() else kept
+        kept = min(kept, most) if most else kept
     found = Components(np.ascontiguousarray(vectors(kept)), values[:kept].copy(), total)
     return comm.bcast(found, root=0)  # rank 0's, to the bit, wherever the ranks' rounding differed
 
@@ -146,8 +154,9 @@ def _gram(rows: Rows, dimension: int, comm: Comm, wanted: int) -> tuple[np.ndarr
 
 
 def _randomized(
-    rows: Rows, dimension: int, comm: Comm, width: int, power_iterations: int, seed: int
+    rows: Rows, dimension: int, comm: Comm, width: int, power_iterations: int, seed: int, components: int
 ) -> tuple[np.ndarray, Callable[[int], np.ndarray], float]:
+    """The range finder; ``power_iterations`` 0: passes until converged (see the module docstring)."""
     from mpi4py import MPI
 
     def moment_times(block: np.ndarray) -> np.ndarray:
@@ -159,8 +168,15 @@ def _randomized(
 
     probe = np.random.default_rng(seed).standard_normal((dimension, width))  # the same on every rank
     basis = np.linalg.qr(moment_times(probe))[0]
-    for _ in range(power_iterations):
-        basis = np.linalg.qr(moment_times(basis))[0]
+    captured = 0.0
+    for _ in range(power_iterations or MOST_PASSES):
+        product = moment_times(basis)
+        if not power_iterations:  # the best k directions of this basis capture the top k of B^T M B
+            now = float(np.linalg.eigvalsh(basis.T @ product)[-components:].sum())
+            if comm.bcast(now - captured <= CONVERGED * abs(now), root=0):  # one decision: as many passes everywhere
+                break
+            captured = now
+        basis = np.linalg.qr(product)[0]
     small, total = np.zeros((width, width)), 0.0
     for part in batched(rows, dimension):
         projected = part @ basis

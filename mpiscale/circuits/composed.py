@@ -54,6 +54,13 @@ class PlanRun:
             tables[f"plan/circuits/{node}"] = fixed_strings(circuits)
         return tables
 
+    def what_changed(self, name: str) -> str | None:
+        if name == "plan/ranks":
+            return None  # the placement follows the job's ranks: a resumed run places the plan anew
+        if name == "plan/nodes":
+            return "the plan's nodes changed (the catalogue's models behind them, or the plan)"
+        return f"the circuits node {name.rsplit('/', 1)[-1]!r} selects other circuits (the catalogue changed)"
+
     async def start(self) -> None:
         await self.compiled.start()
 
@@ -76,7 +83,8 @@ class PlanRun:
                 rows = values.get(name, np.empty((0, width), np.float32))
                 if failure is None and len(rows) and not np.isfinite(rows).all():
                     failure = f"sample {lo + int(np.flatnonzero(~np.isfinite(rows).all(axis=1))[0])} gives NaN or " \
-                              f"infinity in output {name!r}: clean the data first"  # fmt: skip
+                              f"infinity in output {name!r}: the data holds them, or the plan's values overflow " \
+                              "float32 on it"  # fmt: skip
                 writes.append((f"outputs/{name}", lo, np.asarray(rows, np.float32)))
         for slot in range(self.per_step):  # rank 0 numbers the rows
             batch = batches[slot] if slot < len(batches) and self.system.rank == 0 else None

@@ -95,6 +95,9 @@ class AllFeatures:
     def replicated(self) -> dict[str, np.ndarray]:
         return {"circuits": fixed_strings(self.selection.names), "circuit_rows": self.selection.rows}
 
+    def what_changed(self, name: str) -> str | None:
+        return "the circuits --where selects in the catalogue changed"
+
     async def start(self) -> None:
         pass
 

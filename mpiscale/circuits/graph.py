@@ -38,7 +38,7 @@ from ..train.pipeline.split import balanced_starts
 from . import ops
 from .catalogue import Catalogue, LayerCircuits
 from .filters import check_filters, matching, parse_filters
-from .plan import INPUT, PlanError, PlanSpec
+from .plan import INPUT, PlanError, PlanSpec, cannot_run
 from .prefix import ModelRunner
 from .sources import read_matrix
 from .store import CatalogueError
@@ -113,7 +113,7 @@ def build_graph(plan: PlanSpec, catalogue: Catalogue, input_width: int, input_dt
             nodes[name] = node
             widths[name] = node.width
     if problems:
-        raise PlanError(plan.path, "cannot run: " + "; ".join(problems))
+        raise PlanError(plan.path, cannot_run(problems))
     return Graph(nodes, plan.outputs, input_width, input_dtype, circuits)
 
 
@@ -189,8 +189,8 @@ def _op_node(spec, widths: list[int | None], problems: list[str]) -> Node | None
     width = widths[0] or 0
     if spec.op == "linear":
         try:
-            weights = read_matrix(spec.weights).astype(np.float32)
-            bias = read_matrix(spec.bias).astype(np.float32).reshape(-1) if spec.bias else None
+            weights = _finite_float32(read_matrix(spec.weights), "weights")
+            bias = _finite_float32(read_matrix(spec.bias), "bias").reshape(-1) if spec.bias else None
         except (ValueError, CatalogueError) as error:
             problems.append(f"{where}: {error}")
             return None
@@ -214,12 +214,24 @@ def _op_node(spec, widths: list[int | None], problems: list[str]) -> Node | None
     return Node(spec.name, spec.inputs, width, width, ops.combining(spec.op), spec.rank)
 
 
+def _finite_float32(matrix: np.ndarray, what: str) -> np.ndarray:
+    """``matrix`` as float32 (how a plan computes), refused where it holds NaN or infinity, or a value beyond
+    float32's range."""
+    values = matrix.astype(np.float32)
+    bad = np.argwhere(~np.isfinite(values))
+    if len(bad):
+        where = tuple(int(i) for i in bad[0])
+        raise ValueError(f"{what} hold {float(matrix[where]):g} at {where} ({len(bad)} values are NaN, infinite "
+                         "or beyond float32's range): a plan computes in float32")  # fmt: skip
+    return values
+
+
 def place(graph: Graph, size: int, where: str) -> dict[str, int]:
     """Each node's rank: the one its plan names, or its part of the cost-balanced cut of the others."""
     problems = [f"node {n.name!r} is placed on rank {n.rank}, but the job has {size} ranks"
                 for n in graph.nodes.values() if n.rank is not None and n.rank >= size]  # fmt: skip
     if problems:
-        raise PlanError(where, "cannot run: " + "; ".join(problems))
+        raise PlanError(where, cannot_run(problems))
     placed = {n.name: n.rank for n in graph.nodes.values() if n.rank is not None}
     free = [n for n in graph.nodes.values() if n.rank is None]
     if free:

@@ -44,7 +44,7 @@ from ..jobs import (
     setting_differences,
 )
 from ..kernels.threads import share_cores
-from ..ranks import Comm, ranks_sharing_cores
+from ..ranks import Comm, on_rank_0, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from .config import RESULT_SETTINGS, CircuitsRunConfig
 
@@ -79,7 +79,14 @@ class Work(Protocol):
 
     def layout(self, samples: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]: ...
 
-    def replicated(self) -> dict[str, np.ndarray]: ...
+    def replicated(self) -> dict[str, np.ndarray]:
+        """Data sets every rank holds alike: what the work is (a resumed run must do the same), and where it runs."""
+        ...
+
+    def what_changed(self, name: str) -> str | None:
+        """Why a replicated data set of a stopped run may differ from this run's: said as the setting a resumed run
+        must keep; None for where the work runs (placement over the ranks), which a resumed run writes anew."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -115,6 +122,11 @@ class _Run(HeldOutputs):
         await self.work.start()
         if self.kept is not None:
             self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
+            placed = {name: array for name, array in self.work.replicated().items() if not self.work.what_changed(name)}
+            try:
+                self.writer.write_replicated(placed)  # where this run places the work (batches are global)
+            except WriteError as error:
+                raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
             done = len(self.done) - len(self.pending)
             if self.system.rank == 0:
                 print(f"mpiscale circuits run: resumed from {self.kept}: {done} of {len(self.done)} batches were "
@@ -223,8 +235,8 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
     inputs = Inputs(path, name, shape[0], config.batch_size)
     try:
         batches = -(-shape[0] // config.batch_size)
-        found = _earlier_run(config, work, shape[0], batches) if system.rank == 0 else None
-        kept, pending = comm.bcast(found, root=0)
+        # rank 0 judges the earlier run's file; its refusal ends every rank alike
+        kept, pending = on_rank_0(comm, lambda: _earlier_run(config, work, shape[0], batches))
     except BaseException:
         if lock is not None:
             lock.release()
@@ -256,8 +268,9 @@ def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: i
         rows = file["sample_ids"].shape[0]
     changed = setting_differences(stored, {key: getattr(config, key) for key in RESULT_SETTINGS}, "stopped run")
     for name, now in work.replicated().items():
-        if not np.array_equal(replicated[name], now):
-            changed.append(f"/{name}: the catalogue's circuits changed")
+        why = work.what_changed(name)
+        if why and not np.array_equal(replicated[name], now):
+            changed.append(f"/{name}: {why}")
     if plan_sha256 != work.sha256:
         changed.append("the plan file changed")
     if rows != samples:

@@ -34,6 +34,8 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .store import CatalogueError
 
 INPUT = "input"
@@ -41,6 +43,7 @@ ELEMENTWISE = ("relu", "tanh", "sigmoid", "scale")
 COMBINING = ("add", "subtract", "multiply", "concat")
 OPS = ("linear", *ELEMENTWISE, "sum", *COMBINING)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 _NODE_KEYS = {"name", "circuits", "op", "inputs", "weights", "bias", "factor", "rank"}
 
 
@@ -84,6 +87,9 @@ def load_plan(path: str) -> PlanSpec:
         raise PlanError(path, "no such plan file") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise PlanError(path, f"is not a readable TOML plan: {error}") from None
+    except RecursionError:  # tomllib parses nested arrays and tables by recursion
+        why = "nests arrays or tables too deep to read: a plan is [[node]] tables of flat lists"
+        raise PlanError(path, why) from None
     problems: list[str] = []
     unknown = sorted(set(document) - {"node", "outputs"})
     if unknown:
@@ -110,7 +116,7 @@ def load_plan(path: str) -> PlanSpec:
                 problems.append(f"node {node.name!r} takes {source!r}, which is not a node (nor {INPUT!r})")
     ordered = _ordered(nodes, problems)
     if problems:
-        raise PlanError(path, "cannot run: " + "; ".join(problems))
+        raise PlanError(path, cannot_run(problems))
     return PlanSpec(path, {name: nodes[name] for name in ordered}, list(outputs), hashlib.sha256(raw).hexdigest())
 
 
@@ -158,8 +164,9 @@ def _node(table: object, index: int, directory: str, problems: list[str]) -> Nod
     if op == "linear" and not weights:
         problems.append(f"{where}: linear needs weights (an out x in matrix: FILE.npy or FILE.h5:/W)")
     factor = table.get("factor", 1.0)
-    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or factor != factor:
-        problems.append(f"{where}: factor must be a number, got {factor!r}")
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not abs(factor) <= FLOAT32_MAX:
+        problems.append(f"{where}: factor must be a finite number within float32's range (values are float32), "
+                        f"got {factor!r}")  # fmt: skip
         factor = 1.0
     return NodeSpec(name, op, tuple(inputs), weights=_beside(weights, directory), bias=_beside(bias, directory),
                     factor=float(factor), rank=rank)  # fmt: skip
@@ -174,25 +181,37 @@ def _beside(spec: str, directory: str) -> str:
     return f"{path}{colon}{name}"
 
 
+PROBLEMS_SHOWN = 20  # a plan's problems listed in one message; the rest are counted
+
+
+def cannot_run(problems: list[str]) -> str:
+    """The message of a plan that cannot run: its first ``PROBLEMS_SHOWN`` problems, and how many more."""
+    shown = "; ".join(problems[:PROBLEMS_SHOWN])
+    more = len(problems) - PROBLEMS_SHOWN
+    return f"cannot run: {shown}" + (f"; and {more:,} more problems" if more > 0 else "")
+
+
 def _ordered(nodes: dict[str, NodeSpec], problems: list[str]) -> list[str]:
     """The nodes, each after its inputs, depth first from the plan's order (a chain stays together); a cycle is a
-    problem naming its nodes."""
+    problem naming its nodes. An explicit stack, not recursion: a chain of any length is ordered."""
     order: list[str] = []
     state: dict[str, str] = {}
-
-    def visit(name: str, path: list[str]) -> None:
-        if state.get(name) == "done" or name not in nodes:
-            return
-        if state.get(name) == "open":
-            cycle = path[path.index(name) :] + [name]
-            problems.append(f"nodes {' -> '.join(cycle)} form a cycle")
-            return
-        state[name] = "open"
-        for source in nodes[name].inputs:
-            visit(source, [*path, name])
-        state[name] = "done"
-        order.append(name)
-
-    for name in nodes:
-        visit(name, [])
+    for root in nodes:
+        if root in state:
+            continue
+        state[root] = "open"
+        path, pending = [root], [iter(nodes[root].inputs)]  # the open nodes, and the inputs each has left to visit
+        while pending:
+            source = next(pending[-1], None)
+            if source is None:
+                state[path[-1]] = "done"
+                order.append(path.pop())
+                pending.pop()
+            elif source in nodes and state.get(source) == "open":
+                cycle = path[path.index(source) :] + [source]
+                problems.append(f"nodes {' -> '.join(cycle)} form a cycle")
+            elif source in nodes and source not in state:
+                state[source] = "open"
+                path.append(source)
+                pending.append(iter(nodes[source].inputs))
     return order

@@ -12,6 +12,8 @@ computed once).
 
 from __future__ import annotations
 
+import zipfile
+
 import numpy as np
 import torch
 
@@ -56,21 +58,29 @@ def load_module(model: ModelRef) -> torch.nn.Module:
             return torch.export.load(model.path).module()
         module = torch.jit.load(model.path, map_location="cpu")
     except Exception as error:  # torch's loaders raise many kinds for a file that is not theirs
-        raise DataFileError(model.path, f"cannot be loaded as a {model.kind} module: {error}") from None
+        raise DataFileError(model.path, f"cannot be loaded as a {model.kind} module: {one_line(error)}") from None
     module.eval()
     return module
 
 
 def detect_module(path: str) -> str:
-    """``export`` or ``torchscript``: the kind of saved module ``path`` holds (a DataFileError for neither)."""
+    """``export`` or ``torchscript``: the kind of saved module ``path`` holds, told from the archive's own entries
+    (both are zip archives), so only the right loader ever runs (a DataFileError for neither)."""
+    neither = "is neither a torch.export program (torch.export.save) nor a TorchScript module (torch.jit.save)"
     try:
-        torch.export.load(path)
+        with zipfile.ZipFile(path) as archive:
+            entries = {name.split("/", 1)[-1] for name in archive.namelist()}
+    except (OSError, zipfile.BadZipFile) as error:
+        raise DataFileError(path, f"{neither}: {one_line(error)}") from None
+    if entries & {"archive_format", "serialized_exported_program.json"}:
         return "export"
-    except Exception:  # not an exported program: try TorchScript
-        pass
-    try:
-        torch.jit.load(path, map_location="cpu")
+    if "constants.pkl" in entries or any(entry.startswith("code/") for entry in entries):
         return "torchscript"
-    except Exception:  # neither loader takes it
-        raise DataFileError(path, "is neither a torch.export program (torch.export.save) nor a TorchScript module "
-                                  "(torch.jit.save)") from None  # fmt: skip
+    raise DataFileError(path, f"{neither}: a zip archive of neither's layout")
+
+
+def one_line(error: BaseException) -> str:
+    """An error's message on one line: the last line of a multi-line one (TorchScript puts its interpreter's
+    traceback first and the error itself last)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__

@@ -1,8 +1,10 @@
 """Similar circuits: exact cosine top-k over a space's embeddings, each rank its block, with a metadata filter.
 
 The stored vectors have unit norm, so a block's cosines against every query
-are one float32 matrix product; ``kernels.topk`` keeps each query's best k as
-(score, circuit row) pairs, ties to the smaller row. Each rank searches its
+are one float32 matrix product, which screens; ``kernels.topk`` scores the
+candidates that could rank exactly (a row's score does not depend on where it
+sits in the block) and keeps each query's best k as (score, circuit row)
+pairs, ties to the smaller row. Each rank searches its
 block of the space (read in slices of ``block`` rows: bounded memory), and the
 ranks' lists are merged with the same rule, so the answer is the one a single
 process finds, on any number of ranks. A circuit the filter rejects is never a
@@ -75,7 +77,7 @@ def nearest(
         rows, keys, passes = vectors[lo:hi], ids[lo:hi], allowed[lo:hi]
         if passes.sum() < len(passes) // 2:
             rows, keys, passes = rows[passes], keys[passes], np.ones(int(passes.sum()), bool)
-        merge_top_k(queries @ rows.T, keys, passes, found.scores, found.rows)
+        merge_top_k(queries @ rows.T, queries, rows, keys, passes, found.scores, found.rows)
 
 
 def merge_neighbours(parts: list[Neighbours], k: int) -> Neighbours:

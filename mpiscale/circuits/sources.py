@@ -19,10 +19,10 @@ import numpy as np
 
 from ..dictlearn.catalogue import catalogue
 from ..dictlearn.results import RESULTS_FORMAT as DICTLEARN_FORMAT
-from ..io import DataFileError, open_file, split_spec
+from ..io import DataFileError, locate, open_file, split_spec
 from ..train.model import input_layout
 from ..train.results import RESULTS_FORMAT as TRAIN_FORMAT
-from .prefix import ModelRunner, detect_module
+from .prefix import ModelRunner, detect_module, one_line
 from .store import CatalogueError, ModelRef, NewCircuits
 
 
@@ -30,12 +30,9 @@ def from_dictlearn(results: str, model: str = "", layer: str = "", top: int = 5,
     """One circuit per atom of ``results``' dictionary (``top`` 0: no usage and top inputs, no pass over the data)."""
     with open_file(results, (DICTLEARN_FORMAT,)) as file:
         dictionary = file["dictionary"][()]
-        spec = data or str(file.attrs["data"])
+        spec = data or locate(file.attrs, "data", results)
     activations, dataset = split_spec(spec)
-    activations = _beside(activations, results)
-    if not model:
-        model = _model_of(activations, results)
-    model = _beside(model, activations)
+    model = model or _model_of(activations, results)
     with open_file(model, (TRAIN_FORMAT,)) as file:
         inputs, dtype = input_layout(json.loads(file.attrs["model"]))
     reference = ModelRef.of(model, "train", inputs, dtype.name)
@@ -78,7 +75,7 @@ def from_module(path: str, name: str, inputs: int, input_dtype: str = "float32",
         hint = ", export it with a batch dimension of any size (torch.export.Dim('batch', min=1))"
         raise CatalogueError(path, f"did not take a batch of one row of {inputs} {input_dtype} numbers (circuits run "
                                    f"in batches of any size{hint if reference.kind == 'export' else ''}): "
-                                   f"{error}") from None  # fmt: skip
+                                   f"{one_line(error)}") from None  # fmt: skip
     projections = read_matrix(atoms) if atoms else np.eye(width, dtype=np.float32)
     if projections.ndim != 2 or projections.shape[1] != width:
         raise CatalogueError(atoms, f"atoms must be a matrix of rows of {width} numbers (the module's output), got "
@@ -143,19 +140,9 @@ def _value(text: str) -> float | str:
 
 
 def _model_of(activations: str, results: str) -> str:
+    """The model the activations file names (found as ``io.locate`` finds recorded paths)."""
     with open_file(activations) as file:
-        model = file.attrs.get("model")
-    if not model:
-        why = "does not name its model (it was not written by mpiscale collect)"
-        raise CatalogueError(results, f"learned from {activations}, which {why}: give --model TRAIN.h5 and --layer")
-    return str(model)
-
-
-def _beside(path: str, named_by: str) -> str:
-    """``path`` as a file names it: as given if it exists, else relative to that file's directory."""
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    nearby = os.path.join(os.path.dirname(os.path.abspath(named_by)), path)
-    if os.path.exists(nearby):
-        return nearby
-    raise DataFileError(named_by, f"names {path}, which is found neither from {os.getcwd()} nor beside it")
+        if not file.attrs.get("model"):
+            why = "does not name its model (it was not written by mpiscale collect)"
+            raise CatalogueError(results, f"learned from {activations}, which {why}: give --model TRAIN.h5 and --layer")
+        return locate(file.attrs, "model", activations)

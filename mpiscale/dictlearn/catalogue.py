@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import DataFileError, ShardedDataset, open_file, split_spec
+from ..io import DataFileError, ShardedDataset, locate, open_file, split_spec
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .results import RESULTS_FORMAT
 
@@ -43,7 +43,7 @@ def catalogue(results: str, top: int = 5, data: str | None = None) -> tuple[list
     with open_file(results, (RESULTS_FORMAT,)) as file:
         dictionary = file["dictionary"][()]
         config = json.loads(file.attrs["config"])
-        source = data or str(file.attrs["data"])
+        source = data or locate(file.attrs, "data", results)
     path, name = split_spec(source)
     gram = gram_matrix(dictionary)
     atoms = len(dictionary)
@@ -67,9 +67,9 @@ def catalogue(results: str, top: int = 5, data: str | None = None) -> tuple[list
             numbers = np.concatenate([best_rows, np.arange(lo, lo + len(block))[:, None].repeat(atoms, axis=1)])
             keep = np.argpartition(-candidates, min(top, len(candidates)) - 1, axis=0)[:top]
             best, best_rows = np.take_along_axis(candidates, keep, 0), np.take_along_axis(numbers, keep, 0)
-        labels_spec = str(rows.attrs().get("labels", ""))
+        attrs, first_file = rows.attrs(), rows.files[0]
     ids = _sample_ids(path, samples)
-    labels = _labels(labels_spec) if labels_spec else None
+    labels = _labels(locate(attrs, "labels", first_file)) if attrs.get("labels") else None
     entries = []
     for atom in np.argsort(-used, kind="stable"):
         order = np.argsort(-best[:, atom], kind="stable")

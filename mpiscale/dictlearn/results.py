@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from ..io import open_file, stamp
+from ..io import open_file, recorded, stamp
 from .config import DictLearnConfig
 from .data import DataInfo
 from .history import METRICS, History
@@ -74,7 +74,7 @@ def write(file: h5py.File, results: JobResults) -> None:
     devices = results.devices
     file.attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
     file.attrs["numba_threads_per_rank"] = results.threads
-    file.attrs["data"] = info.spec
+    file.attrs.update(recorded("data", info.spec, config.out))  # absolute, and relative to the results file
     file.attrs["samples"], file.attrs["features"] = info.samples, info.features
     file.attrs["stop_reason"] = results.stop_reason
     if info.patch_shape is not None:

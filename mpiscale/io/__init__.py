@@ -1,7 +1,7 @@
 """Parallel I/O and data-pipeline helpers: sharded HDF5 datasets, checkpoints, batch reader, per-sample randomness."""
 
 from ..ranks import rank_rows
-from .batching import STRATEGIES, Batching
+from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
@@ -9,6 +9,7 @@ from .h5file import fixed_strings, open_file, publish, stamp, utc_timestamp, wri
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, epoch_order
+from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
@@ -21,6 +22,7 @@ __all__ = [
     "Batch",
     "BatchReader",
     "Batching",
+    "length_batches",
     "Ragged",
     "RaggedDataset",
     "ReaderStats",
@@ -45,12 +47,14 @@ __all__ = [
     "is_variable_length",
     "is_list_file",
     "listed_paths",
+    "locate",
     "natural_key",
     "open_arrays",
     "open_file",
     "publish",
     "rank_rows",
     "read_dataset",
+    "recorded",
     "replay",
     "resolve_files",
     "split_spec",

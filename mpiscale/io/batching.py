@@ -30,7 +30,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..ranks import rank_rows
+from ..ranks import block_rows, rank_rows
 from .reader import epoch_order
 from .sample_random import SampleRandom
 
@@ -39,6 +39,7 @@ BATCH_STREAM = 253  # SampleRandom stream reserved for the order of the batches 
 POOL = 8192  # samples grouped by size at once, at least
 BATCHES_PER_POOL = 64
 MiB = 1 << 20
+ARRAY_HEADER_BYTES = 112  # a small numpy array's own object beside its data (sys.getsizeof of a view)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,11 @@ class SampleSizes:
     def samples(self) -> int:
         return len(self.lengths)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes this index holds (the lengths, and each sample's bytes once known)."""
+        return self.lengths.nbytes + self.units.nbytes + (self.packed.nbytes if "packed" in self.__dict__ else 0)
+
     @cached_property
     def packed(self) -> np.ndarray:
         """Each sample's bytes as read."""
@@ -139,6 +145,20 @@ def pool_batches(sizes: SampleSizes, pool: np.ndarray, limit: int, seed: int, ep
     firsts = np.array([batch[0] for batch in batches], dtype=np.int64)
     shuffled = np.argsort(SampleRandom(seed).uniform(epoch, firsts, 1, stream=BATCH_STREAM)[:, 0], kind="stable")
     return [batches[i] for i in shuffled]
+
+
+def length_batches(lengths: np.ndarray, tokens: int) -> list[np.ndarray]:
+    """Positions of ``lengths`` grouped by length into batches of at most ``tokens`` padded tokens (the count times
+    the longest; a longer sample is a batch alone), each batch's positions ascending, the shortest batches first."""
+    order = np.argsort(lengths, kind="stable")
+    batches, first = [], 0
+    for at, longest in enumerate(np.asarray(lengths)[order].tolist()):  # ascending: each is its batch's longest
+        if at > first and (at - first + 1) * longest > tokens:
+            batches.append(np.sort(order[first:at]))
+            first = at
+    if first < len(order):
+        batches.append(np.sort(order[first:]))
+    return batches
 
 
 def pool_samples(sizes: SampleSizes, batching: Batching) -> int:
@@ -238,3 +258,32 @@ class EpochBatches:
         """Packed bytes of this rank's largest batch (count strategies: what read-ahead must hold at least)."""
         packed = self.sizes.packed
         return max((int(packed[self.batch(step)].sum()) for step in range(self.steps)), default=0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this plan holds: the epoch's order and its batches (each an array, with numpy's own header)."""
+        return self.order.nbytes + sum(batch.nbytes + ARRAY_HEADER_BYTES for batch in self._batches)
+
+    def largest_of_any_rank(self) -> int:
+        """Packed bytes of the largest batch any rank gets this epoch (count strategies), in one pass over the
+        order: the full global batches as rows, each rank's share of a row summed at once."""
+        count, size = self.batching.batch_size, self.size
+        ordered = self.sizes.packed[self.order]
+        whole = min(self.steps, len(ordered) // count)
+        sums = np.zeros((whole, 1), np.int64)
+        if whole:
+            full = ordered[: whole * count].reshape(whole, count)
+            if self.batching.strategy == "round-robin":
+                sums = np.stack([full[:, rank::size].sum(axis=1) for rank in range(size)], axis=1)
+            else:
+                edges = np.concatenate([[0], np.cumsum(block_rows(count, size))])
+                running = np.concatenate([np.zeros((whole, 1), np.int64), np.cumsum(full, axis=1)], axis=1)
+                sums = running[:, edges[1:]] - running[:, edges[:-1]]
+        last = 0
+        if self.steps > whole:  # a partial last batch (kept when drop_last is off)
+            rows = ordered[whole * count :]
+            if self.batching.strategy == "round-robin":
+                last = max(int(rows[rank::size].sum()) for rank in range(size))
+            else:
+                last = max(int(rows[lo:hi].sum()) for lo, hi in (rank_rows(len(rows), size, r) for r in range(size)))
+        return max(int(sums.max(initial=0)), last)

@@ -8,6 +8,8 @@ The index may hold N+1 boundaries (the first 0, the last the number of
 values: CSR, Arrow and PyTorch's nested tensors write it so) or N starts
 (each sample runs to the next start, the last to the end). A starts index
 whose last sample is empty reads as boundaries; write boundaries for that.
+Either begins at 0: values before the first sample would be read by none,
+so an index that begins later is refused, not read as a shorter data set.
 
 Either way a read returns ``Ragged``: the samples' values packed end to end
 and their N+1 boundaries, never a list of small arrays, so a batch is two
@@ -27,11 +29,11 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from ..ranks import AnyComm, Comm, as_mpi, rank_rows, size_and_rank
+from ..ranks import AnyComm, Comm, as_mpi, on_rank_0, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import dataset, open_file
 from .sharded import ShardedDataset
-from .sources import is_npy, on_rank_0, only_dataset, resolve_files, split_spec
+from .sources import is_npy, only_dataset, resolve_files, split_spec
 
 MAPPED_FROM = 1 << 20  # arrays of at least this many bytes get a mapping of their own
 READ_TASKS = 32  # groups of runs of one batch read as separate tasks
@@ -57,6 +59,15 @@ class Ragged:
         """Sample ``index`` (a view)."""
         return self.values[self.offsets[index] : self.offsets[index + 1]]
 
+    def take(self, rows: np.ndarray) -> Ragged:
+        """The samples ``rows`` (in that order), packed anew."""
+        lengths = self.lengths[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if not len(rows):
+            return Ragged(self.values[:0].copy(), offsets)
+        return Ragged(np.concatenate([self.row(int(row)) for row in rows]), offsets)
+
     def padded(self, fill: float | int = 0, length: int | None = None) -> np.ndarray:
         """The samples as one array of shape (samples, LENGTH, *trailing), the tail of each row ``fill``.
 
@@ -80,7 +91,12 @@ def boundaries(raw: np.ndarray, values: int, path: str, name: str) -> np.ndarray
     if raw.ndim != 1 or raw.dtype.kind not in "iu":
         raise DataFileError(path, f"offsets must be one row of integers, got {raw.dtype} of shape {raw.shape}", name)
     raw = raw.astype(np.int64)
-    whole = len(raw) >= 2 and raw[0] == 0 and raw[-1] == values
+    if len(raw) and raw[0] != 0:
+        raise DataFileError(path, (
+            f"offsets must begin at 0, the first sample's start, but begin at {raw[0]}: values 0 .. {raw[0] - 1} "
+            "would belong to no sample (an index of another slice of the values, or of rows counted from 1?)"
+        ), name)  # fmt: skip
+    whole = len(raw) >= 2 and raw[-1] == values
     edges = raw if whole else np.append(raw, values)
     outside = np.flatnonzero((edges < 0) | (edges > values))
     if len(outside):

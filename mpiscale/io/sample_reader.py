@@ -39,7 +39,7 @@ from functools import partial
 import numpy as np
 
 from ..ranks import AnyComm, as_mpi, size_and_rank
-from .batching import Batching, EpochBatches, SampleSizes, check_budget
+from .batching import Batching, EpochBatches, MiB, SampleSizes, check_budget
 from .ragged import Ragged, RaggedDataset, mapped, read_in_runs
 from .sharded import ShardedDataset
 
@@ -154,6 +154,11 @@ class Tuner:
         return self.batch_bytes != before
 
 
+def _sized(nbytes: int, samples: int) -> str:
+    """``1.2 MiB for 63,000 samples``."""
+    return f"{nbytes / MiB:.3g} MiB for {samples:,} samples"
+
+
 class SampleReader:
     """This rank's batches of same-length arrays, ragged (``RaggedDataset``) or fixed (``ShardedDataset``).
 
@@ -196,6 +201,12 @@ class SampleReader:
         self.window = window if window is not None else max(1, int(DEFAULT_WINDOW_BYTES // mean))
         self.stats = ReaderStats()
         self._plan: EpochBatches | None = None
+        if batching.by_bytes:  # the budget must hold the reader's index and plan too: refused now, not mid-epoch
+            try:
+                self.limit(self.plan(0))
+            except ValueError:
+                self.close()
+                raise
         self._waiter = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-samples-wait")
         self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="mpiscale-samples-read")
 
@@ -218,18 +229,54 @@ class SampleReader:
 
     def limit(self, plan: EpochBatches) -> int:
         """The most bytes of batches in memory while this reader serves ``plan``: one batch and the read-ahead,
-        which must hold a batch at least (refused otherwise: the caller's batch and the next must fit)."""
-        batching = self.batching
+        which must hold a batch at least (refused otherwise: the caller's batch and the next must fit).
+
+        The reader's own index and plan (``apart``: about 50-150 bytes a sample) count within the budget: the
+        read-ahead (``prefetch_bytes``), or adaptive batching's ``memory_bytes``, holds them and the batches.
+        The default read-ahead (two batches) holds them beside two batches."""
+        batching, apart = self.batching, self.held_apart(plan)
         if batching.strategy == "adaptive":
-            return batching.memory_bytes
-        batch = batching.batch_limit_bytes(self.sizes) if batching.strategy == "memory" else plan.largest()
-        if batching.prefetch_bytes and batching.prefetch_bytes < batch:
+            room, largest = batching.memory_bytes - apart, int(self.sizes.packed.max(initial=1))
+            if room < 2 * largest:
+                raise ValueError(
+                    f"memory_bytes {batching.memory_bytes:,} leaves {room:,} bytes beside the reader's own index and "
+                    f"plan ({_sized(apart, self.samples)}), less than a batch of the largest sample and one read "
+                    f"ahead ({2 * largest:,}): raise it to at least {apart + 2 * largest:,} bytes "
+                    f"({(apart + 2 * largest) / MiB:.4g} MiB)"
+                )
+            return room
+        memory = batching.strategy == "memory"
+        batch = batching.batch_limit_bytes(self.sizes) if memory else plan.largest()
+        self._check_read_ahead(batch, "at most" if memory else "the largest of the epoch", apart)
+        return batch + (batching.prefetch_bytes - apart if batching.prefetch_bytes else 2 * batch)
+
+    def held_apart(self, plan: EpochBatches) -> int:
+        """Bytes the reader holds beside its batches: every sample's sizes and the epoch's plan, twice over (numpy's
+        sorts and slices copy them while a plan is made: measured, 80 bytes a sample for 63,000 samples)."""
+        return 2 * (self.sizes.nbytes + plan.nbytes)
+
+    def check_read_ahead(self, epochs: int, ranks: int | None = None) -> None:
+        """Refuse, before any batch is read, a read-ahead that cannot hold the largest batch any of ``ranks`` ranks
+        (default: this reader's) gets in the first ``epochs`` epochs (count strategies; memory batching is checked
+        when the reader opens, adaptive batching has its own budget)."""
+        if self.batching.strategy in ("memory", "adaptive") or not self.batching.prefetch_bytes:
+            return
+        ranks = ranks or self.size
+        for epoch in range(epochs):
+            plan = EpochBatches(self.sizes, self.batching, epoch, self.seed, self.shuffle, self.window, ranks)
+            apart = self.held_apart(plan)
+            self._check_read_ahead(plan.largest_of_any_rank(), f"the largest a rank gets in epoch {epoch + 1}", apart)
+
+    def _check_read_ahead(self, batch: int, which: str, apart: int) -> None:
+        """Refuse a read-ahead that, beside the reader's own index and plan (``apart`` bytes), cannot hold a batch."""
+        prefetch = self.batching.prefetch_bytes
+        if prefetch and prefetch - apart < batch:
+            beside = f" beside the reader's own index and plan ({_sized(apart, self.samples)})" if apart else ""
             raise ValueError(
-                f"prefetch_bytes {batching.prefetch_bytes:,} cannot hold the next batch ({batch:,} bytes"
-                f"{' at most' if batching.strategy == 'memory' else ', the largest of the epoch'}): read-ahead "
-                "must hold one batch at least"
+                f"prefetch_bytes {prefetch:,} ({prefetch / MiB:.3g} MiB) cannot hold the next batch ({batch:,} bytes, "
+                f"{which}){beside}: read-ahead must hold one batch at least; raise it to {batch + apart:,} bytes "
+                f"({(batch + apart) / MiB:.4g} MiB) or more"
             )
-        return batch + (batching.prefetch_bytes or 2 * batch)
 
     def read(self, ids: np.ndarray) -> dict[str, Ragged | np.ndarray]:
         """Every array's rows of the ascending ``ids``, runs of consecutive ids read by several threads at once."""
@@ -265,11 +312,11 @@ class SampleReader:
 
     def _serve(self, epoch: int, start_step: int) -> _Serving:
         plan = self.plan(epoch)
-        tuner = None
+        limit, tuner = self.limit(plan), None
         if self.batching.strategy == "adaptive":
             smallest = int(self.sizes.packed.max(initial=1))  # the largest sample: a batch holds one at least
-            tuner = Tuner(self.batching.memory_bytes, smallest)
-        return _Serving(self, plan, self._batches(plan, start_step, tuner), _Budget(self.limit(plan)), tuner)
+            tuner = Tuner(limit, smallest)
+        return _Serving(self, plan, self._batches(plan, start_step, tuner), _Budget(limit), tuner)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[SampleBatch]:
         """This rank's batches of ``epoch`` from ``start_step``."""

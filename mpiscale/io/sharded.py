@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ..ranks import AnyComm, as_mpi, rank_rows, size_and_rank
+from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import (
     INDEX_FORMAT,
@@ -33,7 +33,7 @@ from .h5file import (
     settle_background_io,
     stamp,
 )
-from .sources import H5Source, NpySource, is_npy, on_rank_0, only_dataset, resolve_files
+from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
 from .writer import RowWriter
 
 

@@ -14,8 +14,6 @@ import glob
 import math
 import os
 import re
-from collections.abc import Callable
-from typing import TypeVar
 
 import h5py
 import numpy as np
@@ -26,7 +24,6 @@ from .h5file import datasets_in, describe_datasets
 from .rows import read_rows
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
-T = TypeVar("T")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -36,22 +33,6 @@ def split_spec(spec: str) -> tuple[str, str]:
     if not colon:
         return spec, ""
     return files, name.strip("/")
-
-
-def on_rank_0(comm: Comm | None, action: Callable[[], T]) -> T:
-    """``action()`` run by rank 0 alone (listing files, reading an index), its result or its ``DataFileError`` on
-    every rank: the ranks never see different listings, and all refuse alike."""
-    result, problem = None, None
-    if comm is None or comm.Get_rank() == 0:
-        try:
-            result = action()
-        except DataFileError as error:
-            problem = error
-    if comm is not None:
-        result, problem = comm.bcast((result, problem), 0)
-    if problem is not None:
-        raise problem
-    return result  # type: ignore[return-value]  # set wherever no problem was raised
 
 
 def natural_key(path: str) -> list:

@@ -25,6 +25,7 @@ from .state import (
     settings_meta,
     state_arrays,
     steer,
+    stopped_at_start,
 )
 
 __all__ = [
@@ -62,5 +63,6 @@ __all__ = [
     "Step",
     "SteppedJob",
     "steer",
+    "stopped_at_start",
     "write_results",
 ]

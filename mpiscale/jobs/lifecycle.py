@@ -21,7 +21,7 @@ from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
 from .outputs import close_checkpointer, start_agreed
 from .progress import ProgressLine
-from .state import steer
+from .state import steer, stopped_at_start
 
 Result = TypeVar("Result")
 
@@ -112,7 +112,12 @@ async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[],
     """
     job = await start_agreed(system, command, prepare)
     try:
-        failure: CheckpointError | None = None
+        if await stopped_at_start(system):
+            failure = job.close_checkpoints()
+            if failure is not None:
+                raise JobRefused(f"mpiscale {command}: {failure}", status=1) from None
+            return {"stopped": True, "steps": 0}
+        failure = None
         try:
             ended = await _run_steps(system, job, await job.restore())
         except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures

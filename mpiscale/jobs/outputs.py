@@ -81,6 +81,9 @@ async def run_without_steps(
 
 def check_outputs(out: str, checkpoints: str | None) -> None:
     """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
+    if os.path.isdir(out):
+        example = os.path.join(out, "results.h5")
+        raise ValueError(f"the results file {out} is a directory: name a file (in it, say: {example})")
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
         raise ValueError(f"the results file's directory {directory} does not exist")

@@ -59,8 +59,12 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
                 document = tomllib.load(stream)
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as error:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"config file {path} is not valid TOML: {error}") from None
+        except RecursionError:  # tomllib reads nested arrays and tables by recursion
+            raise ValueError(f"config file {path} nests arrays or tables too deep to read") from None
+        except OSError as error:
+            raise ValueError(f"config file {path} cannot be read: {error}") from None
         values = document.get(table, document)
         unknown = sorted(set(values) - known)
         if unknown:

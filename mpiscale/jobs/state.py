@@ -68,6 +68,7 @@ def restore_compatible(
     unit: str,
     check: Callable[[Restored], None] | None = None,
     rows: dict[str, tuple[int, int]] | None = None,
+    why: Mapping[str, str] | None = None,
 ) -> Restored | None:
     """The newest checkpoint when ``resume`` (None if there is none), or None when starting afresh; ``rows`` are
     the rows of sharded arrays this rank reads (``Checkpointer.load``'s; by default its block).
@@ -77,7 +78,8 @@ def restore_compatible(
     (``settings_meta``), and a checkpoint of another job is refused, naming
     every setting that differs (first: a step count means nothing under other
     settings); ``check`` (the step against the run's length, say) runs next.
-    ``unit`` names a step ("iteration", "step") in the messages.
+    ``unit`` names a step ("iteration", "step") in the messages; ``why`` says, for a setting that must not change,
+    why and what to do instead.
     """
     if not resume:
         steps = checkpoints.steps()
@@ -92,7 +94,7 @@ def restore_compatible(
         return None
     keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
     saved: dict = next((restored.meta[key] for key in keys if key in restored.meta), {})
-    differences = setting_differences(saved, expected, "checkpoint")
+    differences = setting_differences(saved, expected, "checkpoint", why)
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
     if check is not None:
@@ -101,10 +103,12 @@ def restore_compatible(
     return restored
 
 
-def setting_differences(saved: dict, expected: dict, then: str) -> list[str]:
-    """``KEY: THEN old, now new`` for each setting of ``expected`` that ``saved`` (an earlier run's) holds otherwise."""
-    return [f"{key}: {then} {saved.get(key)!r}, now {value!r}" for key, value in expected.items()
-            if saved.get(key) != value]  # fmt: skip
+def setting_differences(saved: dict, expected: dict, then: str, why: Mapping[str, str] | None = None) -> list[str]:
+    """``KEY: THEN old, now new`` for each setting of ``expected`` that ``saved`` (an earlier run's) holds otherwise,
+    followed by ``why[KEY]`` in brackets where it says why that setting must stay and what to do."""
+    why = why or {}
+    return [f"{key}: {then} {saved.get(key)!r}, now {value!r}" + (f" ({why[key]})" if key in why else "")
+            for key, value in expected.items() if saved.get(key) != value]  # fmt: skip
 
 
 def kept_name(out: str) -> str:
@@ -141,6 +145,28 @@ async def steer(system: ActorSystem, where: str, save: Callable[[], Awaitable[No
         how = "a resumed run goes on from there" if save is not None else "it kept no checkpoint to resume from"
         print(f"mpiscale: stopped on request (a stop command or SIGTERM) after {where}; {how}", flush=True)
     return orders.stop
+
+
+async def stopped_at_start(system: ActorSystem) -> bool:
+    """Collective, once a job's input checked out and before anything else: whether a stop request came already
+    (a SIGTERM while the ranks started, a stop command), which ends the job here, saying so on rank 0. A checkpoint
+    request waits for the first step's end: there is nothing new to save yet."""
+    if not system.steering.active:
+        return False
+    orders = await system.steering.agree_now()
+    if not orders.stop:
+        for id in orders.ids if orders.checkpoint else []:
+            system.steering.request("checkpoint", id)
+        if orders.checkpoint and not orders.ids:
+            system.steering.request("checkpoint")
+        return False
+    session = telemetry.current()
+    if session is not None:
+        session.obeyed(orders, "the start", checkpointed=False)
+    if system.rank == 0:
+        print("mpiscale: stopped on request (a stop command or SIGTERM) before the first step; nothing to checkpoint",
+              flush=True)  # fmt: skip
+    return True
 
 
 async def same_bits_everywhere(system: ActorSystem, arrays: list[np.ndarray], what: str) -> None:

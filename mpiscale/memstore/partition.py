@@ -28,6 +28,15 @@ from ..kernels.memstore import (
 from .mirror import DeviceMirror
 
 BASE_COLUMNS = ("strength", "quality", "touched")
+#: Each column's type: float32, but ``touched``, the iteration that last reinforced a record, is an integer (a
+#: float32 counts iterations exactly only up to 2**24).
+TOUCHED_TYPE = np.dtype(np.int64)
+
+
+def column_type(name: str) -> np.dtype:
+    return TOUCHED_TYPE if name == "touched" else np.dtype(np.float32)
+
+
 #: Records below which a partition stays on the CPU even with a GPU.
 DEVICE_THRESHOLD = 1 << 16
 
@@ -38,13 +47,13 @@ def _capacity_for(records: int) -> int:
 
 
 class Partition:
-    """The records this rank owns. ``extra`` names user-defined float32 columns."""
+    """The records this rank owns. ``extra`` names user-defined float32 columns; ``touched`` is int64."""
 
     def __init__(self, extra: tuple[str, ...] = (), device: str = "cpu", device_threshold: int = DEVICE_THRESHOLD):
         self.names = (*BASE_COLUMNS, *extra)
         self.size = 0
         self._ids = np.empty(16, np.int64)
-        self._columns = {name: np.empty(16, np.float32) for name in self.names}
+        self._columns = {name: np.empty(16, column_type(name)) for name in self.names}
         self._slots = build_index(self._ids[:0], 16)
         self._mirror = DeviceMirror() if device == "cuda" else None
         self.device_threshold = device_threshold
@@ -77,10 +86,11 @@ class Partition:
         return find_rows(self._slots, self._ids[: self.size], np.ascontiguousarray(ids, np.int64))
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found, one row of every column per id: NaN where not found) for ``ids``."""
+        """(found, one row of every column per id: NaN where not found) for ``ids``; float64, which holds the float32
+        columns and the integer ``touched`` exactly."""
         rows = self.rows_of(ids)
         found = rows >= 0
-        table = np.full((len(rows), len(self.names)), np.nan, np.float32)
+        table = np.full((len(rows), len(self.names)), np.nan, np.float64)
         for j, name in enumerate(self.names):
             table[found, j] = self.column(name)[rows[found]]
         return found, table
@@ -113,10 +123,10 @@ class Partition:
         """Add ``deltas`` to the strength of ``rows`` (unique), clamped to [0, 1]; mark them touched."""
         if self._mirror is not None and self.on_device:
             self._mirror.reinforce(self._device_columns(), rows, deltas)
-            self._columns["touched"][rows] = np.float32(iteration)
+            self._columns["touched"][rows] = iteration
             return
         strength = self.column("strength")
-        apply_deltas(strength, self._columns["touched"], rows, deltas, np.float32(iteration))
+        apply_deltas(strength, self._columns["touched"], rows, deltas, np.int64(iteration))
 
     def decay(self, rate: float) -> None:
         """Subtract ``rate`` from every strength, clamped to [0, 1]."""
@@ -157,7 +167,7 @@ class Partition:
         grown[: self.size] = self._ids[: self.size]
         self._ids = grown
         for name, column in self._columns.items():
-            wider = np.empty(capacity, np.float32)
+            wider = np.empty(capacity, column.dtype)
             wider[: self.size] = column[: self.size]
             self._columns[name] = wider
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..io import CheckpointError, DataFileError
+from ..ranks import on_rank_0
 from .journal import Commit, Journal, Op, existing_segments, lost_logs
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,7 @@ async def recover(
     """
     began = time.perf_counter()
     comm = journal.comm
-    record = comm.bcast(_readable(journal.read_record) if comm.Get_rank() == 0 else None, 0)
-    if isinstance(record, CheckpointError):
-        raise record
+    record = on_rank_0(comm, journal.read_record, (CheckpointError,))
     if record is None:
         _no_record(journal, accept_rollback)
     if record is not None and record.get("meta") != meta:
@@ -87,7 +86,7 @@ async def recover(
                 f"the checkpoint in {journal.directory} holds the columns {saved.get('columns')}, "
                 f"this store has {list(replica.columns)}"
             )
-        table = np.column_stack([restored.sharded[name] for name in replica.columns]).astype(np.float32)
+        table = np.column_stack([restored.sharded[name].astype(np.float64) for name in replica.columns])
         await replica.apply("upsert", 0.0, [Op("upsert", restored.sharded["ids"], table)])
     loaded = time.perf_counter()
     commits: list[Commit] = []
@@ -149,13 +148,6 @@ def _refuse_rollback(accept_rollback: bool, problem: str, comm) -> None:
         log.warning("%s; the rollback is accepted: recovering what remains", problem)
 
 
-def _readable(read):
-    try:
-        return read()
-    except CheckpointError as error:
-        return error
-
-
 def _difference(journal: Journal, saved: dict, meta: dict) -> str:
     keys = sorted(set(saved) | set(meta))
     differences = [f"{k}: logged {saved.get(k)!r}, now {meta.get(k)!r}" for k in keys if saved.get(k) != meta.get(k)]
@@ -170,15 +162,7 @@ async def _replay(
     comm, run = journal.comm, record["run"]
     found = [segment for listing in comm.allgather(journal.listing(run)) for segment in listing]
     found = list({(s.node, s.name): s for s in found}.values())  # ranks on one node list the same files
-    plan, problem = None, None
-    if comm.Get_rank() == 0:
-        try:
-            plan = existing_segments(run, found)
-        except CheckpointError as error:
-            problem = str(error)
-    plan, problem = comm.bcast((plan, problem), 0)
-    if problem:
-        raise CheckpointError(problem)
+    plan = on_rank_0(comm, lambda: existing_segments(run, found), (CheckpointError,))
     lost = lost_logs(found, record.get("ranks"))
     if lost:
         _refuse_rollback(accept_rollback, (

@@ -27,7 +27,7 @@ from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
 from .durability import Durability, DurableLog, Replica
 from .journal import Op
-from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, Partition
+from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, TOUCHED_TYPE, Partition
 from .recovery import Recovered
 
 INT64_LIMIT = 2**63 - 1
@@ -181,11 +181,11 @@ class MemoryStore:
         first[1:] = got_ids[order][1:] != got_ids[order][:-1]
         keep = order[first]
         rows = self.partition.rows_of(got_ids[keep])
-        touched = np.zeros(len(rows), np.float32)  # new records: 0; stored ones keep theirs
+        touched = np.zeros(len(rows), TOUCHED_TYPE)  # new records: 0; stored ones keep theirs
         touched[rows >= 0] = self.partition.column("touched")[rows[rows >= 0]]
         named = {name: got_rows[keep, j] for j, name in enumerate(given)} | {"touched": touched}
         added = self.partition.upsert(got_ids[keep], named)
-        self._log(Op("upsert", got_ids[keep], np.column_stack([named[name] for name in self.columns])))
+        self._log(Op("upsert", got_ids[keep], _record_table([named[name] for name in self.columns])))
         self._aggregate = None
         total = await self.system.world.allreduce(np.array([added], np.int64))
         return int(total[0])
@@ -396,7 +396,7 @@ class MemoryStore:
         ids = np.concatenate([op.ids for op in ops if op.ids is not None] or [np.empty(0, np.int64)])
         width = len(self.columns) if kind == "upsert" else 1
         values = [op.values.reshape(len(op.ids), width) for op in ops if op.values is not None and op.ids is not None]
-        table = np.concatenate(values or [np.empty((0, width), np.float32)]).astype(np.float32)
+        table = np.concatenate(values or [np.empty((0, width), np.float64)]).astype(np.float64)
         if kind == "upsert":  # whole records, ids unique over all ranks
             _, (got_ids, got_table) = await self._route(ids, table)
             self.partition.upsert(got_ids, {name: got_table[:, j] for j, name in enumerate(self.columns)})
@@ -432,6 +432,12 @@ def best_by_quality(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.nd
     """The k best (qualities, ids) by quality descending, then id ascending."""
     order = np.lexsort((ids, -quality.astype(np.float64)))[:k]
     return quality[order], ids[order]
+
+
+def _record_table(columns: list[np.ndarray]) -> np.ndarray:
+    """Whole records as one table for the log: float64, exact for the float32 columns and the integer ``touched``
+    (logs of earlier versions hold float32 tables, which replay alike)."""
+    return np.column_stack([column.astype(np.float64) for column in columns])
 
 
 def _checked_ids(ids: np.ndarray) -> np.ndarray:

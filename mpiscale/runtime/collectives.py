@@ -16,11 +16,11 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from ..ranks import COUNT_LIMIT, Comm, block_rows, chunks, problem_text, raise_agreed, split_nodes
+from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed, split_nodes
 from . import transport
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
-from .errors import check_signatures, signature_digest
+from .errors import CollectiveMismatch, signature_digest
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
 
@@ -114,13 +114,55 @@ class Communicator:
         return np.ascontiguousarray(array)
 
     async def _check(self, what: str, signature: str) -> None:
-        """Fail identically on every rank if the ranks disagree on ``signature``."""
-        if not self._config.check_collectives or self.size == 1:
-            return
-        mine = np.array([signature_digest(signature)], dtype=np.int64)
-        every = np.empty(self.size, dtype=np.int64)
-        await self._wait(self.comm.Iallgather(mine, every), f"{what} check")
-        check_signatures(every.tolist(), f"{what} on {self.name}", self.rank, signature)
+        """Fail identically on every rank if the ranks are not in the same collective with matching arguments (when
+        ``check_collectives`` is on; a collective that needs the exchange anyway calls ``_exchange`` itself)."""
+        if self._config.check_collectives and self.size > 1:
+            await self._exchange(what, signature)
+
+    async def _exchange(self, what: str, signature: str, mine: int = 0) -> np.ndarray:
+        """Every rank's integer ``mine``, gathered in the exchange that begins every collective (and so is a
+        barrier); with ``check_collectives`` on it carries a digest of the collective's name and arguments too.
+
+        Whatever two ranks called, their first MPI calls are this same
+        allgather, so they match: a mismatch is found here, and every rank's
+        call is gathered into one ``CollectiveMismatch`` report, never bytes of
+        one collective read as another's. A collective that needs one number
+        from every rank anyway (a message's length) gets it in the same round.
+        """
+        check = self._config.check_collectives
+        called = f"{what}({signature})"
+        sent = np.array([signature_digest(called), mine] if check else [mine], np.int64)
+        every = np.empty((self.size, len(sent)), np.int64)
+        await self._wait(self.comm.Iallgather(sent, every), f"{what} check" if check else what, keep=sent)
+        if check and (every[:, 0] != every[0, 0]).any():
+            site = f" at {self.log.last[2]}" if self.log.last else ""
+            calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
+            error = CollectiveMismatch(
+                f"collective #{self.log.started} on {self.name}: the ranks called different collectives, or passed "
+                f"different arguments (shape, dtype, op, root), where all must call the same: {by_ranks(calls)}"
+            )
+            error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
+            raise error
+        return every[:, -1]
+
+    async def _texts(self, text: str | None, what: str, lengths: np.ndarray | None = None) -> list[str | None]:
+        """Every rank's ``text`` (None stays None), in rank order; ``lengths``: their lengths in bytes (-1 for None),
+        when already gathered."""
+        mine = np.frombuffer((text or "").encode(), np.uint8)
+        if lengths is None:
+            lengths = np.empty(self.size, np.int64)
+            length = np.array([len(mine) if text is not None else -1], np.int64)
+            await self._wait(self.comm.Iallgather(length, lengths), what, keep=length)
+        if (lengths < 0).all():
+            return [None] * self.size
+        sizes = np.maximum(lengths, 0)
+        every = np.empty(int(sizes.sum()), np.uint8)
+        offsets = _offsets(sizes)
+        await self._wait(self.comm.Iallgatherv(mine, [every, (sizes, offsets)]), what, keep=mine)
+        return [
+            every[offset : offset + size].tobytes().decode(errors="replace") if length >= 0 else None
+            for offset, size, length in zip(offsets, sizes, lengths)
+        ]
 
     @_collective
     async def agree(self, problem: BaseException | str | None, what: str, kind: type[Exception] = RuntimeError) -> None:
@@ -131,26 +173,20 @@ class Communicator:
         before any state changes (a batch's ids on one rank, say).
         """
         text = problem_text(problem)
-        mine = np.frombuffer((text or "").encode(), np.uint8)
-        lengths = np.empty(self.size, np.int64)
-        length = np.array([len(mine) if text else -1], np.int64)
-        await self._wait(self.comm.Iallgather(length, lengths), f"agreement on {what}", keep=length)
-        if (lengths < 0).all():
+        if self.size == 1:
+            raise_agreed([text], problem, what, kind)
             return
-        sizes = np.maximum(lengths, 0)
-        every = np.empty(int(sizes.sum()), np.uint8)
-        offsets = _offsets(sizes)
-        await self._wait(self.comm.Iallgatherv(mine, [every, (sizes, offsets)]), f"messages of {what}", keep=mine)
-        messages = [
-            every[offset : offset + size].tobytes().decode(errors="replace") if length >= 0 else None
-            for offset, size, length in zip(offsets, sizes, lengths)
-        ]
+        lengths = await self._exchange("agree", "", len(text.encode()) if text is not None else -1)
+        messages = await self._texts(text, f"agreement on {what}", lengths)
         raise_agreed(messages, problem, what, kind)
 
     @_collective
     async def barrier(self) -> None:
-        """Wait until every rank has reached the barrier."""
-        await self._wait(self.comm.Ibarrier(), "barrier")
+        """Wait until every rank has reached the barrier (the checked exchange that begins every collective is one)."""
+        if self._config.check_collectives and self.size > 1:
+            await self._exchange("barrier", "")
+        else:
+            await self._wait(self.comm.Ibarrier(), "barrier")
 
     @_collective
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
@@ -196,15 +232,16 @@ class Communicator:
     async def bcast(self, obj: object = None, root: int = 0) -> object:
         """Broadcast any picklable object (arrays travel without pickling their data)."""
         MPI = self._MPI
+        length = 0
         if self.rank == root:
             encoded = transport.encode(obj, 0, self._config.inline_bytes)
             frame = memoryview(encoded.frame)
-            length = np.array([frame.nbytes], dtype=np.int64)
-        else:
-            length = np.empty(1, dtype=np.int64)
-        await self._wait(self.comm.Ibcast(length, root), "bcast")
+            length = frame.nbytes
+        if self.size == 1:
+            return obj
+        lengths = await self._exchange("bcast", f"root={root}", length)  # the root's frame length, to every rank
         if self.rank != root:
-            frame = transport.allocate(int(length[0]))
+            frame = transport.allocate(int(lengths[root]))
         await self._wait(self.comm.Ibcast([frame, MPI.BYTE], root), "bcast")
         header = transport.decode_frame(frame)
         if header.inline_parts is not None:
@@ -282,6 +319,7 @@ class Hierarchy:
     reducer: HierarchicalAllreduce
     #: The hierarchical allreduces this rank started, and those still pending.
     log: CollectiveLog
+    engine: ProgressEngine  # counts the time a rank waits for a call's end (telemetry, the hang watch)
 
     async def allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
@@ -296,7 +334,13 @@ class Hierarchy:
         types MPI cannot add, such as 16-bit floats held as uint16). Several
         calls may be in flight.
         """
-        return await self.start_allreduce(array, op, out)
+        return await self.finish(self.start_allreduce(array, op, out))
+
+    async def finish(self, future: asyncio.Future) -> np.ndarray:
+        """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
+        telemetry reports and the hang watch reads)."""
+        self.engine.count_wait(future, f"allreduce on {self.log.name}")
+        return await future
 
     def start_allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
@@ -334,6 +378,7 @@ def build_hierarchy(
         node_index=index,
         node_count=count,
         log=CollectiveLog(f"{name} (hierarchical)", world.log.members),
+        engine=engine,
     )
 
 

@@ -52,7 +52,13 @@ class ActorStopped(MpiscaleError, RuntimeError):
 
 
 class CollectiveMismatch(MpiscaleError, ValueError):
-    """Ranks passed different shapes, dtypes or operations to the same collective."""
+    """Ranks called different collectives, or passed different shapes, dtypes or operations to the same one.
+
+    Raised on every rank of the communicator alike; ``reporter`` (a world rank, or None) is the one whose failure
+    report stands for all of them when the job ends on it.
+    """
+
+    reporter: int | None = None
 
 
 def signature_digest(signature: str) -> int:

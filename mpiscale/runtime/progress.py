@@ -107,8 +107,8 @@ class ProgressEngine:
         self.messages_received = 0
         self.bytes_sent = 0  # messages' frames and parts (collectives are not counted)
         self.bytes_received = 0
-        #: Seconds spent so far waiting for requests awaited through ``wait`` (the collectives), and those pending.
-        self.collective_wait_s = 0.0
+        #: Seconds spent waiting for requests awaited through ``wait`` (the collectives) that ended, and those pending.
+        self._waited_s = 0.0
         self._waits: dict[int, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ API
@@ -241,7 +241,7 @@ class ProgressEngine:
 
         def done(_: asyncio.Future) -> None:
             if self._waits.pop(key, None) is not None:
-                self.collective_wait_s += time.monotonic() - started
+                self._waited_s += time.monotonic() - started
 
         future.add_done_callback(done)
 
@@ -256,6 +256,13 @@ class ProgressEngine:
     def idle(self) -> bool:
         """True when nothing is queued to send, no request is pending and no inbound message is partial."""
         return not self._outbox and not self._pending and not any(self._inbound.values())
+
+    @property
+    def collective_wait_s(self) -> float:
+        """Seconds spent waiting so far, the waits still pending included (a rank in a collective that never ends
+        shows it growing)."""
+        now = time.monotonic()
+        return self._waited_s + sum(now - started for _, started in self._waits.values())
 
     def waiting_in(self) -> tuple[str, float] | None:
         """(what, seconds) of the oldest request awaited through ``wait`` still pending, or None."""

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import early_stop
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
 from .collectives import Communicator, Group, Hierarchy, build_hierarchy
@@ -49,6 +50,8 @@ _FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the
 # One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
 # srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
 _SAME_STOP_S = 2.0
+_STEERING_BEGINS_S = 5.0  # a stop that came while the rank started waits this long for the job to begin steering
+_AGREED_REPORT_S = 3.0  # a failure every rank raised alike: how long the others wait for the reporter's abort
 _MESSAGE, _REPLY = 0, 1
 
 
@@ -107,6 +110,7 @@ class ActorSystem:
         #: The signal that asked this rank's job to stop after its current step (None: none did).
         self.stop_signal: int | None = None
         self._stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
+        self._stop_noted = False  # a SIGTERM's stop request was made at once, before the loop took the signal
         self._local_peers = LocalPeers.gather(world, self.host)
         #: Called as ``await reporter(detail, rank)`` (a second at most each) before the job ends because another
         #: rank died: telemetry names it there.
@@ -385,6 +389,16 @@ class ActorSystem:
         """Print one failure report for this rank and abort the whole job with ``status``."""
         if self._failing:
             return
+        reporter = getattr(error, "reporter", None)
+        if reporter is not None and reporter != self.rank and 0 <= reporter < self.size:
+            # Every rank raised it alike: the reporter's report, and its abort, end the job. This rank gives them
+            # time, then ends with one line (the reporter may have caught it and gone on).
+            self._failing = True
+            sys.stdout.flush()
+            time.sleep(_AGREED_REPORT_S)
+            self._abort(f"mpiscale: rank {self.rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank "
+                        f"{reporter}'s)\n", status)  # fmt: skip
+            return
         if isinstance(error, SystemExit):  # a deliberate exit: its message is the report
             text = f"{error.code}\n"
         else:
@@ -496,17 +510,41 @@ class ActorSystem:
         if not self._failing:  # one line, not a second report: a rank that failed has printed its own
             self._abort(f"mpiscale: rank {self.rank}: a SIGTERM came, and {detail}\n", 1)
 
+    def _stop_at_start(self) -> None:
+        """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops
+        before its first step; one that does not drains, as for any stop of a job without steps."""
+        self.stop_signal, self._stop_asked_at = signal.SIGTERM, time.monotonic()
+        sys.stderr.write(f"mpiscale: rank {self.rank}: SIGTERM received while starting: stopping before the first "
+                         "step\n")  # fmt: skip
+        self.steering.stop_when_begun()
+        loop = asyncio.get_running_loop()
+        loop.call_later(_STEERING_BEGINS_S, self._drain_unless_steering)
+        loop.call_later(self.config.stop_grace_s, self._stop_overdue, signal.SIGTERM)
+
+    def _drain_unless_steering(self) -> None:
+        if self.steering.cancel_stop_when_begun() and not self._stopping:
+            self._on_signal(signal.SIGTERM)  # no step to stop after: drain
+
+    def _note_stop(self, signum: int, frame: object) -> None:
+        """SIGTERM's Python-level handler: a steering job's stop request, noted between two bytecodes of a step."""
+        if self.steering.active and self.stop_signal is None and not self._stopping:
+            self.steering.request("stop")
+            self._stop_noted = True
+
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
-        if signum == signal.SIGTERM and self.steering.active and self.stop_signal is None and not self._stopping:
+        noted, self._stop_noted = self._stop_noted, False
+        steering = self.steering.active or noted  # noted: the job may have stopped on it before the loop came round
+        if signum == signal.SIGTERM and steering and self.stop_signal is None and not self._stopping:
             # A steering job stops after its step, its state saved; the process then exits with 128+SIGTERM as for
             # a drain. If it has not returned within stop_grace_s, or a second SIGTERM comes, the rank drains.
             self.stop_signal = signum
             grace = self.config.stop_grace_s
             sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, stopping after the current step with a "
                              f"checkpoint (within {grace:g} s; a second {name} drains at once)\n")  # fmt: skip
-            self.steering.request("stop")
-            asyncio.get_running_loop().call_later(grace, self._stop_overdue, signum)
+            if self.steering.active:
+                self.steering.request("stop")
+                asyncio.get_running_loop().call_later(grace, self._stop_overdue, signum)
             return
         if self._stopping:
             sys.stderr.write(f"mpiscale: rank {self.rank}: second {name}, exiting now\n")
@@ -545,6 +583,9 @@ class ActorSystem:
         loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
         for signum in (signal.SIGTERM, signal.SIGUSR2):
             loop.add_signal_handler(signum, self._on_terminate)
+            # the loop calls _on_terminate once it runs again; a step that computes without awaiting notes the
+            # request now, so the agreement at its end carries it (asyncio's wakeup of the loop stays in place)
+            signal.signal(signum, self._note_stop)
         loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
@@ -555,6 +596,8 @@ class ActorSystem:
             watch = loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
         try:
             self._main_task = loop.create_task(_exit_as_exception(main(self)), name="main")
+            if early_stop.take() is not None:
+                self._stop_at_start()
             refused: JobRefused | None = None
             try:
                 result = await self._main_task

@@ -6,6 +6,7 @@ else is needed to run a job.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class TelemetrySettings:
             host, _, port = text.rpartition(":") if ":" in text else (text, "", "1883")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"MPISCALE_BROKER={text!r}: expected HOST:PORT")
+            check_host(host.strip("[]"), "MPISCALE_BROKER")
             broker = (host, int(port))
         try:
             interval = float(env.get("MPISCALE_TELEMETRY_INTERVAL_S", "2"))
@@ -55,6 +57,21 @@ class TelemetrySettings:
             prometheus_port=scrape,
             prometheus_addr=env.get("MPISCALE_PROMETHEUS_ADDR") or "0.0.0.0",
         )
+
+
+def check_host(host: str, variable: str) -> None:
+    """Refuse a host name no resolver takes (a part over 63 characters, an empty part): said at the start, not as an
+    error of a background task."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        why = "each part between dots holds 1 to 63 characters"
+        raise ValueError(f"{variable}: {host!r} is not a host name: {why}") from None
 
 
 def check_job_id(job: str) -> None:

@@ -48,8 +48,15 @@ def topic(job: str, kind: str) -> str:
     return f"mpiscale/{job}/{kind}"
 
 
-def mqtt_client(settings: TelemetrySettings, identifier: str | None = None, will: tuple[str, bytes] | None = None):
-    """An aiomqtt client for the configured broker, with its user, password and TLS (a job's, or a watcher's)."""
+def mqtt_client(
+    settings: TelemetrySettings, identifier: str | None = None, will: tuple[str, bytes] | None = None,
+    refused: Callable[[str], None] | None = None,
+):  # fmt: skip
+    """An aiomqtt client for the configured broker, with its user, password and TLS (a job's, or a watcher's).
+
+    It speaks MQTT 5, whose acknowledgements carry a reason: ``refused(reason)`` hears of every QoS 1 publish the
+    broker refused (an ACL that does not let this user write the topic: under MQTT 3.1.1 the broker drops such a
+    publish without a word)."""
     import aiomqtt
 
     assert settings.broker is not None
@@ -57,9 +64,17 @@ def mqtt_client(settings: TelemetrySettings, identifier: str | None = None, will
         raise FileNotFoundError(f"MPISCALE_BROKER_CA={settings.tls_ca}: no such file")
     tls = ssl.create_default_context(cafile=settings.tls_ca) if settings.tls_ca else None
     last_will = aiomqtt.Will(will[0], will[1], qos=1, retain=True) if will is not None else None
-    return aiomqtt.Client(
+
+    class Client(aiomqtt.Client):
+        def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+            if refused is not None and getattr(reason_code, "is_failure", False):
+                refused(str(reason_code))
+            super()._on_publish(client, userdata, mid, reason_code, properties)
+
+    return Client(
         settings.broker[0], settings.broker[1], username=settings.username, password=settings.password,
         will=last_will, tls_context=tls, timeout=5.0, keepalive=KEEPALIVE_S, identifier=identifier, logger=_PAHO_LOG,
+        protocol=aiomqtt.ProtocolVersion.V5,
     )  # fmt: skip
 
 
@@ -97,6 +112,7 @@ class MqttSink:
     ) -> None:
         self.settings, self.job, self.on_control = settings, job, on_control
         self.dropped = 0
+        self.refused = 0  # publishes the broker acknowledged with a refusal (its ACL)
         self.connected = False
         self._ever_connected = False
         self._said_unreachable = False
@@ -132,13 +148,14 @@ class MqttSink:
             try:
                 will = (topic(self.job, "status"), self._lost)
                 # a client id of its own: a client that connects under a guessable one would take the job's session
-                async with mqtt_client(self.settings, f"mpiscale-{self.job}-{uuid.uuid4().hex[:12]}", will) as client:
+                identifier = f"mpiscale-{self.job}-{uuid.uuid4().hex[:12]}"
+                async with mqtt_client(self.settings, identifier, will, self._refused) as client:
                     self.connected, self._ever_connected, failures, retry_until = True, True, 0, None
                     if self._last_status is not None and self._last_status not in self._queue:
                         self._queue.appendleft(self._last_status)
                     await self._connected(client)
                     return
-            except (aiomqtt.MqttError, OSError) as error:
+            except (aiomqtt.MqttError, OSError, UnicodeError) as error:  # UnicodeError: a name no resolver takes
                 self.connected = False
                 if not self._ever_connected and not self._said_unreachable:
                     self._said_unreachable = True  # once: a wrong password or CA must not pass silently
@@ -162,6 +179,19 @@ class MqttSink:
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
                 with contextlib.suppress(TimeoutError):  # the job's end cuts the backoff short
                     await asyncio.wait_for(self._closing.wait(), delay)
+
+    def _refused(self, reason: str) -> None:
+        """The broker refused a publish (said once: the ACL refuses the rest alike, acknowledged or not)."""
+        self.refused += 1
+        if self.refused == 1:
+            user = self.settings.username or "(anonymous)"
+            log.warning("telemetry: the broker %s:%d refuses this job's publishes under mpiscale/%s/ (%s): its ACL "
+                        "does not let user %s write there, so watchers see nothing of this job; with the documented "
+                        "ACL, give the job an id under the user's name (MPISCALE_JOB_ID=%s/<id>)", *self._where(),
+                        self.job, reason, user, user)  # fmt: skip
+
+    def _where(self) -> tuple[str, int]:
+        return self.settings.broker or ("", 0)
 
     async def _connected(self, client) -> None:
         """Send, and receive control messages, until closing or until the connection fails (raised)."""

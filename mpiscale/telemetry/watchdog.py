@@ -86,7 +86,7 @@ class Watchdog:
             waiting_itself = rank in waiters and now - report["time"] < fresh_s
             if still >= self.settings.hang_after_s and not waiting_itself and any(r != rank for r in long_waiters):
                 stuck[rank] = still
-        behind = {r: leader for r in reports if (leader := self._silent_leader(reports, r)) is not None}
+        behind = {r: leader for r in reports if (leader := self._silent_leader(reports, r, now)) is not None}
         found = []
         for rank in sorted(stuck.keys() - behind.keys()):
             report, others = reports[rank], sorted(r for r in long_waiters if r != rank)
@@ -100,14 +100,18 @@ class Watchdog:
             )))  # fmt: skip
         return found
 
-    def _silent_leader(self, reports: dict[int, dict], rank: int) -> int | None:
+    def _silent_leader(self, reports: dict[int, dict], rank: int, now: float) -> int | None:
         """The node leader ``rank`` reports through, if that leader fell silent when ``rank`` did (None: not so).
 
-        The leader forwards its own report with its node's, so while it runs its reports stay an interval or
-        more ahead of a stuck rank's; a leader silent since about the rank's last report explains the rank's silence.
+        Only a silent rank can be behind a silent leader: a rank whose reports still arrive (its event loop runs,
+        in an ``await`` that never ends, say) is named itself. The leader forwards its own report with its node's,
+        so while it runs its reports stay an interval or more ahead of a silent rank's; a leader silent since about
+        the rank's last report explains the rank's silence.
         """
         leader = reports[rank].get("via", rank)
         if leader == rank or leader not in reports:
+            return None
+        if now - reports[rank]["time"] < 2.5 * self.report_interval_s:  # its reports still come
             return None
         return leader if reports[leader]["time"] < reports[rank]["time"] + 1.5 * self.report_interval_s else None
 

@@ -22,7 +22,17 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..io import DataFileError, OutputLock, RaggedDataset, RowWriter, ShardedDataset, split_spec
+from ..io import (
+    DataFileError,
+    OutputLock,
+    Ragged,
+    RaggedDataset,
+    RowWriter,
+    ShardedDataset,
+    length_batches,
+    recorded,
+    split_spec,
+)
 from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
@@ -53,6 +63,7 @@ class _Job:
     attrs: dict
     lock: OutputLock | None
     offsets: str | None  # ragged data: its index (None: rows of one size)
+    tokens: int = 0  # ragged data: the most padded tokens run through the model at once
 
 
 async def collect(system: ActorSystem, config: CollectConfig) -> dict:
@@ -79,10 +90,12 @@ def _prepare(config: CollectConfig) -> _Job:
         ))  # fmt: skip
     spec = json.loads(trained["model"])
     inputs, model_dtype = input_layout(spec)
-    offsets = None
+    offsets, tokens = None, 0
     if spec.get("ragged"):
-        offsets = config.offsets or (json.loads(trained["config"]).get("offsets", "") if not config.data else "")
-        name, samples = _check_ragged(path, name, offsets, comm, config.layer_names, known)
+        training = json.loads(trained["config"])
+        offsets = config.offsets or (training.get("offsets", "") if not config.data else "")
+        tokens = config.batch_tokens or _training_tokens(training, spec)
+        name, samples = _check_ragged(path, name, offsets, comm, config.layer_names, known, spec, tokens)
         inputs = 1  # a sequence of one token sizes the layers
     else:
         with ShardedDataset(path, name, comm) as data:
@@ -93,21 +106,31 @@ def _prepare(config: CollectConfig) -> _Job:
             raise DataFileError(path, f"the model takes rows of {taken}, the data set holds {dtype} {shape}", name)
         samples = shape[0]
     labels = config.labels or (str(trained["labels"]) if not config.data else "")
-    attrs = {"inputs": f"{path}:/{name}", "labels": labels, "model": config.model}
+    attrs = recorded("inputs", f"{path}:/{name}", config.out) | recorded("model", config.model, config.out)
+    attrs |= recorded("labels", labels, config.out) if labels else {"labels": ""}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
     check_outputs(config.out, None)
     check_not_an_input(config.out, [config.model, path], comm)
     lock = lock_results(config.out, comm)
     widths = _widths(model, config.layer_names, inputs, model_dtype)
-    return _Job(comm, model, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets)
+    return _Job(comm, model, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets, tokens)
+
+
+def _training_tokens(training: dict, spec: dict) -> int:
+    """The padded tokens a batch of the model's training held at most: its token budget, or its batch of its
+    longest sequences."""
+    if training.get("batching") == "memory" and training.get("batch_tokens"):
+        return int(training["batch_tokens"])
+    return int(training.get("batch_size", 64)) * int(spec["length"])
 
 
 def _check_ragged(
-    path: str, name: str, offsets: str, comm: Comm, layers: list[str], known: list[str]
+    path: str, name: str, offsets: str, comm: Comm, layers: list[str], known: list[str], spec: dict, tokens: int
 ) -> tuple[str, int]:
     """(data set name, sequences) of ragged token data for a ragged model, whose per-token layers are refused: a
-    row per sequence needs one width (the layers from ``pool`` on)."""
+    row per sequence needs one width (the layers from ``pool`` on). A sequence longer than the model's positions,
+    or than ``tokens`` (one batch), is refused before any is run."""
     per_token = known[: known.index("pool")] if "pool" in known else []
     refused = [layer for layer in layers if layer in per_token]
     if refused:
@@ -118,6 +141,18 @@ def _check_ragged(
     with RaggedDataset(path, name, offsets, comm) as data:
         if data.dtype.kind not in "biu" or data.row_shape:
             raise DataFileError(path, f"the model takes token ids, the data set holds {data.dtype} values", data.name)
+        longest = int(np.argmax(data.lengths)) if len(data) else 0
+        length = int(data.lengths[longest]) if len(data) else 0
+        if length > spec["length"]:
+            raise DataFileError(path, (
+                f"sample {longest} holds {length:,} tokens, more than the model's {spec['length']:,} positions (its "
+                "longest training sequence): cut the sequences, or train on sequences as long"
+            ), data.name)  # fmt: skip
+        if length > tokens:
+            raise DataFileError(path, (
+                f"sample {longest} holds {length:,} tokens, more than batch_tokens ({tokens:,}) lets a batch hold: "
+                f"raise --batch-tokens to at least {length:,}"
+            ), data.name)  # fmt: skip
         return data.name, len(data)
 
 
@@ -164,24 +199,40 @@ def _open_inputs(job: _Job, comm: Comm) -> ShardedDataset | RaggedDataset:
     return RaggedDataset(job.path, job.name, job.offsets, comm)
 
 
-def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> np.ndarray:
-    """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences padded with PAD)."""
+def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> np.ndarray | Ragged:
+    """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences packed)."""
     if isinstance(data, RaggedDataset):
-        return data.read(np.arange(lo, hi)).padded(PAD).astype(job.dtype, copy=False)
+        return data.read(np.arange(lo, hi))
     return np.asarray(data.read_collective(lo, hi), job.dtype).reshape(hi - lo, job.features)
 
 
-def _check_rows(job: _Job, rows: np.ndarray, first: int) -> None:
+def _check_rows(job: _Job, rows: np.ndarray | Ragged, first: int) -> None:
     """Refuse rows the model cannot take (NaN or infinity, token ids it does not know); ``first`` is the first row's
     number."""
-    bad = first_bad_row(job.spec, rows)
+    if isinstance(rows, Ragged):  # each token as a row, then the sequence that holds it
+        bad = first_bad_row(job.spec, rows.values.reshape(-1, 1))
+        if bad is not None:
+            bad = int(np.searchsorted(rows.offsets, bad[0], side="right")) - 1, bad[1]
+    else:
+        bad = first_bad_row(job.spec, rows)
     if bad is not None:
         raise DataFileError(job.path, f"sample {first + bad[0]} {bad[1]}", job.name)
 
 
-def _capture(job: _Job, rows: np.ndarray, into: dict[str, np.ndarray]) -> None:
-    """The layers' outputs for ``rows`` (none: empty arrays of the layers' widths) into ``into``."""
-    into.update(layer_outputs(job.model, list(job.widths), torch.from_numpy(rows)) if len(rows) else _empty(job.widths))
+def _capture(job: _Job, rows: np.ndarray | Ragged, into: dict[str, np.ndarray]) -> None:
+    """The layers' outputs for ``rows`` (none: empty arrays of the layers' widths) into ``into``; sequences run in
+    batches of at most ``job.tokens`` padded tokens, grouped by length."""
+    if not len(rows):
+        into.update(_empty(job.widths))
+        return
+    if not isinstance(rows, Ragged):
+        into.update(layer_outputs(job.model, list(job.widths), torch.from_numpy(rows)))
+        return
+    into.update({name: np.empty((len(rows), width), np.float32) for name, width in job.widths.items()})
+    for batch in length_batches(rows.lengths, job.tokens):
+        padded = rows.take(batch).padded(PAD).astype(job.dtype, copy=False)
+        for name, values in layer_outputs(job.model, list(job.widths), torch.from_numpy(padded)).items():
+            into[name][batch] = values
 
 
 def _empty(widths: dict[str, int]) -> dict[str, np.ndarray]:

@@ -66,7 +66,7 @@ class Exact:
         self._futures[bucket.index] = self.system.hierarchy.start_allreduce(bucket.buffer, out=bucket.buffer)
 
     async def finish(self, bucket: Bucket) -> None:
-        await self._futures.pop(bucket.index)
+        await self.system.hierarchy.finish(self._futures.pop(bucket.index))
         bucket.buffer *= 1.0 / self.system.size
 
 
@@ -85,7 +85,7 @@ class Narrow:
 
     async def finish(self, bucket: Bucket) -> None:
         bits, future = self._wire.pop(bucket.index)
-        await future
+        await self.system.hierarchy.finish(future)
         from_bits(bits, self.kind, out=bucket.buffer)
 
 
@@ -154,7 +154,7 @@ class PowerSGD:
             return
         matrices, exact = self._layout[bucket.index]
         wire, future = self._pending.pop(bucket.index)
-        await future
+        await self.system.hierarchy.finish(future)
         scale = 1.0 / self.system.size
         bucket.buffer[exact] = wire[: len(exact)] * scale
         offset = len(exact)

@@ -188,13 +188,21 @@ class CollectConfig:
         "relu1", "modules whose outputs to keep, comma-separated (mpiscale inspect MODEL.h5 lists them)"
     )
     out: str = option("activations.h5", "output file: one data set per layer, rows in input order, and sample_ids")
-    batch_size: int = option(4096, "rows each rank runs through the model at once (bounds its memory)")
+    batch_size: int = option(4096, "rows each rank reads and writes at once (bounds its memory)")
+    batch_tokens: int = option(
+        0,
+        "ragged DATA: the most padded tokens (sequences x the longest of them) run through the model at once, "
+        "sequences of similar length together; 0 = the model's own training budget (its --batch-tokens, else its "
+        "--batch-size sequences of its longest)",
+    )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         if self.batch_size < 1:
             problems.append(f"batch_size must be at least 1, got {self.batch_size}")
+        if self.batch_tokens < 0:
+            problems.append(f"batch_tokens must be 0 or more, got {self.batch_tokens}")
         if not self.layer_names:
             problems.append("layers must name at least one module")
         if problems:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,6 +28,7 @@ class LabelledData:
     highest: float
     ragged: bool = False  # sequences of varying length (features: the longest)
     offsets: str = ""  # their index of starts in the flat inputs ("" for a variable-length data set)
+    lengths: np.ndarray | None = field(default=None, repr=False, compare=False)  # ragged: each sequence's
 
     @property
     def spec(self) -> str:
@@ -129,22 +130,8 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     if extremes[0] < 0:
         raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
-                           float(span[0]), float(-span[1]), True, offsets)  # fmt: skip
+                           float(span[0]), float(-span[1]), True, offsets, lengths)  # fmt: skip
     return checked, int(-extremes[1]) + 1
-
-
-def resident_block(data: LabelledData, comm: Comm, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs as rows of ``dtype``, labels) of this rank's block of the file, read collectively; ragged inputs
-    padded with ``encoder.PAD`` to the block's longest."""
-    labels = read_dataset(data.path, data.labels, comm).astype(np.int64)
-    if data.ragged:
-        from .encoder import PAD
-
-        with RaggedDataset(data.path, data.inputs, data.offsets, comm) as ragged:
-            start, stop = rank_rows(len(ragged), comm.Get_size(), comm.Get_rank())
-            return ragged.read(np.arange(start, stop)).padded(PAD).astype(dtype), labels
-    inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(dtype)
-    return inputs, labels
 
 
 def check_classes(data: LabelledData, classes: int) -> None:

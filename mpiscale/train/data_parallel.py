@@ -14,7 +14,9 @@ rank gave a gradient keeps its gradient unset, as in DDP, so momentum and
 weight decay leave it alone. Then, as DDP does before each forward, rank 0's
 buffers (BatchNorm's running statistics) go to every rank, in one broadcast
 (``broadcast_buffers=False`` keeps each rank's own). Inside ``no_sync()``
-backward only accumulates, for micro-batches. ``compression``
+backward only accumulates, for micro-batches; a second backward outside it
+before ``synchronize()`` is refused, as DDP refuses marking a gradient ready
+twice (its first gradient is already being averaged). ``compression``
 (``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
 travels. Parameters in any memory format (``channels_last`` too) work.
 """
@@ -131,6 +133,13 @@ class DataParallel:
         if not self._syncing:
             return
         index, position = self._where[id(param)]
+        if position in self._buckets[index].ready:  # its gradient is already on its way: a second backward
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            raise RuntimeError(
+                f"a second backward() reached parameter {names.get(id(param), '?')!r} before synchronize(): its "
+                "gradient was already being averaged, so the step would average a part of it. Call synchronize() "
+                "after each backward(), or run the earlier backward passes inside no_sync() to accumulate them"
+            )
         self._buckets[index].take(position, param.grad)  # the hook runs after the gradient was accumulated
         self._launch_ready()
 

@@ -40,7 +40,8 @@ from ..runtime import ActorSystem
 from .batches import Reader, TrainingSteps, as_tensors, open_reader, step_samples
 from .config import TrainConfig
 from .curves import Curves
-from .data import LabelledData, resident_block
+from .data import LabelledData
+from .held_out import HeldOut, batch_budget, score_sums, scoring_batches
 from .model import build_model, input_layout
 from .pipeline import Pipeline, split_sequential, stage_of
 from .pipeline.state import INDEX, StageState, restore_rows
@@ -217,7 +218,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     data, curves, optimizer = job.data, job.curves, job.optimizer
     reader = open_reader(config, data, edge.comm, edge.names) if edge is not None else None
     dtype = input_layout(job.spec)[1]
-    held_out = resident_block(job.validation, edge.comm, dtype) if job.validation is not None and edge else None
+    held_out = _held_out(job, dtype)
     totals = np.zeros(3)
     step = start
     clock = time.perf_counter() - curves.elapsed
@@ -264,20 +265,27 @@ async def _batches(reader: Reader | None, epoch: int, skip: int, per_epoch: int)
             yield at, None
 
 
-async def _score(job: _PipelineTraining, held_out: tuple[np.ndarray, np.ndarray] | None, epoch: int) -> None:
-    """The held-out loss and accuracy through the pipeline (every replica its block; one allreduce)."""
-    assert job.pipeline is not None
-    inputs = labels = None
-    if held_out is not None:
-        inputs, labels = torch.from_numpy(held_out[0]), torch.from_numpy(held_out[1])
+def _held_out(job: _PipelineTraining, dtype: np.dtype) -> HeldOut | None:
+    """This replica's scoring batches of the held-out data: read on a first or last stage, counted on the others
+    (every stage of a replica runs as many)."""
+    if job.validation is None:
+        return None
+    budget = batch_budget(job.config, job.replicas, job.spec.get("length", 1))
+    if job.edge is not None:
+        return HeldOut.read(job.validation, job.edge.comm, budget, dtype)
+    replica = job.system.rank % job.replicas
+    return HeldOut(scoring_batches(job.validation, budget, job.replicas, replica), dtype)
 
-    def metric(logits: torch.Tensor, target: torch.Tensor) -> np.ndarray:
-        loss = torch.nn.functional.cross_entropy(logits, target, reduction="sum").item() if len(target) else 0.0
-        return np.array([loss, float((logits.argmax(dim=1) == target).sum().item()), float(len(target))])
 
+async def _score(job: _PipelineTraining, held_out: HeldOut | None, epoch: int) -> None:
+    """The held-out loss and accuracy through the pipeline (every replica its block, batch by batch; one
+    allreduce)."""
+    assert job.pipeline is not None and held_out is not None
     job.stage.eval()
-    sums = await job.pipeline.evaluate(inputs, labels, metric)
-    if not job.pipeline.last:
-        sums = np.zeros(3)
+    sums = np.zeros(3)
+    for inputs, labels in held_out:
+        scored = await job.pipeline.evaluate(inputs, labels, score_sums)
+        if job.pipeline.last:
+            sums += scored
     await job.system.world.allreduce(sums, out=sums)
     job.curves.record_epoch(epoch=epoch, validation_loss=sums[0] / sums[2], validation_accuracy=sums[1] / sums[2])

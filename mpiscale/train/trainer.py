@@ -56,8 +56,9 @@ from .bundled import write_digits, write_sequences
 from .compression import scheme
 from .config import TrainConfig
 from .curves import Curves
-from .data import LabelledData, check_classes, check_labelled, check_ragged, is_ragged, resident_block
+from .data import LabelledData, check_classes, check_labelled, check_ragged, is_ragged
 from .data_parallel import DataParallel
+from .held_out import HeldOut, batch_budget, check_scoring_budget, score_sums
 from .model import TRANSFORMER, build_model, input_layout, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
 from .pipeline.state import NO_ROWS
@@ -270,6 +271,7 @@ def _prepare_ragged(
         validation, held_out_classes = check_ragged(validation_path, config.inputs, config.offsets, config.labels,
                                                     comm)  # fmt: skip
         classes = _with_held_out(validation_path, classes, held_out_classes)
+        check_scoring_budget(validation, config)
     check_classes(data, classes)
     if config.batching != "memory" and config.batch_size > data.samples:
         raise ValueError(f"batch size {config.batch_size} exceeds the {data.samples} training samples")
@@ -355,7 +357,12 @@ def restored_training(
 
     expected = compatibility(config, data, spec, schedule)
     rows = NO_ROWS if pipelined else None  # a pipeline rank's range comes from the checkpoint's index
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows)
+    why = {"replicas": (
+        "with --batching memory a step is one batch per data-parallel replica, so on another number of replicas "
+        "the checkpoint's step lies elsewhere in the data: resume on the replicas it was saved with (ranks, or "
+        "ranks / --stages), or start afresh with another --checkpoint-dir"
+    )}  # fmt: skip
+    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows, why)
     if restored is None and config.resume and checkpoints.rank == 0:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
     return restored
@@ -381,7 +388,8 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
     data, model, optimizer, parallel, curves = job.data, job.model, job.optimizer, job.parallel, job.curves
     reader = open_reader(config, data, job.comm, [data.inputs, data.labels])
     dtype = input_layout(job.spec)[1]
-    held_out = resident_block(job.validation, job.comm, dtype) if job.validation is not None else None
+    budget = batch_budget(config, system.size, job.spec.get("length", 1))
+    held_out = HeldOut.read(job.validation, job.comm, budget, dtype) if job.validation is not None else None
     totals = np.zeros(2)
     step = start
     clock = time.perf_counter() - curves.elapsed
@@ -434,21 +442,13 @@ def progress_text(epoch: int, curves: Curves) -> str:
     )
 
 
-async def _score(
-    system: ActorSystem, model: torch.nn.Module, held_out: tuple[np.ndarray, np.ndarray]
-) -> tuple[float, float]:
-    """Mean loss and accuracy on the held-out data (every rank scores its block; one allreduce)."""
-    inputs, labels = held_out
+async def _score(system: ActorSystem, model: torch.nn.Module, held_out: HeldOut) -> tuple[float, float]:
+    """Mean loss and accuracy on the held-out data (every rank scores its block, batch by batch; one allreduce)."""
+    sums = np.zeros(3)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.from_numpy(inputs))
-        target = torch.from_numpy(labels)
-        sums = np.array(
-            [
-                torch.nn.functional.cross_entropy(logits, target, reduction="sum").item() if len(labels) else 0.0,
-                float((logits.argmax(dim=1) == target).sum().item()),
-                float(len(labels)),
-            ]
-        )
+        for inputs, labels in held_out:
+            assert inputs is not None and labels is not None  # every rank reads its block
+            sums += score_sums(model(inputs), labels)
     await system.world.allreduce(sums, out=sums)
     return sums[0] / sums[2], sums[1] / sums[2]

@@ -171,6 +171,11 @@ def test_passwords_tls_and_the_acl_let_a_user_control_only_their_own_jobs(tmp_pa
         refused_password = finish(launch(2, short, env=wrong), "memstore with a refused password", 120)
         assert_ok(refused_password)
         assert refused_password.stderr.count("telemetry: cannot connect to the broker") == 1, refused_password.stderr
+        outside = finish(launch(2, short, env={**alice, "MPISCALE_JOB_ID": "7"}), "a job outside its ACL", 120)
+        assert_ok(outside)  # its publishes refused (MPISCALE_JOB_ID not under alice/): said once, the job runs on
+        assert outside.stderr.count("the broker") == 1, outside.stderr
+        assert "refuses this job's publishes under mpiscale/7/ (Not authorized)" in outside.stderr, outside.stderr
+        assert "MPISCALE_JOB_ID=alice/<id>" in outside.stderr
         no_ca = {**alice, "MPISCALE_BROKER_CA": str(tmp_path / "missing.pem"), "MPISCALE_JOB_ID": "alice/9"}
         missing_ca = finish(launch(2, short, env=no_ca), "memstore with a missing CA file", 120)
         assert_ok(missing_ca)

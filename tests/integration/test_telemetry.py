@@ -187,10 +187,20 @@ def test_watch_of_the_file_of_a_job_that_died_ends_saying_so(tmp_path):
     assert "it died without a final status, or its rank 0 is blocked" in shown.stderr
 
 
-def test_a_malformed_broker_setting_is_refused(tmp_path):
-    job = memstore(2, tmp_path / "m.h5", "--iterations", 3, env={"MPISCALE_BROKER": "host:notaport"})
-    done = finish(job, "memstore with a bad broker setting", 120)
-    assert done.returncode != 0 and "MPISCALE_BROKER='host:notaport': expected HOST:PORT" in done.output
+@pytest.mark.parametrize(
+    "env, said",
+    [({"MPISCALE_BROKER": "host:notaport"}, "MPISCALE_BROKER='host:notaport': expected HOST:PORT"),
+     ({"MPISCALE_BROKER": f"{'a' * 64}:1883"}, "is not a host name: each part between dots holds 1 to 63 characters"),
+     ({"MPISCALE_JOB_ID": "a+b", "MPISCALE_TELEMETRY": "0"}, "MPISCALE_JOB_ID='a+b': a job id names MQTT topics")],
+    ids=["port", "host-label", "job-id"],
+)  # fmt: skip
+def test_malformed_telemetry_settings_are_refused_with_one_line_on_every_rank(tmp_path, env, said):
+    """Refused at the start on every rank alike: one line and exit status 2, not a traceback from each rank (the
+    job id was checked even with telemetry off), nor an error left in a background task (the host's label)."""
+    job = memstore(2, tmp_path / "m.h5", "--iterations", 3, env=env)
+    done = finish(job, "memstore with a bad telemetry setting", 120)
+    assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.output[-3000:]
+    assert not (tmp_path / "m.h5").exists()
 
 
 def test_a_stuck_rank_is_named_every_rank_dumps_and_the_job_ends(tmp_path):
@@ -235,14 +245,18 @@ def test_a_users_own_job_on_the_runtime_is_watched_like_the_projects_jobs(tmp_pa
     assert records[-1] == {**records[-1], "kind": "status", "state": "finished"}
 
 
-def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path):
+@pytest.mark.parametrize("ranks, how", [(3, "block"), (2, "await")])
+def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path, ranks, how):
     """Rank 1 of a user's job blocks at its step 200 or later (after 2 s and a few reports) while the others wait
     in the allreduce: MPISCALE_HANG_* work for ``mpiscale.run`` jobs as for the project's own
-    (its records under the script's name)."""
-    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t11", "MPISCALE_HANG_AFTER_S": "2",
+    (its records under the script's name). Blocked in a native call its reports stop; stuck in an ``await`` they
+    go on, and it is named all the same (its node leader, whose reports it shares, waits in the collective), the
+    waiting rank's collective_wait_s growing all the while."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": f"t11{how}", "MPISCALE_HANG_AFTER_S": "2",
            "MPISCALE_HANG_ACTION": "abort", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}  # fmt: skip
-    job = start_mpi("user_job.py", 3, "100000", "1", "200", env=env, cwd=tmp_path)
-    done = finish(job, "a user's job with a hang", 120)
+    job = start_mpi("user_job.py", ranks, "100000", "1", "200", *(["await"] if how == "await" else []), env=env,
+                    cwd=tmp_path)  # fmt: skip
+    done = finish(job, f"a user's job with a hang ({how})", 120)
     assert done.returncode == 1 and done.elapsed < 60, done.output[-4000:]
     named = re.search(r"mpiscale: telemetry: hang: rank 1 \(host [^)]*\) has not advanced for \d+ s \(step (\d+), ",
                       done.stderr)  # fmt: skip
@@ -252,6 +266,8 @@ def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path):
     hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
     assert [p["rank"] for p in hangs] == [1] and "wait in collectives" in hangs[0]["detail"]
     assert records[-1] == {**records[-1], "kind": "status", "state": "failed", "command": "user_job"}
+    waited = [p["values"]["collective_wait_s"] for p in records if p["kind"] == "metrics"]
+    assert waited[-1]["max"] >= 1.0, waited[-3:]  # rank 0's wait, counted while it goes on
 
 
 def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):

@@ -100,7 +100,15 @@ def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_pat
     save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(half / "adapter_model.safetensors"))
     (half / "adapter_config.json").write_text((directory / "task-0" / "adapter_config.json").read_text())
     out = tmp_path / "c.h5"
-    assert_ok(mpiscale(2, "compress-adapters", "--adapters", directory, "--variance", 1.0, "--out", out))
+    every = mpiscale(2, "compress-adapters", "--adapters", directory, "--variance", 1.0, "--out", out)
+    assert_ok(every)  # 16 components per side of 16 rows outgrow the adapters: said, with the cap that does not
+    assert "WARNING: the compressed file holds 150.0% of the adapters' parameters" in every.stderr, every.stderr
+    assert "--max-components 10 or fewer" in every.stderr
+    capped = mpiscale(
+        1, "compress-adapters", "--adapters", directory, "--max-components", 10, "--out", tmp_path / "k.h5"
+    )
+    assert_ok(capped)
+    assert "93.8% of the parameters" in capped.stdout and "WARNING" not in capped.stderr, capped.output[-2000:]
     got = compressed(out)
     assert got["names"] == ["task-0", "task-1", "task-2", "task-bf16"] and len(got["modules"]) == 4  # 2 layers x q, v
     assert got["modules"][0] == "base_model.model.model.layers.0.self_attn.q_proj"
@@ -168,3 +176,9 @@ def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adap
     job = mpiscale(1, "compress-adapters", "--adapters", root / "adapters", "--out", inside)
     assert job.returncode == 2 and "adapter_model.safetensors" in job.stderr
     assert read_adapter(root / "adapters" / "task-0")  # still there, still readable
+
+    folder = tmp_path / "results"  # an existing directory as --out: refused before any group is compressed
+    folder.mkdir()
+    job = mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--out", folder)
+    assert job.returncode == 2 and f"the results file {folder} is a directory" in job.stderr, job.stderr[-2000:]
+    assert job.stderr.count("\n") == 1 and list(folder.iterdir()) == [], job.stderr[-2000:]

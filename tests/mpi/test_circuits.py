@@ -3,6 +3,7 @@ similar over the ranks, and `circuits run --all-features` checked against the mo
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,8 +79,10 @@ def build_catalogue(root: Path, path: Path) -> None:
     (root / "fields.json").write_text(json.dumps([{"score": 0.5, "who": "a"}, {"score": 2.0, "who": "b"},
                                                   {"score": 7.0, "who": "c"}]))  # fmt: skip
     projections = f"{root / 'projections.h5'}:/P"
-    assert_ok(run_alone("circuits", "add", path, "--module", root / "small.pt", "--name", "small", "--inputs", DIGITS,
-                        "--projections", projections, "--fields", root / "fields.json"))  # fmt: skip
+    small = run_alone("circuits", "add", path, "--module", root / "small.pt", "--name", "small", "--inputs", DIGITS,
+                      "--projections", projections, "--fields", root / "fields.json")  # fmt: skip
+    assert_ok(small)
+    assert small.stderr == "", small.stderr  # the TorchScript archive is told apart: torch.export never tries it
     assert_ok(run_alone("circuits", "add", path, "--module", root / "heavy.pt2", "--name", "heavy", "--inputs",
                         DIGITS, "--tag", "slow"))  # fmt: skip
 
@@ -134,7 +137,33 @@ def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, bu
     assert wrong.returncode == 2 and "not an mpiscale file of format mpiscale.circuits/1" in wrong.stderr
     width = run_alone("circuits", "add", built, "--dictlearn", pipeline / "relu2.h5", "--layer", "relu1", "--top", 0)
     assert width.returncode == 2 and "layer 'relu1'" in width.stderr and "outputs 24" in width.stderr
+    narrow = run_alone("circuits", "add", built, "--module", pipeline / "small.pt", "--name", "n", "--inputs", 5)
+    assert narrow.returncode == 2 and narrow.stderr.count("\n") == 1, narrow.stderr  # one line, no TorchScript trace
+    assert "did not take a batch of one row of 5 float32 numbers" in narrow.stderr and "(1x5 and 64x5)" in narrow.stderr
     assert built.read_bytes() == before and not Path(f"{built}.tmp").exists()
+
+
+def test_files_that_name_each_other_by_relative_paths_are_found_from_any_folder(pipeline, tmp_path):
+    """dictlearn run from a parent folder records its data as typed there (run/acts.h5): circuits add run from the
+    results' own folder, and inspect --top-inputs from a third, find the data all the same (recorded absolute and
+    relative to the results file; a file of an earlier version, with the typed path alone, by its name beside)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(pipeline / "acts.h5", run / "acts.h5")
+    assert_ok(run_alone("dictlearn", "--data", "run/acts.h5:/relu1", "--atoms", 10, "--sparsity", 2, "--iterations",
+                        10, "--out", "run/f1.h5", "--progress-every", 0, cwd=tmp_path))  # fmt: skip
+    with h5py.File(run / "f1.h5", "r") as file:
+        assert file.attrs["data"] == f"{run / 'acts.h5'}:/relu1" and file.attrs["data_relative"] == "acts.h5:/relu1"
+    added = run_alone("circuits", "add", "c.h5", "--dictlearn", "f1.h5", cwd=run)
+    assert_ok(added)
+    moved = tmp_path / "moved"
+    run.rename(moved)  # the tree copied elsewhere: the absolute path is gone, the relative one is found
+    with h5py.File(moved / "f1.h5", "r+") as file:
+        del file.attrs["data_relative"]  # as an earlier version wrote it: the typed path alone
+        file.attrs["data"] = "run/acts.h5:/relu1"
+    shown = run_alone("inspect", moved / "f1.h5", "--top-inputs", 2, cwd=pipeline)
+    assert_ok(shown)
+    assert "atoms by use" in shown.stdout
 
 
 def test_search_filters_metadata(built):
@@ -190,6 +219,24 @@ def test_similar_is_exact_and_the_same_on_any_number_of_ranks(pipeline, tmp_path
     own = unit[2007] @ unit.T
     own[2007] = -np.inf
     assert [n["row"] for n in to] == list(np.argsort(-own)[:3])
+    # Many identical vectors (ties) and k beyond what passes the filter: each row's cosine must be the same bits
+    # wherever it sits in a block and on whichever rank, and ties go to the smaller row, so 1 and 2 ranks agree.
+    twins = tmp_path / "twins.h5"
+    kinds = rng.standard_normal((6, 24))
+    picked = rng.integers(0, 6, 3000)
+    add_circuits(str(twins), NewCircuits(model, "", [f"t/{j}" for j in range(3000)], rng.standard_normal((3000, 5)),
+                                         "test", embeddings=kinds[picked], space="twins",
+                                         fields={"bucket": (np.arange(3000) % 3).tolist()}))  # fmt: skip
+    np.save(tmp_path / "near.npy", kinds + 0.3 * rng.standard_normal((6, 24)))
+    args = ["circuits", "similar", twins, "--vector", tmp_path / "near.npy", "-k", 1500, "--where", "bucket!=1"]
+    assert_ok(run_alone(*args, "--json", tmp_path / "t1.json"))
+    assert_ok(run_cli(2, *args, "--json", tmp_path / "t2.json", timeout=90))
+    alone, spread = (json.loads((tmp_path / f"t{n}.json").read_text()) for n in (1, 2))
+    assert alone == spread
+    for query in alone:
+        pairs = [(-n["cosine"], n["row"]) for n in query["neighbours"]]
+        assert pairs == sorted(pairs) and len(pairs) == 1500  # cosine descending, ties by row
+        assert len({n["cosine"] for n in query["neighbours"]}) <= 6  # identical vectors: one cosine each kind
     zero = np.zeros((1, 24))
     np.save(tmp_path / "zero.npy", zero)
     refused = run_cli(2, "circuits", "similar", path, "--vector", tmp_path / "zero.npy", timeout=60)
@@ -290,8 +337,9 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
         done = int(file["done"][()].sum())
     assert 2 <= done < 30, done
     before = partial.read_bytes()
-    plain = run_alone(*common, "--out", out)
-    assert plain.returncode == 2 and "pass --resume" in plain.stderr
+    plain = run_cli(2, *common, "--out", out)  # decided on rank 0, said by every rank: one line, not an abort
+    assert plain.returncode == 2 and "pass --resume" in plain.stderr, plain.output[-3000:]
+    assert plain.stderr.count("\n") == 1 and "aborting" not in plain.stderr, plain.stderr
     other = run_alone(*common[:-1], "30", "--out", out, "--resume")
     assert other.returncode == 2 and "batch_size: stopped run 20, now 30" in other.stderr
     assert partial.read_bytes() == before
@@ -397,14 +445,21 @@ def test_a_plan_runs_compiled_over_3_ranks_as_it_means_and_refuses_what_cannot_r
         "shapes": (shapes, ["the catalogue has no circuit 'model.relu2/atom0099'", "bias has 6 numbers for 1 outputs",
                             "subtract takes inputs of one width, got head (1), user (6)"]),
     }  # fmt: skip
+    bad = weights.copy()
+    bad[2, 3] = np.nan
+    np.save(tmp_path / "nan.npy", bad)
+    cases["factor"] = (PLAN.replace('op = "sigmoid"', 'op = "scale"\nfactor = 1e39'),
+                       ["node 'gate': factor must be a finite number within float32's range"])  # fmt: skip
+    cases["nan"] = (PLAN.replace('"head.h5:/W"', '"nan.npy"'), ["node 'head': weights hold nan at (2, 3)"])
+    cases["pinned"] = (PLAN, ["node 'user' is placed on rank 2, but the job has 1 ranks"])
     for name, (text, messages) in cases.items():
         (tmp_path / f"{name}.toml").write_text(text)
         refused = run_alone("circuits", "run", "--catalogue", built, "--data", data, "--plan",
                             tmp_path / f"{name}.toml", "--out", tmp_path / "no.h5")  # fmt: skip
         assert refused.returncode == 2 and all(m in refused.stderr for m in messages), refused.stderr
-    far = run_cli(2, "circuits", "run", "--catalogue", built, "--data", data, "--plan", tmp_path / "plan.toml",
+    far = run_cli(2, "circuits", "run", "--catalogue", built, "--data", data, "--plan", tmp_path / "nan.toml",
                   "--out", tmp_path / "no.h5", timeout=60)  # fmt: skip
-    assert far.returncode == 2 and "node 'user' is placed on rank 2, but the job has 2 ranks" in far.stderr
+    assert far.returncode == 2 and "weights hold nan" in far.stderr and far.stderr.count("\n") == 1, far.stderr
     assert not (tmp_path / "no.h5").exists() and not (tmp_path / "no.h5.tmp").exists()  # only its telemetry file
 
 
@@ -419,8 +474,8 @@ class Picky(torch.nn.Module):
 
 def test_a_node_failing_on_one_rank_ends_the_plan_on_every_rank_with_its_message(pipeline, tmp_path):
     """A user's module raises on one batch in its model's node on rank 0; the failure travels in place of the value
-    to the node on rank 1 and back to the head on rank 0: the job ends at once with exit 2 and the node's message,
-    and keeps the batches written before."""
+    along the edges to the nodes on rank 1: the job ends at once with exit 2 and the node's message, and keeps the
+    batches written before. With the data cleaned, --resume on 3 ranks places the plan anew and finishes it."""
     torch.jit.save(torch.jit.script(Picky()), tmp_path / "picky.pt")
     model = ModelRef.of(str(tmp_path / "picky.pt"), "torchscript", DIGITS, "float32")
     add_circuits(str(tmp_path / "c.h5"), NewCircuits(model, "", ["p0", "p1", "p2"], np.eye(3), "test"))
@@ -429,25 +484,55 @@ def test_a_node_failing_on_one_rank_ends_the_plan_on_every_rank_with_its_message
     with h5py.File(tmp_path / "d.h5", "w") as file:
         file["X"] = inputs
     np.save(tmp_path / "w.npy", np.ones((2, 3)))
-    plan = """outputs = ["head"]
+    plan = """outputs = ["out"]
 [[node]]
 name = "probe"
 circuits = "name=p*"
-rank = 1
 [[node]]
 name = "head"
 op = "linear"
 inputs = ["probe"]
 weights = "w.npy"
-rank = 0
-"""
+[[node]]
+name = "out"
+op = "relu"
+inputs = ["head"]
+"""  # placed by cost: the model and probe on rank 0, head and out on rank 1 (on 3 ranks: otherwise)
     (tmp_path / "plan.toml").write_text(plan)
     data = f"{tmp_path / 'd.h5'}:/X"
     job = run_cli(2, "circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", data, "--plan",
                   tmp_path / "plan.toml", "--out", tmp_path / "o.h5", "--batch-size", 100, timeout=60)  # fmt: skip
     assert job.returncode == 2, job.output[-3000:]
-    # the module runs in its model's node, placed on rank 0; its failure reached rank 1's node and came back
+    # the module runs in its model's node, placed on rank 0; its failure reached rank 1's nodes
     assert "node 'model:0' (picky.pt) on batch 7" in job.stderr and "not a digit" in job.stderr, job.stderr
+    with h5py.File(tmp_path / "o.h5.tmp", "r") as file:
+        placed = dict(zip((n.decode() for n in file["plan/nodes"][()]), file["plan/ranks"][()].tolist()))
+        assert placed == {"model:0": 0, "probe": 0, "head": 1, "out": 1}, placed
     with h5py.File(tmp_path / "o.h5.tmp", "r") as file:
         done = file["done"][()]
         assert done[:4].all() and not done[7]  # the steps before the failing one are kept for --resume
+    inputs[700, 5] = 0.0  # the data cleaned: the plan resumes on 3 ranks, placed anew (the batches are global)
+    with h5py.File(tmp_path / "d.h5", "w") as file:
+        file["X"] = inputs
+    resumed = run_cli(
+        3,
+        "circuits",
+        "run",
+        "--catalogue",
+        tmp_path / "c.h5",
+        "--data",
+        data,
+        "--plan",
+        tmp_path / "plan.toml",
+        "--out",
+        tmp_path / "o.h5",
+        "--batch-size",
+        100,
+        "--resume",
+        timeout=90,
+    )
+    assert_ok(resumed)
+    with h5py.File(tmp_path / "o.h5", "r") as file:
+        np.testing.assert_allclose(file["outputs/out"][()], inputs[:, :3].sum(axis=1, keepdims=True).repeat(2, 1),
+                                   rtol=1e-5, atol=1e-4)  # fmt: skip
+        assert len(set(file["plan/ranks"][()].tolist())) == 3  # where this run placed the nodes: on its 3 ranks

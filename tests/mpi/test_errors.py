@@ -94,6 +94,27 @@ def test_a_collective_the_ranks_call_differently_ends_the_job_naming_both_operat
     assert "job failed on rank 0 of 4" in job.stderr, job.stderr
 
 
+@pytest.mark.parametrize(
+    "scenario, calls",
+    [
+        ("agree-against-allreduce", ["rank 0: agree() at abandoned.py:", "rank 1: allreduce(float64(4,) sum) at"]),
+        ("barrier-against-lookup", ["rank 0: barrier() at abandoned.py:", "rank 1: agree() at "]),
+    ],
+)  # fmt: skip
+def test_ranks_in_different_collectives_end_with_one_report_of_every_call(scenario, calls):
+    """Every collective, an agreement and a barrier too, first exchanges its name and arguments: two ranks in
+    different ones end the job with the one CollectiveMismatch naming each rank's call, never one's bytes read as
+    the other's (an agreement once read a signature as message lengths and asked for 5.9 EiB)."""
+    job = run_mpi("abandoned.py", 2, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
+    assert job.returncode == 1, job.output
+    assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"
+    assert job.stderr.count("CollectiveMismatch: collective #2 on world: the ranks called different") == 1, job.stderr
+    assert "job failed on rank 0 of 2" in job.stderr, job.stderr
+    for call in calls:
+        assert call in job.stderr, job.stderr
+    assert "MemoryError" not in job.stderr and "MPI_ERR" not in job.stderr, job.stderr
+
+
 @pytest.mark.parametrize("scenario, said", [("slow-rank", "slow rank ok"), ("slow-leaves-late", "late finish ok")])
 def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
     job = run_mpi("abandoned.py", ranks, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)

@@ -1,6 +1,7 @@
 """Idle CPU, diagnostics on SIGUSR1, SIGTERM shutdown, draining at exit, > 2 GiB messages."""
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -80,6 +81,41 @@ def test_signal_drains_and_exits_nonzero(ranks, tmp_path, who, signum):
     if who == "all":
         assert job.stderr.count(f"{signum.name} received") == ranks
         assert f"exit status {128 + signum}" in job.stderr
+
+
+def test_a_stop_while_the_ranks_start_ends_the_job_before_its_first_step_with_one_line_and_143(tmp_path):
+    """SIGTERM to the launcher (SIGUSR2 to the ranks) while they still import: before, SIGUSR2's default action
+    killed them without a word (status 140, or 0 or 1 under load)."""
+    process = start_mpi("stops.py", 2, "startup", str(tmp_path))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all((tmp_path / f"rank{r}.started").exists() for r in range(2)):
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    job = finish(process, "stops.py startup", timeout=60)
+    assert job.returncode == 143, job.output[-3000:]
+    assert "stopped on request (a stop command or SIGTERM) before the first step; nothing to checkpoint" in job.stdout
+    assert "step 1" not in job.stdout, job.output[-3000:]
+
+
+def test_a_stop_during_a_long_step_is_obeyed_at_that_steps_end(tmp_path):
+    """Steps of 0.6 s that never await: the request is noted as the signal comes, and with steps this long the
+    ranks agree on it at the end of that very step (not two steps later)."""
+    process = start_mpi("stops.py", 2, "long-steps", str(tmp_path))
+    _wait_for_text_in(process, "step 2")
+    process.send_signal(signal.SIGTERM)
+    job = finish(process, "stops.py long-steps", timeout=60)
+    assert job.returncode == 143, job.output[-3000:]
+    stopped = re.search(r"stopped on request \(a stop command or SIGTERM\) after step (\d+)", job.stdout)
+    assert stopped and int(stopped[1]) <= 3, job.output[-3000:]  # step 3 was running when the signal came
+
+
+def _wait_for_text_in(process, text: str, timeout: float = 60) -> None:
+    """Read the job's stdout until ``text`` appears (the rest stays in the pipe for ``finish``)."""
+    deadline = time.monotonic() + timeout
+    seen = ""
+    while time.monotonic() < deadline and text not in seen:
+        seen += process.stdout.readline()
+    assert text in seen, seen
 
 
 def test_stuck_ranks_cannot_keep_a_job_the_launcher_was_told_to_stop_alive(tmp_path):

@@ -90,11 +90,54 @@ def test_memory_batches_train_the_same_as_a_pipeline_and_collect_reads_one_row_p
                        "--offsets", "starts", "--checkpoint-dir", tmp_path / "one.checkpoints", "--resume", "--out",
                        tmp_path / "again.h5")  # fmt: skip
     assert resumed.returncode == 2
-    assert "belongs to another job (replicas: checkpoint 1, now 2)" in resumed.stderr, resumed.stderr
+    assert (
+        "belongs to another job (replicas: checkpoint 1, now 2 (with --batching memory a step is one batch per "
+        "data-parallel replica"
+        in resumed.stderr
+        and "resume on the replicas it was saved with" in resumed.stderr
+    )
 
 
 def json_spec(file) -> dict:
     return json.loads(file.attrs["model"])
+
+
+def test_held_out_and_collected_sequences_keep_to_trainings_memory_budget(data, tmp_path):
+    """A held-out set with one sequence of 3,000 tokens among short ones: scored as one padded block it asked for
+    tens of GB; scored, and collected, in batches of the token budget grouped by length it takes what training
+    does. A budget below that sequence is refused before any step, and collect refuses a sequence longer than the
+    model's positions, both naming it, on 2 ranks."""
+    folder, rows = data
+    held = [rows[j][: 4 + j % 40] for j in range(200)]
+    held[57] = np.arange(3000) % 16
+    with h5py.File(tmp_path / "held.h5", "w") as file:
+        file["values"] = np.concatenate(held).astype(np.int32)
+        file["starts"] = np.cumsum([0] + [len(row) for row in held[:-1]])
+        file["labels"] = np.arange(200) % 4
+    common = [*SETTINGS, "--data", folder / "tokens.h5", "--inputs", "values", "--offsets", "starts", "--validation",
+              tmp_path / "held.h5", "--batching", "memory"]  # fmt: skip
+    refused = mpiscale(2, "train", *common, "--batch-tokens", "600", "--out", tmp_path / "no.h5")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.output[-3000:]
+    assert "held-out sample 57 takes 3,000 tokens, more than batch_tokens (600)" in refused.stderr
+    trained = mpiscale(2, "train", *common, "--batch-tokens", "3000", "--out", tmp_path / "m.h5")
+    assert_ok(trained)
+    assert "held-out accuracy" in trained.stdout
+    collected = mpiscale(2, "collect", "--model", tmp_path / "m.h5", "--data", f"{tmp_path / 'held.h5'}:/values",
+                         "--offsets", "starts", "--layers", "output", "--out", tmp_path / "act.h5")  # fmt: skip
+    assert_ok(collected)  # one round of 100 sequences a rank, run in batches of up to 3,000 padded tokens
+    model, _ = load_trained(str(tmp_path / "m.h5"))
+    with h5py.File(tmp_path / "act.h5") as file, torch.no_grad():
+        for sample in (0, 56, 57, 199):
+            alone = model(torch.from_numpy(np.asarray(held[sample], np.int64)[None]))[0].numpy()
+            np.testing.assert_allclose(file["output"][sample], alone, atol=1e-5)
+    with h5py.File(tmp_path / "longer.h5", "w") as file:
+        file.create_dataset("seq", (3,), dtype=h5py.vlen_dtype(np.int64))
+        file["seq"][0], file["seq"][1], file["seq"][2] = np.arange(5), np.arange(3500) % 16, np.arange(7)
+    longer = mpiscale(2, "collect", "--model", tmp_path / "m.h5", "--data", f"{tmp_path / 'longer.h5'}:/seq",
+                      "--layers", "pool", "--out", tmp_path / "no.h5")  # fmt: skip
+    assert longer.returncode == 2 and longer.stderr.count("\n") == 1, longer.output[-3000:]
+    assert "sample 1 holds 3,500 tokens, more than the model's 3,000 positions" in longer.stderr
+    assert not (tmp_path / "no.h5").exists()
 
 
 def test_sequential_batches_of_sequences_over_4_ranks_follow_one_process(data, tmp_path):
@@ -115,9 +158,11 @@ def test_sequential_batches_of_sequences_over_4_ranks_follow_one_process(data, t
         (["--inputs", "labels", "--batching", "memory", "--batch-tokens", "100"],
          "batching memory bounds batches by tokens: it takes ragged inputs"),
         (["--inputs", "values", "--offsets", "starts", "--batching", "adaptive"], "would not be repeatable"),
-        (["--inputs", "values", "--offsets", "labels"], "offsets must not decrease"),
+        (["--inputs", "values", "--offsets", "labels"], "offsets must (not decrease|begin at 0)"),
+        (["--inputs", "values", "--offsets", "starts", "--batching", "round-robin", "--prefetch-mib", "0.001"],
+         "prefetch_bytes 1,048 .* cannot hold the next batch .* the largest a rank gets in epoch 1"),
     ],
-    ids=["budget-below-a-sequence", "mlp", "memory-on-fixed-rows", "adaptive", "labels-as-offsets"],
+    ids=["budget-below-a-sequence", "mlp", "memory-on-fixed-rows", "adaptive", "labels-as-offsets", "prefetch"],
 )  # fmt: skip
 def test_bad_ragged_settings_are_refused_before_any_step(data, tmp_path, options, message):
     folder, _ = data

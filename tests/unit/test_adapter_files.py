@@ -60,8 +60,18 @@ def test_unreadable_files_are_refused(tmp_path):
     weights.unlink()
     with pytest.raises(AdapterError, match="cannot read it"):
         open_adapter(str(directory))
+    weights.symlink_to("adapter_model.safetensors")  # a link to itself: a loop, said as one, not "No such file"
+    with pytest.raises(AdapterError, match="cannot read it: Too many levels of symbolic links"):
+        open_adapter(str(directory))
     (directory / "adapter_config.json").write_text("{not json")
     with pytest.raises(AdapterError, match="adapter_config.json: cannot read it"):
+        open_adapter(str(directory))
+
+
+def test_weights_that_are_not_floating_point_are_refused_naming_the_tensor(tmp_path):
+    tensors = {key: (value * 10).astype(np.int32) for key, value in pair().items()}
+    directory = write_adapter(tmp_path / "a", tensors, lora_config(4))
+    with pytest.raises(AdapterError, match=r"lora_A.weight holds I32 numbers \(and 1 more tensors\): LoRA weights"):
         open_adapter(str(directory))
 
 

@@ -21,21 +21,35 @@ def batch(names, width=3, **more) -> NewCircuits:
 
 
 def test_the_running_top_k_is_the_same_whatever_the_blocks_and_breaks_ties_by_id():
+    """Many identical rows (ties) among random ones: each row's score is the same bits wherever it sits, so every
+    blocking, a filtered copy too, gives the order a float64 sort gives, ties to the smaller id."""
     rng = np.random.default_rng(0)
-    scores = rng.integers(0, 5, (3, 500)).astype(np.float32)  # many ties
+    distinct = rng.standard_normal((5, 32))
+    vectors = distinct[rng.integers(0, 5, 500)] + np.where(rng.random((500, 1)) < 0.3, rng.standard_normal((500, 32)),
+                                                           0.0)  # fmt: skip
+    vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+    queries = distinct[:3] / np.linalg.norm(distinct[:3], axis=1, keepdims=True)
+    queries = queries.astype(np.float32)
     ids = rng.permutation(500).astype(np.int64)
     allowed = rng.random(500) < 0.7
+    exact = queries.astype(np.float64) @ vectors.astype(np.float64).T  # float32 inputs: products exact in float64
     expected = []
-    for row in scores:
+    for row in exact.astype(np.float32):
         candidates = [(-row[j], ids[j]) for j in range(500) if allowed[j]]
-        expected.append([identity for _, identity in sorted(candidates)[:7]])
-    for block in (500, 64, 1):
-        best, best_ids = empty_top_k(3, 7)
+        expected.append([identity for _, identity in sorted(candidates)[:40]])
+    assert len({tuple(v) for v in vectors[allowed]}) < allowed.sum()  # there are ties to break
+    for block in (500, 64, 7, 1):
+        best, best_ids = empty_top_k(3, 40)
         for lo in range(0, 500, block):
-            merge_top_k(scores[:, lo : lo + block], ids[lo : lo + block], allowed[lo : lo + block], best, best_ids)
+            part = slice(lo, lo + block)
+            keep = allowed[part]
+            rows = vectors[part][keep] if block == 64 else vectors[part]  # a filtered copy moves rows around
+            merge_top_k(queries @ rows.T, queries, rows, ids[part][keep] if block == 64 else ids[part],
+                        np.ones(len(rows), bool) if block == 64 else keep, best, best_ids)  # fmt: skip
         assert best_ids.tolist() == expected
     best, best_ids = empty_top_k(1, 4)
-    merge_top_k(np.ones((1, 2), np.float32), np.array([9, 3]), np.array([True, False]), best, best_ids)
+    two = np.eye(2, 4, dtype=np.float32)
+    merge_top_k(two[:1] @ two.T, two[:1], two, np.array([9, 3]), np.array([True, False]), best, best_ids)
     assert best_ids.tolist() == [[9, NO_ID, NO_ID, NO_ID]] and np.isinf(best[0, 1:]).all()
 
 

@@ -98,3 +98,24 @@ inputs = ["out"]
     graph.nodes["out"].rank = 3
     with pytest.raises(PlanError, match="node 'out' is placed on rank 3, but the job has 2 ranks"):
         place(graph, 2, "plan")
+
+
+def test_plans_of_any_depth_or_size_are_read_without_recursion_and_refused_in_a_bounded_message(tmp_path):
+    """A chain of 1,000 nodes written last-first once ran into RecursionError when ordered; outputs nested 5,000
+    deep made tomllib's reader recurse past its limit; 50,000 bad nodes made a message of megabytes."""
+    source = ["input"] + [f"n{i}" for i in range(999)]
+    chain = ['outputs = ["n999"]'] + [f'[[node]]\nname = "n{i}"\nop = "relu"\ninputs = ["{source[i]}"]'
+                                      for i in reversed(range(1000))]  # fmt: skip
+    plan = load_plan(write(tmp_path, "\n".join(chain)))
+    assert list(plan.nodes) == [f"n{i}" for i in range(1000)]  # each node after its input
+    with pytest.raises(PlanError, match="nests arrays or tables too deep to read"):
+        load_plan(write(tmp_path, "outputs = " + "[" * 5000 + "]" * 5000))
+    bad = ['outputs = ["n0"]'] + [f'[[node]]\nname = "n{i}"\nop = "relu"\ninputs = ["gone"]' for i in range(50_000)]
+    with pytest.raises(PlanError) as refused:
+        load_plan(write(tmp_path, "\n".join(bad)))
+    message = str(refused.value)
+    assert len(message) < 5_000 and message.endswith("; and 49,980 more problems"), message[-200:]
+    cycle = 'outputs = ["a"]\n' + "".join(f'[[node]]\nname = "{n}"\nop = "relu"\ninputs = ["{m}"]\n'
+                                           for n, m in (("a", "b"), ("b", "c"), ("c", "a")))  # fmt: skip
+    with pytest.raises(PlanError, match="nodes a -> b -> c -> a form a cycle"):
+        load_plan(write(tmp_path, cycle))

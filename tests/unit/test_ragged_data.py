@@ -89,6 +89,9 @@ def test_bad_indexes_and_layouts_are_refused_naming_the_problem(tmp_path):
         file["outside"] = [0, 4, 11]
         file["floats"] = [0.0, 4.0]
         file["words"] = np.array(["a", "bc"], dtype=h5py.string_dtype())
+        file["late"] = [3, 5, 8]  # starts that skip values 0-2: read, they would silently drop them
+    with pytest.raises(DataFileError, match="offsets must begin at 0, .* begin at 3: values 0 .. 2 would belong to no"):
+        RaggedDataset(path, "values", "late")
     with pytest.raises(DataFileError, match="offset 2 is 3, after 4"):
         RaggedDataset(path, "values", "falling")
     with pytest.raises(DataFileError, match="offset 2 is 11, outside 0 .. 10"):
@@ -152,7 +155,7 @@ def test_per_sample_random_numbers_are_the_same_whatever_the_strategy(tmp_path):
     _write_layouts(tmp_path / "data.h5", rows)
     streams, drawn = SampleRandom(11), {}
     for batching in (Batching("sequential", batch_size=10), Batching("memory", batch_bytes=2000),
-                     Batching("adaptive", memory_bytes=8000)):  # fmt: skip
+                     Batching("adaptive", memory_bytes=40_000)):  # fmt: skip
         with SampleReader(open_arrays(tmp_path / "data.h5", ["vlen", "labels"], {"vlen": ""}), batching,
                           shuffle=True, seed=5) as reader:  # fmt: skip
             values = {}
@@ -181,17 +184,21 @@ def test_a_budget_that_cannot_hold_one_sample_is_refused(tmp_path):
 def test_the_reader_never_holds_more_than_its_budget_while_the_caller_is_slow(tmp_path, strategy):
     rows = _sequences(3000, longest=300)
     _write_layouts(tmp_path / "data.h5", rows)
-    batching = Batching(strategy, batch_bytes=20_000, prefetch_bytes=30_000, memory_bytes=50_000)
+    # the reader's own index and plan of 3,000 samples (about 0.2 MB) count within the budget
+    batching = Batching(strategy, batch_bytes=20_000, prefetch_bytes=250_000, memory_bytes=270_000)
     with SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}), batching,
                       shuffle=True) as reader:  # fmt: skip
-        limit = reader.limit(reader.plan(0))
+        limit, apart = reader.limit(reader.plan(0)), reader.held_apart(reader.plan(0))
         served = 0
         for index, batch in enumerate(reader.epoch(0)):
             served += len(batch.ids)
             if index % 10 == 0:
                 os.sched_yield()
         assert served == 3000
-        assert limit == 50_000 and 0 < reader.stats.peak_held <= limit
+        assert 100_000 < apart < 250_000 and limit == 270_000 - apart and 0 < reader.stats.peak_held <= limit
+    with pytest.raises(ValueError, match="beside the reader.s own index and plan"):
+        SampleReader(open_arrays(tmp_path / "data.h5", ["values"], {"values": "starts"}),
+                     Batching(strategy, batch_bytes=20_000, prefetch_bytes=60_000, memory_bytes=80_000))  # fmt: skip
 
 
 def test_process_memory_stays_within_the_budget_reading_a_file_eight_times_larger(tmp_path):
@@ -209,7 +216,7 @@ from mpiscale.bench.batching import _status_kib
 epoch_order(8, 0, 0, True)
 base = _status_kib("VmRSS")
 with SampleReader(open_arrays({str(path)!r}, ["values"], {{"values": "starts"}}),
-                  Batching("memory", batch_bytes=4 << 20, prefetch_bytes=4 << 20), shuffle=True) as reader:
+                  Batching("memory", batch_bytes=4 << 20, prefetch_bytes=(4 << 20) + 200_000), shuffle=True) as reader:
     total = sum(batch.nbytes for batch in reader.epoch(0))
 print(total, (_status_kib("VmHWM") - base) * 1024)
 """
@@ -217,6 +224,28 @@ print(total, (_status_kib("VmHWM") - base) * 1024)
     total, grown = map(int, done.stdout.split())
     assert total == lengths.sum() * 4 > 8 * (8 << 20)
     assert grown <= (8 << 20) + (5 << 20), f"grew {grown / 2**20:.1f} MiB for an 8 MiB budget"
+
+
+def test_the_budget_holds_the_readers_own_index_and_plan_and_refuses_a_read_ahead_they_leave_no_room_in(tmp_path):
+    """63,000 short samples: their index and plan take megabytes, which the budget counts (at 16 MiB they once
+    took it to 1.3x). A read-ahead that holds a batch but not them as well is refused, naming their size."""
+    path = tmp_path / "many.h5"
+    lengths = np.random.default_rng(1).integers(1, 64, 63_000)
+    with h5py.File(path, "w") as file:
+        file.create_dataset("values", data=np.ones(int(lengths.sum()), np.int32))
+        file["starts"] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    arrays = {"values": "starts"}
+    with pytest.raises(ValueError, match=r"\(1,048,576 bytes, at most\) beside the reader's own index and plan \(\d"):
+        SampleReader(open_arrays(path, ["values"], arrays), Batching("memory", batch_bytes=1 << 20,
+                                                                      prefetch_bytes=2 << 20))  # fmt: skip
+    with SampleReader(open_arrays(path, ["values"], arrays), Batching("memory", batch_bytes=1 << 20,
+                                                                       prefetch_bytes=12 << 20)) as reader:  # fmt: skip
+        plan = reader.plan(0)
+        apart = reader.held_apart(plan)
+        assert 2 << 20 < apart < 12 << 20 and reader.limit(plan) == (13 << 20) - apart
+        assert (
+            sum(len(batch.ids) for batch in reader.epoch(0)) == 63_000 and reader.stats.peak_held <= (13 << 20) - apart
+        )
 
 
 def test_a_read_that_fails_ends_the_epoch_with_the_error_and_leaving_early_stops_the_reader(tmp_path):

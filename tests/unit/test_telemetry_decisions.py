@@ -73,6 +73,16 @@ def test_the_ranks_behind_a_stuck_node_leader_are_not_named_but_listed_with_it()
     assert [(f.kind, f.rank) for f in watchdog.look(alive_leader, 12.0)] == [("hang", 3)]
 
 
+def test_a_rank_stuck_in_an_await_whose_reports_still_come_through_its_waiting_leader_is_named():
+    """Rank 1 awaits forever, its event loop running: its reports arrive an interval late through rank 0, its node
+    leader, which waits in the collective. Reports that still come are no silence, so rank 1 is named itself."""
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=10), report_interval_s=1.0)
+    watchdog.look({0: report(0, 1, 0), 1: {**report(1, 1, 0), "via": 0}}, 0.0)
+    reports = {0: report(0, 1, 12, waiting_in=("allreduce on world", 11.0)), 1: {**report(1, 1, 11), "via": 0}}
+    found = watchdog.look(reports, 12.0)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 1)], found
+
+
 def test_a_straggler_is_the_rank_the_others_wait_for_report_after_report():
     watchdog = Watchdog(WatchdogSettings(straggler_intervals=3))
     found = []

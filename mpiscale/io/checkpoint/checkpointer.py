@@ -9,14 +9,16 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from ... import telemetry
-from ...ranks import AnyComm, agree, as_mpi, run_agreed, split_nodes
+from ...ranks import AnyComm, agree, as_mpi, on_rank_0, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
 from ..errors import CheckpointError, LockedError
 from ..h5file import settle_background_io, track_background_io
@@ -34,6 +36,7 @@ from .restore import Restored, Restorer, Unusable
 from .retention import retire
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Checkpointer:
@@ -373,7 +376,15 @@ class Checkpointer:
     def steps(self) -> list[int]:
         """Steps of the committed checkpoints, newest first, without reading them (collective)."""
         self.wait()
-        return self._front.bcast(self.layout.committed_steps() if self.rank == 0 else None, 0)
+        return on_rank_0(self._front, lambda: self._listed(self.layout.committed_steps), (CheckpointError,))
+
+    def _listed(self, read: Callable[[], T]) -> T:
+        """``read()`` of the shared directory's listing (rank 0), a directory gone or unreadable said as a
+        CheckpointError (which ``on_rank_0`` gives every rank)."""
+        try:
+            return read()
+        except OSError as error:
+            raise CheckpointError(f"the checkpoint directory {self.layout.shared} cannot be listed: {error}") from None
 
     def load(self, step: int | None = None, rows: dict[str, tuple[int, int]] | None = None) -> Restored | None:
         """Restore the newest usable checkpoint (or ``step``), resharded onto this world (collective).
@@ -385,7 +396,7 @@ class Checkpointer:
         """
         self.wait()
         comm = self._front
-        manifests = comm.bcast(self._restorer.read_manifests() if self.rank == 0 else None, 0)
+        manifests = on_rank_0(comm, lambda: self._listed(self._restorer.read_manifests), (CheckpointError,))
         latest = max((s for s, m in manifests if m is not None), default=None)
         tries = [(s, m) for s, m in manifests if (s == step if step is not None else True)]
         if not tries:

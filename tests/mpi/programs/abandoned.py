@@ -1,4 +1,4 @@
-"""Collectives some rank never enters: the job must end with a report, never hang (MPISCALE_COLLECTIVE_CHECK_S)."""
+"""Collectives some rank never enters, or enters as another: one report ends the job (MPISCALE_COLLECTIVE_CHECK_S)."""
 
 import asyncio
 import sys
@@ -26,6 +26,19 @@ async def main(system):
             await system.world.barrier()
         else:
             await system.world.allreduce(ones)
+    elif scenario == "agree-against-allreduce":  # the lengths an agreement exchanges met another's signature
+        if system.rank == 0:
+            await system.world.agree(None, "a check")
+        else:
+            await system.world.allreduce(ones)
+    elif scenario == "barrier-against-lookup":
+        from mpiscale.memstore import MemoryStore
+
+        store = MemoryStore(system)
+        if system.rank == 0:
+            await system.world.barrier()
+        else:
+            await store.lookup(np.arange(3))
     elif scenario == "slow-rank":  # late, busy outside the loop, but it does enter: no report, the right sum
         if system.rank == last:
             time.sleep(3 * system.config.collective_check_s)

@@ -8,6 +8,8 @@
 - A convolutional model in ``channels_last`` memory format broadcasts and trains.
 - BatchNorm's running statistics: rank 0's on every rank after each step
   (``broadcast_buffers``, the default), each rank's own without it.
+- A second backward before ``synchronize`` is refused (as DDP does); inside
+  ``no_sync`` backward passes accumulate.
 """
 
 import numpy as np
@@ -103,6 +105,30 @@ async def batchnorm_statistics(system, broadcast: bool) -> np.ndarray:
     return means
 
 
+async def a_second_backward_before_synchronize_is_refused(system) -> None:
+    """As DDP refuses marking a gradient ready twice: the first backward's buckets are already being averaged, so
+    a second one would leave part of its gradient out (once off by 1e-3, silently). Inside no_sync it accumulates."""
+    model = Heads()
+    parallel = DataParallel(system, model)
+    await parallel.broadcast_parameters()
+    x = torch.ones(2, 6) * (system.rank + 1)
+    with parallel.no_sync():
+        model(x, 1).sum().backward()
+    model(x, 1).sum().backward()  # the accumulated gradient of both passes is averaged
+    await parallel.synchronize()
+    accumulated = model.used.weight.grad.clone()
+    model.zero_grad()
+    model(x, 1).sum().backward()
+    try:
+        model(x, 1).sum().backward()
+    except RuntimeError as error:
+        assert "a second backward() reached parameter" in str(error) and "no_sync()" in str(error), error
+    else:
+        raise AssertionError("a second backward before synchronize() went on")
+    await parallel.synchronize()  # the first pass's buckets finish; the job goes on
+    torch.testing.assert_close(model.used.weight.grad * 2, accumulated)
+
+
 async def main(system) -> None:
     await unused_parameters_stay_put(system)
     await freezing_after_wrapping_is_refused(system)
@@ -111,6 +137,7 @@ async def main(system) -> None:
     own = await batchnorm_statistics(system, False)
     assert (shared == shared[0]).all(), "broadcast_buffers left the ranks' running statistics apart"
     assert system.size == 1 or not (own == own[0]).all(), "without broadcast_buffers each rank keeps its own"
+    await a_second_backward_before_synchronize_is_refused(system)
     if system.rank == 0:
         print(f"data parallel like DDP ok: {system.size} ranks")
 

@@ -36,7 +36,8 @@ class Model:
 
     def __init__(self) -> None:
         self.ids = np.empty(0, np.int64)
-        self.columns = {name: np.empty(0, np.float32) for name in ("strength", "quality", "touched", "weight")}
+        self.columns = {name: np.empty(0, np.float32) for name in ("strength", "quality", "weight")}
+        self.columns["touched"] = np.empty(0, np.int64)
 
     def upsert(self, ids, values) -> None:
         last = {int(i): n for n, i in enumerate(ids)}  # the last occurrence wins
@@ -48,7 +49,7 @@ class Model:
             else:
                 self.ids = np.insert(self.ids, at, i)
                 for name in self.columns:
-                    value = values[name][n] if name != "touched" else np.float32(0)
+                    value = values[name][n] if name != "touched" else 0
                     self.columns[name] = np.insert(self.columns[name], at, value)
 
     def delete(self, ids) -> None:
@@ -64,7 +65,7 @@ class Model:
             at = np.searchsorted(self.ids, i)
             s = self.columns["strength"]
             s[at] = min(max(np.float32(s[at] + d), np.float32(0)), np.float32(1))
-            self.columns["touched"][at] = np.float32(iteration)
+            self.columns["touched"][at] = iteration
 
     def iterate(self):
         s = self.columns["strength"]
