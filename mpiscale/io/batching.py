@@ -102,8 +102,8 @@ class SampleSizes:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this index holds (the lengths, and each sample's bytes once known)."""
-        return self.lengths.nbytes + self.units.nbytes + (self.packed.nbytes if "packed" in self.__dict__ else 0)
+        """Bytes this index holds: the lengths and each sample's bytes."""
+        return self.lengths.nbytes + self.units.nbytes + self.packed.nbytes
 
     @cached_property
     def packed(self) -> np.ndarray:
@@ -124,15 +124,11 @@ class SampleSizes:
 def pool_batches(sizes: SampleSizes, pool: np.ndarray, limit: int, seed: int, epoch: int) -> list[np.ndarray]:
     """The samples of ``pool`` grouped by size into batches of at most ``limit`` padded bytes, in a shuffled order."""
     key = sizes.packed[pool]
-    grouped = pool[np.argsort(key, kind="stable")]  # ties keep the shuffled order
-    batches, start = [], 0
-    if len(sizes.units) <= 1:  # sorted by size, each sample is its batch's longest so far: plain integers
-        cost = key[np.argsort(key, kind="stable")].tolist()
-        for at, sample_cost in enumerate(cost):
-            if at > start and (at - start + 1) * sample_cost > limit:
-                batches.append(np.sort(grouped[start:at]))
-                start = at
+    if len(sizes.units) <= 1:  # sorted by size, each sample is its batch's longest so far: a cut of the sizes alone
+        batches = [np.sort(pool[cut]) for cut in length_batches(key, limit)]
     else:
+        grouped = pool[np.argsort(key, kind="stable")]  # ties keep the shuffled order
+        batches, start = [], 0
         longest = np.zeros(len(sizes.units), dtype=np.int64)
         for at, sample in enumerate(grouped.tolist()):
             wider = np.maximum(longest, sizes.lengths[sample])
@@ -140,8 +136,8 @@ def pool_batches(sizes: SampleSizes, pool: np.ndarray, limit: int, seed: int, ep
                 batches.append(np.sort(grouped[start:at]))
                 start, wider = at, sizes.lengths[sample]
             longest = wider
-    if start < len(grouped):
-        batches.append(np.sort(grouped[start:]))
+        if start < len(grouped):
+            batches.append(np.sort(grouped[start:]))
     firsts = np.array([batch[0] for batch in batches], dtype=np.int64)
     shuffled = np.argsort(SampleRandom(seed).uniform(epoch, firsts, 1, stream=BATCH_STREAM)[:, 0], kind="stable")
     return [batches[i] for i in shuffled]

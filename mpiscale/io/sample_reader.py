@@ -255,17 +255,15 @@ class SampleReader:
         sorts and slices copy them while a plan is made: measured, 80 bytes a sample for 63,000 samples)."""
         return 2 * (self.sizes.nbytes + plan.nbytes)
 
-    def check_read_ahead(self, epochs: int, ranks: int | None = None) -> None:
-        """Refuse, before any batch is read, a read-ahead that cannot hold the largest batch any of ``ranks`` ranks
-        (default: this reader's) gets in the first ``epochs`` epochs (count strategies; memory batching is checked
-        when the reader opens, adaptive batching has its own budget)."""
+    def check_read_ahead(self, plans: list[EpochBatches]) -> None:
+        """Refuse, before any batch is read, a read-ahead that cannot hold the largest batch any rank gets in the
+        epochs of ``plans`` (``plan(epoch, ranks)``'s, count strategies; memory batching is checked when the
+        reader opens, adaptive batching has its own budget)."""
         if self.batching.strategy in ("memory", "adaptive") or not self.batching.prefetch_bytes:
             return
-        ranks = ranks or self.size
-        for epoch in range(epochs):
-            plan = EpochBatches(self.sizes, self.batching, epoch, self.seed, self.shuffle, self.window, ranks)
-            apart = self.held_apart(plan)
-            self._check_read_ahead(plan.largest_of_any_rank(), f"the largest a rank gets in epoch {epoch + 1}", apart)
+        for plan in plans:
+            which = f"the largest a rank gets in epoch {plan.epoch + 1}"
+            self._check_read_ahead(plan.largest_of_any_rank(), which, self.held_apart(plan))
 
     def _check_read_ahead(self, batch: int, which: str, apart: int) -> None:
         """Refuse a read-ahead that, beside the reader's own index and plan (``apart`` bytes), cannot hold a batch."""

@@ -33,7 +33,7 @@ BASE_COLUMNS = ("strength", "quality", "touched")
 TOUCHED_TYPE = np.dtype(np.int64)
 
 
-def column_type(name: str) -> np.dtype:
+def _column_type(name: str) -> np.dtype:
     return TOUCHED_TYPE if name == "touched" else np.dtype(np.float32)
 
 
@@ -53,7 +53,7 @@ class Partition:
         self.names = (*BASE_COLUMNS, *extra)
         self.size = 0
         self._ids = np.empty(16, np.int64)
-        self._columns = {name: np.empty(16, column_type(name)) for name in self.names}
+        self._columns = {name: np.empty(16, _column_type(name)) for name in self.names}
         self._slots = build_index(self._ids[:0], 16)
         self._mirror = DeviceMirror() if device == "cuda" else None
         self.device_threshold = device_threshold

@@ -173,9 +173,6 @@ class Communicator:
         before any state changes (a batch's ids on one rank, say).
         """
         text = problem_text(problem)
-        if self.size == 1:
-            raise_agreed([text], problem, what, kind)
-            return
         lengths = await self._exchange("agree", "", len(text.encode()) if text is not None else -1)
         messages = await self._texts(text, f"agreement on {what}", lengths)
         raise_agreed(messages, problem, what, kind)
@@ -183,7 +180,7 @@ class Communicator:
     @_collective
     async def barrier(self) -> None:
         """Wait until every rank has reached the barrier (the checked exchange that begins every collective is one)."""
-        if self._config.check_collectives and self.size > 1:
+        if self._config.check_collectives:
             await self._exchange("barrier", "")
         else:
             await self._wait(self.comm.Ibarrier(), "barrier")
@@ -237,8 +234,6 @@ class Communicator:
             encoded = transport.encode(obj, 0, self._config.inline_bytes)
             frame = memoryview(encoded.frame)
             length = frame.nbytes
-        if self.size == 1:
-            return obj
         lengths = await self._exchange("bcast", f"root={root}", length)  # the root's frame length, to every rank
         if self.rank != root:
             frame = transport.allocate(int(lengths[root]))

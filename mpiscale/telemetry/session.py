@@ -97,12 +97,12 @@ class Telemetry:
         Checkpoint and stop commands go to the runtime's steering while a job steers (``system.steering.active``)
         and are rejected otherwise.
         """
-        settings, watching, problem = TelemetrySettings(), WatchdogSettings(), None
+        problem = None
         try:
             settings, watching = TelemetrySettings.from_env(), WatchdogSettings.from_env()
         except ValueError as error:  # the same environment on every rank: one line, the job refused
             problem = ValueError(f"mpiscale {command}: {error}")
-        await system.agree(problem, "the telemetry settings")
+        await system.agree(problem, "the telemetry settings")  # raises on every rank where settings were refused
         comm = system.communicator("telemetry")  # the job's own collectives on world keep their numbers
         agreed = await comm.bcast((job_id(), settings.enabled) if system.rank == 0 else None, 0)
         assert isinstance(agreed, tuple)

@@ -187,11 +187,8 @@ class MqttSink:
             user = self.settings.username or "(anonymous)"
             log.warning("telemetry: the broker %s:%d refuses this job's publishes under mpiscale/%s/ (%s): its ACL "
                         "does not let user %s write there, so watchers see nothing of this job; with the documented "
-                        "ACL, give the job an id under the user's name (MPISCALE_JOB_ID=%s/<id>)", *self._where(),
-                        self.job, reason, user, user)  # fmt: skip
-
-    def _where(self) -> tuple[str, int]:
-        return self.settings.broker or ("", 0)
+                        "ACL, give the job an id under the user's name (MPISCALE_JOB_ID=%s/<id>)",
+                        *(self.settings.broker or ("", 0)), self.job, reason, user, user)  # fmt: skip
 
     async def _connected(self, client) -> None:
         """Send, and receive control messages, until closing or until the connection fails (raised)."""

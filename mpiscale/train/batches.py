@@ -79,7 +79,7 @@ def training_steps(config: TrainConfig, data: LabelledData, comm: Comm, replicas
     with open_reader(config, data, comm, []) as reader:
         assert isinstance(reader, SampleReader)
         plans = [reader.plan(epoch, replicas) for epoch in range(config.epochs)]
-        reader.check_read_ahead(config.epochs, replicas)  # refused now, not when an epoch starts
+        reader.check_read_ahead(plans)  # refused now, not when an epoch starts
     return TrainingSteps([plan.steps for plan in plans], min(plan.smallest() for plan in plans), replicas)
 
 

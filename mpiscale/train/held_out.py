@@ -86,9 +86,6 @@ class HeldOut:
             inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(dtype)
         return cls(scoring_batches(data, budget, replicas, replica), dtype, start, inputs, labels)
 
-    def __len__(self) -> int:
-        return len(self.batches)
-
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:
         for ids in self.batches:
             if self.inputs is None or self.labels is None:

@@ -100,22 +100,16 @@ def test_a_stop_while_the_ranks_start_ends_the_job_before_its_first_step_with_on
 def test_a_stop_during_a_long_step_is_obeyed_at_that_steps_end(tmp_path):
     """Steps of 0.6 s that never await: the request is noted as the signal comes, and with steps this long the
     ranks agree on it at the end of that very step (not two steps later)."""
-    process = start_mpi("stops.py", 2, "long-steps", str(tmp_path))
-    _wait_for_text_in(process, "step 2")
-    process.send_signal(signal.SIGTERM)
-    job = finish(process, "stops.py long-steps", timeout=60)
-    assert job.returncode == 143, job.output[-3000:]
-    stopped = re.search(r"stopped on request \(a stop command or SIGTERM\) after step (\d+)", job.stdout)
-    assert stopped and int(stopped[1]) <= 3, job.output[-3000:]  # step 3 was running when the signal came
-
-
-def _wait_for_text_in(process, text: str, timeout: float = 60) -> None:
-    """Read the job's stdout until ``text`` appears (the rest stays in the pipe for ``finish``)."""
-    deadline = time.monotonic() + timeout
-    seen = ""
-    while time.monotonic() < deadline and text not in seen:
-        seen += process.stdout.readline()
-    assert text in seen, seen
+    log = tmp_path / "steps.log"
+    with open(log, "w") as stdout:
+        process = start_mpi("stops.py", 2, "long-steps", str(tmp_path), stdout=stdout)
+        _wait_for_text(log, "step 2", timeout=60)
+        process.send_signal(signal.SIGTERM)
+        job = finish(process, "stops.py long-steps", timeout=60)
+    said = log.read_text()
+    assert job.returncode == 143, said[-3000:] + job.stderr[-3000:]
+    stopped = re.search(r"stopped on request \(a stop command or SIGTERM\) after step (\d+)", said)
+    assert stopped and int(stopped[1]) <= 3, said[-3000:]  # step 3 was running when the signal came
 
 
 def test_stuck_ranks_cannot_keep_a_job_the_launcher_was_told_to_stop_alive(tmp_path):
