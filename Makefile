@@ -4,7 +4,7 @@ RUN     := launch/mpiscale-run
 RANKS   ?= 4
 DEMO    ?= demo-output
 
-.PHONY: setup demo ring test test-slow lint bench gpu-check
+.PHONY: setup demo ring test test-slow lint api bench gpu-check
 
 setup:
 	@bash launch/setup.sh
@@ -20,12 +20,18 @@ demo: setup
 ring: setup
 	$(RUN) -n $(RANKS) --ranks-per-node 2 -- .venv/bin/mpiscale demo
 
-# Style, the layer contract of setup.cfg ([importlinter]: docs/architecture.md, "Where new code goes"), and types.
+# Style, the import contracts of setup.cfg ([importlinter]: docs/architecture.md, "Where new code goes"), types,
+# and the API reference built without a warning (into a scratch folder: make api writes docs/api/).
 lint: setup
-	.venv/bin/ruff check mpiscale tests examples
-	.venv/bin/ruff format --check mpiscale tests examples
+	.venv/bin/ruff check mpiscale tests examples docs/build_api.py
+	.venv/bin/ruff format --check mpiscale tests examples docs/build_api.py
 	.venv/bin/lint-imports
 	.venv/bin/mypy mpiscale
+	$(PY) docs/build_api.py $$(mktemp -d)
+
+# The API reference, from the docstrings of the public modules: docs/api/index.html.
+api: setup
+	$(PY) docs/build_api.py docs/api
 
 # The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
 # periods, sleeps, Slurm's scheduling), which the other worker fills (measured: 24 minutes one by one, 18 on two

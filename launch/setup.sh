@@ -46,7 +46,7 @@ else
             "${PIP[@]}" --no-binary=h5py --no-build-isolation h5py
     fi
     "${PIP[@]}" "torch==2.13.0"
-    "${PIP[@]}" --no-build-isolation -e "$REPO[test,bench,adapters]"
+    "${PIP[@]}" --no-build-isolation -e "$REPO[torch,test,bench,adapters]"
     echo "$want" > "$stamp"
 fi
 
@@ -58,3 +58,7 @@ if not h5py.get_config().mpi:
     sys.exit("[setup] FATAL: h5py was built without MPI support; remove .venv and re-run launch/setup.sh")
 print(f"[setup] ok: {MPI.Get_library_version().splitlines()[0].strip()}, h5py {h5py.__version__} (MPI), python {sys.version.split()[0]}")
 PY
+
+# Numba's kernels compiled once, here, into the package's cache: a first job starts warm, and no two ranks race to
+# compile the same kernel (a 3-rank memstore took 18.9 s cold, 2.4 s warm). Warm, this takes a second or two.
+"$PY" -m mpiscale.precompile

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import shutil
 from dataclasses import dataclass
@@ -88,14 +89,36 @@ def _program(name: str, fix: str, required: bool) -> Check:
     return Check(name, path is not None, path or "not found", fix, required=required)
 
 
+def _required(name: str) -> Check:
+    version = _version(name)
+    return Check(name, version is not None, version or "not installed", SETUP)
+
+
+def _job_extras() -> list[Check]:
+    """One line per job that needs more than the required packages: which of its modules are missing, and the
+    extra that installs them (from the job registry)."""
+    from .jobs import JOBS
+
+    found = []
+    for entry in JOBS.values():
+        if not entry.needs:
+            continue
+        missing = [module for module in entry.needs if _version(module) is None]
+        text = f"needs {', '.join(entry.needs)}: " + (f"missing {', '.join(missing)}" if missing else "installed")
+        fix = f"pip install '.[{entry.extra}]' (launch/setup.sh does it)"
+        found.append(Check(f"mpiscale {entry.name}", not missing, text, fix, required=False))
+    return found
+
+
 def checks() -> list[Check]:
     """Run every check (imports MPI, so call it in the process that will use MPI)."""
     return [
         *_mpi_checks(),
         _h5py_check(),
         *_numba_checks(),
-        _optional("aiomqtt", "aiomqtt", SETUP),
-        _optional("torch", "torch", SETUP),
+        _required("aiomqtt"),
+        *_job_extras(),
+        _optional("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)"),
         _program("mpirun", "apt-get install openmpi-bin (launch/setup.sh does it)", required=True),
         _program("mosquitto", "apt-get install mosquitto (launch/setup.sh does it)", required=False),
         _program("srun", "only needed on a Slurm cluster", required=False),
@@ -114,3 +137,10 @@ def report(results: list[Check]) -> tuple[str, int]:
         failed |= check.required and not check.ok
     lines.append("mpiscale doctor: " + ("problems found (see FAIL lines)" if failed else "ready"))
     return "\n".join(lines), int(failed)
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale doctor``: the report printed; 1 when something required is missing."""
+    text, status = report(checks())
+    print(text)
+    return status

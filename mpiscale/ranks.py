@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, overload
+
+from .errors import MpiscaleError
 
 if TYPE_CHECKING:  # mpi4py is imported where MPI is used, so that importing this module does not start MPI
     from mpi4py.MPI import Comm as MPIComm
@@ -69,6 +71,31 @@ def block_rows(total: int, parts: int) -> list[int]:
     """Rows of each of ``parts`` consecutive blocks of ``total`` rows, as ``np.array_split`` splits them."""
     base, extra = divmod(total, parts)
     return [base + (part < extra) for part in range(parts)]
+
+
+def balanced_starts(weights: Sequence[int], stages: int) -> list[int]:
+    """Where each of ``stages`` non-empty consecutive parts of ``weights`` starts, so that the heaviest part
+    is as light as possible (of the cuts that achieve it, the earliest)."""
+    n = len(weights)
+    prefix = [0]
+    for weight in weights:
+        prefix.append(prefix[-1] + weight)
+    inf = float("inf")
+    # best[k][i]: the lightest heaviest part when the first i items form k parts; cut[k][i]: where the last begins
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n - (stages - k) + 1):
+            for j in range(k - 1, i):
+                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
+                if heaviest < best[k][i]:
+                    best[k][i], cut[k][i] = heaviest, j
+    starts, end = [], n
+    for k in range(stages, 0, -1):
+        end = cut[k][end]
+        starts.append(end)
+    return starts[::-1]
 
 
 def rank_rows(total: int, size: int, rank: int) -> tuple[int, int]:
@@ -173,7 +200,7 @@ def _travelling(error: Exception, refusals: tuple[type[Exception], ...]) -> Exce
         return kind(str(error))
 
 
-class AgreedError(RuntimeError):
+class AgreedError(MpiscaleError, RuntimeError):
     """A failure every rank raised together (``agree``'s default kind), so collective clean-up is safe."""
 
 

@@ -8,12 +8,15 @@ original.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import MpiscaleError
 from ..io import open_file
 from .files import AdapterError, write_adapter
 from .layout import READABLE_FORMATS, group_name
@@ -40,3 +43,15 @@ def export_adapter(compressed: str, name: str, directory: str) -> dict[str, np.n
             tensors[f"{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
     write_adapter(Path(directory), tensors, settings)
     return tensors
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale compress-adapters export FILE NAME [--to DIRECTORY]``: one process, no MPI job."""
+    directory = args.to or args.name
+    try:
+        tensors = export_adapter(args.compressed, args.name, directory)
+    except (MpiscaleError, OSError) as error:
+        print(f"mpiscale compress-adapters export: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {directory}: adapter {args.name} rebuilt from {args.compressed} ({len(tensors) // 2} modules)")
+    return 0

@@ -41,10 +41,8 @@ from ..jobs import (
     Plan,
     Step,
     announce,
-    check_not_an_input,
-    check_outputs,
+    claim_outputs,
     kept_name,
-    lock_results,
     run_lifecycle,
     setting_differences,
 )
@@ -293,7 +291,6 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     share_cores(ranks_sharing_cores(comm))  # BLAS threads: this rank's share of the host's cores
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
-    check_outputs(config.out, None)
     kept = kept_name(config.out)
     if os.path.exists(kept) and not config.resume:
         raise ValueError(f"{kept} holds the layer groups of a stopped run: pass --resume to finish it (on any number "
@@ -306,8 +303,8 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
             raise AdapterError(path, f"has the name of {names[name]}: adapters are named by their directories")
         names[name] = path
     inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
-    check_not_an_input(config.out, [*inputs, *([config.add_to] if config.add_to else [])], comm)
-    lock = lock_results(config.out, comm)  # the last collective: the checks below may fail on one rank alone
+    # the last collective: the checks below may fail on one rank alone
+    lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm)
     try:
         earlier = Earlier.open(config.add_to) if config.add_to else None
         if earlier is not None:

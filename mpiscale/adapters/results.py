@@ -77,10 +77,11 @@ def plot(path: str, image: str) -> None:
                 shares = np.cumsum(file[f"{group_name(index)}/{side}/explained"][()])
                 axis.plot(np.arange(1, len(shares) + 1), shares, alpha=0.6)
     for axis, side in zip(axes, ("A", "B"), strict=True):
+        axis.set_title(f"LoRA {side} matrices")
         axis.set_xlabel(f"components ({side} side)")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("share of the sum of squares explained")
-    figure.suptitle("explained share per layer group")
+    figure.suptitle(f"{path}: explained share per layer group (one line each)")
     figure.tight_layout()
     figure.savefig(image, dpi=120)
     plt.close(figure)

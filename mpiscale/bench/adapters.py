@@ -23,6 +23,7 @@ and the cosine of the largest angle to the planted subspace.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -181,3 +182,9 @@ def _baseline(method: str, directory: Path) -> dict[str, np.ndarray]:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run_adapters_bench(args.json, args.dir, quick=args.quick)
+    return 0

@@ -9,13 +9,15 @@ nodes (``launch/mpiscale-run --ranks-per-node 2``).
 
 from __future__ import annotations
 
+import argparse
 import os
 from functools import partial
 
 import numpy as np
 
 from ..ranks import Comm
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
+from . import plots
 from .report import median_slowest, median_slowest_async, table, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
@@ -94,3 +96,11 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
 
 def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    result = run(lambda system: run_allreduce_bench(system, args.json, quick=args.quick))
+    if args.plot and result is not None:  # rank 0
+        plots.bus_bandwidth(result, args.plot)
+    return 0

@@ -26,6 +26,7 @@ and the consumer's stall share.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -314,3 +315,9 @@ def _report(json_path: str, data: dict, budget: int, disk: float, rate: float, c
 
 if __name__ == "__main__":
     print(json.dumps(run_one(sys.argv[1], json.loads(sys.argv[2]))))
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run_batching_bench(args.json, args.dir, quick=args.quick)
+    return 0

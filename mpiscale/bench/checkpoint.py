@@ -13,6 +13,7 @@ reads are from memory and the table says so.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import statistics
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..io import Checkpointer
 from ..ranks import Comm, block_rows
+from ..runtime import ActorSystem, run
 from .report import cold_cache, drop_page_cache, table, timed, write_json
 
 ROW = 1 << 14  # float64 values per row: 128 KiB rows
@@ -180,3 +182,15 @@ def _report(
     path = write_json(json_path, "checkpoint", size, results)
     print(f"wrote {path}")
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    size_mib = args.size_mib or (128 if args.quick else 1024)
+    repeats = 1 if args.quick else 5
+
+    async def bench_checkpoint(system: ActorSystem) -> dict | None:
+        return run_checkpoint_bench(system.world.comm, args.json, args.dir, size_mib << 20, repeats)
+
+    run(bench_checkpoint)
+    return 0

@@ -21,6 +21,7 @@ One process, no mpirun.
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from collections.abc import Callable
@@ -175,3 +176,9 @@ def _many_circuits(count: int, inputs: int, repeats: int) -> dict:
                  ["ours (prefix once, atoms as one product)", ours, inputs * count / ours,
                   f"{baseline / ours:.1f}x"]]))  # fmt: skip
     return result
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run_circuits_bench(args.json, quick=args.quick)
+    return 0

@@ -11,13 +11,14 @@ backward is ``1 - (step - compute) / communication``.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Awaitable, Callable
 
 import numpy as np
 
 from ..kernels.threads import share_cores
 from ..ranks import ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from ..train import DataParallel
 from ..train.compression import scheme
 from .allreduce import init_gloo
@@ -175,3 +176,9 @@ def _report(system: ActorSystem, json_path: str, seconds: dict, width: int, para
     }
     print(f"wrote {write_json(json_path, 'ddp', system.size, results)}")
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_ddp_bench(system, args.json, quick=args.quick))
+    return 0

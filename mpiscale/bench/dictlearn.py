@@ -18,6 +18,7 @@ In one run, on the same planted data set (written through ``mpiscale.io``):
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..dictlearn.synthetic import SIGNALS, write_planted_dataset
 from ..io import read_dataset
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from .omp import OMP_HEADERS, measure_omp, omp_row
 from .report import table, write_json
 
@@ -235,3 +236,9 @@ def _report(json_path, ranks, setting, omp, baselines, config, wall) -> dict:
     for leftover in (config.out, config.data_path[0]):
         os.remove(leftover)
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_dictlearn_bench(system, args.json, args.dir, quick=args.quick))
+    return 0

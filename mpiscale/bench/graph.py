@@ -25,6 +25,7 @@ Run it under ``launch/mpiscale-run -n 2``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..circuits.graph import CompiledGraph, Graph, Node, place
 from ..circuits.plan import INPUT
-from ..runtime import Actor, ActorGroup, ActorSystem
+from ..runtime import Actor, ActorGroup, ActorSystem, run
 from .report import table, write_json
 
 NODES = 16
@@ -228,3 +229,9 @@ async def run_graph_bench(system: ActorSystem, json_path: str, quick: bool = Fal
     write_json(json_path, "graph", system.size, record)
     print(f"wrote {json_path}")
     return record
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_graph_bench(system, args.json, quick=args.quick))
+    return 0

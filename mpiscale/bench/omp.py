@@ -10,6 +10,7 @@ correlations and codes included).
 
 from __future__ import annotations
 
+import argparse
 from functools import partial
 
 import numba
@@ -114,3 +115,9 @@ def run_omp_bench(json_path: str, quick: bool = False) -> dict:
     )
     print(f"wrote {path}")
     return {"settings": records}
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run_omp_bench(args.json, quick=args.quick)
+    return 0

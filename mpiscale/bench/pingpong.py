@@ -9,6 +9,7 @@ tables give medians (p50) and p99; the ratio ours / raw is what to quote.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import time
@@ -19,7 +20,8 @@ from typing import Any, cast
 import numpy as np
 
 from ..ranks import Comm
-from ..runtime import Actor, ActorRef, ActorSystem
+from ..runtime import Actor, ActorRef, ActorSystem, run
+from . import plots
 from .report import table, write_json
 
 SIZES = [8, 64, 512, 4096, 32768, 262144, 2 << 20, 16 << 20]
@@ -339,3 +341,11 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
     path = write_json(json_path, "pingpong", system.size, results)
     print(f"wrote {path}")
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    result = run(lambda system: run_pingpong(system, args.json, quick=args.quick))
+    if args.plot and result is not None:  # rank 0
+        plots.round_trips(result, args.plot)
+    return 0

@@ -17,13 +17,15 @@ difference of any gradient from the one-process run's.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections import OrderedDict
 
 from ..kernels.threads import share_cores
 from ..ranks import ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from ..train.pipeline import Pipeline, split_sequential
+from . import plots
 from .allreduce import init_gloo
 from .report import median_slowest_async, table, write_json
 
@@ -194,3 +196,11 @@ def _report(system: ActorSystem, json_path: str, records: list[dict], steps: int
     path = write_json(json_path, "pipeline", system.size, result)
     print(f"wrote {path}")
     return result
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    result = run(lambda system: run_pipeline_bench(system, args.json, quick=args.quick))
+    if args.plot and result is not None:  # rank 0
+        plots.bubble(result, args.plot)
+    return 0

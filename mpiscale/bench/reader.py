@@ -15,6 +15,7 @@ contiguous float64 rows) and the same bytes as a raw file:
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import time
@@ -27,7 +28,7 @@ from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..io import BatchReader, epoch_order
 from ..ranks import Comm
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from .report import cold_cache, table, timed, write_json
 
 FEATURES, ATOMS, SPARSITY, BATCH = 64, 256, 8, 256
@@ -157,3 +158,9 @@ def _report(json_path, ranks, setting, nbytes, disk, load, stream, jobs, cold) -
     path = write_json(json_path, "reader", ranks, results)
     print(f"wrote {path}")
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_reader_bench(system, args.json, args.dir, quick=args.quick))
+    return 0

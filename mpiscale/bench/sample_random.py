@@ -8,6 +8,7 @@ thread (one rank per core), and the aggregate rate is total / slowest rank.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numba
@@ -15,7 +16,7 @@ import numpy as np
 
 from ..io import SampleRandom
 from ..ranks import rank_rows
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from .report import table, write_json
 
 PARAMETERS = 8  # random parameters per sample (e.g. crop, flip, colour jitter)
@@ -77,3 +78,10 @@ async def run_sample_random(system: ActorSystem, json_path: str, samples: int, q
     path = write_json(json_path, "sample_random", system.size, results)
     print(f"wrote {path}")
     return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    samples = args.samples or (200_000 if args.quick else 4_000_000)
+    run(lambda system: run_sample_random(system, args.json, samples, quick=args.quick))
+    return 0

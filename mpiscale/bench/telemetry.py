@@ -16,6 +16,7 @@ learning iteration.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -31,7 +32,7 @@ from pathlib import Path
 from ..dictlearn.config import DictLearnConfig
 from ..dictlearn.learner import learn
 from ..jobs import Ended, Plan, Step, observed, run_lifecycle
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, run
 from .dictlearn import planted_data
 from .report import table, write_json
 
@@ -214,3 +215,9 @@ async def _one_run(
 
     slowest = await system.world.allreduce(np.array([elapsed]), op="max")
     return float(slowest[0])
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_telemetry_bench(system, args.json, args.dir, quick=args.quick))
+    return 0

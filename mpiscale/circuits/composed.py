@@ -19,8 +19,8 @@ from ..runtime import ActorSystem
 from .catalogue import Catalogue
 from .config import CircuitsRunConfig
 from .graph import CompiledGraph, build_graph, place
-from .job import Inputs, Write
 from .plan import load_plan
+from .work import Inputs, Write
 
 
 def plan_work(system: ActorSystem, config: CircuitsRunConfig, width: int, dtype: np.dtype) -> PlanRun:

@@ -17,12 +17,12 @@ import numpy as np
 
 from ..io import DataFileError, ShardedDataset, fixed_strings
 from ..runtime import ActorSystem
-from ..train.model import rows_refused
+from ..train import rows_refused
 from .catalogue import Catalogue, LayerCircuits
 from .config import CircuitsRunConfig
 from .filters import Filter, check_filters, matching, parse_filters
-from .job import Inputs, Write
 from .prefix import ModelRunner
+from .work import Inputs, Write
 
 
 @dataclass

@@ -33,8 +33,8 @@ from functools import partial
 
 import numpy as np
 
+from ..ranks import balanced_starts
 from ..runtime import Actor, ActorGroup, ActorSystem, Arrivals
-from ..train.pipeline.split import balanced_starts
 from . import ops
 from .catalogue import Catalogue, LayerCircuits
 from .filters import check_filters, matching, parse_filters

@@ -3,7 +3,7 @@
 What runs is a ``Work``: every circuit of the catalogue (``--all-features``,
 :mod:`.features`) or a composition plan compiled over the ranks (``--plan``,
 :mod:`.composed`). This module is what both share: the inputs checked, the
-output file, the steps, and resuming.
+output file, the steps, and resuming; :mod:`.work` says what a ``Work`` is.
 
 The inputs are cut into batches of ``batch_size`` rows, numbered globally (the
 same batches on any number of ranks); each step runs the work's share of the
@@ -24,7 +24,6 @@ import os
 import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import h5py
 import numpy as np
@@ -36,10 +35,8 @@ from ..jobs import (
     Plan,
     Step,
     announce,
-    check_not_an_input,
-    check_outputs,
+    claim_outputs,
     kept_name,
-    lock_results,
     run_lifecycle,
     setting_differences,
 )
@@ -47,55 +44,9 @@ from ..kernels.threads import share_cores
 from ..ranks import Comm, on_rank_0, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from .config import RESULT_SETTINGS, CircuitsRunConfig
+from .work import Inputs, Work
 
 FEATURES_FORMAT = "mpiscale.circuit-features/1"
-
-Write = tuple[str, int, np.ndarray]  # (data set, first row, rows)
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """The data set the work reads, and where the batches are."""
-
-    path: str
-    name: str
-    samples: int
-    batch_size: int
-
-    def bounds(self, batch: int | None) -> tuple[int, int]:
-        """Rows ``[lo, hi)`` of ``batch`` (None: an empty range)."""
-        if batch is None:
-            return 0, 0
-        lo = batch * self.batch_size
-        return lo, min(lo + self.batch_size, self.samples)
-
-
-class Work(Protocol):
-    """What runs on the batches: its output data sets, and one step of it on every rank."""
-
-    per_step: int  # batches a step runs (over all ranks)
-    models: list[str]  # the model files it reads (never to be an output)
-    sha256: str  # of the plan it runs ("" for none): a resumed run must run the same one
-
-    def layout(self, samples: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]: ...
-
-    def replicated(self) -> dict[str, np.ndarray]:
-        """Data sets every rank holds alike: what the work is (a resumed run must do the same), and where it runs."""
-        ...
-
-    def what_changed(self, name: str) -> str | None:
-        """Why a replicated data set of a stopped run may differ from this run's: said as the setting a resumed run
-        must keep; None for where the work runs (placement over the ranks), which a resumed run writes anew."""
-        ...
-
-    async def start(self) -> None: ...
-
-    async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
-        """This rank's rows of the step's ``batches`` as writes in an order every rank shares (a rank with no rows
-        writes none), and the first failure this rank saw (collective)."""
-        ...
-
-    def describe(self) -> str: ...
 
 
 async def run_circuits(system: ActorSystem, config: CircuitsRunConfig) -> dict:
@@ -228,10 +179,7 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         work: Work = plan_work(system, config, width, dtype)
     else:
         work = all_features_work(system, config, path, name, width, dtype)
-    check_outputs(config.out, None)
-    check_not_an_input(config.out, [config.catalogue, config.data, *([config.plan] if config.plan else []),
-                                    *work.models], comm)  # fmt: skip
-    lock = lock_results(config.out, comm)
+    lock = claim_outputs(config.out, None, [config.catalogue, config.data, config.plan, *work.models], comm)
     inputs = Inputs(path, name, shape[0], config.batch_size)
     try:
         batches = -(-shape[0] // config.batch_size)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..io import DataFileError
-from ..train.model import layer_outputs
+from ..train import layer_outputs
 from .store import ModelRef, file_sha256
 
 
@@ -50,7 +50,7 @@ class ModelRunner:
 def load_module(model: ModelRef) -> torch.nn.Module:
     """The model of ``model``'s file, ready for inference."""
     if model.kind == "train":
-        from ..train.results import load_trained
+        from ..train import load_trained
 
         return load_trained(model.path)[0]
     try:

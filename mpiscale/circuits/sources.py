@@ -17,11 +17,11 @@ import os
 import h5py
 import numpy as np
 
-from ..dictlearn.catalogue import catalogue
-from ..dictlearn.results import RESULTS_FORMAT as DICTLEARN_FORMAT
+from ..dictlearn import RESULTS_FORMAT as DICTLEARN_FORMAT
+from ..dictlearn import top_inputs
 from ..io import DataFileError, locate, open_file, split_spec
-from ..train.model import input_layout
-from ..train.results import RESULTS_FORMAT as TRAIN_FORMAT
+from ..train import RESULTS_FORMAT as TRAIN_FORMAT
+from ..train import input_layout
 from .prefix import ModelRunner, detect_module, one_line
 from .store import CatalogueError, ModelRef, NewCircuits
 
@@ -48,7 +48,7 @@ def from_dictlearn(results: str, model: str = "", layer: str = "", top: int = 5,
                         dictionary.astype(np.float32), os.path.abspath(results),
                         atom_numbers=np.arange(atoms, dtype=np.int64))  # fmt: skip
     if top > 0:
-        entries, _ = catalogue(results, top, f"{activations}:/{dataset}")
+        entries, _ = top_inputs(results, top, f"{activations}:/{dataset}")
         batch.usage = np.zeros(atoms, np.int64)
         batch.top_inputs = np.full((atoms, top), -1, np.int64)
         batch.top_labels = [[] for _ in range(atoms)]

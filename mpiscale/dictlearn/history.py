@@ -28,6 +28,7 @@ METRICS = {
     "update_s": SUM,  # seconds in the dictionary update and replacement
     "time_s": LAST,  # training seconds since the start, at the end of the row
     "full_error": LAST_NUMBER,  # relative error on the whole data set, last evaluated (NaN: none in the row)
+    "recovered": LAST_NUMBER,  # planted data: the share of planted atoms recovered, at the evaluations (else NaN)
 }
 
 
@@ -83,5 +84,9 @@ class History:
     def from_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
         """The record ``to_arrays`` gave."""
         self.every, self.iterations = (int(v) for v in arrays["record"])
-        self.metrics = {name: arrays[f"metric_{name}"].tolist() for name in METRICS}
+        rows = len(arrays["usage"])  # a metric added since the checkpoint was saved is NaN in its rows
+        self.metrics = {
+            name: arrays[f"metric_{name}"].tolist() if f"metric_{name}" in arrays else [math.nan] * rows
+            for name in METRICS
+        }
         self.usage = list(arrays["usage"])

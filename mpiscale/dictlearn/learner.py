@@ -27,11 +27,9 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
-    check_not_an_input,
-    check_outputs,
+    claim_outputs,
     close_checkpointer,
     load_state,
-    lock_results,
     restore_compatible,
     run_lifecycle,
     same_bits_everywhere,
@@ -206,9 +204,8 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         from ..kernels.devices import select_gpu
 
         label = f"cuda:{select_gpu(rank_on_host)}"
-    check_outputs(config.out, config.checkpoints)  # always open: a stop checkpoints without periodic ones too
-    check_not_an_input(config.out, [config.data] if config.data else [], comm)
-    results_lock = lock_results(config.out, comm)  # before anything is written
+    # the checkpoints are always open: a stop checkpoints without periodic ones too
+    results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
     checkpoints = None
     try:
         info, planted = _prepare_data(config, comm)
@@ -282,9 +279,11 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
             if replaced:
                 gram = gram_matrix(state.dictionary)
             updated = time.perf_counter()
-            full_error = math.nan
+            full_error = recovered = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:
                 full_error = await _whole_data_error(system, config, state.dictionary, block, device, gram)
+                if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
+                    recovered = recovery_rate(job.planted, state.dictionary)
             row = stats.metrics(alpha) | {
                 "replaced": float(replaced),
                 "read_s": read - began,
@@ -293,6 +292,7 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
                 "update_s": updated - reduced,
                 "time_s": previous_time + (updated - clock),
                 "full_error": full_error,
+                "recovered": recovered,
             }
             history.record(row, stats.usage)
             phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
@@ -307,7 +307,8 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
 
 
 def _progress_text(row: dict) -> str:
-    return f"objective {row['objective']:.4e}  error {row['error']:.4f}  non-zeros {row['sparsity']:.2f}"
+    recovered = "" if math.isnan(row["recovered"]) else f"  planted recovered {row['recovered']:.0%}"
+    return f"objective {row['objective']:.4e}  error {row['error']:.4f}  non-zeros {row['sparsity']:.2f}{recovered}"
 
 
 def _compatibility(config: DictLearnConfig, info) -> dict:

@@ -116,37 +116,91 @@ def summarize(path: str) -> str:
 
 
 def plot(path: str, image: str) -> None:
-    """Learning curves, and the atoms as an image grid when they are image patches."""
+    """The run in three panels: the errors over the iterations; the planted atoms recovered over the iterations
+    (atom usage without planted atoms); and the learned atoms, against the planted ones where there are some, or as
+    an image grid when they are image patches."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     with open_file(path, (RESULTS_FORMAT,)) as file:
-        metrics = {name: file["metrics"][name][()] for name in METRICS}
+        metrics = {name: file["metrics"][name][()] for name in METRICS if name in file["metrics"]}
         iterations = file["metrics"]["iteration"][()]
         dictionary = file["dictionary"][()]
+        planted = file["planted_dictionary"][()] if "planted_dictionary" in file else None
         shape = tuple(file.attrs["patch_shape"]) if "patch_shape" in file.attrs else _square(dictionary.shape[1])
-    panels = 3 if shape is not None else 2
-    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
-    axes[0].semilogy(iterations, metrics["objective"], label="objective (batch)")
-    axes[0].semilogy(iterations, metrics["error"], label="relative error (batch)")
-    evaluated = ~np.isnan(metrics["full_error"])
-    if evaluated.any():
-        axes[0].semilogy(iterations[evaluated], metrics["full_error"][evaluated], "o-", label="relative error (all)")
-    axes[0].set_xlabel("iteration")
-    axes[0].legend()
-    axes[1].plot(iterations, metrics["unused"], label="unused atoms")
-    axes[1].plot(iterations, np.cumsum(metrics["replaced"]), label="atoms replaced (total)")
-    axes[1].set_xlabel("iteration")
-    axes[1].legend()
-    if shape is not None:
-        axes[2].imshow(_grid(dictionary, shape), cmap="gray", interpolation="nearest")
-        axes[2].set_title(f"{len(dictionary)} atoms")
-        axes[2].axis("off")
+    panels = 3 if planted is not None or shape is not None else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    _errors(axes[0], iterations, metrics)
+    if planted is not None:
+        _recovery(axes[1], iterations, metrics)
+        _against_planted(axes[2], dictionary, planted)
+    else:
+        _usage(axes[1], iterations, metrics, len(dictionary))
+        if shape is not None:
+            axes[2].imshow(_grid(dictionary, shape), cmap="gray", interpolation="nearest")
+            axes[2].set_title(f"the {len(dictionary)} learned atoms")
+            axes[2].axis("off")
+    figure.suptitle(path)
     figure.tight_layout()
     figure.savefig(image, dpi=120)
     plt.close(figure)
+
+
+def _errors(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> None:
+    axis.semilogy(iterations, metrics["error"], label="each batch")
+    evaluated = ~np.isnan(metrics["full_error"])
+    if evaluated.any():
+        axis.semilogy(iterations[evaluated], metrics["full_error"][evaluated], "o-", label="the whole data set")
+    axis.set_title("Reconstruction error")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("relative error ||X - CD|| / ||X||")
+    axis.legend()
+
+
+def _recovery(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> None:
+    recovered = metrics.get("recovered", np.full(len(iterations), np.nan))
+    evaluated = ~np.isnan(recovered)
+    if evaluated.any():
+        axis.plot(iterations[evaluated], 100 * recovered[evaluated], "o-")
+    else:
+        axis.text(0.5, 0.5, "not evaluated during the run\n(give --eval-every)", ha="center", transform=axis.transAxes)
+    axis.set_ylim(0, 105)
+    axis.set_title("Planted atoms recovered")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("% of planted atoms (|cosine| > 0.99)")
+
+
+def _usage(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray], atoms: int) -> None:
+    axis.plot(iterations, 100 * metrics["unused"] / atoms, label="unused by the batch")
+    axis.plot(iterations, np.cumsum(metrics["replaced"]), label="replaced, in all (count)")
+    axis.set_title("Atom usage")
+    axis.set_xlabel("iteration")
+    axis.set_ylabel("% of atoms / atoms")
+    axis.legend()
+
+
+def _against_planted(axis, learned: np.ndarray, planted: np.ndarray, shown: int = 6) -> None:
+    """The first ``shown`` planted atoms (solid), each with the learned atom closest to it (dashed, its sign
+    matched), stacked one above the other, with their |cosine|."""
+    unit = planted / np.linalg.norm(planted, axis=1, keepdims=True)
+    norms = np.linalg.norm(learned, axis=1, keepdims=True)
+    found = learned / np.where(norms > 0, norms, 1.0)
+    cosines = unit[:shown] @ found.T
+    for row, atom in enumerate(unit[:shown]):
+        best = int(np.argmax(np.abs(cosines[row])))
+        match = found[best] * np.sign(cosines[row, best])
+        offset = -1.2 * row * max(np.abs(unit[:shown]).max(), 1e-12)
+        axis.plot(atom + offset, color=f"C{row}")
+        axis.plot(match + offset, "--", color=f"C{row}")
+        axis.text(len(atom) - 1, offset + 0.1, f"|cos| {abs(cosines[row, best]):.3f}", ha="right", fontsize=8)
+    axis.set_title(
+        f"Planted atoms (solid) and the closest learned ones (dashed): {min(shown, len(unit))} of {len(unit)}"
+    )
+    axis.title.set_fontsize(9)
+    axis.set_xlabel("feature")
+    axis.set_yticks([])
 
 
 def _row_span(file) -> str:

@@ -3,16 +3,14 @@ progress, and results written with the ranks' agreement."""
 
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
-    check_not_an_input,
-    check_outputs,
+    claim_outputs,
     close_checkpointer,
-    lock_results,
     run_without_steps,
     start_agreed,
     write_results,
 )
 from .progress import ProgressLine, duration
-from .registry import JOBS, JobEntry, job_of_results, jobs_table
+from .registry import JOBS, JobEntry, job_of_results, jobs_table, jobs_with
 from .settings import add_options, load_settings, option, option_fields, run_job
 from .state import (
     Stateful,
@@ -36,14 +34,13 @@ __all__ = [
     "ProgressLine",
     "announce",
     "add_options",
-    "check_not_an_input",
-    "check_outputs",
+    "claim_outputs",
     "close_checkpointer",
     "duration",
     "job_of_results",
     "jobs_table",
+    "jobs_with",
     "kept_name",
-    "lock_results",
     "observed",
     "load_settings",
     "load_state",

@@ -79,6 +79,19 @@ async def run_without_steps(
             job.lock.release()
 
 
+def claim_outputs(out: str, checkpoints: str | None, inputs: Iterable[str], comm: Comm) -> OutputLock | None:
+    """The job's outputs checked and claimed before anything is written (collective): ``out`` and the checkpoint
+    directory (None: not used) writable, ``out`` none of the data specs ``inputs`` (empty ones are skipped), and
+    ``out``'s lock taken so that a second job on the same outputs stops here.
+
+    Returns the lock on rank 0 (release it when the job ends), None elsewhere. Raises ValueError (or
+    LockedError) on every rank.
+    """
+    check_outputs(out, checkpoints)  # every rank sees the same file system, and so the same answer
+    check_not_an_input(out, [spec for spec in inputs if spec], comm)
+    return lock_results(out, comm)
+
+
 def check_outputs(out: str, checkpoints: str | None) -> None:
     """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
     if os.path.isdir(out):

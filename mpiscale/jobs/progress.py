@@ -37,6 +37,9 @@ class ProgressLine:
         self.began = self.last = time.monotonic()
         self.items = 0.0
         self.line = ""
+        # The rate and the ETA leave out the first step: it holds start-up work (Numba compiles its kernels, the
+        # first batch is read), which would make the first ETA hours long.
+        self._rate_since: tuple[float, int, float] | None = None  # (time, step, items) at the first step's end
 
     def update(self, done: int, text: str, items: float, phases: dict[str, float] | None = None) -> None:
         """Record step ``done`` (1-based) with its ``text`` (the metrics), ``items`` processed and the seconds it
@@ -51,12 +54,17 @@ class ProgressLine:
             return
         self.items += items
         now = time.monotonic()
-        elapsed = max(now - self.began, 1e-9)
-        per_step = elapsed / max(done - self.start, 1)
-        self.line = (
-            f"{self.step_name} {done}/{self.total}  {text}  {self.items / elapsed:,.0f} {self.unit}/s  "
-            f"ETA {duration(per_step * (self.total - done))}"
-        )
+        if self._rate_since is None:
+            self._rate_since = (now, done, self.items)
+            rate = "measuring"
+        else:
+            since, first, counted = self._rate_since
+            elapsed = max(now - since, 1e-9)
+            per_step = elapsed / max(done - first, 1)
+            rate = (
+                f"{(self.items - counted) / elapsed:,.0f} {self.unit}/s  ETA {duration(per_step * (self.total - done))}"
+            )
+        self.line = f"{self.step_name} {done}/{self.total}  {text}  {rate}"
         if self.every and now - self.last >= self.every:
             self.last = now
             print(self.line, file=self.stream, flush=True)
@@ -65,7 +73,8 @@ class ProgressLine:
         """Print the last line (if any step ran)."""
         if self.every is not None and self.line:
             print(
-                self.line.rsplit("  ETA", 1)[0] + f"  done in {duration(time.monotonic() - self.began)}",
+                self.line.rsplit("  ETA", 1)[0].removesuffix("  measuring")
+                + f"  done in {duration(time.monotonic() - self.began)}",
                 file=self.stream,
                 flush=True,
             )

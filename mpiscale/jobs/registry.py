@@ -30,6 +30,8 @@ class JobEntry:
     sbatch: str  # its Slurm template, relative to the repository
     steers: bool  # it calls ``jobs.steer`` at every step's end: it obeys SIGTERM, checkpoint and stop
     plots: bool = False  # ``report`` also has ``plot(path, image)`` (``inspect --plot``)
+    needs: tuple[str, ...] = ()  # modules beyond the required ones that it imports (``mpiscale doctor`` checks them)
+    extra: str = ""  # the setup.cfg extra that installs them (``pip install 'mpiscale[EXTRA]'``)
 
     def load(self, what: str) -> Any:
         """The object ``self.settings`` or ``self.entry`` names (``what`` is the attribute's name)."""
@@ -59,12 +61,14 @@ JOBS: dict[str, JobEntry] = {
             "Train on FILE.h5 (inputs and labels data sets), or on bundled data when --data is not given "
             "(scikit-learn's digits; synthetic token sequences for --model transformer).",
             "mpiscale.train.config:TrainConfig",
-            "mpiscale.train.trainer:train",
+            "mpiscale.train.job:train",
             "mpiscale.train-results/1",
             "mpiscale.train.results",
             "hpc/slurm/train.sbatch",
             steers=True,
             plots=True,
+            needs=("torch", "sklearn"),
+            extra="torch",
         ),
         JobEntry(
             "collect",
@@ -77,6 +81,8 @@ JOBS: dict[str, JobEntry] = {
             None,
             "hpc/slurm/collect.sbatch",
             steers=False,
+            needs=("torch",),
+            extra="torch",
         ),
         JobEntry(
             "memstore",
@@ -103,6 +109,8 @@ JOBS: dict[str, JobEntry] = {
             "hpc/slurm/compress-adapters.sbatch",
             steers=True,
             plots=True,
+            needs=("torch", "safetensors", "scipy"),
+            extra="adapters,torch",
         ),
         JobEntry(
             "circuits run",
@@ -116,6 +124,8 @@ JOBS: dict[str, JobEntry] = {
             None,
             "hpc/slurm/circuits-run.sbatch",
             steers=True,
+            needs=("torch",),
+            extra="torch",
         ),
     ]
 }
@@ -127,8 +137,19 @@ def job_of_results(file_format: str) -> JobEntry | None:
     return next((job for job in JOBS.values() if job.results_format.split("/")[0] == kind), None)
 
 
-def jobs_table() -> str:
-    """The jobs as a Markdown table (docs/guide.md holds it; a test keeps the two the same)."""
+def jobs_with(has: str, last: str) -> str:
+    """The jobs whose entry has ``has`` set (``report``, ``plots``), in words: "dictlearn, train or memstore"."""
+    names = [name for name, entry in JOBS.items() if getattr(entry, has)]
+    return f"{', '.join(names[:-1])} {last} {names[-1]}" if len(names) > 1 else names[0]
+
+
+def jobs_table(brief: bool = False) -> str:
+    """The jobs as a Markdown table: the guide holds the full one, the README the ``brief`` one (the job, what it
+    does, its Slurm template); a test keeps both the same as this."""
+    if brief:
+        rows = ["| job | what it does | Slurm template |", "|---|---|---|"]
+        rows += [f"| `mpiscale {job.name}` | {job.summary} | `{job.sbatch}` |" for job in JOBS.values()]
+        return "\n".join(rows)
     rows = ["| job | what it does | results (`format`) | `inspect` | Slurm template | obeys stop/checkpoint |",
             "|---|---|---|---|---|---|"]  # fmt: skip
     for job in JOBS.values():

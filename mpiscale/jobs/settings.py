@@ -31,7 +31,11 @@ def option_fields(kind: type) -> list[Field]:
 
 
 def add_options(command: argparse.ArgumentParser, kind: type) -> None:
-    """``--config`` and one option per field (default None, so only the options given override the file)."""
+    """``--config`` and one option per field (default None, so only the options given override the file).
+
+    A boolean is ``--name`` / ``--no-name`` (so a file's ``true`` can be undone); a tuple default makes a list
+    option (``--hidden 128 64``, or ``--hidden 128,64``) of the type of its elements.
+    """
     command.add_argument(
         "--config", metavar="FILE.toml", help="settings file (top level or a table named after the command)"
     )
@@ -39,11 +43,40 @@ def add_options(command: argparse.ArgumentParser, kind: type) -> None:
     for setting in option_fields(kind):
         flag = "--" + setting.name.replace("_", "-")
         default = getattr(defaults, setting.name)
-        text = f"{setting.metadata['help']} (default: {default!r})"
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else repr(default)
+        text = f"{setting.metadata['help']} (default: {shown})"
+        metavar = setting.name.upper()
         if isinstance(default, bool):
-            command.add_argument(flag, action="store_true", default=None, help=text)
+            command.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif isinstance(default, tuple):
+            parse = _items_of(_element_type(kind, setting.name, default))
+            command.add_argument(flag, type=parse, nargs="*", action=_Joined, metavar=metavar, help=text)
         else:
-            command.add_argument(flag, type=type(default), metavar=setting.name.upper(), help=text)
+            command.add_argument(flag, type=type(default), metavar=metavar, help=text)
+
+
+def _element_type(kind: type, name: str, default: tuple) -> type:
+    """The type of a list setting's elements: its default's (a list setting has a non-empty default)."""
+    if not default:
+        raise TypeError(f"{kind.__name__}.{name}: a list setting's default names its element type: give one element")
+    return type(default[0])
+
+
+def _items_of(element: type) -> Callable[[str], list]:
+    """An argument's items: ``"128,64"`` is two, each converted to ``element``."""
+
+    def parse(text: str) -> list:
+        return [element(part.strip()) for part in text.split(",") if part.strip()]
+
+    parse.__name__ = element.__name__  # argparse names the type in its error: "invalid int value"
+    return parse
+
+
+class _Joined(argparse.Action):
+    """A list option's values, however split over arguments and commas, as one tuple."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(item for items in values for item in items))
 
 
 def load_settings(kind: type[Settings], table: str, path: str | None, overrides: dict) -> Settings:
@@ -75,11 +108,30 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
     defaults = kind()
     for name, value in values.items():
         expected = type(getattr(defaults, name))
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        if expected is tuple:
+            values[name] = _list_setting(kind, name, getattr(defaults, name), value, origin[name])
+        elif expected is float and isinstance(value, int) and not isinstance(value, bool):
             values[name] = float(value)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ValueError(f"{origin[name]}{name} must be {expected.__name__}, got {value!r}")
     return kind(**values)
+
+
+def _list_setting(kind: type, name: str, default: tuple, value: Any, origin: str) -> tuple:
+    """A list setting as a tuple of its element type: from a list (TOML's array), a tuple (the command line) or a
+    comma-separated string (the form earlier versions took)."""
+    element = _element_type(kind, name, default)
+    if isinstance(value, str):
+        try:
+            return tuple(_items_of(element)(value))
+        except ValueError:
+            raise ValueError(f"{origin}{name} must be a list of {element.__name__}, got {value!r}") from None
+    wrong = not isinstance(value, list | tuple) or any(
+        not isinstance(item, element) or (element is int and isinstance(item, bool)) for item in value
+    )
+    if wrong:
+        raise ValueError(f"{origin}{name} must be a list of {element.__name__}, got {value!r}")
+    return tuple(value)
 
 
 def run_job(command: str, kind: type[Settings], args: argparse.Namespace, job: Callable[[Settings], Any]) -> int:

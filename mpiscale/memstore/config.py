@@ -25,13 +25,13 @@ class MemstoreConfig:
     device: str = option(
         "auto", "iterate on cpu, cuda, or auto (a CUDA GPU when present; partitions >= 65,536 records)"
     )
-    checkpoints: str = option(
+    checkpoint_dir: str = option(
         "", "directory (shared file system) of the store's checkpoints and journal: makes the job durable, and a "
         "rerun after a failure recovers and goes on; empty: not durable",
     )  # fmt: skip
     local_dir: str = option(
         "", "node-local directory for the logs and checkpoint shards (each copied to a rank on the next node); "
-        "empty: everything in --checkpoints",
+        "empty: everything in --checkpoint-dir",
     )  # fmt: skip
     checkpoint_every: int = option(10, "iterations between checkpoints of a durable job (they bound the logs)")
     accept_rollback: bool = option(
@@ -50,8 +50,8 @@ class MemstoreConfig:
             problems.append(f"rate must be a number in [0, 1], got {self.rate}")
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        if self.local_dir and not self.checkpoints:
-            problems.append("--local-dir needs --checkpoints (the shared directory of the checkpoints)")
+        if self.local_dir and not self.checkpoint_dir:
+            problems.append("--local-dir needs --checkpoint-dir (the shared directory of the checkpoints)")
         if problems:
             raise ValueError("memstore settings: " + "; ".join(problems))
 

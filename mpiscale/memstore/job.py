@@ -28,7 +28,7 @@ from ..io import (
     stamp,
     write_dataset,
 )
-from ..jobs import Ended, Plan, Step, announce, check_outputs, lock_results, run_lifecycle, write_results
+from ..jobs import Ended, Plan, Step, announce, claim_outputs, run_lifecycle, write_results
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -57,9 +57,8 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
 
     share_cores(ranks_sharing_cores(MPI.COMM_WORLD))
     failure = planted_failure()  # a malformed rehearsal setting is bad input
-    check_outputs(config.out, config.checkpoints or None)
-    lock = lock_results(config.out, MPI.COMM_WORLD)
-    durable = Durability(config.checkpoints, config.local_dir or None) if config.checkpoints else None
+    lock = claim_outputs(config.out, config.checkpoint_dir or None, [], MPI.COMM_WORLD)
+    durable = Durability(config.checkpoint_dir, config.local_dir or None) if config.checkpoint_dir else None
     try:
         store = MemoryStore(system, histogram_bins=config.bins, durable=durable, device=config.device)
     except BaseException:
@@ -68,7 +67,7 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
         raise
     # every iteration is committed (its logs hold the last ones): no checkpoint at the end
     plan = Plan("iteration", "records", config.iterations, config.progress_every, config.checkpoint_every,
-                saves=bool(config.checkpoints))  # fmt: skip
+                saves=bool(config.checkpoint_dir))  # fmt: skip
     return _Memstore(system, config, store, failure, lock, plan)
 
 
@@ -88,7 +87,7 @@ class _Memstore:
     async def restore(self) -> int:
         """The iterations the store's files hold (recovered), or 0 after a fresh load of the records."""
         system, config, store = self.system, self.config, self.store
-        if config.checkpoints:
+        if config.checkpoint_dir:
             problem, recovered = None, None
             try:
                 recovered = await store.recover(config.workload(), config.accept_rollback)
@@ -113,7 +112,7 @@ class _Memstore:
         lo, hi = rank_rows(config.records, system.size, system.rank)
         start = SampleRandom(config.seed).uniform(0, range(lo, hi), 2).astype(np.float32)
         await store.upsert(record_ids(np.arange(lo, hi)), {"strength": start[:, 0], "quality": start[:, 1]})
-        if config.checkpoints:
+        if config.checkpoint_dir:
             await store.commit()
         return 0
 
@@ -173,7 +172,7 @@ async def _iterate(job: _Memstore, start: int) -> AsyncGenerator[Step, None]:
         result = await store.iterate(config.rate, config.top)
         seconds = time.perf_counter() - began
         history.append(result, seconds)
-        if config.checkpoints:
+        if config.checkpoint_dir:
             await store.commit(history.to_arrays(slice(-1, None)))
         text = f"mean quality {result.mean:.4f}  {1e3 * seconds:.2f} ms/iteration"
         yield Step(text, config.records, {"iteration": seconds})

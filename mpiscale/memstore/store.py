@@ -26,11 +26,11 @@ from ..kernels.devices import resolve_device, select_gpu
 from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
 from .durability import Durability, DurableLog, Replica
+from .inputs import INT64_LIMIT, checked_ids, finite, per_rank, record_table
 from .journal import Op
 from .partition import BASE_COLUMNS, DEVICE_THRESHOLD, TOUCHED_TYPE, Partition
 from .recovery import Recovered
 
-INT64_LIMIT = 2**63 - 1
 Checked = TypeVar("Checked")
 
 
@@ -156,7 +156,7 @@ class MemoryStore:
         given = [name for name in self.columns if name != "touched"]
 
         def check() -> tuple[np.ndarray, np.ndarray]:
-            checked = _checked_ids(ids)
+            checked = checked_ids(ids)
             missing = [name for name in given if name not in values]
             unknown = sorted(set(values) - set(given))
             if missing or unknown:
@@ -166,7 +166,7 @@ class MemoryStore:
                     + (f"; not columns of this store: {', '.join(unknown)}" if unknown else "")
                     + ("; touched is kept by the store" if "touched" in unknown else "")
                 )
-            columns = [_finite(values[name], name, len(checked)) for name in given]
+            columns = [finite(values[name], name, len(checked)) for name in given]
             strength = columns[0]
             outside = np.flatnonzero((strength < 0) | (strength > 1))
             if len(outside):
@@ -185,7 +185,7 @@ class MemoryStore:
         touched[rows >= 0] = self.partition.column("touched")[rows[rows >= 0]]
         named = {name: got_rows[keep, j] for j, name in enumerate(given)} | {"touched": touched}
         added = self.partition.upsert(got_ids[keep], named)
-        self._log(Op("upsert", got_ids[keep], _record_table([named[name] for name in self.columns])))
+        self._log(Op("upsert", got_ids[keep], record_table([named[name] for name in self.columns])))
         self._aggregate = None
         total = await self.system.world.allreduce(np.array([added], np.int64))
         return int(total[0])
@@ -193,7 +193,7 @@ class MemoryStore:
     async def delete(self, ids: np.ndarray) -> int:
         """Remove records (collective); returns how many were removed over all ranks."""
         self._ready_to_change()
-        ids = await self._checked(lambda: _checked_ids(ids))
+        ids = await self._checked(lambda: checked_ids(ids))
         _, (got_ids,) = await self._route(ids)
         removed = self.partition.delete(got_ids)
         self._log(Op("delete", got_ids))
@@ -203,7 +203,7 @@ class MemoryStore:
 
     async def lookup(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(found, values: one row per id of every column) for this rank's ``ids`` (collective)."""
-        ids = await self._checked(lambda: _checked_ids(ids))
+        ids = await self._checked(lambda: checked_ids(ids))
         positions = np.arange(len(ids), dtype=np.int64)
         sources, (got_ids, got_positions) = await self._route(ids, positions)
         found, table = self.partition.read(got_ids)
@@ -226,8 +226,8 @@ class MemoryStore:
         began = time.perf_counter()
 
         def check() -> tuple[np.ndarray, np.ndarray]:
-            checked = _checked_ids(ids)
-            return checked, _finite(deltas, "deltas", len(checked))
+            checked = checked_ids(ids)
+            return checked, finite(deltas, "deltas", len(checked))
 
         ids, deltas = await self._checked(check)
         _, (got_ids, got_deltas) = await self._route(ids, deltas)
@@ -309,13 +309,13 @@ class MemoryStore:
         rates, ks = every[:, 0], every[:, 1]
         problems = []
         if not (np.isfinite(rates).all() and (rates >= 0).all() and (rates <= 1).all()):
-            problems.append(f"the rate must be a number in [0, 1]; got {_per_rank(rates)}")
+            problems.append(f"the rate must be a number in [0, 1]; got {per_rank(rates)}")
         elif (rates != rates[0]).any():
-            problems.append(f"every rank must give the same rate; got {_per_rank(rates)}")
+            problems.append(f"every rank must give the same rate; got {per_rank(rates)}")
         if not (np.isfinite(ks).all() and (ks >= 0).all()):
-            problems.append(f"k must be an integer >= 0; got {_per_rank(ks)}")
+            problems.append(f"k must be an integer >= 0; got {per_rank(ks)}")
         elif (ks != ks[0]).any():
-            problems.append(f"every rank must give the same k; got {_per_rank(ks)}")
+            problems.append(f"every rank must give the same k; got {per_rank(ks)}")
         if problems:
             raise ValueError(f"{what}: " + "; ".join(problems))
         return int(ks[0])
@@ -432,42 +432,3 @@ def best_by_quality(quality: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.nd
     """The k best (qualities, ids) by quality descending, then id ascending."""
     order = np.lexsort((ids, -quality.astype(np.float64)))[:k]
     return quality[order], ids[order]
-
-
-def _record_table(columns: list[np.ndarray]) -> np.ndarray:
-    """Whole records as one table for the log: float64, exact for the float32 columns and the integer ``touched``
-    (logs of earlier versions hold float32 tables, which replay alike)."""
-    return np.column_stack([column.astype(np.float64) for column in columns])
-
-
-def _checked_ids(ids: np.ndarray) -> np.ndarray:
-    array = np.asarray(ids)
-    if array.ndim != 1:
-        raise ValueError(f"ids must be one-dimensional, got shape {array.shape}")
-    if array.size and array.dtype.kind not in "iu":
-        raise TypeError(f"ids must be integers, got {array.dtype}")
-    if array.size and array.dtype.kind == "u" and int(array.max()) > INT64_LIMIT:
-        raise ValueError(f"ids must fit in int64: {int(array.max())} does not")
-    return np.ascontiguousarray(array, dtype=np.int64)
-
-
-def _per_rank(values: np.ndarray) -> str:
-    """'0.5 on every rank' or 'rank 0: 0.5, rank 1: nan' (invalid input shows as nan)."""
-    if (values == values[0]).all():
-        return f"{values[0]:g} on every rank"
-    return ", ".join(f"rank {rank}: {value:g}" for rank, value in enumerate(values))
-
-
-def _finite(values: np.ndarray, name: str, count: int) -> np.ndarray:
-    given = np.asarray(values)
-    if given.ndim != 1:
-        raise ValueError(f"{name}: one value per id, got an array of shape {given.shape}")
-    if given.dtype.kind not in "biuf":
-        raise TypeError(f"{name}: values must be numbers, got {given.dtype}")
-    array = given.astype(np.float32)
-    if len(array) != count:
-        raise ValueError(f"{name}: {len(array)} values for {count} ids")
-    bad = np.flatnonzero(~np.isfinite(array))
-    if len(bad):
-        raise ValueError(f"{name}: value {bad[0]} is {array[bad[0]]}; values must be finite")
-    return array

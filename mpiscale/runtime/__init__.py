@@ -15,8 +15,9 @@ from .errors import (
     RemoteTraceback,
     TransportError,
 )
+from .lifecycle import run
 from .steering import Orders, Steering
-from .system import ActorSystem, run
+from .system import ActorSystem
 
 __all__ = [
     "Actor",

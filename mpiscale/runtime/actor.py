@@ -16,26 +16,40 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from .errors import ActorStopped, Failure
 
-if TYPE_CHECKING:
-    from .system import ActorSystem
-
 log = logging.getLogger(__name__)
 
-_current_system: ActorSystem | None = None
+
+class Host(Protocol):
+    """What actors and references need of the rank that hosts them (the ActorSystem is one): where they are, how
+    to send, how to answer an ask, and how to end the job on a failure nobody can handle."""
+
+    rank: int
+    host: str
+
+    async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any: ...
+
+    def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future: ...
+
+    def reply(self, reply_to: tuple[int, int], value: Any) -> None: ...
+
+    def fail(self, error: BaseException, context: str, status: int = 1) -> None: ...
 
 
-def current_system() -> ActorSystem:
+_current_system: Host | None = None
+
+
+def current_system() -> Any:
     """The ActorSystem of this rank; references use it to send."""
     if _current_system is None:
         raise RuntimeError("no mpiscale ActorSystem is running on this rank; start one with mpiscale.run(main)")
     return _current_system
 
 
-def set_current_system(system: ActorSystem | None) -> None:
+def set_current_system(system: Host | None) -> None:
     global _current_system
     _current_system = system
 
@@ -59,8 +73,8 @@ class Actor:
     restart_policy: ClassVar[RestartPolicy | None] = None
     #: This actor's own reference, set before ``on_start``.
     ref: ActorRef
-    #: The rank's ActorSystem, set before ``on_start``.
-    system: ActorSystem
+    #: The rank's ActorSystem, set before ``on_start`` (typed loosely: this module knows it only as a ``Host``).
+    system: Any
 
     async def on_start(self) -> None:
         """Called before the first message (and after each restart)."""
@@ -174,7 +188,7 @@ def inline_kind(handler: Any) -> int:
 class ActorCell:
     """The runtime side of one actor: instance, mailbox, consumer task, supervision."""
 
-    system: ActorSystem
+    system: Host
     ref: ActorRef
     cls: type
     args: tuple

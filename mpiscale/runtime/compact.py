@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import MpiscaleError
+
 #: Largest array that travels in a compact message; larger ones go out of band, without a copy.
 MAX_ARRAY_BYTES = 4096
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
@@ -56,7 +58,7 @@ def dtype_from_code(code: str) -> np.dtype:
     return dtype
 
 
-class NotCompact(ValueError):
+class NotCompact(MpiscaleError, ValueError):
     """The bytes are not a compact message (a corrupt or foreign frame)."""
 
 

@@ -1,44 +1,31 @@
-"""ActorSystem: one per rank. Routes messages, runs ``main``, ends the job cleanly.
+"""ActorSystem: one per rank. Routes messages and answers asks, agrees, ends the job cleanly or aborts it.
 
-``run(main)`` is called by every rank. It returns once ``main`` has returned on
-every rank and no message is in flight anywhere (checked with a two-wave
-message-count consensus on a private communicator). An unhandled failure on
-any rank prints one report and aborts the whole job; SIGTERM/SIGINT drains and
-exits non-zero; SIGUSR1 prints diagnostics. SIGUSR2 is taken as SIGTERM: mpirun
-passes it on to the ranks as it is, while it follows its own SIGTERM with a
-SIGKILL a second later, so the launcher turns a SIGTERM into SIGUSR2 to give a
-job the time to stop after its step.
+The job's end is quiet: once ``main`` has returned everywhere, ``close`` waits
+until no message is in flight anywhere (a two-wave message-count consensus on a
+private communicator). An unhandled failure on any rank prints one report and
+aborts the whole job. :mod:`.lifecycle` runs ``main`` on it and handles the
+signals; :mod:`.diagnostics` words what a rank says about itself.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import faulthandler
-import io
 import itertools
 import logging
-import math
-import os
-import signal
 import sys
 import time
-import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
-import numpy as np
-
-from .. import early_stop
 from .abandoned import AbandonedWatch, CollectiveLog
-from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy, set_current_system
+from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy
 from .collectives import Communicator, Group, Hierarchy, build_hierarchy
-from .config import RuntimeConfig, load_mpi
+from .config import RuntimeConfig
+from .consensus import agree_or_refuse, until_quiet
+from .diagnostics import failure_report, rank_diagnostics
 from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
-from .eventloop import new_event_loop
-from .peers import LocalPeers
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -46,11 +33,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
-_FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
-# One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
-# srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
-_SAME_STOP_S = 2.0
-_STEERING_BEGINS_S = 5.0  # a stop that came while the rank started waits this long for the job to begin steering
 _AGREED_REPORT_S = 3.0  # a failure every rank raised alike: how long the others wait for the reporter's abort
 _MESSAGE, _REPLY = 0, 1
 
@@ -82,7 +64,7 @@ class ActorSystem:
     """The runtime of one rank: actors, messaging, collectives, lifecycle."""
 
     def __init__(self, MPI: ModuleType, config: RuntimeConfig) -> None:
-        self._MPI = MPI
+        self.MPI = MPI
         self.config = config
         world = MPI.COMM_WORLD
         self.rank: int = world.Get_rank()
@@ -99,19 +81,16 @@ class ActorSystem:
         self._asks: dict[int, _PendingAsk] = {}
         self._ask_ids = itertools.count()
         self._names = itertools.count()
-        self._stopping = False
-        self._failing = False
-        self._dropped = 0
-        self._main_task: asyncio.Task | None = None
-        self._main_state = "running"  # then how it left: "returned", "raised JobRefused" or "called sys.exit"
+        #: The rank is shutting down: incoming asks are answered with ActorStopped, tells refused and counted.
+        self.stopping = False
+        self.refused_tells = 0
+        self.failing = False  # this rank has reported a failure and is aborting the job
+        self.main_state = "running"  # then how it left: "returned", "raised JobRefused" or "called sys.exit"
         self.exit_status = 0  # set when every rank refused the job (JobRefused)
         #: Stop and checkpoint requests, agreed by every rank at a steering job's step ends (SIGTERM feeds it).
         self.steering = Steering(MPI, world.Dup(), self._engine)
         #: The signal that asked this rank's job to stop after its current step (None: none did).
         self.stop_signal: int | None = None
-        self._stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
-        self._stop_noted = False  # a SIGTERM's stop request was made at once, before the loop took the signal
-        self._local_peers = LocalPeers.gather(world, self.host)
         #: Called as ``await reporter(detail, rank)`` (a second at most each) before the job ends because another
         #: rank died: telemetry names it there.
         self.death_reporters: list[Callable[[str, int], Awaitable[None]]] = []
@@ -122,7 +101,7 @@ class ActorSystem:
     def communicator(self, name: str) -> Communicator:
         """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives
         (telemetry's), kept apart from those a job's reports number on ``world`` (collective, blocking)."""
-        return Communicator(self._MPI, self.world.comm.Dup(), self._engine, self.config, name)
+        return Communicator(self.MPI, self.world.comm.Dup(), self._engine, self.config, name)
 
     def split(self, color: int, name: str) -> Group:
         """Collective over every rank: the ranks that pass the same ``color`` form a :class:`Group` with
@@ -131,7 +110,7 @@ class ActorSystem:
         if not isinstance(color, int) or color < 0:
             raise ValueError(f"split takes a colour >= 0, got {color!r}")
         comm = self.world.comm.Split(color, self.rank)
-        group = Group(name, build_hierarchy(self._MPI, comm, self._engine, self.config, name))
+        group = Group(name, build_hierarchy(self.MPI, comm, self._engine, self.config, name))
         comm.Free()  # the hierarchy holds duplicates of its own
         self._groups.append(group)
         return group
@@ -283,12 +262,12 @@ class ActorSystem:
         _, name, method, args, kwargs, ask_id = envelope
         reply_to = (source, ask_id) if ask_id >= 0 else None
         cell = self._cells.get(name)
-        if self._stopping:
+        if self.stopping:
             if reply_to is not None:
                 error = ActorStopped(f"rank {self.rank} is shutting down; {name!r} did not handle {method!r}")
                 self.reply(reply_to, Failure.capture(error, self._origin))
             else:
-                self._dropped += 1
+                self.refused_tells += 1
             return
         if cell is None:
             missing = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
@@ -318,51 +297,15 @@ class ActorSystem:
         exit status of the failing rank whose message is shown: 2 for bad input
         or settings, 1 for a failure of the run.
         """
-        message = b"" if error is None else str(error).encode()
-        lengths = np.empty((self.size, 2), dtype=np.int64)  # per rank: message length (-1: no error), status
-        mine = np.array([len(message) if error is not None else -1, status], dtype=np.int64)
         timeout = self.config.shutdown_timeout_s if timeout is None else timeout
-        try:
-            await asyncio.wait_for(
-                self._engine.wait(self._control.Iallgather(mine, lengths), f"agreement on {what}"), timeout
-            )
-            failed = np.flatnonzero(lengths[:, 0] >= 0)
-            if not len(failed):
-                return
-            root = int(failed[0])
-            text = np.empty(lengths[root, 0], np.uint8)
-            if root == self.rank:
-                text[:] = np.frombuffer(message, np.uint8)
-            await asyncio.wait_for(self._engine.wait(self._control.Ibcast(text, root), f"message of {what}"), timeout)
-        except TimeoutError:
-            if error is not None:
-                raise error from None
-            raise RuntimeError(
-                f"rank {self.rank}: other ranks did not reach the agreement on {what} within {timeout:g}s"
-            ) from None
-        raise JobRefused(text.tobytes().decode(errors="replace"), int(lengths[root, 1]))
+        await agree_or_refuse(self._engine, self._control, error, what, timeout, status)
 
     def _locally_idle(self) -> bool:
         return not self._asks and all(cell.idle for cell in self._cells.values())
 
-    async def _until_locally_idle(self) -> None:
-        delay = 0.0
-        while not self._locally_idle():
-            await asyncio.sleep(delay)
-            delay = min(delay * 2 or 1e-4, 5e-3)
-
     async def _until_quiet(self) -> None:
         """Return when every rank is idle and every sent message was delivered."""
-        MPI = self._MPI
-        previous = None
-        while True:
-            await self._until_locally_idle()
-            counts = np.array([self._engine.messages_sent, self._engine.messages_received], dtype=np.int64)
-            await self._engine.wait(self._control.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM), "termination vote")
-            current = (int(counts[0]), int(counts[1]))
-            if current[0] == current[1] and current == previous:
-                return
-            previous = current
+        await until_quiet(self.MPI, self._engine, self._control, self._locally_idle)
 
     async def _stop_actors(self) -> None:
         for cell in self._cells.values():
@@ -387,37 +330,71 @@ class ActorSystem:
 
     def fail(self, error: BaseException, context: str, status: int = 1) -> None:
         """Print one failure report for this rank and abort the whole job with ``status``."""
-        if self._failing:
+        if self.failing:
             return
         reporter = getattr(error, "reporter", None)
         if reporter is not None and reporter != self.rank and 0 <= reporter < self.size:
             # Every rank raised it alike: the reporter's report, and its abort, end the job. This rank gives them
             # time, then ends with one line (the reporter may have caught it and gone on).
-            self._failing = True
+            self.failing = True
             sys.stdout.flush()
             time.sleep(_AGREED_REPORT_S)
-            self._abort(f"mpiscale: rank {self.rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank "
+            self.abort(f"mpiscale: rank {self.rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank "
                         f"{reporter}'s)\n", status)  # fmt: skip
             return
-        if isinstance(error, SystemExit):  # a deliberate exit: its message is the report
-            text = f"{error.code}\n"
-        else:
-            text = "".join(traceback.format_exception(error))
-        bar = "=" * 72
-        report = (
-            f"\n{bar}\nmpiscale: job failed on rank {self.rank} of {self.size} "
-            f"(host {self.host}, pid {os.getpid()})\n{context}\n\n{text}{bar}\n"
-            f"mpiscale: aborting all {self.size} ranks\n"
-        )
-        self._abort(report, status)
+        self.abort(failure_report(self.rank, self.size, self.host, context, error), status)
 
-    def _abort(self, last_words: str, status: int) -> None:
+    def start(self) -> tuple[asyncio.Task, asyncio.Task | None]:
+        """The progress engine's task, the system actor, and the watch for abandoned collectives (None: off)."""
+        loop = asyncio.get_running_loop()
+        engine_task = loop.create_task(self._engine.run(), name="mpiscale progress engine")
+        engine_task.add_done_callback(self._engine_finished)
+        self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
+        if self.config.collective_check_s <= 0 or self.size == 1:
+            return engine_task, None
+        checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self._ask_collective_state, self.fail,
+                                 self.config.collective_check_s)  # fmt: skip
+        return engine_task, loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
+
+    async def close(self, refused: JobRefused | None, engine_task: asyncio.Task, watch: asyncio.Task | None) -> None:
+        """The end of a job whose ``main`` returned (or refused it): every rank quiet, the hooks of ``at_end`` run
+        (not after a refusal), the actors stopped, the engine drained and stopped, the communicators freed."""
+        if watch is not None:
+            watch.cancel()
+        if refused is None:
+            await self._until_quiet()
+            for hook in self._at_end:
+                try:
+                    await hook()
+                except Exception as error:  # the others may wait in the hook's collective: end them all
+                    self.fail(error, "a hook run at the job's end failed")
+        else:  # every rank should be here; if one is not, fail rather than wait for it
+            try:
+                await asyncio.wait_for(self._until_quiet(), self.config.shutdown_timeout_s)
+            except TimeoutError:
+                self.fail(refused, "main refused the job, but not every rank did")
+        await self._stop_actors()
+        await self._drain_engine(time.monotonic() + self.config.shutdown_timeout_s)
+        self._engine.stop()
+        await engine_task
+        self._free()
+
+    async def drain(self, deadline: float) -> bool:
+        """A shutdown's drain until ``deadline``: queued asks answered with ActorStopped, running handlers given
+        their time, the messages in flight sent; whether everything drained."""
+        for cell in self._cells.values():
+            cell.fail_pending()
+        while any(cell.current for cell in self._cells.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(1e-3)
+        return await self._drain_engine(deadline)
+
+    def abort(self, last_words: str, status: int) -> None:
         """Write this rank's ``last_words`` to stderr (after what it printed) and abort every rank with ``status``."""
-        self._failing = True
+        self.failing = True
         sys.stdout.flush()
         sys.stderr.write(last_words)
         sys.stderr.flush()
-        self._MPI.COMM_WORLD.Abort(status)
+        self.MPI.COMM_WORLD.Abort(status)
 
     def _collective_logs(self) -> list[CollectiveLog]:
         return [log for group in self._groups for log in group.logs()]
@@ -425,7 +402,7 @@ class ActorSystem:
     def collective_state(self) -> dict[str, Any]:
         """Where ``main`` is and the collectives this rank started (what another rank asks when one waits long)."""
         logs = {log.name: log.state() for log in self._collective_logs()}
-        return {"main": self._main_state, "host": self.host, "logs": logs}
+        return {"main": self.main_state, "host": self.host, "logs": logs}
 
     async def _ask_collective_state(self, rank: int, timeout: float) -> dict[str, Any]:
         return await self.ask(ActorRef(rank, SYSTEM_ACTOR), "collective_state", (), {}, timeout)
@@ -457,263 +434,17 @@ class ActorSystem:
 
     def diagnostics(self) -> str:
         """What this rank is doing: pending MPI requests and asks, mailboxes, task stacks."""
-        now = time.monotonic()
         engine = self._engine
-        lines = [
-            f"==== mpiscale diagnostics: rank {self.rank} of {self.size} on {self.host} (pid {os.getpid()}) ====",
-            f"state: {'stopping' if self._stopping else 'running'}; messages sent {engine.messages_sent}, "
-            f"received {engine.messages_received}",
-            "pending MPI requests:",
-        ]
-        lines += [f"  {line}" for line in engine.describe()] or ["  none"]
-        lines.append("pending asks:")
-        lines += [
-            f"  ask #{i} to {p.ref} {p.method!r}: waiting {now - p.started:.3f}s" for i, p in self._asks.items()
-        ] or ["  none"]
-        lines.append("actors:")
-        lines += [f"  {cell.describe()}" for cell in self._cells.values()]
-        lines.append("asyncio tasks:")
-        for task in asyncio.all_tasks():
-            stream = io.StringIO()
-            task.print_stack(file=stream)
-            lines.append("  " + stream.getvalue().rstrip().replace("\n", "\n  "))
-        return "\n".join(lines) + "\n"
+        where = f"rank {self.rank} of {self.size} on {self.host}"
+        traffic = (engine.messages_sent, engine.messages_received)
+        return rank_diagnostics(where, self.stopping, traffic, engine.describe(), self._asks, self._cells.values())
 
     def dump_diagnostics(self) -> None:
         """Write :meth:`diagnostics` to stderr (also done on SIGUSR1)."""
         sys.stderr.write(self.diagnostics())
         sys.stderr.flush()
 
-    def _on_terminate(self) -> None:
-        """SIGTERM or SIGUSR2 from outside; a repeat within ``_SAME_STOP_S`` of the first is the same request."""
-        now = time.monotonic()
-        if now - self._stop_asked_at < _SAME_STOP_S:
-            return
-        if self._stop_asked_at == -math.inf:
-            self._stop_asked_at = now
-            dead = self._local_peers.gone()
-            if dead:  # the launcher ends a job whose rank died: no step can end, no stop can be agreed
-                asyncio.get_running_loop().create_task(self._peers_died(dead), name="a rank died")
-                return
-        self._on_signal(signal.SIGTERM)
-
-    async def _peers_died(self, dead: dict[int, int]) -> None:
-        named = ", ".join(f"rank {rank} (pid {pid}{', ' + self.roles[rank] if rank in self.roles else ''})"
-                          for rank, pid in sorted(dead.items()))  # fmt: skip
-        detail = (
-            f"{named} on host {self.host} ended while the job ran (killed by a signal, such as the "
-            "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
-        )
-        for reporter in self.death_reporters:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reporter(detail, min(dead)), 1.0)
-        if not self._failing:  # one line, not a second report: a rank that failed has printed its own
-            self._abort(f"mpiscale: rank {self.rank}: a SIGTERM came, and {detail}\n", 1)
-
-    def _stop_at_start(self) -> None:
-        """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops
-        before its first step; one that does not drains, as for any stop of a job without steps."""
-        self.stop_signal, self._stop_asked_at = signal.SIGTERM, time.monotonic()
-        sys.stderr.write(f"mpiscale: rank {self.rank}: SIGTERM received while starting: stopping before the first "
-                         "step\n")  # fmt: skip
-        self.steering.stop_when_begun()
-        loop = asyncio.get_running_loop()
-        loop.call_later(_STEERING_BEGINS_S, self._drain_unless_steering)
-        loop.call_later(self.config.stop_grace_s, self._stop_overdue, signal.SIGTERM)
-
-    def _drain_unless_steering(self) -> None:
-        if self.steering.cancel_stop_when_begun() and not self._stopping:
-            self._on_signal(signal.SIGTERM)  # no step to stop after: drain
-
-    def _note_stop(self, signum: int, frame: object) -> None:
-        """SIGTERM's Python-level handler: a steering job's stop request, noted between two bytecodes of a step."""
-        if self.steering.active and self.stop_signal is None and not self._stopping:
-            self.steering.request("stop")
-            self._stop_noted = True
-
-    def _on_signal(self, signum: int) -> None:
-        name = signal.Signals(signum).name
-        noted, self._stop_noted = self._stop_noted, False
-        steering = self.steering.active or noted  # noted: the job may have stopped on it before the loop came round
-        if signum == signal.SIGTERM and steering and self.stop_signal is None and not self._stopping:
-            # A steering job stops after its step, its state saved; the process then exits with 128+SIGTERM as for
-            # a drain. If it has not returned within stop_grace_s, or a second SIGTERM comes, the rank drains.
-            self.stop_signal = signum
-            grace = self.config.stop_grace_s
-            sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, stopping after the current step with a "
-                             f"checkpoint (within {grace:g} s; a second {name} drains at once)\n")  # fmt: skip
-            if self.steering.active:
-                self.steering.request("stop")
-                asyncio.get_running_loop().call_later(grace, self._stop_overdue, signum)
-            return
-        if self._stopping:
-            sys.stderr.write(f"mpiscale: rank {self.rank}: second {name}, exiting now\n")
-            os._exit(128 + signum)
-        self._stopping = True
-        sys.stderr.write(f"mpiscale: rank {self.rank}: {name} received, draining and shutting down\n")
-        if self._main_task is not None:
-            self._main_task.cancel()
-        asyncio.get_running_loop().create_task(self._shutdown(128 + signum), name="shutdown")
-
-    def _stop_overdue(self, signum: int) -> None:
-        if self._stopping or self._main_task is None or self._main_task.done():
-            return
-        sys.stderr.write(f"mpiscale: rank {self.rank}: the job did not stop within {self.config.stop_grace_s:g} s\n")
-        self.steering.active = False  # the drain's turn: no second wait for a step's end
-        self._on_signal(signum)
-
-    async def _shutdown(self, code: int) -> None:
-        deadline = time.monotonic() + self.config.shutdown_timeout_s
-        for cell in self._cells.values():
-            cell.fail_pending()
-        while any(cell.current for cell in self._cells.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(1e-3)
-        drained = await self._drain_engine(deadline)
-        sys.stderr.write(
-            f"mpiscale: rank {self.rank}: shutdown {'drained' if drained else 'timed out'}; "
-            f"{self._dropped} incoming tells refused; exit status {code}\n"
-        )
-        _finalize_and_exit(self._MPI, code)
-
-    async def _run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
-        loop = asyncio.get_running_loop()
-        engine_task = loop.create_task(self._engine.run(), name="mpiscale progress engine")
-        engine_task.add_done_callback(self._engine_finished)
-        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-        loop.add_signal_handler(signal.SIGINT, self._on_signal, signal.SIGINT)
-        for signum in (signal.SIGTERM, signal.SIGUSR2):
-            loop.add_signal_handler(signum, self._on_terminate)
-            # the loop calls _on_terminate once it runs again; a step that computes without awaiting notes the
-            # request now, so the agreement at its end carries it (asyncio's wakeup of the loop stays in place)
-            signal.signal(signum, self._note_stop)
-        loop.add_signal_handler(signal.SIGUSR1, self.dump_diagnostics)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
-        self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
-        watch = None
-        if self.config.collective_check_s > 0 and self.size > 1:
-            checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self._ask_collective_state, self.fail,
-                                     self.config.collective_check_s)  # fmt: skip
-            watch = loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
-        try:
-            self._main_task = loop.create_task(_exit_as_exception(main(self)), name="main")
-            if early_stop.take() is not None:
-                self._stop_at_start()
-            refused: JobRefused | None = None
-            try:
-                result = await self._main_task
-                self._main_state = "returned"
-            except JobRefused as refusal:
-                self._main_state = "raised JobRefused"
-                refused, result, self.exit_status = refusal, None, refusal.status
-                if self.rank == 0:
-                    sys.stdout.flush()
-                    sys.stderr.write(f"{refusal}\n")
-                    sys.stderr.flush()
-            except asyncio.CancelledError:
-                await asyncio.Event().wait()  # the shutdown task exits the process
-            except _MainExit as exit_request:
-                self._main_state = "called sys.exit"
-                code = exit_request.exit.code
-                if code not in (0, None):
-                    self.fail(exit_request.exit, "main exited", code if isinstance(code, int) else 1)
-                result = None
-            except Exception as error:
-                self.fail(error, "main raised an exception")
-            if watch is not None:
-                watch.cancel()
-            if refused is None:
-                await self._until_quiet()
-                for hook in self._at_end:
-                    try:
-                        await hook()
-                    except Exception as error:  # the others may wait in the hook's collective: end them all
-                        self.fail(error, "a hook run at the job's end failed")
-            else:  # every rank should be here; if one is not, fail rather than wait for it
-                try:
-                    await asyncio.wait_for(self._until_quiet(), self.config.shutdown_timeout_s)
-                except TimeoutError:
-                    self.fail(refused, "main refused the job, but not every rank did")
-            await self._stop_actors()
-            await self._drain_engine(time.monotonic() + self.config.shutdown_timeout_s)
-            self._engine.stop()
-            await engine_task
-            self._free()
-            return result
-        finally:
-            faulthandler.unregister(signal.SIGUSR1)
-            for signum in signals:
-                loop.remove_signal_handler(signum)
-
     def _engine_finished(self, task: asyncio.Task) -> None:
         error = None if task.cancelled() else task.exception()
         if error is not None:
             self.fail(error, "the progress engine failed while handling MPI traffic")
-
-
-class _MainExit(Exception):
-    """Carries a SystemExit out of ``main``: asyncio would re-raise it out of the loop."""
-
-    def __init__(self, exit_request: SystemExit) -> None:
-        super().__init__(exit_request.code)
-        self.exit = exit_request
-
-
-async def _exit_as_exception(coroutine: Awaitable[T]) -> T:
-    try:
-        return await coroutine
-    except SystemExit as exit_request:
-        raise _MainExit(exit_request) from None
-
-
-def _finalize_and_exit(MPI, code: int) -> None:
-    """Finalize MPI, but let the kernel end the process if a departed peer makes that hang.
-
-    The watchdog is SIGALRM with its default action, not a Python timer: a
-    blocked ``MPI_Finalize`` may hold the interpreter, so no Python code could run.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(_FINALIZE_GRACE_S)
-    try:
-        MPI.Finalize()
-    finally:
-        os._exit(code)
-
-
-def _setup_logging(rank: int) -> None:
-    root = logging.getLogger()
-    if root.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    verbose = os.environ.get("MPISCALE_LOG_ALL_RANKS", "0") not in ("", "0")
-    # INFO for mpiscale's own loggers only: numba.cuda's driver logs every allocation at INFO
-    root.setLevel(logging.WARNING)
-    logging.getLogger("mpiscale").setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
-
-
-def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | None = None) -> T:
-    """Start this rank's ActorSystem and run ``await main(system)`` on it.
-
-    Every rank calls ``run``. It returns ``main``'s result on this rank once
-    ``main`` has returned on all ranks and no message is in flight. If every
-    rank raised :class:`JobRefused`, it prints the message once and raises
-    ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
-    job stopped on (see :mod:`mpiscale.runtime.steering`), ``SystemExit(143)``.
-    """
-    config = config or RuntimeConfig.from_env()
-    MPI = load_mpi(config)
-    system = ActorSystem(MPI, config)
-    _setup_logging(system.rank)
-    set_current_system(system)
-    try:
-        with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            result = runner.run(system._run_main(main))
-    finally:
-        set_current_system(None)
-    status = system.exit_status or (128 + system.stop_signal if system.stop_signal is not None else 0)
-    if status:
-        raise SystemExit(status)  # a job stopped by SIGTERM says so, also when it saved its state first
-    return result

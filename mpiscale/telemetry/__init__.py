@@ -1,7 +1,7 @@
 """Live telemetry of a running job: reports aggregated over the ranks, published to MQTT or a JSON-lines file."""
 
 from .aggregate import pace, spread
-from .control import LEVELS, Command
+from .control import LEVELS, Command, Rejected
 from .remote import JobEnded, NoToken, new_id, send_command
 from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
@@ -20,6 +20,7 @@ __all__ = [
     "Finding",
     "JobEnded",
     "NoToken",
+    "Rejected",
     "Telemetry",
     "TelemetrySettings",
     "Watchdog",

@@ -22,6 +22,7 @@ import json
 import logging
 from dataclasses import dataclass
 
+from ..errors import MpiscaleError
 from .token import matches
 
 COMMANDS = ("checkpoint", "stop", "dump", "log-level")
@@ -37,7 +38,7 @@ class Command:
     level: str | None = None
 
 
-class Rejected(ValueError):
+class Rejected(MpiscaleError, ValueError):
     """A control message that is not a command this job obeys; ``id`` when the message had one."""
 
     def __init__(self, reason: str, id: str | None = None) -> None:

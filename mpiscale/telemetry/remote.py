@@ -7,17 +7,18 @@ import json
 import uuid
 from collections.abc import Callable
 
+from ..errors import MpiscaleError
 from .control import Command
 from .settings import TelemetrySettings
 from .sinks import mqtt_client, topic
 from .token import read
 
 
-class JobEnded(RuntimeError):
+class JobEnded(MpiscaleError, RuntimeError):
     """The job's retained status says it is no longer running."""
 
 
-class NoToken(RuntimeError):
+class NoToken(MpiscaleError, RuntimeError):
     """The job's control token cannot be read here; the message says where it was looked for."""
 
 

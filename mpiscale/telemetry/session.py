@@ -30,6 +30,7 @@ import numpy as np
 from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem, Communicator, Orders
 from .aggregate import pace, spread
+from .beat import BusyBeat
 from .control import Rejected, parse, set_log_level
 from .prometheus import PrometheusEndpoint, open_endpoint
 from .schema import record
@@ -85,6 +86,7 @@ class Telemetry:
         self._rejected = 0  # rank 0: control messages rejected in this interval
         self._token: str | None = None  # rank 0 with a broker: what commands must carry (None: all are refused)
         self._task: asyncio.Task | None = None
+        self._busy_beat: BusyBeat | None = None  # rank 0: heartbeats while its loop is held
         self._leader = 0
         self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
         self._loop = asyncio.get_running_loop()
@@ -118,6 +120,7 @@ class Telemetry:
             if settings.prometheus_port is not None:
                 session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
             session.watchdog = Watchdog(watching, settings.interval_s)
+            session._busy_beat = BusyBeat(settings.interval_s, session._beat_while_busy)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
             session.event("started", f"{command} on {system.size} ranks")
@@ -271,9 +274,25 @@ class Telemetry:
         values = spread(reports)
         slowest = values["step"]["min_rank"]
         self.emit(record("metrics", self.job, ranks_reporting=len(reports), slowest_rank=slowest, values=values))
+        self.emit(self._heartbeat(reports, now))
+        if self._busy_beat is not None:
+            self._busy_beat.mark()
+
+    def _heartbeat(self, reports: dict[int, dict], now: float) -> dict:
+        """The heartbeat record: how many ranks report, and the age of the oldest report."""
         oldest = now - min(report["time"] for report in reports.values())
         dropped = self.sink.dropped if self.sink is not None else 0
-        self.emit(record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped))
+        return record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped)
+
+    def _beat_while_busy(self) -> None:
+        """From the busy beat's thread: the loop is held, so its reports stand as they are (a copy, read once)."""
+        try:
+            reports = dict(self.reports)
+        except RuntimeError:  # the loop changed them just now: it is not busy, and beats itself
+            return
+        sink = self.sink
+        if reports and sink is not None:
+            sink.publish(self._heartbeat(reports, time.time()))
 
     async def _watch(self) -> None:
         """Report what the watchdog finds; on a hang, every rank's diagnostics, and the end if so configured."""
@@ -328,6 +347,8 @@ class Telemetry:
             self.system.death_reporters.remove(self.fail)
         self.emit(record("status", self.job, state=state, command=self.command, ranks=self.system.size,
                          host=socket.gethostname()), retain=True)  # fmt: skip
+        if self._busy_beat is not None:
+            self._busy_beat.stop()
         sink, self.sink = self.sink, None  # late reports and events are dropped
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is not None:

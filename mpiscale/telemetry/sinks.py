@@ -2,7 +2,9 @@
 
 The MQTT sink never slows the job: ``publish`` only appends to a bounded
 buffer (the oldest record is dropped, and counted, when it is full), and one
-background task sends it. A broker that is down at the start, goes away or is
+task on an event loop of its own, in its own thread, sends it: records still
+go out while the job's loop is busy (Numba compiling, a long kernel). Both
+sinks take records from any thread. A broker that is down at the start, goes away or is
 slow costs reconnections with exponential backoff and jitter; after
 ``BREAKER_FAILURES`` failures in a row the sink stops trying for
 ``BREAKER_PAUSE_S`` (a circuit breaker). The status topic is retained, and
@@ -19,6 +21,7 @@ import logging
 import os
 import random
 import ssl
+import threading
 import time
 import uuid
 from collections import deque
@@ -85,17 +88,22 @@ class FileSink:
         self.path = path
         self.dropped = 0
         self._stream = open(path, "a", buffering=1)
+        self._lock = threading.Lock()  # rank 0's heartbeat thread writes too
 
     def publish(self, payload: dict, retain: bool = False) -> None:
-        try:
-            self._stream.write(json.dumps(payload) + "\n")
-        except OSError as error:
-            if not self.dropped:
-                log.warning("telemetry: %s: %s; records are dropped", self.path, error)
-            self.dropped += 1
+        line = json.dumps(payload) + "\n"
+        with self._lock:
+            if self._stream.closed:
+                return
+            try:
+                self._stream.write(line)
+            except OSError as error:
+                if not self.dropped:
+                    log.warning("telemetry: %s: %s; records are dropped", self.path, error)
+                self.dropped += 1
 
     async def close(self) -> None:
-        with contextlib.suppress(OSError):  # the last line's flush on a full disk
+        with self._lock, contextlib.suppress(OSError):  # the last line's flush on a full disk
             self._stream.close()
 
 
@@ -117,21 +125,37 @@ class MqttSink:
         self._ever_connected = False
         self._said_unreachable = False
         self._queue: deque[tuple[str, bytes, bool]] = deque()
+        self._lock = threading.Lock()  # the queue: filled by the job's threads, emptied by the sink's
         self._wake = asyncio.Event()
         self._closing = asyncio.Event()
         self._last_status: tuple[str, bytes, bool] | None = None
         self._lost = json.dumps(lost).encode()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="mpiscale-telemetry-mqtt")
+        self._job_loop = asyncio.get_running_loop()  # control messages are handed to the job there
+        self._loop = asyncio.new_event_loop()
+        self._task = self._loop.create_task(self._run(), name="mpiscale-telemetry-mqtt")
+        threading.Thread(target=self._serve, name="mpiscale-telemetry-mqtt", daemon=True).start()
+
+    def _serve(self) -> None:
+        """The sink's thread: its loop runs the sending task to its end (or its cancel), then closes."""
+        asyncio.set_event_loop(self._loop)
+        with contextlib.suppress(asyncio.CancelledError):
+            self._loop.run_until_complete(self._task)
+        self._loop.close()
+
+    def _in_sink_loop(self, action: Callable[[], object]) -> None:
+        with contextlib.suppress(RuntimeError):  # the sink's loop has ended: nothing is sent any more
+            self._loop.call_soon_threadsafe(action)
 
     def publish(self, payload: dict, retain: bool = False) -> None:
         item = (topic(self.job, payload["kind"]), json.dumps(payload).encode(), retain)
-        if payload["kind"] == "status":
-            self._last_status = item  # sent again at every reconnection: a last will may have replaced it
-        if len(self._queue) >= self.settings.buffer:
-            self._queue.popleft()
-            self.dropped += 1
-        self._queue.append(item)
-        self._wake.set()
+        with self._lock:
+            if payload["kind"] == "status":
+                self._last_status = item  # sent again at every reconnection: a last will may have replaced it
+            if len(self._queue) >= self.settings.buffer:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(item)
+        self._in_sink_loop(self._wake.set)
 
     async def _run(self) -> None:
         import aiomqtt
@@ -151,8 +175,9 @@ class MqttSink:
                 identifier = f"mpiscale-{self.job}-{uuid.uuid4().hex[:12]}"
                 async with mqtt_client(self.settings, identifier, will, self._refused) as client:
                     self.connected, self._ever_connected, failures, retry_until = True, True, 0, None
-                    if self._last_status is not None and self._last_status not in self._queue:
-                        self._queue.appendleft(self._last_status)
+                    with self._lock:
+                        if self._last_status is not None and self._last_status not in self._queue:
+                            self._queue.appendleft(self._last_status)
                     await self._connected(client)
                     return
             except (aiomqtt.MqttError, OSError, UnicodeError) as error:  # UnicodeError: a name no resolver takes
@@ -211,10 +236,16 @@ class MqttSink:
             if message.retain:
                 log.warning("telemetry: ignored a retained message on %s", message.topic)
                 continue
-            try:
-                self.on_control(bytes(message.payload) if message.payload is not None else b"")
-            except Exception:  # a bug the message found must not stop the job's telemetry: said, and skipped
-                log.exception("telemetry: a control message on %s could not be handled; it is ignored", message.topic)
+            body = bytes(message.payload) if message.payload is not None else b""
+            self._job_loop.call_soon_threadsafe(self._control, body, str(message.topic))
+
+    def _control(self, body: bytes, where: str) -> None:
+        """A control message, handled on the job's loop."""
+        assert self.on_control is not None
+        try:
+            self.on_control(body)
+        except Exception:  # a bug the message found must not stop the job's telemetry: said, and skipped
+            log.exception("telemetry: a control message on %s could not be handled; it is ignored", where)
 
     async def _send(self, client) -> None:
         """Send the buffer as it fills, until closing with an empty buffer."""
@@ -222,7 +253,9 @@ class MqttSink:
             while self._queue:
                 name, body, retain = self._queue[0]
                 await client.publish(name, body, qos=1 if retain else 0, retain=retain, timeout=5.0)
-                self._queue.popleft()
+                with self._lock:
+                    if self._queue and self._queue[0][1] is body:  # not dropped meanwhile for a full buffer
+                        self._queue.popleft()
             if self._closing.is_set():
                 return
             self._wake.clear()
@@ -232,8 +265,8 @@ class MqttSink:
         """Send what is buffered and disconnect cleanly, for at most ``CLOSE_TIMEOUT_S`` in all; while unconnected,
         for at most ``CLOSE_UNCONNECTED_S`` since the connection was last up (at once if it never was: a dead
         broker must not delay a job's end). A connection made meanwhile ends with a goodbye, not the last will."""
-        self._closing.set()
-        self._wake.set()
+        self._in_sink_loop(self._closing.set)
+        self._in_sink_loop(self._wake.set)
         began = seen = time.monotonic()
         while not self._task.done():
             now = time.monotonic()
@@ -243,10 +276,10 @@ class MqttSink:
                 not self._ever_connected or now - seen >= CLOSE_UNCONNECTED_S
             )
             if unconnected_too_long or now - began >= CLOSE_TIMEOUT_S:
-                self._task.cancel()
+                self._in_sink_loop(self._task.cancel)
                 log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker)
                 return
-            await asyncio.wait({self._task}, timeout=0.05)
+            await asyncio.sleep(0.02)
 
 
 def lost_status(job: str, command: str, ranks: int, host: str) -> dict:

@@ -33,7 +33,7 @@ from ..io import (
     recorded,
     split_spec,
 )
-from ..jobs import ProgressLine, check_not_an_input, check_outputs, lock_results, run_without_steps
+from ..jobs import ProgressLine, claim_outputs, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem
@@ -110,9 +110,7 @@ def _prepare(config: CollectConfig) -> _Job:
     attrs |= recorded("labels", labels, config.out) if labels else {"labels": ""}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
-    check_outputs(config.out, None)
-    check_not_an_input(config.out, [config.model, path], comm)
-    lock = lock_results(config.out, comm)
+    lock = claim_outputs(config.out, None, [config.model, path], comm)
     widths = _widths(model, config.layer_names, inputs, model_dtype)
     return _Job(comm, model, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets, tokens)
 

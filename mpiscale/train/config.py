@@ -64,7 +64,7 @@ class TrainConfig:
         "mlp (HIDDEN layers over rows of numbers) or transformer (an encoder of ENCODER_LAYERS over rows of integer "
         "token ids, mean-pooled into the classifier)",
     )
-    hidden: str = option("128,64", "mlp: widths of the hidden layers, comma-separated (ReLU after each)")
+    hidden: tuple[int, ...] = option((128, 64), "mlp: widths of the hidden layers (ReLU after each)")
     width: int = option(64, "transformer: the embedding width (a multiple of HEADS)")
     heads: int = option(4, "transformer: attention heads per layer")
     encoder_layers: int = option(2, "transformer: self-attention layers")
@@ -134,13 +134,8 @@ class TrainConfig:
         _positive(self, ("learning_rate", "bucket_mib"), problems)
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             problems.append(f"weight_decay must be a number >= 0, got {self.weight_decay}")
-        try:
-            widths = self.widths
-        except ValueError:
-            problems.append(f"hidden must be comma-separated positive integers, got {self.hidden!r}")
-        else:
-            if any(width < 1 for width in widths):
-                problems.append(f"hidden layer widths must be at least 1, got {self.hidden!r}")
+        if any(width < 1 for width in self.hidden):
+            problems.append(f"hidden layer widths must be at least 1, got {list(self.hidden)}")
         if self.validation and not self.data:
             problems.append("validation needs DATA: the bundled digits bring their own held-out set")
         if problems:
@@ -154,7 +149,7 @@ class TrainConfig:
     @property
     def widths(self) -> list[int]:
         """The hidden layers' widths."""
-        return [int(part) for part in self.hidden.split(",") if part.strip()]
+        return list(self.hidden)
 
     @property
     def checkpoints(self) -> str:
@@ -176,7 +171,7 @@ class CollectConfig:
     )
     labels: str = option(
         "",
-        "FILE.h5:/dataset of class labels of DATA's rows, named in the output for the feature catalogue "
+        "FILE.h5:/dataset of class labels of DATA's rows, named in the output for inspect --top-inputs "
         "(default: the training labels when DATA is the training data)",
     )
     offsets: str = option(
@@ -184,9 +179,7 @@ class CollectConfig:
         "ragged DATA (token sequences of varying length): the data set of each sequence's start in the flat DATA "
         "(default: the training run's, when DATA is the training data; none for a variable-length data set)",
     )
-    layers: str = option(
-        "relu1", "modules whose outputs to keep, comma-separated (mpiscale inspect MODEL.h5 lists them)"
-    )
+    layers: tuple[str, ...] = option(("relu1",), "modules whose outputs to keep (mpiscale inspect MODEL.h5 lists them)")
     out: str = option("activations.h5", "output file: one data set per layer, rows in input order, and sample_ids")
     batch_size: int = option(4096, "rows each rank reads and writes at once (bounds its memory)")
     batch_tokens: int = option(
@@ -211,7 +204,7 @@ class CollectConfig:
     @property
     def layer_names(self) -> list[str]:
         """The modules to capture, in the order given."""
-        return [name.strip() for name in self.layers.split(",") if name.strip()]
+        return [name.strip() for name in self.layers if name.strip()]
 
     def to_dict(self) -> dict:
         """Plain values (for the output file)."""

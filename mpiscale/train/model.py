@@ -16,6 +16,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from ..errors import MpiscaleError
 from .encoder import PAD, build_encoder
 
 
@@ -109,7 +110,7 @@ def standardizer(model: torch.nn.Module) -> Standardize:
     return module
 
 
-class _Reached(Exception):
+class _Reached(MpiscaleError):
     """Raised by the last wanted module's hook: the pass has everything it needs."""
 
 

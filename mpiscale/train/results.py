@@ -132,9 +132,14 @@ def plot(path: str, image: str) -> None:
         at = epochs["epoch"] * per_epoch
         axes[0].semilogy(at, epochs["validation_loss"], "o-", label="held-out loss")
         axes[1].plot(at, epochs["validation_accuracy"], "o-", label="held-out accuracy")
-    for axis in axes:
+    for axis, title, label in zip(
+        axes, ("Loss", "Accuracy"), ("cross-entropy per sample", "share correct"), strict=True
+    ):
+        axis.set_title(title)
         axis.set_xlabel("step")
+        axis.set_ylabel(label)
         axis.legend()
+    figure.suptitle(path)
     figure.tight_layout()
     figure.savefig(image, dpi=120)
     plt.close(figure)

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 from helpers import MPIRUN_GRACE, assert_ok, finish, launch, start_mpi
 from mqtt_broker import Subscriber, free_port
@@ -29,7 +30,7 @@ def memstore(ranks, out, *args, env=None, options=()):
 
 def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_path):
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t1"}
-    durable = ("--checkpoints", tmp_path / "ck", "--checkpoint-every", 150)
+    durable = ("--checkpoint-dir", tmp_path / "ck", "--checkpoint-every", 150)
     watcher = subprocess.Popen([*MPISCALE, "watch", "t1", "--broker", broker.address, "--timeout", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     job = memstore(3, tmp_path / "m.h5", "--iterations", 400, *durable, env=env, options=("--ranks-per-node", "2"))
@@ -243,6 +244,24 @@ def test_a_users_own_job_on_the_runtime_is_watched_like_the_projects_jobs(tmp_pa
     steps = [(p["step"], p["total"]) for p in records if p["kind"] == "progress"]
     assert steps[-1] == (150, 150) and any(0 < step < 150 for step, _ in steps), steps
     assert records[-1] == {**records[-1], "kind": "status", "state": "finished"}
+
+
+def test_the_heartbeat_goes_on_while_rank_0s_loop_is_held(tmp_path):
+    """Rank 0 holds its event loop for 5 s (as Numba compiling does on a first run): its heartbeats go on from a
+    thread, so a watcher of the file sees a live job, and the job finishes."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t12", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}
+    done = finish(start_mpi("user_job.py", 2, "60", "0", "20", "busy:5", env=env, cwd=tmp_path), "a busy rank 0", 120)
+    assert_ok(done)
+    assert "rank 0 holds its loop for 5 s at step 20" in done.stdout
+    records = read_records(tmp_path / "user_job.telemetry.jsonl")
+    beats = [p["time"] for p in records if p["kind"] == "heartbeat"]
+    progress = [p["time"] for p in records if p["kind"] == "progress"]
+    longest = max(np.diff(progress))  # the held loop: no progress for about 5 s ...
+    assert longest >= 4.0, np.diff(progress)
+    assert max(np.diff(beats)) < 2.0, np.diff(beats)  # ... but a heartbeat every interval or so
+    shown = subprocess.run([*MPISCALE, "watch", "--file", str(tmp_path / "user_job.telemetry.jsonl"), "--no-follow"],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 0 and "NO HEARTBEAT" not in shown.stdout, shown.stdout + shown.stderr
 
 
 @pytest.mark.parametrize("ranks, how", [(3, "block"), (2, "await")])

@@ -17,7 +17,7 @@ import torch
 from helpers import assert_ok, finish, launch, run_alone, run_cli
 
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
-from mpiscale.dictlearn.catalogue import catalogue
+from mpiscale.dictlearn import top_inputs
 from mpiscale.train.results import load_trained
 
 DIGITS = 64  # the bundled digits: 8 x 8 pixels
@@ -113,7 +113,7 @@ def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, bu
             assert prefix.attrs["layer"] == layer
             with h5py.File(pipeline / f"{layer}.h5", "r") as learned:
                 np.testing.assert_array_equal(prefix["atoms"][()], learned["dictionary"][()].astype(np.float32))
-        entries, _ = catalogue(str(pipeline / "relu1.h5"), 5)
+        entries, _ = top_inputs(str(pipeline / "relu1.h5"), 5)
         for entry in entries:
             assert file["circuits/usage"][entry.atom] == entry.used_by
             np.testing.assert_array_equal(file["circuits/top_inputs"][entry.atom, : len(entry.ids)], entry.ids)

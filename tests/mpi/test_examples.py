@@ -1,4 +1,4 @@
-"""The examples in docs/ run as written."""
+"""The examples (examples/, and the README's program) run as written."""
 
 import sys
 
@@ -14,6 +14,17 @@ def test_hello_actors(ranks, tmp_path):
     assert f"{ranks} ranks, total {2 * 100 * 45 * ranks}" in job.stdout
     last = (tmp_path / "hello_actors.telemetry.jsonl").read_text().splitlines()[-1]
     assert '"state": "finished", "command": "hello_actors"' in last, last
+
+
+def test_the_readmes_program_runs_as_written(tmp_path):
+    """The README's first program, copied from it, on 3 ranks: it prints what the README says it prints for 4."""
+    readme = (REPO / "README.md").read_text()
+    program = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "ring.py").write_text(program)
+    assert "4 ranks: the\nranks sum to 6" in readme or "4 ranks: the ranks sum to 6" in readme
+    job = finish(launch(3, [sys.executable, str(tmp_path / "ring.py")], cwd=tmp_path), "the README's program", 90)
+    assert_ok(job)
+    assert "3 ranks: the ranks sum to 3" in job.stdout
 
 
 def _train(ranks: int, workdir, epochs: int) -> str:

@@ -56,7 +56,7 @@ def test_rank_killed_with_its_node_disk_gone_is_restarted_and_loses_nothing(tmp_
     """4 ranks on 2 simulated nodes; rank 2 dies in iteration 25 and node 1's local directory goes with it."""
     out = tmp_path / "store.h5"
     job = memstore(
-        4, "--out", out, "--checkpoints", tmp_path / "checkpoints", "--local-dir", tmp_path / "local",
+        4, "--out", out, "--checkpoint-dir", tmp_path / "checkpoints", "--local-dir", tmp_path / "local",
         env={"MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=25,lose-local"},
         options=("--ranks-per-node", "2", "--restarts", "1"),
     )  # fmt: skip
@@ -82,7 +82,7 @@ def test_sigterm_stops_the_store_after_an_iteration_and_a_rerun_on_fewer_ranks_g
     on 3 ranks instead of 4 recovers it and ends as the uninterrupted run."""
     out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
     slowed = {"MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=0,slow=1.5", "MPISCALE_TELEMETRY_INTERVAL_S": "0.2"}
-    command = [*MPISCALE, "memstore", *WORKLOAD, "--out", str(out), "--checkpoints", str(checkpoints)]
+    command = [*MPISCALE, "memstore", *WORKLOAD, "--out", str(out), "--checkpoint-dir", str(checkpoints)]
     job = launch(4, command, env=slowed)
     telemetry, deadline = tmp_path / "store.h5.telemetry.jsonl", time.monotonic() + 120
     while job.poll() is None and time.monotonic() < deadline and '"step": 2,' not in _text(telemetry):
@@ -93,7 +93,7 @@ def test_sigterm_stops_the_store_after_an_iteration_and_a_rerun_on_fewer_ranks_g
     assert stopped.returncode != 0 and "stopping after the current step with a checkpoint" in stopped.stderr
     where = re.search(r"stopped on request \(a stop command or SIGTERM\) after iteration (\d+)", stopped.stdout)
     assert where is not None and 2 <= int(where[1]) < 50, stopped.output[-3000:]
-    rerun = memstore(3, "--out", out, "--checkpoints", checkpoints)
+    rerun = memstore(3, "--out", out, "--checkpoint-dir", checkpoints)
     assert_ok(rerun)
     assert f"recovered 60,000 records after iteration {where[1]} from the checkpoint" in rerun.stdout
     assert_same(results(out), uninterrupted)
@@ -110,7 +110,7 @@ def test_a_sigterm_after_steps_turned_slow_still_stops_with_a_checkpoint(tmp_pat
         "MPISCALE_STOP_GRACE_S": "3",
         "MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=20,slow=0.5",
     }
-    command = [*MPISCALE, "memstore", *WORKLOAD, "--out", str(out), "--checkpoints", str(checkpoints),
+    command = [*MPISCALE, "memstore", *WORKLOAD, "--out", str(out), "--checkpoint-dir", str(checkpoints),
                "--progress-every", "0.01"]  # fmt: skip
     with log.open("w") as stdout:
         job = launch(2, command, env=env, stdout=stdout)
@@ -128,7 +128,7 @@ def test_a_sigterm_after_steps_turned_slow_still_stops_with_a_checkpoint(tmp_pat
     # the iteration in flight when the signal came (seen + 1 at most), and the next: the round posted at the end of
     # the one is read at the end of the other
     assert where is not None and seen < int(where[1]) <= seen + 3 and took < 10, (seen, took, output[-3000:])
-    rerun = memstore(3, "--out", out, "--checkpoints", checkpoints)
+    rerun = memstore(3, "--out", out, "--checkpoint-dir", checkpoints)
     assert_ok(rerun)
     assert f"recovered 60,000 records after iteration {where[1]} from the checkpoint" in rerun.stdout
     assert_same(results(out), uninterrupted)
@@ -146,7 +146,7 @@ def _iterations(log) -> list[int]:
 def test_recovery_on_fewer_ranks_with_a_torn_log_tail(tmp_path, uninterrupted):
     """Killed on 4 ranks (2 nodes); rerun on 3 ranks on one node, from node 0's files only, one log torn."""
     out, checkpoints, local = tmp_path / "store.h5", tmp_path / "checkpoints", tmp_path / "local"
-    durable = ("--out", out, "--checkpoints", checkpoints, "--local-dir", local)
+    durable = ("--out", out, "--checkpoint-dir", checkpoints, "--local-dir", local)
     job = memstore(
         4, *durable, env={"MPISCALE_REHEARSE_FAILURE": "rank=1,iteration=33"}, options=("--ranks-per-node", "2")
     )
@@ -182,9 +182,9 @@ def tear(path, commit: int) -> None:
 
 def test_damaged_log_and_another_jobs_store_are_refused(tmp_path):
     out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
-    job = memstore(2, "--out", out, "--checkpoints", checkpoints, "--iterations", 14)
+    job = memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--iterations", 14)
     assert_ok(job)
-    refused = memstore(2, "--out", out, "--checkpoints", checkpoints, "--seed", 5)
+    refused = memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--seed", 5)
     assert refused.returncode == 2 and "belongs to another job (seed: logged 0, now 5)" in refused.stderr, (
         refused.stderr
     )
@@ -192,7 +192,7 @@ def test_damaged_log_and_another_jobs_store_are_refused(tmp_path):
     data = bytearray(log.read_bytes())
     data[20] ^= 0xFF  # inside the first record, with others after it: damage, not a torn tail
     log.write_bytes(bytes(data))
-    refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
+    refused = memstore(2, "--out", out, "--checkpoint-dir", checkpoints)
     assert refused.returncode == 2 and str(log) in refused.stderr and "damaged" in refused.stderr, refused.stderr
 
 
@@ -223,10 +223,10 @@ def test_lost_logs_are_refused_until_the_rollback_is_accepted(tmp_path, uninterr
     refused, naming the lost logs and the commits after the checkpoint; accepted, it redoes them and ends as the
     uninterrupted run. A rerun with another --local-dir is the same case."""
     out, checkpoints, local = tmp_path / "store.h5", tmp_path / "checkpoints", tmp_path / "local"
-    durable = ("--out", out, "--checkpoints", checkpoints, "--local-dir", local)
+    durable = ("--out", out, "--checkpoint-dir", checkpoints, "--local-dir", local)
     nodes = ("--ranks-per-node", "1")
     assert_ok(memstore(2, *durable, "--iterations", 14, options=nodes))
-    elsewhere = memstore(2, "--out", out, "--checkpoints", checkpoints, "--local-dir", tmp_path / "other",
+    elsewhere = memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--local-dir", tmp_path / "other",
                          options=nodes)  # fmt: skip
     shutil.rmtree(local)
     refused = memstore(2, *durable, options=nodes)
@@ -244,16 +244,16 @@ def test_lost_logs_are_refused_until_the_rollback_is_accepted(tmp_path, uninterr
 
 def test_a_deleted_journal_record_is_refused_and_keeps_the_logs(tmp_path, uninterrupted):
     out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
-    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--iterations", 14))
+    assert_ok(memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--iterations", 14))
     logs = sorted(path.name for path in (checkpoints / "wal").glob("*.wal"))
     (checkpoints / "journal.json").unlink()
-    refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
+    refused = memstore(2, "--out", out, "--checkpoint-dir", checkpoints)
     assert refused.returncode == 2, refused.output[-3000:]
     assert f"{checkpoints / 'journal.json'} is missing, but 4 log files, checkpoints [11] of an earlier run" in (
         refused.stderr
     ), refused.stderr
     assert sorted(path.name for path in (checkpoints / "wal").glob("*.wal")) == logs  # nothing deleted
-    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--accept-rollback"))
+    assert_ok(memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--accept-rollback"))
     assert_same(results(out), uninterrupted)
 
 
@@ -261,12 +261,12 @@ def test_a_damaged_length_field_is_not_taken_for_a_torn_tail(tmp_path):
     """The first record of a log after the checkpoint claims 4 GB: the later intact commits of that log must not be
     dropped as if a crash had torn it."""
     out, checkpoints = tmp_path / "store.h5", tmp_path / "checkpoints"
-    assert_ok(memstore(2, "--out", out, "--checkpoints", checkpoints, "--iterations", 14))
+    assert_ok(memstore(2, "--out", out, "--checkpoint-dir", checkpoints, "--iterations", 14))
     log = max((checkpoints / "wal").glob("*.rank-00001-*"), key=lambda path: path.name)
     data = bytearray(log.read_bytes())
     data[8:12] = (0xFFFFFF00).to_bytes(4, "little")  # the first record's length (after the 8-byte magic)
     log.write_bytes(bytes(data))
-    refused = memstore(2, "--out", out, "--checkpoints", checkpoints)
+    refused = memstore(2, "--out", out, "--checkpoint-dir", checkpoints)
     assert refused.returncode == 2, refused.output[-3000:]
     assert f"the log {log} is damaged after commit 11" in refused.stderr, refused.stderr
     assert "other logs hold commits up to 15" in refused.stderr and "commits after 11 would be lost" in refused.stderr
@@ -276,7 +276,7 @@ def test_two_jobs_on_one_node_local_directory(tmp_path):
     """A second job on the first one's node-local directory is refused before it touches the first one's logs."""
     local = tmp_path / "local"
     first = [*MPISCALE, "memstore", *WORKLOAD, "--iterations", "1000000", "--out", str(tmp_path / "a.h5"),
-             "--checkpoints", str(tmp_path / "a"), "--local-dir", str(local)]  # fmt: skip
+             "--checkpoint-dir", str(tmp_path / "a"), "--local-dir", str(local)]  # fmt: skip
     job = launch(2, first)
     deadline = time.monotonic() + 120
     while job.poll() is None and time.monotonic() < deadline and not list(local.glob("node-0/wal/*.wal")):
@@ -284,7 +284,7 @@ def test_two_jobs_on_one_node_local_directory(tmp_path):
     logs = sorted(local.glob("node-0/wal/*.wal"))
     assert logs, "the first job never started its logs"
     run = logs[0].name.split(".")[0]  # its checkpoints rotate its segments; the run's own stay
-    second = memstore(2, "--out", tmp_path / "b.h5", "--checkpoints", tmp_path / "b", "--local-dir", local)
+    second = memstore(2, "--out", tmp_path / "b.h5", "--checkpoint-dir", tmp_path / "b", "--local-dir", local)
     assert second.returncode == 2, second.output[-3000:]
     assert f"node-local directory {local / 'node-0'} is in use by another job" in second.stderr, second.stderr
     assert list(local.glob(f"node-0/wal/{run}.*.wal")) and job.poll() is None

@@ -30,14 +30,15 @@ def weights(path) -> dict[str, np.ndarray]:
 
 
 def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
-    """examples/feature_catalogue.sh at 2 ranks: a digit classifier, its hidden layer, a dictionary, the catalogue."""
-    script = REPO / "examples" / "feature_catalogue.sh"
+    """examples/features_of_a_model.sh at 2 ranks: a digit classifier, its hidden layer, a dictionary, each atom's
+    top inputs."""
+    script = REPO / "examples" / "features_of_a_model.sh"
     process = subprocess.Popen(
         ["bash", str(script), str(tmp_path), "2"],
         env=SESSION_ENVIRONMENT | {"MPISCALE": " ".join(MPISCALE), "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    job = finish(process, "examples/feature_catalogue.sh on 2 ranks", timeout=150)
+    job = finish(process, "examples/features_of_a_model.sh on 2 ranks", timeout=150)
     assert_ok(job)
     model, acts = tmp_path / "model.h5", tmp_path / "activations.h5"
     with h5py.File(model, "r") as file:
@@ -215,7 +216,7 @@ def test_users_own_file(tmp_path):
         ("huge label", "labels go up to 100000, but there are only 600 training samples"),
         ("label 2**40", f"labels go up to {2**40}, but there are only 600 training samples"),
         ("batch", "batch size 1000 exceeds the 600 training samples"),
-        ("hidden", "hidden must be comma-separated positive integers"),
+        ("hidden", "argument --hidden: invalid int value: '8x8'"),
     ],
 )
 def test_bad_training_input_is_refused(tmp_path, problem, expected):

@@ -1,4 +1,5 @@
-"""The job registry: every entry names what exists, and the command line, inspect and the docs follow it."""
+"""The job and command registries: every entry names what exists, and the command line, inspect and the docs
+follow them."""
 
 from dataclasses import fields, is_dataclass
 from importlib import import_module
@@ -9,6 +10,7 @@ import pytest
 from helpers import REPO
 
 from mpiscale.cli import main, parser
+from mpiscale.commands import COMMANDS, commands_table
 from mpiscale.jobs.registry import JOBS, job_of_results, jobs_table
 
 
@@ -36,8 +38,9 @@ def test_each_job_is_a_sub_command_with_its_settings_as_options():
         assert command.description.startswith(job.description)
 
 
-def test_the_guide_holds_the_registry_table():
+def test_the_guide_and_the_readme_hold_the_registry_tables():
     assert jobs_table() in (REPO / "docs" / "guide.md").read_text()
+    assert jobs_table(brief=True) in (REPO / "README.md").read_text()
 
 
 def test_inspect_refuses_a_file_of_no_job_and_a_plot_of_a_job_without_one(tmp_path, capsys):
@@ -51,3 +54,56 @@ def test_inspect_refuses_a_file_of_no_job_and_a_plot_of_a_job_without_one(tmp_pa
         file.attrs["format"] = JOBS["memstore"].results_format
     assert main(["inspect", str(store), "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot draws dictlearn, train and compress-adapters results, not memstore's" in capsys.readouterr().err
+
+
+def _parser_of(words):
+    command = parser()
+    for word in words:
+        command = command._subparsers._group_actions[0].choices[word]  # type: ignore[union-attr]
+    return command
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda command: command.name)
+def test_every_command_has_a_real_handler_and_its_own_options(command):
+    module, function = command.handler.split(":")
+    assert callable(getattr(import_module(module), function))
+    made = _parser_of(command.words)
+    flags = {flag for action in made._actions for flag in action.option_strings}
+    assert {
+        flag for option in command.options + command.one_of for flag in option.flags if flag.startswith("-")
+    } <= flags
+    if command.name.startswith(
+        "bench "
+    ):  # each benchmark has its own options: --size-mib only where it means something
+        assert ("--size-mib" in flags) == (command.name == "bench checkpoint")
+        assert ("--samples" in flags) == (command.name == "bench random")
+
+
+def test_help_lists_are_made_from_the_registry(capsys):
+    with pytest.raises(SystemExit):
+        main(["inspect", "--help"])
+    assert "a dictlearn, train, memstore or compress-adapters run" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        main(["circuits", "--help"])
+    assert "{run,add,search,similar}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0 and capsys.readouterr().out.startswith("mpiscale 0.")
+
+
+def test_the_guide_holds_the_commands_table():
+    assert commands_table() in (REPO / "docs" / "guide.md").read_text()
+
+
+def test_doctor_names_a_jobs_missing_extra_and_requires_aiomqtt(monkeypatch):
+    from mpiscale import doctor
+
+    absent = {"safetensors", "aiomqtt"}
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda module: None if module in absent else real(module))
+    text, status = doctor.report(doctor.checks())
+    assert status == 1  # aiomqtt is required
+    assert "[FAIL] aiomqtt" in text
+    line = next(line for line in text.splitlines() if "mpiscale compress-adapters" in line)
+    assert line.startswith("[warn]") and "missing safetensors" in line
+    assert "pip install '.[adapters,torch]'" in text

@@ -81,3 +81,24 @@ def test_parts_that_name_the_same_array_are_refused():
         ValueError, match="Curves names arrays another part of the state names: \\['curves.epoch.epoch'"
     ):
         state_arrays(curves, curves)
+
+
+def test_the_progress_rate_leaves_out_the_first_step(monkeypatch):
+    """The first step holds start-up (compilation): its time must not make the ETA hours long."""
+    import io
+
+    from mpiscale.jobs import ProgressLine
+    from mpiscale.jobs import progress as progress_module
+
+    clock = iter([0.0, 100.0, 101.0, 102.0, 103.0])  # the first step takes 100 s, the others 1 s
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
+    stream = io.StringIO()
+    line = ProgressLine(total=10, start=0, every=1e-9, unit="signals", stream=stream)
+    line.update(1, "loss 1", 50)
+    line.update(2, "loss 0.5", 50)
+    line.update(3, "loss 0.4", 50)
+    first, second, third = stream.getvalue().splitlines()
+    assert first.endswith("measuring") and "ETA" not in first
+    assert second.endswith("50 signals/s  ETA 0:00:08") and third.endswith("50 signals/s  ETA 0:00:07")
+    line.finish()
+    assert stream.getvalue().splitlines()[-1].endswith("done in 0:01:43")

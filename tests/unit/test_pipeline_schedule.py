@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from mpiscale.train.pipeline import Action, ScheduleError, balanced_starts, build, split_sequential
+from mpiscale.ranks import balanced_starts
+from mpiscale.train.pipeline import Action, ScheduleError, build, split_sequential
 from mpiscale.train.pipeline.schedule import BACKWARD, FORWARD, check
 
 

@@ -1,12 +1,14 @@
-"""The parts of train and collect that need no MPI: settings, model state round trips, the feature catalogue."""
+"""The parts of train and collect that need no MPI: settings, model state round trips, the top inputs of atoms."""
+
+import argparse
 
 import h5py
 import numpy as np
 import pytest
 import torch
 
-from mpiscale.dictlearn.catalogue import catalogue, format_catalogue
-from mpiscale.jobs import load_settings
+from mpiscale.dictlearn import format_top_inputs, top_inputs
+from mpiscale.jobs import add_options, load_settings
 from mpiscale.train import bundled
 from mpiscale.train.config import CollectConfig, TrainConfig
 from mpiscale.train.model import build_mlp
@@ -24,7 +26,25 @@ def test_train_settings_from_a_table_and_the_command_line(tmp_path):
     with pytest.raises(ValueError, match="validation needs DATA"):
         TrainConfig(validation="held-out.h5")
     with pytest.raises(ValueError, match="layers must name at least one module"):
-        CollectConfig(layers=" , ")
+        CollectConfig(layers=(" ",))
+
+
+def test_list_and_boolean_settings_are_typed_and_can_be_undone(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("hidden = [32, 16]\nresume = true\n")
+    parser = argparse.ArgumentParser()
+    add_options(parser, TrainConfig)
+    args = vars(parser.parse_args(["--hidden", "8", "4,2", "--no-resume"]))
+    from_file = load_settings(TrainConfig, "train", str(path), {})
+    assert from_file.hidden == (32, 16) and from_file.resume is True
+    given = load_settings(TrainConfig, "train", str(path), args)
+    assert given.hidden == (8, 4, 2) and given.resume is False
+    assert load_settings(TrainConfig, "train", str(path), vars(parser.parse_args(["--hidden"]))).hidden == ()
+    path.write_text('hidden = [32, "16"]\n')
+    with pytest.raises(ValueError, match="hidden must be a list of int, got \\[32, '16'\\]"):
+        load_settings(TrainConfig, "train", str(path), {})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--hidden", "8x8"])
 
 
 @pytest.mark.parametrize(
@@ -94,14 +114,14 @@ def test_catalogue_finds_the_samples_built_from_each_atom(tmp_path):
         file.attrs["format"] = "mpiscale.dictlearn-results/1"
         file.attrs["config"] = '{"coder": "omp", "sparsity": 1, "alpha": 0.1}'
         file.attrs["data"] = f"{data}:/relu1"
-    entries, samples = catalogue(str(results), top=3)
+    entries, samples = top_inputs(str(results), top=3)
     assert samples == len(rows) and len(entries) == atoms
     for entry in entries:
         assert entry.used_by == per_atom
         assert entry.ids[0] == 1000 + [7, 40, 75, 100][entry.atom]
         assert all((sample - 1000) // per_atom == entry.atom for sample in entry.ids)
         np.testing.assert_array_equal(entry.labels, entry.ids % 7)
-    text = format_catalogue(entries, samples, most=2)
+    text = format_top_inputs(entries, samples, most=2)
     assert text.count("\natom ") == 2 and "2 more atoms" in text
 
 

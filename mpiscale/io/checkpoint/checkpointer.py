@@ -24,12 +24,8 @@ from ..errors import CheckpointError, LockedError
 from ..h5file import settle_background_io, track_background_io
 from ..lock import OutputLock
 from ..space import space_problem
-from .files import (
-    Layout,
-    write_atomically,
-    write_shard,
-    write_shared,
-)
+from .files import Layout, write_atomically, write_shard, write_shared
+from .levels import save_levels, space_needed
 from .manifest import SaveJob, build_manifest, nbytes
 from .partners import choose_partners, copy_to_partner
 from .restore import Restored, Restorer, Unusable
@@ -176,7 +172,8 @@ class Checkpointer:
                 f"(rank {self.rank} passes {signature}; ranks differing from this one: {odd})"
             )
         full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
-        levels = self._levels(full)
+        levels = save_levels(self.layout.local is not None, self._partner is not None, self.shared_every,
+                             self._saves, self.delta and full)  # fmt: skip
         sizes = [nbytes for _, _, nbytes in every]
         try:
             agree(self._front, self._space_problem(levels, mine, sizes), f"checkpoint step {step}", CheckpointError)
@@ -255,29 +252,10 @@ class Checkpointer:
         """The step last saved (or being saved) or loaded by this checkpointer."""
         return self._last_step
 
-    def _levels(self, full: bool) -> list[str]:
-        """The levels the next save writes."""
-        levels = []
-        if self.layout.local is not None:
-            levels += ["local", "partner"] if self._partner is not None else ["local"]
-        shared_turn = self.shared_every and (self._saves % self.shared_every == 0 or (self.delta and full))
-        if self.layout.local is None or shared_turn:
-            levels.append("shared")
-        return levels
-
     def _space_problem(self, levels: list[str], mine: int, sizes: list[int]) -> str | None:
-        """Why the save cannot fit on this rank's file systems, or None.
-
-        Level 3 needs every rank's bytes in the shared directory; levels 1 and 2
-        need this node's shards and the partner copies it keeps in its node
-        directory.
-        """
-        wanted = []
-        if "shared" in levels:
-            wanted.append((self.layout.shared, sum(sizes), "level 3"))
-        if "local" in levels:
-            copies = max(sizes) * len(self._senders) if "partner" in levels else 0
-            wanted.append((self.layout.node_dir(self.node), (mine + copies) * self._ranks_on_node, "levels 1-2"))
+        """Why the save cannot fit on this rank's file systems, or None."""
+        node = self.layout.node_dir(self.node) if self.layout.local is not None else None
+        wanted = space_needed(levels, self.layout.shared, node, mine, sizes, len(self._senders), self._ranks_on_node)
         problems = [space_problem(directory, needed, level) for directory, needed, level in wanted]
         return next((problem for problem in problems if problem), None)
 

@@ -5,7 +5,7 @@
 """
 
 from .schedule import SCHEDULES, Action, ScheduleError, build
-from .split import balanced_starts, split_sequential
+from .split import split_sequential
 from .stages import Pipeline, StepStats, stage_of
 
 __all__ = [
@@ -14,7 +14,6 @@ __all__ = [
     "Pipeline",
     "ScheduleError",
     "StepStats",
-    "balanced_starts",
     "build",
     "split_sequential",
     "stage_of",

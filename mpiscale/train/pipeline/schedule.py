@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...errors import MpiscaleError
+
 FORWARD, BACKWARD = "F", "B"
 SCHEDULES = ("1f1b", "gpipe")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(MpiscaleError, ValueError):
     """A schedule that would skip or repeat work, or wait forever."""
 
 

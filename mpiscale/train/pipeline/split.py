@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ...ranks import balanced_starts
+
 
 def split_sequential(
     model: torch.nn.Sequential, stages: int, points: Sequence[str | int] | None = None
@@ -53,28 +55,3 @@ def _starts_of(points: Sequence[str | int], names: list[str], stages: int) -> li
     if not all(a < b for a, b in zip([0, *starts], [*starts, len(names)])):
         raise ValueError(f"split points must increase within 1..{len(names) - 1} and leave no stage empty: {points}")
     return starts
-
-
-def balanced_starts(weights: Sequence[int], stages: int) -> list[int]:
-    """Where each of ``stages`` non-empty consecutive parts of ``weights`` starts, so that the heaviest part
-    is as light as possible (of the cuts that achieve it, the earliest)."""
-    n = len(weights)
-    prefix = [0]
-    for weight in weights:
-        prefix.append(prefix[-1] + weight)
-    inf = float("inf")
-    # best[k][i]: the lightest heaviest part when the first i items form k parts; cut[k][i]: where the last begins
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n - (stages - k) + 1):
-            for j in range(k - 1, i):
-                heaviest = max(best[k - 1][j], prefix[i] - prefix[j])
-                if heaviest < best[k][i]:
-                    best[k][i], cut[k][i] = heaviest, j
-    starts, end = [], n
-    for k in range(stages, 0, -1):
-        end = cut[k][end]
-        starts.append(end)
-    return starts[::-1]

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# From a trained model to a catalogue of its features, on N ranks (default 2):
+# From a trained model to its features and their top inputs, on N ranks (default 2):
 #   train an MLP on the bundled handwritten digits -> collect its first hidden layer's activations
 #   -> learn a dictionary of them -> list, for each atom, the digits that use it most.
 #
-#   bash examples/feature_catalogue.sh OUTDIR [RANKS]
+#   bash examples/features_of_a_model.sh OUTDIR [RANKS]
 # Set MPISCALE to the command to run (default: mpiscale on the PATH).
 set -euo pipefail
 out="${1:?usage: $0 OUTDIR [RANKS]}"

@@ -7,13 +7,14 @@ two-level (node, leaders) allreduce.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import time
 
 import numpy as np
 
-from ..runtime import Actor, ActorGroup, ActorSystem
+from .runtime import Actor, ActorGroup, ActorSystem, run
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +101,13 @@ async def demo(system: ActorSystem, tokens: int = 100, laps: int = 3) -> dict:
             two_level.tolist(),
         )
     return summary
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale demo``: the ring on every rank; rank 0 (or a lone process) prints what it saw."""
+    summary = run(lambda system: demo(system, tokens=args.tokens, laps=args.laps))
+    if summary.get("greeting") is not None or summary["ranks"] == 1:
+        print(
+            f"demo ok: {summary['ranks']} ranks, {summary['token_hops']} token hops, allreduce {summary['allreduce']}"
+        )
+    return 0

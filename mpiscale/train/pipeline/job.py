@@ -10,7 +10,7 @@ rank steps Adam over its own stage. The loss is scaled as in data-parallel
 training, so a pipeline run follows the one-process run within rounding.
 
 Checkpoints keep the weights and Adam's state by parameter name
-(:mod:`.pipeline.state`): a run resumes on another number of stages, replicas
+(:mod:`.state`): a run resumes on another number of stages, replicas
 or micro-batches. The results file is data-parallel training's, written by
 rank 0 with the stages' weights gathered there.
 """
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch.optim import Adam
 
-from ..io import Checkpointer, OutputLock
-from ..jobs import (
+from ...io import Checkpointer, OutputLock
+from ...jobs import (
     Ended,
     HeldOutputs,
     Plan,
@@ -35,20 +35,17 @@ from ..jobs import (
     settings_meta,
     state_arrays,
 )
-from ..ranks import Comm
-from ..runtime import ActorSystem
-from .batches import Reader, TrainingSteps, as_tensors, open_reader, step_samples
-from .config import TrainConfig
-from .curves import Curves
-from .data import LabelledData
-from .held_out import HeldOut, batch_budget, score_sums, scoring_batches
-from .model import build_model, input_layout
-from .pipeline import Pipeline, split_sequential, stage_of
-from .pipeline.state import INDEX, StageState, restore_rows
-from .state import load_model_arrays
-from .trainer import (
+from ...ranks import Comm
+from ...runtime import ActorSystem
+from ..batches import Reader, TrainingSteps, as_tensors, open_reader, step_samples
+from ..config import TrainConfig
+from ..curves import Curves
+from ..data import LabelledData
+from ..held_out import HeldOut, batch_budget, score_sums, scoring_batches
+from ..model import build_model, input_layout
+from ..preparation import (
     checked_steps,
-    claim_outputs,
+    claim_training_outputs,
     compatibility,
     finish_training,
     prepare_data,
@@ -56,6 +53,10 @@ from .trainer import (
     restored_training,
     training_plan,
 )
+from ..state import load_model_arrays
+from .split import split_sequential
+from .stages import Pipeline, stage_of
+from .state import INDEX, StageState, restore_rows
 
 
 @dataclass
@@ -132,7 +133,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    threads, results_lock = claim_outputs(config, comm)
+    threads, results_lock = claim_training_outputs(config, comm)
     checkpoints, edge = None, None
     try:
         replicas = _replicas(system.size, config)

@@ -1,8 +1,8 @@
-"""The feature catalogue: for each learned atom, the samples whose codes use it most.
+"""Each learned atom's top inputs: the samples whose codes use it most (`inspect --top-inputs`).
 
 A circuit-analysis user learns a dictionary from a layer's activations
 (``mpiscale collect``, then ``mpiscale dictlearn``) and asks what each atom
-stands for. ``catalogue`` codes every row of the data the dictionary was
+stands for. ``top_inputs`` codes every row of the data the dictionary was
 learned from with the job's own coder, a block of rows at a time (one process,
 bounded memory), keeps each atom's ``top`` largest coefficients, and names the
 samples by their ``sample_ids`` and, when the activations file names them, by
@@ -35,7 +35,7 @@ class AtomEntry:
     labels: np.ndarray | None
 
 
-def catalogue(results: str, top: int = 5, data: str | None = None) -> tuple[list[AtomEntry], int]:
+def top_inputs(results: str, top: int = 5, data: str | None = None) -> tuple[list[AtomEntry], int]:
     """(one entry per atom, most used first; rows coded) for the dictionary in ``results``.
 
     ``data`` (FILE:/dataset) overrides the data set the results file names.
@@ -103,7 +103,7 @@ def _labels(spec: str) -> np.ndarray:
         return np.asarray(labels.read(0, len(labels)))
 
 
-def format_catalogue(entries: list[AtomEntry], samples: int, most: int = 20) -> str:
+def format_top_inputs(entries: list[AtomEntry], samples: int, most: int = 20) -> str:
     """The ``most`` most used atoms, each with its strongest samples as ``id [label] |coefficient|``."""
     lines = [
         f"atoms by use, with the samples that use each most (sample id [label] |coefficient|), of {samples} coded:"

@@ -1,0 +1,62 @@
+"""``mpiscale index`` and ``mpiscale inspect``: commands on files, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def index(args: argparse.Namespace) -> int:
+    """Write an index file that presents several HDF5 files as one data set."""
+    from ..io import DataFileError, resolve_files, write_index
+
+    try:
+        files = [path for pattern in args.files for path in resolve_files(pattern)]
+        shapes = write_index(args.index, files, [args.dataset] if args.dataset else None)
+    except (DataFileError, ValueError) as error:
+        return _refused("index", error)
+    arrays = ", ".join(f"/{name} {shape}" for name, shape in shapes.items())
+    print(f"wrote {args.index}: {len(files)} files as one data set: {arrays}")
+    return 0
+
+
+def inspect(args: argparse.Namespace) -> int:
+    """Summarize a results file (its job found by its ``format``), and list top inputs or draw it when asked; a
+    file, data set or data path that cannot be read is one line and exit status 2."""
+    from importlib import import_module
+
+    from ..errors import MpiscaleError
+    from ..io import DataFileError, open_file
+    from ..jobs import job_of_results, jobs_with
+
+    try:
+        with open_file(args.results) as file:
+            kind = str(file.attrs.get("format", ""))
+    except DataFileError as error:
+        return _refused("inspect", error)
+    job = job_of_results(kind)
+    if job is None or job.report is None:
+        return _refused("inspect", f"{args.results} is not a results file of {jobs_with('report', 'or')}")
+    if args.top_inputs and job.name != "dictlearn":
+        return _refused("inspect", "--top-inputs needs a dictlearn results file")
+    if args.plot and not job.plots:
+        return _refused("inspect", f"--plot draws {jobs_with('plots', 'and')} results, not {job.name}'s")
+    report = import_module(job.report)
+    try:
+        print(report.summarize(args.results))
+        if args.top_inputs:
+            from ..dictlearn import format_top_inputs, top_inputs
+
+            entries, samples = top_inputs(args.results, args.top_inputs, args.data)
+            print(format_top_inputs(entries, samples, args.atoms))
+        if args.plot:
+            report.plot(args.results, args.plot)
+            print(f"wrote {args.plot}")
+    except (MpiscaleError, OSError) as error:
+        return _refused("inspect", error)
+    return 0
+
+
+def _refused(command: str, problem: object) -> int:
+    print(f"mpiscale {command}: {problem}", file=sys.stderr)
+    return 2

@@ -1,0 +1,259 @@
+"""How one rank's job runs from start to exit: ``run``, ``main`` as a task, the signals, the shutdown, MPI finalized.
+
+Signals: SIGTERM (or SIGUSR2) asks a steering job to stop after its current
+step with its state saved, and any other job to drain; a second one drains at
+once. SIGINT drains. SIGUSR1 writes the rank's diagnostics. A SIGTERM that
+finds a rank of this host gone (the launcher ends a job whose rank died) ends
+the job with one line naming that rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from .. import early_stop
+from ..errors import MpiscaleError
+from .actor import set_current_system
+from .config import RuntimeConfig, load_mpi
+from .errors import JobRefused
+from .eventloop import new_event_loop
+from .peers import LocalPeers
+from .system import ActorSystem
+
+T = TypeVar("T")
+_FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
+# One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
+# srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
+_SAME_STOP_S = 2.0
+_STEERING_BEGINS_S = 5.0  # a stop that came while the rank started waits this long for the job to begin steering
+
+
+class Lifecycle:
+    """One rank's run of ``main`` on its ActorSystem, and what signals do to it."""
+
+    def __init__(self, system: ActorSystem) -> None:
+        self.system = system
+        self.main_task: asyncio.Task | None = None
+        self.stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
+        self.stop_noted = False  # a SIGTERM's stop request was made at once, before the loop took the signal
+        self.local_peers = LocalPeers.gather(system.world.comm, system.host)
+
+    async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
+        """``main`` on this rank, then the quiet end every rank agrees on; signals handled meanwhile."""
+        system = self.system
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+        loop.add_signal_handler(signal.SIGINT, self.on_signal, signal.SIGINT)
+        for signum in (signal.SIGTERM, signal.SIGUSR2):
+            loop.add_signal_handler(signum, self.on_terminate)
+            # the loop calls on_terminate once it runs again; a step that computes without awaiting notes the
+            # request now, so the agreement at its end carries it (asyncio's wakeup of the loop stays in place)
+            signal.signal(signum, self.note_stop)
+        loop.add_signal_handler(signal.SIGUSR1, system.dump_diagnostics)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+        engine_task, watch = system.start()
+        try:
+            self.main_task = loop.create_task(_exit_as_exception(main(system)), name="main")
+            if early_stop.take() is not None:
+                self.stop_at_start()
+            refused: JobRefused | None = None
+            result = None
+            try:
+                result = await self.main_task
+                system.main_state = "returned"
+            except JobRefused as refusal:
+                system.main_state = "raised JobRefused"
+                refused, system.exit_status = refusal, refusal.status
+                if system.rank == 0:
+                    sys.stdout.flush()
+                    sys.stderr.write(f"{refusal}\n")
+                    sys.stderr.flush()
+            except asyncio.CancelledError:
+                await asyncio.Event().wait()  # the shutdown task exits the process
+            except _MainExit as exit_request:
+                system.main_state = "called sys.exit"
+                code = exit_request.exit.code
+                if code not in (0, None):
+                    system.fail(exit_request.exit, "main exited", code if isinstance(code, int) else 1)
+            except Exception as error:
+                system.fail(error, "main raised an exception")
+            await system.close(refused, engine_task, watch)
+            return result
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+
+    def on_terminate(self) -> None:
+        """SIGTERM or SIGUSR2 from outside; a repeat within ``_SAME_STOP_S`` of the first is the same request."""
+        now = time.monotonic()
+        if now - self.stop_asked_at < _SAME_STOP_S:
+            return
+        if self.stop_asked_at == -math.inf:
+            self.stop_asked_at = now
+            dead = self.local_peers.gone()
+            if dead:  # the launcher ends a job whose rank died: no step can end, no stop can be agreed
+                asyncio.get_running_loop().create_task(self.peers_died(dead), name="a rank died")
+                return
+        self.on_signal(signal.SIGTERM)
+
+    async def peers_died(self, dead: dict[int, int]) -> None:
+        system = self.system
+        named = ", ".join(f"rank {rank} (pid {pid}{', ' + system.roles[rank] if rank in system.roles else ''})"
+                          for rank, pid in sorted(dead.items()))  # fmt: skip
+        detail = (
+            f"{named} on host {system.host} ended while the job ran (killed by a signal, such as the "
+            "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
+        )
+        for reporter in system.death_reporters:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reporter(detail, min(dead)), 1.0)
+        if not system.failing:  # one line, not a second report: a rank that failed has printed its own
+            system.abort(f"mpiscale: rank {system.rank}: a SIGTERM came, and {detail}\n", 1)
+
+    def stop_at_start(self) -> None:
+        """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops
+        before its first step; one that does not drains, as for any stop of a job without steps."""
+        system = self.system
+        system.stop_signal, self.stop_asked_at = signal.SIGTERM, time.monotonic()
+        sys.stderr.write(f"mpiscale: rank {system.rank}: SIGTERM received while starting: stopping before the first "
+                         "step\n")  # fmt: skip
+        system.steering.stop_when_begun()
+        loop = asyncio.get_running_loop()
+        loop.call_later(_STEERING_BEGINS_S, self.drain_unless_steering)
+        loop.call_later(system.config.stop_grace_s, self.stop_overdue, signal.SIGTERM)
+
+    def drain_unless_steering(self) -> None:
+        if self.system.steering.cancel_stop_when_begun() and not self.system.stopping:
+            self.on_signal(signal.SIGTERM)  # no step to stop after: drain
+
+    def note_stop(self, signum: int, frame: object) -> None:
+        """SIGTERM's Python-level handler: a steering job's stop request, noted between two bytecodes of a step."""
+        system = self.system
+        if system.steering.active and system.stop_signal is None and not system.stopping:
+            system.steering.request("stop")
+            self.stop_noted = True
+
+    def on_signal(self, signum: int) -> None:
+        system = self.system
+        name = signal.Signals(signum).name
+        noted, self.stop_noted = self.stop_noted, False
+        steering = system.steering.active or noted  # noted: the job may have stopped on it before the loop came round
+        if signum == signal.SIGTERM and steering and system.stop_signal is None and not system.stopping:
+            # A steering job stops after its step, its state saved; the process then exits with 128+SIGTERM as for
+            # a drain. If it has not returned within stop_grace_s, or a second SIGTERM comes, the rank drains.
+            system.stop_signal = signum
+            grace = system.config.stop_grace_s
+            sys.stderr.write(f"mpiscale: rank {system.rank}: {name} received, stopping after the current step with "
+                             f"a checkpoint (within {grace:g} s; a second {name} drains at once)\n")  # fmt: skip
+            if system.steering.active:
+                system.steering.request("stop")
+                asyncio.get_running_loop().call_later(grace, self.stop_overdue, signum)
+            return
+        if system.stopping:
+            sys.stderr.write(f"mpiscale: rank {system.rank}: second {name}, exiting now\n")
+            os._exit(128 + signum)
+        system.stopping = True
+        sys.stderr.write(f"mpiscale: rank {system.rank}: {name} received, draining and shutting down\n")
+        if self.main_task is not None:
+            self.main_task.cancel()
+        asyncio.get_running_loop().create_task(self.shutdown(128 + signum), name="shutdown")
+
+    def stop_overdue(self, signum: int) -> None:
+        system = self.system
+        if system.stopping or self.main_task is None or self.main_task.done():
+            return
+        sys.stderr.write(
+            f"mpiscale: rank {system.rank}: the job did not stop within {system.config.stop_grace_s:g} s\n"
+        )
+        system.steering.active = False  # the drain's turn: no second wait for a step's end
+        self.on_signal(signum)
+
+    async def shutdown(self, code: int) -> None:
+        system = self.system
+        drained = await system.drain(time.monotonic() + system.config.shutdown_timeout_s)
+        sys.stderr.write(
+            f"mpiscale: rank {system.rank}: shutdown {'drained' if drained else 'timed out'}; "
+            f"{system.refused_tells} incoming tells refused; exit status {code}\n"
+        )
+        _finalize_and_exit(system.MPI, code)
+
+
+class _MainExit(MpiscaleError):
+    """Carries a SystemExit out of ``main``: asyncio would re-raise it out of the loop."""
+
+    def __init__(self, exit_request: SystemExit) -> None:
+        super().__init__(exit_request.code)
+        self.exit = exit_request
+
+
+async def _exit_as_exception(coroutine: Awaitable[T]) -> T:
+    try:
+        return await coroutine
+    except SystemExit as exit_request:
+        raise _MainExit(exit_request) from None
+
+
+def _finalize_and_exit(MPI, code: int) -> None:
+    """Finalize MPI, but let the kernel end the process if a departed peer makes that hang.
+
+    The watchdog is SIGALRM with its default action, not a Python timer: a
+    blocked ``MPI_Finalize`` may hold the interpreter, so no Python code could run.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(_FINALIZE_GRACE_S)
+    try:
+        MPI.Finalize()
+    finally:
+        os._exit(code)
+
+
+def _setup_logging(rank: int) -> None:
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    verbose = os.environ.get("MPISCALE_LOG_ALL_RANKS", "0") not in ("", "0")
+    # INFO for mpiscale's own loggers only: numba.cuda's driver logs every allocation at INFO
+    root.setLevel(logging.WARNING)
+    logging.getLogger("mpiscale").setLevel(logging.INFO if rank == 0 or verbose else logging.WARNING)
+
+
+def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | None = None) -> T:
+    """Start this rank's ActorSystem and run ``await main(system)`` on it.
+
+    Every rank calls ``run``. It returns ``main``'s result on this rank once
+    ``main`` has returned on all ranks and no message is in flight. If every
+    rank raised :class:`JobRefused`, it prints the message once and raises
+    ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
+    job stopped on (see :mod:`mpiscale.runtime.steering`), ``SystemExit(143)``.
+    """
+    config = config or RuntimeConfig.from_env()
+    MPI = load_mpi(config)
+    system = ActorSystem(MPI, config)
+    lifecycle = Lifecycle(system)
+    _setup_logging(system.rank)
+    set_current_system(system)
+    try:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            result = runner.run(lifecycle.run_main(main))
+    finally:
+        set_current_system(None)
+    status = system.exit_status or (128 + system.stop_signal if system.stop_signal is not None else 0)
+    if status:
+        raise SystemExit(status)  # a job stopped by SIGTERM says so, also when it saved its state first
+    return result  # type: ignore[return-value]  # None only where main refused, and then status is set
