@@ -99,6 +99,43 @@ def run_mpi(program: str, ranks: int, *args: str, timeout: float = 90, env: dict
     return finish(start_mpi(program, ranks, *args, env=env), f"{program} {' '.join(args)} on {ranks} ranks", timeout)
 
 
+class Worlds:
+    """A test module's library-level programs in one MPI world per layout (``tests/mpi/programs/world.py``).
+
+    ``layouts`` maps a layout's key to (ranks, environment, the programs with their arguments). The first test
+    that asks for a layout launches its world; the others of the module read the same finished job (a hang or a
+    failed launch is kept too, so no test launches it again). Each test then asserts its program's own line.
+    """
+
+    def __init__(self, layouts: dict) -> None:
+        self.layouts = layouts
+        self._ran: dict = {}
+
+    def __call__(self, key) -> Job:
+        """The finished world of ``key``, every program in it passed."""
+        if key not in self._ran:
+            ranks, env, programs = self.layouts[key]
+            try:
+                self._ran[key] = run_mpi("world.py", ranks, *programs, env=env, timeout=60 + 60 * len(programs))
+            except BaseException as error:  # a hang (pytest's Failed, with the ranks' diagnostics), or a bad launch
+                self._ran[key] = error
+        job = self._ran[key]
+        if isinstance(job, BaseException):
+            raise job
+        assert_ok(job)
+        return job
+
+
+def ended_after(job: Job, started: float, pattern: str) -> float:
+    """Seconds from the moment a program printed (``pattern``'s group 1: Unix time) to the job's end, for a job
+    whose ``finish`` began at ``started`` (``time.time()``): how soon a fault ended it, however slowly it started."""
+    import re
+
+    found = re.search(pattern, job.stdout)
+    assert found, f"no {pattern!r} in the output:\n{job.output[-4000:]}"
+    return started + job.elapsed - float(found[1])
+
+
 def assert_ok(job: Job) -> None:
     assert job.returncode == 0, f"exit status {job.returncode}\n{job.output[-10000:]}"
 

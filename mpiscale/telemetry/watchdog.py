@@ -4,7 +4,10 @@ A rank **hangs** when it has not advanced (its step unchanged) for
 ``hang_after_s`` while it is not itself waiting in a collective (it computes,
 or its reports stopped because its event loop is stuck) and another rank has
 been waiting in a collective for at least half that time: the others wait for
-it. A report saying its rank waits counts while it is fresh: younger than half
+it. On a loaded node every step slows down, so the threshold grows with the
+pace the reports show: a rank is given at least ``PATIENCE_STEPS`` of the
+slowest rank's recent seconds per step (a rank's first advance, which holds its
+start-up, is not a pace). A report saying its rank waits counts while it is fresh: younger than half
 ``hang_after_s`` or two and a half report intervals, whichever is longer (a
 report travels up to an interval before rank 0 looks at it). A rank
 **straggles** when, for ``straggler_intervals`` reports in a row,
@@ -22,6 +25,9 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass, field
+
+#: Steps of the slowest rank's recent pace a rank may take before it counts as stuck, however short hang_after_s is.
+PATIENCE_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,8 @@ class Watchdog:
     settings: WatchdogSettings
     report_interval_s: float = 2.0  # how often ranks report (MPISCALE_TELEMETRY_INTERVAL_S)
     _advanced: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (its step, since when)
+    _pace: dict[int, float] = field(default_factory=dict)  # rank -> its seconds per step between its last reports
+    _moved: set[int] = field(default_factory=set)  # ranks seen advancing once (their start-up behind them)
     _waited: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (report time, wait_s)
     _slow: dict[int, int] = field(default_factory=dict)  # rank -> straggling reports in a row
     _told: set[tuple[str, int]] = field(default_factory=set)
@@ -75,16 +83,23 @@ class Watchdog:
 
     def _hangs(self, reports: dict[int, dict], now: float) -> list[Finding]:
         for rank, report in reports.items():
-            if self._advanced.get(rank, (None, 0.0))[0] != report["step"]:
-                self._advanced[rank] = (report["step"], min(report["time"], now))  # it advanced by then
+            before = self._advanced.get(rank)
+            if before is None or before[0] != report["step"]:
+                at = min(report["time"], now)  # it advanced by then
+                if before is not None and report["step"] > before[0]:
+                    if rank in self._moved:
+                        self._pace[rank] = (at - before[1]) / (report["step"] - before[0])
+                    self._moved.add(rank)
+                self._advanced[rank] = (report["step"], at)
+        hang_after = max(self.settings.hang_after_s, PATIENCE_STEPS * max(self._pace.values(), default=0.0))
         waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
-        long_waiters = {r: w for r, w in waiters.items() if w[1] >= self.settings.hang_after_s / 2}
-        fresh_s = max(self.settings.hang_after_s / 2, 2.5 * self.report_interval_s)
+        long_waiters = {r: w for r, w in waiters.items() if w[1] >= hang_after / 2}
+        fresh_s = max(hang_after / 2, 2.5 * self.report_interval_s)
         stuck = {}  # rank -> seconds without advancing, for the ranks others wait for
         for rank, report in reports.items():
             still = now - self._advanced[rank][1]
             waiting_itself = rank in waiters and now - report["time"] < fresh_s
-            if still >= self.settings.hang_after_s and not waiting_itself and any(r != rank for r in long_waiters):
+            if still >= hang_after and not waiting_itself and any(r != rank for r in long_waiters):
                 stuck[rank] = still
         behind = {r: leader for r in reports if (leader := self._silent_leader(reports, r, now)) is not None}
         found = []

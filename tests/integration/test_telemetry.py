@@ -13,7 +13,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import MPIRUN_GRACE, assert_ok, finish, launch, start_mpi
+from helpers import MPIRUN_GRACE, assert_ok, ended_after, finish, launch, start_mpi
 from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
@@ -365,10 +365,11 @@ def test_a_stuck_pipeline_stage_is_named_by_the_hang_watch(tmp_path):
     env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t25", "MPISCALE_HANG_AFTER_S": "2",
            "MPISCALE_HANG_ACTION": "abort", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5"}  # fmt: skip
     options = ["--stages", "3", "--micro-batches", "4", "--epochs", "5", "--out", str(tmp_path / "m.h5")]
+    started = time.time()
     job = start_mpi("pipeline_train_fault.py", 3, "hang", "1", "60", *options, env=env, cwd=tmp_path)
     done = finish(job, "a pipeline with a stuck stage", 120)
-    assert done.returncode == 1 and done.elapsed < 60, done.output[-4000:]
-    assert "rank 1 blocks at step 60" in done.stdout
+    assert done.returncode == 1, done.output[-4000:]
+    assert ended_after(done, started, r"rank 1 blocks at step 60 at ([\d.]+)") < 30, done.output[-4000:]
     records = read_records(tmp_path / "m.h5.telemetry.jsonl")
     hangs = [p for p in records if p["kind"] == "event" and p["event"] == "hang"]
     assert [p["rank"] for p in hangs] == [1], hangs

@@ -7,7 +7,7 @@ import sys
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_ok, finish, launch, run_mpi
+from helpers import Worlds, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -16,12 +16,20 @@ def mpiscale(ranks: int, *args, timeout: float = 180):
     return finish(launch(ranks, [*MPISCALE, *map(str, args)]), f"mpiscale {' '.join(map(str, args))}", timeout)
 
 
+#: The library-level checks of each world size, in one MPI world (``helpers.Worlds``).
+world = Worlds({
+    1: (1, {}, ["memstore_invariance.py 4000 14", "memstore_errors.py"]),
+    2: (2, {}, ["memstore_invariance.py 4000 14", "memstore_queries.py"]),
+    3: (3, {}, ["memstore_invariance.py 4000 14", "memstore_errors.py"]),
+    4: (4, {}, ["memstore_invariance.py 4000 14", "memstore_queries.py"]),
+})  # fmt: skip
+
+
 def test_same_state_aggregates_and_ranking_on_any_number_of_ranks():
     """Upserts (repeated ids), deletes, reinforcements (repeated ids) and decay: every world size, one digest."""
     digests = {}
     for ranks in (1, 2, 3, 4):
-        job = run_mpi("memstore_invariance.py", ranks, "4000", "14", timeout=180)
-        assert_ok(job)
+        job = world(ranks)
         found = re.search(r"memstore ok: (\d+) ranks, (\d+) records, digest (\w+)", job.stdout)
         assert found and int(found.group(1)) == ranks, job.stdout
         digests[ranks] = found.group(3)
@@ -30,16 +38,12 @@ def test_same_state_aggregates_and_ranking_on_any_number_of_ranks():
 
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_bad_input_is_refused_on_every_rank_and_changes_nothing(ranks):
-    job = run_mpi("memstore_errors.py", ranks, timeout=120)
-    assert_ok(job)
-    assert f"memstore errors ok: {ranks} ranks" in job.stdout
+    assert f"memstore errors ok: {ranks} ranks" in world(ranks).stdout
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_queries_while_iterating_match_the_store(ranks):
-    job = run_mpi("memstore_queries.py", ranks, timeout=180)
-    assert_ok(job)
-    assert f"memstore queries ok: {ranks} ranks" in job.stdout
+    assert f"memstore queries ok: {ranks} ranks" in world(ranks).stdout
 
 
 def _read(path) -> dict:

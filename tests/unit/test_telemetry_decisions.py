@@ -126,3 +126,18 @@ def test_watch_waits_for_a_lost_job_and_never_calls_an_ended_one_dead():
     assert "watching for it to come back" in "\n".join(lost.lines())
     finished = _records(1.0, 1.2, state="finished")
     assert finished.ended and not finished.gone(10**9) and finished.silent_s(10**9) is None
+
+
+def test_the_hang_threshold_grows_with_the_pace_of_a_loaded_job():
+    """Steps of 0.5 s (a loaded node): a rank still for 3 s is slow, not stuck, though hang_after_s is 2; still for
+    PATIENCE_STEPS of that pace (5 s) and more, it is named. Its first advance (start-up) sets no pace."""
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=2), report_interval_s=1.0)
+    watchdog.look({0: report(0, 0, 0), 1: report(1, 0, 0)}, 0.0)
+    watchdog.look({0: report(0, 1, 30), 1: report(1, 1, 30)}, 30.0)  # 30 s to the first step: start-up
+    for now in (31.0, 32.0):  # then two steps a second, on both ranks
+        step = int(1 + 2 * (now - 30))
+        watchdog.look({0: report(0, step, now), 1: report(1, step, now)}, now)
+    waiting = ("allreduce on world", 3.0)
+    assert watchdog.look({0: report(0, 5, 35, waiting_in=waiting), 1: report(1, 5, 32)}, 35.0) == []
+    found = watchdog.look({0: report(0, 5, 38, waiting_in=("allreduce on world", 6.0)), 1: report(1, 5, 32)}, 38.0)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 1)]

@@ -1,5 +1,6 @@
 """`mpiscale train ARGS...` in which rank RANK, in the forward pass of micro-batch 1 at step AT, SIGKILLs itself
-(``kill``) or blocks its event loop for two minutes, as a stuck native call would (``hang``).
+(``kill``) or blocks its event loop for two minutes, as a stuck native call would (``hang``). It prints when (Unix
+time), so that a test measures how soon the job ends after the fault, not after its start (slow on a loaded node).
 
 Usage: pipeline_train_fault.py kill|hang RANK AT train-options...
 """
@@ -19,8 +20,9 @@ _forward = Pipeline._forward
 async def forward_with_fault(self, run, m):
     if self.system.rank == RANK and run.step == AT and m == 1:
         if FAULT == "kill":
+            print(f"rank {RANK} kills itself at step {AT} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        print(f"rank {RANK} blocks at step {AT}", flush=True)
+        print(f"rank {RANK} blocks at step {AT} at {time.time():.3f}", flush=True)
         time.sleep(120)
     await _forward(self, run, m)
 
