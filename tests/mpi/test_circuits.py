@@ -164,6 +164,10 @@ def test_files_that_name_each_other_by_relative_paths_are_found_from_any_folder(
     shown = run_alone("inspect", moved / "f1.h5", "--top-inputs", 2, cwd=pipeline)
     assert_ok(shown)
     assert "atoms by use" in shown.stdout
+    (moved / "acts.h5").unlink()  # the data gone altogether: refused in one line, no traceback
+    refused = run_alone("inspect", moved / "f1.h5", "--top-inputs", 2, cwd=pipeline)
+    assert refused.returncode == 2 and "Traceback" not in refused.output, refused.output
+    assert refused.stderr.startswith("mpiscale inspect: ") and len(refused.stderr.strip().splitlines()) == 1
 
 
 def test_search_filters_metadata(built):
