@@ -79,19 +79,14 @@ def _numba_checks() -> list[Check]:
     return [Check("numba", True, version), Check("CUDA (numba.cuda)", True, found, required=False)]
 
 
-def _optional(name: str, module: str, fix: str) -> Check:
+def _module(name: str, module: str, fix: str, required: bool) -> Check:
     version = _version(module)
-    return Check(name, version is not None, version or "not installed", fix, required=False)
+    return Check(name, version is not None, version or "not installed", fix, required=required)
 
 
 def _program(name: str, fix: str, required: bool) -> Check:
     path = shutil.which(name)
     return Check(name, path is not None, path or "not found", fix, required=required)
-
-
-def _required(name: str) -> Check:
-    version = _version(name)
-    return Check(name, version is not None, version or "not installed", SETUP)
 
 
 def _job_extras() -> list[Check]:
@@ -116,9 +111,9 @@ def checks() -> list[Check]:
         *_mpi_checks(),
         _h5py_check(),
         *_numba_checks(),
-        _required("aiomqtt"),
+        _module("aiomqtt", "aiomqtt", SETUP, required=True),
         *_job_extras(),
-        _optional("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)"),
+        _module("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)", False),
         _program("mpirun", "apt-get install openmpi-bin (launch/setup.sh does it)", required=True),
         _program("mosquitto", "apt-get install mosquitto (launch/setup.sh does it)", required=False),
         _program("srun", "only needed on a Slurm cluster", required=False),

@@ -8,6 +8,7 @@ fixtures.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,8 +130,6 @@ class Worlds:
 def ended_after(job: Job, started: float, pattern: str) -> float:
     """Seconds from the moment a program printed (``pattern``'s group 1: Unix time) to the job's end, for a job
     whose ``finish`` began at ``started`` (``time.time()``): how soon a fault ended it, however slowly it started."""
-    import re
-
     found = re.search(pattern, job.stdout)
     assert found, f"no {pattern!r} in the output:\n{job.output[-4000:]}"
     return started + job.elapsed - float(found[1])

@@ -42,6 +42,7 @@ from ..jobs import (
     Step,
     announce,
     claim_outputs,
+    give_back,
     kept_name,
     run_lifecycle,
     setting_differences,
@@ -317,8 +318,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
             for module in adapter.modules:
                 adapter.read(module)  # unreadable or NaN: refused now, not half-way
     except BaseException:
-        if lock is not None:
-            lock.release()
+        give_back(lock)
         raise
     plan = Plan("group", "adapters", len(reference.modules), config.progress_every, saves=True)
     return _Compression(system, config, comm, paths, reference, mine, first, lock, earlier, plan)

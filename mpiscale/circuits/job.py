@@ -36,6 +36,7 @@ from ..jobs import (
     Step,
     announce,
     claim_outputs,
+    give_back,
     kept_name,
     run_lifecycle,
     setting_differences,
@@ -186,8 +187,7 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         # rank 0 judges the earlier run's file; its refusal ends every rank alike
         kept, pending = on_rank_0(comm, lambda: _earlier_run(config, work, shape[0], batches))
     except BaseException:
-        if lock is not None:
-            lock.release()
+        give_back(lock)
         raise
     done = np.ones(batches, np.int8)
     done[pending] = 0

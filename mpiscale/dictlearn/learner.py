@@ -28,7 +28,7 @@ from ..jobs import (
     Plan,
     Step,
     claim_outputs,
-    close_checkpointer,
+    give_back,
     load_state,
     restore_compatible,
     run_lifecycle,
@@ -224,9 +224,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
             results_lock, plan,
         )  # fmt: skip
     except BaseException:
-        close_checkpointer(checkpoints)  # its lock too: the job never started
-        if results_lock is not None:
-            results_lock.release()
+        give_back(results_lock, checkpoints)  # the job never started
         raise
 
 

@@ -5,6 +5,7 @@ from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run
 from .outputs import (
     claim_outputs,
     close_checkpointer,
+    give_back,
     run_without_steps,
     start_agreed,
     write_results,
@@ -37,6 +38,7 @@ __all__ = [
     "claim_outputs",
     "close_checkpointer",
     "duration",
+    "give_back",
     "job_of_results",
     "jobs_table",
     "jobs_with",

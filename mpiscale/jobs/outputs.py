@@ -184,6 +184,14 @@ def close_checkpointer(checkpoints: Checkpointer | None) -> CheckpointError | No
     return None
 
 
+def give_back(lock: OutputLock | None, checkpoints: Checkpointer | None = None) -> None:
+    """What a job that never started had claimed, given back: its checkpointer (and with it the checkpoint lock),
+    then the results lock (None: nothing to give back)."""
+    close_checkpointer(checkpoints)
+    if lock is not None:
+        lock.release()
+
+
 async def write_results(
     system: ActorSystem,
     out: str,

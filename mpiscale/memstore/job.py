@@ -28,7 +28,7 @@ from ..io import (
     stamp,
     write_dataset,
 )
-from ..jobs import Ended, Plan, Step, announce, claim_outputs, run_lifecycle, write_results
+from ..jobs import Ended, Plan, Step, announce, claim_outputs, give_back, run_lifecycle, write_results
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -62,8 +62,7 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
     try:
         store = MemoryStore(system, histogram_bins=config.bins, durable=durable, device=config.device)
     except BaseException:
-        if lock is not None:
-            lock.release()  # the job never started
+        give_back(lock)  # the job never started
         raise
     # every iteration is committed (its logs hold the last ones): no checkpoint at the end
     plan = Plan("iteration", "records", config.iterations, config.progress_every, config.checkpoint_every,

@@ -27,7 +27,7 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
-    close_checkpointer,
+    give_back,
     load_state,
     same_bits_everywhere,
     settings_meta,
@@ -123,9 +123,7 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
             threads, results_lock, plan, schedule,
         )  # fmt: skip
     except BaseException:
-        close_checkpointer(checkpoints)  # its lock too: the job never started
-        if results_lock is not None:
-            results_lock.release()
+        give_back(results_lock, checkpoints)  # the job never started
         raise
 
 

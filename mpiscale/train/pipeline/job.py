@@ -31,7 +31,7 @@ from ...jobs import (
     HeldOutputs,
     Plan,
     Step,
-    close_checkpointer,
+    give_back,
     settings_meta,
     state_arrays,
 )
@@ -159,11 +159,9 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
             threads, results_lock, plan, replicas, schedule,
         )  # fmt: skip
     except BaseException:
-        close_checkpointer(checkpoints)
+        give_back(results_lock, checkpoints)
         if edge is not None:
             edge.comm.Free()
-        if results_lock is not None:
-            results_lock.release()
         raise
 
 
