@@ -50,17 +50,60 @@ SESSION_ENVIRONMENT = dict(os.environ)
 # runs hundreds. Tests in which the surviving ranks must report a dead one in that grace take mpirun's default back.
 SESSION_ENVIRONMENT.setdefault("OMPI_MCA_odls_base_sigkill_timeout", "0")
 MPIRUN_GRACE = {"OMPI_MCA_odls_base_sigkill_timeout": "1"}  # mpirun's own default
+# Every process the tests start has this environment, with what the test adds; the preloaded one too.
+WARM_ENVIRONMENT = SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1"}
+WARM_START = REPO / "tests" / "warm_start.py"
+
+
+class Preloaded:
+    """This test worker's preloaded process (``tests/warm_start.py``): started at its first use, ended with the
+    worker. ``MPISCALE_TESTS_COLD=1`` leaves it out: every process of the suite starts cold."""
+
+    cold = os.environ.get("MPISCALE_TESTS_COLD") == "1"
+    _socket: str | None = None
+
+    @classmethod
+    def command(cls, command: list[str], cold: bool = False) -> list[str]:
+        """``command`` (``python -m MODULE ...`` or ``python PROGRAM.py ...``) as a warm start, or as it is."""
+        runs_python = command[0] == sys.executable and len(command) > 1
+        if cold or cls.cold or not runs_python or not (command[1] == "-m" or command[1].endswith(".py")):
+            return command
+        return [sys.executable, "-I", "-S", str(WARM_START), cls._started(), *command[1:]]
+
+    @classmethod
+    def _started(cls) -> str:
+        if cls._socket is None:
+            folder = tempfile.mkdtemp(prefix="mpiscale-warm-")
+            socket_path, log = f"{folder}/socket", Path(folder, "log")
+            with open(log, "w") as output:
+                server = subprocess.Popen(
+                    [sys.executable, str(WARM_START), "serve", socket_path], env=WARM_ENVIRONMENT, cwd=folder,
+                    stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            deadline = time.monotonic() + 120
+            while not os.path.exists(socket_path):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    server.kill()
+                    pytest.fail(f"the preloaded process did not start:\n{log.read_text()[-6000:]}")
+                time.sleep(0.05)
+            cls._socket = socket_path
+        return cls._socket
 
 
 def launch(
-    ranks: int, command: list[str], env: dict | None = None, options: tuple[str, ...] = (), **popen
+    ranks: int,
+    command: list[str],
+    env: dict | None = None,
+    options: tuple[str, ...] = (),
+    cold: bool = False,
+    **popen,
 ) -> subprocess.Popen:
     """Start ``command`` on ``ranks`` ranks through the project's launcher (with its ``options``), in its own
-    process group."""
-    environment = dict(SESSION_ENVIRONMENT)
-    environment.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+    process group; a ``python`` command starts warm (``Preloaded``) unless ``cold``."""
+    environment = dict(WARM_ENVIRONMENT)
+    environment.update(env or {})
     return subprocess.Popen(
-        [str(LAUNCHER), "-n", str(ranks), *options, "--", *command],
+        [str(LAUNCHER), "-n", str(ranks), *options, "--", *Preloaded.command(command, cold)],
         env=environment,
         text=True,
         start_new_session=True,
@@ -159,10 +202,11 @@ def run_cli(
 
 
 def run_alone(*args: object, timeout: float = 120, cwd: Path | None = None) -> Job:
-    """``mpiscale ARGS`` as one plain process (no launcher: a singleton rank, a second faster), with a hard timeout."""
+    """``mpiscale ARGS`` as one plain process (no launcher: a singleton rank, a second faster; a warm start), with a
+    hard timeout."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "mpiscale.cli", *map(str, args)],
-        env=SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1"}, cwd=cwd or REPO, text=True, start_new_session=True,
+        Preloaded.command([sys.executable, "-m", "mpiscale.cli", *map(str, args)]),
+        env=WARM_ENVIRONMENT, cwd=cwd or REPO, text=True, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     return finish(process, f"mpiscale {' '.join(map(str, args))} alone", timeout)

@@ -86,7 +86,7 @@ def test_signal_drains_and_exits_nonzero(ranks, tmp_path, who, signum):
 def test_a_stop_while_the_ranks_start_ends_the_job_before_its_first_step_with_one_line_and_143(tmp_path):
     """SIGTERM to the launcher (SIGUSR2 to the ranks) while they still import: before, SIGUSR2's default action
     killed them without a word (status 140, or 0 or 1 under load)."""
-    process = start_mpi("stops.py", 2, "startup", str(tmp_path))
+    process = start_mpi("stops.py", 2, "startup", str(tmp_path), cold=True)  # start-up as a user's: its imports too
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not all((tmp_path / f"rank{r}.started").exists() for r in range(2)):
         time.sleep(0.02)

@@ -156,11 +156,16 @@ def test_recovery_on_fewer_ranks_with_a_torn_log_tail(tmp_path, uninterrupted):
     job = memstore(3, *durable)
     assert_ok(job)
     run = results(out)
-    # every log held iterations 30-32 (commits 32-34) after the checkpoint of commit 31; rank 0's now ends at
-    # commit 33, so the recovery stops there for every rank, and iteration 32 is redone
+    # every log held iterations 30-32 (commits 32-34); rank 0's now ends at commit 33, so the recovery stops there
+    # for every rank, and iteration 32 is redone. It starts from the checkpoint of commit 31, or, where that one was
+    # still being written in the background when rank 1 died two iterations later (a loaded machine), from commit
+    # 21's with ten more commits from the logs
     assert run[2]["iterations_done"] == 32, run[2]
-    assert "commit 31 (local+partner)" in run[2]["source"], run[2]
-    assert "2 commits from 4 logs (2 of them partner copies)" in run[2]["source"], run[2]
+    source = re.fullmatch(
+        r"the checkpoint of commit (\d+) \(local\+partner\); (\d+) commits from 4 logs \(2 of them partner copies\)",
+        run[2]["source"],
+    )
+    assert source and source[1] in ("21", "31") and int(source[1]) + int(source[2]) == 33, run[2]
     assert_same(run, uninterrupted)
 
 

@@ -1,0 +1,90 @@
+"""The tests' warm starts (``tests/warm_start.py``) behave as a cold ``python`` would: the same exit status, the same
+death by a signal, signals delivered, the program's own environment, and nothing left behind when the stand-in dies.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import WARM_ENVIRONMENT, Preloaded
+
+PROBE = """
+import os, signal, sys, time
+action = sys.argv[1]
+if action == "wait":
+    signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM handled", flush=True), sys.exit(7)))
+print("torch" in sys.modules, os.environ.get("PROBE"), os.getcwd(), os.getpid(), flush=True)
+if action == "exit":
+    sys.exit(int(sys.argv[2]))
+if action == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if action == "raise":
+    raise ValueError("raised by the probe")
+if action == "wait":
+    time.sleep(60)
+"""
+
+
+def start(tmp_path, *arguments, env: dict | None = None) -> subprocess.Popen:
+    if Preloaded.cold:
+        pytest.skip("MPISCALE_TESTS_COLD=1: no preloaded process")
+    program = tmp_path / "probe.py"
+    program.write_text(PROBE)
+    command = Preloaded.command([sys.executable, str(program), *arguments])
+    assert command[0] == sys.executable and "warm_start.py" in command[3]
+    return subprocess.Popen(command, env=WARM_ENVIRONMENT | (env or {}), cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def test_a_warm_program_runs_preloaded_in_its_own_directory_and_environment_and_exits_as_it_did(tmp_path):
+    process = start(tmp_path, "exit", "3", env={"PROBE": "mine"})
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 3
+    assert stdout.split()[:3] == ["True", "mine", str(tmp_path)]
+
+
+def test_a_warm_program_killed_by_a_signal_kills_its_stand_in_with_the_same(tmp_path):
+    process = start(tmp_path, "kill")
+    process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_an_uncaught_error_is_status_1_with_its_traceback(tmp_path):
+    process = start(tmp_path, "raise")
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1 and "ValueError: raised by the probe" in stderr
+
+
+def test_signals_reach_the_program_and_a_killed_stand_in_takes_it_along(tmp_path):
+    process = start(tmp_path, "wait")
+    assert process.stdout.readline().split()[0] == "True"
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 7 and "SIGTERM handled" in stdout
+
+    process = start(tmp_path, "wait")
+    worker = int(process.stdout.readline().split()[3])
+    process.kill()
+    process.communicate(timeout=60)
+    deadline = time.monotonic() + 10
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(worker), "the program outlived its killed stand-in"
+
+
+def test_a_setting_the_preloaded_libraries_read_as_they_load_starts_the_program_cold(tmp_path):
+    process = start(tmp_path, "exit", "0", env={"NUMBA_NUM_THREADS": "1"})
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and stdout.split()[0] == "False"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as status:
+            return status.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,219 @@
+"""Warm starts for the tests' processes: a rank forked from a process that has already imported torch, numpy
+and Numba (with its CPU target ready), instead of importing them again.
+
+Most of the suite's CPU went into starting ranks: 2.3 s of a training rank and 1.2 s of a dictionary-learning one
+are imports and Numba's target, and the suite starts about 700 ranks. A warm start runs the same program, with the
+same arguments, environment, working directory and standard streams, under the same mpirun: only the imports are
+done once, before the fork.
+
+Two roles, one file:
+
+- ``serve SOCKET`` is the *preloaded* process (one per test worker). It imports the heavy libraries but never MPI
+  (an initialised MPI cannot be forked) nor HDF5, then forks a *keeper* per request. The keeper forks the *worker* (the
+  rank itself: it sets the environment, the directory and the streams it was sent, then runs the program, whose
+  first ``mpi4py`` import initialises MPI from the launcher's environment as a cold rank does) and relays between
+  it and the stand-in: signals one way, the exit status the other; it kills the worker when the stand-in dies.
+- ``SOCKET python-arguments...`` is the *stand-in*, the process mpirun (or a test) starts: stdlib only, about
+  20 ms. It sends its arguments, environment, directory and streams 0-2, forwards the signals it gets, and exits
+  as the worker did (its exit status, or the same signal).
+
+Tests that check start-up itself (a stop while a rank imports, what ``--help`` imports, the first compile) start
+cold: ``helpers.launch(..., cold=True)``, and ``MPISCALE_TESTS_COLD=1`` starts every process of the suite cold.
+"""
+
+from __future__ import annotations
+
+import array
+import gc
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGALRM)  # fmt: skip
+LIMITS = ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NPROC")
+# Variables the preloaded libraries read as they load (Numba's settings, OpenMP's and BLAS's threads, the
+# interpreter's own): a request whose values differ from the preloaded process's starts cold, in the worker's place.
+READ_AT_IMPORT = ("NUMBA_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON",
+                  "LD_", "HDF5_", "MALLOC_")  # fmt: skip
+_LENGTH = struct.Struct("!I")
+_EVENT = struct.Struct("!ii")  # (kind, number): kind 0 exit status, 1 killed by signal, 2 a signal to forward
+
+
+def stand_in(path: str, arguments: list[str]) -> None:
+    """Run ``python ARGUMENTS`` in a worker forked from the preloaded process at ``path``; exit as it did."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(path)
+    request = json.dumps({
+        "argv": arguments, "env": dict(os.environ), "cwd": os.getcwd(), "umask": os.umask(0o022),
+        "cpus": sorted(os.sched_getaffinity(0)),  # mpirun's binding, where it binds
+        "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS},
+    }).encode()  # fmt: skip
+    connection.sendmsg(
+        [_LENGTH.pack(len(request)), request],
+        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))],
+    )
+
+    def forward(signum, _frame):
+        connection.sendall(_EVENT.pack(2, signum))
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    kind, number = _EVENT.unpack(_receive(connection, _EVENT.size))
+    if kind == 0:
+        os._exit(number)
+    for signum in FORWARDED:
+        signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
+    os._exit(128 + number)
+
+
+def _receive(connection: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = connection.recv(size - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            return _EVENT.pack(1, signal.SIGKILL)  # the keeper is gone: so is the worker
+        data += chunk
+    return data
+
+
+def serve(path: str) -> None:
+    """Preload, then fork a keeper for every stand-in that connects, until the test worker that started us ends."""
+    _preload()
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        ready, _, _ = select.select([listener], [], [], 1.0)
+        _reap()
+        if not ready:
+            continue
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            listener.close()
+            _keep(connection)
+        connection.close()
+
+
+def _preload() -> None:
+    """What a rank of this suite imports before it does anything, but MPI and HDF5: HDF5 must start after MPI, as
+    in a rank that imports mpi4py first, to close its files when MPI finalizes rather than after."""
+    import numba
+    import numpy  # noqa: F401
+    import torch
+    import torch.nn
+    import torch.optim  # noqa: F401
+
+    numba.core.registry.cpu_target.target_context.codegen()  # the CPU target: 0.4 s of every Numba rank
+    gc.freeze()  # what is loaded stays out of the workers' collections, which would copy every page they touch
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _keep(connection: socket.socket) -> None:
+    """The keeper: fork the worker, relay signals to it and its end to the stand-in; never returns."""
+    header, descriptors, _, _ = connection.recvmsg(_LENGTH.size, socket.CMSG_SPACE(3 * array.array("i").itemsize))
+    (size,) = _LENGTH.unpack(header + connection.recv(_LENGTH.size - len(header), socket.MSG_WAITALL))
+    message = connection.recv(size, socket.MSG_WAITALL)
+    streams = array.array("i")
+    for _level, _type, data in descriptors:
+        streams.frombytes(data[: len(data) - len(data) % streams.itemsize])
+    request = json.loads(message)
+    worker = os.fork()
+    if worker == 0:
+        connection.close()
+        _become(request, list(streams))
+        sys.exit(0)  # the program returned: the interpreter ends as it would have (its exit handlers, MPI's end)
+    for descriptor in streams:
+        os.close(descriptor)
+    watch = os.pidfd_open(worker)
+    while True:
+        ready, _, _ = select.select([connection, watch], [], [])
+        if watch in ready:
+            _, status = os.waitpid(worker, 0)
+            ended = (1, os.WTERMSIG(status)) if os.WIFSIGNALED(status) else (0, os.WEXITSTATUS(status))
+            try:
+                connection.sendall(_EVENT.pack(*ended))
+            finally:
+                os._exit(0)
+        data = connection.recv(_EVENT.size, socket.MSG_WAITALL)
+        if len(data) < _EVENT.size:  # the stand-in is gone (killed by mpirun or a test): so goes the worker
+            os.kill(worker, signal.SIGKILL)
+            os.waitpid(worker, 0)
+            os._exit(0)
+        os.kill(worker, _EVENT.unpack(data)[1])
+
+
+def _become(request: dict, streams: list[int]) -> None:
+    """The worker: take the stand-in's streams, environment, directory and arguments, and run its program."""
+    import io
+    import runpy
+
+    for signum in range(1, signal.NSIG):
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(signum, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    for target, descriptor in enumerate(streams):
+        os.dup2(descriptor, target)
+        os.close(descriptor)
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    os.sched_setaffinity(0, request["cpus"])
+    for name, limits in request["limits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(limits))
+    if _read_at_import(request["env"]) != _read_at_import(os.environ):
+        os.execve(sys.executable, [sys.executable, *request["argv"]], request["env"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    for number, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(number, "w", closefd=False)
+        binary = raw if unbuffered or number == 2 else io.BufferedWriter(raw)
+        stream = io.TextIOWrapper(binary, encoding="utf-8", errors="backslashreplace",
+                                  write_through=unbuffered or number == 2, line_buffering=raw.isatty())  # fmt: skip
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    arguments = request["argv"]
+    if arguments[0] == "-m":
+        sys.argv = [arguments[1], *arguments[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(arguments[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(arguments)
+        sys.path[0] = os.path.dirname(os.path.abspath(arguments[0]))
+        runpy.run_path(arguments[0], run_name="__main__")
+
+
+def _read_at_import(environment) -> dict:
+    return {name: value for name, value in environment.items() if name.startswith(READ_AT_IMPORT)}
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "serve":
+        serve(sys.argv[2])
+    else:
+        stand_in(sys.argv[1], sys.argv[2:])
