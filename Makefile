@@ -35,14 +35,15 @@ api: setup
 
 # The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
 # periods, sleeps, Slurm's scheduling), which the other worker fills. Two keep this 2-core machine's cores busy: three
-# were slower (17:48 against about 15 minutes for two, on 2026-11-26, with the CPU saturated) and made two timing
-# tests miss. Most of the CPU is the ranks' start-up (torch's import: 1.2-1.9 s of a training rank; Numba's import and
-# target: 0.8 s of any other), so a rank the tests launch starts warm, forked from a process of its worker that has
-# imported them already (tests/warm_start.py; docs/architecture.md, "How the tests run"; MPISCALE_TESTS_COLD=1 starts
-# every rank cold, as a user's job does: about 19 minutes). Set-up compiles the Numba kernels once, and the
-# library-level checks of a module share one MPI world per layout (tests/helpers.py, Worlds). A file's tests stay on
-# one worker: they share fixtures (a trained model, the Slurm cluster, which a second one on the host would fight).
-# TEST_WORKERS=0 runs them in this process, one after another.
+# were slower (17:48 against 15:16 for two in the development tree, on 2026-11-26, with the CPU saturated) and made
+# two timing tests miss; a clean clone's run took 17:25 of pytest that day. Most of the CPU is the ranks' start-up
+# (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other), so a rank the tests
+# launch starts warm, forked from a process of its worker that has imported them already (tests/warm_start.py;
+# docs/architecture.md, "How the tests run"; MPISCALE_TESTS_COLD=1 starts every rank cold, as a user's job does: 19-20
+# minutes that day). Set-up compiles the Numba kernels once, and the library-level checks of a module share one MPI
+# world per layout (tests/helpers.py, Worlds). A file's tests stay on one worker: they share fixtures (a trained
+# model, the Slurm cluster, which a second one on the host would fight). TEST_WORKERS=0 runs them in this process, one
+# after another.
 TEST_WORKERS ?= 2
 
 test: setup lint
