@@ -76,7 +76,29 @@ def _numba_checks() -> list[Check]:
 
     gpu = cuda.is_available()
     found = "available" if gpu else "no GPU visible (CPU kernels are used; NUMBA_ENABLE_CUDASIM=1 simulates CUDA)"
-    return [Check("numba", True, version), Check("CUDA (numba.cuda)", True, found, required=False)]
+    return [Check("numba", True, version), Check("GPUs (numba.cuda)", True, found, required=False)]
+
+
+def _gpu_checks() -> list[Check]:
+    """What the torch jobs' --device sees: torch's GPUs, and whether MPI takes device buffers."""
+    from .jobs import mpi_cuda_aware
+
+    try:
+        import torch
+    except ImportError:
+        found = "torch not installed (the train, collect, circuits and compress-adapters jobs need it)"
+        return [Check("GPUs (torch)", True, found, required=False)]
+    build = f"torch {torch.__version__}, " + (f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build")
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count()))
+        found = f"{torch.cuda.device_count()}: {names} ({build})"
+    else:
+        found = f"none ({build})"
+    aware = mpi_cuda_aware()
+    mpi = {True: "yes: device buffers go to MPI as they are",
+           False: "no (built without CUDA): device buffers go through host memory",
+           None: "unknown (no ompi_info: not Open MPI)"}[aware]  # fmt: skip
+    return [Check("GPUs (torch)", True, found, required=False), Check("MPI CUDA-aware", True, mpi, required=False)]
 
 
 def _module(name: str, module: str, fix: str, required: bool) -> Check:
@@ -111,6 +133,7 @@ def checks() -> list[Check]:
         *_mpi_checks(),
         _h5py_check(),
         *_numba_checks(),
+        *_gpu_checks(),
         _module("aiomqtt", "aiomqtt", SETUP, required=True),
         *_job_extras(),
         _module("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)", False),

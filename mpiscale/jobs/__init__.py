@@ -1,6 +1,7 @@
 """What every job shares: settings from TOML and the command line, the agreed start, output locks, steering,
 progress, and results written with the ranks' agreement."""
 
+from .device import DEVICES, SHARE_GPUS, choose_torch_device, gpu_for_rank, mpi_cuda_aware
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
     claim_outputs,
@@ -28,7 +29,12 @@ from .state import (
 )
 
 __all__ = [
+    "DEVICES",
     "JOBS",
+    "SHARE_GPUS",
+    "choose_torch_device",
+    "gpu_for_rank",
+    "mpi_cuda_aware",
     "Ended",
     "HeldOutputs",
     "JobEntry",

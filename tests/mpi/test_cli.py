@@ -1,6 +1,7 @@
 """The command line: doctor, the demo under mpirun, the benchmarks, the launcher."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,8 @@ def test_doctor_reports_ready():
     result = subprocess.run([*MPISCALE, "doctor"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "MPI library" in result.stdout and "MPI yes" in result.stdout
+    assert re.search(r"GPUs \(torch\) +(none|\d+: )", result.stdout), result.stdout
+    assert re.search(r"MPI CUDA-aware +(yes|no|unknown)", result.stdout), result.stdout
     assert "mpiscale doctor: ready" in result.stdout
 
 

@@ -1,0 +1,76 @@
+"""One device rule for the torch jobs: ``auto``, ``cpu`` or ``cuda``, and with ``cuda`` one rank per GPU.
+
+A rank takes GPU ``(its index among its host's ranks) mod (the GPUs it sees)``. More ranks on a host than GPUs
+would put two ranks' models, optimizers and batches on one GPU: that is refused unless the user shares GPUs on
+purpose (``MPISCALE_SHARE_GPUS=1``; the tests do, on a machine with one GPU). ``auto`` takes a GPU when torch sees
+one, under the same rule. Everything but torch's own view of the GPUs is plain logic (``gpu_for_rank``), tested on
+any machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import TYPE_CHECKING
+
+from ..ranks import host_placement
+
+if TYPE_CHECKING:
+    from mpi4py.MPI import Comm
+
+DEVICES = ("auto", "cpu", "cuda")
+SHARE_GPUS = "MPISCALE_SHARE_GPUS"
+
+
+def gpu_for_rank(rank_on_host: int, ranks_on_host: int, gpus: int, share: bool = False) -> int:
+    """The GPU index of the rank ``rank_on_host`` of ``ranks_on_host`` on a host with ``gpus`` GPUs.
+
+    Refuses (``ValueError``, one line) a host with no GPU, and more ranks than GPUs unless ``share``.
+    """
+    if gpus < 1:
+        raise ValueError("--device cuda: torch sees no CUDA GPU on this host (mpiscale doctor says what it finds)")
+    if ranks_on_host > gpus and not share:
+        raise ValueError(
+            f"--device cuda: {ranks_on_host} ranks on this host and {gpus} GPU{'s' if gpus > 1 else ''}: start one "
+            f"rank per GPU, or set {SHARE_GPUS}=1 to share GPUs on purpose"
+        )
+    return rank_on_host % gpus
+
+
+def choose_torch_device(setting: str, comm: Comm) -> str:
+    """``cpu`` or ``cuda:K`` for this rank (collective: every rank of ``comm`` calls it), made torch's current
+    device; ``setting`` is ``auto``, ``cpu`` or ``cuda``."""
+    if setting not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {setting!r}")
+    rank_on_host, ranks_on_host = host_placement(comm)
+    if setting == "cpu":
+        return "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if setting == "auto" and gpus == 0:
+        return "cpu"
+    index = gpu_for_rank(rank_on_host, ranks_on_host, gpus, share=os.environ.get(SHARE_GPUS) == "1")
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def mpi_cuda_aware() -> bool | None:
+    """Whether the MPI library takes device buffers (Open MPI built with CUDA support), or None when it cannot tell.
+
+    Open MPI says so in ``ompi_info``; another MPI library, or none on ``PATH``, is None.
+    """
+    program = shutil.which("ompi_info")
+    if program is None:
+        return None
+    try:
+        listing = subprocess.run(
+            [program, "--parsable", "--all"], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in listing.splitlines():
+        if line.startswith("mca:opal:base:param:opal_built_with_cuda_support:value:"):
+            return line.rsplit(":", 1)[1] == "true"
+    return None
