@@ -61,7 +61,7 @@ bench: setup
 # the GPU columns of the OMP and dictionary-learning benchmarks, and --device cuda end to end.
 gpu-check: setup
 	MPISCALE_REQUIRE_GPU=1 $(PY) -m pytest -q -rs -s -k real_gpu tests/unit/test_omp_cuda.py \
-		tests/unit/test_memstore_cuda.py tests/mpi/test_dictlearn.py
+		tests/unit/test_memstore_cuda.py tests/mpi/test_dictlearn.py tests/mpi/test_train.py
 	.venv/bin/mpiscale bench omp --json bench-omp-gpu.json
 	$(RUN) -n 1 -- .venv/bin/mpiscale bench dictlearn --json bench-dictlearn-gpu.json
 	$(RUN) -n 1 -- .venv/bin/mpiscale bench memstore --json bench-memstore-gpu.json

@@ -193,6 +193,17 @@ def real_gpu() -> bool:
     return found
 
 
+def real_torch_gpu() -> bool:
+    """Whether torch sees a CUDA GPU (the torch jobs' --device cuda); with ``MPISCALE_REQUIRE_GPU=1`` (make
+    gpu-check) its absence fails the test instead of skipping it."""
+    import torch
+
+    found = torch.cuda.is_available()
+    if not found and os.environ.get("MPISCALE_REQUIRE_GPU") == "1":
+        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but torch {torch.__version__} sees no CUDA GPU")
+    return found
+
+
 def run_cli(
     ranks: int, *args: object, env: dict | None = None, options: tuple[str, ...] = (), timeout: float = 120
 ) -> Job:

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING
 
-from ..ranks import host_placement
+from ..ranks import agree, host_placement
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -39,11 +39,22 @@ def gpu_for_rank(rank_on_host: int, ranks_on_host: int, gpus: int, share: bool =
 
 
 def choose_torch_device(setting: str, comm: Comm) -> str:
-    """``cpu`` or ``cuda:K`` for this rank (collective: every rank of ``comm`` calls it), made torch's current
-    device; ``setting`` is ``auto``, ``cpu`` or ``cuda``."""
+    """``cpu`` or ``cuda:K`` for this rank, made torch's current device; ``setting`` is ``auto``, ``cpu`` or
+    ``cuda``. Collective: a refusal on any rank (a host without a GPU, too many ranks on one) is raised on every
+    rank, so none goes on alone into the job's next collective."""
     if setting not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {setting!r}")
     rank_on_host, ranks_on_host = host_placement(comm)
+    device, problem = "cpu", None
+    try:
+        device = _device_of_rank(setting, rank_on_host, ranks_on_host)
+    except ValueError as error:
+        problem = error
+    agree(comm, problem, "choosing the device", ValueError)
+    return device
+
+
+def _device_of_rank(setting: str, rank_on_host: int, ranks_on_host: int) -> str:
     if setting == "cpu":
         return "cpu"
     import torch

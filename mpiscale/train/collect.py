@@ -33,7 +33,7 @@ from ..io import (
     recorded,
     split_spec,
 )
-from ..jobs import ProgressLine, claim_outputs, run_without_steps
+from ..jobs import ProgressLine, choose_torch_device, claim_outputs, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem
@@ -53,6 +53,7 @@ class _BadRows(AgreedError):
 class _Job:
     comm: Comm
     model: torch.nn.Module
+    device: str  # where the model runs: "cpu", "cuda:K"
     path: str
     name: str
     samples: int
@@ -77,7 +78,9 @@ def _prepare(config: CollectConfig) -> _Job:
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))
+    device = choose_torch_device(config.device, comm)
     model, trained = load_trained(config.model)
+    model.to(device)
     known = module_names(model)
     unknown = [name for name in config.layer_names if name not in known]
     if unknown:
@@ -110,9 +113,12 @@ def _prepare(config: CollectConfig) -> _Job:
     attrs |= recorded("labels", labels, config.out) if labels else {"labels": ""}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
+    devices = comm.allgather(device)
+    attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
     lock = claim_outputs(config.out, None, [config.model, path], comm)
-    widths = _widths(model, config.layer_names, inputs, model_dtype)
-    return _Job(comm, model, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets, tokens)
+    widths = _widths(model, config.layer_names, inputs, model_dtype, device)
+    return _Job(comm, model, device, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets,
+                tokens)  # fmt: skip
 
 
 def _training_tokens(training: dict, spec: dict) -> int:
@@ -154,9 +160,9 @@ def _check_ragged(
         return data.name, len(data)
 
 
-def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dtype) -> dict[str, int]:
+def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dtype, device: str) -> dict[str, int]:
     """Each layer's output width, from one row of zeros."""
-    captured = layer_outputs(model, layers, torch.from_numpy(np.zeros((1, inputs), dtype)))
+    captured = layer_outputs(model, layers, torch.from_numpy(np.zeros((1, inputs), dtype)).to(device))
     return {name: captured[name].shape[1] for name in layers}
 
 
@@ -224,12 +230,12 @@ def _capture(job: _Job, rows: np.ndarray | Ragged, into: dict[str, np.ndarray]) 
         into.update(_empty(job.widths))
         return
     if not isinstance(rows, Ragged):
-        into.update(layer_outputs(job.model, list(job.widths), torch.from_numpy(rows)))
+        into.update(layer_outputs(job.model, list(job.widths), torch.from_numpy(rows).to(job.device)))
         return
     into.update({name: np.empty((len(rows), width), np.float32) for name, width in job.widths.items()})
     for batch in length_batches(rows.lengths, job.tokens):
         padded = rows.take(batch).padded(PAD).astype(job.dtype, copy=False)
-        for name, values in layer_outputs(job.model, list(job.widths), torch.from_numpy(padded)).items():
+        for name, values in layer_outputs(job.model, list(job.widths), torch.from_numpy(padded).to(job.device)).items():
             into[name][batch] = values
 
 

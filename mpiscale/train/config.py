@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..jobs import option
+from ..jobs import DEVICES, option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 BATCHINGS = ("sequential", "round-robin", "memory")
@@ -189,9 +189,16 @@ class CollectConfig:
         "--batch-size sequences of its longest)",
     )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    device: str = option(
+        "auto",
+        "where the model runs: cpu, cuda (rank k of a host on GPU k mod its GPUs; more ranks on a host than GPUs "
+        "refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU rule when torch sees a GPU, else cpu)",
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.batch_size < 1:
             problems.append(f"batch_size must be at least 1, got {self.batch_size}")
         if self.batch_tokens < 0:

@@ -115,14 +115,15 @@ class _Reached(MpiscaleError):
 
 
 def layer_outputs(model: torch.nn.Module, layers: list[str], inputs: torch.Tensor) -> dict[str, np.ndarray]:
-    """The named modules' outputs for ``inputs`` (float32 copies, one row per input). Forward hooks capture them,
-    and the pass stops once the last of them has run: the modules after it are never computed."""
+    """The named modules' outputs for ``inputs`` (float32 host copies, one row per input, on whichever device the
+    model and ``inputs`` are). Forward hooks capture them, and the pass stops once the last of them has run: the
+    modules after it are never computed."""
     captured: dict[str, np.ndarray] = {}
     hooks = []
     for name in layers:
 
         def keep(module, args, output, name=name) -> None:
-            captured[name] = output.detach().reshape(len(inputs), -1).numpy().astype(np.float32, copy=True)
+            captured[name] = output.detach().reshape(len(inputs), -1).cpu().numpy().astype(np.float32, copy=True)
             if len(captured) == len(layers):
                 raise _Reached
 

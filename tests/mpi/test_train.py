@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch
+from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch, real_torch_gpu
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -83,6 +83,7 @@ def test_collect_in_small_rounds_writes_every_layer(tmp_path):
         np.testing.assert_allclose(file["relu1"][()], net[:3](inputs).numpy(), rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(file["hidden2"][()], net[:4](inputs).numpy(), rtol=1e-5, atol=1e-5)
         assert file["hidden2"].shape == (1437, 12)
+        assert file.attrs["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
     # 1,437 rows on 2 ranks in rounds of 718: rank 1's block of 718 leaves it a second round with no rows, which
     # ended that rank alone while rank 0 waited in the collective write, forever
     uneven = tmp_path / "uneven.h5"
@@ -250,7 +251,33 @@ def test_collect_refuses_unknown_layer_and_wrong_width(tmp_path, one_process_mod
     wrong = user_file(tmp_path / "wrong.h5", np.zeros((10, 5)), np.zeros(10, np.int64))
     job = mpiscale(2, "collect", "--model", out, "--data", f"{wrong}:/images", "--out", tmp_path / "a.h5")
     assert job.returncode == 2 and "the model takes rows of 64 numbers" in job.stderr
+    if not torch.cuda.is_available():
+        job = mpiscale(2, "collect", "--model", out, "--out", tmp_path / "a.h5", "--device", "cuda")
+        assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+        assert "choosing the device failed: ranks 0-1: ValueError: --device cuda: torch sees no CUDA GPU" in job.stderr
     assert not (tmp_path / "a.h5").exists()
+
+
+def test_collect_on_a_real_gpu_gives_the_cpus_rows(tmp_path, one_process_model):
+    """--device cuda on one rank, and on 2 ranks sharing the GPU on purpose, against the CPU (skipped without)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    common = ("collect", "--model", one_process_model, "--layers", "hidden1,relu1")
+    assert_ok(mpiscale(1, *common, "--out", tmp_path / "cpu.h5", "--device", "cpu"))
+    assert_ok(mpiscale(1, *common, "--out", tmp_path / "gpu.h5", "--device", "cuda"))
+    written = ["gpu.h5"]
+    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
+        crowded = mpiscale(2, *common, "--out", tmp_path / "crowded.h5", "--device", "cuda")
+        assert crowded.returncode == 2 and "start one rank per GPU, or set MPISCALE_SHARE_GPUS=1" in crowded.stderr
+        shared = {"MPISCALE_SHARE_GPUS": "1"}
+        assert_ok(mpiscale(2, *common, "--out", tmp_path / "shared.h5", "--device", "cuda", env=shared))
+        written.append("shared.h5")
+    with h5py.File(tmp_path / "cpu.h5", "r") as cpu:
+        for name in written:
+            with h5py.File(tmp_path / name, "r") as gpu:
+                assert gpu.attrs["device"] == "cuda:0"
+                for layer in ("hidden1", "relu1"):
+                    np.testing.assert_allclose(gpu[layer][()], cpu[layer][()], rtol=1e-4, atol=1e-5)
 
 
 def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):
