@@ -35,7 +35,7 @@ api: setup
 
 # The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
 # periods, sleeps, Slurm's scheduling), which the other worker fills. Two keep this 2-core machine's cores busy: three
-# were slower (17:48 against 15:16 for two in the development tree, on 2026-11-26, with the CPU saturated) and made
+# were slower (17:48 against 15:16-16:32 for two in the development tree, on 2026-11-26, the CPU saturated) and made
 # two timing tests miss; a clean clone's run took 17:25 of pytest that day. Most of the CPU is the ranks' start-up
 # (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other), so a rank the tests
 # launch starts warm, forked from a process of its worker that has imported them already (tests/warm_start.py;

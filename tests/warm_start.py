@@ -14,7 +14,7 @@ Two roles, one file:
   first ``mpi4py`` import initialises MPI from the launcher's environment as a cold rank does) and relays between
   it and the stand-in: signals one way, the exit status the other; it kills the worker when the stand-in dies.
 - ``SOCKET python-arguments...`` is the *stand-in*, the process mpirun (or a test) starts: stdlib only, about
-  20 ms. It sends its arguments, environment, directory and streams 0-2, forwards the signals it gets, and exits
+  30 ms of CPU. It sends its arguments, environment, directory and streams 0-2, forwards the signals it gets, and exits
   as the worker did (its exit status, or the same signal).
 
 Tests that check start-up itself (a stop while a rank imports, what ``--help`` imports, the first compile) start
