@@ -187,9 +187,13 @@ def real_gpu() -> bool:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     probe = "from numba import cuda; print(cuda.is_available())"
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    found = done.stdout.strip() == "True"
+    return _required(done.stdout.strip() == "True", f"Numba finds no CUDA GPU: {done.stdout}{done.stderr[-2000:]}")
+
+
+def _required(found: bool, missing: str) -> bool:
+    """``found``; under ``MPISCALE_REQUIRE_GPU=1`` (make gpu-check) its absence fails the test instead."""
     if not found and os.environ.get("MPISCALE_REQUIRE_GPU") == "1":
-        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but Numba finds no CUDA GPU: {done.stdout}{done.stderr[-2000:]}")
+        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but {missing}")
     return found
 
 
@@ -198,10 +202,7 @@ def real_torch_gpu() -> bool:
     gpu-check) its absence fails the test instead of skipping it."""
     import torch
 
-    found = torch.cuda.is_available()
-    if not found and os.environ.get("MPISCALE_REQUIRE_GPU") == "1":
-        pytest.fail(f"MPISCALE_REQUIRE_GPU=1 but torch {torch.__version__} sees no CUDA GPU")
-    return found
+    return _required(torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA GPU")
 
 
 def run_cli(

@@ -14,12 +14,12 @@ import shutil
 import subprocess
 from typing import TYPE_CHECKING
 
+from ..kernels.devices import DEVICES
 from ..ranks import agree, host_placement
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
 
-DEVICES = ("auto", "cpu", "cuda")
 SHARE_GPUS = "MPISCALE_SHARE_GPUS"
 
 
