@@ -291,8 +291,8 @@ def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path, ranks, how):
 
 def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
     env = {"MPISCALE_JOB_ID": "t7", "MPISCALE_STRAGGLER_INTERVALS": "3",
-           "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=10,slow=0.02"}  # fmt: skip
-    done = finish(memstore(3, tmp_path / "m.h5", "--iterations", 250, env=env), "memstore with a straggler", 180)
+           "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=10,slow=0.2"}  # fmt: skip
+    done = finish(memstore(3, tmp_path / "m.h5", "--iterations", 40, env=env), "memstore with a straggler", 180)
     assert_ok(done)
     records = [json.loads(line) for line in (tmp_path / "m.h5.telemetry.jsonl").read_text().splitlines()]
     stragglers = [p for p in records if p["kind"] == "event" and p["event"] == "straggler"]
