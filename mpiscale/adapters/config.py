@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..jobs import option
+from ..jobs import DEVICES, option
+from .algebra import PRECISIONS
 from .pca import METHODS
 
 
@@ -49,6 +50,16 @@ class AdaptersConfig:
         "components from its stored form and the new adapters together, no need of its adapters' weights",
     )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    device: str = option(
+        "auto",
+        "where the products and eigensolvers run: cpu (numpy), cuda (torch; rank k of a host on GPU k mod its GPUs, "
+        "more ranks on a host than GPUs refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU when torch sees one)",
+    )
+    precision: str = option(
+        "float64",
+        "on a GPU: float64, or float32 (the eigensolver in single precision, then one Rayleigh-Ritz step in double "
+        "precision refines the kept components; for GPUs with little float64 arithmetic)",
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -61,6 +72,10 @@ class AdaptersConfig:
             problems.append(f"variance must be in (0, 1], got {self.variance}")
         if self.method == "randomized" and self.components == 0:
             problems.append("the randomized method needs COMPONENTS (the range it finds has k + OVERSAMPLING columns)")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.oversampling < 0 or self.power_iterations < 0:
             problems.append("oversampling and power_iterations must be 0 or more")
         if problems:

@@ -41,15 +41,19 @@ from ..jobs import (
     Plan,
     Step,
     announce,
+    choose_torch_device,
     claim_outputs,
     give_back,
     kept_name,
+    mpi_cuda_aware,
+    recorded_devices,
     run_lifecycle,
     setting_differences,
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
+from .algebra import Algebra, HostAlgebra, TorchAlgebra
 from .config import AdaptersConfig
 from .earlier import Earlier, update_norm2
 from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
@@ -89,6 +93,7 @@ class _Compression(HeldOutputs):
     results_lock: OutputLock | None
     earlier: Earlier | None  # --add-to: its adapters come first in the file
     plan: Plan
+    algebra: Algebra  # where the products and eigensolvers run
     checkpoints: None = None  # the output file is the job's only state
     writer: RowWriter | None = field(default=None, repr=False)
 
@@ -113,6 +118,7 @@ class _Compression(HeldOutputs):
                                 "the adapters and the stopped run")  # fmt: skip
         if resuming:
             self.writer = RowWriter.reopen(self.config.out, kept, self.comm)
+            self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
             done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
             if self.system.rank == 0:
                 print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups "
@@ -189,6 +195,7 @@ class _Compression(HeldOutputs):
             "rank": reference.rank,
             "adapters": count,
             "groups_done": 0,
+            "device": recorded_devices(self.algebra.device, self.comm),
         }
         bound = np.zeros(count, np.int8)
         bound[: count - len(self.paths)] = 1  # earlier adapters: known only from their compressed form
@@ -234,7 +241,7 @@ class _Compression(HeldOutputs):
         rows = len(self.paths) * self.reference.rank + len(earlier)
         return shared_components(blocks, rows, dimension, self.comm, config.method, config.components, config.variance,
                                  config.oversampling, config.power_iterations, config.seed, unseen,
-                                 config.max_components)  # fmt: skip
+                                 config.max_components, self.algebra)  # fmt: skip
 
     def _write_adapters(
         self, group: str, start: int, loadings: dict[str, np.ndarray], norm2: np.ndarray, error2: np.ndarray
@@ -304,6 +311,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
             raise AdapterError(path, f"has the name of {names[name]}: adapters are named by their directories")
         names[name] = path
     inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
+    algebra = _algebra(config, comm)
     # the last collective: the checks below may fail on one rank alone
     lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm)
     try:
@@ -321,7 +329,15 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
         give_back(lock)
         raise
     plan = Plan("group", "adapters", len(reference.modules), config.progress_every, saves=True)
-    return _Compression(system, config, comm, paths, reference, mine, first, lock, earlier, plan)
+    return _Compression(system, config, comm, paths, reference, mine, first, lock, earlier, plan, algebra)
+
+
+def _algebra(config: AdaptersConfig, comm: Comm) -> Algebra:
+    """numpy on the host, or torch on this rank's GPU (collective: the device rule, agreed by every rank)."""
+    device = choose_torch_device(config.device, comm)
+    if device == "cpu":
+        return HostAlgebra()
+    return TorchAlgebra(device, config.precision, cuda_aware=bool(mpi_cuda_aware()))
 
 
 def _check_new_names(earlier: Earlier, names: dict[str, str]) -> None:

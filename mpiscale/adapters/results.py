@@ -49,11 +49,13 @@ def summarize(path: str) -> str:
             original += len(names) * rank * (a.shape[1] + b.shape[1])
             stored += a.size + b.size + len(names) * rank * (a.shape[0] + b.shape[0])
         base = file.attrs["base_model"] or "(not named)"
+        device = file.attrs.get("device", "cpu")  # files of before the device was recorded: the CPU's
     ks = np.array([k for k in kept for k in k[:2]])
     explained = np.array([share for k in kept for share in k[2:]])
     worst = int(np.argmax(errors))
     return "\n".join([
-        f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups",
+        f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups "
+        f"(computed on {device})",
         f"components per group and side: {ks.min()}-{ks.max()} (median {np.median(ks):.0f}); they explain "
         f"{explained.min():.2%}-{explained.max():.2%} of each side's sum of squares",
         f"stored: {stored:,} of {original:,} parameters ({stored / max(original, 1):.1%})",

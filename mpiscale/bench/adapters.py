@@ -12,8 +12,10 @@ interpreter's start, and for ours the launcher's and MPI's, included):
 - ``meta-pca``: its way for many adapters, a PCA per chunk of 10 adapters and
   a PCA of the chunks' components;
 - scikit-learn ``PCA`` with the ``full`` and the ``randomized`` solver;
-- ours, ``mpiscale compress-adapters`` at 1, 2 and 4 ranks (exact), and the
-  randomized range finder at 2 ranks, launched with ``launch/mpiscale-run``.
+- ours, ``mpiscale compress-adapters`` at 1, 2 and 4 ranks (exact, ``--device
+  cpu``), and the randomized range finder at 2 ranks, launched with
+  ``launch/mpiscale-run``; where torch sees a GPU, ours with ``--device cuda`` on
+  one rank, in float64 and in float32 refined (``ours-gpu``, ``ours-gpu32``).
 
 Every method keeps 16 components per side. The table gives the seconds, the
 peak memory, the share of the sum of squares the components capture against
@@ -39,21 +41,26 @@ from .report import table, write_json
 
 RANK, SHARED, NOISE, CHUNK = 16, 16, 0.05, 10
 MODULE = "base_model.model.model.layers.0.self_attn.q_proj"
-FULL = [(1024, 10), (1024, 100), (1024, 1000), (4096, 10), (4096, 100)]
+FULL = [(1024, 10), (1024, 100), (1024, 1000), (2048, 200), (4096, 10), (4096, 100)]
 QUICK = [(256, 10), (256, 100)]
 BASELINES = ("covariance", "meta-pca", "sklearn-full", "sklearn-randomized")
 
 
-def run_adapters_bench(json_path: str, workdir: str, quick: bool = False) -> dict:
-    """Every setting and method; prints the table and writes the JSON record."""
+def run_adapters_bench(
+    json_path: str, workdir: str, quick: bool = False, sizes: list[tuple[int, int]] | None = None
+) -> dict:
+    """Every setting (``sizes``: (d, N) pairs to choose) and method; prints the table and writes the JSON record."""
+    import torch
+
     results = []
-    for dimension, count in QUICK if quick else FULL:
+    gpu = [("ours-gpu", 1), ("ours-gpu32", 1)] if torch.cuda.is_available() else []
+    for dimension, count in sizes or (QUICK if quick else FULL):
         root = Path(workdir) / f"adapters-d{dimension}-n{count}"
         bases = _planted(root, dimension, count)
         rows = _stacked(root / "adapters", count)
         exact: dict[str, float] | None = None
         for method, ranks in [*((name, 1) for name in BASELINES), ("ours", 1), ("ours", 2), ("ours", 4),
-                              ("ours-randomized", 2)]:  # fmt: skip
+                              ("ours-randomized", 2), *gpu]:  # fmt: skip
             if method == "sklearn-full" and count * RANK * dimension > 100 * 16 * 1024:
                 continue  # minutes of SVD for nothing new: the full solver's answer is the exact one
             measured = _measure(method, ranks, root)
@@ -142,9 +149,12 @@ def _ours(method: str, ranks: int, root: Path) -> dict[str, np.ndarray]:
     out = root / f"{method}-{ranks}.h5"
     launcher = Path(__file__).resolve().parents[2] / "launch" / "mpiscale-run"
     start = [str(launcher), "-n", str(ranks), "--"] if launcher.is_file() else ["mpirun", "-n", str(ranks)]
-    settings = ["--components", str(SHARED), "--progress-every", "0"]
+    device = "cuda" if method.startswith("ours-gpu") else "cpu"
+    settings = ["--components", str(SHARED), "--progress-every", "0", "--device", device]
     if method == "ours-randomized":
         settings += ["--method", "randomized"]
+    if method == "ours-gpu32":
+        settings += ["--precision", "float32"]
     command = [*start, sys.executable, "-m", "mpiscale.cli", "compress-adapters", "--adapters", str(root / "adapters"),
                *settings, "--out", str(out)]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=os.environ | {"MPISCALE_TELEMETRY": "0"})
@@ -186,5 +196,11 @@ if __name__ == "__main__":
 
 def command(args: argparse.Namespace) -> int:
     """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
-    run_adapters_bench(args.json, args.dir, quick=args.quick)
+    try:
+        pairs = (size.split("x") for size in args.sizes.split(",")) if args.sizes else ()
+        sizes = [(int(d), int(n)) for d, n in pairs] or None
+    except ValueError:
+        wrong = f"mpiscale bench adapters: --sizes takes DxN,... (such as 4096x100), got {args.sizes!r}"
+        raise SystemExit(wrong) from None
+    run_adapters_bench(args.json, args.dir, quick=args.quick, sizes=sizes)
     return 0

@@ -290,7 +290,10 @@ _BENCHMARKS = [
     _bench("checkpoint", "level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
            arg("--size-mib", type=int, help="total state in MiB (default: 1024; 128 with --quick)"), _SCRATCH),
     _bench("adapters", "compressing N planted LoRA adapters: ours at 1, 2 and 4 ranks vs one process's covariance "
-           "and eigh, chunked meta-PCA and scikit-learn PCA (one process, no mpirun; it launches ours)", _SCRATCH),
+           "and eigh, chunked meta-PCA and scikit-learn PCA, and ours on the GPU where torch sees one (one process, "
+           "no mpirun; it launches ours)", _SCRATCH,
+           arg("--sizes", metavar="DxN,...", help="the settings, dimension x adapters (default: every setting; "
+               "256x10,256x100 with --quick)")),  # fmt: skip
     _bench("circuits", "similar search vs numpy and faiss IndexFlatIP at 1/10/100%% filter selectivity; 100 "
            "feature circuits at once vs one at a time (one process, no mpirun)"),
     _bench("graph", "a 16-node circuit plan sequential (the floor), as one remote call per node, and compiled "

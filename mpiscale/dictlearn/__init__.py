@@ -1,20 +1,24 @@
-"""Distributed sparse dictionary learning: sparse coders, the online and MOD learners, results files."""
+"""Distributed sparse dictionary learning: sparse coders, the online and MOD learners, results files.
 
-from .atom_usage import format_top_inputs, top_inputs
-from .coding import correlations_of, gram_matrix, lasso_encode, lasso_encode_gram, omp_encode, omp_encode_gram
-from .config import DictLearnConfig, load_config
-from .results import RESULTS_FORMAT
+Names are loaded on first use: the command line reads the settings without importing the numba kernels.
+"""
 
-__all__ = [
-    "RESULTS_FORMAT",
-    "DictLearnConfig",
-    "format_top_inputs",
-    "correlations_of",
-    "gram_matrix",
-    "lasso_encode",
-    "lasso_encode_gram",
-    "load_config",
-    "omp_encode",
-    "omp_encode_gram",
-    "top_inputs",
-]
+from ..lazy_exports import lazy_exports
+
+# name -> the module of this package that defines it
+_PUBLIC = {
+    "RESULTS_FORMAT": "results",
+    "DictLearnConfig": "config",
+    "load_config": "config",
+    "format_top_inputs": "atom_usage",
+    "top_inputs": "atom_usage",
+    "correlations_of": "coding",
+    "gram_matrix": "coding",
+    "lasso_encode": "coding",
+    "lasso_encode_gram": "coding",
+    "omp_encode": "coding",
+    "omp_encode_gram": "coding",
+}
+
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_exports(__name__, _PUBLIC)

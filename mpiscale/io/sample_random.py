@@ -13,8 +13,6 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from ..kernels.philox import uniform53
-
 _MAX_STREAMS = 256
 _BLOCKS_PER_STREAM = 1 << 24  # 2**25 values per sample per stream and epoch
 
@@ -34,6 +32,8 @@ class SampleRandom:
         count = _count(count)
         out = np.empty((ids.shape[0], count), dtype=np.float64)
         if ids.size and count:
+            from ..kernels.philox import uniform53  # numba: imported by the jobs that draw, not by every job
+
             uniform53(self._key, np.uint64(_epoch(epoch)), np.uint64(_stream(stream) * _BLOCKS_PER_STREAM), ids, out)
         return out
 

@@ -9,6 +9,8 @@ any machine.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import shutil
 import subprocess
@@ -54,9 +56,15 @@ def choose_torch_device(setting: str, comm: Comm) -> str:
     return device
 
 
+def recorded_devices(device: str, comm: Comm) -> str:
+    """What a results file records of where the ranks ran (collective): one device, or each rank's as JSON."""
+    devices = comm.allgather(device)
+    return devices[0] if len(set(devices)) == 1 else json.dumps(devices)
+
+
 def _device_of_rank(setting: str, rank_on_host: int, ranks_on_host: int) -> str:
-    if setting == "cpu":
-        return "cpu"
+    if setting == "cpu" or (setting == "auto" and not _gpu_device_files()):
+        return "cpu"  # auto on a host without GPUs: no need to import torch to learn it
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -65,6 +73,11 @@ def _device_of_rank(setting: str, rank_on_host: int, ranks_on_host: int) -> str:
     index = gpu_for_rank(rank_on_host, ranks_on_host, gpus, share=os.environ.get(SHARE_GPUS) == "1")
     torch.cuda.set_device(index)
     return f"cuda:{index}"
+
+
+def _gpu_device_files() -> bool:
+    """Whether the kernel shows a GPU driver's device files (NVIDIA's, or ROCm's, which torch drives as cuda)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg"))
 
 
 def mpi_cuda_aware() -> bool | None:

@@ -5,14 +5,15 @@ default. With several ranks on one host that oversubscribes the cores many
 times over, and idle worker threads spin while an MPI collective waits: on
 this 2-core machine four ranks ran 14 times slower because of Numba's threads
 and another 8 times slower because of OpenBLAS's. An explicit
-``NUMBA_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is left alone.
+``NUMBA_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` is left alone. Where
+numba is not imported yet, its share goes into ``NUMBA_NUM_THREADS``, which numba reads when it is.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-import numba
 from threadpoolctl import threadpool_limits
 
 
@@ -26,6 +27,11 @@ def share_cores(ranks_sharing: int) -> int:
     threads = max(1, cores // ranks_sharing)
     if not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ):
         threadpool_limits(threads, user_api="blas")
+    if "numba" not in sys.modules:  # a job without kernels does not pay numba's import: it reads this when imported
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+        return int(os.environ["NUMBA_NUM_THREADS"])
+    import numba
+
     if "NUMBA_NUM_THREADS" in os.environ:
         return numba.get_num_threads()
     numba.set_num_threads(min(numba.config.NUMBA_NUM_THREADS, threads))

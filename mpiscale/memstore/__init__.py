@@ -1,20 +1,23 @@
-"""The partitioned memory store: records hash-partitioned over the ranks, decayed, reinforced, aggregated, ranked."""
+"""The partitioned memory store: records hash-partitioned over the ranks, decayed, reinforced, aggregated, ranked.
 
-from .durability import Durability
-from .partition import BASE_COLUMNS, Partition
-from .queries import QueryActor, StoreClient, serve_queries
-from .recovery import Recovered
-from .store import Aggregate, MemoryStore, best_by_quality
+Names are loaded on first use: the command line reads the settings without importing the numba kernels.
+"""
 
-__all__ = [
-    "BASE_COLUMNS",
-    "Aggregate",
-    "Durability",
-    "MemoryStore",
-    "Partition",
-    "QueryActor",
-    "Recovered",
-    "StoreClient",
-    "best_by_quality",
-    "serve_queries",
-]
+from ..lazy_exports import lazy_exports
+
+# name -> the module of this package that defines it
+_PUBLIC = {
+    "BASE_COLUMNS": "partition",
+    "Partition": "partition",
+    "Durability": "durability",
+    "QueryActor": "queries",
+    "StoreClient": "queries",
+    "serve_queries": "queries",
+    "Recovered": "recovery",
+    "Aggregate": "store",
+    "MemoryStore": "store",
+    "best_by_quality": "store",
+}
+
+__all__ = sorted(_PUBLIC)
+__getattr__ = lazy_exports(__name__, _PUBLIC)

@@ -5,8 +5,7 @@ loaded on first use, so the command line can read the settings of ``mpiscale tra
 ``Compression`` is what a gradient-compression scheme of one's own implements (``DataParallel(compression=...)``).
 """
 
-from importlib import import_module
-from typing import Any
+from ..lazy_exports import lazy_exports
 
 # name -> the module of this package that defines it
 _PUBLIC = {
@@ -24,10 +23,4 @@ _PUBLIC = {
 
 __all__ = sorted(_PUBLIC)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'mpiscale.train' has no attribute {name!r}")
-    value = getattr(import_module(f".{_PUBLIC[name]}", __name__), name)
-    globals()[name] = value  # loaded once; documentation tools see it like any other name
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC)

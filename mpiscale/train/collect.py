@@ -33,7 +33,7 @@ from ..io import (
     recorded,
     split_spec,
 )
-from ..jobs import ProgressLine, choose_torch_device, claim_outputs, run_without_steps
+from ..jobs import ProgressLine, choose_torch_device, claim_outputs, recorded_devices, run_without_steps
 from ..kernels.threads import share_cores
 from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
 from ..runtime import ActorSystem
@@ -113,8 +113,7 @@ def _prepare(config: CollectConfig) -> _Job:
     attrs |= recorded("labels", labels, config.out) if labels else {"labels": ""}
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
-    devices = comm.allgather(device)
-    attrs["device"] = devices[0] if len(set(devices)) == 1 else json.dumps(devices)
+    attrs["device"] = recorded_devices(device, comm)
     lock = claim_outputs(config.out, None, [config.model, path], comm)
     widths = _widths(model, config.layer_names, inputs, model_dtype, device)
     return _Job(comm, model, device, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets,

@@ -18,7 +18,9 @@ backward only accumulates, for micro-batches; a second backward outside it
 before ``synchronize()`` is refused, as DDP refuses marking a gradient ready
 twice (its first gradient is already being averaged). ``compression``
 (``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
-travels. Parameters in any memory format (``channels_last`` too) work.
+travels. Parameters in any memory format (``channels_last`` too) work, on the
+CPU or on a GPU (:mod:`.staging`: gradients staged through pinned host memory,
+the copies overlapping backward).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 
 from ..runtime import ActorSystem, Communicator, Group
 from .compression import Compression, Exact
+from .staging import HostGradients, gradients_for
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
 BUCKET_MIB = 25.0
@@ -39,21 +42,15 @@ BUCKET_MIB = 25.0
 class _Bucket:
     """Parameters whose gradients travel in one buffer."""
 
-    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, index: int, params: list[torch.nn.Parameter], gradients: HostGradients) -> None:
         self.index, self.params = index, params
         self.shapes = [tuple(p.shape) for p in params]
         sizes = [p.numel() for p in params]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
-        self.buffer = np.zeros(int(self.offsets[-1]), np.float32)
+        self.buffer, self.staging = gradients.buffer(int(self.offsets[-1]))
         self.ready: set[int] = set()
+        self.sent = False  # its device-to-host copy is under way (or done)
         self.used = np.zeros(len(params), np.int32)  # 1 where this rank had a gradient this step
-
-    def take(self, position: int, grad: torch.Tensor | None) -> None:
-        """Copy parameter ``position``'s gradient into the buffer (zeros for none) and mark it ready."""
-        view = self.view(position)
-        view[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
-        self.used[position] = grad is not None
-        self.ready.add(position)
 
     def view(self, index: int) -> np.ndarray:
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
@@ -63,8 +60,8 @@ async def broadcast_module(world: Communicator, module: torch.nn.Module) -> None
     """Rank 0's parameters and buffers of ``module`` on every rank of ``world`` (collective over it)."""
     with torch.no_grad():
         for tensor in module.parameters():
-            array = tensor.detach().numpy()
-            if array.flags.c_contiguous:
+            array = tensor.detach().cpu().numpy()  # on a GPU: a host copy, broadcast, and back
+            if array.flags.c_contiguous and tensor.device.type == "cpu":
                 await world.bcast_array(array, root=0)
                 continue
             ordered = np.ascontiguousarray(array)  # channels_last and other strides: in logical order, and back
@@ -79,7 +76,7 @@ async def broadcast_buffers(world: Communicator, module: torch.nn.Module) -> Non
     if not buffers:
         return
     with torch.no_grad():
-        arrays = [np.array(b.detach().numpy(), order="C") for b in buffers]  # (0-d ones stay 0-d)
+        arrays = [np.array(b.detach().cpu().numpy(), order="C") for b in buffers]  # (0-d ones stay 0-d)
         packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
         await world.bcast_array(packed, root=0)
         offset = 0
@@ -106,10 +103,12 @@ class DataParallel:
         self.system, self.module, self.broadcast_buffers = system, module, broadcast_buffers
         self.compression: Compression = compression or Exact(system)
         params = [p for p in module.parameters() if p.requires_grad]
-        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32 or p.device.type != "cpu"})
-        if wrong:
-            raise TypeError(f"DataParallel takes float32 parameters on the CPU, got {', '.join(wrong)}")
-        self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib)
+        wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+        devices = sorted({str(p.device) for p in params})
+        if wrong or len(devices) > 1:
+            raise TypeError(f"DataParallel takes float32 parameters on one device, got {', '.join(wrong + devices)}")
+        self.gradients = gradients_for(params[0].device if params else torch.device("cpu"))
+        self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib, self.gradients)
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._launched = 0
         self._syncing = True
@@ -140,14 +139,23 @@ class DataParallel:
                 "gradient was already being averaged, so the step would average a part of it. Call synchronize() "
                 "after each backward(), or run the earlier backward passes inside no_sync() to accumulate them"
             )
-        self._buckets[index].take(position, param.grad)  # the hook runs after the gradient was accumulated
+        self._take(self._buckets[index], position, param.grad)  # the hook runs after the gradient was accumulated
         self._launch_ready()
 
+    def _take(self, bucket: _Bucket, position: int, grad: torch.Tensor | None) -> None:
+        """A parameter's gradient (None: zeros) into its bucket; a bucket complete now goes to host memory."""
+        self.gradients.take(bucket, position, grad)
+        bucket.used[position] = grad is not None
+        bucket.ready.add(position)
+        if len(bucket.ready) == len(bucket.params):
+            self.gradients.send(bucket)
+            bucket.sent = True
+
     def _launch_ready(self) -> None:
-        """Start, in index order, every bucket whose gradients are all in."""
+        """Start, in index order, every bucket whose gradients are all in host memory (without waiting)."""
         while self._launched < len(self._buckets):
             bucket = self._buckets[self._launched]
-            if len(bucket.ready) < len(bucket.params):
+            if not bucket.sent or not self.gradients.arrived(bucket, wait=False):
                 return
             self._start(bucket)
 
@@ -164,7 +172,9 @@ class DataParallel:
         for bucket in self._buckets[self._launched :]:
             for position, param in enumerate(bucket.params):
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
-                    bucket.take(position, param.grad)
+                    self._take(bucket, position, param.grad)
+        for bucket in self._buckets[self._launched :]:
+            self.gradients.arrived(bucket, wait=True)
             self._start(bucket)
         for bucket in self._buckets:
             await self.compression.finish(bucket)
@@ -182,19 +192,22 @@ class DataParallel:
                 for position, param in enumerate(bucket.params):
                     if not states[first + position]:  # no rank had a gradient: unset, as DDP leaves it
                         continue
-                    average = torch.from_numpy(bucket.view(position).reshape(param.shape))
+                    average = self.gradients.average(bucket, position, tuple(param.shape))
                     if param.grad is None:
                         param.grad = average.clone()
                     else:
                         param.grad.copy_(average)
                 first += len(bucket.params)
                 bucket.ready.clear()
+                bucket.sent = False
         self._launched = 0
         if self.broadcast_buffers:
             await broadcast_buffers(self.system.world, self.module)
 
     @staticmethod
-    def _plan(params: list[torch.nn.Parameter], first_mib: float, cap_mib: float) -> list[_Bucket]:
+    def _plan(
+        params: list[torch.nn.Parameter], first_mib: float, cap_mib: float, gradients: HostGradients
+    ) -> list[_Bucket]:
         groups: list[list[torch.nn.Parameter]] = []
         current: list[torch.nn.Parameter] = []
         size, limit = 0, first_mib * 2**20
@@ -206,4 +219,4 @@ class DataParallel:
                 current, size, limit = [], 0, cap_mib * 2**20
         if current:
             groups.append(current)
-        return [_Bucket(index, group) for index, group in enumerate(groups)]
+        return [_Bucket(index, group, gradients) for index, group in enumerate(groups)]

@@ -27,8 +27,10 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
+    choose_torch_device,
     give_back,
     load_state,
+    recorded_devices,
     same_bits_everywhere,
     settings_meta,
     state_arrays,
@@ -76,6 +78,7 @@ class _Training(HeldOutputs):
     results_lock: OutputLock | None
     plan: Plan
     schedule: TrainingSteps
+    device: torch.device  # where the model, its optimizer and the batches live
 
     async def restore(self) -> int:
         """Rank 0's weights everywhere (a fresh run's initial ones), then the steps the checkpoint holds."""
@@ -92,10 +95,12 @@ class _Training(HeldOutputs):
         return _steps(self, start)
 
     async def finish(self, ended: Ended) -> dict:
+        self.model.cpu()  # the results are written from host memory, whatever the device
         weights = [tensor.numpy() for tensor in self.model.state_dict().values()]  # views: written in place
         await same_bits_everywhere(self.system, weights, "weights")
         return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
-                                     self.model, self.curves, self.threads, ended)  # fmt: skip
+                                     self.model, self.curves, self.threads, ended,
+                                     recorded_devices(str(self.device), self.comm))  # fmt: skip
 
 
 def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training:
@@ -103,10 +108,12 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
+    device = torch.device(choose_torch_device(config.device, comm))
     threads, results_lock = claim_training_outputs(config, comm)
     checkpoints = None
     try:
         data, validation, spec, model = prepare_data(config, comm)
+        model.to(device)  # before the optimizer is made: its state lives beside the parameters
         if config.batching != "memory" and config.batch_size < system.size:
             raise ValueError(f"batch size {config.batch_size} leaves ranks without samples: use at least {system.size}")
         schedule = checked_steps(config, data, comm, system.size)
@@ -120,7 +127,7 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
-            threads, results_lock, plan, schedule,
+            threads, results_lock, plan, schedule, device,
         )  # fmt: skip
     except BaseException:
         give_back(results_lock, checkpoints)  # the job never started
@@ -156,7 +163,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
     try:
         if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
             # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
-            loss_value, accuracy = await _score(system, model, held_out)
+            loss_value, accuracy = await _score(system, model, held_out, job.device)
             curves.record_epoch(epoch=finished_epochs, validation_loss=loss_value, validation_accuracy=accuracy)
         for epoch in range(finished_epochs, config.epochs):
             model.train()
@@ -164,6 +171,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
                 began = time.perf_counter()
                 x, y = as_tensors(batch, data, dtype)
                 assert x is not None and y is not None  # this reader reads both
+                x, y = x.to(job.device), y.to(job.device)
                 samples = step_samples(reader, config, epoch, batch.step)
                 optimizer.zero_grad()
                 logits = model(x)
@@ -183,19 +191,21 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
                 phases = {"compute": now - began - waited, "allreduce": waited}
                 yield Step(progress_text(epoch, curves), samples, phases)
             if held_out is not None:
-                loss_value, accuracy = await _score(system, model, held_out)
+                loss_value, accuracy = await _score(system, model, held_out, job.device)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
     finally:
         reader.close()
 
 
-async def _score(system: ActorSystem, model: torch.nn.Module, held_out: HeldOut) -> tuple[float, float]:
+async def _score(
+    system: ActorSystem, model: torch.nn.Module, held_out: HeldOut, device: torch.device
+) -> tuple[float, float]:
     """Mean loss and accuracy on the held-out data (every rank scores its block, batch by batch; one allreduce)."""
     sums = np.zeros(3)
     model.eval()
     with torch.no_grad():
         for inputs, labels in held_out:
             assert inputs is not None and labels is not None  # every rank reads its block
-            sums += score_sums(model(inputs), labels)
+            sums += score_sums(model(inputs.to(device)), labels.to(device))
     await system.world.allreduce(sums, out=sums)
     return sums[0] / sums[2], sums[1] / sums[2]

@@ -48,9 +48,10 @@ async def finish_training(
     curves: Curves,
     threads: int,
     ended: Ended,
+    device: str = "cpu",
 ) -> dict:
-    """Rank 0 writes the results file of ``model`` (the whole model there; None elsewhere), every rank agrees; the
-    summary every rank returns."""
+    """Rank 0 writes the results file of ``model`` (the whole model there, in host memory; None elsewhere), every
+    rank agrees; the summary every rank returns. ``device``: where it trained (``jobs.recorded_devices``)."""
     hosts = sorted(set(comm.allgather(socket.gethostname())))
     score = ""
     if curves.epochs["validation_accuracy"]:
@@ -58,7 +59,7 @@ async def finish_training(
     done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
     failed = f"mpiscale train: could not write {config.out}: {{}}".format
     if model is not None:
-        results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads)
+        results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads, device)
         writer = partial(write, results=results)
     await write_results(system, config.out, writer if model is not None else _nothing, done, failed)
     loss = curves.steps["loss"][-1] if curves.done else None

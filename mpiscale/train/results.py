@@ -9,7 +9,8 @@ Layout, all readable with plain h5py:
   ``model`` (the model's shape as JSON: inputs, hidden widths, classes; or the transformer's kind,
   vocab, length, width, heads, layers, classes), ``data`` and
   ``validation`` (FILE:/dataset), ``labels``, ``samples``, ``steps``, ``hosts``,
-  ``threads_per_rank`` and ``image_shape`` when the inputs are images.
+  ``threads_per_rank``, ``device`` (where it trained: ``cpu``, ``cuda:K``, or each rank's as
+  JSON) and ``image_shape`` when the inputs are images.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class TrainResults:
     world_size: int
     hosts: list[str]
     threads: int
+    device: str  # where it trained: "cpu", "cuda:0", or each rank's as JSON
 
 
 def write(file: h5py.File, results: TrainResults) -> None:
@@ -65,6 +67,7 @@ def write(file: h5py.File, results: TrainResults) -> None:
     file.attrs["steps"] = results.curves.done
     file.attrs["hosts"] = json.dumps(results.hosts)
     file.attrs["threads_per_rank"] = results.threads
+    file.attrs["device"] = results.device
     if data.patch_shape is not None:
         file.attrs["image_shape"] = data.patch_shape
 
@@ -90,7 +93,7 @@ def summarize(path: str) -> str:
     parameters = sum(p.numel() for p in model.parameters())
     lines = [
         f"{path}: {describe(spec)} ({parameters:,} parameters), trained on {attrs['world_size']} ranks "
-        f"({', '.join(json.loads(attrs['hosts']))}), "
+        f"({', '.join(json.loads(attrs['hosts']))}) on {attrs.get('device', 'cpu')}, "
         f"mpiscale {attrs['mpiscale_version']}, {attrs['created']}",
         f"data: {attrs['data']} ({attrs['samples']} samples); held out: {attrs['validation'] or 'none'}",
         f"layers (for mpiscale collect --layers): {', '.join(module_names(model))}",

@@ -43,7 +43,7 @@ def json_array(value: object) -> np.ndarray:
 
 def model_arrays(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """Every parameter and buffer, as copies."""
-    return {f"model.{name}": tensor.detach().numpy().copy() for name, tensor in model.state_dict().items()}
+    return {f"model.{name}": tensor.detach().cpu().numpy().copy() for name, tensor in model.state_dict().items()}
 
 
 def load_model_arrays(model: torch.nn.Module, arrays: Mapping[str, np.ndarray], where: str) -> None:
@@ -66,7 +66,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, np.ndar
         for key, value in entries.items():
             tensor = torch.as_tensor(value)
             name = f"optimizer.{index}.{key}"
-            arrays[name] = tensor.detach().numpy().reshape(-1).copy()
+            arrays[name] = tensor.detach().cpu().numpy().reshape(-1).copy()
             shapes[name] = list(tensor.shape)
     return arrays, {"param_groups": state["param_groups"], "shapes": shapes}
 

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 from adapter_files import peft_adapters, read_adapter
-from helpers import assert_ok
+from helpers import assert_ok, real_torch_gpu
 from test_train import mpiscale
 
 from mpiscale.adapters.files import write_adapter
@@ -55,6 +55,8 @@ def test_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(
     job = mpiscale(ranks, "compress-adapters", "--adapters", root / "adapters", *options, "--out", out)
     assert_ok(job)
     assert f"wrote {out}: {COUNT} adapters, 2 layer groups" in job.stdout
+    with h5py.File(out, "r") as file:
+        assert file.attrs["device"] == "cpu"  # auto, on a machine without a GPU
     got = compressed(out)
     assert got["modules"] == list(MODULES) and got["names"] == [f"task-{i}" for i in range(COUNT)]
     updates, rebuilt = np.zeros(COUNT), np.zeros(COUNT)
@@ -123,7 +125,8 @@ def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_pat
                                        original[f"{module}.lora_B.weight"], atol=1e-5)  # fmt: skip
     report = mpiscale(1, "inspect", out)
     assert_ok(report)
-    assert "4 LoRA adapters of rank 4 on base model " in report.stdout and "4 layer groups" in report.stdout
+    assert "4 LoRA adapters of rank 4 on base model " in report.stdout
+    assert "4 layer groups (computed on cpu)" in report.stdout
 
     from mpiscale.cli import main
 
@@ -182,3 +185,47 @@ def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adap
     job = mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--out", folder)
     assert job.returncode == 2 and f"the results file {folder} is a directory" in job.stderr, job.stderr[-2000:]
     assert job.stderr.count("\n") == 1 and list(folder.iterdir()) == [], job.stderr[-2000:]
+
+
+def test_cuda_without_a_gpu_is_refused_in_one_line(adapters, tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    root, _, _ = adapters
+    out = tmp_path / "c.h5"
+    job = mpiscale(2, "compress-adapters", "--adapters", root / "adapters", "--device", "cuda", "--out", out)
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    assert "choosing the device failed: ranks 0-1: ValueError: --device cuda: torch sees no CUDA GPU" in job.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("precision", ["float64", "float32"])
+def test_adapters_on_a_real_gpu_give_the_cpus_components(adapters, tmp_path, precision):
+    """--device cuda on one rank, and on 2 ranks sharing the GPU on purpose, against the CPU: the same components
+    (signs are fixed), shares and errors (skipped without a GPU; make gpu-check runs it)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    import torch
+
+    root, _, _ = adapters
+    common = ("compress-adapters", "--adapters", root / "adapters", "--components", SHARED)
+    assert_ok(mpiscale(1, *common, "--device", "cpu", "--out", tmp_path / "cpu.h5"))
+    assert_ok(mpiscale(1, *common, "--device", "cuda", "--precision", precision, "--out", tmp_path / "gpu.h5"))
+    written = ["gpu.h5"]
+    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
+        shared = {"MPISCALE_SHARE_GPUS": "1"}
+        assert_ok(mpiscale(2, *common, "--device", "cuda", "--precision", precision, "--out", tmp_path / "shared.h5",
+                           env=shared))  # fmt: skip
+        written.append("shared.h5")
+    cpu = compressed(tmp_path / "cpu.h5")
+    for name in written:
+        with h5py.File(tmp_path / name, "r") as file:
+            assert file.attrs["device"] == "cuda:0"
+        gpu = compressed(tmp_path / name)
+        np.testing.assert_allclose(gpu["error"], cpu["error"], rtol=1e-4, atol=1e-7)
+        for index in range(len(cpu["modules"])):
+            for key in ("A/components", "B/components"):
+                np.testing.assert_allclose(gpu[index][key], cpu[index][key], atol=1e-5)
+            for key in ("A/explained", "B/explained"):
+                np.testing.assert_allclose(gpu[index][key], cpu[index][key], rtol=1e-6)

@@ -43,6 +43,7 @@ def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
     model, acts = tmp_path / "model.h5", tmp_path / "activations.h5"
     with h5py.File(model, "r") as file:
         assert file.attrs["format"] == "mpiscale.train-results/1" and file.attrs["world_size"] == 2
+        assert file.attrs["device"] == "cpu"  # auto, on a machine without a GPU
         held_out = file["curves/epoch/validation_accuracy"][()]
         assert len(held_out) == 6 and held_out[-1] > 0.85, held_out  # ten classes: chance is 0.1
         assert len(file["curves/step/loss"]) == 6 * (1437 // 64)
@@ -278,6 +279,45 @@ def test_collect_on_a_real_gpu_gives_the_cpus_rows(tmp_path, one_process_model):
                 assert gpu.attrs["device"] == "cuda:0"
                 for layer in ("hidden1", "relu1"):
                     np.testing.assert_allclose(gpu[layer][()], cpu[layer][()], rtol=1e-4, atol=1e-5)
+
+
+def test_train_on_cuda_without_a_gpu_is_refused_in_one_line_and_pipelines_refuse_cuda(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the refusal is for machines without one")
+    job = mpiscale(2, "train", *FOLLOWED, "--device", "cuda", "--out", tmp_path / "m.h5")
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    assert "choosing the device failed: ranks 0-1: ValueError: --device cuda: torch sees no CUDA GPU" in job.stderr
+    job = mpiscale(2, "train", *FOLLOWED, "--stages", 2, "--device", "cuda", "--out", tmp_path / "m.h5")
+    assert job.returncode == 2 and "pipeline stages run on the CPU (GPU stages are not built yet)" in job.stderr
+    assert not (tmp_path / "m.h5").exists()
+
+
+def test_train_on_a_real_gpu_follows_the_cpu_and_resumes_across_devices(tmp_path, one_process_model):
+    """--device cuda on one rank, and on 2 ranks sharing the GPU on purpose (gradients staged through pinned host
+    memory), against the CPU's one-rank run; a GPU run's checkpoint resumed on the CPU and a CPU run's on the GPU
+    give the same weights (skipped without a GPU; make gpu-check runs it)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    runs = {"gpu.h5": (1, {})}
+    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
+        runs["shared.h5"] = (2, {"MPISCALE_SHARE_GPUS": "1"})
+    for name, (ranks, env) in runs.items():
+        assert_ok(mpiscale(ranks, "train", *FOLLOWED, "--device", "cuda", "--out", tmp_path / name, env=env))
+        with h5py.File(tmp_path / name, "r") as file:
+            assert file.attrs["device"] == "cuda:0"
+        reference, result = weights(one_process_model), weights(tmp_path / name)
+        for key in reference:
+            np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"{name}: {key}")
+    with h5py.File(one_process_model, "r") as file:
+        per_epoch = len(file["curves/step/loss"]) // 2
+    for first, then in (("cuda", "cpu"), ("cpu", "cuda")):
+        out = tmp_path / f"{first}-then-{then}.h5"
+        common = ("train", *FOLLOWED, "--out", out, "--checkpoint-every", per_epoch)
+        assert_ok(mpiscale(1, *common, "--epochs", 1, "--device", first))
+        assert_ok(mpiscale(1, *common, "--resume", "--device", then))
+        reference, result = weights(one_process_model), weights(out)
+        for key in reference:
+            np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"{out}: {key}")
 
 
 def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):

@@ -1,6 +1,7 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
-usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user)
+usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user,
+late-copies)
 Each scheme is checked in turn in the same job (a launch costs each rank
 seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
@@ -10,7 +11,10 @@ difference from one process is the scheme's own (16-bit rounding; PowerSGD at
 full rank is exact up to float32 rounding); at low rank only the agreement of
 the ranks and the fall of the loss are asserted. ``user`` is a scheme written
 here as a user would, against the ``Compression`` protocol only: float64 sums
-through the world's awaitable allreduce, started in ``finish``.
+through the world's awaitable allreduce, started in ``finish``. ``late-copies``
+drives the staging scheduler as a GPU does (``train.staging``): each bucket's
+copy to host memory is said to arrive only after a few later questions, so
+buckets start late, some only in ``synchronize``, yet in index order.
 """
 
 import sys
@@ -22,6 +26,7 @@ import mpiscale
 from mpiscale.ranks import rank_rows
 from mpiscale.train import Bucket, Compression, DataParallel
 from mpiscale.train.compression import Exact, Narrow, PowerSGD
+from mpiscale.train.staging import HostGradients
 
 BATCH, FEATURES = 24, 10
 
@@ -77,6 +82,36 @@ class Float64Sums:
         bucket.buffer[:] = wide / self.system.size
 
 
+class LateCopies(HostGradients):
+    """The host adaptor, but each bucket's copy arrives only at the third question after it was sent (or when
+    waited for): what a GPU's copy stream looks like to the scheduler."""
+
+    def __init__(self) -> None:
+        self.asked: dict[int, int] = {}
+        self.late = 0  # questions answered "not yet"
+
+    def send(self, bucket) -> None:
+        self.asked[bucket.index] = 0
+
+    def arrived(self, bucket, wait: bool) -> bool:
+        self.asked[bucket.index] += 1
+        here = wait or self.asked[bucket.index] > 2
+        self.late += not here
+        return here
+
+
+class InOrder(Exact):
+    """Exact, checking that buckets start in index order, each once a step."""
+
+    def __init__(self, system) -> None:
+        super().__init__(system)
+        self.started: list[int] = []
+
+    def start(self, bucket: Bucket) -> None:
+        self.started.append(bucket.index)
+        super().start(bucket)
+
+
 def users_scheme(system) -> Compression:
     return Float64Sums(system)  # type-checks against the protocol, no base class
 
@@ -88,6 +123,7 @@ SCHEMES = {  # name: (scheme, largest difference from one process allowed; None:
     "powersgd-full": (lambda system: PowerSGD(system, rank=FEATURES, start_step=0, min_rate=0.0), 1e-5),
     "powersgd-low": (lambda system: PowerSGD(system, rank=1, start_step=1, min_rate=0.0), None),
     "user": (users_scheme, 1e-5),
+    "late-copies": (InOrder, 1e-5),
 }
 
 
@@ -101,6 +137,8 @@ async def check(system, steps: int, name: str) -> None:
     make, tolerance = SCHEMES[name]
     model = Model(seed=system.rank)
     parallel = DataParallel(system, model, bucket_mib=0.05, first_bucket_mib=0.01, compression=make(system))
+    if name == "late-copies":
+        parallel.gradients = LateCopies()
     await parallel.broadcast_parameters()
     before = loss_of(model)
     rows = rank_rows(BATCH, system.size, system.rank)
@@ -117,6 +155,10 @@ async def check(system, steps: int, name: str) -> None:
         assert difference <= tolerance + 1e-4 * np.abs(theirs).max(), (name, difference)
     else:
         assert loss_of(model) < 0.9 * before, (name, before, loss_of(model))
+    if name == "late-copies":
+        count = len(parallel._buckets)
+        assert parallel.compression.started == list(range(count)) * steps, parallel.compression.started
+        assert parallel.gradients.late > 0, "no bucket was late: the scheduler's waiting went untested"
     every = await system.world.allgather(mine)
     assert (every == every[0]).all(), f"{name}: ranks ended with different parameters"
     if system.rank == 0:

@@ -1,0 +1,103 @@
+"""Gradient buckets between the device that computes them and the host memory that MPI reduces.
+
+``DataParallel`` reduces each bucket's float32 buffer in host memory (the
+runtime's hierarchical allreduce, and the compression schemes, work on numpy
+buffers). Its parameters live on one device; an adaptor moves their gradients:
+
+- ``HostGradients`` (parameters on the CPU): a gradient is copied straight
+  into the bucket's buffer, which is ready at once.
+- ``DeviceGradients`` (parameters on a CUDA GPU): a gradient is copied into the
+  bucket's flat device buffer as backward produces it; once the bucket is
+  complete, one device-to-host copy into a pinned host buffer is queued on a
+  stream of its own, so it overlaps the rest of backward. Its reduction starts
+  once that copy is done (``DataParallel`` asks without waiting at every
+  gradient, and waits only in ``synchronize``), and the averages go back to the
+  device from the pinned buffer without blocking the host. Never a blocking
+  ``.cpu()`` per bucket.
+
+The scheduling (which bucket is copied, which may start) is ``DataParallel``'s
+and the same for both, so the CPU tests cover all but the copies themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class Staged(Protocol):
+    """What the adaptors see of a bucket."""
+
+    buffer: np.ndarray  # float32, host memory: what MPI reduces
+    offsets: np.ndarray
+    staging: Any  # the adaptor's own state for this bucket
+
+
+class HostGradients:
+    """Parameters on the CPU: the bucket's buffer is the gradients' only copy."""
+
+    def buffer(self, size: int) -> tuple[np.ndarray, Any]:
+        """A bucket's host buffer of ``size`` float32 values, and the adaptor's state for it."""
+        return np.zeros(size, np.float32), None
+
+    def take(self, bucket: Staged, position: int, grad: torch.Tensor | None) -> None:
+        """Parameter ``position``'s gradient (None: zeros) into the bucket."""
+        view = bucket.buffer[bucket.offsets[position] : bucket.offsets[position + 1]]
+        view[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
+
+    def send(self, bucket: Staged) -> None:
+        """The bucket is complete: start bringing it to its host buffer."""
+
+    def arrived(self, bucket: Staged, wait: bool) -> bool:
+        """Whether the bucket's host buffer holds its gradients (``wait``: once it does)."""
+        return True
+
+    def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Parameter ``position``'s averaged gradient, where the parameter lives."""
+        return torch.from_numpy(bucket.buffer[bucket.offsets[position] : bucket.offsets[position + 1]]).reshape(shape)
+
+
+class DeviceGradients(HostGradients):
+    """Parameters on a CUDA device: gradients gathered on the device, staged through pinned host memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copies = torch.cuda.Stream(device=device)
+
+    def buffer(self, size: int) -> tuple[np.ndarray, Any]:
+        pinned = torch.zeros(size, dtype=torch.float32, pin_memory=True)
+        flat = torch.zeros(size, dtype=torch.float32, device=self.device)
+        return pinned.numpy(), {"pinned": pinned, "flat": flat, "copied": None}
+
+    def take(self, bucket: Staged, position: int, grad: torch.Tensor | None) -> None:
+        view = bucket.staging["flat"][int(bucket.offsets[position]) : int(bucket.offsets[position + 1])]
+        if grad is None:
+            view.zero_()
+        else:
+            view.copy_(grad.detach().reshape(-1))
+
+    def send(self, bucket: Staged) -> None:
+        state = bucket.staging
+        self.copies.wait_stream(torch.cuda.current_stream(self.device))  # the gradients written, the averages read
+        with torch.cuda.stream(self.copies):
+            state["pinned"].copy_(state["flat"], non_blocking=True)
+            state["copied"] = torch.cuda.Event()
+            state["copied"].record(self.copies)
+
+    def arrived(self, bucket: Staged, wait: bool) -> bool:
+        copied = bucket.staging["copied"]
+        if copied is None:
+            return True
+        if wait:
+            copied.synchronize()
+        return bool(copied.query())
+
+    def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
+        return super().average(bucket, position, shape).to(self.device, non_blocking=True)  # from pinned memory
+
+
+def gradients_for(device: torch.device) -> HostGradients:
+    """The adaptor for parameters on ``device``."""
+    return DeviceGradients(device) if device.type == "cuda" else HostGradients()
