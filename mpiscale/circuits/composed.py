@@ -23,11 +23,13 @@ from .plan import load_plan
 from .work import Inputs, Write
 
 
-def plan_work(system: ActorSystem, config: CircuitsRunConfig, width: int, dtype: np.dtype) -> PlanRun:
+def plan_work(
+    system: ActorSystem, config: CircuitsRunConfig, width: int, dtype: np.dtype, device: str = "cpu"
+) -> PlanRun:
     """The plan of ``config`` checked against the catalogue and the data, placed over the job's ranks."""
     plan = load_plan(config.plan)
     with Catalogue(config.catalogue) as catalogue:
-        graph = build_graph(plan, catalogue, width, dtype, verify=system.rank == 0)
+        graph = build_graph(plan, catalogue, width, dtype, verify=system.rank == 0, device=device)
         models = [model.path for model in catalogue.models]
     placement = place(graph, system.size, config.plan)
     compiled = CompiledGraph(system, graph, placement)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..jobs import option
+from ..jobs import DEVICES, option
 
 
 @dataclass
@@ -33,6 +33,12 @@ class CircuitsRunConfig:
         "any number of ranks)",
     )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+    device: str = option(
+        "auto",
+        "where the models run: cpu, cuda (rank k of a host on GPU k mod its GPUs; more ranks on a host than GPUs "
+        "refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU rule when torch sees a GPU, else cpu); the atoms "
+        "and plan ops run in host memory",
+    )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -40,6 +46,8 @@ class CircuitsRunConfig:
             problems.append(f"batch_size must be at least 1, got {self.batch_size}")
         if self.in_flight < 0:
             problems.append(f"in_flight must be 0 or more, got {self.in_flight}")
+        if self.device not in DEVICES:
+            problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.progress_every < 0:
             problems.append(f"progress_every must be 0 or more, got {self.progress_every}")
         if problems:

@@ -45,8 +45,9 @@ class Selection:
         return out
 
 
-def select(catalogue: Catalogue, filters: list[Filter], verify: bool) -> Selection:
-    """The circuits ``filters`` select, with their models loaded (``verify``: check each model's SHA-256)."""
+def select(catalogue: Catalogue, filters: list[Filter], verify: bool, device: str = "cpu") -> Selection:
+    """The circuits ``filters`` select, with their models loaded on ``device`` (``verify``: check each model's
+    SHA-256)."""
     check_filters(catalogue, filters)
     rows = np.flatnonzero(matching(catalogue, filters))
     if not len(rows):
@@ -55,16 +56,17 @@ def select(catalogue: Catalogue, filters: list[Filter], verify: bool) -> Selecti
     by_model: dict[int, list[LayerCircuits]] = {}
     for part in catalogue.layers_of(rows):
         by_model.setdefault(part.model, []).append(part)
-    models = [(ModelRunner(catalogue.models[index], [c.layer for c in layers], verify), layers)
+    models = [(ModelRunner(catalogue.models[index], [c.layer for c in layers], verify, device), layers)
               for index, layers in sorted(by_model.items())]  # fmt: skip
     return Selection(names, rows, models)
 
 
 def all_features_work(system: ActorSystem, config: CircuitsRunConfig, path: str, name: str, width: int,
-                      dtype: np.dtype) -> AllFeatures:  # fmt: skip
-    """The work of ``--all-features``: the selection loaded on every rank, the data checked against its models."""
+                      dtype: np.dtype, device: str = "cpu") -> AllFeatures:  # fmt: skip
+    """The work of ``--all-features``: the selection loaded on every rank (its models on ``device``), the data
+    checked against its models."""
     with Catalogue(config.catalogue) as catalogue:
-        selection = select(catalogue, parse_filters([config.where]), verify=system.rank == 0)
+        selection = select(catalogue, parse_filters([config.where]), verify=system.rank == 0, device=device)
     layouts = {(runner.model.inputs, runner.model.input_dtype) for runner, _ in selection.models}
     if len(layouts) > 1:
         shown = ", ".join(f"{os.path.basename(r.model.path)} ({r.model.inputs} {r.model.input_dtype})"

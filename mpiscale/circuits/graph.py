@@ -87,7 +87,7 @@ class Graph:
 
 
 def build_graph(plan: PlanSpec, catalogue: Catalogue, input_width: int, input_dtype: np.dtype,
-                verify: bool = True) -> Graph:  # fmt: skip
+                verify: bool = True, device: str = "cpu") -> Graph:  # fmt: skip
     """The plan's nodes made runnable against ``catalogue`` and data rows of ``input_width`` numbers."""
     problems: list[str] = []
     chosen = {name: _chosen(node.circuits, catalogue, name, problems)
@@ -96,7 +96,7 @@ def build_graph(plan: PlanSpec, catalogue: Catalogue, input_width: int, input_dt
     circuits: dict[str, list[str]] = {}
     names = catalogue.column("name")
     parts = {name: catalogue.layers_of(rows) for name, rows in chosen.items() if len(rows)}
-    prefixes = _prefix_nodes(catalogue, parts, input_width, verify, problems)
+    prefixes = _prefix_nodes(catalogue, parts, input_width, verify, problems, device)
     widths: dict[str, int | None] = {INPUT: input_width}
     for prefix in prefixes.values():
         nodes[prefix.name] = prefix
@@ -138,8 +138,8 @@ def _chosen(selected: tuple[str, ...] | str, catalogue: Catalogue, node: str, pr
 
 
 def _prefix_nodes(catalogue: Catalogue, parts: dict[str, list[LayerCircuits]], input_width: int, verify: bool,
-                  problems: list[str]) -> dict[int, Node]:  # fmt: skip
-    """One node per model any circuits node reads, running it up to every layer the plan needs."""
+                  problems: list[str], device: str) -> dict[int, Node]:  # fmt: skip
+    """One node per model any circuits node reads, running it (on ``device``) up to every layer the plan needs."""
     layers: dict[int, set[str]] = {}
     for node_parts in parts.values():
         for part in node_parts:
@@ -151,7 +151,7 @@ def _prefix_nodes(catalogue: Catalogue, parts: dict[str, list[LayerCircuits]], i
             problems.append(f"model {reference.path} takes rows of {reference.inputs} numbers; the data's rows have "
                             f"{input_width}")  # fmt: skip
             continue
-        runner = ModelRunner(reference, sorted(wanted), verify)
+        runner = ModelRunner(reference, sorted(wanted), verify, device)
         cost = max(1, _parameters(runner))
         nodes[model] = Node(f"model:{model}", (INPUT,), None, cost, partial(_run_model, runner), model=reference.path)
     return nodes

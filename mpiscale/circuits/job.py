@@ -35,9 +35,11 @@ from ..jobs import (
     Plan,
     Step,
     announce,
+    choose_torch_device,
     claim_outputs,
     give_back,
     kept_name,
+    recorded_devices,
     run_lifecycle,
     setting_differences,
 )
@@ -67,6 +69,7 @@ class _Run(HeldOutputs):
     kept: str | None  # the earlier run's file this one resumes
     results_lock: OutputLock | None
     plan: Plan
+    devices: str  # where the models run (jobs.recorded_devices)
     checkpoints: None = None  # the output file is the job's only state
     writer: RowWriter | None = field(default=None, repr=False)
 
@@ -74,6 +77,7 @@ class _Run(HeldOutputs):
         await self.work.start()
         if self.kept is not None:
             self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
+            self.writer.mark(device=self.devices)  # this run's, for the batches it writes
             placed = {name: array for name, array in self.work.replicated().items() if not self.work.what_changed(name)}
             try:
                 self.writer.write_replicated(placed)  # where this run places the work (batches are global)
@@ -91,7 +95,8 @@ class _Run(HeldOutputs):
         replicated = self.work.replicated()
         layout |= {name: (array.shape, array.dtype) for name, array in replicated.items()}
         attrs = {"catalogue": os.path.abspath(self.config.catalogue), "plan_sha256": self.work.sha256,
-                 "data": f"{self.inputs.path}:/{self.inputs.name}", "batch_size": self.config.batch_size}  # fmt: skip
+                 "data": f"{self.inputs.path}:/{self.inputs.name}", "batch_size": self.config.batch_size,
+                 "device": self.devices}  # fmt: skip
         try:
             self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT)
             self.writer.write_replicated(replicated | {"done": self.done})
@@ -165,6 +170,7 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
 
     comm = MPI.COMM_WORLD
     torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))
+    device = choose_torch_device(config.device, comm)
     if config.all_features == bool(config.plan):
         raise ValueError("give --all-features (every circuit of the catalogue, or those --where selects) or --plan "
                          "PLAN.toml (a composition of circuits and ops)")  # fmt: skip
@@ -177,9 +183,9 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         raise DataFileError(path, "holds no rows", name)
     width = int(np.prod(shape[1:])) if len(shape) > 1 else 0
     if config.plan:
-        work: Work = plan_work(system, config, width, dtype)
+        work: Work = plan_work(system, config, width, dtype, device)
     else:
-        work = all_features_work(system, config, path, name, width, dtype)
+        work = all_features_work(system, config, path, name, width, dtype, device)
     lock = claim_outputs(config.out, None, [config.catalogue, config.data, config.plan, *work.models], comm)
     inputs = Inputs(path, name, shape[0], config.batch_size)
     try:
@@ -192,7 +198,7 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
     done = np.ones(batches, np.int8)
     done[pending] = 0
     plan = Plan("step", "samples", -(-len(pending) // work.per_step), config.progress_every, saves=True)
-    return _Run(system, config, comm, work, inputs, pending, done, kept, lock, plan)
+    return _Run(system, config, comm, work, inputs, pending, done, kept, lock, plan, recorded_devices(device, comm))
 
 
 def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: int) -> tuple:

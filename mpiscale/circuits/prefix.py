@@ -7,7 +7,8 @@ whose output is the activation its circuits project. For a train model,
 ``train.model.layer_outputs`` captures every wanted layer and stops the pass
 once the deepest has run: the layers after it are never computed, and
 circuits of several layers of one model share the pass (the common prefix is
-computed once).
+computed once). The model runs on the job's device (``--device``); its
+outputs come back to host memory, where the atoms and plan ops run.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from .store import ModelRef, file_sha256
 class ModelRunner:
     """One model, the ``layers`` its circuits read (``""``: the module's own output)."""
 
-    def __init__(self, model: ModelRef, layers: list[str], verify: bool = True) -> None:
+    def __init__(self, model: ModelRef, layers: list[str], verify: bool = True, device: str = "cpu") -> None:
         if verify and file_sha256(model.path) != model.sha256:
             raise DataFileError(model.path, "has changed since its circuits were added to the catalogue (its "
                                             "SHA-256 differs): add them again from the new model")  # fmt: skip
-        self.model, self.layers = model, layers
-        self.module = load_module(model)
+        self.model, self.layers, self.device = model, layers, device
+        self.module = load_module(model).to(device)
         if model.kind == "train":
             known = {name for name, _ in self.module.named_modules() if name}
             missing = [layer for layer in layers if layer not in known]
@@ -38,13 +39,13 @@ class ModelRunner:
                 raise DataFileError(model.path, f"has no module {', '.join(missing)} (the catalogue names it)")
 
     def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Each layer's output for ``rows`` (float32, one row per input)."""
-        inputs = torch.from_numpy(np.ascontiguousarray(rows, self.model.input_dtype))
+        """Each layer's output for ``rows`` (float32, one row per input), in host memory."""
+        inputs = torch.from_numpy(np.ascontiguousarray(rows, self.model.input_dtype)).to(self.device)
         if self.model.kind == "train":
             return layer_outputs(self.module, self.layers, inputs)
         with torch.no_grad():
             output = self.module(inputs)
-        return {"": output.reshape(len(rows), -1).numpy().astype(np.float32, copy=False)}
+        return {"": output.reshape(len(rows), -1).cpu().numpy().astype(np.float32, copy=False)}
 
 
 def load_module(model: ModelRef) -> torch.nn.Module:

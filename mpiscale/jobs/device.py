@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..kernels.devices import DEVICES
 from ..ranks import agree, host_placement
+from .state import announce
 
 if TYPE_CHECKING:
     from mpi4py.MPI import Comm
@@ -43,7 +44,7 @@ def gpu_for_rank(rank_on_host: int, ranks_on_host: int, gpus: int, share: bool =
 def choose_torch_device(setting: str, comm: Comm) -> str:
     """``cpu`` or ``cuda:K`` for this rank, made torch's current device; ``setting`` is ``auto``, ``cpu`` or
     ``cuda``. Collective: a refusal on any rank (a host without a GPU, too many ranks on one) is raised on every
-    rank, so none goes on alone into the job's next collective."""
+    rank, so none goes on alone into the job's next collective. The choice is a ``device`` event of telemetry."""
     if setting not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {setting!r}")
     rank_on_host, ranks_on_host = host_placement(comm)
@@ -53,6 +54,9 @@ def choose_torch_device(setting: str, comm: Comm) -> str:
     except ValueError as error:
         problem = error
     agree(comm, problem, "choosing the device", ValueError)
+    where = recorded_devices(device, comm)
+    if comm.Get_rank() == 0:
+        announce("device", where)  # telemetry's record of where the job runs
     return device
 
 

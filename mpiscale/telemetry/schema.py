@@ -12,7 +12,8 @@ Every record is a JSON object with ``schema``, ``job``, ``kind`` and
 - ``metrics``: ``ranks_reporting``, ``slowest_rank`` (the rank furthest behind),
   and ``values``: per metric, ``min``, ``mean``, ``max`` over the ranks and the
   rank with the lowest value (``min_rank``).
-- ``event``: ``event`` (``started``, ``checkpoint``, ``resumed``,
+- ``event``: ``event`` (``started``, ``device`` (where a torch job runs: ``cpu``,
+  ``cuda:K``, or each rank's as JSON), ``checkpoint``, ``resumed``,
   ``restarted``, ``failure``, ``finished``, ``hang``, ``straggler``, and the
   answers to control commands: ``acknowledged``, ``rejected``, ``completed``),
   ``rank`` (the rank it is about), ``detail``; answers also carry ``id``, the
@@ -28,7 +29,7 @@ import time
 SCHEMA = "mpiscale.telemetry/1"
 KINDS = ("status", "progress", "metrics", "event", "heartbeat")
 STATES = ("running", "finished", "stopped", "failed", "lost")
-EVENTS = ("started", "checkpoint", "resumed", "restarted", "failure", "finished", "hang", "straggler")
+EVENTS = ("started", "device", "checkpoint", "resumed", "restarted", "failure", "finished", "hang", "straggler")
 ANSWERS = ("acknowledged", "rejected", "completed")  # to control commands
 
 _NUMBER = (int, float)

@@ -7,6 +7,8 @@ on 1, 2 and 4 ranks. Adapters saved by peft itself are rebuilt
 exactly when every component is kept.
 """
 
+import json
+
 import h5py
 import numpy as np
 import pytest
@@ -57,6 +59,8 @@ def test_components_match_numpy_and_the_planted_subspace_on_any_number_of_ranks(
     assert f"wrote {out}: {COUNT} adapters, 2 layer groups" in job.stdout
     with h5py.File(out, "r") as file:
         assert file.attrs["device"] == "cpu"  # auto, on a machine without a GPU
+    records = [json.loads(line) for line in (tmp_path / "c.h5.telemetry.jsonl").read_text().splitlines()]
+    assert [p["detail"] for p in records if p["kind"] == "event" and p["event"] == "device"] == ["cpu"]
     got = compressed(out)
     assert got["modules"] == list(MODULES) and got["names"] == [f"task-{i}" for i in range(COUNT)]
     updates, rebuilt = np.zeros(COUNT), np.zeros(COUNT)

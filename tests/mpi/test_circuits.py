@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import assert_ok, finish, launch, run_alone, run_cli
+from helpers import assert_ok, finish, launch, real_torch_gpu, run_alone, run_cli
 
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
 from mpiscale.dictlearn import top_inputs
@@ -282,6 +282,7 @@ def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path
         np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-4)
         np.testing.assert_array_equal(file["sample_ids"][()], np.arange(1437))
         assert file["done"][()].all() and file["circuits"][-1] == b"heavy/5"
+        assert file.attrs["device"] == "cpu"  # auto, on a machine without a GPU
     some = tmp_path / "some.h5"
     assert_ok(run_alone("circuits", "run", "--catalogue", built, "--data", data, "--out", some, "--all-features",
                         "--where", "tag=digits;atom>=3"))  # fmt: skip
@@ -289,6 +290,25 @@ def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path
         rows = file["circuit_rows"][()]
         assert list(rows) == [*range(3, 10), *range(13, 16)]
         np.testing.assert_allclose(file["features"][()], expected[:, rows], rtol=1e-4, atol=1e-4)
+
+
+def test_circuits_run_on_a_real_gpu_gives_the_cpus_features(pipeline, built, tmp_path):
+    """--all-features with --device cuda on one rank, and on 2 ranks sharing the GPU on purpose: the columns this
+    process computes on the CPU (skipped without a GPU; make gpu-check runs it)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    data = f"{pipeline / 'model.digits.h5'}:/inputs"
+    expected = expected_features(pipeline, digits(pipeline))
+    runs = {"gpu.h5": (1, {})}
+    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
+        runs["shared.h5"] = (2, {"MPISCALE_SHARE_GPUS": "1"})
+    for name, (ranks, env) in runs.items():
+        job = run_cli(ranks, "circuits", "run", "--catalogue", built, "--data", data, "--out", tmp_path / name,
+                      "--all-features", "--device", "cuda", env=env, timeout=120)  # fmt: skip
+        assert_ok(job)
+        with h5py.File(tmp_path / name, "r") as file:
+            assert file.attrs["device"] == "cuda:0"
+            np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-4)
 
 
 def _rank_pids(marker: str) -> list[int]:
