@@ -59,11 +59,11 @@ bench: setup
 
 # On a machine with an NVIDIA GPU: the CUDA tests on the real device (they fail, not skip, without one),
 # the GPU columns of the OMP, dictionary-learning, memory-store and adapter benchmarks, and --device cuda end to
-# end (collect, compress-adapters, data-parallel train, circuits run).
+# end (collect, compress-adapters, data-parallel and pipeline train, circuits run).
 gpu-check: setup
 	MPISCALE_REQUIRE_GPU=1 $(PY) -m pytest -q -rs -s -k real_gpu tests/unit/test_omp_cuda.py \
 		tests/unit/test_memstore_cuda.py tests/mpi/test_dictlearn.py tests/mpi/test_train.py \
-		tests/mpi/test_adapters.py tests/mpi/test_circuits.py
+		tests/mpi/test_pipeline_train.py tests/mpi/test_adapters.py tests/mpi/test_circuits.py
 	.venv/bin/mpiscale bench omp --json bench-omp-gpu.json
 	$(RUN) -n 1 -- .venv/bin/mpiscale bench dictlearn --json bench-dictlearn-gpu.json
 	$(RUN) -n 1 -- .venv/bin/mpiscale bench memstore --json bench-memstore-gpu.json

@@ -97,18 +97,15 @@ class TrainConfig:
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto",
-        "data-parallel training: where the model, its optimizer and the batches live: cpu, cuda (rank k of a host "
-        "on GPU k mod its GPUs; more ranks on a host than GPUs refused unless MPISCALE_SHARE_GPUS=1), or auto (the "
-        "GPU rule when torch sees a GPU, else cpu); pipeline stages run on the CPU",
+        "where the model (or this rank's pipeline stage), its optimizer and the batches live: cpu, cuda (rank k of "
+        "a host on GPU k mod its GPUs; more ranks on a host than GPUs refused unless MPISCALE_SHARE_GPUS=1), or auto "
+        "(the GPU rule when torch sees a GPU, else cpu)",
     )
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        elif self.device == "cuda" and self.pipelined:
-            problems.append("pipeline stages run on the CPU (GPU stages are not built yet): use --device cpu or auto "
-                            "with STAGES or MICRO_BATCHES, or STAGES 1 and MICRO_BATCHES 1 on GPUs")  # fmt: skip
         if self.compression not in COMPRESSIONS:
             problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.model not in MODELS:

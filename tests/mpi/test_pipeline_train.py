@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import MPIRUN_GRACE, assert_ok, ended_after, run_mpi
+from helpers import MPIRUN_GRACE, assert_ok, ended_after, real_torch_gpu, run_mpi
 from test_train import mpiscale, weights
 
 EPOCHS = ["--epochs", "2", "--batch-size", "96"]
@@ -54,6 +54,30 @@ def test_pipeline_training_follows_one_process(one_process, tmp_path, ranks, opt
     assert_ok(job)
     assert f"wrote {out}: 28 steps on {ranks} ranks" in job.stdout
     assert_follows(one_process, out)
+
+
+def test_pipeline_stages_on_a_real_gpu_follow_one_process(one_process, tmp_path):
+    """2 stages on the one GPU, shared on purpose (activations and gradients through host memory), and 2 stages x 2
+    replicas: the one-rank CPU run's weights and losses within float32 rounding across devices (skipped without a
+    GPU; make gpu-check runs it)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    if not h5py.get_config().mpi:
+        pytest.skip("this h5py lacks MPI: a pipeline needs 2 ranks")
+    shared = {"MPISCALE_SHARE_GPUS": "1"}
+    for ranks in (2, 4):
+        out = tmp_path / f"model-{ranks}.h5"
+        job = mpiscale(ranks, "train", *EPOCHS, "--stages", 2, "--micro-batches", 4, "--device", "cuda", "--out", out,
+                       env=shared)  # fmt: skip
+        assert_ok(job)
+        with h5py.File(out, "r") as file:
+            assert file.attrs["device"] == "cuda:0"
+        expected, loss, _ = one_process
+        got = weights(out)
+        for name in expected:
+            np.testing.assert_allclose(got[name], expected[name], rtol=1e-3, atol=1e-4, err_msg=name)
+        with h5py.File(out, "r") as file:
+            np.testing.assert_allclose(file["curves/step/loss"][()], loss, rtol=1e-3)
 
 
 def test_a_killed_stage_ends_the_job_naming_it_and_the_run_resumes_on_another_shape(one_process, tmp_path):

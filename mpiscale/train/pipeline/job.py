@@ -31,7 +31,9 @@ from ...jobs import (
     HeldOutputs,
     Plan,
     Step,
+    choose_torch_device,
     give_back,
+    recorded_devices,
     settings_meta,
     state_arrays,
 )
@@ -89,6 +91,7 @@ class _PipelineTraining(HeldOutputs):
     plan: Plan
     replicas: int
     schedule: TrainingSteps
+    device: torch.device  # where this rank's stage computes
     pipeline: Pipeline | None = None
     sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # this step's loss, hits and rows (last stage)
     step_samples: int = 1  # samples of the running step over all replicas
@@ -118,14 +121,15 @@ class _PipelineTraining(HeldOutputs):
         return _steps(self, start)
 
     async def finish(self, ended: Ended) -> dict:
-        mine = {name: t.detach().numpy() for name, t in self.stage.state_dict().items()}
+        mine = {name: t.detach().cpu().numpy() for name, t in self.stage.state_dict().items()}
         parts = self.comm.gather(mine if self.system.rank % self.replicas == 0 else {}, root=0)
         model = None
         if parts is not None:
             model = build_model(self.spec)
             load_model_arrays(model, {f"model.{n}": a for part in parts for n, a in part.items()}, "the stages")
         return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
-                                     model, self.curves, self.threads, ended)  # fmt: skip
+                                     model, self.curves, self.threads, ended,
+                                     recorded_devices(str(self.device), self.comm))  # fmt: skip
 
 
 def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTraining:
@@ -133,6 +137,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    device = torch.device(choose_torch_device(config.device, comm))
     threads, results_lock = claim_training_outputs(config, comm)
     checkpoints, edge = None, None
     try:
@@ -145,7 +150,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         if config.stages > children:
             raise ValueError(f"the model has {children} modules, too few for {config.stages} stages")
         index = stage_of(system.rank, replicas)
-        stage = split_sequential(model, config.stages)[index]
+        stage = split_sequential(model, config.stages)[index].to(device)  # before its optimizer is made
         params = list(stage.parameters())
         optimizer = Adam(params, lr=config.learning_rate, weight_decay=config.weight_decay) if params else None
         state = StageState(stage, optimizer, saves=system.rank % replicas == 0)
@@ -156,7 +161,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         plan = training_plan(config, schedule)
         return _PipelineTraining(
             system, config, comm, data, validation, spec, stage, optimizer, state, curves, start, edge, checkpoints,
-            threads, results_lock, plan, replicas, schedule,
+            threads, results_lock, plan, replicas, schedule, device,
         )  # fmt: skip
     except BaseException:
         give_back(results_lock, checkpoints)

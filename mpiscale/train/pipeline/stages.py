@@ -25,6 +25,12 @@ stays there, as in Megatron's ordering). At the start each stage's replicas
 take replica 0's parameters and buffers; after each step they average their
 gradients with the hierarchical allreduce of a group of their own, one buffer
 per dtype (float64 stays float64), as ``DataParallel`` averages over ranks.
+
+A stage computes on its parameters' device (a GPU, under the jobs' device
+rule). Messages travel from host memory: what a stage sends is copied off its
+GPU, and what it takes is put on its GPU as a leaf of its graph (so its
+gradient is kept for the stage before); the inputs and targets of a step, and
+the replicas' gradient averages, are moved likewise.
 """
 
 from __future__ import annotations
@@ -104,6 +110,8 @@ class Pipeline:
         if not isinstance(replicas, int) or replicas < 1 or system.size % replicas:
             raise ValueError(f"replicas must divide the {system.size} ranks, got {replicas!r}")
         self.system, self.module, self.loss_fn = system, module, loss_fn
+        #: Where the stage computes: its parameters' device. Messages travel from host memory.
+        self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
         self.replicas, self.stages = replicas, system.size // replicas
         self.stage, self.replica = divmod(system.rank, replicas)
         self.micro_batches, self.schedule = micro_batches, schedule
@@ -154,8 +162,8 @@ class Pipeline:
                     f"a batch of {len(batch)} rows cannot make {self.micro_batches} micro-batches: "
                     "give at least as many rows, or fewer micro-batches"
                 )
-            return list(torch.tensor_split(batch, self.micro_batches))
-        parts = list(batch)
+            return list(torch.tensor_split(self._here(batch), self.micro_batches))
+        parts = [self._here(part) for part in batch]
         if len(parts) != self.micro_batches:
             raise ValueError(f"the pipeline runs {self.micro_batches} micro-batches, the {what} hold {len(parts)}")
         return parts
@@ -188,8 +196,8 @@ class Pipeline:
         on the last, which returns the sum of ``metric(output, target)`` over the micro-batches (None elsewhere)."""
         step = self._step
         self._step += 1
-        xs = list(torch.tensor_split(inputs, self.micro_batches)) if self.first else None
-        ts = list(torch.tensor_split(targets, self.micro_batches)) if self.last else None
+        xs = list(torch.tensor_split(self._here(inputs), self.micro_batches)) if self.first else None
+        ts = list(torch.tensor_split(self._here(targets), self.micro_batches)) if self.last else None
         total = None
         with torch.no_grad():
             for m in range(self.micro_batches):
@@ -200,7 +208,7 @@ class Pipeline:
                         value = metric(out, ts[m])
                         total = value if total is None else total + value
                     else:
-                        self._after.tell("activation", step, m, out, False)
+                        self._after.tell("activation", step, m, out.cpu(), False)
         self._check_drained(step)
         return total
 
@@ -213,7 +221,7 @@ class Pipeline:
             out = self.loss_fn(out, run.targets[m])
             run.loss += float(out.detach())
         else:
-            self._after.tell("activation", run.step, m, out.detach(), out.requires_grad)
+            self._after.tell("activation", run.step, m, out.detach().cpu(), out.requires_grad)
         run.compute_s += time.perf_counter() - began
         run.idle_s += began - waited
         size = _nbytes(x) + (0 if run.targets is not None else out.nbytes)
@@ -232,11 +240,21 @@ class Pipeline:
             run.compute_s += time.perf_counter() - began
             run.idle_s += began - waited
         if x is not None:
-            self._before.tell("gradient", run.step, m, x.grad if x.grad is not None else torch.zeros_like(x))
+            self._before.tell(
+                "gradient", run.step, m, x.grad.cpu() if x.grad is not None else torch.zeros_like(x).cpu()
+            )
 
     async def _take(self, key: Key) -> torch.Tensor:
-        """The activation or gradient of ``key``; a wait for it counts as waiting on the neighbour that owes it."""
-        return await self._arrivals.take(key, lambda future: self.system.count_wait(future, self._awaited(key)))
+        """The activation or gradient of ``key``, on this stage's device; a wait for it counts as waiting on the
+        neighbour that owes it."""
+        value = await self._arrivals.take(key, lambda future: self.system.count_wait(future, self._awaited(key)))
+        if value.device == self.device:
+            return value
+        return value.detach().to(self.device).requires_grad_(value.requires_grad)  # a leaf here: its .grad is kept
+
+    def _here(self, value: Any) -> Any:
+        """A tensor of the step's inputs or targets on this stage's device (anything else as it is)."""
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
 
     def _awaited(self, key: Key) -> str:
         """What this stage waits for, for the hang watch (made only when it has to wait)."""
@@ -297,8 +315,11 @@ async def _average_gradients(group: Group, module: torch.nn.Module) -> None:
         for dtype in sorted(by_dtype, key=str):  # the same order on every replica
             members = by_dtype[dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in members])
-            buffer = flat.numpy()
+            host = flat.cpu()  # the same memory on the CPU; a copy from a GPU, and back after
+            buffer = host.numpy()
             await group.hierarchy.allreduce(buffer, out=buffer)
+            if host is not flat:
+                flat.copy_(host)
             flat /= group.size
             offset = 0
             for param in members:

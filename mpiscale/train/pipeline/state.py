@@ -31,7 +31,7 @@ NO_ROWS = {MODEL: (0, 0), OPTIMIZER: (0, 0)}
 
 
 def _model_arrays(module: torch.nn.Module) -> list[tuple[str, np.ndarray]]:
-    return [(name, tensor.detach().numpy()) for name, tensor in module.state_dict().items()]
+    return [(name, tensor.detach().cpu().numpy()) for name, tensor in module.state_dict().items()]
 
 
 def _optimizer_arrays(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, np.ndarray]]:
@@ -42,7 +42,7 @@ def _optimizer_arrays(module: torch.nn.Module, optimizer: torch.optim.Optimizer 
         state = optimizer.state.get(param, {})
         for key in _ADAM:
             if key in state:
-                arrays.append((f"{name}.{key}", torch.as_tensor(state[key]).detach().numpy()))
+                arrays.append((f"{name}.{key}", torch.as_tensor(state[key]).detach().cpu().numpy()))
     return arrays
 
 
