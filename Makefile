@@ -57,14 +57,9 @@ test-slow: setup
 bench: setup
 	$(RUN) -n 2 -- .venv/bin/mpiscale bench pingpong --json bench-pingpong.json
 
-# On a machine with an NVIDIA GPU: the CUDA tests on the real device (they fail, not skip, without one),
-# the GPU columns of the OMP, dictionary-learning, memory-store and adapter benchmarks, and --device cuda end to
-# end (collect, compress-adapters, data-parallel and pipeline train, circuits run).
+# On a machine with an NVIDIA GPU: the CUDA tests on the real device (they fail, not skip, without one), then the GPU
+# columns of the OMP, dictionary-learning, memory-store, adapter and DDP benchmarks; --device cuda end to end for
+# collect, compress-adapters, data-parallel and pipeline train and circuits run. One script (launch/gpu-check.sh),
+# which also runs on a GPU machine without network with its own python3 (docs/hpc.md, "Checking the GPU paths").
 gpu-check: setup
-	MPISCALE_REQUIRE_GPU=1 $(PY) -m pytest -q -rs -s -k real_gpu tests/unit/test_omp_cuda.py \
-		tests/unit/test_memstore_cuda.py tests/mpi/test_dictlearn.py tests/mpi/test_train.py \
-		tests/mpi/test_pipeline_train.py tests/mpi/test_adapters.py tests/mpi/test_circuits.py
-	.venv/bin/mpiscale bench omp --json bench-omp-gpu.json
-	$(RUN) -n 1 -- .venv/bin/mpiscale bench dictlearn --json bench-dictlearn-gpu.json
-	$(RUN) -n 1 -- .venv/bin/mpiscale bench memstore --json bench-memstore-gpu.json
-	.venv/bin/mpiscale bench adapters --sizes 4096x100 --json bench-adapters-gpu.json
+	bash launch/gpu-check.sh

@@ -29,8 +29,9 @@ def _repeats(nbytes: int, quick: bool) -> int:
     return int(min(50 if quick else 200, max(3, budget // nbytes)))
 
 
-def init_gloo(comm: Comm):
-    """torch.distributed with the gloo backend on the same ranks (rank 0's address, a free port), or None."""
+def init_torch_group(comm: Comm, backend: str = "gloo"):
+    """torch.distributed with ``backend`` (gloo; nccl on GPUs) on the same ranks (rank 0's address, a free port),
+    or None without torch."""
     try:
         import torch
         import torch.distributed as dist
@@ -46,14 +47,14 @@ def init_gloo(comm: Comm):
     port = comm.bcast(port, 0)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=comm.Get_rank(), world_size=comm.Get_size())
+    dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
     return torch, dist
 
 
 async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """Run every size through the three allreduces; rank 0 prints the table and writes the JSON record."""
     comm, ranks = system.world.comm.Dup(), system.size
-    gloo = init_gloo(comm)
+    gloo = init_torch_group(comm)
     bus = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
     records = []
     for nbytes in QUICK_SIZES if quick else SIZES:

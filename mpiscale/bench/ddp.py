@@ -1,4 +1,4 @@
-"""Training step time: ``mpiscale.train.DataParallel`` against PyTorch's DistributedDataParallel (gloo).
+"""Training step time: ``mpiscale.train.DataParallel`` against PyTorch's DistributedDataParallel (gloo; NCCL on GPUs).
 
 The same MLP, batch, ranks and torch threads for all, in one run: the step with
 no communication (what overlap could at best reach), the gradient allreduce
@@ -7,6 +7,12 @@ ways: ours (none, fp16, bf16, PowerSGD rank 4) against DDP with its own
 communication hooks for the same scheme. Each figure is the median over steps
 of the slowest rank's step time. The share of communication hidden behind
 backward is ``1 - (step - compute) / communication``.
+
+``--device cuda`` runs it on the ranks' GPUs (the jobs' device rule): ours with
+its gradients staged through pinned host memory, DDP on NCCL, each step ended
+by a device synchronisation so that the GPU's queued work is counted. NCCL
+takes one rank per GPU (it refuses two ranks sharing one), so on a one-GPU
+machine the comparison is at one rank: the step's own overhead against DDP's.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ from collections.abc import Awaitable, Callable
 
 import numpy as np
 
+from ..jobs import choose_torch_device
 from ..kernels.threads import share_cores
 from ..ranks import ranks_sharing_cores
 from ..runtime import ActorSystem, run
 from ..train import DataParallel
 from ..train.compression import scheme
-from .allreduce import init_gloo
+from .allreduce import init_torch_group
 from .report import median_slowest_async, table, write_json
 
 WIDTH, DEPTH, BATCH = 2048, 3, 64  # about 12.6M parameters: 50 MB of gradients per step
@@ -58,33 +65,39 @@ def _ddp_hook(torch, model, name: str) -> bool:
     return True
 
 
-async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
-    """Time the steps every way; rank 0 prints the table and writes the JSON record."""
+async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False, device: str = "cpu") -> dict | None:
+    """Time the steps every way on ``device`` (cpu or cuda); rank 0 prints the table and writes the JSON record."""
     import torch
 
     comm = system.world.comm
     torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))  # this rank's share of the host's cores
-    gloo = init_gloo(comm)
-    if gloo is None:
+    where = torch.device(choose_torch_device(device, comm))
+    group = init_torch_group(comm, "nccl" if where.type == "cuda" else "gloo")
+    if group is None:
         raise SystemExit("bench ddp needs torch (pip install torch)")
-    _, dist = gloo
+    _, dist = group
     steps, width = (4, QUICK_WIDTH) if quick else (12, WIDTH)
-    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(system.rank))
-    y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100))
+    x = torch.randn(BATCH, width, generator=torch.Generator().manual_seed(system.rank)).to(where)
+    y = torch.randn(BATCH, 1, generator=torch.Generator().manual_seed(system.rank + 100)).to(where)
 
     def backward(model, optimizer) -> None:
         optimizer.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
 
-    local = _model(torch, width)
+    def done() -> None:  # the GPU's queued work counted in the step
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+
+    local = _model(torch, width).to(where)
     local_optimizer = torch.optim.SGD(local.parameters(), lr=1e-4)
 
     async def compute_only() -> None:
         backward(local, local_optimizer)
         local_optimizer.step()
+        done()
 
     def ours(name: str) -> tuple[Callable[[], Awaitable[None]], DataParallel]:
-        model = _model(torch, width)
+        model = _model(torch, width).to(where)
         parallel = DataParallel(system, model, compression=scheme(system, name, POWERSGD_RANK, powersgd_start=2))
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
 
@@ -92,6 +105,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
             backward(model, optimizer)
             await parallel.synchronize()
             optimizer.step()
+            done()
 
         return step, parallel
 
@@ -99,7 +113,9 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
         # torch's PowerSGD hook chains each bucket's second allreduce in a callback; on gloo, with several buckets,
         # the ranks issued those in different orders and gloo aborted (a collective mismatch). One bucket avoids it.
         cap = 1024 if name == "powersgd" else None
-        model = torch.nn.parallel.DistributedDataParallel(_model(torch, width), bucket_cap_mb=cap)
+        ids = [where.index] if where.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(_model(torch, width).to(where), device_ids=ids,
+                                                          bucket_cap_mb=cap)  # fmt: skip
         if not _ddp_hook(torch, model, name):
             return None
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -107,6 +123,7 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
         async def step() -> None:
             backward(model, optimizer)
             optimizer.step()
+            done()
 
         return step
 
@@ -130,7 +147,8 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
     dist.destroy_process_group()
     if system.rank != 0:
         return None
-    return _report(system, json_path, seconds, width, sum(p.numel() for p in local.parameters()), steps, torch)
+    parameters = sum(p.numel() for p in local.parameters())
+    return _report(system, json_path, seconds, width, parameters, steps, torch, str(where))
 
 
 def _hidden_share(step: float, compute: float, communication: float) -> float:
@@ -144,16 +162,19 @@ def _hidden_share(step: float, compute: float, communication: float) -> float:
     return min(1.0, max(0.0, 1.0 - (step - compute) / communication))
 
 
-def _report(system: ActorSystem, json_path: str, seconds: dict, width: int, parameters: int, steps: int, torch) -> dict:
+def _report(
+    system: ActorSystem, json_path: str, seconds: dict, width: int, parameters: int, steps: int, torch, device: str
+) -> dict:
     compute, communication = seconds["compute_only"], seconds["communication_only"]
     hidden = _hidden_share(seconds["ours_none"], compute, communication)
     print(f"training step of an MLP ({DEPTH} x {width}, {parameters / 1e6:.1f}M parameters, batch {BATCH} per rank), "
           f"{system.size} ranks on {system.hierarchy.node_count} nodes, {torch.get_num_threads()} torch threads "
-          f"each; median of {steps} steps")  # fmt: skip
+          f"each, on {device}; median of {steps} steps")  # fmt: skip
     rows = [["compute only", compute * 1e3, "", ""], ["allreduce only (ours)", communication * 1e3, "", ""]]
     for name in SCHEMES:
         ours, ddp = seconds[f"ours_{name}"], seconds[f"ddp_{name}"]
-        versus = [ddp * 1e3, ddp / ours] if ddp is not None else ["n/a (gloo)", ""]
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        versus = [ddp * 1e3, ddp / ours] if ddp is not None else [f"n/a ({backend})", ""]
         rows.append([f"compression {name}", ours * 1e3, *versus])
     print(table(["", "ours ms/step", "DDP ms/step", "DDP/ours"], rows))
     print(f"communication hidden behind backward (no compression): {hidden:.0%}")
@@ -162,6 +183,7 @@ def _report(system: ActorSystem, json_path: str, seconds: dict, width: int, para
     results = {
         "ranks": system.size,
         "nodes": system.hierarchy.node_count,
+        "device": device,
         "width": width,
         "parameters": parameters,
         "batch_per_rank": BATCH,
@@ -180,5 +202,5 @@ def _report(system: ActorSystem, json_path: str, seconds: dict, width: int, para
 
 def command(args: argparse.Namespace) -> int:
     """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
-    run(lambda system: run_ddp_bench(system, args.json, quick=args.quick))
+    run(lambda system: run_ddp_bench(system, args.json, quick=args.quick, device=args.device))
     return 0

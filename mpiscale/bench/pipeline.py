@@ -26,7 +26,7 @@ from ..ranks import ranks_sharing_cores
 from ..runtime import ActorSystem, run
 from ..train.pipeline import Pipeline, split_sequential
 from . import plots
-from .allreduce import init_gloo
+from .allreduce import init_torch_group
 from .report import median_slowest_async, table, write_json
 
 WIDTH, LAYERS_PER_STAGE, ROWS = 256, 2, 32  # rows per micro-batch; about 0.5 ms of forward and backward per stage
@@ -54,7 +54,7 @@ async def run_pipeline_bench(system: ActorSystem, json_path: str, quick: bool = 
         raise SystemExit("bench pipeline needs at least 2 ranks (one stage each): launch/mpiscale-run -n 2 -- ...")
     comm = system.world.comm
     torch.set_num_threads(share_cores(ranks_sharing_cores(comm)))
-    gloo = init_gloo(comm)
+    gloo = init_torch_group(comm)
     if gloo is None:
         raise SystemExit("bench pipeline needs torch (pip install torch)")
     _, dist = gloo
