@@ -14,6 +14,7 @@ from pathlib import Path
 from ..jobs import DEVICES, option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+INTRA_NODE = ("mpi", "nccl", "gloo")
 BATCHINGS = ("sequential", "round-robin", "memory")
 MODELS = ("mlp", "transformer")
 
@@ -79,6 +80,12 @@ class TrainConfig:
         "gradients on the wire: none (float32), fp16 or bf16 (16-bit, half the bytes), or powersgd (low-rank "
         "factors with error feedback; the residuals restart from zero on --resume)",
     )
+    intra_node: str = option(
+        "mpi",
+        "data-parallel: how gradients are summed inside a node: mpi (the runtime's hierarchical allreduce), nccl "
+        "(torch.distributed's NCCL on the GPUs, then MPI between the nodes' first ranks: --device cuda) or gloo (the "
+        "same path for the CPU)",
+    )
     powersgd_rank: int = option(4, "powersgd: rank of the factors")
     powersgd_start: int = option(10, "powersgd: exact steps before compression starts")
     stages: int = option(
@@ -106,6 +113,11 @@ class TrainConfig:
         problems: list[str] = []
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.intra_node not in INTRA_NODE:
+            problems.append(f"intra_node must be one of {', '.join(INTRA_NODE)}, got {self.intra_node!r}")
+        elif self.intra_node != "mpi" and (self.compression != "none" or self.pipelined):
+            problems.append("intra_node nccl or gloo sums float32 gradients of data-parallel training: use it without "
+                            "compression, STAGES or MICRO_BATCHES")  # fmt: skip
         if self.compression not in COMPRESSIONS:
             problems.append(f"compression must be one of {', '.join(COMPRESSIONS)}, got {self.compression!r}")
         if self.model not in MODELS:

@@ -45,6 +45,7 @@ from .data import LabelledData
 from .data_parallel import DataParallel
 from .held_out import HeldOut, batch_budget, score_sums
 from .model import input_layout
+from .node_sums import NodeSums
 from .preparation import (
     checked_steps,
     claim_training_outputs,
@@ -80,6 +81,11 @@ class _Training(HeldOutputs):
     schedule: TrainingSteps
     device: torch.device  # where the model, its optimizer and the batches live
 
+    def release(self) -> None:
+        super().release()
+        if self.parallel.node_sums is not None:
+            self.parallel.node_sums.close()
+
     async def restore(self) -> int:
         """Rank 0's weights everywhere (a fresh run's initial ones), then the steps the checkpoint holds."""
         await self.parallel.broadcast_parameters()
@@ -109,7 +115,13 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
 
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     device = torch.device(choose_torch_device(config.device, comm))
-    threads, results_lock = claim_training_outputs(config, comm)
+    node_sums = _node_sums(system, config, comm, device)
+    try:
+        threads, results_lock = claim_training_outputs(config, comm)
+    except BaseException:
+        if node_sums is not None:
+            node_sums.close()
+        raise
     checkpoints = None
     try:
         data, validation, spec, model = prepare_data(config, comm)
@@ -123,7 +135,8 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         state = TrainingState(model, optimizer, config.checkpoints)
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
-        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression)
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, node_sums=node_sums,
+                                compression=None if node_sums is not None else compression)  # fmt: skip
         plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
@@ -131,7 +144,23 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         )  # fmt: skip
     except BaseException:
         give_back(results_lock, checkpoints)  # the job never started
+        if node_sums is not None:
+            node_sums.close()
         raise
+
+
+def _node_sums(system: ActorSystem, config: TrainConfig, comm: Comm, device: torch.device) -> NodeSums | None:
+    """``--intra-node nccl|gloo``: the node's torch.distributed group (collective), refused on every rank alike
+    where a rank's device does not suit the backend."""
+    if config.intra_node == "mpi":
+        return None
+    kinds = {kind.split(":")[0] for kind in comm.allgather(str(device))}
+    wanted = "cuda" if config.intra_node == "nccl" else "cpu"
+    if kinds != {wanted}:
+        raise ValueError(f"--intra-node {config.intra_node} sums buffers in {'GPU' if wanted == 'cuda' else 'host'} "
+                         f"memory, and ranks run on {', '.join(sorted(kinds))}: use --device {wanted}"
+                         + (" (or --intra-node nccl on GPUs)" if wanted == "cpu" else ""))  # fmt: skip
+    return NodeSums(system, config.intra_node)
 
 
 def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves, schedule: TrainingSteps) -> int:

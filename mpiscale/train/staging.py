@@ -58,6 +58,10 @@ class HostGradients:
         """Parameter ``position``'s averaged gradient, where the parameter lives."""
         return torch.from_numpy(bucket.buffer[bucket.offsets[position] : bucket.offsets[position + 1]]).reshape(shape)
 
+    def flat(self, bucket: Staged) -> torch.Tensor:
+        """The bucket's gradients as one tensor where the parameters live (``--intra-node``: summed there)."""
+        return torch.from_numpy(bucket.buffer)
+
 
 class DeviceGradients(HostGradients):
     """Parameters on a CUDA device: gradients gathered on the device, staged through pinned host memory."""
@@ -96,6 +100,9 @@ class DeviceGradients(HostGradients):
 
     def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
         return super().average(bucket, position, shape).to(self.device, non_blocking=True)  # from pinned memory
+
+    def flat(self, bucket: Staged) -> torch.Tensor:
+        return bucket.staging["flat"]
 
 
 def gradients_for(device: torch.device) -> HostGradients:

@@ -119,6 +119,28 @@ def test_training_follows_one_process(tmp_path, ranks, per_node, one_process_mod
     assert moved > 0
 
 
+@pytest.mark.parametrize("ranks, per_node", [(2, 0), (4, 2)], ids=["2ranks", "4ranks-2nodes"])
+def test_intra_node_sums_by_torch_follow_one_process(tmp_path, ranks, per_node, one_process_model):
+    """--intra-node gloo (the CPU's stand-in for NCCL): gloo inside each node, MPI between the nodes' first ranks;
+    the weights of the one-rank run within rounding, on one node and on 2 simulated nodes of 2."""
+    out = tmp_path / "gloo.h5"
+    env = {"MPISCALE_RANKS_PER_NODE": str(per_node)} if per_node else None
+    assert_ok(mpiscale(ranks, "train", *FOLLOWED, "--device", "cpu", "--intra-node", "gloo", "--out", out, env=env))
+    reference, result = weights(one_process_model), weights(out)
+    for name in reference:
+        np.testing.assert_allclose(result[name], reference[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_intra_node_sums_refuse_what_they_cannot_sum(tmp_path):
+    """NCCL for host buffers, and compression with either: one line, status 2, nothing written."""
+    job = mpiscale(2, "train", *FOLLOWED, "--device", "cpu", "--intra-node", "nccl", "--out", tmp_path / "m.h5")
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    assert "--intra-node nccl sums buffers in GPU memory, and ranks run on cpu: use --device cuda" in job.stderr
+    job = mpiscale(2, "train", *FOLLOWED, "--intra-node", "gloo", "--compression", "fp16", "--out", tmp_path / "m.h5")
+    assert job.returncode == 2 and "intra_node nccl or gloo sums float32 gradients" in job.stderr, job.stderr
+    assert not (tmp_path / "m.h5").exists()
+
+
 def test_resume_on_another_world_size(tmp_path, one_process_model):
     """Train 1 epoch on 2 ranks with checkpoints, then resume to 2 epochs on 3: the same as 2 epochs on one rank.
 
@@ -293,8 +315,8 @@ def test_train_on_cuda_without_a_gpu_is_refused_in_one_line(tmp_path, shape):
 
 def test_train_on_a_real_gpu_follows_the_cpu_and_resumes_across_devices(tmp_path, one_process_model):
     """--device cuda on one rank, and on 2 ranks sharing the GPU on purpose (gradients staged through pinned host
-    memory), against the CPU's one-rank run; a GPU run's checkpoint resumed on the CPU and a CPU run's on the GPU
-    give the same weights (skipped without a GPU; make gpu-check runs it)."""
+    memory), and with --intra-node nccl on one rank, against the CPU's one-rank run; a GPU run's checkpoint resumed
+    on the CPU and a CPU run's on the GPU give the same weights (skipped without a GPU; make gpu-check runs it)."""
     if not real_torch_gpu():
         pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
     runs = {"gpu.h5": (1, {})}
@@ -307,6 +329,11 @@ def test_train_on_a_real_gpu_follows_the_cpu_and_resumes_across_devices(tmp_path
         reference, result = weights(one_process_model), weights(tmp_path / name)
         for key in reference:
             np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"{name}: {key}")
+    nccl = tmp_path / "nccl.h5"  # NCCL takes one rank per GPU: one rank here, its node's sums on the GPU
+    assert_ok(mpiscale(1, "train", *FOLLOWED, "--device", "cuda", "--intra-node", "nccl", "--out", nccl))
+    reference, result = weights(one_process_model), weights(nccl)
+    for key in reference:
+        np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"nccl: {key}")
     with h5py.File(one_process_model, "r") as file:
         per_epoch = len(file["curves/step/loss"]) // 2
     for first, then in (("cuda", "cpu"), ("cpu", "cuda")):

@@ -1,0 +1,71 @@
+"""``--intra-node nccl|gloo``: gradient buckets summed inside a node by torch.distributed, between nodes by MPI.
+
+The hierarchical design Horovod uses on GPU clusters: inside a node, NCCL sums
+the ranks' buffers where they lie (GPU memory, over NVLink or PCIe); only the
+node's first rank takes the node's sum to host memory, where MPI sums it with
+the other nodes' first ranks (a reduce then a broadcast, so every rank ends
+with the same bits); the node's first rank then broadcasts the total inside
+the node, again by NCCL. gloo takes NCCL's place for buffers in host memory:
+the same path on CPUs, which the tests run.
+
+The node's torch.distributed group is made from the runtime's node
+communicator (its first rank picks a free port on its host and tells the
+others over MPI), so the nodes are the runtime's nodes, simulated ones
+included (``MPISCALE_RANKS_PER_NODE``). It is the process's default group: a
+job that made one already is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from datetime import timedelta
+
+import torch
+
+from ..runtime import ActorSystem
+
+BACKENDS = ("nccl", "gloo")
+#: How long a rank waits in the node group's set-up and calls before torch gives up on a missing rank.
+TIMEOUT = timedelta(minutes=10)
+
+
+class NodeSums:
+    """Sums a tensor over every rank: torch.distributed (``backend``) inside the node, MPI between nodes."""
+
+    def __init__(self, system: ActorSystem, backend: str) -> None:
+        import torch.distributed as dist
+
+        if backend not in BACKENDS:
+            raise ValueError(f"intra-node sums take one of {', '.join(BACKENDS)}, got {backend!r}")
+        if dist.is_initialized():
+            raise ValueError("--intra-node makes the process's torch.distributed group, and one exists already")
+        node = system.node.comm
+        port = _free_port() if node.Get_rank() == 0 else None
+        port = node.bcast(port, root=0)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=node.Get_rank(),
+                                world_size=node.Get_size(), timeout=TIMEOUT)  # fmt: skip
+        self.dist, self.backend, self.system = dist, backend, system
+
+    async def allreduce(self, flat: torch.Tensor) -> None:
+        """``flat`` summed over every rank of the job, in place (collective; call in the same order everywhere)."""
+        dist, leaders = self.dist, self.system.leaders
+        await asyncio.to_thread(dist.reduce, flat, 0)  # the node's sum on its first rank
+        if leaders is not None and leaders.size > 1:
+            host = flat.cpu()  # the same memory on the CPU; on a GPU a copy, once the node's sum is done
+            array = host.numpy()
+            await leaders.reduce(array, root=0, out=array)
+            await leaders.bcast_array(array, root=0)
+            if host is not flat:
+                flat.copy_(host)
+        await asyncio.to_thread(dist.broadcast, flat, 0)
+
+    def close(self) -> None:
+        """Leave the node's group."""
+        self.dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
