@@ -20,9 +20,10 @@ twice (its first gradient is already being averaged). ``compression``
 (``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
 travels. Parameters in any memory format (``channels_last`` too) work, on the
 CPU or on a GPU (:mod:`.staging`: gradients staged through pinned host memory,
-the copies overlapping backward). With ``node_sums`` (:mod:`.node_sums`,
-``--intra-node``) the buckets are summed where they lie by torch.distributed
-inside each node and by MPI between nodes, after backward.
+the copies overlapping backward). With ``tensor_sums`` (:mod:`.tensor_sums`:
+MPI on device memory where it takes it, or ``--intra-node``'s torch.distributed
+inside each node and MPI between nodes) the buckets are summed where they lie,
+after backward.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import torch
 
 from ..runtime import ActorSystem, Communicator, Group
 from .compression import Compression, Exact
-from .node_sums import NodeSums
 from .staging import HostGradients, gradients_for
+from .tensor_sums import TensorSums
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
 BUCKET_MIB = 25.0
@@ -102,12 +103,12 @@ class DataParallel:
         first_bucket_mib: float = FIRST_BUCKET_MIB,
         compression: Compression | None = None,
         broadcast_buffers: bool = True,
-        node_sums: NodeSums | None = None,
+        tensor_sums: TensorSums | None = None,
     ) -> None:
         self.system, self.module, self.broadcast_buffers = system, module, broadcast_buffers
-        if node_sums is not None and compression is not None:
-            raise ValueError("intra-node sums carry float32 gradients: they take no compression")
-        self.node_sums = node_sums
+        if tensor_sums is not None and compression is not None:
+            raise ValueError("sums where the gradients lie carry float32 gradients: they take no compression")
+        self.tensor_sums = tensor_sums
         self.compression: Compression = compression or Exact(system)
         params = [p for p in module.parameters() if p.requires_grad]
         wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
@@ -154,7 +155,7 @@ class DataParallel:
         self.gradients.take(bucket, position, grad)
         bucket.used[position] = grad is not None
         bucket.ready.add(position)
-        if len(bucket.ready) == len(bucket.params) and self.node_sums is None:
+        if len(bucket.ready) == len(bucket.params) and self.tensor_sums is None:
             self.gradients.send(bucket)
             bucket.sent = True
 
@@ -180,8 +181,8 @@ class DataParallel:
             for position, param in enumerate(bucket.params):
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
                     self._take(bucket, position, param.grad)
-        if self.node_sums is not None:
-            await self._sum_by_node()
+        if self.tensor_sums is not None:
+            await self._sum_in_place()
         else:
             for bucket in self._buckets[self._launched :]:
                 self.gradients.arrived(bucket, wait=True)
@@ -214,17 +215,17 @@ class DataParallel:
         if self.broadcast_buffers:
             await broadcast_buffers(self.system.world, self.module)
 
-    async def _sum_by_node(self) -> None:
-        """``--intra-node``: each bucket summed where its gradients lie, in bucket order, then averaged."""
-        assert self.node_sums is not None
+    async def _sum_in_place(self) -> None:
+        """``tensor_sums``: each bucket summed where its gradients lie, in bucket order, then averaged."""
+        assert self.tensor_sums is not None
         for bucket in self._buckets:
             flat = self.gradients.flat(bucket)
-            await self.node_sums.allreduce(flat)
+            await self.tensor_sums.allreduce(flat)
             flat *= 1.0 / self.system.size
 
     def _average(self, bucket: _Bucket, position: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Parameter ``position``'s averaged gradient, where the parameter lives."""
-        if self.node_sums is None:
+        if self.tensor_sums is None:
             return self.gradients.average(bucket, position, shape)
         return self.gradients.flat(bucket)[bucket.offsets[position] : bucket.offsets[position + 1]].view(shape)
 

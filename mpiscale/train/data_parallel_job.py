@@ -30,6 +30,7 @@ from ..jobs import (
     choose_torch_device,
     give_back,
     load_state,
+    mpi_cuda_aware,
     recorded_devices,
     same_bits_everywhere,
     settings_meta,
@@ -45,7 +46,6 @@ from .data import LabelledData
 from .data_parallel import DataParallel
 from .held_out import HeldOut, batch_budget, score_sums
 from .model import input_layout
-from .node_sums import NodeSums
 from .preparation import (
     checked_steps,
     claim_training_outputs,
@@ -57,6 +57,7 @@ from .preparation import (
     training_plan,
 )
 from .state import OPTIMIZER_SETTINGS, TrainingState, json_array
+from .tensor_sums import DirectSums, NodeSums, TensorSums
 
 
 @dataclass
@@ -83,8 +84,8 @@ class _Training(HeldOutputs):
 
     def release(self) -> None:
         super().release()
-        if self.parallel.node_sums is not None:
-            self.parallel.node_sums.close()
+        if self.parallel.tensor_sums is not None:
+            self.parallel.tensor_sums.close()
 
     async def restore(self) -> int:
         """Rank 0's weights everywhere (a fresh run's initial ones), then the steps the checkpoint holds."""
@@ -115,12 +116,12 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
 
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     device = torch.device(choose_torch_device(config.device, comm))
-    node_sums = _node_sums(system, config, comm, device)
+    sums = _tensor_sums(system, config, comm, device)
     try:
         threads, results_lock = claim_training_outputs(config, comm)
     except BaseException:
-        if node_sums is not None:
-            node_sums.close()
+        if sums is not None:
+            sums.close()
         raise
     checkpoints = None
     try:
@@ -135,8 +136,8 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         state = TrainingState(model, optimizer, config.checkpoints)
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
-        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, node_sums=node_sums,
-                                compression=None if node_sums is not None else compression)  # fmt: skip
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, tensor_sums=sums,
+                                compression=None if sums is not None else compression)  # fmt: skip
         plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,
@@ -144,17 +145,22 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         )  # fmt: skip
     except BaseException:
         give_back(results_lock, checkpoints)  # the job never started
-        if node_sums is not None:
-            node_sums.close()
+        if sums is not None:
+            sums.close()
         raise
 
 
-def _node_sums(system: ActorSystem, config: TrainConfig, comm: Comm, device: torch.device) -> NodeSums | None:
-    """``--intra-node nccl|gloo``: the node's torch.distributed group (collective), refused on every rank alike
-    where a rank's device does not suit the backend."""
-    if config.intra_node == "mpi":
-        return None
+def _tensor_sums(system: ActorSystem, config: TrainConfig, comm: Comm, device: torch.device) -> TensorSums | None:
+    """How the buckets are summed where they lie, or None (the host buffers, staged from a GPU) (collective):
+    ``--intra-node nccl|gloo``'s groups (refused on every rank alike where a rank's device does not suit the
+    backend); else, on GPUs whose MPI takes device buffers (on every rank), MPI on device memory."""
     kinds = {kind.split(":")[0] for kind in comm.allgather(str(device))}
+    if config.intra_node == "mpi":
+        direct = kinds == {"cuda"} and config.compression == "none" and all(comm.allgather(bool(mpi_cuda_aware())))
+        if direct and comm.Get_rank() == 0:
+            print("mpiscale train: the MPI library takes device buffers: gradients are summed in GPU memory",
+                  flush=True)  # fmt: skip
+        return DirectSums(system) if direct else None
     wanted = "cuda" if config.intra_node == "nccl" else "cpu"
     if kinds != {wanted}:
         raise ValueError(f"--intra-node {config.intra_node} sums buffers in {'GPU' if wanted == 'cuda' else 'host'} "

@@ -8,7 +8,7 @@ output. A failing program ends its world with its report, which every test of th
 import pytest
 from helpers import Worlds
 
-COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user", "late-copies"]
+COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user", "late-copies", "direct", "node-gloo"]
 ALL_SCHEMES = ",".join(["none", *COMPRESSIONS])
 #: (ranks, ranks per node; 0: the host's) -> the programs that run in that world, in order
 LAYOUTS = {

@@ -1,7 +1,7 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
 usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user,
-late-copies)
+late-copies, direct, node-gloo)
 Each scheme is checked in turn in the same job (a launch costs each rank
 seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
@@ -15,6 +15,9 @@ through the world's awaitable allreduce, started in ``finish``. ``late-copies``
 drives the staging scheduler as a GPU does (``train.staging``): each bucket's
 copy to host memory is said to arrive only after a few later questions, so
 buckets start late, some only in ``synchronize``, yet in index order.
+``direct`` sums the buckets' tensors with MPI where they lie (``DirectSums``:
+device memory under a CUDA-aware MPI, here host memory), ``node-gloo`` with a
+gloo group per node and MPI between the nodes' first ranks (``NodeSums``).
 """
 
 import sys
@@ -27,6 +30,7 @@ from mpiscale.ranks import rank_rows
 from mpiscale.train import Bucket, Compression, DataParallel
 from mpiscale.train.compression import Exact, Narrow, PowerSGD
 from mpiscale.train.staging import HostGradients
+from mpiscale.train.tensor_sums import DirectSums, NodeSums
 
 BATCH, FEATURES = 24, 10
 
@@ -124,7 +128,10 @@ SCHEMES = {  # name: (scheme, largest difference from one process allowed; None:
     "powersgd-low": (lambda system: PowerSGD(system, rank=1, start_step=1, min_rate=0.0), None),
     "user": (users_scheme, 1e-5),
     "late-copies": (InOrder, 1e-5),
+    "direct": (None, 1e-5),
+    "node-gloo": (None, 1e-5),
 }
+SUMS = {"direct": DirectSums, "node-gloo": lambda system: NodeSums(system, "gloo")}
 
 
 def loss_of(model: torch.nn.Module) -> float:
@@ -136,7 +143,11 @@ def loss_of(model: torch.nn.Module) -> float:
 async def check(system, steps: int, name: str) -> None:
     make, tolerance = SCHEMES[name]
     model = Model(seed=system.rank)
-    parallel = DataParallel(system, model, bucket_mib=0.05, first_bucket_mib=0.01, compression=make(system))
+    sums = SUMS[name](system) if name in SUMS else None
+    compression = make(system) if make is not None else None
+    parallel = DataParallel(
+        system, model, bucket_mib=0.05, first_bucket_mib=0.01, compression=compression, tensor_sums=sums
+    )
     if name == "late-copies":
         parallel.gradients = LateCopies()
     await parallel.broadcast_parameters()
@@ -159,6 +170,8 @@ async def check(system, steps: int, name: str) -> None:
         count = len(parallel._buckets)
         assert parallel.compression.started == list(range(count)) * steps, parallel.compression.started
         assert parallel.gradients.late > 0, "no bucket was late: the scheduler's waiting went untested"
+    if sums is not None:
+        sums.close()
     every = await system.world.allgather(mine)
     assert (every == every[0]).all(), f"{name}: ranks ended with different parameters"
     if system.rank == 0:

@@ -1,4 +1,11 @@
-"""``--intra-node nccl|gloo``: gradient buckets summed inside a node by torch.distributed, between nodes by MPI.
+"""Gradient buckets summed where they lie (GPU memory on GPUs), instead of through the host buffers of the runtime.
+
+``DirectSums``: the buckets go to MPI as they are, device memory included,
+where the MPI library takes device buffers (a CUDA-aware Open MPI): no host
+copy on the gradient path. A reduce then a broadcast, so every rank ends with
+the same bits. On the CPU the same class sums host tensors (the tests' path).
+
+``NodeSums`` (``--intra-node nccl|gloo``): inside a node by torch.distributed, between nodes by MPI.
 
 The hierarchical design Horovod uses on GPU clusters: inside a node, NCCL sums
 the ranks' buffers where they lie (GPU memory, over NVLink or PCIe); only the
@@ -20,10 +27,24 @@ from __future__ import annotations
 import asyncio
 import socket
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 
 from ..runtime import ActorSystem
+
+
+class TensorSums(Protocol):
+    """What sums a bucket's tensor over every rank for ``DataParallel(tensor_sums=...)``."""
+
+    async def allreduce(self, flat: torch.Tensor) -> None:
+        """``flat`` summed over every rank, in place (collective; called in the same order everywhere)."""
+        ...
+
+    def close(self) -> None:
+        """Give back what it holds (communicators, groups)."""
+        ...
+
 
 BACKENDS = ("nccl", "gloo")
 #: How long a rank waits in the node group's set-up and calls before torch gives up on a missing rank.
@@ -63,6 +84,32 @@ class NodeSums:
     def close(self) -> None:
         """Leave the node's group."""
         self.dist.destroy_process_group()
+
+
+class DirectSums:
+    """Sums a tensor over every rank by MPI, on the tensor's own memory (device memory with a CUDA-aware MPI)."""
+
+    def __init__(self, system: ActorSystem) -> None:
+        from mpi4py import MPI
+
+        self.MPI, self.comm = MPI, system.world.comm.Dup()  # a communicator of its own, used from a worker thread
+
+    async def allreduce(self, flat: torch.Tensor) -> None:
+        """``flat`` summed over every rank, in place (collective; call in the same order everywhere)."""
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()  # backward's writes done before MPI reads
+        await asyncio.to_thread(self._reduce_and_broadcast, flat)
+
+    def _reduce_and_broadcast(self, flat: torch.Tensor) -> None:
+        MPI, comm = self.MPI, self.comm
+        if comm.Get_rank() == 0:
+            comm.Reduce(MPI.IN_PLACE, flat, MPI.SUM, root=0)
+        else:
+            comm.Reduce(flat, None, MPI.SUM, root=0)
+        comm.Bcast(flat, root=0)
+
+    def close(self) -> None:
+        self.comm.Free()
 
 
 def _free_port() -> int:
