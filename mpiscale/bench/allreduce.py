@@ -39,13 +39,14 @@ def init_torch_group(comm: Comm, backend: str = "gloo"):
         return None
     import socket
 
-    port = None
-    if comm.Get_rank() == 0:
+    address = port = None
+    if comm.Get_rank() == 0:  # rank 0's own address: on several hosts, the one the others reach it by
+        address = socket.gethostbyname(socket.gethostname())
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
+            probe.bind((address, 0))
             port = probe.getsockname()[1]
-    port = comm.bcast(port, 0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    address, port = comm.bcast((address, port), 0)
+    os.environ.setdefault("MASTER_ADDR", address)
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())
     return torch, dist

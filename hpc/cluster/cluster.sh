@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# A cluster of several nodes on one machine, for trying and testing multi-node jobs (root, Linux namespaces).
+#   hpc/cluster/cluster.sh up [N]     N nodes (default 3): node1..nodeN
+#   hpc/cluster/cluster.sh down       every node, the bridge, the /etc/hosts lines and the run directory gone
+#   hpc/cluster/cluster.sh status     the nodes and their addresses (exit 1 when the cluster is not up)
+#   hpc/cluster/cluster.sh kill NODE  every process of NODE killed at once and its node-local disk gone (a lost node)
+# Each node is a network namespace with an address on a private bridge (SUBNET.11, .12, ...), its own hostname
+# (a UTS namespace) and its own tmpfs at the node-local path (a mount namespace): Open MPI sees separate hosts and
+# talks TCP between them. Run jobs with hpc/cluster/mpirun. Settings (environment):
+#   MPISCALE_CLUSTER_SUBNET  the first three numbers of the bridge's /24 (default 10.77.0)
+#   MPISCALE_CLUSTER_LOCAL   the node-local path, a private tmpfs on every node (default /mnt/mpiscale-local)
+#   MPISCALE_CLUSTER_LOCAL_MIB  its size (default 512)
+set -euo pipefail
+
+subnet="${MPISCALE_CLUSTER_SUBNET:-10.77.0}"
+local_path="${MPISCALE_CLUSTER_LOCAL:-/mnt/mpiscale-local}"
+local_mib="${MPISCALE_CLUSTER_LOCAL_MIB:-512}"
+run=/run/mpiscale-cluster
+bridge=mpiscale-br0
+tag="# mpiscale-cluster"
+
+die() { echo "hpc/cluster: $*" >&2; exit 2; }
+
+preflight() {
+    [[ "$(id -u)" == 0 ]] || die "must run as root (it makes network, UTS and mount namespaces, a bridge and mounts)"
+    local tool
+    for tool in ip unshare nsenter mount; do
+        command -v "$tool" >/dev/null || die "$tool is not installed (Debian: iproute2, util-linux)"
+    done
+    local kind
+    for kind in net uts mnt; do
+        [[ -e /proc/self/ns/$kind ]] || die "this kernel has no $kind namespaces"
+    done
+    unshare --uts --mount true 2>/dev/null || die "this kernel or container refuses new namespaces (unshare --uts --mount)"
+    ip link add mpiscale-probe type bridge 2>/dev/null && ip link del mpiscale-probe \
+        || die "cannot make a bridge here (no CAP_NET_ADMIN, or no bridge module)"
+}
+
+nodes() { [[ -f "$run/nodes" ]] && cat "$run/nodes" || true; }
+
+# alive: running, not a zombie left unreaped (the holder's parent is gone; not every init reaps)
+holder_alive() {
+    local pid state
+    pid="$(cat "$run/$1.pid" 2>/dev/null)" && state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" \
+        && [[ -n "$state" && "$state" != Z ]]
+}
+
+# every process of a node's network namespace killed at once, and gone (zombies aside) within 5 s
+kill_namespace() {
+    local ns="$1" waited=0 pid
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null || true
+    while ((waited++ < 50)); do
+        local left=0
+        for pid in $(ip netns pids "$ns" 2>/dev/null); do
+            [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" == Z ]] || left=1
+        done
+        ((left)) || return 0
+        sleep 0.1
+    done
+    echo "hpc/cluster: processes of $ns outlived SIGKILL for 5 s" >&2
+    return 1
+}
+
+up() {
+    local count="${1:-3}"
+    [[ "$count" =~ ^[1-9][0-9]?$ ]] || die "up takes a number of nodes from 1 to 99, got '$count'"
+    preflight
+    if [[ -f "$run/nodes" ]]; then
+        local alive=1 node
+        for node in $(nodes); do holder_alive "$node" || alive=0; done
+        if ((alive)) && [[ "$(nodes | wc -l)" == "$count" ]]; then
+            echo "hpc/cluster: already up: $(nodes | tr '\n' ' ')"
+            return 0
+        fi
+        down >/dev/null  # a cluster of another size, or one left half up: start afresh
+    fi
+    mkdir -p "$run"
+    [[ -d "$local_path" ]] || { mkdir -p "$local_path"; touch "$run/made-local-path"; }
+    ip link add "$bridge" type bridge
+    ip addr add "$subnet.1/24" dev "$bridge"
+    ip link set "$bridge" up
+    local k node ns
+    for ((k = 1; k <= count; k++)); do
+        node="node$k" ns="mpiscale-node$k"
+        ip netns add "$ns"
+        ip link add "mpiscale-v$k" type veth peer name eth0 netns "$ns"
+        ip link set "mpiscale-v$k" master "$bridge" up
+        ip -n "$ns" addr add "$subnet.$((10 + k))/24" dev eth0
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" link set lo up
+        # the holder keeps the node's namespaces alive: ip netns exec, unshare and sh exec in turn, so $! is it
+        ip netns exec "$ns" unshare --uts --mount --propagation private sh -c \
+            "hostname $node && mount -t tmpfs -o size=${local_mib}m mpiscale-$node '$local_path' && exec sleep infinity" \
+            </dev/null >/dev/null 2>&1 &
+        echo $! >"$run/$node.pid"
+        echo "$node" >>"$run/nodes"
+        echo "$subnet.$((10 + k)) $node $tag" >>/etc/hosts
+    done
+    for node in $(nodes); do
+        local waited=0
+        until [[ "$(nsenter --target "$(cat "$run/$node.pid")" --uts hostname 2>/dev/null)" == "$node" ]] \
+            && grep -q " $local_path tmpfs" "/proc/$(cat "$run/$node.pid")/mounts" 2>/dev/null; do
+            holder_alive "$node" || { down >/dev/null; die "$node did not start (its holder exited)"; }
+            ((waited++ < 100)) || { down >/dev/null; die "$node did not start within 10 s"; }
+            sleep 0.1
+        done
+    done
+    echo "hpc/cluster: up: $(nodes | tr '\n' ' ')(node-local disks at $local_path; run jobs with hpc/cluster/mpirun)"
+}
+
+kill_node() {
+    local node="${1:-}" ns
+    [[ -n "$node" ]] && grep -qx "$node" <(nodes) || die "kill takes a node of the cluster ($(nodes | tr '\n' ' '))"
+    ns="mpiscale-${node}"
+    # every process of the node at once (its ranks, its daemons, the holder: its tmpfs goes with its namespace)
+    kill_namespace "$ns"
+    echo "hpc/cluster: killed every process of $node; its node-local disk is gone"
+}
+
+down() {
+    local node ns
+    for node in $(nodes); do
+        ns="mpiscale-$node"
+        if ip netns list | grep -qw "$ns"; then
+            kill_namespace "$ns" || true
+            ip netns del "$ns"
+        fi
+    done
+    ip link show "$bridge" >/dev/null 2>&1 && ip link del "$bridge"
+    sed -i "/ $tag\$/d" /etc/hosts
+    [[ -f "$run/made-local-path" ]] && rmdir "$local_path" 2>/dev/null || true
+    rm -rf "$run"
+    echo "hpc/cluster: down"
+}
+
+status() {
+    [[ -f "$run/nodes" ]] || { echo "hpc/cluster: not up"; return 1; }
+    local node state
+    for node in $(nodes); do
+        state=down
+        holder_alive "$node" && state=up
+        echo "$node $(awk -v n="$node" '$2 == n {print $1}' /etc/hosts) $state"
+    done
+}
+
+case "${1:-}" in
+    up) up "${2:-3}" ;;
+    down) [[ "$(id -u)" == 0 ]] || die "must run as root"; down ;;
+    status) status ;;
+    kill) kill_node "${2:-}" ;;
+    *) sed -n '2,6p' "$0" >&2; exit 2 ;;
+esac
