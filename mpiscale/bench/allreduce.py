@@ -41,7 +41,10 @@ def init_torch_group(comm: Comm, backend: str = "gloo"):
 
     address = port = None
     if comm.Get_rank() == 0:  # rank 0's own address: on several hosts, the one the others reach it by
-        address = socket.gethostbyname(socket.gethostname())
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:  # a host name nothing resolves: one host then
+            address = "127.0.0.1"
         with socket.socket() as probe:
             probe.bind((address, 0))
             port = probe.getsockname()[1]
