@@ -167,4 +167,6 @@ def test_bench_telemetry_writes_json(tmp_path):
     assert record["benchmark"] == "telemetry" and set(record["median_s"]) == {"off", "file", "broker", "silent broker"}
     assert all(len(seconds) == 2 and min(seconds) > 0 for seconds in record["seconds"].values())
     assert "slowdown" in job.stdout and "us added" in job.stdout
-    assert all(0 < seconds < 1e-3 for seconds in record["empty_step_s"].values())
+    # a sanity bound, not a timing goal (the bench's table is the measure): tens of microseconds alone, but the
+    # other test worker's oversubscribed jobs (the local cluster's 6 ranks) stretched it past 1 ms once in CI
+    assert all(0 < seconds < 0.05 for seconds in record["empty_step_s"].values())
