@@ -143,6 +143,24 @@ def ranks_sharing_cores(comm: Comm) -> int:
     return sharing
 
 
+def rendezvous(comm: Comm) -> tuple[str, int]:
+    """An address of ``comm``'s first rank and a free port there, the same on every rank (collective): where a
+    library that meets over TCP (torch.distributed) makes its group. The first rank's own address, so that ranks on
+    other hosts reach it; the loopback where its host name resolves to nothing."""
+    import socket
+
+    address = port = None
+    if comm.Get_rank() == 0:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError:  # a host name nothing resolves: one host then
+            address = "127.0.0.1"
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+            port = probe.getsockname()[1]
+    return comm.bcast((address, port), 0)
+
+
 def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
 

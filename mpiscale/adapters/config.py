@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from ..jobs import DEVICES, option
+from ..jobs import DEVICE_RULE, DEVICES, option
 from .algebra import PRECISIONS
 from .pca import METHODS
 
@@ -52,8 +52,7 @@ class AdaptersConfig:
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto",
-        "where the products and eigensolvers run: cpu (numpy), cuda (torch; rank k of a host on GPU k mod its GPUs, "
-        "more ranks on a host than GPUs refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU when torch sees one)",
+        f"where the products and eigensolvers run (numpy on the CPU, torch on a GPU): cpu, {DEVICE_RULE}",
     )
     precision: str = option(
         "float64",

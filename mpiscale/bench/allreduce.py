@@ -15,7 +15,7 @@ from functools import partial
 
 import numpy as np
 
-from ..ranks import Comm
+from ..ranks import Comm, rendezvous
 from ..runtime import ActorSystem, run
 from . import plots
 from .report import median_slowest, median_slowest_async, table, write_json
@@ -37,18 +37,7 @@ def init_torch_group(comm: Comm, backend: str = "gloo"):
         import torch.distributed as dist
     except ImportError:
         return None
-    import socket
-
-    address = port = None
-    if comm.Get_rank() == 0:  # rank 0's own address: on several hosts, the one the others reach it by
-        try:
-            address = socket.gethostbyname(socket.gethostname())
-        except OSError:  # a host name nothing resolves: one host then
-            address = "127.0.0.1"
-        with socket.socket() as probe:
-            probe.bind((address, 0))
-            port = probe.getsockname()[1]
-    address, port = comm.bcast((address, port), 0)
+    address, port = rendezvous(comm)
     os.environ.setdefault("MASTER_ADDR", address)
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group(backend, rank=comm.Get_rank(), world_size=comm.Get_size())

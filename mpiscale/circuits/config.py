@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..jobs import DEVICES, option
+from ..jobs import DEVICE_RULE, DEVICES, option
 
 
 @dataclass
@@ -35,9 +35,7 @@ class CircuitsRunConfig:
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto",
-        "where the models run: cpu, cuda (rank k of a host on GPU k mod its GPUs; more ranks on a host than GPUs "
-        "refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU rule when torch sees a GPU, else cpu); the atoms "
-        "and plan ops run in host memory",
+        f"where the models run: cpu, {DEVICE_RULE}; the atoms and plan ops run in host memory",
     )
 
     def __post_init__(self) -> None:

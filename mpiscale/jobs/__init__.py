@@ -1,7 +1,15 @@
 """What every job shares: settings from TOML and the command line, the agreed start, output locks, steering,
 progress, and results written with the ranks' agreement."""
 
-from .device import DEVICES, SHARE_GPUS, choose_torch_device, gpu_for_rank, mpi_cuda_aware, recorded_devices
+from .device import (
+    DEVICE_RULE,
+    DEVICES,
+    SHARE_GPUS,
+    choose_torch_device,
+    gpu_for_rank,
+    mpi_cuda_aware,
+    recorded_devices,
+)
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
     claim_outputs,
@@ -30,6 +38,7 @@ from .state import (
 
 __all__ = [
     "DEVICES",
+    "DEVICE_RULE",
     "JOBS",
     "SHARE_GPUS",
     "choose_torch_device",

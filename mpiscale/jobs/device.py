@@ -24,6 +24,11 @@ if TYPE_CHECKING:
     from mpi4py.MPI import Comm
 
 SHARE_GPUS = "MPISCALE_SHARE_GPUS"
+#: The rule as every torch job's --device option states it, after its ``cpu`` choice.
+DEVICE_RULE = (
+    f"cuda (rank k of a host on GPU k mod its GPUs; more ranks on a host than GPUs refused unless {SHARE_GPUS}=1), "
+    "or auto (the GPU rule when torch sees a GPU, else cpu)"
+)
 
 
 def gpu_for_rank(rank_on_host: int, ranks_on_host: int, gpus: int, share: bool = False) -> int:

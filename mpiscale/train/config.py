@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..jobs import DEVICES, option
+from ..jobs import DEVICE_RULE, DEVICES, option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 INTRA_NODE = ("mpi", "nccl", "gloo")
@@ -104,9 +104,7 @@ class TrainConfig:
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto",
-        "where the model (or this rank's pipeline stage), its optimizer and the batches live: cpu, cuda (rank k of "
-        "a host on GPU k mod its GPUs; more ranks on a host than GPUs refused unless MPISCALE_SHARE_GPUS=1), or auto "
-        "(the GPU rule when torch sees a GPU, else cpu)",
+        f"where the model (or this rank's pipeline stage), its optimizer and the batches live: cpu, {DEVICE_RULE}",
     )
 
     def __post_init__(self) -> None:
@@ -211,8 +209,7 @@ class CollectConfig:
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto",
-        "where the model runs: cpu, cuda (rank k of a host on GPU k mod its GPUs; more ranks on a host than GPUs "
-        "refused unless MPISCALE_SHARE_GPUS=1), or auto (the GPU rule when torch sees a GPU, else cpu)",
+        f"where the model runs: cpu, {DEVICE_RULE}",
     )
 
     def __post_init__(self) -> None:

@@ -57,6 +57,7 @@ class _Bucket:
         self.used = np.zeros(len(params), np.int32)  # 1 where this rank had a gradient this step
 
     def view(self, index: int) -> np.ndarray:
+        """Parameter ``index``'s part of the host buffer."""
         return self.buffer[self.offsets[index] : self.offsets[index + 1]]
 
 

@@ -117,14 +117,9 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
     comm = MPI.COMM_WORLD  # checks and file I/O; the gradients go through the runtime's hierarchy
     device = torch.device(choose_torch_device(config.device, comm))
     sums = _tensor_sums(system, config, comm, device)
+    results_lock = checkpoints = None
     try:
         threads, results_lock = claim_training_outputs(config, comm)
-    except BaseException:
-        if sums is not None:
-            sums.close()
-        raise
-    checkpoints = None
-    try:
         data, validation, spec, model = prepare_data(config, comm)
         model.to(device)  # before the optimizer is made: its state lives beside the parameters
         if config.batching != "memory" and config.batch_size < system.size:
@@ -135,9 +130,10 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
         state = TrainingState(model, optimizer, config.checkpoints)
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
-        compression = scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
-        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, tensor_sums=sums,
-                                compression=None if sums is not None else compression)  # fmt: skip
+        # sums where the gradients lie take no compression
+        compression = None if sums else scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression,
+                                tensor_sums=sums)  # fmt: skip
         plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,

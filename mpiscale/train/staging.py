@@ -34,6 +34,10 @@ class Staged(Protocol):
     offsets: np.ndarray
     staging: Any  # the adaptor's own state for this bucket
 
+    def view(self, index: int) -> np.ndarray:
+        """Parameter ``index``'s part of ``buffer``."""
+        ...
+
 
 class HostGradients:
     """Parameters on the CPU: the bucket's buffer is the gradients' only copy."""
@@ -44,8 +48,7 @@ class HostGradients:
 
     def take(self, bucket: Staged, position: int, grad: torch.Tensor | None) -> None:
         """Parameter ``position``'s gradient (None: zeros) into the bucket."""
-        view = bucket.buffer[bucket.offsets[position] : bucket.offsets[position + 1]]
-        view[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
+        bucket.view(position)[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
 
     def send(self, bucket: Staged) -> None:
         """The bucket is complete: start bringing it to its host buffer."""
@@ -56,7 +59,7 @@ class HostGradients:
 
     def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Parameter ``position``'s averaged gradient, where the parameter lives."""
-        return torch.from_numpy(bucket.buffer[bucket.offsets[position] : bucket.offsets[position + 1]]).reshape(shape)
+        return torch.from_numpy(bucket.view(position)).reshape(shape)
 
     def flat(self, bucket: Staged) -> torch.Tensor:
         """The bucket's gradients as one tensor where the parameters live (``--intra-node``: summed there)."""

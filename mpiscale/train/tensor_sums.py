@@ -17,7 +17,7 @@ the same path on CPUs, which the tests run.
 
 The node's torch.distributed group is made from the runtime's node
 communicator (its first rank picks a free port on its host and tells the
-others over MPI), so the nodes are the runtime's nodes, simulated ones
+others over MPI: ``ranks.rendezvous``), so the nodes are the runtime's nodes, simulated ones
 included (``MPISCALE_RANKS_PER_NODE``). It is the process's default group: a
 job that made one already is refused.
 """
@@ -25,12 +25,12 @@ job that made one already is refused.
 from __future__ import annotations
 
 import asyncio
-import socket
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 
+from ..ranks import rendezvous
 from ..runtime import ActorSystem
 
 
@@ -62,9 +62,8 @@ class NodeSums:
         if dist.is_initialized():
             raise ValueError("--intra-node makes the process's torch.distributed group, and one exists already")
         node = system.node.comm
-        port = _free_port() if node.Get_rank() == 0 else None
-        port = node.bcast(port, root=0)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=node.Get_rank(),
+        address, port = rendezvous(node)
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=node.Get_rank(),
                                 world_size=node.Get_size(), timeout=TIMEOUT)  # fmt: skip
         self.dist, self.backend, self.system = dist, backend, system
 
@@ -110,9 +109,3 @@ class DirectSums:
 
     def close(self) -> None:
         self.comm.Free()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
