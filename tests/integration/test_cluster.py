@@ -7,7 +7,6 @@ cannot be made (not root, a container that refuses them) the module is skipped, 
 ``MPISCALE_REQUIRE_CLUSTER=1`` it fails instead.
 """
 
-import json
 import os
 import re
 import subprocess
@@ -19,6 +18,7 @@ import h5py
 import numpy as np
 import pytest
 from helpers import PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, assert_ok, finish
+from memstore_files import assert_same, results
 
 CLUSTER = REPO / "hpc" / "cluster"
 NODES = 3
@@ -121,17 +121,6 @@ def test_training_across_hosts_follows_one_process(nodes, tmp_path):
 STORE = ["memstore", "--records", "60000", "--iterations", "200", "--top", "20", "--checkpoint-every", "10"]
 
 
-def store_results(out: Path) -> tuple[dict, dict, dict]:
-    """(per-iteration results, the records sorted by id, the recovery report) of a memory-store run."""
-    with h5py.File(out, "r") as file:
-        history = {name: file[name][()] for name in file if name != "iteration_s"}
-        report = json.loads(file.attrs.get("recovery", "{}"))
-    with h5py.File(str(out).replace(".h5", ".records.h5"), "r") as file:
-        records = {name: file[name][()] for name in file}
-    order = np.argsort(records["ids"])
-    return history, {name: values[order] for name, values in records.items()}, report
-
-
 def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path):
     """4 ranks on node1 and node2, node-local logs and checkpoint shards on each node's own disk (partner copies on
     the other node); node2 killed whole mid-run, its disk with it. The job ends; rerun on the nodes that remain
@@ -159,13 +148,9 @@ def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path)
         assert ended.returncode != 0, log.read_text()[-4000:]
         again = across(4, [*cli, *durable], "the store rerun on node1 and node3", timeout=180)
         assert_ok(again)
-        run, expected = store_results(tmp_path / "store.h5"), store_results(reference)
+        run = results(tmp_path / "store.h5")
         assert "(local+partner)" in run[2]["source"] and "partner copies" in run[2]["source"], run[2]
-        for got, wanted in zip(run[:2], expected[:2]):
-            assert got.keys() == wanted.keys()
-            for name in wanted:
-                assert np.array_equal(got[name], wanted[name]), name
-        assert len(run[1]["ids"]) == 60000 and len(run[0]["count"]) == 200
+        assert_same(run, results(reference), records=60000, iterations=200)
         print(f"node2 killed to the rerun's first iteration: {run[2]['resumed_at'] - killed:.1f} s (the job's end, "
               f"the relaunch and recovery included); recovery itself {run[2]['seconds']['total']:.2f} s")  # fmt: skip
     finally:

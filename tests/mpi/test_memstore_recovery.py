@@ -5,17 +5,16 @@ final records and every iteration's aggregates and top-k. Nothing lost, nothing
 applied twice.
 """
 
-import json
 import re
 import shutil
 import signal
 import sys
 import time
 
-import h5py
-import numpy as np
 import pytest
 from helpers import PROGRAMS, assert_ok, finish, launch, run_cli
+from memstore_files import assert_same as assert_equal_runs
+from memstore_files import results
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 WORKLOAD = ["--records", "60000", "--iterations", "50", "--top", "20", "--checkpoint-every", "10"]
@@ -23,17 +22,6 @@ WORKLOAD = ["--records", "60000", "--iterations", "50", "--top", "20", "--checkp
 
 def memstore(ranks: int, *args, env=None, options=(), timeout: float = 240):
     return run_cli(ranks, "memstore", *WORKLOAD, *args, env=env, options=options, timeout=timeout)
-
-
-def results(out) -> tuple[dict, dict, dict]:
-    """(per-iteration results, the records sorted by id, the recovery report) of a run."""
-    with h5py.File(out, "r") as file:
-        history = {name: file[name][()] for name in file if name != "iteration_s"}
-        report = json.loads(file.attrs.get("recovery", "{}"))
-    with h5py.File(str(out).replace(".h5", ".records.h5"), "r") as file:
-        records = {name: file[name][()] for name in file}
-    order = np.argsort(records["ids"])
-    return history, {name: values[order] for name, values in records.items()}, report
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +33,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def assert_same(run, reference) -> None:
-    for got, expected in zip(run[:2], reference[:2]):
-        assert got.keys() == expected.keys()
-        for name in expected:
-            assert np.array_equal(got[name], expected[name]), name
-    assert len(run[1]["ids"]) == 60000 and len(run[0]["count"]) == 50
+    assert_equal_runs(run, reference, records=60000, iterations=50)
 
 
 def test_rank_killed_with_its_node_disk_gone_is_restarted_and_loses_nothing(tmp_path, uninterrupted):
