@@ -43,14 +43,57 @@ class Job:
         return int(self.fields.get("Restarts", "0"))
 
 
-class Cluster:
-    """One node (this host, 4 CPUs declared) in partition ``debug``; commands run with its ``SLURM_CONF``."""
+class Controller:
+    """A running Slurm, used through its ``SLURM_CONF`` (its logs in ``log/`` beside it)."""
+
+    def __init__(self, conf: Path) -> None:
+        self.conf = conf
+        self.directory = conf.parent
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    # ------------------------------------------------------------------- use
+    def run(self, command: list[str], check: bool = True, **options) -> subprocess.CompletedProcess:
+        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60, check=check, **options)
+
+    def submit(self, script: Path, *options: str, cwd: Path, env: dict | None = None) -> str:
+        """``sbatch --parsable`` from ``cwd``; returns the job id."""
+        environment = {**self.env, **(env or {})}
+        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], cwd=cwd, env=environment,
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        if done.returncode != 0:
+            raise SubmitError(done.stderr.strip())
+        return done.stdout.strip().split(";")[0]
+
+    def job(self, job_id: str) -> Job:
+        shown = self.run(["scontrol", "show", "job", "-o", job_id])
+        fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+        return Job(job_id, fields)
+
+    def wait(self, job_id: str, timeout: float, until=None) -> Job:
+        """Poll until the job is in a final state (or ``until(job)``); fail naming the job if it is not in time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.job(job_id)
+            if (until(job) if until is not None else job.state in FINAL_STATES) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        if until is None and job.state not in FINAL_STATES or until is not None and not until(job):
+            self.run(["scancel", job_id], check=False)
+            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self._logs()}")
+        return job
+
+    def _logs(self) -> str:
+        return "".join(
+            f"\n--- {path.name} ---\n{path.read_text()[-3000:]}" for path in sorted((self.directory / "log").glob("*"))
+        )
+
+
+class Cluster(Controller):
+    """One node (this host, 4 CPUs declared) in partition ``debug``, started and stopped by the tests."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.conf = directory / "slurm.conf"
+        super().__init__(directory / "slurm.conf")
         self.host = socket.gethostname().split(".")[0]
-        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._pids: list[tuple[str, Path]] = []
         self._munge_started = False
 
@@ -112,42 +155,6 @@ MpiDefault=none
 NodeName={self.host} NodeAddr=127.0.0.1 CPUs=4 RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes={self.host} Default=YES MaxTime=INFINITE State=UP
 """
-
-    # ------------------------------------------------------------------- use
-    def run(self, command: list[str], check: bool = True, **options) -> subprocess.CompletedProcess:
-        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60, check=check, **options)
-
-    def submit(self, script: Path, *options: str, cwd: Path, env: dict | None = None) -> str:
-        """``sbatch --parsable`` from ``cwd``; returns the job id."""
-        environment = {**self.env, **(env or {})}
-        done = subprocess.run(["sbatch", "--parsable", *options, str(script)], cwd=cwd, env=environment,
-                              capture_output=True, text=True, timeout=60)  # fmt: skip
-        if done.returncode != 0:
-            raise SubmitError(done.stderr.strip())
-        return done.stdout.strip().split(";")[0]
-
-    def job(self, job_id: str) -> Job:
-        shown = self.run(["scontrol", "show", "job", "-o", job_id])
-        fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
-        return Job(job_id, fields)
-
-    def wait(self, job_id: str, timeout: float, until=None) -> Job:
-        """Poll until the job is in a final state (or ``until(job)``); fail naming the job if it is not in time."""
-        deadline = time.monotonic() + timeout
-        while True:
-            job = self.job(job_id)
-            if (until(job) if until is not None else job.state in FINAL_STATES) or time.monotonic() > deadline:
-                break
-            time.sleep(0.25)
-        if until is None and job.state not in FINAL_STATES or until is not None and not until(job):
-            self.run(["scancel", job_id], check=False)
-            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self._logs()}")
-        return job
-
-    def _logs(self) -> str:
-        return "".join(
-            f"\n--- {path.name} ---\n{path.read_text()[-3000:]}" for path in sorted((self.directory / "log").glob("*"))
-        )
 
     # --------------------------------------------------------------- teardown
     def stop(self) -> None:

@@ -6,16 +6,22 @@
 #   hpc/cluster/cluster.sh kill NODE  every process of NODE killed at once and its node-local disk gone (a lost node)
 # Each node is a network namespace with an address on a private bridge (SUBNET.11, .12, ...), its own hostname
 # (a UTS namespace) and its own tmpfs at the node-local path (a mount namespace): Open MPI sees separate hosts and
-# talks TCP between them. Run jobs with hpc/cluster/mpirun. Settings (environment):
+# talks TCP between them. Run jobs with hpc/cluster/mpirun, or under Slurm: where Slurm is installed, every node
+# runs its own slurmd, and slurmctld and a munged of the cluster's own run on the machine (partition "local";
+# export SLURM_CONF=/run/mpiscale-cluster/slurm/slurm.conf, then sbatch, srun, squeue as usual). Settings:
 #   MPISCALE_CLUSTER_SUBNET  the first three numbers of the bridge's /24 (default 10.77.0)
 #   MPISCALE_CLUSTER_LOCAL   the node-local path, a private tmpfs on every node (default /mnt/mpiscale-local)
 #   MPISCALE_CLUSTER_LOCAL_MIB  its size (default 512)
+#   MPISCALE_CLUSTER_CPUS    the CPUs each node declares to Slurm (default 2: they share the machine's cores)
+#   MPISCALE_CLUSTER_SLURM   0: no Slurm even where it is installed
 set -euo pipefail
 
 subnet="${MPISCALE_CLUSTER_SUBNET:-10.77.0}"
 local_path="${MPISCALE_CLUSTER_LOCAL:-/mnt/mpiscale-local}"
 local_mib="${MPISCALE_CLUSTER_LOCAL_MIB:-512}"
+cpus="${MPISCALE_CLUSTER_CPUS:-2}"
 run=/run/mpiscale-cluster
+slurm="$run/slurm"
 bridge=mpiscale-br0
 tag="# mpiscale-cluster"
 
@@ -61,6 +67,94 @@ kill_namespace() {
     return 1
 }
 
+slurm_installed() {
+    [[ "${MPISCALE_CLUSTER_SLURM:-1}" != 0 && -x /usr/sbin/slurmctld && -x /usr/sbin/slurmd && -x /usr/sbin/munged ]] \
+        && command -v sinfo >/dev/null
+}
+
+# a TCP port nothing on the machine listens on, for slurmctld (a site's own Slurm keeps 6817)
+free_port() {
+    local port=16817
+    while ss -Hltn "sport = :$port" | grep -q .; do ((port++)); done
+    echo "$port"
+}
+
+slurm_conf() {  # $1: the node count
+    local k
+    cat <<EOF
+# The local cluster's Slurm (written by hpc/cluster/cluster.sh up; gone at down)
+ClusterName=mpiscale-local
+SlurmctldHost=$(hostname -s)($subnet.1)
+SlurmctldPort=$(free_port)
+SlurmdPort=6818
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+# a requeued job may start again 5 s after it ended (Slurm waits for its credentials to expire: 120 s by default)
+AuthInfo=socket=$slurm/munge/socket,cred_expire=5
+MailProg=/bin/true
+# job temporary files (PMIx's too) on each node's own disk: /tmp is one directory shared by every node here
+TmpFS=$local_path
+StateSaveLocation=$slurm/state
+SlurmdSpoolDir=$slurm/spool/%n
+SlurmctldPidFile=$slurm/slurmctld.pid
+SlurmdPidFile=$slurm/slurmd-%n.pid
+SlurmctldLogFile=$slurm/log/slurmctld.log
+SlurmdLogFile=$slurm/log/slurmd-%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+SchedulerParameters=sched_interval=1,sched_min_interval=100000
+# a node whose slurmd stops answering is DOWN after 10 s (sites: minutes), and its jobs are requeued (--requeue)
+SlurmdTimeout=10
+ReturnToService=2
+MinJobAge=600
+MpiDefault=none
+EOF
+    for ((k = 1; k <= $1; k++)); do
+        echo "NodeName=node$k NodeAddr=$subnet.$((10 + k)) CPUs=$cpus RealMemory=1000 State=UNKNOWN"
+    done
+    echo "PartitionName=local Nodes=node[1-$1] Default=YES MaxTime=INFINITE State=UP"
+}
+
+# munged (the cluster's own socket, the machine's key), slurmctld here, and a slurmd inside every node
+start_slurm() {
+    local count="$1" node waited=0
+    mkdir -p "$slurm/state" "$slurm/log" "$slurm/munge"
+    for node in $(nodes); do mkdir -p "$slurm/spool/$node"; done
+    chown munge:munge "$slurm/munge"
+    runuser -u munge -- /usr/sbin/munged --socket="$slurm/munge/socket" --pid-file="$slurm/munge/munged.pid" \
+        --seed-file="$slurm/munge/seed" --log-file="$slurm/munge/munged.log" \
+        || { down >/dev/null; die "munged did not start (is /etc/munge/munge.key there?)"; }
+    slurm_conf "$count" >"$slurm/slurm.conf"
+    export SLURM_CONF="$slurm/slurm.conf"
+    /usr/sbin/slurmctld -f "$SLURM_CONF" || { down >/dev/null; die "slurmctld did not start"; }
+    for node in $(nodes); do
+        nsenter --target "$(cat "$run/$node.pid")" --uts --mount --net -- /usr/sbin/slurmd -f "$SLURM_CONF" \
+            || { down >/dev/null; die "the slurmd of $node did not start"; }
+    done
+    until [[ "$(sinfo -h -N -o '%N %T' 2>/dev/null | grep -c ' idle$')" == "$count" ]]; do
+        ((waited++ < 300)) || { sinfo -N >&2 || true; down >/dev/null; die "Slurm's nodes were not idle within 30 s"; }
+        sleep 0.1
+    done
+}
+
+# slurmctld and munged (each slurmd went with its node), by their pid files, within 10 s each
+stop_slurm() {
+    local pid_file pid waited
+    for pid_file in "$slurm/slurmctld.pid" "$slurm/munge/munged.pid"; do
+        pid="$(cat "$pid_file" 2>/dev/null)" || continue
+        kill -TERM "$pid" 2>/dev/null || continue
+        waited=0
+        while kill -0 "$pid" 2>/dev/null && ((waited++ < 100)); do sleep 0.1; done
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+}
+
 up() {
     local count="${1:-3}"
     [[ "$count" =~ ^[1-9][0-9]?$ ]] || die "up takes a number of nodes from 1 to 99, got '$count'"
@@ -88,11 +182,13 @@ up() {
         ip -n "$ns" addr add "$subnet.$((10 + k))/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
-        # the holder keeps the node's namespaces alive: ip netns exec, unshare and sh exec in turn, so $! is it
-        ip netns exec "$ns" unshare --uts --mount --propagation private sh -c \
+        # the holder keeps the node's namespaces alive (nsenter, unshare and sh exec in turn, so $! is it); it keeps
+        # the machine's /sys, cgroups included, which slurmd needs (ip netns exec would mount a bare one)
+        nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c \
             "hostname $node && mount -t tmpfs -o size=${local_mib}m mpiscale-$node '$local_path' && exec sleep infinity" \
             </dev/null >/dev/null 2>&1 &
         echo $! >"$run/$node.pid"
+        disown  # it outlives this script; a later down kills it without a word from this shell
         echo "$node" >>"$run/nodes"
         echo "$subnet.$((10 + k)) $node $tag" >>/etc/hosts
     done
@@ -105,7 +201,12 @@ up() {
             sleep 0.1
         done
     done
-    echo "hpc/cluster: up: $(nodes | tr '\n' ' ')(node-local disks at $local_path; run jobs with hpc/cluster/mpirun)"
+    local with="run jobs with hpc/cluster/mpirun"
+    if slurm_installed; then
+        start_slurm "$count"
+        with+=", or under Slurm: export SLURM_CONF=$slurm/slurm.conf"
+    fi
+    echo "hpc/cluster: up: $(nodes | tr '\n' ' ')(node-local disks at $local_path; $with)"
 }
 
 kill_node() {
@@ -126,6 +227,7 @@ down() {
             ip netns del "$ns"
         fi
     done
+    stop_slurm
     ip link show "$bridge" >/dev/null 2>&1 && ip link del "$bridge"
     sed -i "/ $tag\$/d" /etc/hosts
     [[ -f "$run/made-local-path" ]] && rmdir "$local_path" 2>/dev/null || true

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import split_spec
-from ..jobs import load_settings, option
+from ..jobs import checkpoint_level_problems, load_settings, local_dir_option, option, shared_every_option
 
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
@@ -50,6 +50,8 @@ class DictLearnConfig:
     out: str = option("results.h5", "results file (written at the end, atomically)")
     checkpoint_every: int = option(0, "checkpoint every N iterations (0 = never)")
     checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
+    local_dir: str = local_dir_option()
+    shared_every: int = shared_every_option()
     resume: bool = option(False, "continue from the newest checkpoint in the checkpoint directory")
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     eval_every: int = option(0, "compute the error on the whole data set every N iterations (0 = never)")
@@ -67,6 +69,7 @@ class DictLearnConfig:
         for name in ("checkpoint_every", "eval_every", "samples", "features", "planted_atoms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be 0 or more, got {getattr(self, name)}")
+        problems += checkpoint_level_problems(self.local_dir, self.shared_every)
         if self.sparsity > self.atoms:
             problems.append(
                 f"sparsity {self.sparsity} exceeds the number of atoms {self.atoms}: a code cannot use more"

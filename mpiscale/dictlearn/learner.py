@@ -30,6 +30,7 @@ from ..jobs import (
     claim_outputs,
     give_back,
     load_state,
+    open_checkpointer,
     restore_compatible,
     run_lifecycle,
     same_bits_everywhere,
@@ -211,7 +212,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
         info, planted = _prepare_data(config, comm)
         state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
         history, start = History.start(config.iterations, config.atoms), 0
-        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        checkpoints = open_checkpointer(config.checkpoints, comm, config.local_dir, config.shared_every)
         start = _restore(config, info, checkpoints, state, history)
         if start and system.rank == 0:
             print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)

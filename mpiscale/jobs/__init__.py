@@ -12,10 +12,14 @@ from .device import (
 )
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
+    checkpoint_level_problems,
     claim_outputs,
     close_checkpointer,
     give_back,
+    local_dir_option,
+    open_checkpointer,
     run_without_steps,
+    shared_every_option,
     start_agreed,
     write_results,
 )
@@ -51,6 +55,7 @@ __all__ = [
     "ProgressLine",
     "announce",
     "add_options",
+    "checkpoint_level_problems",
     "claim_outputs",
     "close_checkpointer",
     "duration",
@@ -62,6 +67,8 @@ __all__ = [
     "observed",
     "load_settings",
     "load_state",
+    "local_dir_option",
+    "open_checkpointer",
     "option",
     "option_fields",
     "Plan",
@@ -72,6 +79,7 @@ __all__ = [
     "setting_differences",
     "settings_meta",
     "run_without_steps",
+    "shared_every_option",
     "start_agreed",
     "state_arrays",
     "Stateful",

@@ -23,6 +23,7 @@ from ..io import (
 )
 from ..ranks import Comm, agree
 from ..runtime import ActorSystem, JobRefused
+from .settings import option
 
 Job = TypeVar("Job")
 
@@ -215,3 +216,34 @@ async def write_results(
         else:
             print(done, flush=True)
     await system.agree(problem, "the results file", status=1)
+
+
+def local_dir_option() -> str:
+    """The ``--local-dir`` setting of a job that checkpoints (one help text for every job)."""
+    return option(
+        "",
+        "node-local directory (each node's own disk: /local/scratch, $TMPDIR) for the checkpoints' shards, each "
+        "copied to a rank on the next node, so a lost node loses nothing; empty: the checkpoint directory only",
+    )
+
+
+def shared_every_option() -> int:
+    """The ``--shared-every`` setting that goes with ``--local-dir``."""
+    return option(
+        1, "with --local-dir: every Nth checkpoint also goes to the checkpoint directory (0: never, node-local only)"
+    )
+
+
+def checkpoint_level_problems(local_dir: str, shared_every: int) -> list[str]:
+    """What is wrong with a job's ``--local-dir`` and ``--shared-every`` (nothing: an empty list)."""
+    if shared_every < 0:
+        return [f"shared_every must be 0 or more, got {shared_every}"]
+    if shared_every == 0 and not local_dir:
+        return ["--shared-every 0 keeps checkpoints on node-local disks only: it needs --local-dir"]
+    return []
+
+
+def open_checkpointer(directory: str, comm: Comm, local_dir: str, shared_every: int) -> Checkpointer:
+    """The checkpointer of a job (collective): the newest two checkpoints, in ``directory`` and, with
+    ``local_dir``, as node-local shards with partner copies."""
+    return Checkpointer(directory, comm, keep=2, local_dir=local_dir or None, shared_every=shared_every)

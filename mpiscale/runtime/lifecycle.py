@@ -27,6 +27,7 @@ from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
 from .errors import JobRefused
 from .eventloop import new_event_loop
+from .node_watch import LostNode, NodeWatch
 from .peers import LocalPeers
 from .system import ActorSystem
 
@@ -47,6 +48,7 @@ class Lifecycle:
         self.stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
         self.stop_noted = False  # a SIGTERM's stop request was made at once, before the loop took the signal
         self.local_peers = LocalPeers.gather(system.world.comm, system.host)
+        self.node_watch = NodeWatch.gather(system.world.comm, system.host)
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
         """``main`` on this rank, then the quiet end every rank agrees on; signals handled meanwhile."""
@@ -62,8 +64,10 @@ class Lifecycle:
         loop.add_signal_handler(signal.SIGUSR1, system.dump_diagnostics)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         engine_task, watch = system.start()
+        self.node_watch.start(self.node_lost)
         try:
             self.main_task = loop.create_task(_exit_as_exception(main(system)), name="main")
+            self.main_task.add_done_callback(lambda _: self.node_watch.end())
             if early_stop.take() is not None:
                 self.stop_at_start()
             refused: JobRefused | None = None
@@ -115,11 +119,21 @@ class Lifecycle:
             f"{named} on host {system.host} ended while the job ran (killed by a signal, such as the "
             "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
         )
+        await self._end_for_death(f"a SIGTERM came, and {detail}", detail, min(dead))
+
+    async def node_lost(self, lost: LostNode) -> None:
+        """The node watch found a host of the job gone: the job ends at once, naming it."""
+        detail = lost.describe()
+        await self._end_for_death(detail, detail, min(lost.ranks, default=0))
+
+    async def _end_for_death(self, report: str, detail: str, rank: int) -> None:
+        """Tell the job's telemetry that ``rank`` died, then end every rank with ``report`` (one line)."""
+        system = self.system
         for reporter in system.death_reporters:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(reporter(detail, min(dead)), 1.0)
+                await asyncio.wait_for(reporter(detail, rank), 1.0)
         if not system.failing:  # one line, not a second report: a rank that failed has printed its own
-            system.abort(f"mpiscale: rank {system.rank}: a SIGTERM came, and {detail}\n", 1)
+            system.abort(f"mpiscale: rank {system.rank}: {report}\n", 1)
 
     def stop_at_start(self) -> None:
         """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops
@@ -140,6 +154,7 @@ class Lifecycle:
     def note_stop(self, signum: int, frame: object) -> None:
         """SIGTERM's Python-level handler: a steering job's stop request, noted between two bytecodes of a step."""
         system = self.system
+        self.node_watch.quiet()  # a signal from the launcher comes first: the connections that close next are no loss
         if system.steering.active and system.stop_signal is None and not system.stopping:
             system.steering.request("stop")
             self.stop_noted = True
@@ -160,6 +175,7 @@ class Lifecycle:
                 system.steering.request("stop")
                 asyncio.get_running_loop().call_later(grace, self.stop_overdue, signum)
             return
+        self.node_watch.end()  # the ranks end now: connections that close are no loss
         if system.stopping:
             sys.stderr.write(f"mpiscale: rank {system.rank}: second {name}, exiting now\n")
             os._exit(128 + signum)

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..jobs import DEVICE_RULE, DEVICES, option
+from ..jobs import DEVICE_RULE, DEVICES, checkpoint_level_problems, local_dir_option, option, shared_every_option
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 INTRA_NODE = ("mpi", "nccl", "gloo")
@@ -100,6 +100,8 @@ class TrainConfig:
     out: str = option("model.h5", "results file: the trained weights, learning curves, settings")
     checkpoint_every: int = option(0, "checkpoint every N steps (0 = never)")
     checkpoint_dir: str = option("", "checkpoint directory (default: OUT with .checkpoints instead of .h5)")
+    local_dir: str = local_dir_option()
+    shared_every: int = shared_every_option()
     resume: bool = option(False, "continue from the newest checkpoint (also on another number of ranks)")
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
@@ -149,6 +151,7 @@ class TrainConfig:
             problems.append(f"width must be a multiple of heads, got width {self.width} and {self.heads} heads")
         if self.checkpoint_every < 0:
             problems.append(f"checkpoint_every must be 0 or more, got {self.checkpoint_every}")
+        problems += checkpoint_level_problems(self.local_dir, self.shared_every)
         _positive(self, ("learning_rate", "bucket_mib"), problems)
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             problems.append(f"weight_decay must be a number >= 0, got {self.weight_decay}")

@@ -31,6 +31,7 @@ from ..jobs import (
     give_back,
     load_state,
     mpi_cuda_aware,
+    open_checkpointer,
     recorded_devices,
     same_bits_everywhere,
     settings_meta,
@@ -127,7 +128,7 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         schedule = checked_steps(config, data, comm, system.size)
         optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
         curves, start = Curves(), 0
-        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        checkpoints = open_checkpointer(config.checkpoints, comm, config.local_dir, config.shared_every)
         state = TrainingState(model, optimizer, config.checkpoints)
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         # sums where the gradients lie take no compression

@@ -157,6 +157,64 @@ def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path)
         cluster("up", str(NODES))  # the whole cluster again for the tests after this one (afresh: node2 is gone)
 
 
+DICTLEARN = ["dictlearn", "--atoms", "50", "--iterations", "2000", "--samples", "1500", "--features", "20",
+             "--sparsity", "3", "--snr-db", "20", "--progress-every", "0"]  # fmt: skip
+TRAIN = ["train", "--epochs", "2", "--batch-size", "60", "--hidden", "32", "--progress-every", "0"]
+LOSSES = {"dictlearn": (DICTLEARN, 250), "train": (TRAIN, 10)}  # settings, checkpoint every
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    """What a dictlearn or train results file learned: the dictionary, or every weight of the model."""
+    with h5py.File(path, "r") as file:
+        if "dictionary" in file:
+            return {"dictionary": file["dictionary"][()]}
+        return {name: file["model"][name][()] for name in file["model"]}
+
+
+def _checkpointed(directory: Path) -> int:
+    latest = directory / "latest"
+    return int(latest.read_text()) if latest.exists() else 0
+
+
+@pytest.mark.parametrize("job", sorted(LOSSES))
+def test_a_job_with_node_local_checkpoints_loses_a_node_and_resumes_from_partner_copies(nodes, tmp_path, job):
+    """4 ranks on node1 and node2, checkpoints on the node-local disks only (--shared-every 0: each shard on its
+    node, a copy on the other node); node2 killed whole after a checkpoint, its disk with it. The job ends naming
+    node2; rerun on the nodes that remain (node1, node3) it restores from node1's own shards and partner copies and
+    ends with the uninterrupted run's result, bit for bit."""
+    settings, every = LOSSES[job]
+    cli = [sys.executable, "-m", "mpiscale.cli", *settings]
+    assert_ok(across(4, [*cli, "--out", str(tmp_path / "reference.h5")], f"the uninterrupted {job}", timeout=180))
+    checkpoints = tmp_path / "checkpoints"
+    durable = [*cli, "--out", str(tmp_path / "run.h5"), "--checkpoint-dir", str(checkpoints), "--checkpoint-every",
+               str(every), "--local-dir", LOCAL, "--shared-every", "0", "--resume"]  # fmt: skip
+    environment = SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "0"}
+    try:
+        first = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *durable], env=environment, cwd=REPO,
+                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None and _checkpointed(checkpoints) < every:
+            time.sleep(0.05)
+        assert first.poll() is None and _checkpointed(checkpoints) >= every, "no checkpoint before the end"
+        assert cluster("kill", "node2").returncode == 0
+        ended = finish(first, f"the {job} after node2 was killed", 90)
+        assert ended.returncode != 0
+        assert "hpc/cluster/mpirun: node node2 went down while the job ran" in ended.stderr, ended.output[-4000:]
+        assert not list(checkpoints.glob("step-*.h5")), "--shared-every 0 wrote a shared checkpoint"
+        again = across(4, durable, f"the {job} rerun on node1 and node3", timeout=180)
+        assert_ok(again)
+        restored = re.search(r"restored checkpoint step (\d+) from \{\d+: '([a-z+]+)'\}", again.stderr)
+        assert restored and int(restored[1]) >= every and restored[2] == "local+partner", again.stderr[-3000:]
+        with h5py.File(tmp_path / "run.h5", "r") as run:
+            assert run.attrs["hosts"] == '["node1", "node3"]'
+        reference, result = _weights(tmp_path / "reference.h5"), _weights(tmp_path / "run.h5")
+        for name, values in reference.items():
+            np.testing.assert_array_equal(result[name], values, err_msg=name)
+    finally:
+        cluster("up", str(NODES))  # the whole cluster again for the tests after this one (afresh: node2 is gone)
+
+
 def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
     """A file on node1's node-local disk is on no other node nor on the machine; killing node3 kills its processes
     and its disk, and leaves the others running."""

@@ -91,16 +91,26 @@ class Layout:
         return sorted(found, reverse=True)
 
     def shards_on_node(self, node: int, step: int) -> list[tuple[int, bool, str]]:
-        """(writer rank, is a partner copy, path) of every shard of ``step`` on ``node``."""
+        """(writer rank, is a partner copy, path) of every shard of ``step`` this node can read: those of its own
+        directory ``node-K``, then those of any other ``node-*`` directory here. A job resumed on fewer or other
+        nodes numbers them anew, and a node's disk keeps the shards of the number it had."""
+        assert self.local is not None
+        own = self.node_dir(node)
         try:
-            names = os.listdir(self.step_dir(node, step))
-        except FileNotFoundError:
-            return []
+            others = sorted(p for p in self.local.glob("node-*") if p != own and p.is_dir())
+        except OSError:
+            others = []
         found = []
-        for name in sorted(names):
-            match = _SHARD.match(name)
-            if match:
-                found.append((int(match.group(2)), match.group(1) != "rank", str(self.step_dir(node, step) / name)))
+        for directory in (own, *others):
+            steps = directory / f"step-{step:08d}"
+            try:
+                names = os.listdir(steps)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in sorted(names):
+                match = _SHARD.match(name)
+                if match:
+                    found.append((int(match.group(2)), match.group(1) != "rank", str(steps / name)))
         return found
 
 

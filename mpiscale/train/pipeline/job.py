@@ -33,6 +33,7 @@ from ...jobs import (
     Step,
     choose_torch_device,
     give_back,
+    open_checkpointer,
     recorded_devices,
     settings_meta,
     state_arrays,
@@ -156,7 +157,7 @@ def prepare_pipeline(system: ActorSystem, config: TrainConfig) -> _PipelineTrain
         state = StageState(stage, optimizer, saves=system.rank % replicas == 0)
         edge = _edge(comm, data, index, config.stages)
         curves = Curves()
-        checkpoints = Checkpointer(config.checkpoints, comm, keep=2)
+        checkpoints = open_checkpointer(config.checkpoints, comm, config.local_dir, config.shared_every)
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         plan = training_plan(config, schedule)
         return _PipelineTraining(
