@@ -49,8 +49,10 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The tests make test leaves out: a real Slurm time limit and its requeue (about four minutes), and the requeue of
-# an mpirun launcher line (make test requeues an srun line, and stops and resumes an mpirun one)
+# The tests make test leaves out: a real Slurm time limit and its requeue (about four minutes), the requeue of an
+# mpirun launcher line (make test requeues an srun line, and stops and resumes an mpirun one), and on the local
+# multi-node cluster the train run that loses a node and the mpirun line inside a 2-node allocation (make test runs
+# dictlearn's and srun's, keeping the node-level tests within four minutes)
 test-slow: setup
 	$(PY) -m pytest -m slow
 

@@ -7,6 +7,7 @@ cannot be made (not root, a container that refuses them) the module is skipped, 
 ``MPISCALE_REQUIRE_CLUSTER=1`` it fails instead.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from helpers import PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, assert_ok, finish
 from memstore_files import assert_same, results
+from slurm_cluster import Controller
 
 CLUSTER = REPO / "hpc" / "cluster"
 NODES = 3
@@ -106,16 +108,23 @@ def test_the_hierarchical_allreduce_across_hosts_matches_numpy(nodes, ranks):
 
 
 def test_training_across_hosts_follows_one_process(nodes, tmp_path):
-    """mpiscale train on 4 ranks over 2 hosts (parallel HDF5 on the shared file system, gradients over TCP)
-    against one rank: the same weights within rounding."""
+    """mpiscale train on 4 ranks over 2 hosts (parallel HDF5 on the shared file system, gradients over TCP), and a
+    pipeline of 2 stages with one stage per host (activations and gradients over TCP), each against one rank: the
+    same weights within rounding."""
     settings = ["train", "--epochs", "1", "--batch-size", "60", "--hidden", "32", "--progress-every", "0"]
-    cli = [sys.executable, "-m", "mpiscale.cli"]
-    assert_ok(across(1, [*cli, *settings, "--out", str(tmp_path / "one.h5")], "train on 1 rank"))
-    assert_ok(across(4, [*cli, *settings, "--out", str(tmp_path / "four.h5")], "train on 2 hosts"))
-    with h5py.File(tmp_path / "one.h5", "r") as one, h5py.File(tmp_path / "four.h5", "r") as four:
-        assert four.attrs["hosts"] == '["node1", "node2"]' and one.attrs["hosts"] == '["node1"]'
-        for name in one["model"]:
-            np.testing.assert_allclose(four["model"][name][()], one["model"][name][()], rtol=1e-4, atol=1e-5)
+    cli = [sys.executable, "-m", "mpiscale.cli", *settings]
+    assert_ok(across(1, [*cli, "--out", str(tmp_path / "one.h5")], "train on 1 rank"))
+    assert_ok(across(4, [*cli, "--out", str(tmp_path / "four.h5")], "train on 2 hosts"))
+    pipeline = [*cli, "--stages", "2", "--micro-batches", "4", "--out", str(tmp_path / "stages.h5")]
+    assert_ok(across(2, pipeline, "a stage on each of 2 hosts", env={"SLOTS": "1"}))
+    one = _weights(tmp_path / "one.h5")
+    for name in ("four", "stages"):
+        with h5py.File(tmp_path / f"{name}.h5", "r") as run:
+            assert run.attrs["hosts"] == '["node1", "node2"]', name
+        got = _weights(tmp_path / f"{name}.h5")
+        assert got.keys() == one.keys()
+        for weight, values in one.items():
+            np.testing.assert_allclose(got[weight], values, rtol=1e-4, atol=1e-5, err_msg=f"{name}: {weight}")
 
 
 STORE = ["memstore", "--records", "60000", "--iterations", "200", "--top", "20", "--checkpoint-every", "10"]
@@ -176,7 +185,8 @@ def _checkpointed(directory: Path) -> int:
     return int(latest.read_text()) if latest.exists() else 0
 
 
-@pytest.mark.parametrize("job", sorted(LOSSES))
+# make test keeps the node-level tests within four minutes: the train run of this test goes to make test-slow
+@pytest.mark.parametrize("job", ["dictlearn", pytest.param("train", marks=pytest.mark.slow)])
 def test_a_job_with_node_local_checkpoints_loses_a_node_and_resumes_from_partner_copies(nodes, tmp_path, job):
     """4 ranks on node1 and node2, checkpoints on the node-local disks only (--shared-every 0: each shard on its
     node, a copy on the other node); node2 killed whole after a checkpoint, its disk with it. The job ends naming
@@ -215,6 +225,150 @@ def test_a_job_with_node_local_checkpoints_loses_a_node_and_resumes_from_partner
         cluster("up", str(NODES))  # the whole cluster again for the tests after this one (afresh: node2 is gone)
 
 
+SLURM_CONF = Path("/run/mpiscale-cluster/slurm/slurm.conf")
+TEMPLATE = REPO / "hpc" / "slurm" / "dictlearn.sbatch"
+TEMPLATE_SETTINGS = {
+    "MPISCALE_HOME": str(REPO), "ATOMS": "50", "ITERATIONS": "2000", "CHECKPOINT_EVERY": "250",
+    "OPTIONS": "--samples 1500 --features 20 --sparsity 3 --snr-db 20 --progress-every 0",
+    "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
+}  # fmt: skip
+_references: dict[str, dict[str, np.ndarray]] = {}
+
+
+def _reference(job: str, directory: Path) -> dict[str, np.ndarray]:
+    """What ``job`` learns uninterrupted on 4 ranks over node1 and node2 (run once per module)."""
+    if job not in _references:
+        out = directory / f"{job}-reference.h5"
+        cli = [sys.executable, "-m", "mpiscale.cli", *LOSSES[job][0], "--out", str(out)]
+        assert_ok(across(4, cli, f"the uninterrupted {job}", timeout=180))
+        _references[job] = _weights(out)
+    return _references[job]
+
+
+@pytest.fixture
+def scheduler(nodes):
+    """The cluster's own Slurm (cluster.sh starts it where Slurm is installed)."""
+    if not SLURM_CONF.exists():
+        if os.environ.get("MPISCALE_REQUIRE_CLUSTER") == "1":
+            pytest.fail("MPISCALE_REQUIRE_CLUSTER=1 but the cluster has no Slurm (launch/setup.sh installs it)")
+        pytest.skip("Slurm is not installed here: the cluster has no scheduler")
+    return Controller(SLURM_CONF)
+
+
+def _submit(scheduler: Controller, run: Path, *options: str, **settings: str) -> str:
+    """hpc/slurm/dictlearn.sbatch on 2 nodes of 2 tasks, writing to ``run``."""
+    env = {**TEMPLATE_SETTINGS, "RUN": str(run), **settings}
+    return scheduler.submit(TEMPLATE, "--nodes=2", "--ntasks-per-node=2", *options, cwd=run.parent, env=env)
+
+
+def _output(run: Path, job: str) -> str:
+    return (run.parent / f"mpiscale-dictlearn-{job}.out").read_text()
+
+
+def _until_checkpoint(scheduler: Controller, job: str, run: Path, step: int) -> None:
+    checkpoints = run / "checkpoints"
+    scheduler.wait(
+        job, 120, until=lambda j: _checkpointed(checkpoints) >= step or j.state not in ("PENDING", "RUNNING")
+    )
+    assert _checkpointed(checkpoints) >= step, f"job {job} ended before its checkpoint of iteration {step}"
+
+
+def _assert_learned(run: Path, tmp_path: Path) -> None:
+    with h5py.File(run / "dictionary.h5", "r") as file:
+        assert file.attrs["iterations"] == 2000 and file.attrs["world_size"] == 4
+    np.testing.assert_array_equal(_weights(run / "dictionary.h5")["dictionary"],
+                                  _reference("dictlearn", tmp_path)["dictionary"])  # fmt: skip
+
+
+@pytest.mark.parametrize("launcher", ["srun", pytest.param("mpirun", marks=pytest.mark.slow)])  # make test-slow
+def test_sbatch_runs_a_job_across_two_nodes_with_either_launch_line(scheduler, tmp_path, launcher):
+    """sbatch -N 2 of the dictlearn template: srun --mpi=pmix, or mpirun inside the allocation (its daemons started
+    by srun on each node), runs 2 ranks on each host and learns what mpirun from outside does."""
+    run = tmp_path / "run"
+    job = _submit(scheduler, run, MPISCALE_LAUNCHER=launcher)
+    finished = scheduler.wait(job, 150)
+    assert finished.state == "COMPLETED" and finished.exit_code == "0:0", (finished.fields, _output(run, job)[-3000:])
+    assert finished.fields["NodeList"] == "node[1-2]" and f"mpiscale-run: {launcher} " in _output(run, job)
+    with h5py.File(run / "dictionary.h5", "r") as file:
+        assert file.attrs["hosts"] == '["node1", "node2"]'
+    _assert_learned(run, tmp_path)
+
+
+def test_a_node_lost_under_slurm_is_named_and_the_job_resumes_on_the_nodes_that_remain(scheduler, tmp_path):
+    """node2 killed whole (its ranks, its slurmd, its disk) under the template with node-local checkpoints only. The
+    job ends at once with one line naming node2 (the node watch: srun itself waits for Slurm to declare the node
+    dead); Slurm requeues it, it lands on node1 and node3, restores from node1's shards and partner copies, and
+    learns the uninterrupted dictionary bit for bit. Telemetry and ``mpiscale watch`` name the node too."""
+    run = tmp_path / "run"
+    options = f"{TEMPLATE_SETTINGS['OPTIONS']} --local-dir {LOCAL} --shared-every 0"
+    job = _submit(scheduler, run, OPTIONS=options)
+    _until_checkpoint(scheduler, job, run, 250)
+    try:
+        killed = time.monotonic()
+        assert cluster("kill", "node2").returncode == 0
+        lost = "node node2 (ranks 2, 3) was lost while the job ran"
+        scheduler.wait(job, 30, until=lambda j: lost in _output(run, job))
+        named = time.monotonic() - killed
+        resumed = scheduler.wait(job, 120, until=lambda j: "resumed from the checkpoint" in _output(run, job))
+        back = time.monotonic() - killed
+        finished = scheduler.wait(job, 150)
+    finally:
+        cluster("up", str(NODES))
+    text = _output(run, job)
+    assert finished.state == "COMPLETED" and finished.restarts >= 1, (finished.fields, text[-4000:])
+    assert finished.fields["NodeList"] == "node[1,3]", (resumed.fields, finished.fields)
+    assert text.count(lost) == 1, text[-6000:]
+    assert re.search(r"restored checkpoint step \d+ from \{\d+: 'local\+partner'\}", text), text[-3000:]
+    _assert_learned(run, tmp_path)
+    lines = (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    failures = [r for r in records if r.get("event") == "failure"]
+    assert len(failures) == 1 and lost in failures[0]["detail"], failures
+    # what `mpiscale watch` showed when the first run ended (the file then goes on with the requeued run's records)
+    failed = next(k for k, r in enumerate(records) if r["kind"] == "status" and r["state"] == "failed")
+    (tmp_path / "first.telemetry.jsonl").write_text("\n".join(lines[: failed + 1]) + "\n")
+    watched = subprocess.run([sys.executable, "-m", "mpiscale.cli", "watch", "--file",
+                              str(tmp_path / "first.telemetry.jsonl"), "--no-follow"],
+                             capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert watched.returncode == 1 and lost in watched.stdout and ", failed" in watched.stdout, watched.stdout
+    print(f"node2 killed: named after {named:.1f} s, the requeued job resumed on node1 and node3 after {back:.1f} s")
+
+
+def test_the_time_limit_signal_reaches_every_nodes_ranks_and_the_job_resumes(scheduler, tmp_path):
+    """What --signal=B:USR1@120 sends before the limit (here by hand): the ranks of both nodes stop after the same
+    iteration with one checkpoint, the job is requeued and resumes from it to the uninterrupted dictionary."""
+    run = tmp_path / "run"
+    job = _submit(scheduler, run, "--time=UNLIMITED")
+    _until_checkpoint(scheduler, job, run, 250)
+    scheduler.run(["scancel", "--signal=USR1", "--batch", job])
+    finished = scheduler.wait(job, 150)
+    text = _output(run, job)
+    assert finished.state == "COMPLETED" and finished.restarts == 1, (finished.fields, text[-4000:])
+    for rank in range(4):
+        assert f"mpiscale: rank {rank}: SIGTERM received, stopping after the current step with a checkpoint" in text
+    stops = re.findall(r"stopped on request \(a stop command or SIGTERM\) after iteration (\d+);", text)
+    assert len(stops) == 1 and f"resumed from the checkpoint of iteration {stops[0]} in {run}/checkpoints" in text
+    _assert_learned(run, tmp_path)
+
+
+def test_scancel_stops_the_ranks_on_every_node(scheduler, tmp_path):
+    """A plain scancel of a job on node1 and node2: every rank stops with a checkpoint, and no process of the job
+    is left on either node."""
+    run = tmp_path / "run"
+    job = _submit(scheduler, run)
+    _until_checkpoint(scheduler, job, run, 250)
+    scheduler.run(["scancel", job])
+    stopped = scheduler.wait(job, 90)
+    assert stopped.state == "CANCELLED" and stopped.restarts == 0, stopped.fields
+    records = [json.loads(line) for line in (run / "dictionary.h5.telemetry.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "status" and records[-1]["state"] == "stopped", records[-3:]
+    step = int(records[-2]["detail"].split("iteration ")[1].split(",")[0])
+    assert _checkpointed(run / "checkpoints") == step
+    for node in ("node1", "node2"):
+        left = on_node(node, f"ps -eo args | grep -c '[m]piscale dictlearn.*{run}' || true").stdout.strip()
+        assert left == "0", f"{left} processes of the job left on {node}"
+
+
 def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
     """A file on node1's node-local disk is on no other node nor on the machine; killing node3 kills its processes
     and its disk, and leaves the others running."""
@@ -231,7 +385,8 @@ def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
 
 def test_the_cluster_is_refused_without_root_and_tears_down_leaving_nothing(nodes):
     """Not root: one line, exit 2, nothing made. Down (within 10 s): no namespace, bridge, /etc/hosts line, holder
-    process or run directory left; a second down has nothing to do."""
+    process, Slurm daemon (slurmctld, munged, a node's slurmd) or run directory left; a second down has nothing to
+    do."""
     nobody = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(CLUSTER / "cluster.sh"),
                              "up", "2"], capture_output=True, text=True, timeout=30)  # fmt: skip
     assert nobody.returncode == 2 and "must run as root" in nobody.stderr, nobody.stderr
@@ -245,6 +400,9 @@ def test_the_cluster_is_refused_without_root_and_tears_down_leaving_nothing(node
     assert "mpiscale-cluster" not in Path("/etc/hosts").read_text()
     assert not Path("/run/mpiscale-cluster").exists()
     assert not [pid for pid in holders if _running(pid)], holders
+    daemons = [line for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+               .splitlines() if "/run/mpiscale-cluster/" in line]  # fmt: skip
+    assert not daemons, f"Slurm's daemons of the cluster outlived it: {daemons}"
     assert cluster("status").returncode == 1 and cluster("down").returncode == 0
 
 
