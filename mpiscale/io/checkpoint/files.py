@@ -91,27 +91,33 @@ class Layout:
         return sorted(found, reverse=True)
 
     def shards_on_node(self, node: int, step: int) -> list[tuple[int, bool, str]]:
-        """(writer rank, is a partner copy, path) of every shard of ``step`` this node can read: those of its own
-        directory ``node-K``, then those of any other ``node-*`` directory here. A job resumed on fewer or other
-        nodes numbers them anew, and a node's disk keeps the shards of the number it had."""
+        """(writer rank, is a partner copy, path) of every shard of ``step`` in this node's directory ``node-K``;
+        if it has none, those of the other ``node-*`` directories on this node's disk. A job resumed on fewer or
+        other nodes numbers them anew, and a node's disk keeps the shards under the number it had before."""
         assert self.local is not None
         own = self.node_dir(node)
+        found = _shards_in(own / f"step-{step:08d}")
+        if found:
+            return found
         try:
             others = sorted(p for p in self.local.glob("node-*") if p != own and p.is_dir())
         except OSError:
-            others = []
-        found = []
-        for directory in (own, *others):
-            steps = directory / f"step-{step:08d}"
-            try:
-                names = os.listdir(steps)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for name in sorted(names):
-                match = _SHARD.match(name)
-                if match:
-                    found.append((int(match.group(2)), match.group(1) != "rank", str(steps / name)))
-        return found
+            return []
+        return [shard for directory in others for shard in _shards_in(directory / f"step-{step:08d}")]
+
+
+def _shards_in(directory: Path) -> list[tuple[int, bool, str]]:
+    """(writer rank, is a partner copy, path) of the shard files in ``directory`` (none if it is not there)."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    found = []
+    for name in sorted(names):
+        match = _SHARD.match(name)
+        if match:
+            found.append((int(match.group(2)), match.group(1) != "rank", str(directory / name)))
+    return found
 
 
 def write_shard(path: Path, step: int, rank: int, world_size: int, arrays: dict[str, np.ndarray]) -> None:
