@@ -67,7 +67,7 @@ class Lifecycle:
         self.node_watch.start(self.node_lost)
         try:
             self.main_task = loop.create_task(_exit_as_exception(main(system)), name="main")
-            self.main_task.add_done_callback(lambda _: self.node_watch.end())
+            self.main_task.add_done_callback(lambda _: self.node_watch.quiet())
             if early_stop.take() is not None:
                 self.stop_at_start()
             refused: JobRefused | None = None
@@ -94,6 +94,7 @@ class Lifecycle:
             await system.close(refused, engine_task, watch)
             return result
         finally:
+            self.node_watch.close()
             faulthandler.unregister(signal.SIGUSR1)
             for signum in signals:
                 loop.remove_signal_handler(signum)
@@ -175,7 +176,7 @@ class Lifecycle:
                 system.steering.request("stop")
                 asyncio.get_running_loop().call_later(grace, self.stop_overdue, signum)
             return
-        self.node_watch.end()  # the ranks end now: connections that close are no loss
+        self.node_watch.quiet()  # the ranks end now: connections that close are no loss
         if system.stopping:
             sys.stderr.write(f"mpiscale: rank {system.rank}: second {name}, exiting now\n")
             os._exit(128 + signum)

@@ -6,11 +6,13 @@ only when Slurm's controller declares the node dead (SlurmdTimeout: minutes on
 most sites), and a rank can see only the processes of its own host
 (:mod:`mpiscale.runtime.peers`). So the first rank of each host keeps a TCP
 connection to the first rank of the next host, in a ring. A connection that
-ends while both jobs' ``main`` still run means the other end died: its process
-went (the kernel closes its socket at once) or its host went silent (TCP
-keepalive gives up within about ten seconds). After a short grace, in which an
-abort begun elsewhere usually ends this process too, the job ends with one
-report naming the host that was lost. Jobs on a single host watch nothing.
+ends while this rank's ``main`` still runs may mean the other end died: its
+process went (the kernel closes its socket at once) or its host went silent
+(TCP keepalive gives up within about ten seconds). After a short grace, in
+which an abort begun elsewhere usually signals this process too, the rank asks
+the other's listener again: if it answers, the other is alive and is watched
+on the new connection; if it does not, the job ends with one report naming the
+host that was lost. Jobs on a single host watch nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 from ..ranks import Comm
 
 _KEEPALIVE = {"TCP_KEEPIDLE": 4, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}  # a silent host: lost within ~10 s
-_CONNECT_TIMEOUT_S = 5.0
+_CONNECT_TIMEOUT_S = 2.0  # a neighbour's listener that does not answer within this is lost
 # A launcher that ends the job (an abort elsewhere, a cancel) signals this process before the other end's goes: a
 # short wait lets the signal, not the closed connection, speak. mpirun, for its part, kills its ranks soon after a
 # node's daemon is lost: the report must come before.
@@ -69,21 +71,23 @@ def _keep_alive(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+Address = tuple[list[str], int]  # a first rank's listener: its host's addresses, its port
+
+
 class NodeWatch:
     """One rank's part of the ring; only the first rank of each host takes part (every method but ``gather`` is
     for this rank alone)."""
 
-    def __init__(self, listener: socket.socket | None, target: tuple[list[str], int] | None,
-                 following: LostNode | None = None, preceding: LostNode | None = None) -> None:  # fmt: skip
+    def __init__(self, listener: socket.socket | None, following: tuple[LostNode, Address] | None = None,
+                 preceding: tuple[LostNode, Address] | None = None) -> None:  # fmt: skip
         self._listener = listener
-        self._target = target  # the next host's first rank: (its addresses, its port)
-        self._following, self._preceding = following, preceding  # what is lost when a connection ends
+        self._following, self._preceding = following, preceding  # the next and previous hosts, and their listeners
         self._tasks: list[asyncio.Task] = []
         self._over = False
 
     @classmethod
     def gather(cls, world: Comm, host: str) -> NodeWatch:
-        """Collective over ``world`` at start-up: each host's first rank listens, and learns the next host's."""
+        """Collective over ``world`` at start-up: each host's first rank listens, and learns its neighbours'."""
         rank = world.Get_rank()
         hosts = world.allgather(host)
         first_of = {h: hosts.index(h) for h in dict.fromkeys(hosts)}
@@ -95,29 +99,30 @@ class NodeWatch:
         if not leads or not addresses:
             if listener is not None:
                 listener.close()
-            return cls(None, None)
+            return cls(None)
         ring = list(first_of)  # hosts in the order of their first rank
-        following = ring[(ring.index(host) + 1) % len(ring)]
-        preceding = ring[ring.index(host) - 1]
-        node_of = {h: LostNode(h, [r for r, where in enumerate(hosts) if where == h]) for h in (following, preceding)}
-        target = everyone[first_of[following]]
-        return cls(listener, target if target[0] else None, node_of[following], node_of[preceding])
+        neighbours = [ring[(ring.index(host) + 1) % len(ring)], ring[ring.index(host) - 1]]
+        following, preceding = [
+            (LostNode(h, [r for r, where in enumerate(hosts) if where == h]), everyone[first_of[h]]) for h in neighbours
+        ]
+        return cls(listener, following if following[1][0] else None, preceding if preceding[1][0] else None)
 
     def start(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
-        """Connect to the next host and accept the previous one's connection; ``on_lost`` when one ends early."""
+        """Accept connections (the previous host's), connect to the next host; ``on_lost`` when one ends early."""
         if self._listener is None:
             return
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._accept(on_lost), name="node watch: accept"))
-        if self._target is not None:
-            self._tasks.append(loop.create_task(self._connect(on_lost), name="node watch: connect"))
+        if self._following is not None:
+            self._tasks.append(loop.create_task(self._watch(self._following, on_lost), name="node watch: next"))
 
     def quiet(self) -> None:
-        """From now on a connection that ends is the job's end, not a loss (safe in a signal handler)."""
+        """This rank's ``main`` ended, or a stop began: a connection that ends from now on is the job's end, not a
+        loss (safe in a signal handler). The connections stay open: ranks elsewhere may still run their ``main``."""
         self._over = True
 
-    def end(self) -> None:
-        """This rank's ``main`` ended, or a stop began: connections that end from now on are the job's end."""
+    def close(self) -> None:
+        """Close the connections, once every rank has ended (a rank that closes them earlier looks lost)."""
         self._over = True
         for task in self._tasks:
             task.cancel()
@@ -125,39 +130,63 @@ class NodeWatch:
             self._listener.close()
 
     async def _accept(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
+        """Hold each connection made to this rank: the previous host's, and its probes after an early end."""
         loop = asyncio.get_running_loop()
         assert self._listener is not None
-        connection, _ = await loop.sock_accept(self._listener)
-        _keep_alive(connection)
-        await self._hold(connection, self._preceding, on_lost)
-
-    async def _connect(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._target is not None
-        addresses, port = self._target
-        for address in addresses:
-            connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            connection.setblocking(False)
-            try:
-                await asyncio.wait_for(loop.sock_connect(connection, (address, port)), _CONNECT_TIMEOUT_S)
-            except (OSError, TimeoutError):
-                connection.close()
-                continue
+        first = True
+        while True:
+            connection, _ = await loop.sock_accept(self._listener)
             _keep_alive(connection)
-            await self._hold(connection, self._following, on_lost)
-            return
+            if first and self._preceding is not None:  # the previous host's own connection: watched
+                self._tasks.append(loop.create_task(self._until_lost(connection, self._preceding, on_lost)))
+            else:  # a probe after an early end: held, so that the prober sees this rank alive
+                self._tasks.append(loop.create_task(self._hold(connection), name="node watch: probe"))
+            first = False
 
-    async def _hold(self, connection: socket.socket, node: LostNode | None,
-                    on_lost: Callable[[LostNode], Awaitable[None]]) -> None:  # fmt: skip
-        """Wait for the connection to end (nothing is ever sent on it); report its host if the job still runs."""
-        loop = asyncio.get_running_loop()
+    async def _watch(self, neighbour: tuple[LostNode, Address], on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
+        connection = await _connect(neighbour[1])
+        if connection is not None:
+            await self._until_lost(connection, neighbour, on_lost)
+
+    async def _hold(self, connection: socket.socket) -> None:
+        """Keep an accepted connection open until it ends (nothing is ever sent on it)."""
         try:
             with contextlib.suppress(OSError):
-                await loop.sock_recv(connection, 1)
+                await asyncio.get_running_loop().sock_recv(connection, 1)
         finally:
             connection.close()
-        if self._over:
-            return
-        await asyncio.sleep(GRACE_S)
-        if not self._over and node is not None:
-            await on_lost(node)
+
+    async def _until_lost(self, connection: socket.socket, neighbour: tuple[LostNode, Address],
+                          on_lost: Callable[[LostNode], Awaitable[None]]) -> None:  # fmt: skip
+        """Wait for ``connection`` to end; then, while the job still runs, ask the neighbour's listener again: a
+        neighbour that answers is alive (watched on the new connection), one that does not is lost."""
+        while True:
+            await self._hold(connection)
+            if self._over:
+                return
+            await asyncio.sleep(GRACE_S)
+            if self._over:
+                return
+            answer = await _connect(neighbour[1])
+            if answer is None:
+                if not self._over:
+                    await on_lost(neighbour[0])
+                return
+            connection = answer
+
+
+async def _connect(address: Address) -> socket.socket | None:
+    """A connection to a first rank's listener, or None if none of its addresses answers."""
+    loop = asyncio.get_running_loop()
+    addresses, port = address
+    for host_address in addresses:
+        connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        connection.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(connection, (host_address, port)), _CONNECT_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            connection.close()
+            continue
+        _keep_alive(connection)
+        return connection
+    return None

@@ -1,6 +1,6 @@
 """Live telemetry of a running job: reports aggregated over the ranks, published to MQTT or a JSON-lines file."""
 
-from .aggregate import pace, spread
+from .aggregate import by_node, pace, spread
 from .control import LEVELS, Command, Rejected
 from .remote import JobEnded, NoToken, new_id, send_command
 from .schema import SCHEMA, problems, record
@@ -38,6 +38,7 @@ __all__ = [
     "send_command",
     "set_current",
     "spread",
+    "by_node",
     "watch_broker",
     "watch_file",
 ]

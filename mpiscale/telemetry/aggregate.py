@@ -1,4 +1,4 @@
-"""What rank 0 makes of the ranks' reports: each metric's spread over the ranks, and the job's pace.
+"""What rank 0 makes of the ranks' reports: each metric's spread over the ranks, each node's, and the job's pace.
 
 Pure functions of the reports (no clock, no I/O), so that what a user reads in
 ``mpiscale watch`` is tested on its own.
@@ -30,3 +30,20 @@ def pace(recent: list[tuple[float, int, float]], total: int) -> tuple[float, flo
     items_per_s = (items - first_items) / span if span > 0 else 0.0
     eta = (total - step) / steps_per_s if steps_per_s > 0 else None
     return steps_per_s, items_per_s, eta
+
+
+NODES_SHOWN = 64  # a metrics record names at most this many nodes: the stalest
+
+
+def by_node(reports: dict[int, dict]) -> list[dict]:
+    """Per host of the reporting ranks: its ``ranks``, its ``step`` (the rank furthest behind there) and
+    ``report_time`` (its stalest rank's last report), stalest node first, at most ``NODES_SHOWN`` of them."""
+    hosts: dict[str, list[int]] = {}
+    for rank in sorted(reports):
+        hosts.setdefault(str(reports[rank].get("host", "?")), []).append(rank)
+    nodes = [
+        {"host": host, "ranks": ranks, "step": min(reports[r]["step"] for r in ranks),
+         "report_time": min(reports[r]["time"] for r in ranks)}
+        for host, ranks in hosts.items()
+    ]  # fmt: skip
+    return sorted(nodes, key=lambda node: (node["report_time"], node["step"], node["ranks"][0]))[:NODES_SHOWN]

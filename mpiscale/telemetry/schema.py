@@ -11,7 +11,9 @@ Every record is a JSON object with ``schema``, ``job``, ``kind`` and
   known), ``items_per_s``.
 - ``metrics``: ``ranks_reporting``, ``slowest_rank`` (the rank furthest behind),
   and ``values``: per metric, ``min``, ``mean``, ``max`` over the ranks and the
-  rank with the lowest value (``min_rank``).
+  rank with the lowest value (``min_rank``); optionally ``nodes``: per host
+  (the stalest 64 at most), its ``host``, ``ranks``, ``step`` (its rank furthest
+  behind) and ``report_time`` (its stalest rank's last report, Unix seconds).
 - ``event``: ``event`` (``started``, ``device`` (where a torch job runs: ``cpu``,
   ``cuda:K``, or each rank's as JSON), ``checkpoint``, ``resumed``,
   ``restarted``, ``failure``, ``finished``, ``hang``, ``straggler``, and the
@@ -78,4 +80,7 @@ def problems(payload: object) -> list[str]:
         for name, summary in payload.get("values", {}).items():
             if not isinstance(summary, dict) or set(summary) != {"min", "mean", "max", "min_rank"}:
                 found.append(f"metrics: {name} needs min, mean, max and min_rank, got {summary!r}")
+        for node in payload.get("nodes", []):
+            if not isinstance(node, dict) or set(node) != {"host", "ranks", "step", "report_time"}:
+                found.append(f"metrics: a node needs host, ranks, step and report_time, got {node!r}")
     return found

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem, Communicator, Orders
-from .aggregate import pace, spread
+from .aggregate import by_node, pace, spread
 from .beat import BusyBeat
 from .control import Rejected, parse, set_log_level
 from .prometheus import PrometheusEndpoint, open_endpoint
@@ -273,7 +273,8 @@ class Telemetry:
                          items_per_s=items_per_s))  # fmt: skip
         values = spread(reports)
         slowest = values["step"]["min_rank"]
-        self.emit(record("metrics", self.job, ranks_reporting=len(reports), slowest_rank=slowest, values=values))
+        self.emit(record("metrics", self.job, ranks_reporting=len(reports), slowest_rank=slowest, values=values,
+                         nodes=by_node(reports)))  # fmt: skip
         self.emit(self._heartbeat(reports, now))
         if self._busy_beat is not None:
             self._busy_beat.mark()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 import time
 from collections import deque
@@ -84,6 +85,19 @@ class View:
         silent = self.silent_s(now)
         return silent is not None and silent > GONE_INTERVALS * self.interval_s
 
+    def _node_lines(self, nodes: list[dict]) -> list[str]:
+        """One line per node of a job on several (stalest first): its ranks, its step, how fresh its reports are;
+        a node silent for many intervals is named as hung or gone."""
+        if len(nodes) < 2:
+            return []
+        lines, now = [], time.time()
+        for node in nodes:
+            age = max(0.0, now - node["report_time"])
+            fresh = (f"SILENT for {age:.0f} s: its ranks are hung, or the node is gone"
+                     if age > STALE_INTERVALS * self.interval_s else f"reported {age:.1f} s ago")  # fmt: skip
+            lines.append(f"  node {node['host']} (ranks {_spans(node['ranks'])}): step {node['step']}, {fresh}")
+        return lines
+
     def lines(self) -> list[str]:
         status = self.latest.get("status")
         if status is None:
@@ -106,6 +120,7 @@ class View:
                 if name != "step":
                     lines.append(f"  {name}: min {spread['min']:.4g} (rank {spread['min_rank']}), "
                                  f"mean {spread['mean']:.4g}, max {spread['max']:.4g}")  # fmt: skip
+            lines += self._node_lines(metrics.get("nodes", []))
         beat = self.latest.get("heartbeat")
         if beat is not None:
             age = time.time() - beat["time"]
@@ -122,13 +137,28 @@ class View:
         return lines
 
 
+def _spans(ranks: list[int]) -> str:
+    """Ranks as runs: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
 def _clock(seconds: float) -> str:
     whole = int(round(seconds))
     return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
+_AGE = re.compile(r"(reported|SILENT for) [0-9.]+ s")
+
+
 def _without_age(lines: list[str]) -> list[str]:
-    return [line for line in lines if not line.startswith("heartbeat ")]
+    """The lines without the ages that change every second (the heartbeat's, each node's report's)."""
+    return [_AGE.sub(r"\1", line) for line in lines if not line.startswith("heartbeat ")]
 
 
 class Screen:

@@ -298,7 +298,8 @@ def test_a_node_lost_under_slurm_is_named_and_the_job_resumes_on_the_nodes_that_
     """node2 killed whole (its ranks, its slurmd, its disk) under the template with node-local checkpoints only. The
     job ends at once with one line naming node2 (the node watch: srun itself waits for Slurm to declare the node
     dead); Slurm requeues it, it lands on node1 and node3, restores from node1's shards and partner copies, and
-    learns the uninterrupted dictionary bit for bit. Telemetry and ``mpiscale watch`` name the node too."""
+    learns the uninterrupted dictionary bit for bit. Telemetry and ``mpiscale watch`` name the node too, and watch
+    showed a line per node while the job ran."""
     run = tmp_path / "run"
     options = f"{TEMPLATE_SETTINGS['OPTIONS']} --local-dir {LOCAL} --shared-every 0"
     job = _submit(scheduler, run, OPTIONS=options)
@@ -331,6 +332,7 @@ def test_a_node_lost_under_slurm_is_named_and_the_job_resumes_on_the_nodes_that_
                               str(tmp_path / "first.telemetry.jsonl"), "--no-follow"],
                              capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
     assert watched.returncode == 1 and lost in watched.stdout and ", failed" in watched.stdout, watched.stdout
+    assert "node node1 (ranks 0-1): step " in watched.stdout and "node node2 (ranks 2-3): step " in watched.stdout
     print(f"node2 killed: named after {named:.1f} s, the requeued job resumed on node1 and node3 after {back:.1f} s")
 
 

@@ -1,9 +1,11 @@
 """What rank 0 decides from the ranks' reports, as pure functions: the metrics' spread, the pace, hangs, stragglers."""
 
+import time
+
 import pytest
 
-from mpiscale.telemetry import Watchdog, WatchdogSettings, pace, spread
-from mpiscale.telemetry.schema import record
+from mpiscale.telemetry import Watchdog, WatchdogSettings, by_node, pace, spread
+from mpiscale.telemetry.schema import problems, record
 from mpiscale.telemetry.watch import View
 
 
@@ -141,3 +143,28 @@ def test_the_hang_threshold_grows_with_the_pace_of_a_loaded_job():
     assert watchdog.look({0: report(0, 5, 35, waiting_in=waiting), 1: report(1, 5, 32)}, 35.0) == []
     found = watchdog.look({0: report(0, 5, 38, waiting_in=("allreduce on world", 6.0)), 1: report(1, 5, 32)}, 38.0)
     assert [(f.kind, f.rank) for f in found] == [("hang", 1)]
+
+
+def test_per_node_reports_put_the_stalest_node_first_and_watch_names_a_silent_one():
+    """Ranks 0-1 on node1 report now, ranks 2-3 on node2 last reported long ago (hung, or the node is gone): the
+    metrics record's nodes put node2 first, and watch names it as silent while node1 is fresh. A job on one host
+    shows no node lines."""
+    now = time.time()
+    reports = {r: {**report(r, 100 - r, now if r < 2 else now - 60), "host": f"node{r // 2 + 1}"} for r in range(4)}
+    nodes = by_node(reports)
+    assert nodes == [
+        {"host": "node2", "ranks": [2, 3], "step": 97, "report_time": now - 60},
+        {"host": "node1", "ranks": [0, 1], "step": 99, "report_time": now},
+    ]
+    metrics = record("metrics", "j", ranks_reporting=4, slowest_rank=3, values=spread(reports), nodes=nodes)
+    assert problems(metrics) == []
+    assert problems({**metrics, "nodes": [{"host": "node1"}]})  # a node without its fields is refused
+    view = _records(now - 1.0, now - 0.5)
+    view.take(metrics)
+    shown = "\n".join(view.lines())
+    assert "node node2 (ranks 2-3): step 97, SILENT for 60 s: its ranks are hung, or the node is gone" in shown
+    assert "node node1 (ranks 0-1): step 99, reported" in shown and "node1 (ranks 0-1): step 99, SILENT" not in shown
+    one_host = {r: report(r, 5, now) for r in range(2)}
+    view.take(record("metrics", "j", ranks_reporting=2, slowest_rank=0, values=spread(one_host),
+                     nodes=by_node(one_host)))  # fmt: skip
+    assert " node " not in "\n".join(view.lines())
