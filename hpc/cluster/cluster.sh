@@ -219,15 +219,17 @@ kill_node() {
 }
 
 down() {
-    local node ns
-    for node in $(nodes); do
-        ns="mpiscale-$node"
-        if ip netns list | grep -qw "$ns"; then
-            kill_namespace "$ns" || true
-            ip netns del "$ns"
-        fi
+    local ns link
+    # every node's namespace, listed in the run directory or not (an up interrupted before it wrote the list)
+    for ns in $(ip netns list | awk '$1 ~ /^mpiscale-node[0-9]+$/ {print $1}'); do
+        kill_namespace "$ns" || true
+        ip netns del "$ns"
     done
     stop_slurm
+    # the machine's ends of the nodes' links (gone with their namespaces, unless something else still holds one)
+    for link in $(ip -o link show | awk -F': ' '$2 ~ /^mpiscale-v[0-9]+@/ {sub(/@.*/, "", $2); print $2}'); do
+        ip link del "$link"
+    done
     ip link show "$bridge" >/dev/null 2>&1 && ip link del "$bridge"
     sed -i "/ $tag\$/d" /etc/hosts
     [[ -f "$run/made-local-path" ]] && rmdir "$local_path" 2>/dev/null || true

@@ -47,8 +47,10 @@ class Lifecycle:
         self.main_task: asyncio.Task | None = None
         self.stop_asked_at = -math.inf  # monotonic time of the first SIGTERM (or SIGUSR2) received
         self.stop_noted = False  # a SIGTERM's stop request was made at once, before the loop took the signal
-        self.local_peers = LocalPeers.gather(system.world.comm, system.host)
-        self.node_watch = NodeWatch.gather(system.world.comm, system.host)
+        world = system.world.comm
+        placement = world.allgather((system.host, os.getpid()))  # every rank's, once, for both watches
+        self.local_peers = LocalPeers.of(placement, system.rank)
+        self.node_watch = NodeWatch.gather(world, [host for host, _ in placement])
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
         """``main`` on this rank, then the quiet end every rank agrees on; signals handled meanwhile."""

@@ -86,12 +86,15 @@ class NodeWatch:
         self._over = False
 
     @classmethod
-    def gather(cls, world: Comm, host: str) -> NodeWatch:
-        """Collective over ``world`` at start-up: each host's first rank listens, and learns its neighbours'."""
-        rank = world.Get_rank()
-        hosts = world.allgather(host)
+    def gather(cls, world: Comm, hosts: list[str]) -> NodeWatch:
+        """Collective over ``world`` at start-up, given every rank's host: each host's first rank listens, and
+        learns its neighbours' (nothing, and no communication, on a single host)."""
         first_of = {h: hosts.index(h) for h in dict.fromkeys(hosts)}
-        leads = first_of[host] == rank and len(first_of) > 1
+        if len(first_of) == 1:
+            return cls(None)
+        rank = world.Get_rank()
+        host = hosts[rank]
+        leads = first_of[host] == rank
         listener = _listening_socket() if leads else None
         addresses = _own_addresses(host) if leads else []
         port = listener.getsockname()[1] if listener is not None else 0

@@ -18,8 +18,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..ranks import Comm
-
 
 @dataclass(frozen=True)
 class LocalPeers:
@@ -28,11 +26,10 @@ class LocalPeers:
     pids: dict[int, int]
 
     @classmethod
-    def gather(cls, world: Comm, host: str) -> LocalPeers:
-        """Collective over ``world`` (at start-up): every rank's host and pid; this rank is on ``host``."""
-        everyone = world.allgather((host, os.getpid()))
-        rank = world.Get_rank()
-        return cls({r: pid for r, (where, pid) in enumerate(everyone) if where == host and r != rank and alive(pid)})
+    def of(cls, placement: list[tuple[str, int]], rank: int) -> LocalPeers:
+        """The peers of ``rank`` in ``placement``: every rank's (host, pid), gathered at start-up."""
+        host = placement[rank][0]
+        return cls({r: pid for r, (where, pid) in enumerate(placement) if where == host and r != rank and alive(pid)})
 
     def gone(self) -> dict[int, int]:
         """rank -> pid of the watched ranks whose process has ended."""
