@@ -30,7 +30,7 @@ die() { echo "hpc/cluster: $*" >&2; exit 2; }
 preflight() {
     [[ "$(id -u)" == 0 ]] || die "must run as root (it makes network, UTS and mount namespaces, a bridge and mounts)"
     local tool
-    for tool in ip unshare nsenter mount; do
+    for tool in ip unshare nsenter setsid mount; do
         command -v "$tool" >/dev/null || die "$tool is not installed (Debian: iproute2, util-linux)"
     done
     local kind
@@ -182,9 +182,10 @@ up() {
         ip -n "$ns" addr add "$subnet.$((10 + k))/24" dev eth0
         ip -n "$ns" link set eth0 up
         ip -n "$ns" link set lo up
-        # the holder keeps the node's namespaces alive (nsenter, unshare and sh exec in turn, so $! is it); it keeps
-        # the machine's /sys, cgroups included, which slurmd needs (ip netns exec would mount a bare one)
-        nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c \
+        # the holder keeps the node's namespaces alive (setsid, nsenter, unshare and sh exec in turn, so $! is it), in
+        # a session of its own: no signal to the caller's process group or terminal reaches it; it keeps the
+        # machine's /sys, cgroups included, which slurmd needs (ip netns exec would mount a bare one)
+        setsid nsenter --net="/run/netns/$ns" unshare --uts --mount --propagation private sh -c \
             "hostname $node && mount -t tmpfs -o size=${local_mib}m mpiscale-$node '$local_path' && exec sleep infinity" \
             </dev/null >/dev/null 2>&1 &
         echo $! >"$run/$node.pid"

@@ -366,7 +366,7 @@ def build_hierarchy(
     leaders = Communicator(MPI, leader_comm, engine, config, f"{prefix}leaders") if is_leader else None
     world = Communicator(MPI, world_comm.Dup(), engine, config, name)
     return Hierarchy(
-        reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config.check_collectives),
+        reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config),
         world=world,
         node=Communicator(MPI, node_comm, engine, config, f"{prefix}node{index}"),
         leaders=leaders,

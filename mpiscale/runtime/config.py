@@ -42,6 +42,10 @@ class RuntimeConfig:
     #: Group ranks into "nodes" of this many consecutive ranks instead of asking
     #: MPI which ranks share memory; 0 = ask MPI. Lets one machine test hierarchy.
     ranks_per_node: int = 0
+    #: Hierarchical allreduces of fewer bytes run as one MPI Allreduce over the world: below this size the stages'
+    #: extra hand-offs cost more than they save (over TCP here they overtook MPI between 16 and 64 MiB).
+    #: 0: the stages at every size.
+    hierarchical_min_bytes: int = 32 << 20
     #: Seconds a SIGTERM/SIGINT shutdown may spend draining before it exits anyway.
     shutdown_timeout_s: float = 10.0
     #: Seconds a job that stops on SIGTERM after its current step (with a checkpoint) has to reach that step's end
@@ -61,7 +65,15 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         if self.thread_level not in _THREAD_LEVELS:
             raise ValueError(f"MPISCALE_THREAD_LEVEL={self.thread_level!r}: use one of {', '.join(_THREAD_LEVELS)}")
-        for name in ("spin_us", "ask_spin_us", "max_sleep_us", "inline_bytes", "ranks_per_node", "pool_bytes"):
+        for name in (
+            "spin_us",
+            "ask_spin_us",
+            "max_sleep_us",
+            "inline_bytes",
+            "ranks_per_node",
+            "pool_bytes",
+            "hierarchical_min_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")
         if self.chunk_bytes < 1:

@@ -6,44 +6,57 @@ most ranks any node has; block ``b`` belongs to the node-local rank ``b % m``
 of a node of ``m`` ranks, so nodes of different sizes work together. Per call:
 
 1. a reduce-scatter in the node: each rank gets the node's sum of its blocks.
-   For sums, products, maxima and minima it is an ``Alltoallv`` that hands
-   each rank every copy of its blocks, reduced in local-rank order with numpy:
-   Open MPI's ``Reduce_scatter`` took 2.1-2.5x as long (64 MiB, 2 ranks on a
-   node, shared memory, 2026-11-27); other operations use ``Reduce_scatter``;
-2. per block, ``Reduce`` then ``Bcast`` over the block's owners (one per node),
-   rooted on the first node: one reduction order, so every rank ends with the
-   very same bits (an ``Allreduce`` between two nodes, where ``a + b == b + a``);
-3. ``Allgatherv`` in the node puts the blocks back together.
+   For sums, products, maxima and minima each rank sends every other local
+   rank its copy of that rank's blocks, and reduces the copies of its own in
+   local-rank order with numpy (Open MPI's ``Reduce_scatter`` took 2.1-2.5x as
+   long: 64 MiB, 2 ranks on a node, shared memory, 2026-11-27); other
+   operations use ``Reduce_scatter``;
+2. per block, across its owners (one per node): between two nodes the owners
+   swap their partial sums and each reduces the pair in node order; over more
+   nodes it is ``Reduce`` then ``Bcast`` rooted on the first node. One
+   reduction order, so every rank ends with the very same bits;
+3. each rank sends its reduced blocks to the other local ranks, which put the
+   buffer back together.
 
-On one node it is MPI's own ``Allreduce``. float16 is summed in float32 (MPI
-has no half-precision sum). A reduction given as a Python function (``op=f``,
-``f(stacked) -> row``, the contributions stacked in rank order) is applied
-outside MPI: an ``Alltoallv`` in the node gives each rank every copy of its
-blocks, ``f`` reduces them, an ``Allgather`` across nodes and ``f`` again
-combine the nodes in node order, and the node allgathers the result. That is
+The stages' messages are point-to-point and non-blocking, polled for a moment
+(yielding the core) and then with short sleeps: a rank waiting for data leaves
+its core to the ranks and the kernel's TCP work it waits for. Open MPI's
+blocking calls busy-poll instead, and with more ranks than cores (the local
+cluster of ``hpc/cluster``) the 32 MiB swap between two hosts took 3-4x as
+long as a blocking ``Allreduce``/``Sendrecv`` (2026-11-27).
+
+On one node, and for buffers under ``hierarchical_min_bytes`` (the stages'
+extra hand-offs cost more than they save there), it is MPI's own
+``Allreduce``. float16 is summed in float32 (MPI has no half-precision sum).
+A reduction given as a Python function (``op=f``, ``f(stacked) -> row``, the
+contributions stacked in rank order) is applied outside MPI, at any size:
+stage 1 gives each rank every copy of its blocks, ``f`` reduces them, the
+owners gather each other's partial results across nodes and ``f`` again
+combines them in node order, and stage 3 puts the buffer together. That is
 how 16-bit gradients are summed with only 16 bits on the wire
 (``mpiscale.kernels.halves``): MPI has no such sum, and MPI's user-defined
 operations call Python inside MPI, holding the GIL (a training step with them
 ran 4x slower).
 
-The calls run in one worker thread per rank, with MPI's blocking collectives
-on communicators of their own. Open MPI's non-blocking collectives advance only
-while the caller polls, and measured at a third to a half of the blocking ones'
-bandwidth here; in a thread, the blocking ones run at full speed while the
-event loop goes on. The worker takes calls in the order they were made, the
-same on every rank (as all collectives require), so several may be in flight.
+The calls run in one worker thread per rank, on communicators of their own,
+while the event loop goes on. Open MPI's non-blocking collectives advance
+only while the caller polls, and measured at a third to a half of the blocking
+ones' bandwidth here, so where a stage is a collective it is a blocking one.
+The worker takes calls in the order they were made, the same on every rank (as
+all collectives require), so several may be in flight.
 
 A blocking collective busy-polls until its last rank arrives. A rank that starts
 a gradient bucket during backward would spin a core for as long as the slowest
 rank computes, and with a core per rank that spinning takes the core from the
 compute threads (whose slowness it waits for). So the worker first waits,
 mostly asleep, in a non-blocking barrier until every rank has reached the call,
-and only then enters the blocking collectives, which all ranks now run together.
+and only then starts the stages, which all ranks now run together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,18 +66,22 @@ from typing import Any
 import numpy as np
 
 from ..ranks import Comm, block_rows
+from .config import RuntimeConfig
 from .errors import check_signatures, signature_digest
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
-_GATE_SPIN_S = 20e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
+_GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
 _GATE_SLEEP_S = 500e-6  # the longest sleep between its polls: a call starts at most this late
+_MOVE_SPIN_S = 2e-3  # how long the stages' messages are polled without sleeping (a small buffer arrives by then)
+_MOVE_SLEEP_S = 100e-6  # the longest sleep between those polls: the transfer stalls at most this long
+_STAGE_TAG = 7  # the stages' point-to-point messages, on communicators of their own
 
 
 class HierarchicalAllreduce:
     """The three-stage allreduce over one world's nodes (built collectively, once)."""
 
-    def __init__(self, MPI: ModuleType, node: Comm, world: Comm, node_index: int, check: bool) -> None:
-        self._MPI, self._check = MPI, check
+    def __init__(self, MPI: ModuleType, node: Comm, world: Comm, node_index: int, config: RuntimeConfig) -> None:
+        self._MPI, self._check, self._min_bytes = MPI, config.check_collectives, config.hierarchical_min_bytes
         self._node, self._world = node.Dup(), world.Dup()
         self._gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
@@ -91,9 +108,7 @@ class HierarchicalAllreduce:
         self._worker.shutdown(wait=True)
 
     def _run(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> np.ndarray:
-        self._until_all_arrived()
-        if self._check:
-            self._agree_on(f"{array.dtype}{array.shape} {op_name}")
+        self._until_all_arrived(f"{array.dtype}{array.shape} {op_name}")
         if not isinstance(op, self._MPI.Op):  # a reduction function, applied outside MPI
             flat = np.ascontiguousarray(array).reshape(-1)
             total = np.empty_like(flat)
@@ -116,19 +131,33 @@ class HierarchicalAllreduce:
         np.copyto(out, result)
         return out
 
-    def _until_all_arrived(self) -> None:
-        """Return once every rank has reached this call: polled a few microseconds, then with sleeps doubling
-        to ``_GATE_SLEEP_S``, so that a rank ahead of the others leaves its core to compute threads."""
-        request, pause = self._gate.Ibarrier(), _GATE_SPIN_S
-        started = time.perf_counter()
-        while not request.Test():
-            if time.perf_counter() - started > _GATE_SPIN_S:
+    def _until_all_arrived(self, signature: str) -> None:
+        """Return once every rank has reached this call, so that a rank ahead of the others leaves its core to
+        compute threads meanwhile; with checks on, the same exchange compares every rank's arguments."""
+        if not self._check:
+            self._until_done([self._gate.Ibarrier()], _GATE_SPIN_S, _GATE_SLEEP_S)
+            return
+        digests = np.empty(self._gate.Get_size(), np.int64)
+        mine = np.array([signature_digest(signature)], np.int64)
+        self._until_done([self._gate.Iallgather(mine, digests)], _GATE_SPIN_S, _GATE_SLEEP_S)
+        check_signatures(digests.tolist(), "hierarchical allreduce", self._gate.Get_rank(), signature)
+
+    def _until_done(self, requests: list, spin_s: float, longest_sleep_s: float) -> None:
+        """Return once ``requests`` are complete: polled for ``spin_s``, then with sleeps doubling from 20 µs to
+        ``longest_sleep_s`` between polls (Open MPI moves the data while it is polled)."""
+        pause, started = 20e-6, time.perf_counter()
+        while not self._MPI.Request.Testall(requests):
+            if time.perf_counter() - started > spin_s:
                 time.sleep(pause)
-                pause = min(2 * pause, _GATE_SLEEP_S)
+                pause = min(2 * pause, longest_sleep_s)
+            else:
+                os.sched_yield()
 
     def _reduce(self, flat: np.ndarray, total: np.ndarray, op: Any) -> None:
         if self.nodes == 1:
             self._node.Allreduce(flat, total, op)
+        elif flat.nbytes < self._min_bytes:
+            self._world.Allreduce(flat, total, op)
         else:
             self._three_stages(flat, total, op)
 
@@ -150,29 +179,48 @@ class HierarchicalAllreduce:
             self._buffer = np.empty(nbytes, np.uint8)
         return self._buffer[:nbytes].view(dtype)
 
-    def _every_copy(self, grouped: np.ndarray, counts: list[int]) -> np.ndarray:
-        """Every local rank's copy of this rank's blocks, one row each in local-rank order (``Alltoallv``)."""
-        count, ranks = counts[self.local_rank], self.local_size
-        nbytes = ranks * count * grouped.dtype.itemsize
+    def _move(self, comm: Comm, sends: list[tuple[np.ndarray, int]], receives: list[tuple[np.ndarray, int]]) -> None:
+        """Point-to-point messages (buffer, rank) sent and received on ``comm``, polled with sleeps until done."""
+        requests = [comm.Irecv(buffer, rank, _STAGE_TAG) for buffer, rank in receives]
+        requests += [comm.Isend(buffer, rank, _STAGE_TAG) for buffer, rank in sends]
+        self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
+
+    def _others_copies(self, grouped: np.ndarray, counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(every local rank's copy of this rank's blocks, one row each in local-rank order, this rank's own row
+        left unset; where each local rank's blocks start in ``grouped``), this rank's copies of theirs sent."""
+        me, ranks = self.local_rank, self.local_size
+        nbytes = ranks * counts[me] * grouped.dtype.itemsize
+        copies = self._kept_copies(nbytes).view(grouped.dtype).reshape(ranks, counts[me])
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        others = [r for r in range(ranks) if r != me]
+        sends = [(grouped[starts[r] : starts[r + 1]], r) for r in others]
+        self._move(self._node, sends, [(copies[r], r) for r in others])
+        return copies, starts
+
+    def _kept_copies(self, nbytes: int) -> np.ndarray:
         if self._copies_buffer.nbytes < nbytes:
             self._copies_buffer = np.empty(nbytes, np.uint8)
-        copies = self._copies_buffer[:nbytes].view(grouped.dtype).reshape(ranks, count)
-        send_displacements = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(int).tolist()
-        receive = ([count] * ranks, [r * count for r in range(ranks)])
-        self._node.Alltoallv([grouped, (counts, send_displacements)], [copies, receive])
+        return self._copies_buffer[:nbytes]
+
+    def _every_copy(self, grouped: np.ndarray, counts: list[int]) -> np.ndarray:
+        """Every local rank's copy of this rank's blocks, one row each in local-rank order."""
+        copies, starts = self._others_copies(grouped, counts)
+        copies[self.local_rank] = grouped[starts[self.local_rank] : starts[self.local_rank + 1]]
         return copies
 
     def _node_reduce_scatter(self, grouped: np.ndarray, mine: np.ndarray, counts: list[int], op: Any) -> None:
         """This rank's blocks reduced over its node into ``mine`` (see the module's docstring, stage 1)."""
-        ufunc = next((f for known, f in self._ufuncs if op == known), None)
+        ufunc = self._ufunc(op)
         if ufunc is None:
             self._node.Reduce_scatter(grouped, mine, counts, op)
-        else:
-            ufunc.reduce(self._every_copy(grouped, counts), axis=0, out=mine)
+            return
+        copies, starts = self._others_copies(grouped, counts)
+        me = self.local_rank
+        rows = [grouped[starts[me] : starts[me + 1]] if r == me else copies[r] for r in range(self.local_size)]
+        _fold(ufunc, rows, mine)
 
-    def _agree_on(self, signature: str) -> None:
-        every = self._world.allgather(signature_digest(signature))
-        check_signatures(every, "hierarchical allreduce", self._world.Get_rank(), signature)
+    def _ufunc(self, op: Any) -> np.ufunc | None:
+        return next((f for known, f in self._ufuncs if op == known), None)
 
     def _layout(self, count: int) -> tuple[list[int], np.ndarray, list[int]]:
         """(elements per block, block starts, elements per local rank) of a buffer of ``count``."""
@@ -188,10 +236,14 @@ class HierarchicalAllreduce:
         return np.concatenate([flat[starts[b] : starts[b + 1]] for b in self._by_owner])
 
     def _gather_blocks(self, mine: np.ndarray, total: np.ndarray, starts: np.ndarray, counts: list[int]) -> None:
-        """Allgather every local rank's blocks in the node and put them back in buffer order."""
+        """Every local rank's blocks gathered in the node and put back in buffer order."""
         gathered = total if self._in_order else np.empty_like(total)
-        displacements = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(int).tolist()
-        self._node.Allgatherv(mine, [gathered, (counts, displacements)])
+        at = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        others = [r for r in range(self.local_size) if r != self.local_rank]
+        own = gathered[at[self.local_rank] : at[self.local_rank + 1]]
+        if not np.may_share_memory(own, mine):
+            own[...] = mine
+        self._move(self._node, [(mine, r) for r in others], [(gathered[at[r] : at[r + 1]], r) for r in others])
         if not self._in_order:
             offset = 0
             for block in self._by_owner:
@@ -201,12 +253,19 @@ class HierarchicalAllreduce:
 
     def _three_stages(self, flat: np.ndarray, total: np.ndarray, op: Any) -> None:
         sizes, starts, counts = self._layout(flat.size)
-        mine = self._scratch(counts[self.local_rank], flat.dtype)
+        if self._in_order:  # this rank's blocks are reduced where they end up: no copy of them in the last stage
+            mine = total[sum(counts[: self.local_rank]) :][: counts[self.local_rank]]
+        else:
+            mine = self._scratch(counts[self.local_rank], flat.dtype)
         self._node_reduce_scatter(self._grouped(flat, starts), mine, counts, op)
-        offset, cross_comms = 0, self._cross_comms()
+        offset, cross_comms, ufunc = 0, self._cross_comms(), self._ufunc(op)
         for block in self.owned:
             piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
-            if cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
+            if cross.Get_size() == 2 and ufunc is not None:  # swapped, and reduced in node order on both nodes
+                theirs = self._kept_copies(piece.nbytes).view(piece.dtype)
+                self._move(cross, [(piece, 1 - cross.Get_rank())], [(theirs, 1 - cross.Get_rank())])
+                _fold(ufunc, [piece, theirs] if cross.Get_rank() == 0 else [theirs, piece], piece)
+            elif cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
                 cross.Allreduce(self._MPI.IN_PLACE, piece, op)
             elif cross.Get_rank() == 0:
                 cross.Reduce(self._MPI.IN_PLACE, piece, op, 0)
@@ -226,7 +285,23 @@ class HierarchicalAllreduce:
             for block in self.owned:
                 piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
                 partials = np.empty((cross.Get_size(), piece.size), flat.dtype)
-                cross.Allgather(piece, partials)
+                if cross.Get_size() == 2:
+                    partner = 1 - cross.Get_rank()
+                    self._move(cross, [(piece, partner)], [(partials[partner], partner)])
+                    partials[cross.Get_rank()] = piece
+                else:
+                    cross.Allgather(piece, partials)
                 piece[...] = combine(partials)  # node order, the same on every node
                 offset += sizes[block]
         self._gather_blocks(mine, total, starts, counts)
+
+
+def _fold(ufunc: np.ufunc, rows: list[np.ndarray], out: np.ndarray) -> None:
+    """``out`` = the rows reduced by ``ufunc`` in order, first to last (the bits of ``ufunc.reduce`` on them
+    stacked, without stacking them)."""
+    if len(rows) == 1:
+        np.copyto(out, rows[0])
+        return
+    ufunc(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        ufunc(out, row, out=out)

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from ..ranks import Comm
+
+log = logging.getLogger(__name__)
 
 _KEEPALIVE = {"TCP_KEEPIDLE": 4, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}  # a silent host: lost within ~10 s
 _CONNECT_TIMEOUT_S = 2.0  # a neighbour's listener that does not answer within this is lost
@@ -175,6 +178,8 @@ class NodeWatch:
                 if not self._over:
                     await on_lost(neighbour[0])
                 return
+            log.warning("node watch: the connection to node %s ended, but its first rank answers again: it is "
+                        "watched on a new connection", neighbour[0].host)  # fmt: skip
             connection = answer
 
 

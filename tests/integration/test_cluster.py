@@ -83,6 +83,8 @@ def test_the_cluster_starts_within_its_goal_and_every_node_is_its_own_host(nodes
     ], shown.stdout
     names = [on_node(f"node{k}", "hostname").stdout.strip() for k in range(1, NODES + 1)]
     assert names == [f"node{k}" for k in range(1, NODES + 1)]
+    holders = [int(Path(f"/run/mpiscale-cluster/node{k}.pid").read_text()) for k in range(1, NODES + 1)]
+    assert [os.getsid(pid) for pid in holders] == holders  # sessions of their own: the caller's signals miss them
     again = cluster("up", str(NODES))  # idempotent
     assert again.returncode == 0 and "already up" in again.stdout
 
@@ -102,7 +104,8 @@ def test_ranks_run_on_separate_hosts_and_the_node_communicators_follow_them(node
 def test_the_hierarchical_allreduce_across_hosts_matches_numpy(nodes, ranks):
     """programs/hierarchical.py over TCP between 2 and 3 hosts: sums, every dtype and op it checks, the same bits
     on every rank."""
-    job = across(ranks, [sys.executable, str(PROGRAMS / "hierarchical.py")], f"hierarchical on {ranks} ranks")
+    job = across(ranks, [sys.executable, str(PROGRAMS / "hierarchical.py")], f"hierarchical on {ranks} ranks",
+                 env={"MPISCALE_HIERARCHICAL_MIN_BYTES": "4096"})  # fmt: skip
     assert_ok(job)
     assert f"hierarchical allreduce ok: {ranks} ranks, {ranks // 2} nodes" in job.stdout, job.stdout
 

@@ -26,8 +26,13 @@ LAYOUTS = {
 }  # fmt: skip
 
 
+#: Hierarchical allreduces from 4 KiB run the stages, smaller ones MPI's own Allreduce: the programs meet both.
+STAGES_FROM = {"MPISCALE_HIERARCHICAL_MIN_BYTES": "4096"}
 world = Worlds(
-    {layout: (layout[0], {"MPISCALE_RANKS_PER_NODE": str(layout[1])}, programs) for layout, programs in LAYOUTS.items()}
+    {
+        layout: (layout[0], {"MPISCALE_RANKS_PER_NODE": str(layout[1])} | STAGES_FROM, programs)
+        for layout, programs in LAYOUTS.items()
+    }
 )
 
 

@@ -28,9 +28,18 @@ async def main(system) -> None:
             digest = np.frombuffer(hashlib.sha256(result.tobytes()).digest()[:8], np.int64)
             everyone = await system.world.allgather(digest)
             assert (everyone == everyone[0]).all(), f"ranks disagree on the bits of {dtype.__name__}[{n}]"
-    matrix = np.full((3, 4), float(rank + 1))
-    assert await h.allreduce(matrix, out=matrix) is matrix and (matrix == ranks * (ranks + 1) / 2).all()
-    assert (await h.allreduce(np.arange(5.0) * rank, op="max") == np.arange(5.0) * (ranks - 1)).all()
+    for shape in [(3, 4), (300, 40)]:  # under and over the 4 KiB from which the tests run the stages
+        matrix = np.full(shape, float(rank + 1))
+        assert await h.allreduce(matrix, out=matrix) is matrix and (matrix == ranks * (ranks + 1) / 2).all()
+        row = np.arange(float(shape[0] * shape[1]))
+        assert (await h.allreduce(row * rank, op="max") == row * (ranks - 1)).all()
+    try:  # shapes that differ by rank: refused on every rank alike, before any stage starts
+        await h.allreduce(np.zeros(1000 + rank))
+    except mpiscale.CollectiveMismatch as error:
+        assert "ranks disagree on shape/dtype/op" in str(error), error
+    else:
+        assert ranks == 1, "a mismatch went through"
+    assert (await h.allreduce(np.ones(2000)) == ranks).all()  # and the next call is whole
     if rank == 0:
         print(f"hierarchical allreduce ok: {ranks} ranks, {h.node_count} nodes, blocks {h.reducer.blocks}")
 

@@ -1,0 +1,56 @@
+"""The node watch against a real TCP peer standing in for the next host's first rank: a connection that ends while
+the peer still listens is a warning and a new connection; a peer that no longer answers is a lost node."""
+
+import asyncio
+import logging
+import socket
+
+from mpiscale.runtime.node_watch import LostNode, NodeWatch
+
+
+def _peer() -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    return listener
+
+
+async def _until(condition, seconds: float = 5) -> None:
+    for _ in range(int(seconds / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _watched_peer(caplog) -> list[LostNode]:
+    loop = asyncio.get_running_loop()
+    peer, lost = _peer(), []
+    next_host = LostNode("node2", [2, 3])
+    own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    own.bind(("127.0.0.1", 0))
+    own.listen(4)
+    own.setblocking(False)
+    watch = NodeWatch(own, following=(next_host, (["127.0.0.1"], peer.getsockname()[1])))
+
+    async def on_lost(node: LostNode) -> None:
+        lost.append(node)
+
+    watch.start(on_lost)
+    first, _ = await asyncio.wait_for(loop.sock_accept(peer), 5)
+    first.close()  # the connection ends, but the peer still listens: a probe finds it alive
+    again, _ = await asyncio.wait_for(loop.sock_accept(peer), 5)
+    await _until(lambda: "node watch: the connection to node node2 ended" in caplog.text)
+    assert lost == []
+    peer.close()  # now it is gone: its connection ends and nothing answers the probe
+    again.close()
+    await _until(lambda: bool(lost))
+    watch.close()
+    return lost
+
+
+def test_a_neighbour_that_answers_again_is_watched_anew_and_one_that_does_not_is_lost(caplog):
+    caplog.set_level(logging.WARNING, logger="mpiscale.runtime.node_watch")
+    lost = asyncio.run(asyncio.wait_for(_watched_peer(caplog), 20))
+    assert lost == [LostNode("node2", [2, 3])]
+    assert "ranks 2, 3" in lost[0].describe()
