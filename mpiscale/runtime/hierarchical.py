@@ -185,13 +185,18 @@ class HierarchicalAllreduce:
         requests += [comm.Isend(buffer, rank, _STAGE_TAG) for buffer, rank in sends]
         self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
 
+    def _swap(self, pair: Comm, piece: np.ndarray, theirs: np.ndarray) -> None:
+        """``piece`` sent to the other rank of a two-rank communicator, and its piece received into ``theirs``."""
+        partner = 1 - pair.Get_rank()
+        self._move(pair, [(piece, partner)], [(theirs, partner)])
+
     def _others_copies(self, grouped: np.ndarray, counts: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """(every local rank's copy of this rank's blocks, one row each in local-rank order, this rank's own row
         left unset; where each local rank's blocks start in ``grouped``), this rank's copies of theirs sent."""
         me, ranks = self.local_rank, self.local_size
         nbytes = ranks * counts[me] * grouped.dtype.itemsize
         copies = self._kept_copies(nbytes).view(grouped.dtype).reshape(ranks, counts[me])
-        starts = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        starts = _bounds(counts)
         others = [r for r in range(ranks) if r != me]
         sends = [(grouped[starts[r] : starts[r + 1]], r) for r in others]
         self._move(self._node, sends, [(copies[r], r) for r in others])
@@ -208,9 +213,11 @@ class HierarchicalAllreduce:
         copies[self.local_rank] = grouped[starts[self.local_rank] : starts[self.local_rank + 1]]
         return copies
 
-    def _node_reduce_scatter(self, grouped: np.ndarray, mine: np.ndarray, counts: list[int], op: Any) -> None:
-        """This rank's blocks reduced over its node into ``mine`` (see the module's docstring, stage 1)."""
-        ufunc = self._ufunc(op)
+    def _node_reduce_scatter(
+        self, grouped: np.ndarray, mine: np.ndarray, counts: list[int], op: Any, ufunc: np.ufunc | None
+    ) -> None:
+        """This rank's blocks reduced over its node into ``mine`` (see the module's docstring, stage 1); ``ufunc``
+        is numpy's twin of ``op``, if it has one."""
         if ufunc is None:
             self._node.Reduce_scatter(grouped, mine, counts, op)
             return
@@ -225,7 +232,7 @@ class HierarchicalAllreduce:
     def _layout(self, count: int) -> tuple[list[int], np.ndarray, list[int]]:
         """(elements per block, block starts, elements per local rank) of a buffer of ``count``."""
         sizes = block_rows(count, self.blocks)
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        starts = _bounds(sizes)
         counts = [sum(sizes[b] for b in range(self.blocks) if b % self.local_size == r) for r in range(self.local_size)]
         return sizes, starts, counts
 
@@ -238,7 +245,7 @@ class HierarchicalAllreduce:
     def _gather_blocks(self, mine: np.ndarray, total: np.ndarray, starts: np.ndarray, counts: list[int]) -> None:
         """Every local rank's blocks gathered in the node and put back in buffer order."""
         gathered = total if self._in_order else np.empty_like(total)
-        at = np.concatenate([[0], np.cumsum(counts)]).astype(int)
+        at = _bounds(counts)
         others = [r for r in range(self.local_size) if r != self.local_rank]
         own = gathered[at[self.local_rank] : at[self.local_rank + 1]]
         if not np.may_share_memory(own, mine):
@@ -254,16 +261,18 @@ class HierarchicalAllreduce:
     def _three_stages(self, flat: np.ndarray, total: np.ndarray, op: Any) -> None:
         sizes, starts, counts = self._layout(flat.size)
         if self._in_order:  # this rank's blocks are reduced where they end up: no copy of them in the last stage
-            mine = total[sum(counts[: self.local_rank]) :][: counts[self.local_rank]]
+            at = _bounds(counts)
+            mine = total[at[self.local_rank] : at[self.local_rank + 1]]
         else:
             mine = self._scratch(counts[self.local_rank], flat.dtype)
-        self._node_reduce_scatter(self._grouped(flat, starts), mine, counts, op)
-        offset, cross_comms, ufunc = 0, self._cross_comms(), self._ufunc(op)
+        ufunc = self._ufunc(op)
+        self._node_reduce_scatter(self._grouped(flat, starts), mine, counts, op, ufunc)
+        offset, cross_comms = 0, self._cross_comms()
         for block in self.owned:
             piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
             if cross.Get_size() == 2 and ufunc is not None:  # swapped, and reduced in node order on both nodes
                 theirs = self._kept_copies(piece.nbytes).view(piece.dtype)
-                self._move(cross, [(piece, 1 - cross.Get_rank())], [(theirs, 1 - cross.Get_rank())])
+                self._swap(cross, piece, theirs)
                 _fold(ufunc, [piece, theirs] if cross.Get_rank() == 0 else [theirs, piece], piece)
             elif cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
                 cross.Allreduce(self._MPI.IN_PLACE, piece, op)
@@ -286,8 +295,7 @@ class HierarchicalAllreduce:
                 piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
                 partials = np.empty((cross.Get_size(), piece.size), flat.dtype)
                 if cross.Get_size() == 2:
-                    partner = 1 - cross.Get_rank()
-                    self._move(cross, [(piece, partner)], [(partials[partner], partner)])
+                    self._swap(cross, piece, partials[1 - cross.Get_rank()])
                     partials[cross.Get_rank()] = piece
                 else:
                     cross.Allgather(piece, partials)
@@ -305,3 +313,8 @@ def _fold(ufunc: np.ufunc, rows: list[np.ndarray], out: np.ndarray) -> None:
     ufunc(rows[0], rows[1], out=out)
     for row in rows[2:]:
         ufunc(out, row, out=out)
+
+
+def _bounds(sizes: list[int]) -> np.ndarray:
+    """Where consecutive pieces of ``sizes`` start, and where the last one ends (``len(sizes) + 1`` offsets)."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(int)

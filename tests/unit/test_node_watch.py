@@ -9,6 +9,7 @@ from mpiscale.runtime.node_watch import LostNode, NodeWatch
 
 
 def _peer() -> socket.socket:
+    """A first rank's listener on localhost (the next host's, and this rank's own)."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(4)
@@ -27,11 +28,7 @@ async def _watched_peer(caplog) -> list[LostNode]:
     loop = asyncio.get_running_loop()
     peer, lost = _peer(), []
     next_host = LostNode("node2", [2, 3])
-    own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    own.bind(("127.0.0.1", 0))
-    own.listen(4)
-    own.setblocking(False)
-    watch = NodeWatch(own, following=(next_host, (["127.0.0.1"], peer.getsockname()[1])))
+    watch = NodeWatch(_peer(), following=(next_host, (["127.0.0.1"], peer.getsockname()[1])))
 
     async def on_lost(node: LostNode) -> None:
         lost.append(node)
