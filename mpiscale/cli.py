@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
 
@@ -68,7 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         if (getattr(args, name, 1) or 1) < 1:
             top.error(f"--{name.replace('_', '-')} must be at least 1")
     module, function = args.handler.split(":")
-    return getattr(import_module(module), function)(args)
+    status = getattr(import_module(module), function)(args)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader left (a pipe into head, a launcher ending the job): nobody to tell
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 if __name__ == "__main__":

@@ -93,6 +93,9 @@ class Lifecycle:
                     system.fail(exit_request.exit, "main exited", code if isinstance(code, int) else 1)
             except Exception as error:
                 system.fail(error, "main raised an exception")
+            # what main printed leaves before the ranks' last agreement: once one rank exits with a non-zero
+            # status the launcher tears the others' pipes down, and a flush at their exit would then fail
+            sys.stdout.flush()
             await system.close(refused, engine_task, watch)
             return result
         finally:
