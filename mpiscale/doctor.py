@@ -7,6 +7,8 @@ import importlib
 import shutil
 from dataclasses import dataclass
 
+from .runtime import library_line, message_path
+
 
 @dataclass
 class Check:
@@ -40,12 +42,13 @@ def _mpi_checks() -> list[Check]:
         MPI.THREAD_SERIALIZED: "serialized",
         MPI.THREAD_MULTIPLE: "multiple",
     }
-    library = MPI.Get_library_version().splitlines()[0].strip().rstrip(",")
+    library = library_line(MPI.Get_library_version()).rstrip(",")
     major, minor = MPI.Get_version()
     level = levels.get(MPI.Query_thread(), "unknown")
     return [
         Check("MPI library", True, f"{library} (MPI {major}.{minor})"),
         Check("mpi4py", True, _version("mpi4py") or "?"),
+        _message_path(),
         Check(
             "MPI thread level",
             level in ("serialized", "multiple"),
@@ -54,6 +57,12 @@ def _mpi_checks() -> list[Check]:
             required=False,
         ),
     ]
+
+
+def _message_path() -> Check:
+    path, as_asked = message_path()
+    fix = "run launch/setup.sh: it compiles mpiscale/runtime/_wire.pyx (build/wire.log says why a build failed)"
+    return Check("message path", as_asked, path, fix, required=False)
 
 
 def _h5py_check() -> Check:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..io import utc_timestamp
 from ..ranks import Comm
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, message_path
 
 
 def machine() -> dict:
@@ -64,6 +64,7 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "world_size": world_size,
         "machine": machine(),
+        "message_path": message_path()[0],  # compiled, or the pure-Python reference (and why)
         "date": utc_timestamp(),
         **results,
     }

@@ -18,6 +18,7 @@ from .errors import (
 from .lifecycle import run
 from .steering import Orders, Steering
 from .system import ActorSystem
+from .wire import library_line, message_path
 
 __all__ = [
     "Actor",
@@ -42,5 +43,7 @@ __all__ = [
     "Steering",
     "TransportError",
     "current_system",
+    "library_line",
+    "message_path",
     "run",
 ]

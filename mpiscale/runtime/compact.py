@@ -135,13 +135,19 @@ def decode(data: Any) -> tuple:
     """The message whose compact bytes are ``data``; :class:`NotCompact` if they are not well formed."""
     try:
         loaded = marshal.loads(data)
-        body, positions = loaded
     except (ValueError, EOFError, TypeError) as error:
         raise NotCompact(f"not a compact message: {error}") from None
+    if type(loaded) is not tuple or len(loaded) != 2:
+        raise NotCompact("not a compact message: wrong structure")
+    body, positions = loaded
     if type(body) is not tuple or type(positions) is not tuple:
         raise NotCompact("not a compact message: wrong structure")
-    if not positions:
-        return body
+    return with_arrays(body, positions) if positions else body
+
+
+def with_arrays(body: tuple, positions: tuple) -> tuple:
+    """A decoded ``body`` with the array entries at ``positions`` rebuilt into arrays (the compiled decoder's
+    too: the arrays are built by numpy either way)."""
     items = list(body)
     for position in positions:
         outer, inner = divmod(position, 1 << 16) if type(position) is int else (-1, 0)

@@ -30,6 +30,7 @@ from .eventloop import new_event_loop
 from .node_watch import LostNode, NodeWatch
 from .peers import LocalPeers
 from .system import ActorSystem
+from .wire import message_path
 
 T = TypeVar("T")
 _FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
@@ -269,6 +270,9 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     system = ActorSystem(MPI, config)
     lifecycle = Lifecycle(system)
     _setup_logging(system.rank)
+    path, as_asked = message_path()
+    if system.rank == 0 and not as_asked:
+        logging.getLogger(__name__).warning("the message path is %s", path)
     set_current_system(system)
     try:
         with asyncio.Runner(loop_factory=new_event_loop) as runner:

@@ -45,7 +45,7 @@ from types import ModuleType
 from typing import Any
 
 from ..ranks import Comm, chunks
-from . import transport
+from . import transport, wire
 from .config import RuntimeConfig
 
 Deliver = Callable[[int, Any], None]
@@ -97,10 +97,11 @@ class ProgressEngine:
         self._flush_scheduled = False
         self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
         self._turn_began = 0.0  # when the turn's first small message left
-        self._status = MPI.Status()
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
         self._pool = transport.BufferPool(config.pool_bytes)
+        self._frames = wire.chosen()[0]  # the compiled message path, or its pure-Python reference
+        self._endpoint = self._frames.Endpoint(MPI, comm)
         self._stopped = False
         self._yielded = False  # the engine waits for its next turn in the loop's ready queue (it is spinning)
         self.messages_sent = 0
@@ -125,7 +126,7 @@ class ProgressEngine:
             self._sent_this_turn.add(dest)
             self._schedule_flush()  # which also ends the turn's record
             return False
-        body = transport.compact_body(obj, self._config.inline_bytes)
+        body = self._frames.compact_body(obj, self._config.inline_bytes)
         if body is None:
             return False
         queued = self._outbox.get(dest)
@@ -155,12 +156,12 @@ class ProgressEngine:
         bodies = self._outbox.pop(dest)
         del self._outbox_bytes[dest]
         if len(bodies) == 1:  # a lone message travels as any compact one
-            frame = transport.encode_compact(bodies[0], self._next_seq(dest))
+            frame = self._frames.encode_compact(bodies[0], self._next_seq(dest))
         else:
-            frame = transport.encode_batch(bodies, self._next_seq(dest))
+            frame = self._frames.encode_batch(bodies, self._next_seq(dest))
         self.bytes_sent += len(frame)
-        request = self._comm.Isend([frame, self._MPI.BYTE], dest, transport.FRAME_TAG)
-        if not request.Test():
+        request = self._endpoint.send(dest, frame)
+        if request is not None:
             self._pending.append(_Pending(request, _nothing, f"batch of {len(bodies)} to rank {dest}", keep=frame))
         self.kick()
 
@@ -175,16 +176,16 @@ class ProgressEngine:
         if dest in self._outbox:
             self._send_batch(dest)
         seq = self._next_seq(dest)
-        encoded = transport.encode(obj, seq, self._config.inline_bytes)
+        encoded = self._frames.encode(obj, seq, self._config.inline_bytes)
         MPI, comm = self._MPI, self._comm
         self.messages_sent += 1
         self.bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
-        frame_request = comm.Isend([encoded.frame, MPI.BYTE], dest, transport.FRAME_TAG)
-        if not encoded.parts and frame_request.Test():  # small message, already on its way
+        frame_request = self._endpoint.send(dest, encoded.frame)
+        if not encoded.parts and frame_request is None:  # small message, already on its way
             self.kick()
             return completed(encoded.nbytes) if track else None
         done = asyncio.get_running_loop().create_future() if track else None
-        requests = [frame_request]
+        requests = [] if frame_request is None else [frame_request]
         if encoded.parts:
             tag = transport.data_tag(seq, self._tag_ub)
             for part in encoded.parts:
@@ -333,21 +334,19 @@ class ProgressEngine:
         return progressed
 
     def _match_frames(self) -> bool:
-        MPI, comm, status = self._MPI, self._comm, self._status
+        match, decode_frame = self._endpoint.match, self._frames.decode_frame
         matched = False
         while True:
-            message = comm.Improbe(MPI.ANY_SOURCE, transport.FRAME_TAG, status)
-            if message is None:
+            found = match()
+            if found is None:
                 return matched
             matched = True
-            source = status.Get_source()
-            frame = transport.allocate(status.Get_count(MPI.BYTE))
-            request = message.Irecv([frame, MPI.BYTE])
-            arrived = request.Test()  # eager data is already here
+            source, frame, request = found
+            arrived = request is None  # eager data is already here
             queue = self._inbound.get(source)
             header = None
             if arrived and not queue:  # nothing from source is before it
-                header = transport.decode_frame(frame)
+                header = decode_frame(frame)
                 if header.inline_parts is not None:  # a small message: delivered at once, never queued
                     self.bytes_received += len(frame)
                     self._deliver_inline(source, header)
@@ -377,7 +376,7 @@ class ProgressEngine:
 
     def _frame_arrived(self, inbound: _Inbound, header: transport.FrameHeader | None = None) -> None:
         """Its frame is here (``header``: already decoded): deliver it, or post the receives of its parts."""
-        header = inbound.header = header or transport.decode_frame(inbound.frame)
+        header = inbound.header = header or self._frames.decode_frame(inbound.frame)
         self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
             inbound.missing = 0
@@ -407,18 +406,18 @@ class ProgressEngine:
                 self._deliver_inline(source, inbound.header)
             else:
                 self.messages_received += 1
-                self._deliver(source, transport.load(inbound.header, inbound.parts))
+                self._deliver(source, self._frames.load(inbound.header, inbound.parts))
 
     def _deliver_inline(self, source: int, header: transport.FrameHeader) -> None:
         """Deliver the message, or the batch of messages, that a frame carries inline."""
         assert header.inline_parts is not None
         if header.batch:
-            for message in transport.load_batch(header):
+            for message in self._frames.load_batch(header):
                 self.messages_received += 1
                 self._deliver(source, message)
         else:
             self.messages_received += 1
-            self._deliver(source, transport.load(header, header.inline_parts))
+            self._deliver(source, self._frames.load(header, header.inline_parts))
 
 
 def _nothing() -> None:

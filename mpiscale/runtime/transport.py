@@ -209,6 +209,11 @@ def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
     body = compact_body(obj, inline_bytes)
     if body is not None:
         return Encoded(encode_compact(body, seq), [], len(body))
+    return encode_pickled(obj, seq, inline_bytes)
+
+
+def encode_pickled(obj: object, seq: int, inline_bytes: int) -> Encoded:
+    """:func:`encode` of a message that is not compact: pickled, its parts inline up to ``inline_bytes``."""
     parts = serialize(obj)
     sizes = [part.nbytes for part in parts]
     total = sum(sizes)

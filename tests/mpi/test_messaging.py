@@ -14,3 +14,11 @@ def test_large_buffers_are_chunked(ranks):
     job = run_mpi("messaging.py", ranks, "chunked", env={"MPISCALE_CHUNK_BYTES": "4096", "MPISCALE_INLINE_BYTES": "0"})
     assert_ok(job)
     assert "messaging ok" in job.stdout
+
+
+def test_ranks_on_either_message_path_talk_to_each_other():
+    """Odd ranks on the pure-Python reference, even ones compiled: every exchange of the program crosses paths."""
+    job = run_mpi("messaging.py", 4, "mixed")
+    assert_ok(job)
+    paths = "compiled,pure-Python,compiled,pure-Python"
+    assert f"messaging ok on 4 ranks (['mixed']), paths {paths}" in job.stdout, job.stdout

@@ -1,6 +1,7 @@
 """Ordering, nested payloads, chunked large messages, remote spawn, refs in messages."""
 
 import asyncio
+import os
 import sys
 import time
 
@@ -9,6 +10,7 @@ import torch
 
 import mpiscale
 from mpiscale import Actor, ActorRef
+from mpiscale.runtime import wire
 
 
 class Recorder(Actor):
@@ -225,8 +227,13 @@ async def main(system):
     await system.world.barrier()
     assert await ActorRef(size - 1, "spawned").ask("echo", rank) == rank
 
+    # The message path each rank ran ("mixed": odd ranks on the pure-Python reference, even ones compiled).
+    paths = await system.world.allgather(np.frombuffer(wire.chosen()[1].split()[0].ljust(12).encode(), np.uint8))
     if rank == 0:
-        print(f"messaging ok on {size} ranks ({sys.argv[1:]})")
+        names = [bytes(row).decode().strip() for row in paths.reshape(size, 12)]
+        print(f"messaging ok on {size} ranks ({sys.argv[1:]}), paths {','.join(names)}")
 
 
+if "mixed" in sys.argv[1:]:  # read once the runtime starts
+    os.environ[wire.PURE_ENV] = str(int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) % 2)
 mpiscale.run(main)

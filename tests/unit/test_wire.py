@@ -1,0 +1,202 @@
+"""The compiled message path against its pure-Python reference: the same bytes, the same messages, the same errors.
+
+The MPI side of the compiled path (``Endpoint``) runs under every MPI test of the suite; the mixed world of
+``test_messaging.py`` has ranks on both paths talk to each other."""
+
+import hashlib
+import os
+import random
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from helpers import REPO
+
+from mpiscale.runtime import compact, transport, wire
+
+if os.environ.get(wire.PURE_ENV, "0") not in ("", "0"):
+    pytest.skip(f"{wire.PURE_ENV} forces the reference: nothing compiled to compare", allow_module_level=True)
+compiled, path = wire.chosen()  # launch/setup.sh builds it: a missing or stale build fails the build test below
+
+ARRAY = np.arange(12, dtype=np.float32).reshape(3, 4)
+MESSAGES = [
+    (0, "bench.echo", "echo", (np.zeros(8, np.uint8),), {}, 17),
+    (1, 17, ARRAY, False),
+    (1, 2, None, True),
+    ("x", {"a": 1, "b": 2.5, "c": None}, b"bytes", (1, "two", 3.0)),
+    (0, "name", "method", (1, "s", np.array([True, False])), {"k": "v"}, -1),
+    (),
+    (10**40, -(2**63), 1e-300, float("inf"), "é", b""),
+    (np.array(5, dtype=np.int64), np.zeros((0, 3)), np.arange(3, dtype=">i4")),
+    tuple(range(300)),
+]
+NOT_COMPACT = [
+    [1, 2],  # a list
+    (np.float64(1.0),),  # a numpy scalar
+    (True, {1: 2}),  # a key that is not a str
+    ({"a": [1]},),  # a value that is not a scalar
+    ((1, (2,)),),  # a tuple inside a tuple inside the message
+    (np.zeros(4097, np.uint8),),  # over MAX_ARRAY_BYTES
+    (np.zeros((4, 4))[:, ::2],),  # not contiguous
+    (np.array(["a", 1], dtype=object),),  # holds objects
+    (np.zeros(2).view(np.matrix),),  # a subclass
+    (np.zeros(3, dtype=[("a", "i4")]),),  # structured
+    ((np.zeros(2),) * 2,) * 2 + ([],),
+    "a string",
+    None,
+]
+
+
+def same(a, b) -> bool:
+    if isinstance(a, np.ndarray):
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    if isinstance(a, tuple | list):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and (a == b or a != a and b != b)
+
+
+def outcome(function, *args):
+    """What ``function(*args)`` gives: ("value", v) or ("error", type, message)."""
+    try:
+        return ("value", function(*args))
+    except Exception as error:
+        return ("error", type(error), str(error))
+
+
+def same_outcome(a, b) -> bool:
+    if a[0] != b[0]:
+        return False
+    return a[1:] == b[1:] if a[0] == "error" else same(a[1], b[1])
+
+
+def header_fields(header) -> tuple:
+    parts = None if header.inline_parts is None else [bytes(part) for part in header.inline_parts]
+    return (header.seq, list(header.sizes), parts, header.compact, header.batch)
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=range(len(MESSAGES)))
+def test_compact_bytes_and_messages_are_the_references(message):
+    body = compiled.compact_encode(message)
+    assert body == compact.encode(message)
+    assert same(compiled.compact_decode(body), message) and same(compact.decode(body), message)
+    frame = compiled.encode_compact(body, 2**40 + 3)
+    assert frame == transport.encode_compact(body, 2**40 + 3)
+    assert header_fields(compiled.decode_frame(memoryview(frame))) == header_fields(
+        transport.decode_frame(memoryview(frame))
+    )
+    encoded, reference = compiled.encode(message, 9, 65536), transport.encode(message, 9, 65536)
+    assert (encoded.frame, encoded.parts, encoded.nbytes) == (reference.frame, reference.parts, reference.nbytes)
+
+
+@pytest.mark.parametrize("message", NOT_COMPACT, ids=range(len(NOT_COMPACT)))
+def test_what_is_not_compact_is_refused_alike_and_pickled_alike(message):
+    assert compiled.compact_encode(message) is None and compact.encode(message) is None
+    assert compiled.compact_body(message, 65536) is None
+    encoded, reference = compiled.encode(message, 4, 65536), transport.encode(message, 4, 65536)
+    assert encoded.frame == reference.frame and encoded.nbytes == reference.nbytes
+    header = compiled.decode_frame(memoryview(encoded.frame))
+    assert same(compiled.load(header, header.inline_parts), message)
+
+
+def test_a_body_over_the_limit_is_left_to_the_caller():
+    message = (np.zeros(4000, np.uint8),)
+    assert compiled.compact_body(message, 100) is None and transport.compact_body(message, 100) is None
+    assert compiled.compact_body(message, 8192) == transport.compact_body(message, 8192)
+
+
+def test_batches_are_the_references():
+    bodies = [compact.encode((i, "m", np.full(i % 4, i))) for i in range(40)]
+    for count in (0, 1, 2, 17, 40):
+        frame = compiled.encode_batch(bodies[:count], 77)
+        assert frame == transport.encode_batch(bodies[:count], 77)
+        header = compiled.decode_frame(memoryview(frame))
+        assert header_fields(header) == header_fields(transport.decode_frame(memoryview(frame)))
+        assert same(compiled.load_batch(header), transport.load_batch(header))
+
+
+def frames() -> list[bytes]:
+    """Valid frames of every kind: compact, batch, pickled inline, pickled with its parts apart."""
+    made = [transport.encode_compact(compact.encode(m), i) for i, m in enumerate(MESSAGES)]
+    made.append(transport.encode_batch([compact.encode(m) for m in MESSAGES[:5]], 5))
+    made += [transport.encode([1, {2: ARRAY}], 6, 65536).frame, transport.encode((ARRAY,) * 3, 7, 0).frame]
+    return made
+
+
+def test_damaged_frames_give_the_references_error_or_message():
+    """Truncated and extended frames, and frames with bits flipped in their header and size table: the compiled
+    reader gives what the reference gives, and what it reads loads, or fails, alike. (Bits flipped inside a
+    compact body are left out: marshal, which both paths use, is not safe against crafted data.)"""
+    generator = random.Random(45)
+    checked = 0
+    for frame in frames():
+        damaged = [frame[:cut] for cut in range(0, len(frame), max(1, len(frame) // 40))] + [frame + b"\0" * 9]
+        table = 16 + 8 * (int.from_bytes(frame[4:8], "little") & 0xFFFF)
+        for _ in range(300):
+            flipped = bytearray(frame)
+            for _ in range(generator.randint(1, 3)):
+                flipped[generator.randrange(min(table, len(frame)))] ^= 1 << generator.randrange(8)
+            damaged.append(bytes(flipped))
+        for candidate in damaged:
+            mine = outcome(compiled.decode_frame, memoryview(candidate))
+            reference = outcome(transport.decode_frame, memoryview(candidate))
+            assert mine[0] == reference[0], (candidate, mine, reference)
+            if mine[0] == "error":
+                assert mine[1:] == reference[1:]
+                continue
+            header = mine[1]
+            assert header_fields(header) == header_fields(reference[1])
+            if header.inline_parts is not None and header.compact:
+                if header.batch:
+                    loaded, expected = outcome(compiled.load_batch, header), outcome(transport.load_batch, header)
+                else:
+                    loaded = outcome(compiled.load, header, header.inline_parts)
+                    expected = outcome(transport.load, header, header.inline_parts)
+                assert same_outcome(loaded, expected), candidate
+            checked += 1
+    assert checked > 100
+
+
+def test_malformed_bodies_are_refused_alike():
+    import marshal
+
+    bodies = [compact.encode(m) for m in MESSAGES]
+    candidates = [b"", b"\x00", b"not marshal", "a str", b"\xe9" * 40]
+    candidates += [body[:cut] for body in bodies for cut in range(len(body))]
+    candidates += [marshal.dumps(x) for x in [(1,), (1, 2, 3), ((), (1 << 70,)), ((1,), (True,)), ((1,), (-5,))]]
+    candidates += [marshal.dumps(((("|u1", (2,), b"ab"),), (x,))) for x in (0, 1, 65536, 65537, -(1 << 80))]
+    candidates += [marshal.dumps(((("|O", (1,), b"ab"),), (0,))), marshal.dumps(((("<f8", (3,), b"ab"),), (0,)))]
+    for body in candidates:
+        assert same_outcome(outcome(compiled.compact_decode, body), outcome(compact.decode, body)), body
+
+
+def test_the_build_is_current_and_says_what_it_was_built_against():
+    from mpi4py import MPI
+
+    assert compiled.BUILT_AGAINST == MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
+    assert path == "compiled" and wire.message_path() == ("compiled", True)
+
+
+def test_a_build_of_other_source_or_another_mpi_is_not_used(tmp_path):
+    source = tmp_path / "_wire.pyx"
+    source.write_text("the source it was built from")
+    built = SimpleNamespace(SOURCE_SHA256=hashlib.sha256(source.read_bytes()).hexdigest(), BUILT_AGAINST="MPI A, 1")
+    assert wire.stale_build(built, source, "MPI A, 1\nmore lines\0") is None
+    assert wire.stale_build(built, source, "MPI B, 2") == "the compiled module was built against MPI A, 1, not MPI B, 2"
+    source.write_text("edited since")
+    assert wire.stale_build(built, source, "MPI A, 1") == "the compiled module is older than _wire.pyx"
+    assert wire.stale_build(built, tmp_path / "absent.pyx", "MPI A, 1") is None  # an installed package: no source
+
+
+def test_the_reference_runs_when_asked_and_doctor_says_which_path():
+    """MPISCALE_PURE_PYTHON=1 forces the reference in a process of its own; ``mpiscale doctor`` names the path."""
+    code = "from mpiscale.runtime import wire; print(wire.chosen()[1])"
+    environment = {**os.environ, wire.PURE_ENV: "1"}
+    forced = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, cwd=REPO)
+    assert forced.stdout.strip() == f"pure-Python ({wire.PURE_ENV}=1)", forced.stderr
+    doctor = subprocess.run([sys.executable, "-m", "mpiscale.cli", "doctor"], capture_output=True, text=True, cwd=REPO)
+    assert re.search(r"^\[ok  \] message path +compiled$", doctor.stdout, re.MULTILINE), doctor.stdout
