@@ -15,6 +15,7 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
 from mpi4py.libmpi cimport (
     MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Isend, MPI_Message,
@@ -24,7 +25,7 @@ from mpi4py.MPI cimport Comm, Request
 
 from mpi4py import MPI
 
-from . import compact, transport
+from . import compact, compact_check, transport
 
 cdef extern from "marshal.h":
     object PyMarshal_WriteObjectToString(object value, int version)
@@ -142,21 +143,122 @@ cpdef object compact_encode(object message):
     return PyMarshal_WriteObjectToString((body, tuple(positions)), Py_MARSHAL_VERSION)
 
 
+cdef int MAX_DEPTH = compact_check.MAX_DEPTH
+
+
+cdef int _fail(str why) except -1:
+    raise NotCompact(f"not a compact message: {why}")
+
+
+cdef inline int _need(Py_ssize_t length, Py_ssize_t at, Py_ssize_t count) except -1:
+    if count > length - at:
+        _fail(f"marshal data ends early at byte {at}")
+    return 0
+
+
+cdef inline long long _int32(const unsigned char *data, Py_ssize_t length, Py_ssize_t at) except? -1:
+    _need(length, at, 4)
+    return <int>_get32(data + at)
+
+
+cdef inline Py_ssize_t _length(const unsigned char *data, Py_ssize_t length, Py_ssize_t at) except -1:
+    cdef long long value = _int32(data, length, at)
+    if value < 0:
+        _fail(f"negative length at byte {at}")
+    return <Py_ssize_t>value
+
+
+cdef Py_ssize_t _object(const unsigned char *data, Py_ssize_t length, Py_ssize_t at, char *refs,
+                        Py_ssize_t *count, int depth) except -1:
+    """``compact_check._object``: the offset after the marshal object at ``at``, or NotCompact."""
+    cdef Py_ssize_t start = at, size, index, items, item
+    cdef long long reference
+    cdef unsigned char code, kind
+    cdef bint flagged
+    if depth > MAX_DEPTH:
+        _fail(f"nested deeper than {MAX_DEPTH} at byte {at}")
+    _need(length, at, 1)
+    code = data[at]
+    kind, flagged = code & 0x7F, (code & 0x80) != 0
+    at += 1
+    if (kind == b'N' or kind == b'F' or kind == b'T') and not flagged:
+        return at
+    if kind == b'r' and not flagged:
+        reference = _int32(data, length, at)
+        if not (0 <= reference < count[0] and refs[reference]):
+            _fail(f"a reference at byte {start} to an object not read yet")
+        return at + 4
+    if kind == b'i' or kind == b'g' or kind == b'l' or kind == b's' or kind == b'u' or kind == b't' \
+            or kind == b'a' or kind == b'A' or kind == b'z' or kind == b'Z':
+        if kind == b'i':
+            size = 4
+        elif kind == b'g':
+            size = 8
+        elif kind == b'l':
+            reference = _int32(data, length, at)
+            size, at = 2 * (reference if reference >= 0 else -reference), at + 4
+        elif kind == b'z' or kind == b'Z':
+            _need(length, at, 1)
+            size, at = data[at], at + 1
+        else:
+            size, at = _length(data, length, at), at + 4
+        _need(length, at, size)
+        if flagged:
+            refs[count[0]] = 1
+            count[0] += 1
+        return at + size
+    if kind != b')' and kind != b'(' and kind != b'{':
+        _fail(f"marshal type {code:#04x} at byte {start} is not one it holds")
+    index = count[0]
+    if flagged:
+        refs[index] = 0
+        count[0] += 1
+    if kind == b'{':
+        while True:
+            _need(length, at, 1)
+            if data[at] == b'0':
+                at += 1
+                break
+            at = _object(data, length, _object(data, length, at, refs, count, depth + 1), refs, count, depth + 1)
+    else:
+        if kind == b')':
+            _need(length, at, 1)
+            items, at = data[at], at + 1
+        else:
+            items, at = _length(data, length, at), at + 4
+        _need(length, at, items)
+        for item in range(items):
+            at = _object(data, length, at, refs, count, depth + 1)
+    if flagged:
+        refs[index] = 1
+    return at
+
+
 cdef object _loads(object data):
+    """``compact.decode``'s check and ``marshal.loads`` of a compact body."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
     cdef Py_buffer view
+    cdef Py_ssize_t count = 0, end
+    cdef char *refs
     PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    refs = <char *>PyMem_Malloc(view.len + 1)  # each reference takes a byte of the data at least
     try:
-        return PyMarshal_ReadObjectFromString(<const char *>view.buf, view.len)
+        end = _object(<const unsigned char *>view.buf, view.len, 0, refs, &count, 0)
+        if end != view.len:
+            _fail(f"{view.len - end} bytes after the marshal data")
+        try:
+            return PyMarshal_ReadObjectFromString(<const char *>view.buf, view.len)
+        except (ValueError, EOFError, TypeError) as error:
+            raise NotCompact(f"not a compact message: {error}") from None
     finally:
+        PyMem_Free(refs)
         PyBuffer_Release(&view)
 
 
 cpdef tuple compact_decode(object data):
     """``compact.decode``: the message whose compact bytes are ``data``; NotCompact if they are not well formed."""
-    try:
-        loaded = _loads(data)
-    except (ValueError, EOFError, TypeError) as error:
-        raise NotCompact(f"not a compact message: {error}") from None
+    loaded = _loads(data)
     if type(loaded) is not tuple or len(<tuple>loaded) != 2:
         raise NotCompact("not a compact message: wrong structure")
     body, positions = <tuple>loaded

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MpiscaleError
+from .compact_check import NotCompact, check
 
 #: Largest array that travels in a compact message; larger ones go out of band, without a copy.
 MAX_ARRAY_BYTES = 4096
@@ -56,10 +56,6 @@ def dtype_from_code(code: str) -> np.dtype:
             raise ValueError(f"dtype {code!r} holds objects")
         _dtypes[code] = dtype
     return dtype
-
-
-class NotCompact(MpiscaleError, ValueError):
-    """The bytes are not a compact message (a corrupt or foreign frame)."""
 
 
 def _array_entry(array: np.ndarray) -> tuple | None:
@@ -133,6 +129,10 @@ def _encode_inner(values: tuple, outer: int, positions: list[int]) -> tuple | No
 
 def decode(data: Any) -> tuple:
     """The message whose compact bytes are ``data``; :class:`NotCompact` if they are not well formed."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
+    data = bytes(data)
+    check(data)  # marshal is not safe against damaged data
     try:
         loaded = marshal.loads(data)
     except (ValueError, EOFError, TypeError) as error:
