@@ -14,6 +14,7 @@ straight to the MPI library (mpi4py's ``libmpi.pxd``), with no Python object per
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.limits cimport INT_MAX
 from libc.stdint cimport uint32_t, uint64_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcpy
@@ -23,9 +24,17 @@ from mpi4py.libmpi cimport (
 )
 from mpi4py.MPI cimport Comm, Request
 
+cimport numpy as cnp
+from cpython.ref cimport Py_INCREF
+
 from mpi4py import MPI
 
 from . import compact, compact_check, transport
+
+cnp.import_array()
+
+cdef extern from "numpy/arrayobject.h":
+    object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.dtype descr, int fortran)  # steals descr
 
 cdef extern from "marshal.h":
     object PyMarshal_WriteObjectToString(object value, int version)
@@ -62,8 +71,9 @@ cdef int FRAME_TAG = transport.FRAME_TAG
 cdef object _ndarray
 import numpy
 _ndarray = numpy.ndarray
-cdef object _array_entry = compact._array_entry
-cdef object with_arrays = compact.with_arrays
+cdef object _rebuild = compact._rebuild
+cdef object dtype_from_code = compact.dtype_from_code
+cdef object plain_dtype_code = compact.plain_dtype_code
 cdef object NotCompact = compact.NotCompact
 cdef object TransportError = transport.TransportError
 cdef object FrameHeader = transport.FrameHeader
@@ -73,6 +83,94 @@ cdef object deserialize = transport.deserialize
 
 
 # ------------------------------------------------------------------ the compact codec (compact.py)
+cdef dict _codes = {}  # dtype -> its code (compact.plain_dtype_code), None where it is not plain
+cdef dict _plain = {}  # code -> its dtype where an array of it is built here, None where the reference builds it
+cdef Py_ssize_t _MAX_DIMS = 32
+cdef long long _MAX_EXTENT = 1LL << 40
+
+
+cdef object _array_entry(cnp.ndarray array):
+    """``compact._array_entry``: (code, shape, bytes), or None where the array does not travel compact."""
+    dtype = <object>cnp.PyArray_DESCR(array)
+    code = _codes.get(dtype, False)
+    if code is False:
+        code = _codes[dtype] = plain_dtype_code(dtype)
+    cdef Py_ssize_t size = cnp.PyArray_NBYTES(array)
+    if code is None or size > MAX_ARRAY_BYTES or not cnp.PyArray_IS_C_CONTIGUOUS(array):
+        return None
+    return (code, (<object>array).shape, PyBytes_FromStringAndSize(<char *>cnp.PyArray_DATA(array), size))
+
+
+cdef object _plain_dtype(str code):
+    dtype = _plain.get(code, False)
+    if dtype is False:
+        try:
+            dtype = dtype_from_code(code)
+        except Exception:  # the reference raises its own error for it
+            dtype = None
+        if dtype is not None and (dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None
+                                  or dtype.itemsize == 0):
+            dtype = None
+        if len(_plain) < 256:  # codes come from the wire: keep what a damaged frame can add bounded
+            _plain[code] = dtype
+    return dtype
+
+
+cdef object _array(object entry):
+    """``compact._rebuild`` of a well-formed entry of a plain dtype, built here; any other by the reference."""
+    cdef cnp.npy_intp dims[32]
+    cdef Py_ssize_t dimension, count
+    cdef long long extent, elements = 1
+    if type(entry) is not tuple or len(<tuple>entry) != 3:
+        return _rebuild(entry)
+    code, shape, data = <tuple>entry
+    if type(code) is not str or type(shape) is not tuple or type(data) is not bytes:
+        return _rebuild(entry)
+    count = len(<tuple>shape)
+    dtype = _plain_dtype(<str>code) if count <= _MAX_DIMS else None
+    if dtype is None:
+        return _rebuild(entry)
+    for dimension in range(count):
+        size = (<tuple>shape)[dimension]
+        if type(size) is not int or not 0 <= size <= _MAX_EXTENT:
+            return _rebuild(entry)
+        extent = size
+        dims[dimension] = <cnp.npy_intp>extent
+        elements *= extent
+        if elements > _MAX_EXTENT:
+            return _rebuild(entry)
+    if elements * dtype.itemsize != PyBytes_GET_SIZE(data):
+        return _rebuild(entry)
+    Py_INCREF(dtype)
+    array = PyArray_Empty(<int>count, dims, <cnp.dtype>dtype, 0)
+    memcpy(cnp.PyArray_DATA(<cnp.ndarray>array), PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+    return array
+
+
+cdef tuple _with_arrays(tuple body, tuple positions):
+    """``compact.with_arrays``: ``body`` with the array entries at ``positions`` rebuilt into arrays."""
+    cdef list items = list(body)
+    cdef Py_ssize_t outer, inner, count = len(items)
+    cdef long long place
+    for position in positions:
+        outer, inner = -1, 0
+        if type(position) is int and -(1 << 62) < position < (1 << 62):
+            place = position
+            outer, inner = <Py_ssize_t>(place >> 16), <Py_ssize_t>(place & 0xFFFF)
+        if not 0 <= outer < count:
+            raise NotCompact(f"not a compact message: array position {position!r} is outside the message")
+        if inner == 0:
+            items[outer] = _array(items[outer])
+        else:
+            values = items[outer]
+            if type(values) is not tuple or inner > len(<tuple>values):
+                raise NotCompact(f"not a compact message: array position {position!r} is outside the message")
+            values = list(values)
+            values[inner - 1] = _array(values[inner - 1])
+            items[outer] = tuple(values)
+    return tuple(items)
+
+
 cdef inline bint _scalar(object item):
     cdef type kind = type(item)
     return item is None or kind is int or kind is str or kind is float or kind is bool or kind is bytes
@@ -234,37 +332,40 @@ cdef Py_ssize_t _object(const unsigned char *data, Py_ssize_t length, Py_ssize_t
     return at
 
 
-cdef object _loads(object data):
-    """``compact.decode``'s check and ``marshal.loads`` of a compact body."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
-    cdef Py_buffer view
+cdef tuple _decode_at(const unsigned char *data, Py_ssize_t length):
+    """``compact.decode`` of the ``length`` bytes at ``data``: checked, loaded by marshal, arrays rebuilt."""
     cdef Py_ssize_t count = 0, end
-    cdef char *refs
-    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-    refs = <char *>PyMem_Malloc(view.len + 1)  # each reference takes a byte of the data at least
+    cdef char *refs = <char *>PyMem_Malloc(length + 1)  # each reference takes a byte of the data at least
+    if refs == NULL:
+        raise MemoryError()
     try:
-        end = _object(<const unsigned char *>view.buf, view.len, 0, refs, &count, 0)
-        if end != view.len:
-            _fail(f"{view.len - end} bytes after the marshal data")
+        end = _object(data, length, 0, refs, &count, 0)
+        if end != length:
+            _fail(f"{length - end} bytes after the marshal data")
         try:
-            return PyMarshal_ReadObjectFromString(<const char *>view.buf, view.len)
+            loaded = PyMarshal_ReadObjectFromString(<const char *>data, length)
         except (ValueError, EOFError, TypeError) as error:
             raise NotCompact(f"not a compact message: {error}") from None
     finally:
         PyMem_Free(refs)
-        PyBuffer_Release(&view)
-
-
-cpdef tuple compact_decode(object data):
-    """``compact.decode``: the message whose compact bytes are ``data``; NotCompact if they are not well formed."""
-    loaded = _loads(data)
     if type(loaded) is not tuple or len(<tuple>loaded) != 2:
         raise NotCompact("not a compact message: wrong structure")
     body, positions = <tuple>loaded
     if type(body) is not tuple or type(positions) is not tuple:
         raise NotCompact("not a compact message: wrong structure")
-    return with_arrays(body, positions) if positions else body
+    return _with_arrays(<tuple>body, <tuple>positions) if positions else body
+
+
+cpdef tuple compact_decode(object data):
+    """``compact.decode``: the message whose compact bytes are ``data``; NotCompact if they are not well formed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
+    cdef Py_buffer view
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        return _decode_at(<const unsigned char *>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
 
 
 # ------------------------------------------------------------------ frames (transport.py)
@@ -337,49 +438,96 @@ cpdef object encode(object message, uint64_t seq, Py_ssize_t inline_bytes):
     return Encoded(encode_compact(body, seq), [], PyBytes_GET_SIZE(body))
 
 
+cdef enum Layout:
+    OTHER = 0  # not a compact frame, or a malformed one: the reference reads it
+    SINGLE = 1  # one compact message after the header and its size
+    BATCH = 2  # a batch whose sizes add up to the frame
+
+
+cdef Layout _layout(const unsigned char *data, Py_ssize_t length, uint64_t *seq, Py_ssize_t *count) noexcept:
+    """What a frame holds, read from its header and size table (``seq`` and ``count`` set for the compact ones)."""
+    cdef uint32_t flags
+    cdef Py_ssize_t index, offset
+    cdef uint64_t size
+    if length < COMPACT_HEAD or _get32(data) != MAGIC:
+        return OTHER
+    flags, seq[0] = _get32(data + 4), _get64(data + 8)
+    if flags == COMPACT_COUNT:
+        count[0] = 1
+        return SINGLE if _get64(data + 16) == <uint64_t>(length - COMPACT_HEAD) else OTHER
+    if flags & (INLINE_BIT | COMPACT_BIT | BATCH_BIT) != (INLINE_BIT | COMPACT_BIT | BATCH_BIT):
+        return OTHER
+    count[0] = flags & ~(INLINE_BIT | COMPACT_BIT | BATCH_BIT)
+    offset = HEADER + 8 * count[0]
+    if length < offset:
+        return OTHER
+    for index in range(count[0]):
+        size = _get64(data + HEADER + 8 * index)
+        if size > <uint64_t>(length - offset):
+            return OTHER
+        offset += size
+    return BATCH if offset == length else OTHER
+
+
 cpdef object decode_frame(object frame):
     """``transport.decode_frame``: a well-formed compact frame (one message or a batch) read here; any other
     frame, and every malformed one, by transport (whose errors are the reference)."""
     cdef Py_buffer view
-    cdef const unsigned char *data
-    cdef Py_ssize_t length, count, index, offset
-    cdef uint32_t magic, flags
-    cdef uint64_t seq, size
-    cdef list sizes
+    cdef Py_ssize_t count = 0, index, offset
+    cdef uint64_t seq = 0, size
+    cdef Layout layout
+    cdef list sizes = []
     PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
     try:
-        data, length = <const unsigned char *>view.buf, view.len
-        if length < COMPACT_HEAD or _get32(data) != MAGIC:
-            return transport.decode_frame(frame)
-        flags, seq = _get32(data + 4), _get64(data + 8)
-        if flags == COMPACT_COUNT:
-            size = _get64(data + 16)
-            if size != <uint64_t>(length - COMPACT_HEAD):
-                return transport.decode_frame(frame)
-            return FrameHeader(seq, [size], [frame[COMPACT_HEAD:]], True)
-        if flags & (INLINE_BIT | COMPACT_BIT | BATCH_BIT) != (INLINE_BIT | COMPACT_BIT | BATCH_BIT):
-            return transport.decode_frame(frame)
-        count = flags & ~(INLINE_BIT | COMPACT_BIT | BATCH_BIT)
-        offset = HEADER + 8 * count
-        if length < offset:
-            return transport.decode_frame(frame)
-        sizes = []
-        for index in range(count):
-            size = _get64(data + HEADER + 8 * index)
-            if size > <uint64_t>(length - offset):
-                return transport.decode_frame(frame)
-            sizes.append(size)
-            offset += size
-        if offset != length:
-            return transport.decode_frame(frame)
+        layout = _layout(<const unsigned char *>view.buf, view.len, &seq, &count)
+        if layout == SINGLE:
+            return FrameHeader(seq, [view.len - COMPACT_HEAD], [frame[COMPACT_HEAD:]], True)
+        for index in range(count if layout == BATCH else 0):
+            sizes.append(_get64(<const unsigned char *>view.buf + HEADER + 8 * index))
     finally:
         PyBuffer_Release(&view)
+    if layout == OTHER:
+        return transport.decode_frame(frame)
     cdef list parts = []
     offset = HEADER + 8 * count
     for size in sizes:
         parts.append(frame[offset : offset + size])
         offset += size
     return FrameHeader(seq, sizes, parts, True, True)
+
+
+cdef object _message_at(uint64_t seq, const unsigned char *data, Py_ssize_t length):
+    try:
+        return _decode_at(data, length)
+    except NotCompact as error:
+        raise TransportError(f"message seq {seq}: {error}") from None
+
+
+cpdef object compact_messages(object frame):
+    """The messages of a well-formed compact frame (one message, or a batch), read in place; None for any other
+    frame (the caller reads it as ``decode_frame`` does, and raises its errors)."""
+    cdef Py_buffer view
+    cdef const unsigned char *data
+    cdef Py_ssize_t count = 0, index, offset
+    cdef uint64_t seq = 0, size
+    cdef Layout layout
+    cdef list messages = []
+    PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
+    try:
+        data = <const unsigned char *>view.buf
+        layout = _layout(data, view.len, &seq, &count)
+        if layout == OTHER:
+            return None
+        if layout == SINGLE:
+            return [_message_at(seq, data + COMPACT_HEAD, view.len - COMPACT_HEAD)]
+        offset = HEADER + 8 * count
+        for index in range(count):
+            size = _get64(data + HEADER + 8 * index)
+            messages.append(_message_at(seq, data + offset, size))
+            offset += size
+        return messages
+    finally:
+        PyBuffer_Release(&view)
 
 
 cdef object _load_compact(object header, object data):
@@ -429,10 +577,25 @@ cdef class Endpoint:
         """Start sending ``frame`` to ``dest``: None once it has left, else its pending Request (which holds it)."""
         cdef MPI_Request handle
         cdef int done = 0
+        if PyBytes_GET_SIZE(frame) > INT_MAX:  # MPI-3 counts are ints (mpi4py's own check, in the reference)
+            raise OverflowError(f"a frame of {PyBytes_GET_SIZE(frame)} bytes is over MPI's count limit")
         _check(MPI_Isend(PyBytes_AS_STRING(frame), <int>PyBytes_GET_SIZE(frame), MPI_BYTE, dest, FRAME_TAG,
                          self.comm, &handle))
         _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
         return None if done else _pending(handle, frame)
+
+    def receive(self, dict inbound):
+        """``wire.Endpoint.receive``: the next frame that has arrived, as (source, messages, frame bytes) where it is
+        a complete compact frame (one message or a batch) and nothing from its source waits before it (``inbound``:
+        the engine's queues by source); any other frame as :meth:`match` gives it; None when no frame waits."""
+        found = self.match()
+        if found is None:
+            return None
+        source, frame, request = <tuple>found
+        if request is not None or inbound.get(source):
+            return found
+        messages = compact_messages(frame)
+        return found if messages is None else (source, messages, len(frame))
 
     def match(self):
         """The next frame that has arrived from any rank, as (source, frame, request), the request None when its

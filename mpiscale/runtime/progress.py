@@ -95,6 +95,7 @@ class ProgressEngine:
         self._outbox: dict[int, list[bytes]] = {}  # compact messages per destination, sent at the turn's end
         self._outbox_bytes: dict[int, int] = {}
         self._flush_scheduled = False
+        self._queued: asyncio.Future | None = None  # the done future of every queued message (post)
         self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
         self._turn_began = 0.0  # when the turn's first small message left
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
@@ -113,10 +114,11 @@ class ProgressEngine:
         self._waits: dict[int, tuple[str, float]] = {}
 
     # ------------------------------------------------------------------ API
-    def post(self, dest: int, obj: object) -> bool:
+    def post(self, dest: int, obj: object) -> asyncio.Future | None:
         """Queue a small message of plain values (``transport.compact_body``) for rank ``dest``, to leave with the
-        others queued for it at the end of this loop turn; its arrays are copied now. False, queuing nothing,
-        when it is the first to ``dest`` this turn or does not qualify: then :meth:`send` it."""
+        others queued for it at the end of this loop turn; its arrays are copied now, and the future returned is
+        done (one future, shared by every queued message: a new one per tell cost a tenth of its time). None,
+        queuing nothing, when it is the first to ``dest`` this turn or does not qualify: then :meth:`send` it."""
         now = time.perf_counter()
         if self._sent_this_turn and now - self._turn_began > _TURN_S:
             self.flush()  # a long turn (computations of several tasks in one loop pass): a new turn begins here
@@ -125,10 +127,10 @@ class ProgressEngine:
                 self._turn_began = now
             self._sent_this_turn.add(dest)
             self._schedule_flush()  # which also ends the turn's record
-            return False
+            return None
         body = self._frames.compact_body(obj, self._config.inline_bytes)
         if body is None:
-            return False
+            return None
         queued = self._outbox.get(dest)
         if queued is None:
             queued = self._outbox[dest] = []
@@ -138,7 +140,9 @@ class ProgressEngine:
         self.messages_sent += 1
         if len(queued) >= _BATCH_MAX_MESSAGES or self._outbox_bytes[dest] >= self._config.inline_bytes:
             self._send_batch(dest)
-        return True
+        if self._queued is None:
+            self._queued = completed(0)
+        return self._queued
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -334,13 +338,20 @@ class ProgressEngine:
         return progressed
 
     def _match_frames(self) -> bool:
-        match, decode_frame = self._endpoint.match, self._frames.decode_frame
+        receive, decode_frame, queues = self._endpoint.receive, self._frames.decode_frame, self._inbound
         matched = False
         while True:
-            found = match()
+            found = receive(queues)
             if found is None:
                 return matched
             matched = True
+            if type(found[1]) is list:  # small messages, read where they arrived, nothing from their source before
+                source, messages, size = found
+                self.bytes_received += size
+                self.messages_received += len(messages)
+                for message in messages:
+                    self._deliver(source, message)
+                continue
             source, frame, request = found
             arrived = request is None  # eager data is already here
             queue = self._inbound.get(source)

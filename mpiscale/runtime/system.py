@@ -232,8 +232,8 @@ class ActorSystem:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
         self._check_rank(ref)
         envelope = (_MESSAGE, ref.name, method, args, kwargs, -1)
-        if ref.rank != self.rank and self._engine.post(ref.rank, envelope):  # small: copied now, sent at turn's end
-            return completed(0)
+        if ref.rank != self.rank and (queued := self._engine.post(ref.rank, envelope)) is not None:
+            return queued  # small: copied now, sent at the turn's end
         sent = self._post(ref.rank, envelope)
         assert sent is not None  # tracked
         return sent

@@ -36,6 +36,22 @@ class Endpoint:
         request = self._comm.Isend([frame, self._MPI.BYTE], dest, transport.FRAME_TAG)
         return None if request.Test() else request
 
+    def receive(self, inbound: dict) -> tuple | None:
+        """The next frame that has arrived, as (source, messages, frame bytes) where it is a complete compact frame
+        (one message or a batch) and nothing from its source waits before it (``inbound``: the engine's queues by
+        source); any other frame as :meth:`match` gives it; None when no frame waits."""
+        found = self.match()
+        if found is None:
+            return None
+        source, frame, request = found
+        if request is not None or inbound.get(source):
+            return found
+        header = transport.decode_frame(frame)
+        if header.inline_parts is None or not header.compact:
+            return found
+        messages = transport.load_batch(header) if header.batch else [transport.load(header, header.inline_parts)]
+        return source, messages, len(frame)
+
     def match(self) -> tuple[int, memoryview, Any] | None:
         """The next frame that has arrived from any rank, as (source, frame, request), the request None when its
         bytes are in ``frame`` already; None when no frame waits."""

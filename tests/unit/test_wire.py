@@ -161,6 +161,32 @@ def test_damaged_frames_give_the_references_error_or_message():
     assert checked > 100
 
 
+def test_frames_read_where_they_arrive_give_the_references_messages_or_error():
+    """``Endpoint.receive`` reads a complete compact frame at once (``compact_messages``): the reference's messages
+    or its error. What it leaves (None) the engine reads with ``decode_frame``, as the reference does."""
+    generator = random.Random(46)
+    read_at_once = 0
+    for frame in frames():
+        candidates = [frame[:cut] for cut in range(len(frame))] + [frame + b"\0"]
+        for _ in range(300):
+            damaged = bytearray(frame)
+            damaged[generator.randrange(len(damaged))] ^= 1 << generator.randrange(8)
+            candidates.append(bytes(damaged))
+        for candidate in candidates:
+            mine = outcome(compiled.compact_messages, memoryview(candidate))
+            if mine == ("value", None):
+                continue
+            header = transport.decode_frame(memoryview(candidate))
+            assert header.inline_parts is not None and header.compact, candidate
+            if header.batch:
+                expected = outcome(transport.load_batch, header)
+            else:
+                expected = outcome(lambda h: [transport.load(h, h.inline_parts)], header)
+            assert same_outcome(mine, expected), candidate
+            read_at_once += mine[0] == "value"
+    assert read_at_once > 50
+
+
 @pytest.mark.filterwarnings("ignore:Data type alias:DeprecationWarning")  # numpy, of a damaged dtype code
 def test_malformed_bodies_are_refused_alike():
     """Truncated, damaged and random bodies, and marshal data of kinds no compact message holds: the same message
