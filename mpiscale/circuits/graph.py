@@ -14,9 +14,10 @@ per rank, as pipeline stages are cut: a chain crosses ranks once per cut.
 
 ``CompiledGraph`` is the plan compiled for one rank: the nodes it runs, in
 order, and for each the ranks that need its value. For a batch, each rank runs
-its nodes; a value another rank needs is told to that rank's inbox actor once
-(however many of its nodes use it) without a copy of the array, and a node
-takes a value from another rank when its turn comes. Several batches are in
+its nodes; a value another rank needs is sent to that rank once (however many
+of its nodes use it): arrays raw on the channel of the graph (:mod:`.edges`),
+received into buffers posted ahead, anything else to the rank's inbox actor;
+a node takes a value from another rank when its turn comes. Several batches are in
 flight at once, so the ranks work as a pipeline. An error in a node travels
 along the edges in place of its value, so every rank finishes the batch and
 the job ends with that node's message on every rank, never a rank left
@@ -34,9 +35,10 @@ from functools import partial
 import numpy as np
 
 from ..ranks import balanced_starts
-from ..runtime import Actor, ActorGroup, ActorSystem, Arrivals
+from ..runtime import Actor, ActorGroup, ActorSystem, Arrivals, Channel
 from . import ops
 from .catalogue import Catalogue, LayerCircuits
+from .edges import Assembler, as_parts
 from .filters import check_filters, matching, parse_filters
 from .plan import INPUT, PlanError, PlanSpec, cannot_run
 from .prefix import ModelRunner
@@ -270,19 +272,25 @@ class CompiledGraph:
         self.outputs = [name for name in graph.outputs if placement[name] == rank]
         self.arrivals: Arrivals[tuple[int, str], object] = Arrivals("graph value")
         self.inboxes: ActorGroup | None = None
+        self._lanes = {name: lane for lane, name in enumerate(graph.nodes)}  # a node's values travel on its lane
+        self._names = list(graph.nodes)
+        self._channel: Channel | None = None
 
     async def start(self, name: str = "circuit-graph") -> None:
+        """Collective: the inboxes and the channel that carry this graph's values between ranks."""
         self.inboxes = await self.system.spawn_group(GraphInbox, self.arrivals, name=name)
+        assembler = Assembler(lambda source, lane, batch, value: self.arrivals.put((batch, self._names[lane]), value))
+        self._channel = self.system.channel(f"{name}.values", assembler.part)
 
     async def run_batch(self, batch: int, rows: np.ndarray | None) -> tuple[dict[str, np.ndarray], str | None]:
         """This rank's nodes on batch ``batch`` (``rows``: the data, where a node here reads it): the values of
         the outputs this rank holds, and the first failure seen here (None: none)."""
-        assert self.inboxes is not None, "start the graph first"
+        assert self.inboxes is not None and self._channel is not None, "start the graph first"
         values: dict[str, object] = {INPUT: rows}
         for node in self.mine:
             for source in node.inputs:
                 if source not in values:
-                    values[source] = await self.arrivals.take((batch, source), partial(self._waiting, batch, source))
+                    values[source] = await self.arrivals.take((batch, source), partial(self._expect, batch, source))
             inputs = [values[source] for source in node.inputs]
             failed = next((value for value in inputs if isinstance(value, Failed)), None)
             if failed is None:
@@ -293,13 +301,25 @@ class CompiledGraph:
             else:
                 value = failed
             values[node.name] = value
-            for rank in self.sends[node.name]:
-                self.inboxes[rank].tell("value", batch, node.name, value)
             if self.sends[node.name]:
-                await asyncio.sleep(0)  # small messages leave at the loop turn's end: end it, so the next rank starts
+                await self._send(batch, node.name, value)
         failure = next((v.message for n in self.mine if isinstance(v := values[n.name], Failed)), None)
         held = {name: values[name] for name in self.outputs if not isinstance(values[name], Failed)}
         return held, failure  # type: ignore[return-value]
 
-    def _waiting(self, batch: int, source: str, future: asyncio.Future) -> None:
-        self.system.count_wait(future, f"graph value {source!r} of batch {batch} from rank {self.placement[source]}")
+    async def _send(self, batch: int, node: str, value: object) -> None:
+        """``value`` to every rank that needs it: arrays raw on the node's lane, anything else as an actor message
+        (which leaves at the loop turn's end: the turn is ended here, so the next rank starts)."""
+        assert self.inboxes is not None and self._channel is not None
+        parts = as_parts(value)
+        for rank in self.sends[node]:
+            if parts is None:
+                self.inboxes[rank].tell("value", batch, node, value)
+            else:
+                for index, part in enumerate(parts):
+                    self._channel.send(rank, self._lanes[node], (batch, index, len(parts)), part)
+        if parts is None:
+            await asyncio.sleep(0)
+
+    def _expect(self, batch: int, source: str, future: asyncio.Future) -> None:
+        self.system.expect(future, f"graph value {source!r} of batch {batch} from rank {self.placement[source]}")

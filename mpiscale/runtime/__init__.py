@@ -2,6 +2,7 @@
 
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
+from .channels import Channel
 from .collectives import Communicator, Group, Hierarchy
 from .config import RuntimeConfig
 from .errors import (
@@ -28,6 +29,7 @@ __all__ = [
     "ActorStopped",
     "ActorSystem",
     "Arrivals",
+    "Channel",
     "AskTimeout",
     "CollectiveAbandoned",
     "CollectiveMismatch",

@@ -584,6 +584,40 @@ cdef class Endpoint:
         _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
         return None if done else _pending(handle, frame)
 
+    def send_array(self, int dest, int header_tag, int data_tag, tuple fields, cnp.ndarray array, bint inline):
+        """``wire.Endpoint.send_array``: a channel's header (``fields``, the number of dimensions, the shape, as
+        int64 words) and then ``array``'s bytes to ``dest``, in the header's message when ``inline``; the requests
+        still pending (each holds its buffer)."""
+        cdef Py_ssize_t nfields = len(fields), ndim = cnp.PyArray_NDIM(array), index, nbytes = cnp.PyArray_NBYTES(array)
+        cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(array)
+        cdef MPI_Request handle
+        cdef int done = 0
+        cdef long long *words
+        if not cnp.PyArray_IS_C_CONTIGUOUS(array) or nbytes > INT_MAX:
+            raise ValueError("send_array takes a C-contiguous array of at most MPI's int count of bytes")
+        cdef Py_ssize_t head = 8 * (nfields + 1 + ndim), size = head + (nbytes if inline else 0)
+        header = PyBytes_FromStringAndSize(NULL, size)
+        words = <long long *>PyBytes_AS_STRING(header)
+        for index in range(nfields):
+            words[index] = fields[index]
+        words[nfields] = ndim
+        for index in range(ndim):
+            words[nfields + 1 + index] = shape[index]
+        if inline:
+            memcpy(PyBytes_AS_STRING(header) + head, cnp.PyArray_DATA(array), nbytes)
+        pending = []
+        _check(MPI_Isend(words, <int>size, MPI_BYTE, dest, header_tag, self.comm, &handle))
+        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+        if not done:
+            pending.append(_pending(handle, header))
+        if inline:
+            return pending
+        _check(MPI_Isend(cnp.PyArray_DATA(array), <int>nbytes, MPI_BYTE, dest, data_tag, self.comm, &handle))
+        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+        if not done:
+            pending.append(_pending(handle, array))
+        return pending
+
     def receive(self, dict inbound):
         """``wire.Endpoint.receive``: the next frame that has arrived, as (source, messages, frame bytes) where it is
         a complete compact frame (one message or a batch) and nothing from its source waits before it (``inbound``:

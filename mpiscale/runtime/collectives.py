@@ -334,7 +334,7 @@ class Hierarchy:
     async def finish(self, future: asyncio.Future) -> np.ndarray:
         """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
         telemetry reports and the hang watch reads)."""
-        self.engine.count_wait(future, f"allreduce on {self.log.name}")
+        self.engine.waits.count(future, f"allreduce on {self.log.name}")
         return await future
 
     def start_allreduce(

@@ -27,6 +27,10 @@ class RuntimeConfig:
     #: After sending an ask to another rank, poll for its reply in the asker's own stack for up to this long (µs)
     #: when no other task is ready to run: a fast reply then costs no task switch. 0: await it at once.
     ask_spin_us: int = 100
+    #: Awaiting a value another rank owes this one (a pipeline stage's next activation, a graph node's input), poll
+    #: for it in the awaiting task's stack for up to this long (µs) before the engine's sleeping policy takes over:
+    #: a value that comes soon costs no task switch. 0: await it at once.
+    value_spin_us: int = 1000
     #: Longest sleep between polls of an idle rank (µs). Bounds the added
     #: latency of the first message after a quiet period, and the idle CPU use.
     max_sleep_us: int = 2000
@@ -68,6 +72,7 @@ class RuntimeConfig:
         for name in (
             "spin_us",
             "ask_spin_us",
+            "value_spin_us",
             "max_sleep_us",
             "inline_bytes",
             "ranks_per_node",

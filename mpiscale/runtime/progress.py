@@ -47,6 +47,7 @@ from typing import Any
 from ..ranks import Comm, chunks
 from . import transport, wire
 from .config import RuntimeConfig
+from .waits import WaitClock
 
 Deliver = Callable[[int, Any], None]
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
@@ -109,9 +110,10 @@ class ProgressEngine:
         self.messages_received = 0
         self.bytes_sent = 0  # messages' frames and parts (collectives are not counted)
         self.bytes_received = 0
-        #: Seconds spent waiting for requests awaited through ``wait`` (the collectives) that ended, and those pending.
-        self._waited_s = 0.0
-        self._waits: dict[int, tuple[str, float]] = {}
+        #: The waits on other ranks: requests awaited through ``wait`` (the collectives), values expected.
+        self.waits = WaitClock()
+        #: Called on every poll (channels' receives posted ahead); each says whether anything happened.
+        self.pollers: list[Callable[[], bool]] = []
 
     # ------------------------------------------------------------------ API
     def post(self, dest: int, obj: object) -> asyncio.Future | None:
@@ -166,8 +168,9 @@ class ProgressEngine:
         self.bytes_sent += len(frame)
         request = self._endpoint.send(dest, frame)
         if request is not None:
-            self._pending.append(_Pending(request, _nothing, f"batch of {len(bodies)} to rank {dest}", keep=frame))
-        self.kick()
+            self.track(request, f"batch of {len(bodies)} to rank {dest}", frame)
+        else:
+            self.kick()
 
     def _next_seq(self, dest: int) -> int:
         seq = self._send_seq.get(dest, 0)
@@ -228,7 +231,7 @@ class ProgressEngine:
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
         future = asyncio.get_running_loop().create_future()
-        self.count_wait(future, what)
+        self.waits.count(future, what)
 
         def resolve() -> None:
             if not future.done():
@@ -238,17 +241,10 @@ class ProgressEngine:
         self.kick()
         return future
 
-    def count_wait(self, future: asyncio.Future, what: str) -> None:
-        """Count the time until ``future`` is done as waiting on others (``waiting_in``, ``collective_wait_s``),
-        as for a collective: for a wait on another rank's message (a pipeline stage's activation)."""
-        key, started = id(future), time.monotonic()
-        self._waits[key] = (what, started)
-
-        def done(_: asyncio.Future) -> None:
-            if self._waits.pop(key, None) is not None:
-                self._waited_s += time.monotonic() - started
-
-        future.add_done_callback(done)
+    def track(self, request: Any, what: str, keep: object) -> None:
+        """Keep ``keep`` alive until ``request`` (a send) completes; the engine is not idle until then."""
+        self._pending.append(_Pending(request, _nothing, what, keep=keep))
+        self.kick()
 
     def kick(self) -> None:
         """Note local activity: poll continuously again for the spin window."""
@@ -261,20 +257,6 @@ class ProgressEngine:
     def idle(self) -> bool:
         """True when nothing is queued to send, no request is pending and no inbound message is partial."""
         return not self._outbox and not self._pending and not any(self._inbound.values())
-
-    @property
-    def collective_wait_s(self) -> float:
-        """Seconds spent waiting so far, the waits still pending included (a rank in a collective that never ends
-        shows it growing)."""
-        now = time.monotonic()
-        return self._waited_s + sum(now - started for _, started in self._waits.values())
-
-    def waiting_in(self) -> tuple[str, float] | None:
-        """(what, seconds) of the oldest request awaited through ``wait`` still pending, or None."""
-        if not self._waits:
-            return None
-        what, started = min(self._waits.values(), key=lambda entry: entry[1])
-        return what, time.monotonic() - started
 
     def describe(self) -> list[str]:
         """One line per pending request, oldest first, then per queued batch (for diagnostics)."""
@@ -335,6 +317,8 @@ class ProgressEngine:
         progressed = self._match_frames()
         if self._pending:
             progressed |= self._test_pending()
+        for poll in self.pollers:
+            progressed |= poll()
         return progressed
 
     def _match_frames(self) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy
+from .channels import Channel, Deliver
 from .collectives import Communicator, Group, Hierarchy, build_hierarchy
 from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
@@ -73,10 +74,11 @@ class ActorSystem:
         self._p2p = world.Dup()
         self._control = world.Dup()
         self._engine = ProgressEngine(MPI, self._p2p, config, self._on_envelope)
-        self._ask_spin_s = config.ask_spin_us * 1e-6
+        self._ask_spin_s, self._value_spin_s = config.ask_spin_us * 1e-6, config.value_spin_us * 1e-6
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
         self._groups = [Group("world", self.hierarchy)]  # the whole job's, then those ``split`` made
+        self._channels: list[Channel] = []
         self._cells: dict[str, ActorCell] = {}
         self._asks: dict[int, _PendingAsk] = {}
         self._ask_ids = itertools.count()
@@ -114,6 +116,13 @@ class ActorSystem:
         comm.Free()  # the hierarchy holds duplicates of its own
         self._groups.append(group)
         return group
+
+    def channel(self, name: str, deliver: Deliver) -> Channel:
+        """Collective over every rank (blocking, like :meth:`communicator`): a :class:`Channel` for raw arrays,
+        ``deliver(source, lane, key, array)`` called as each arrives; closed when the runtime ends."""
+        channel = Channel(self.MPI, self.world.comm.Dup(), self._engine, self.config, name, deliver)
+        self._channels.append(channel)
+        return channel
 
     def at_end(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run ``await hook()`` once ``main`` has returned on every rank and no message is in flight, before the
@@ -157,29 +166,15 @@ class ActorSystem:
         cell.start()
         return ref
 
-    async def spawn(
-        self,
-        cls: type,
-        *args: Any,
-        name: str | None = None,
-        rank: int | None = None,
-        restart: RestartPolicy | None = None,
-        **kwargs: Any,
-    ) -> ActorRef:
+    async def spawn(self, cls: type, *args: Any, name: str | None = None, rank: int | None = None,
+                    restart: RestartPolicy | None = None, **kwargs: Any) -> ActorRef:  # fmt: skip
         """Create an actor on ``rank`` (default: this rank). The class must be importable there."""
         if rank is None or rank == self.rank:
             return self.spawn_local(cls, *args, name=name, restart=restart, **kwargs)
         return await ActorRef(rank, SYSTEM_ACTOR).ask("spawn", cls, args, kwargs, name, restart)
 
-    async def spawn_group(
-        self,
-        cls: type,
-        *args: Any,
-        name: str,
-        restart: RestartPolicy | None = None,
-        over: Communicator | None = None,
-        **kwargs: Any,
-    ) -> ActorGroup:
+    async def spawn_group(self, cls: type, *args: Any, name: str, restart: RestartPolicy | None = None,
+                          over: Communicator | None = None, **kwargs: Any) -> ActorGroup:  # fmt: skip
         """Collective: every rank spawns one ``cls`` named ``name``; returns when all exist.
 
         ``over``: the communicator over every rank whose barrier waits for them (default ``world``; a layer's own,
@@ -323,6 +318,8 @@ class ActorSystem:
         return self._engine.idle
 
     def _free(self) -> None:
+        for channel in self._channels:
+            channel.close()
         for group in self._groups:
             group.free()
         for comm in (self._control, self._p2p, self.steering.comm):
@@ -408,18 +405,21 @@ class ActorSystem:
         return await self.ask(ActorRef(rank, SYSTEM_ACTOR), "collective_state", (), {}, timeout)
 
     def waiting_in(self) -> tuple[str, float] | None:
-        """The collective this rank has waited in longest right now, and for how many seconds (None: none)."""
-        return self._engine.waiting_in()
+        """What this rank has waited on longest right now (a collective, a value another rank owes it), and for how
+        many seconds (None: nothing)."""
+        return self._engine.waits.oldest()
 
-    def count_wait(self, future: asyncio.Future, what: str) -> None:
-        """Count the time until ``future`` is done as time waiting on other ranks, as a collective's is: telemetry
-        reports it and the hang watch takes ``what`` for where this rank waits (a message another rank owes it)."""
-        self._engine.count_wait(future, what)
+    def expect(self, future: asyncio.Future, what: str) -> None:
+        """``future`` awaits a value another rank owes this one (``what``): count the wait (telemetry reports it,
+        the hang watch names it), polling MPI for it in the caller's stack for up to ``value_spin_us`` first."""
+        began = time.monotonic()
+        self._engine.poll_until(future, self._value_spin_s)
+        self._engine.waits.count(future, what, began)
 
     @property
     def collective_wait_s(self) -> float:
-        """Seconds this rank has spent waiting in collectives so far (how much of its time others cost it)."""
-        return self._engine.collective_wait_s
+        """Seconds this rank has spent waiting on others so far (how much of its time others cost it)."""
+        return self._engine.waits.total_s
 
     def traffic(self) -> dict[str, float]:
         """This rank's actor messaging so far: messages and bytes sent and received, messages waiting in mailboxes."""

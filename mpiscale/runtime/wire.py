@@ -17,6 +17,8 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from . import compact, transport
 
 PURE_ENV = "MPISCALE_PURE_PYTHON"
@@ -35,6 +37,22 @@ class Endpoint:
         """Start sending ``frame`` to ``dest``: None once it has left, else its pending Request."""
         request = self._comm.Isend([frame, self._MPI.BYTE], dest, transport.FRAME_TAG)
         return None if request.Test() else request
+
+    def send_array(self, dest: int, header_tag: int, data_tag: int, fields: tuple, array: Any, inline: bool) -> list:
+        """Start sending a channel's message to ``dest``: a header of int64 words (``fields``, then the array's
+        number of dimensions and its shape) on ``header_tag``, then the bytes of ``array`` (C-contiguous, at most
+        MPI's int count): after the header in its message when ``inline``, else on ``data_tag``; the requests still
+        pending (each holds its buffer)."""
+        MPI, comm = self._MPI, self._comm
+        header = np.array((*fields, array.ndim, *array.shape), np.int64)
+        if inline:
+            header = np.concatenate((header.view(np.uint8), array.reshape(-1).view(np.uint8)))
+        pending = []
+        for buffer, tag in ((header, header_tag),) if inline else ((header, header_tag), (array, data_tag)):
+            request = comm.Isend([buffer, MPI.BYTE], dest, tag)
+            if not request.Test():
+                pending.append(request)
+        return pending
 
     def receive(self, inbound: dict) -> tuple | None:
         """The next frame that has arrived, as (source, messages, frame bytes) where it is a complete compact frame

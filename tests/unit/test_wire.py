@@ -228,6 +228,41 @@ def test_what_marshal_cannot_read_safely_is_refused_before_it_reads(body, error)
             decode(body)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["apart", "inline"])
+@pytest.mark.parametrize(
+    "array",
+    [
+        ARRAY,
+        np.zeros(0, np.int8),
+        np.array(3.5),
+        np.arange(40, dtype=">u2")[::-1].copy(),
+        np.ones((1, 2, 1, 3, 1, 2, 1), np.complex64),
+        np.zeros(70_000, np.uint8),
+    ],
+)
+def test_a_channels_header_and_bytes_are_the_references(array, inline):
+    """``Endpoint.send_array`` on both paths, to this process: the same header words and the same bytes, in the
+    header's message or in one of their own."""
+    from mpi4py import MPI
+
+    fields = (0x6D70_6973_6368_616E, 3, 1, array.nbytes, 7, -8, 2**40, 11)
+    got = []
+    for endpoint in (compiled.Endpoint(MPI, MPI.COMM_SELF), wire.Endpoint(MPI, MPI.COMM_SELF)):
+        pending = endpoint.send_array(0, 5, 6, fields, array, inline)
+        head = 8 * (len(fields) + 1 + array.ndim)
+        message, data = np.zeros(head + array.nbytes, np.uint8), np.empty(array.nbytes, np.uint8)
+        status = MPI.Status()
+        MPI.COMM_SELF.Recv([message, MPI.BYTE], 0, 5, status)
+        assert status.Get_count(MPI.BYTE) == head + (array.nbytes if inline else 0)
+        if inline:
+            data[:] = message[head:]
+        else:
+            MPI.COMM_SELF.Recv([data, MPI.BYTE], 0, 6)
+        MPI.Request.Waitall(pending)
+        got.append((message[:head].view(np.int64).tolist(), data.tobytes()))
+    assert got[0] == got[1] == ([*fields, array.ndim, *array.shape], array.tobytes())
+
+
 def test_the_build_is_current_and_says_what_it_was_built_against():
     from mpi4py import MPI
 

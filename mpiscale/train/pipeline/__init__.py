@@ -1,4 +1,4 @@
-"""Pipeline-parallel training: a model cut into stages, one per rank, micro-batches as actor messages.
+"""Pipeline-parallel training: a model cut into stages, one per rank, micro-batches as raw tensors on a channel.
 
 ``split_sequential`` cuts an ``nn.Sequential``; ``Pipeline.start`` makes this rank's stage; the schedules
 (``1f1b``, ``gpipe``) are compiled to one action list per stage and checked before the first step.

@@ -1,16 +1,20 @@
-"""Pipeline-parallel training: one stage of the model per rank, micro-batches passed on as actor messages.
+"""Pipeline-parallel training: one stage of the model per rank, micro-batches passed on as raw tensors.
 
-Each rank holds one stage (a module) and an inbox actor. A step splits the
-batch into micro-batches and runs this stage's action list (:mod:`.schedule`,
+Each rank holds one stage (a module) and a channel (:mod:`mpiscale.runtime.channels`).
+A step splits the batch into micro-batches and runs this stage's action list (:mod:`.schedule`,
 compiled and checked when the pipeline is made): a forward takes micro-batch
 ``m``'s activation from the stage before (the first stage its input), runs the
-module and tells the output to the stage after (the last stage computes the
+module and sends the output to the stage after (the last stage computes the
 loss); a backward takes the gradient of that output from the stage after (the
-last stage starts from its loss), runs autograd and tells the input's gradient
-to the stage before. Tensors travel out of band, with their shape and dtype,
-so micro-batches of different sizes (the last of an epoch, other sequence
-lengths) need nothing special, and fewer micro-batches than stages is only a
-longer bubble. Gradients accumulate in the stage's parameters over the
+last stage starts from its loss), runs autograd and sends the input's gradient
+to the stage before. Tensors travel as their bytes, unpickled, with a header
+that gives their shape and dtype, and land in buffers the receiving stage
+posted ahead (one lane for activations, one for gradients); so micro-batches
+of different sizes (the last of an epoch, other sequence lengths) need nothing
+special, and fewer micro-batches than stages is only a longer bubble. A
+gradient whose shape or dtype is not its output's is refused, naming the stage
+and micro-batch. A stage awaiting its next tensor polls for it briefly before
+it sleeps (``MPISCALE_VALUE_SPIN_US``). Gradients accumulate in the stage's parameters over the
 micro-batches, as in one process that sums the micro-batches' losses; the
 caller steps its own optimizer over its own stage.
 
@@ -44,32 +48,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...runtime import Actor, ActorRef, ActorSystem, Arrivals, Group
+from ...runtime import ActorSystem, Arrivals, Group
 from ..data_parallel import broadcast_module
+from ..tensor_channel import channel_array, channel_tensor
 from .schedule import BACKWARD, FORWARD, Action, build
 
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
 
 
-class StageInbox(Actor):
-    """The message end of a stage: what the neighbours tell it goes to its arrivals."""
-
-    def __init__(self, arrivals: Arrivals[Key, torch.Tensor]) -> None:
-        self.arrivals = arrivals
-
-    def activation(self, step: int, micro_batch: int, tensor: torch.Tensor, needs_grad: bool) -> None:
-        self.arrivals.put(
-            (FORWARD, step, micro_batch), _tensor(tensor, FORWARD, step, micro_batch).requires_grad_(needs_grad)
-        )
-
-    def gradient(self, step: int, micro_batch: int, tensor: torch.Tensor) -> None:
-        self.arrivals.put((BACKWARD, step, micro_batch), _tensor(tensor, BACKWARD, step, micro_batch))
-
-
-def _tensor(value: Any, *key: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"pipeline message {key} carries a {type(value).__name__}, not a tensor")
-    return value
+_LANES = {FORWARD: 0, BACKWARD: 1}  # the channel lane of activations and of gradients
+_NEEDS_GRAD = 1  # a key's flag bit: the activation requires a gradient
 
 
 @dataclass
@@ -118,9 +106,8 @@ class Pipeline:
         self.actions: list[Action] = build(schedule, self.stages, micro_batches)[self.stage]
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._arrivals: Arrivals[Key, torch.Tensor] = Arrivals("pipeline message")
-        self._inbox = f"{name}.inbox"
-        self._before = ActorRef(system.rank - replicas, self._inbox)
-        self._after = ActorRef(system.rank + replicas, self._inbox)
+        self._before, self._after = system.rank - replicas, system.rank + replicas
+        self._channel = system.channel(f"{name}.tensors", self._arrived)
         self._step = 0
         #: The ranks holding this stage, which average their gradients (None with one replica).
         self.group: Group | None = None
@@ -145,7 +132,6 @@ class Pipeline:
             stage, replica = divmod(rank, replicas)
             copy = f", replica {replica} of {replicas}" if replicas > 1 else ""
             system.roles[rank] = f"{name}: pipeline stage {stage} of {pipeline.stages}{copy}"
-        await system.spawn_group(StageInbox, pipeline._arrivals, name=pipeline._inbox)
         if replicas > 1:
             pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
             await broadcast_module(pipeline.group.world, module)
@@ -208,7 +194,7 @@ class Pipeline:
                         value = metric(out, ts[m])
                         total = value if total is None else total + value
                     else:
-                        self._after.tell("activation", step, m, out.cpu(), False)
+                        self._send(FORWARD, step, m, out, False)
         self._check_drained(step)
         return total
 
@@ -221,7 +207,7 @@ class Pipeline:
             out = self.loss_fn(out, run.targets[m])
             run.loss += float(out.detach())
         else:
-            self._after.tell("activation", run.step, m, out.detach().cpu(), out.requires_grad)
+            self._send(FORWARD, run.step, m, out, out.requires_grad)
         run.compute_s += time.perf_counter() - began
         run.idle_s += began - waited
         size = _nbytes(x) + (0 if run.targets is not None else out.nbytes)
@@ -234,20 +220,41 @@ class Pipeline:
         run.held_bytes -= size
         if out.requires_grad:
             waited = time.perf_counter()
-            grad = None if self.last else await self._take((BACKWARD, run.step, m))
+            grad = None
+            if not self.last:
+                grad = self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
             began = time.perf_counter()
             out.backward(grad)
             run.compute_s += time.perf_counter() - began
             run.idle_s += began - waited
         if x is not None:
-            self._before.tell(
-                "gradient", run.step, m, x.grad.cpu() if x.grad is not None else torch.zeros_like(x).cpu()
-            )
+            self._send(BACKWARD, run.step, m, x.grad if x.grad is not None else torch.zeros_like(x), False)
+
+    def _send(self, kind: str, step: int, m: int, tensor: torch.Tensor, needs_grad: bool) -> None:
+        """An activation to the stage after, or a gradient to the stage before, as raw bytes from host memory."""
+        what = "output" if kind == FORWARD else "input gradient"
+        array, flags = channel_array(tensor, f"pipeline stage {self.stage}: the {what} of micro-batch {m}")
+        dest = self._after if kind == FORWARD else self._before
+        self._channel.send(dest, _LANES[kind], (step, m, flags | (_NEEDS_GRAD if needs_grad else 0)), array)
+
+    def _arrived(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
+        """A neighbour's activation or gradient, kept until the schedule takes it."""
+        step, m, flags = key
+        kind = FORWARD if lane == _LANES[FORWARD] else BACKWARD
+        self._arrivals.put((kind, step, m), channel_tensor(array, flags).requires_grad_(bool(flags & _NEEDS_GRAD)))
+
+    def _gradient_for(self, out: torch.Tensor, grad: torch.Tensor, step: int, m: int) -> torch.Tensor:
+        """``grad``, refused unless it has the shape and dtype of the output it is the gradient of."""
+        if grad.shape != out.shape or grad.dtype != out.dtype:
+            raise ValueError(f"pipeline stage {self.stage}: the gradient of micro-batch {m} (step {step}) from stage "
+                             f"{self.stage + 1} is {tuple(grad.shape)} {grad.dtype}, but its output was "
+                             f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
+        return grad
 
     async def _take(self, key: Key) -> torch.Tensor:
         """The activation or gradient of ``key``, on this stage's device; a wait for it counts as waiting on the
         neighbour that owes it."""
-        value = await self._arrivals.take(key, lambda future: self.system.count_wait(future, self._awaited(key)))
+        value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
         if value.device == self.device:
             return value
         return value.detach().to(self.device).requires_grad_(value.requires_grad)  # a leaf here: its .grad is kept

@@ -1,5 +1,6 @@
-"""An idle rank must not burn a core: CPU time while nothing happens, while an ask waits, and while a large
-allreduce waits for a late rank (the worker thread's blocking MPI would spin)."""
+"""An idle rank must not burn a core: CPU time while nothing happens, while an ask waits, while a large
+allreduce waits for a late rank (the worker thread's blocking MPI would spin), and while it awaits a value another
+rank sends late over a channel (a pipeline stage's next activation: it spins for it only briefly)."""
 
 import asyncio
 import time
@@ -35,12 +36,28 @@ async def main(system):
         await asyncio.sleep(2.0)
     behind = await cpu_share(system.hierarchy.allreduce(gradients, out=gradients))
     assert (gradients == system.size).all()
-    shares = await system.world.allgather(np.array([idle, waiting, 0.0 if late else behind]))
+    expected = await cpu_share(_late_value(system))
+    shares = await system.world.allgather(np.array([idle, waiting, 0.0 if late else behind, expected]))
     if system.rank == 0:
-        for rank, (a, b, c) in enumerate(shares):
-            print(f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}, on a late rank's allreduce {c:.1%}")
+        for rank, (a, b, c, d) in enumerate(shares):
+            print(
+                f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}, on a late rank's allreduce "
+                f"{c:.1%}, on a value sent 2 s late {d:.1%}"
+            )
         assert (shares < 0.10).all(), f"an idle rank used 10% of a core or more: {shares}"
         print("idle ok")
+
+
+async def _late_value(system) -> None:
+    """Await a value the rank before sends over a channel 2 s from now (and send one to the rank after)."""
+    arrivals = mpiscale.Arrivals("value")
+    channel = system.channel("idle.values", lambda source, lane, key, array: arrivals.put(key, array))
+    await system.world.barrier()
+    sending = asyncio.create_task(asyncio.sleep(2.0))
+    sending.add_done_callback(lambda _: channel.send((system.rank + 1) % system.size, 0, (1, 2, 3), np.ones(8)))
+    value = await arrivals.take((1, 2, 3), lambda future: system.expect(future, "a late value"))
+    assert (value == 1).all()
+    await sending
 
 
 mpiscale.run(main)
