@@ -280,7 +280,7 @@ class CompiledGraph:
         """Collective: the inboxes and the channel that carry this graph's values between ranks."""
         self.inboxes = await self.system.spawn_group(GraphInbox, self.arrivals, name=name)
         assembler = Assembler(lambda source, lane, batch, value: self.arrivals.put((batch, self._names[lane]), value))
-        self._channel = self.system.channel(f"{name}.values", assembler.part)
+        self._channel = await self.system.channel(f"{name}.values", assembler.part)
 
     async def run_batch(self, batch: int, rows: np.ndarray | None) -> tuple[dict[str, np.ndarray], str | None]:
         """This rank's nodes on batch ``batch`` (``rows``: the data, where a node here reads it): the values of

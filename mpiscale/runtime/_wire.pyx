@@ -3,7 +3,8 @@
 
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
 ``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``encode``/
-``decode_frame``/``load``/``load_batch`` and ``wire.Endpoint``. ``wire`` picks this module where it is built and
+``load``/``load_batch`` and ``wire.Endpoint``; a frame it does not read where it arrives (a pickled one, a
+compact one queued behind others from its source, a malformed one) is read by ``transport.decode_frame``. ``wire`` picks this module where it is built and
 current, the twins elsewhere (``launch/setup.sh`` builds it; ``MPISCALE_PURE_PYTHON=1`` forces the twins).
 
 What makes it faster than the same Python compiled: the checks of a message's values are C type comparisons,
@@ -469,33 +470,6 @@ cdef Layout _layout(const unsigned char *data, Py_ssize_t length, uint64_t *seq,
     return BATCH if offset == length else OTHER
 
 
-cpdef object decode_frame(object frame):
-    """``transport.decode_frame``: a well-formed compact frame (one message or a batch) read here; any other
-    frame, and every malformed one, by transport (whose errors are the reference)."""
-    cdef Py_buffer view
-    cdef Py_ssize_t count = 0, index, offset
-    cdef uint64_t seq = 0, size
-    cdef Layout layout
-    cdef list sizes = []
-    PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
-    try:
-        layout = _layout(<const unsigned char *>view.buf, view.len, &seq, &count)
-        if layout == SINGLE:
-            return FrameHeader(seq, [view.len - COMPACT_HEAD], [frame[COMPACT_HEAD:]], True)
-        for index in range(count if layout == BATCH else 0):
-            sizes.append(_get64(<const unsigned char *>view.buf + HEADER + 8 * index))
-    finally:
-        PyBuffer_Release(&view)
-    if layout == OTHER:
-        return transport.decode_frame(frame)
-    cdef list parts = []
-    offset = HEADER + 8 * count
-    for size in sizes:
-        parts.append(frame[offset : offset + size])
-        offset += size
-    return FrameHeader(seq, sizes, parts, True, True)
-
-
 cdef object _message_at(uint64_t seq, const unsigned char *data, Py_ssize_t length):
     try:
         return _decode_at(data, length)
@@ -505,7 +479,7 @@ cdef object _message_at(uint64_t seq, const unsigned char *data, Py_ssize_t leng
 
 cpdef object compact_messages(object frame):
     """The messages of a well-formed compact frame (one message, or a batch), read in place; None for any other
-    frame (the caller reads it as ``decode_frame`` does, and raises its errors)."""
+    frame (the caller reads it with ``transport.decode_frame``, whose errors are the reference)."""
     cdef Py_buffer view
     cdef const unsigned char *data
     cdef Py_ssize_t count = 0, index, offset

@@ -322,7 +322,7 @@ class ProgressEngine:
         return progressed
 
     def _match_frames(self) -> bool:
-        receive, decode_frame, queues = self._endpoint.receive, self._frames.decode_frame, self._inbound
+        receive, decode_frame, queues = self._endpoint.receive, transport.decode_frame, self._inbound
         matched = False
         while True:
             found = receive(queues)
@@ -371,7 +371,7 @@ class ProgressEngine:
 
     def _frame_arrived(self, inbound: _Inbound, header: transport.FrameHeader | None = None) -> None:
         """Its frame is here (``header``: already decoded): deliver it, or post the receives of its parts."""
-        header = inbound.header = header or self._frames.decode_frame(inbound.frame)
+        header = inbound.header = header or transport.decode_frame(inbound.frame)
         self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
         if header.inline_parts is not None:
             inbound.missing = 0

@@ -117,12 +117,12 @@ class ActorSystem:
         self._groups.append(group)
         return group
 
-    def channel(self, name: str, deliver: Deliver) -> Channel:
-        """Collective over every rank (blocking, like :meth:`communicator`): a :class:`Channel` for raw arrays,
-        ``deliver(source, lane, key, array)`` called as each arrives; closed when the runtime ends."""
-        channel = Channel(self.MPI, self.world.comm.Dup(), self._engine, self.config, name, deliver)
-        self._channels.append(channel)
-        return channel
+    async def channel(self, name: str, deliver: Deliver) -> Channel:
+        """Collective (a barrier on ``world`` first: a rank that never comes is reported, not waited for): a
+        :class:`Channel` for raw arrays, ``deliver(source, lane, key, array)`` called as each arrives."""
+        await self.world.barrier()
+        self._channels.append(Channel(self.MPI, self.world.comm.Dup(), self._engine, self.config, name, deliver))
+        return self._channels[-1]
 
     def at_end(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Run ``await hook()`` once ``main`` has returned on every rank and no message is in flight, before the

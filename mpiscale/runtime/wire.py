@@ -90,7 +90,6 @@ PURE = SimpleNamespace(
     encode_compact=transport.encode_compact,
     encode_batch=transport.encode_batch,
     encode=transport.encode,
-    decode_frame=transport.decode_frame,
     load=transport.load,
     load_batch=transport.load_batch,
     Endpoint=Endpoint,

@@ -32,3 +32,12 @@ def test_a_header_that_is_not_one_ends_the_job_with_a_report(kind, says):
     assert job.returncode != 0
     assert "job failed on rank 1 of 2" in job.stderr, job.stderr
     assert "TransportError: channel 'test.damaged': " in job.stderr and says in job.stderr, job.stderr
+
+
+def test_a_channel_only_some_ranks_open_ends_the_job_with_a_report():
+    job = run_mpi("channels.py", 2, "only-rank-0", env={"MPISCALE_COLLECTIVE_CHECK_S": "2"}, timeout=60)
+    assert job.returncode != 0
+    assert "CollectiveAbandoned: a collective that not every rank will enter: barrier #2 on world" in job.stderr, (
+        job.stderr
+    )
+    assert "rank 1 never will" in job.stderr, job.stderr

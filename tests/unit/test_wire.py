@@ -75,11 +75,6 @@ def same_outcome(a, b) -> bool:
     return a[1:] == b[1:] if a[0] == "error" else same(a[1], b[1])
 
 
-def header_fields(header) -> tuple:
-    parts = None if header.inline_parts is None else [bytes(part) for part in header.inline_parts]
-    return (header.seq, list(header.sizes), parts, header.compact, header.batch)
-
-
 @pytest.mark.parametrize("message", MESSAGES, ids=range(len(MESSAGES)))
 def test_compact_bytes_and_messages_are_the_references(message):
     body = compiled.compact_encode(message)
@@ -87,9 +82,7 @@ def test_compact_bytes_and_messages_are_the_references(message):
     assert same(compiled.compact_decode(body), message) and same(compact.decode(body), message)
     frame = compiled.encode_compact(body, 2**40 + 3)
     assert frame == transport.encode_compact(body, 2**40 + 3)
-    assert header_fields(compiled.decode_frame(memoryview(frame))) == header_fields(
-        transport.decode_frame(memoryview(frame))
-    )
+    assert same(compiled.compact_messages(memoryview(frame)), [message])
     encoded, reference = compiled.encode(message, 9, 65536), transport.encode(message, 9, 65536)
     assert (encoded.frame, encoded.parts, encoded.nbytes) == (reference.frame, reference.parts, reference.nbytes)
 
@@ -100,8 +93,9 @@ def test_what_is_not_compact_is_refused_alike_and_pickled_alike(message):
     assert compiled.compact_body(message, 65536) is None
     encoded, reference = compiled.encode(message, 4, 65536), transport.encode(message, 4, 65536)
     assert encoded.frame == reference.frame and encoded.nbytes == reference.nbytes
-    header = compiled.decode_frame(memoryview(encoded.frame))
+    header = transport.decode_frame(memoryview(encoded.frame))
     assert same(compiled.load(header, header.inline_parts), message)
+    assert compiled.compact_messages(memoryview(encoded.frame)) is None  # a pickled frame: the reference reads it
 
 
 def test_a_body_over_the_limit_is_left_to_the_caller():
@@ -115,9 +109,10 @@ def test_batches_are_the_references():
     for count in (0, 1, 2, 17, 40):
         frame = compiled.encode_batch(bodies[:count], 77)
         assert frame == transport.encode_batch(bodies[:count], 77)
-        header = compiled.decode_frame(memoryview(frame))
-        assert header_fields(header) == header_fields(transport.decode_frame(memoryview(frame)))
+        header = transport.decode_frame(memoryview(frame))
         assert same(compiled.load_batch(header), transport.load_batch(header))
+        messages = compiled.compact_messages(memoryview(frame))  # (an empty batch, never sent, is left to transport)
+        assert messages is None if count == 0 else same(messages, transport.load_batch(header))
 
 
 def frames() -> list[bytes]:
@@ -128,10 +123,10 @@ def frames() -> list[bytes]:
     return made
 
 
-def test_damaged_frames_give_the_references_error_or_message():
-    """Truncated and extended frames, and frames with bits flipped anywhere: the compiled reader gives what the
-    reference gives, and what it reads loads, or fails, alike (and nothing crashes: marshal is given only bodies
-    that pass the check of ``compact_check``)."""
+def test_damaged_frames_load_alike():
+    """Truncated and extended frames, and frames with bits flipped anywhere, that the reference decodes: their
+    messages load, or fail, alike on both paths (and nothing crashes: marshal is given only bodies that pass the
+    check of ``compact_check``)."""
     generator = random.Random(45)
     checked = 0
     for frame in frames():
@@ -142,14 +137,10 @@ def test_damaged_frames_give_the_references_error_or_message():
                 flipped[generator.randrange(len(frame))] ^= 1 << generator.randrange(8)
             damaged.append(bytes(flipped))
         for candidate in damaged:
-            mine = outcome(compiled.decode_frame, memoryview(candidate))
-            reference = outcome(transport.decode_frame, memoryview(candidate))
-            assert mine[0] == reference[0], (candidate, mine, reference)
-            if mine[0] == "error":
-                assert mine[1:] == reference[1:]
+            decoded = outcome(transport.decode_frame, memoryview(candidate))
+            if decoded[0] == "error":
                 continue
-            header = mine[1]
-            assert header_fields(header) == header_fields(reference[1])
+            header = decoded[1]
             if header.inline_parts is not None and header.compact:
                 if header.batch:
                     loaded, expected = outcome(compiled.load_batch, header), outcome(transport.load_batch, header)

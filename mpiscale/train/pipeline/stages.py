@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...runtime import ActorSystem, Arrivals, Group
+from ...runtime import ActorSystem, Arrivals, Channel, Group
 from ..data_parallel import broadcast_module
 from ..tensor_channel import channel_array, channel_tensor
 from .schedule import BACKWARD, FORWARD, Action, build
@@ -107,7 +107,7 @@ class Pipeline:
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._arrivals: Arrivals[Key, torch.Tensor] = Arrivals("pipeline message")
         self._before, self._after = system.rank - replicas, system.rank + replicas
-        self._channel = system.channel(f"{name}.tensors", self._arrived)
+        self._channel: Channel | None = None
         self._step = 0
         #: The ranks holding this stage, which average their gradients (None with one replica).
         self.group: Group | None = None
@@ -132,6 +132,7 @@ class Pipeline:
             stage, replica = divmod(rank, replicas)
             copy = f", replica {replica} of {replicas}" if replicas > 1 else ""
             system.roles[rank] = f"{name}: pipeline stage {stage} of {pipeline.stages}{copy}"
+        pipeline._channel = await system.channel(f"{name}.tensors", pipeline._arrived)
         if replicas > 1:
             pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
             await broadcast_module(pipeline.group.world, module)
@@ -235,6 +236,7 @@ class Pipeline:
         what = "output" if kind == FORWARD else "input gradient"
         array, flags = channel_array(tensor, f"pipeline stage {self.stage}: the {what} of micro-batch {m}")
         dest = self._after if kind == FORWARD else self._before
+        assert self._channel is not None, "make a pipeline with Pipeline.start"
         self._channel.send(dest, _LANES[kind], (step, m, flags | (_NEEDS_GRAD if needs_grad else 0)), array)
 
     def _arrived(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:

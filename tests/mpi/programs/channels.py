@@ -2,7 +2,8 @@
 bigger than a lane's capacity and empty ones among them; each receiver checks every value and the order of each
 (sender, lane), that arrays which fit landed in the buffers posted ahead (reused once let go), and that an
 array it keeps is never written over however far the senders run ahead. The tests run it with tiny chunks too.
-``damaged KIND``: rank 0 sends rank 1 a header that is not one, which must end the job."""
+``damaged KIND``: rank 0 sends rank 1 a header that is not one, which must end the job; ``only-rank-0``: rank 0
+opens a channel the others never open, which must end the job with the abandoned-collective report."""
 
 import asyncio
 import sys
@@ -29,6 +30,11 @@ async def main(system: mpiscale.ActorSystem) -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "damaged":
         await _damaged(system, sys.argv[2])
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "only-rank-0":
+        await system.world.barrier()
+        if system.rank == 0:
+            await system.channel("test.alone", lambda *arrived: None)  # the others never open it: a report
+        return
     arrived: dict[tuple[int, int], list] = {}
     everything = asyncio.get_running_loop().create_future()
     expected = 2 * ROUNDS * (system.size - 1)
@@ -40,7 +46,7 @@ async def main(system: mpiscale.ActorSystem) -> None:
         if count[0] == expected:
             everything.set_result(None)
 
-    channel = system.channel("test.channel", deliver)
+    channel = await system.channel("test.channel", deliver)
     for round_ in range(ROUNDS):
         for dest in range(system.size):
             if dest != system.rank:
@@ -81,7 +87,7 @@ async def _reused(system: mpiscale.ActorSystem) -> None:
         if len(sums) == ROUNDS:
             done.set_result(None)
 
-    channel = system.channel("test.reused", deliver)
+    channel = await system.channel("test.reused", deliver)
     source, dest = (system.rank - 1) % system.size, (system.rank + 1) % system.size
     for round_ in range(ROUNDS):
         channel.send(dest, 3, (round_, 0, 0), np.full(1000, round_, np.float64))
@@ -97,7 +103,7 @@ async def _reused(system: mpiscale.ActorSystem) -> None:
 
 async def _damaged(system: mpiscale.ActorSystem, kind: str) -> None:
     """Rank 0 sends rank 1 a header of the ``kind`` named: the receiving rank must end the job with its report."""
-    channel = system.channel("test.damaged", lambda *arrived: None)
+    channel = await system.channel("test.damaged", lambda *arrived: None)
     float64 = _CODES[np.dtype("<f8")]
     good = np.array([_MAGIC, 0, 0, 24, 1, 2, 3, float64, 1, 3], np.int64)  # lane 0, 3 float64s, "over"
     header = {

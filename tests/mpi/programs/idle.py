@@ -51,7 +51,7 @@ async def main(system):
 async def _late_value(system) -> None:
     """Await a value the rank before sends over a channel 2 s from now (and send one to the rank after)."""
     arrivals = mpiscale.Arrivals("value")
-    channel = system.channel("idle.values", lambda source, lane, key, array: arrivals.put(key, array))
+    channel = await system.channel("idle.values", lambda source, lane, key, array: arrivals.put(key, array))
     await system.world.barrier()
     sending = asyncio.create_task(asyncio.sleep(2.0))
     sending.add_done_callback(lambda _: channel.send((system.rank + 1) % system.size, 0, (1, 2, 3), np.ones(8)))
