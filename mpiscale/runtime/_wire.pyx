@@ -4,8 +4,9 @@
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
 ``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``encode``/
 ``load``/``load_batch`` and ``wire.Endpoint``; a frame it does not read where it arrives (a pickled one, a
-compact one queued behind others from its source, a malformed one) is read by ``transport.decode_frame``. ``wire`` picks this module where it is built and
-current, the twins elsewhere (``launch/setup.sh`` builds it; ``MPISCALE_PURE_PYTHON=1`` forces the twins).
+compact one queued behind others from its source, a malformed one) is read by ``transport.decode_frame``.
+``wire`` picks this module where it is built and current, the twins elsewhere (``launch/setup.sh`` builds it;
+``MPISCALE_PURE_PYTHON=1`` forces the twins).
 
 What makes it faster than the same Python compiled: the checks of a message's values are C type comparisons,
 the header is written and read as bytes in C, marshal is called through its C API, and the frames' MPI calls go
@@ -77,7 +78,6 @@ cdef object dtype_from_code = compact.dtype_from_code
 cdef object plain_dtype_code = compact.plain_dtype_code
 cdef object NotCompact = compact.NotCompact
 cdef object TransportError = transport.TransportError
-cdef object FrameHeader = transport.FrameHeader
 cdef object Encoded = transport.Encoded
 cdef object encode_pickled = transport.encode_pickled
 cdef object deserialize = transport.deserialize

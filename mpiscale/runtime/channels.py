@@ -152,7 +152,7 @@ class Channel:
                 engine.track(request, state.what, None)
         else:
             comm, MPI = self.comm, self._MPI
-            header = np.array((*fields, array.ndim, *array.shape), np.int64)  # (never inline: too big)
+            header = wire.channel_header(fields, array)  # (never inline: too big)
             engine.track(comm.Isend([header, MPI.BYTE], dest, _HEADER_TAG), state.what, header)
             for piece in chunks(memoryview(array).cast("B"), self._chunk_bytes):
                 engine.track(comm.Isend([piece, MPI.BYTE], dest, tag), state.what, array)
@@ -293,7 +293,7 @@ class Channel:
         while arrivals and arrivals[0].memory is not None:
             arrival = arrivals.popleft()
             engine.messages_received += 1
-            engine.bytes_received += arrival.nbytes + 8 * _HEADER_WORDS
+            engine.bytes_received += arrival.nbytes + 8 * (_SHAPE + len(arrival.shape))  # as the sender counts
             memory = arrival.memory
             assert memory is not None  # (the loop's condition)
             array = memory[: arrival.nbytes].view(arrival.dtype).reshape(arrival.shape)

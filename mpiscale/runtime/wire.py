@@ -44,7 +44,7 @@ class Endpoint:
         MPI's int count): after the header in its message when ``inline``, else on ``data_tag``; the requests still
         pending (each holds its buffer)."""
         MPI, comm = self._MPI, self._comm
-        header = np.array((*fields, array.ndim, *array.shape), np.int64)
+        header = channel_header(fields, array)
         if inline:
             header = np.concatenate((header.view(np.uint8), array.reshape(-1).view(np.uint8)))
         pending = []
@@ -80,6 +80,11 @@ class Endpoint:
         frame = memoryview(bytearray(status.Get_count(MPI.BYTE)))
         request = message.Irecv([frame, MPI.BYTE])
         return status.Get_source(), frame, None if request.Test() else request
+
+
+def channel_header(fields: tuple, array: Any) -> np.ndarray:
+    """A channel message's header: ``fields``, then ``array``'s number of dimensions and its shape, as int64 words."""
+    return np.array((*fields, array.ndim, *array.shape), np.int64)
 
 
 #: The reference path, under the compiled module's names.
