@@ -9,7 +9,7 @@ compact one queued behind others from its source, a malformed one) is read by ``
 ``MPISCALE_PURE_PYTHON=1`` forces the twins).
 
 What makes it faster than the same Python compiled: the checks of a message's values are C type comparisons,
-the header is written and read as bytes in C, marshal is called through its C API, and the frames' MPI calls go
+the header and the compact format are written and read as bytes in C, and the frames' MPI calls go
 straight to the MPI library (mpi4py's ``libmpi.pxd``), with no Python object per call but the frame itself.
 """
 
@@ -18,7 +18,7 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndS
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from libc.limits cimport INT_MAX
 from libc.stdint cimport uint32_t, uint64_t
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.string cimport memcpy
 from mpi4py.libmpi cimport (
     MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Isend, MPI_Message,
@@ -31,17 +31,18 @@ from cpython.ref cimport Py_INCREF
 
 from mpi4py import MPI
 
-from . import compact, compact_check, transport
+from . import compact, transport
 
 cnp.import_array()
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.dtype descr, int fortran)  # steals descr
 
-cdef extern from "marshal.h":
-    object PyMarshal_WriteObjectToString(object value, int version)
-    object PyMarshal_ReadObjectFromString(const char *data, Py_ssize_t length)
-    int Py_MARSHAL_VERSION
+cdef extern from "Python.h":
+    const char *PyUnicode_AsUTF8AndSize(object text, Py_ssize_t *size) except NULL
+    object PyUnicode_DecodeUTF8(const char *data, Py_ssize_t size, const char *errors)
+    long long PyLong_AsLongLongAndOverflow(object number, int *overflow) except? -1
+    double PyFloat_AS_DOUBLE(object number)
 
 cdef extern from *:
     """
@@ -73,303 +74,13 @@ cdef int FRAME_TAG = transport.FRAME_TAG
 cdef object _ndarray
 import numpy
 _ndarray = numpy.ndarray
-cdef object _rebuild = compact._rebuild
-cdef object dtype_from_code = compact.dtype_from_code
 cdef object plain_dtype_code = compact.plain_dtype_code
 cdef object NotCompact = compact.NotCompact
 cdef object TransportError = transport.TransportError
-cdef object Encoded = transport.Encoded
-cdef object encode_pickled = transport.encode_pickled
 cdef object deserialize = transport.deserialize
 
 
-# ------------------------------------------------------------------ the compact codec (compact.py)
-cdef dict _codes = {}  # dtype -> its code (compact.plain_dtype_code), None where it is not plain
-cdef dict _plain = {}  # code -> its dtype where an array of it is built here, None where the reference builds it
-cdef Py_ssize_t _MAX_DIMS = 32
-cdef long long _MAX_EXTENT = 1LL << 40
-
-
-cdef object _array_entry(cnp.ndarray array):
-    """``compact._array_entry``: (code, shape, bytes), or None where the array does not travel compact."""
-    dtype = <object>cnp.PyArray_DESCR(array)
-    code = _codes.get(dtype, False)
-    if code is False:
-        code = _codes[dtype] = plain_dtype_code(dtype)
-    cdef Py_ssize_t size = cnp.PyArray_NBYTES(array)
-    if code is None or size > MAX_ARRAY_BYTES or not cnp.PyArray_IS_C_CONTIGUOUS(array):
-        return None
-    return (code, (<object>array).shape, PyBytes_FromStringAndSize(<char *>cnp.PyArray_DATA(array), size))
-
-
-cdef object _plain_dtype(str code):
-    dtype = _plain.get(code, False)
-    if dtype is False:
-        try:
-            dtype = dtype_from_code(code)
-        except Exception:  # the reference raises its own error for it
-            dtype = None
-        if dtype is not None and (dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None
-                                  or dtype.itemsize == 0):
-            dtype = None
-        if len(_plain) < 256:  # codes come from the wire: keep what a damaged frame can add bounded
-            _plain[code] = dtype
-    return dtype
-
-
-cdef object _array(object entry):
-    """``compact._rebuild`` of a well-formed entry of a plain dtype, built here; any other by the reference."""
-    cdef cnp.npy_intp dims[32]
-    cdef Py_ssize_t dimension, count
-    cdef long long extent, elements = 1
-    if type(entry) is not tuple or len(<tuple>entry) != 3:
-        return _rebuild(entry)
-    code, shape, data = <tuple>entry
-    if type(code) is not str or type(shape) is not tuple or type(data) is not bytes:
-        return _rebuild(entry)
-    count = len(<tuple>shape)
-    dtype = _plain_dtype(<str>code) if count <= _MAX_DIMS else None
-    if dtype is None:
-        return _rebuild(entry)
-    for dimension in range(count):
-        size = (<tuple>shape)[dimension]
-        if type(size) is not int or not 0 <= size <= _MAX_EXTENT:
-            return _rebuild(entry)
-        extent = size
-        dims[dimension] = <cnp.npy_intp>extent
-        elements *= extent
-        if elements > _MAX_EXTENT:
-            return _rebuild(entry)
-    if elements * dtype.itemsize != PyBytes_GET_SIZE(data):
-        return _rebuild(entry)
-    Py_INCREF(dtype)
-    array = PyArray_Empty(<int>count, dims, <cnp.dtype>dtype, 0)
-    memcpy(cnp.PyArray_DATA(<cnp.ndarray>array), PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
-    return array
-
-
-cdef tuple _with_arrays(tuple body, tuple positions):
-    """``compact.with_arrays``: ``body`` with the array entries at ``positions`` rebuilt into arrays."""
-    cdef list items = list(body)
-    cdef Py_ssize_t outer, inner, count = len(items)
-    cdef long long place
-    for position in positions:
-        outer, inner = -1, 0
-        if type(position) is int and -(1 << 62) < position < (1 << 62):
-            place = position
-            outer, inner = <Py_ssize_t>(place >> 16), <Py_ssize_t>(place & 0xFFFF)
-        if not 0 <= outer < count:
-            raise NotCompact(f"not a compact message: array position {position!r} is outside the message")
-        if inner == 0:
-            items[outer] = _array(items[outer])
-        else:
-            values = items[outer]
-            if type(values) is not tuple or inner > len(<tuple>values):
-                raise NotCompact(f"not a compact message: array position {position!r} is outside the message")
-            values = list(values)
-            values[inner - 1] = _array(values[inner - 1])
-            items[outer] = tuple(values)
-    return tuple(items)
-
-
-cdef inline bint _scalar(object item):
-    cdef type kind = type(item)
-    return item is None or kind is int or kind is str or kind is float or kind is bool or kind is bytes
-
-
-cdef bint _plain_dict(dict value):
-    for key, item in value.items():
-        if type(key) is not str or not _scalar(item):
-            return False
-    return True
-
-
-cdef object _encode_inner(tuple values, Py_ssize_t outer, list positions):
-    cdef Py_ssize_t index, count = len(values)
-    cdef list replaced = None
-    for index in range(count):
-        item = values[index]
-        if _scalar(item):
-            continue
-        if type(item) is not _ndarray or index >= 0xFFFF:
-            return None
-        entry = _array_entry(item)
-        if entry is None:
-            return None
-        if replaced is None:
-            replaced = list(values)
-        replaced[index] = entry
-        positions.append((outer << 16) + 1 + index)
-    return values if replaced is None else tuple(replaced)
-
-
-cpdef object compact_encode(object message):
-    """``compact.encode``: the compact bytes of ``message``, or None when it does not qualify."""
-    if type(message) is not tuple:
-        return None
-    cdef tuple values = <tuple>message
-    cdef Py_ssize_t index, count = len(values)
-    cdef list items = None
-    cdef list positions = []
-    cdef type kind
-    for index in range(count):
-        item = values[index]
-        if _scalar(item):
-            continue
-        kind = type(item)
-        if kind is _ndarray:
-            entry = _array_entry(item)
-            if entry is None:
-                return None
-            if items is None:
-                items = list(values)
-            items[index] = entry
-            positions.append(index << 16)
-        elif kind is tuple:
-            inner = _encode_inner(<tuple>item, index, positions)
-            if inner is None:
-                return None
-            if inner is not item:
-                if items is None:
-                    items = list(values)
-                items[index] = inner
-        elif kind is dict:
-            if not _plain_dict(<dict>item):
-                return None
-        else:
-            return None
-    body = message if items is None else tuple(items)
-    return PyMarshal_WriteObjectToString((body, tuple(positions)), Py_MARSHAL_VERSION)
-
-
-cdef int MAX_DEPTH = compact_check.MAX_DEPTH
-
-
-cdef int _fail(str why) except -1:
-    raise NotCompact(f"not a compact message: {why}")
-
-
-cdef inline int _need(Py_ssize_t length, Py_ssize_t at, Py_ssize_t count) except -1:
-    if count > length - at:
-        _fail(f"marshal data ends early at byte {at}")
-    return 0
-
-
-cdef inline long long _int32(const unsigned char *data, Py_ssize_t length, Py_ssize_t at) except? -1:
-    _need(length, at, 4)
-    return <int>_get32(data + at)
-
-
-cdef inline Py_ssize_t _length(const unsigned char *data, Py_ssize_t length, Py_ssize_t at) except -1:
-    cdef long long value = _int32(data, length, at)
-    if value < 0:
-        _fail(f"negative length at byte {at}")
-    return <Py_ssize_t>value
-
-
-cdef Py_ssize_t _object(const unsigned char *data, Py_ssize_t length, Py_ssize_t at, char *refs,
-                        Py_ssize_t *count, int depth) except -1:
-    """``compact_check._object``: the offset after the marshal object at ``at``, or NotCompact."""
-    cdef Py_ssize_t start = at, size, index, items, item
-    cdef long long reference
-    cdef unsigned char code, kind
-    cdef bint flagged
-    if depth > MAX_DEPTH:
-        _fail(f"nested deeper than {MAX_DEPTH} at byte {at}")
-    _need(length, at, 1)
-    code = data[at]
-    kind, flagged = code & 0x7F, (code & 0x80) != 0
-    at += 1
-    if (kind == b'N' or kind == b'F' or kind == b'T') and not flagged:
-        return at
-    if kind == b'r' and not flagged:
-        reference = _int32(data, length, at)
-        if not (0 <= reference < count[0] and refs[reference]):
-            _fail(f"a reference at byte {start} to an object not read yet")
-        return at + 4
-    if kind == b'i' or kind == b'g' or kind == b'l' or kind == b's' or kind == b'u' or kind == b't' \
-            or kind == b'a' or kind == b'A' or kind == b'z' or kind == b'Z':
-        if kind == b'i':
-            size = 4
-        elif kind == b'g':
-            size = 8
-        elif kind == b'l':
-            reference = _int32(data, length, at)
-            size, at = 2 * (reference if reference >= 0 else -reference), at + 4
-        elif kind == b'z' or kind == b'Z':
-            _need(length, at, 1)
-            size, at = data[at], at + 1
-        else:
-            size, at = _length(data, length, at), at + 4
-        _need(length, at, size)
-        if flagged:
-            refs[count[0]] = 1
-            count[0] += 1
-        return at + size
-    if kind != b')' and kind != b'(' and kind != b'{':
-        _fail(f"marshal type {code:#04x} at byte {start} is not one it holds")
-    index = count[0]
-    if flagged:
-        refs[index] = 0
-        count[0] += 1
-    if kind == b'{':
-        while True:
-            _need(length, at, 1)
-            if data[at] == b'0':
-                at += 1
-                break
-            at = _object(data, length, _object(data, length, at, refs, count, depth + 1), refs, count, depth + 1)
-    else:
-        if kind == b')':
-            _need(length, at, 1)
-            items, at = data[at], at + 1
-        else:
-            items, at = _length(data, length, at), at + 4
-        _need(length, at, items)
-        for item in range(items):
-            at = _object(data, length, at, refs, count, depth + 1)
-    if flagged:
-        refs[index] = 1
-    return at
-
-
-cdef tuple _decode_at(const unsigned char *data, Py_ssize_t length):
-    """``compact.decode`` of the ``length`` bytes at ``data``: checked, loaded by marshal, arrays rebuilt."""
-    cdef Py_ssize_t count = 0, end
-    cdef char *refs = <char *>PyMem_Malloc(length + 1)  # each reference takes a byte of the data at least
-    if refs == NULL:
-        raise MemoryError()
-    try:
-        end = _object(data, length, 0, refs, &count, 0)
-        if end != length:
-            _fail(f"{length - end} bytes after the marshal data")
-        try:
-            loaded = PyMarshal_ReadObjectFromString(<const char *>data, length)
-        except (ValueError, EOFError, TypeError) as error:
-            raise NotCompact(f"not a compact message: {error}") from None
-    finally:
-        PyMem_Free(refs)
-    if type(loaded) is not tuple or len(<tuple>loaded) != 2:
-        raise NotCompact("not a compact message: wrong structure")
-    body, positions = <tuple>loaded
-    if type(body) is not tuple or type(positions) is not tuple:
-        raise NotCompact("not a compact message: wrong structure")
-    return _with_arrays(<tuple>body, <tuple>positions) if positions else body
-
-
-cpdef tuple compact_decode(object data):
-    """``compact.decode``: the message whose compact bytes are ``data``; NotCompact if they are not well formed."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
-    cdef Py_buffer view
-    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-    try:
-        return _decode_at(<const unsigned char *>view.buf, view.len)
-    finally:
-        PyBuffer_Release(&view)
-
-
-# ------------------------------------------------------------------ frames (transport.py)
+# ------------------------------------------------------------------ bytes, little-endian
 cdef inline void _put32(char *at, uint32_t value) noexcept:
     at[0] = <char>(value & 0xFF)
     at[1] = <char>((value >> 8) & 0xFF)
@@ -390,6 +101,322 @@ cdef inline uint64_t _get64(const unsigned char *at) noexcept:
     return _get32(at) | (<uint64_t>_get32(at + 4) << 32)
 
 
+
+# ------------------------------------------------------------------ the compact codec (compact.py)
+cdef Py_ssize_t _MAX_DIMS = compact.MAX_DIMS
+cdef long long _MAX_EXTENT = compact.MAX_EXTENT
+cdef long long _U32_MAX = 0xFFFFFFFF
+cdef dict _codes = {}  # dtype -> the ASCII bytes of its code, None where its arrays are not compact
+cdef dict _dtypes = {}  # code bytes -> compact.array_dtype of them (at most 256 kept: codes come from the wire)
+cdef object array_dtype = compact.array_dtype
+
+
+cdef struct _Out:
+    char *data
+    Py_ssize_t size
+    Py_ssize_t capacity
+
+
+cdef int _room(_Out *out, Py_ssize_t count) except -1:
+    cdef Py_ssize_t capacity = out.capacity
+    cdef char *data
+    if out.size + count <= capacity:
+        return 0
+    while capacity < out.size + count:
+        capacity *= 2
+    data = <char *>PyMem_Realloc(out.data, capacity)
+    if data == NULL:
+        raise MemoryError()
+    out.data, out.capacity = data, capacity
+    return 0
+
+
+cdef inline int _put_tag(_Out *out, char tag) except -1:
+    _room(out, 1)
+    out.data[out.size] = tag
+    out.size += 1
+    return 0
+
+
+cdef inline int _put_count(_Out *out, char tag, Py_ssize_t count) except -1:
+    _room(out, 5)
+    out.data[out.size] = tag
+    _put32(out.data + out.size + 1, <uint32_t>count)
+    out.size += 5
+    return 0
+
+
+cdef inline int _put_data(_Out *out, const void *data, Py_ssize_t count) except -1:
+    _room(out, count)
+    memcpy(out.data + out.size, data, count)
+    out.size += count
+    return 0
+
+
+cdef bint _scalar(_Out *out, object value) except -1:
+    """``compact._scalar``: write ``value`` if it is a scalar; whether it was."""
+    cdef type kind = type(value)
+    cdef int overflow = 0
+    cdef long long number
+    cdef double real
+    cdef Py_ssize_t size
+    cdef const char *text
+    if value is None:
+        _put_tag(out, b'N')
+    elif kind is bool:
+        _put_tag(out, b'T' if value else b'F')
+    elif kind is int:
+        number = PyLong_AsLongLongAndOverflow(value, &overflow)
+        if overflow == 0:
+            _put_tag(out, b'i')
+            _room(out, 8)
+            _put64(out.data + out.size, <uint64_t>number)
+            out.size += 8
+        else:
+            data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+            if PyBytes_GET_SIZE(data) > _U32_MAX:
+                return False
+            _put_count(out, b'I', PyBytes_GET_SIZE(data))
+            _put_data(out, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
+    elif kind is float:
+        real = PyFloat_AS_DOUBLE(value)
+        _put_tag(out, b'd')
+        _put_data(out, &real, 8)
+    elif kind is str:
+        try:
+            text = PyUnicode_AsUTF8AndSize(value, &size)
+        except UnicodeEncodeError:  # lone surrogates, which marshal and pickle carry too
+            data = (<str>value).encode("utf-8", "surrogatepass")
+            text, size = PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data)
+        if size > _U32_MAX:
+            return False
+        _put_count(out, b's', size)
+        _put_data(out, text, size)
+    elif kind is bytes:
+        if PyBytes_GET_SIZE(value) > _U32_MAX:
+            return False
+        _put_count(out, b'b', PyBytes_GET_SIZE(value))
+        _put_data(out, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value))
+    else:
+        return False
+    return True
+
+
+cdef bint _array(_Out *out, cnp.ndarray array) except -1:
+    """``compact._array``: write ``array`` if it travels compact; whether it does."""
+    dtype = <object>cnp.PyArray_DESCR(array)
+    code = _codes.get(dtype, False)
+    if code is False:
+        plain = plain_dtype_code(dtype)
+        code = _codes[dtype] = None if plain is None or dtype.itemsize == 0 else plain.encode("ascii")
+    cdef Py_ssize_t nbytes = cnp.PyArray_NBYTES(array), ndim = cnp.PyArray_NDIM(array), index
+    if code is None or nbytes > MAX_ARRAY_BYTES or ndim > _MAX_DIMS or not cnp.PyArray_IS_C_CONTIGUOUS(array):
+        return False
+    cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(array)
+    _put_tag(out, b'a')
+    _put_tag(out, <char>PyBytes_GET_SIZE(code))
+    _put_data(out, PyBytes_AS_STRING(code), PyBytes_GET_SIZE(code))
+    _put_tag(out, <char>ndim)
+    _room(out, 8 * ndim + nbytes)
+    for index in range(ndim):
+        _put64(out.data + out.size, <uint64_t>shape[index])
+        out.size += 8
+    _put_data(out, cnp.PyArray_DATA(array), nbytes)
+    return True
+
+
+cdef inline bint _value(_Out *out, object value) except -1:
+    if type(value) is _ndarray:
+        return _array(out, <cnp.ndarray>value)
+    return _scalar(out, value)
+
+
+cdef bint _message(_Out *out, tuple message) except -1:
+    """``compact.encode``'s walk: write ``message``; whether it qualifies."""
+    cdef type kind
+    _put_count(out, b't', len(message))
+    for item in message:
+        kind = type(item)
+        if kind is tuple:
+            _put_count(out, b't', len(<tuple>item))
+            for value in <tuple>item:
+                if not _value(out, value):
+                    return False
+        elif kind is dict:
+            _put_count(out, b'm', len(<dict>item))
+            for key, value in (<dict>item).items():
+                if type(key) is not str or not _scalar(out, key) or not _scalar(out, value):
+                    return False
+        elif not _value(out, item):
+            return False
+    return True
+
+
+cpdef object compact_encode(object message):
+    """``compact.encode``: the compact bytes of ``message``, or None when it does not qualify."""
+    if type(message) is not tuple:
+        return None
+    cdef _Out out
+    out.size, out.capacity = 0, 256
+    out.data = <char *>PyMem_Malloc(out.capacity)
+    if out.data == NULL:
+        raise MemoryError()
+    try:
+        if not _message(&out, <tuple>message):
+            return None
+        return PyBytes_FromStringAndSize(out.data, out.size)
+    finally:
+        PyMem_Free(out.data)
+
+
+cdef struct _In:
+    const unsigned char *data
+    Py_ssize_t length
+    Py_ssize_t at
+
+
+cdef int _fail(str why) except -1:
+    raise NotCompact(f"not a compact message: {why}")
+
+
+cdef inline Py_ssize_t _take(_In *source, Py_ssize_t count) except -1:
+    """``compact._Reader.take``: the offset of the next ``count`` bytes, which the cursor passes."""
+    cdef Py_ssize_t start = source.at
+    if count > source.length - start:
+        _fail(f"it ends early at byte {start}")
+    source.at = start + count
+    return start
+
+
+cdef inline int _tag(_In *source) except -1:
+    return source.data[_take(source, 1)]
+
+
+cdef inline long long _u32(_In *source) except -1:
+    return _get32(source.data + _take(source, 4))
+
+
+cdef inline long long _i64(_In *source) except? -1:
+    return <long long>_get64(source.data + _take(source, 8))
+
+
+cdef int _unexpected(_In *source, int tag) except -1:
+    _fail(f"byte {source.at - 1} ({tag:#04x}) is not what a compact message holds there")
+
+
+cdef object _decoded_value(_In *source, bint arrays):
+    """``compact._Reader.value``."""
+    cdef int tag = _tag(source)
+    cdef Py_ssize_t size, start
+    cdef double real
+    if tag == b'N':
+        return None
+    if tag == b'T' or tag == b'F':
+        return tag == b'T'
+    if tag == b'i':
+        return _i64(source)
+    if tag == b'd':
+        memcpy(&real, source.data + _take(source, 8), 8)
+        return real
+    if tag == b'I' or tag == b's' or tag == b'b':
+        size = _u32(source)
+        start = _take(source, size)
+        if tag == b's':
+            try:
+                return PyUnicode_DecodeUTF8(<const char *>source.data + start, size, "surrogatepass")
+            except UnicodeDecodeError:
+                _fail(f"the text at byte {start} is not UTF-8")
+        data = PyBytes_FromStringAndSize(<const char *>source.data + start, size)
+        return data if tag == b'b' else int.from_bytes(data, "little", signed=True)
+    if tag == b'a' and arrays:
+        return _decoded_array(source, source.at - 1)
+    _unexpected(source, tag)
+
+
+cdef object _decoded_array(_In *source, Py_ssize_t start):
+    """``compact._Reader.array``: the array whose entry begins at ``start``."""
+    cdef cnp.npy_intp dims[32]
+    cdef Py_ssize_t size = _tag(source), ndim, dimension, offset, itemsize
+    cdef long long extent, elements = 1
+    offset = _take(source, size)
+    code = PyBytes_FromStringAndSize(<const char *>source.data + offset, size)
+    dtype = _dtypes.get(code, False)
+    if dtype is False:
+        dtype = array_dtype(code)
+        if len(_dtypes) < 256:
+            _dtypes[code] = dtype
+    if dtype is None:
+        _fail(f"the array at byte {start} has dtype code {code!r}, not a plain dtype's")
+    ndim = _tag(source)
+    if ndim > _MAX_DIMS:
+        _fail(f"the array at byte {start} has {ndim} dimensions, over {_MAX_DIMS}")
+    for dimension in range(ndim):
+        extent = _i64(source)
+        if not 0 <= extent <= _MAX_EXTENT or (extent != 0 and elements > _MAX_EXTENT // extent):
+            _fail(f"the array at byte {start} has an extent of {extent}")
+        elements *= extent
+        dims[dimension] = <cnp.npy_intp>extent
+    itemsize = (<cnp.dtype>dtype).itemsize
+    if elements > (source.length - source.at) // itemsize:
+        _fail(f"it ends early at byte {source.at}")
+    offset = _take(source, elements * itemsize)
+    Py_INCREF(dtype)
+    array = PyArray_Empty(<int>ndim, dims, <cnp.dtype>dtype, 0)
+    memcpy(cnp.PyArray_DATA(<cnp.ndarray>array), source.data + offset, elements * itemsize)
+    return array
+
+
+cdef tuple _decode_at(const unsigned char *data, Py_ssize_t length):
+    """``compact.decode`` of the ``length`` bytes at ``data``."""
+    cdef _In source
+    cdef Py_ssize_t count, index, inner, entry
+    cdef int tag
+    source.data, source.length, source.at = data, length, 0
+    tag = _tag(&source)
+    if tag != b't':
+        _unexpected(&source, tag)
+    count = _u32(&source)
+    items = []
+    for index in range(count):
+        tag = _tag(&source)
+        if tag == b't':
+            inner = _u32(&source)
+            values = []  # (a count the bytes cannot hold fails as the values run out, as in the reference)
+            for entry in range(inner):
+                values.append(_decoded_value(&source, True))
+            items.append(tuple(values))
+        elif tag == b'm':
+            entries = {}
+            inner = _u32(&source)
+            for entry in range(inner):
+                tag = _tag(&source)
+                if tag != b's':
+                    _unexpected(&source, tag)
+                source.at -= 1
+                key = _decoded_value(&source, False)
+                entries[key] = _decoded_value(&source, False)
+            items.append(entries)
+        else:
+            source.at -= 1
+            items.append(_decoded_value(&source, True))
+    if source.at != length:
+        _fail(f"{length - source.at} bytes follow the message")
+    return tuple(items)
+
+
+cpdef tuple compact_decode(object data):
+    """``compact.decode``: the message whose compact bytes are ``data``; NotCompact if they are not well formed."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise NotCompact(f"not a compact message: {type(data).__name__} is not bytes")
+    cdef Py_buffer view
+    PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+    try:
+        return _decode_at(<const unsigned char *>view.buf, view.len)
+    finally:
+        PyBuffer_Release(&view)
+
+
+# ------------------------------------------------------------------ frames (transport.py)
 cpdef object compact_body(object message, Py_ssize_t limit):
     """``transport.compact_body``: the compact bytes if ``message`` qualifies and they fit in ``limit``."""
     body = compact_encode(message)
@@ -429,14 +456,6 @@ cpdef bytes encode_batch(list bodies, uint64_t seq):
         memcpy(out + offset, PyBytes_AS_STRING(body), size)
         offset += size
     return frame
-
-
-cpdef object encode(object message, uint64_t seq, Py_ssize_t inline_bytes):
-    """``transport.encode``: the frame of a compact message built here, any other message pickled by transport."""
-    body = compact_body(message, inline_bytes)
-    if body is None:
-        return encode_pickled(message, seq, inline_bytes)
-    return Encoded(encode_compact(body, seq), [], PyBytes_GET_SIZE(body))
 
 
 cdef enum Layout:
@@ -620,3 +639,196 @@ cdef class Endpoint:
         _check(MPI_Imrecv(PyByteArray_AS_STRING(frame), count, MPI_BYTE, &message, &handle))
         _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
         return status.MPI_SOURCE, memoryview(frame), None if done else _pending(handle, frame)
+
+
+# ------------------------------------------------------------------ dispatch (dispatch.py)
+from . import actor as _actor, dispatch as _dispatch
+
+cdef object _Message = _actor.Message
+cdef object _finish_at_once = _actor.finish_at_once
+cdef object _isawaitable = __import__("inspect").isawaitable
+cdef object _monotonic = __import__("time").monotonic
+cdef int _QUEUED = _actor.QUEUED, _NEVER_SUSPENDS = _actor.NEVER_SUSPENDS
+cdef int _MESSAGE = _dispatch.MESSAGE, _REPLY = _dispatch.REPLY
+cdef frozenset _VALUES = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict, _ndarray})
+
+
+cdef class Dispatch:
+    """``dispatch.Dispatch``: a reply, and a message to an idle actor whose handler it knows (``ActorCell.handlers``)
+    and cannot suspend, routed here; every other envelope by the reference, which this holds."""
+
+    cdef object reference, system
+    cdef dict cells, asks
+    cdef object rank
+
+    def __init__(self, object system, dict cells, dict asks):
+        self.reference = _dispatch.Dispatch(system, cells, asks)
+        self.system, self.cells, self.asks, self.rank = system, cells, asks, system.rank
+
+    def envelopes(self, object source, list envelopes):
+        """Route ``envelopes`` from rank ``source``, in order."""
+        for envelope in envelopes:
+            if not self._routed(source, envelope):
+                self.reference.envelope(source, envelope)
+
+    def envelope(self, object source, object envelope):
+        """Route one envelope from rank ``source``."""
+        if not self._routed(source, envelope):
+            self.reference.envelope(source, envelope)
+
+    cdef bint _routed(self, object source, object envelope) except -1:
+        """Route ``envelope`` if it is a case taken here; False to leave it to the reference."""
+        if type(envelope) is not tuple:
+            return False
+        cdef tuple items = <tuple>envelope
+        cdef Py_ssize_t count = len(items)
+        if count == 4 and type(items[0]) is int and items[0] == _REPLY:
+            pending = self.asks.pop(items[1], None)
+            if pending is not None:
+                future = pending.future
+                if not future.done():
+                    future.set_result((items[2], items[3]))
+            return True
+        if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank:
+            return False
+        method, args, kwargs, ask_id = items[2], items[3], items[4], items[5]
+        if type(args) is not tuple or type(kwargs) is not dict or type(ask_id) is not int or self.system.stopping:
+            return False
+        cell = self.cells.get(items[1])
+        if cell is None or not cell._started or cell.mailbox or cell.current is not None:
+            return False
+        entry = (<dict?>cell.handlers).get(method)
+        if entry is None:
+            return False
+        handler, kind = <tuple>entry
+        if kind == _QUEUED:
+            return False
+        reply_to = (source, ask_id) if ask_id >= 0 else None
+        cell.current, cell.busy_since = method, _monotonic()
+        try:
+            result = handler(*<tuple>args, **<dict>kwargs) if kwargs else handler(*<tuple>args)
+            if kind == _NEVER_SUSPENDS:
+                result = _finish_at_once(result)
+        except Exception as error:
+            cell.inline_failed(_Message(method, args, kwargs, reply_to, source), error)
+            return True
+        finally:
+            cell.current = None
+        if type(result) not in _VALUES and _isawaitable(result):
+            cell.inline_done(_Message(method, args, kwargs, reply_to, source), result)
+        elif reply_to is not None:
+            self.system.reply(reply_to, result)
+        return True
+
+
+# ------------------------------------------------------------------ the send queue (outbox.py)
+from . import outbox as _outbox
+import asyncio as _asyncio
+
+cdef Py_ssize_t _BATCH_MAX_MESSAGES = _outbox.BATCH_MAX_MESSAGES
+cdef object _get_running_loop = _asyncio.get_running_loop
+
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+
+cdef inline double _now() noexcept:
+    cdef timespec now
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return now.tv_sec + now.tv_nsec * 1e-9
+
+
+cdef class Outbox:
+    """``outbox.Outbox``: the same queue and frames, the turn's clock read in C (``frames`` is this module)."""
+
+    cdef Endpoint _endpoint
+    cdef Py_ssize_t _inline_bytes
+    cdef object _track, _kick, _done
+    cdef public dict queued
+    cdef dict _queued_bytes, _seq
+    cdef set _sent_this_turn
+    cdef bint _flush_scheduled
+    cdef double _turn_began, _turn_s
+    cdef public long long messages, bytes
+
+    def __init__(self, Endpoint endpoint, object frames, Py_ssize_t inline_bytes, object track, object kick,
+                 double turn_s=_outbox.TURN_S):
+        self._endpoint, self._inline_bytes, self._track, self._kick = endpoint, inline_bytes, track, kick
+        self._turn_s = turn_s
+        self.queued, self._queued_bytes, self._seq, self._sent_this_turn = {}, {}, {}, set()
+        self._done = None
+
+    def post(self, object dest, object obj):
+        """``outbox.Outbox.post``."""
+        cdef double now = _now()
+        if self._sent_this_turn and now - self._turn_began > self._turn_s:
+            self.flush()
+        if dest not in self._sent_this_turn:
+            if not self._sent_this_turn:
+                self._turn_began = now
+            self._sent_this_turn.add(dest)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                _get_running_loop().call_soon(self.flush)
+            return None
+        body = compact_body(obj, self._inline_bytes)
+        if body is None:
+            return None
+        queued = self.queued.get(dest)
+        if queued is None:
+            queued = self.queued[dest] = []
+            self._queued_bytes[dest] = 0
+        (<list>queued).append(body)
+        cdef Py_ssize_t total = <Py_ssize_t>self._queued_bytes[dest] + PyBytes_GET_SIZE(body)
+        self._queued_bytes[dest] = total
+        self.messages += 1
+        if len(<list>queued) >= _BATCH_MAX_MESSAGES or total >= self._inline_bytes:
+            self._send_batch(dest)
+        if self._done is None:
+            self._done = _get_running_loop().create_future()
+            self._done.set_result(0)
+        return self._done
+
+    def flush(self):
+        """``outbox.Outbox.flush``."""
+        self._flush_scheduled = False
+        self._sent_this_turn.clear()
+        for dest in list(self.queued):
+            self._send_batch(dest)
+
+    def send(self, object dest, object obj):
+        """``outbox.Outbox.send``."""
+        body = compact_body(obj, self._inline_bytes)
+        if body is None:
+            return -1
+        if dest in self.queued:
+            self._send_batch(dest)
+        self.messages += 1
+        self._send(dest, encode_compact(body, self.next_seq(dest)), 1)
+        return PyBytes_GET_SIZE(body)
+
+    def send_queued(self, object dest):
+        """``outbox.Outbox.send_queued``."""
+        if dest in self.queued:
+            self._send_batch(dest)
+
+    cpdef uint64_t next_seq(self, object dest):
+        """``outbox.Outbox.next_seq``."""
+        seq = self._seq.get(dest, 0)
+        self._seq[dest] = seq + 1
+        return seq
+
+    cdef _send_batch(self, object dest):
+        cdef list bodies = self.queued.pop(dest)
+        del self._queued_bytes[dest]
+        if len(bodies) == 1:
+            self._send(dest, encode_compact(bodies[0], self.next_seq(dest)), 1)
+        else:
+            self._send(dest, encode_batch(bodies, self.next_seq(dest)), len(bodies))
+
+    cdef _send(self, object dest, bytes frame, Py_ssize_t count):
+        self.bytes += PyBytes_GET_SIZE(frame)
+        request = self._endpoint.send(dest, frame)
+        if request is not None:
+            self._track(request, f"{count} small messages to rank {dest} ({len(frame)} bytes)", frame)
+        else:
+            self._kick()

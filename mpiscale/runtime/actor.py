@@ -202,6 +202,8 @@ class ActorCell:
     task: asyncio.Task | None = None
     _waiter: asyncio.Future | None = None
     _started: bool = False  # on_start has returned: messages may be handled
+    #: Each method handled so far: its handler and how it may run (``inline_kind``); emptied by a restart.
+    handlers: dict[str, tuple[Any, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.instance = self._create()
@@ -219,16 +221,16 @@ class ActorCell:
     def deliver(self, message: Message) -> None:
         """Handle ``message`` at once, in the caller's stack, when the actor is idle and its handler cannot
         suspend; else queue it for the consumer task. Either way one message at a time, in arrival order: the fast
-        path skips the two task switches (to the consumer task and back) that a queued message costs."""
+        path skips the two task switches (to the consumer task and back) that a queued message costs. (The compiled
+        ``_wire.Dispatch`` does the same in C for a handler found here before.)"""
         if not self._started or self.mailbox or self.current is not None:
             self.post(message)
             return
         try:
-            handler = self._handler(message.method)
+            handler, kind = self.handler(message.method)
         except AttributeError:
             self.post(message)  # the consumer task answers with the error, as for any failing handler
             return
-        kind = inline_kind(handler)
         if kind == QUEUED:
             self.post(message)
             return
@@ -236,15 +238,24 @@ class ActorCell:
         try:
             result = handler(*message.args, **message.kwargs)
             if kind == NEVER_SUSPENDS:
-                result = _finish_at_once(result)
+                result = finish_at_once(result)
         except Exception as error:
-            if message.reply_to is None:
-                self.post(_Resume(message, error=error))
-            else:
-                self.system.reply(message.reply_to, Failure.capture(error, self.origin(message.method)))
+            self.inline_failed(message, error)
             return
         finally:
             self.current = None
+        self.inline_done(message, result)
+
+    def inline_failed(self, message: Message, error: Exception) -> None:
+        """A message handled inline raised ``error``: its ask fails, or the consumer task supervises its tell."""
+        if message.reply_to is None:
+            self.post(_Resume(message, error=error))
+        else:
+            self.system.reply(message.reply_to, Failure.capture(error, self.origin(message.method)))
+
+    def inline_done(self, message: Message, result: Any) -> None:
+        """A message handled inline returned ``result``: an awaitable is left to the consumer task, a value
+        answers the ask."""
         if inspect.isawaitable(result):
             self.post(_Resume(message, awaitable=result))
         elif message.reply_to is not None:
@@ -275,6 +286,7 @@ class ActorCell:
                 self.system.reply(message.reply_to, Failure.capture(error, self.origin(message.method)))
 
     def _create(self) -> Any:
+        self.handlers.clear()
         instance = self.cls(*self.args, **self.kwargs)
         instance.ref = self.ref
         instance.system = self.system
@@ -307,15 +319,20 @@ class ActorCell:
         except Exception as error:
             self.system.fail(error, f"on_start of actor {self.ref} ({self.cls.__qualname__}) failed")
 
-    def _handler(self, method: str):
-        handler = None if method.startswith("_") else getattr(self.instance, method, None)
-        if handler is None or not callable(handler) or method in ("on_start", "on_stop"):
-            raise AttributeError(f"actor {self.ref.name!r} ({self.cls.__qualname__}) has no handler {method!r}")
-        return handler
+    def handler(self, method: str) -> tuple[Any, int]:
+        """The handler of ``method`` on the current instance and how it may run (``inline_kind``); AttributeError
+        when the actor has none (cached until the actor restarts)."""
+        entry = self.handlers.get(method)
+        if entry is None:
+            handler = None if method.startswith("_") else getattr(self.instance, method, None)
+            if handler is None or not callable(handler) or method in ("on_start", "on_stop"):
+                raise AttributeError(f"actor {self.ref.name!r} ({self.cls.__qualname__}) has no handler {method!r}")
+            entry = self.handlers[method] = (handler, inline_kind(handler))
+        return entry
 
     async def _handle(self, message: Message) -> None:
         try:
-            result = self._handler(message.method)(*message.args, **message.kwargs)
+            result = self.handler(message.method)[0](*message.args, **message.kwargs)
             if inspect.isawaitable(result):
                 result = await result
         except Exception as error:
@@ -375,7 +392,7 @@ class ActorCell:
         await self._start_instance()
 
 
-def _finish_at_once(coroutine: Any) -> Any:
+def finish_at_once(coroutine: Any) -> Any:
     """Run a coroutine that cannot suspend (``NEVER_SUSPENDS``) to its end; its result, or its exception raised."""
     try:
         coroutine.send(None)

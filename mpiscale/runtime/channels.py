@@ -156,8 +156,7 @@ class Channel:
             engine.track(comm.Isend([header, MPI.BYTE], dest, _HEADER_TAG), state.what, header)
             for piece in chunks(memoryview(array).cast("B"), self._chunk_bytes):
                 engine.track(comm.Isend([piece, MPI.BYTE], dest, tag), state.what, array)
-        engine.messages_sent += 1
-        engine.bytes_sent += nbytes + 8 * (_SHAPE + array.ndim)
+        engine.count_sent(1, nbytes + 8 * (_SHAPE + array.ndim))
         engine.kick()
 
     def _sending_lane(self, dest: int, lane: int) -> _Lane:

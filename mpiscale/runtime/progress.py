@@ -9,15 +9,9 @@ One engine per rank runs as an asyncio task. Each turn it
    sent them.
 
 Small one-way messages (``post``) to the same rank within one turn of the
-event loop leave together, as one batch frame, at the end of that turn; the
-first of a turn leaves at once, so a lone message never waits (not even for
-a long computation after it in the same turn), and a stream of them costs one
-MPI message per batch. A turn lasts at most ``_TURN_S`` for this purpose: one
-loop pass may run several tasks that each compute for milliseconds (batches in
-flight through a compiled graph), and a message one of them sends after its
-computation leaves at once instead of waiting for the others' to end. Any
-other send to that rank sends the batch first, so each receiver sees a
-sender's messages in the order they were made.
+event loop leave together, as one batch frame, at the end of that turn (the
+engine's :mod:`outbox <.outbox>`); any other send to that rank sends the batch
+first, so each receiver sees a sender's messages in the order they were made.
 
 Polling trades latency against CPU: right after any activity (or a local send)
 the engine polls continuously for ``spin_us``, yielding the core to other
@@ -42,19 +36,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 from ..ranks import Comm, chunks
 from . import transport, wire
 from .config import RuntimeConfig
 from .waits import WaitClock
 
-Deliver = Callable[[int, Any], None]
+
+class Envelopes(Protocol):
+    """Where arrived messages go (``dispatch.Dispatch``, or its compiled twin): one, or several from one source."""
+
+    def envelope(self, source: int, envelope: Any) -> None: ...
+
+    def envelopes(self, source: int, envelopes: list) -> None: ...
+
+
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
 _SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its quiet time so far
 _MIN_SLEEP_S = 20e-6
-_TURN_S = 250e-6  # a message posted this long after the turn's first one begins a new turn
-_BATCH_MAX_MESSAGES = 4096  # a batch leaves at once when it holds this many messages or inline_bytes
 
 
 @dataclass
@@ -82,33 +82,29 @@ class _Inbound:
 class ProgressEngine:
     """Drives all non-blocking MPI traffic of one rank from the asyncio loop."""
 
-    def __init__(self, MPI: ModuleType, comm: Comm, config: RuntimeConfig, deliver: Deliver) -> None:
+    def __init__(self, MPI: ModuleType, comm: Comm, config: RuntimeConfig, deliver: Envelopes) -> None:
         self._MPI = MPI
         self._comm = comm
         self._config = config
-        self._deliver = deliver
+        self._deliver, self._deliver_all = deliver.envelope, deliver.envelopes
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         assert isinstance(tag_ub, int), tag_ub  # MPI sets it on every communicator
         self._tag_ub = tag_ub
         self._pending: list[_Pending] = []
         self._inbound: dict[int, deque[_Inbound]] = {}
-        self._send_seq: dict[int, int] = {}
-        self._outbox: dict[int, list[bytes]] = {}  # compact messages per destination, sent at the turn's end
-        self._outbox_bytes: dict[int, int] = {}
-        self._flush_scheduled = False
-        self._queued: asyncio.Future | None = None  # the done future of every queued message (post)
-        self._sent_this_turn: set[int] = set()  # ranks a small message went to at once in this loop turn
-        self._turn_began = 0.0  # when the turn's first small message left
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
         self._pool = transport.BufferPool(config.pool_bytes)
         self._frames = wire.chosen()[0]  # the compiled message path, or its pure-Python reference
         self._endpoint = self._frames.Endpoint(MPI, comm)
+        #: Small one-way messages queued per destination (``post``), sent as one frame at the loop turn's end.
+        self.outbox = self._frames.Outbox(self._endpoint, self._frames, config.inline_bytes, self.track, self.kick)
+        self.post = self.outbox.post
         self._stopped = False
         self._yielded = False  # the engine waits for its next turn in the loop's ready queue (it is spinning)
-        self.messages_sent = 0
+        self._messages_sent = 0  # and the outbox's
+        self._bytes_sent = 0
         self.messages_received = 0
-        self.bytes_sent = 0  # messages' frames and parts (collectives are not counted)
         self.bytes_received = 0
         #: The waits on other ranks: requests awaited through ``wait`` (the collectives), values expected.
         self.waits = WaitClock()
@@ -116,77 +112,33 @@ class ProgressEngine:
         self.pollers: list[Callable[[], bool]] = []
 
     # ------------------------------------------------------------------ API
-    def post(self, dest: int, obj: object) -> asyncio.Future | None:
-        """Queue a small message of plain values (``transport.compact_body``) for rank ``dest``, to leave with the
-        others queued for it at the end of this loop turn; its arrays are copied now, and the future returned is
-        done (one future, shared by every queued message: a new one per tell cost a tenth of its time). None,
-        queuing nothing, when it is the first to ``dest`` this turn or does not qualify: then :meth:`send` it."""
-        now = time.perf_counter()
-        if self._sent_this_turn and now - self._turn_began > _TURN_S:
-            self.flush()  # a long turn (computations of several tasks in one loop pass): a new turn begins here
-        if dest not in self._sent_this_turn:
-            if not self._sent_this_turn:
-                self._turn_began = now
-            self._sent_this_turn.add(dest)
-            self._schedule_flush()  # which also ends the turn's record
-            return None
-        body = self._frames.compact_body(obj, self._config.inline_bytes)
-        if body is None:
-            return None
-        queued = self._outbox.get(dest)
-        if queued is None:
-            queued = self._outbox[dest] = []
-            self._outbox_bytes[dest] = 0
-        queued.append(body)
-        self._outbox_bytes[dest] += len(body)
-        self.messages_sent += 1
-        if len(queued) >= _BATCH_MAX_MESSAGES or self._outbox_bytes[dest] >= self._config.inline_bytes:
-            self._send_batch(dest)
-        if self._queued is None:
-            self._queued = completed(0)
-        return self._queued
+    @property
+    def messages_sent(self) -> int:
+        """Messages sent so far: actor messages, queued or not, and channels' arrays (collectives not counted)."""
+        return self._messages_sent + self.outbox.messages
 
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self.flush)
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of the messages sent so far: frames and parts (collectives not counted)."""
+        return self._bytes_sent + self.outbox.bytes
 
-    def flush(self) -> None:
-        """Send every queued batch now; the loop turn ends here for :meth:`post`."""
-        self._flush_scheduled = False
-        self._sent_this_turn.clear()
-        for dest in list(self._outbox):
-            self._send_batch(dest)
-
-    def _send_batch(self, dest: int) -> None:
-        bodies = self._outbox.pop(dest)
-        del self._outbox_bytes[dest]
-        if len(bodies) == 1:  # a lone message travels as any compact one
-            frame = self._frames.encode_compact(bodies[0], self._next_seq(dest))
-        else:
-            frame = self._frames.encode_batch(bodies, self._next_seq(dest))
-        self.bytes_sent += len(frame)
-        request = self._endpoint.send(dest, frame)
-        if request is not None:
-            self.track(request, f"batch of {len(bodies)} to rank {dest}", frame)
-        else:
-            self.kick()
-
-    def _next_seq(self, dest: int) -> int:
-        seq = self._send_seq.get(dest, 0)
-        self._send_seq[dest] = seq + 1
-        return seq
+    def count_sent(self, messages: int, nbytes: int) -> None:
+        """Count messages sent on another path (a channel's arrays) in this rank's traffic."""
+        self._messages_sent += messages
+        self._bytes_sent += nbytes
 
     def send(self, dest: int, obj: object, track: bool = True) -> asyncio.Future | None:
         """Send ``obj`` to rank ``dest``, after what :meth:`post` queued for it; the future resolves when the
         buffers are reusable (None without ``track``: the runtime's own asks and replies need none)."""
-        if dest in self._outbox:
-            self._send_batch(dest)
-        seq = self._next_seq(dest)
-        encoded = self._frames.encode(obj, seq, self._config.inline_bytes)
+        nbytes = self.outbox.send(dest, obj)  # a small message of plain values: its compact frame, sent at once
+        if nbytes >= 0:
+            return completed(nbytes) if track else None  # (its values were copied into the frame)
+        self.outbox.send_queued(dest)
+        seq = self.outbox.next_seq(dest)
+        encoded = transport.encode_pickled(obj, seq, self._config.inline_bytes)
         MPI, comm = self._MPI, self._comm
-        self.messages_sent += 1
-        self.bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
+        self._messages_sent += 1
+        self._bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
         frame_request = self._endpoint.send(dest, encoded.frame)
         if not encoded.parts and frame_request is None:  # small message, already on its way
             self.kick()
@@ -256,12 +208,12 @@ class ProgressEngine:
     @property
     def idle(self) -> bool:
         """True when nothing is queued to send, no request is pending and no inbound message is partial."""
-        return not self._outbox and not self._pending and not any(self._inbound.values())
+        return not self.outbox.queued and not self._pending and not any(self._inbound.values())
 
     def describe(self) -> list[str]:
         """One line per pending request, oldest first, then per queued batch (for diagnostics)."""
         now = time.monotonic()
-        queued = [f"{len(bodies)} small messages queued for rank {dest}" for dest, bodies in self._outbox.items()]
+        queued = [f"{len(bodies)} small messages queued for rank {dest}" for dest, bodies in self.outbox.queued.items()]
         return [f"{p.what}: pending {now - p.started:.3f}s" for p in self._pending] + queued
 
     def stop(self) -> None:
@@ -333,8 +285,7 @@ class ProgressEngine:
                 source, messages, size = found
                 self.bytes_received += size
                 self.messages_received += len(messages)
-                for message in messages:
-                    self._deliver(source, message)
+                self._deliver_all(source, messages)
                 continue
             source, frame, request = found
             arrived = request is None  # eager data is already here
@@ -407,9 +358,9 @@ class ProgressEngine:
         """Deliver the message, or the batch of messages, that a frame carries inline."""
         assert header.inline_parts is not None
         if header.batch:
-            for message in self._frames.load_batch(header):
-                self.messages_received += 1
-                self._deliver(source, message)
+            messages = self._frames.load_batch(header)
+            self.messages_received += len(messages)
+            self._deliver_all(source, messages)
         else:
             self.messages_received += 1
             self._deliver(source, self._frames.load(header, header.inline_parts))

@@ -15,18 +15,19 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, TypeVar
 
+from . import wire
 from .abandoned import AbandonedWatch, CollectiveLog
-from .actor import Actor, ActorCell, ActorGroup, ActorRef, Message, RestartPolicy
+from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy
 from .channels import Channel, Deliver
 from .collectives import Communicator, Group, Hierarchy, build_hierarchy
 from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
 from .diagnostics import failure_report, rank_diagnostics
-from .errors import ActorNotFound, ActorStopped, AskTimeout, Failure, JobRefused
+from .dispatch import MESSAGE, REPLY, PendingAsk
+from .errors import AskTimeout, Failure, JobRefused
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -35,20 +36,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
 _AGREED_REPORT_S = 3.0  # a failure every rank raised alike: how long the others wait for the reporter's abort
-_MESSAGE, _REPLY = 0, 1
 
 
 def _expire(future: asyncio.Future, ref: ActorRef, method: str, timeout: float) -> None:
     if not future.done():
         future.set_exception(AskTimeout(f"no reply from actor {ref} to {method!r} within {timeout:g}s"))
-
-
-@dataclass
-class _PendingAsk:
-    future: asyncio.Future
-    ref: ActorRef
-    method: str
-    started: float
 
 
 class _SystemActor(Actor):
@@ -73,14 +65,15 @@ class ActorSystem:
         self.host: str = MPI.Get_processor_name()
         self._p2p = world.Dup()
         self._control = world.Dup()
-        self._engine = ProgressEngine(MPI, self._p2p, config, self._on_envelope)
+        self._cells: dict[str, ActorCell] = {}
+        self._asks: dict[int, PendingAsk] = {}
+        self._dispatch = wire.chosen()[0].Dispatch(self, self._cells, self._asks)
+        self._engine = ProgressEngine(MPI, self._p2p, config, self._dispatch)
         self._ask_spin_s, self._value_spin_s = config.ask_spin_us * 1e-6, config.value_spin_us * 1e-6
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
         self._groups = [Group("world", self.hierarchy)]  # the whole job's, then those ``split`` made
         self._channels: list[Channel] = []
-        self._cells: dict[str, ActorCell] = {}
-        self._asks: dict[int, _PendingAsk] = {}
         self._ask_ids = itertools.count()
         self._names = itertools.count()
         #: The rank is shutting down: incoming asks are answered with ActorStopped, tells refused and counted.
@@ -195,7 +188,7 @@ class ActorSystem:
     def _post(self, rank: int, envelope: tuple, track: bool = True) -> asyncio.Future | None:
         """Send an envelope (to this rank's own actors without MPI); a future for its buffers when ``track``."""
         if rank == self.rank:
-            self._on_envelope(rank, envelope)
+            self._dispatch.envelope(rank, envelope)
             return completed(0) if track else None
         return self._engine.send(rank, envelope, track)
 
@@ -207,11 +200,11 @@ class ActorSystem:
         ask_id = next(self._ask_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._asks[ask_id] = _PendingAsk(future, ref, method, time.monotonic())
+        self._asks[ask_id] = PendingAsk(future, ref, method, time.monotonic())
         # a timer that fails the future (asyncio.wait_for would add a task and tens of µs to every ask)
         timer = None if timeout is None else loop.call_later(timeout, _expire, future, ref, method, timeout)
         try:
-            self._post(ref.rank, (_MESSAGE, ref.name, method, args, kwargs, ask_id), track=False)
+            self._post(ref.rank, (MESSAGE, ref.name, method, args, kwargs, ask_id), track=False)
             if ref.rank != self.rank and self._ask_spin_s:
                 self._engine.poll_until(future, self._ask_spin_s)  # a fast reply then needs no task switch
             value, failed = await future
@@ -226,7 +219,7 @@ class ActorSystem:
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
         self._check_rank(ref)
-        envelope = (_MESSAGE, ref.name, method, args, kwargs, -1)
+        envelope = (MESSAGE, ref.name, method, args, kwargs, -1)
         if ref.rank != self.rank and (queued := self._engine.post(ref.rank, envelope)) is not None:
             return queued  # small: copied now, sent at the turn's end
         sent = self._post(ref.rank, envelope)
@@ -240,42 +233,12 @@ class ActorSystem:
         if failed and rank != self.rank:
             value = value.picklable()
         try:
-            self._post(rank, (_REPLY, ask_id, value, failed), track=False)
+            self._post(rank, (REPLY, ask_id, value, failed), track=False)
         except Exception as error:  # the result could not be pickled
             if failed:
                 raise
             failure = Failure.capture(error, f"{self._origin}, sending a reply").picklable()
-            self._post(rank, (_REPLY, ask_id, failure, True), track=False)
-
-    def _on_envelope(self, source: int, envelope: tuple) -> None:
-        if envelope[0] == _REPLY:
-            _, ask_id, value, failed = envelope
-            pending = self._asks.pop(ask_id, None)
-            if pending is not None and not pending.future.done():
-                pending.future.set_result((value, failed))
-            return
-        _, name, method, args, kwargs, ask_id = envelope
-        reply_to = (source, ask_id) if ask_id >= 0 else None
-        cell = self._cells.get(name)
-        if self.stopping:
-            if reply_to is not None:
-                error = ActorStopped(f"rank {self.rank} is shutting down; {name!r} did not handle {method!r}")
-                self.reply(reply_to, Failure.capture(error, self._origin))
-            else:
-                self.refused_tells += 1
-            return
-        if cell is None:
-            missing = ActorNotFound(f"no actor {name!r} on rank {self.rank} (message {method!r} from rank {source})")
-            if reply_to is not None:
-                self.reply(reply_to, Failure.capture(missing, self._origin))
-            else:
-                self.fail(missing, "a tell was addressed to an actor that does not exist")
-            return
-        message = Message(method, args, kwargs, reply_to, source)
-        if source == self.rank:
-            cell.post(message)  # a local send returns before its handler runs, as a remote one does
-        else:
-            cell.deliver(message)
+            self._post(rank, (REPLY, ask_id, failure, True), track=False)
 
     # ------------------------------------------------------------- lifecycle
     async def agree(

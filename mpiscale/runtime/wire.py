@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import compact, transport
+from . import compact, dispatch, outbox, transport
 
 PURE_ENV = "MPISCALE_PURE_PYTHON"
 _SOURCE = Path(__file__).with_name("_wire.pyx")
@@ -94,10 +94,11 @@ PURE = SimpleNamespace(
     compact_body=transport.compact_body,
     encode_compact=transport.encode_compact,
     encode_batch=transport.encode_batch,
-    encode=transport.encode,
     load=transport.load,
     load_batch=transport.load_batch,
     Endpoint=Endpoint,
+    Dispatch=dispatch.Dispatch,
+    Outbox=outbox.Outbox,
 )
 
 

@@ -1,7 +1,6 @@
 """Message encoding without MPI: frames, inline and separate parts, compact messages."""
 
 import enum
-import marshal
 import struct
 
 import numpy as np
@@ -141,19 +140,23 @@ def test_other_values_are_pickled_as_they_are(message):
 
 def _compact_frame(body: bytes) -> memoryview:
     frame = transport.encode((1,), seq=3, inline_bytes=65536).frame
-    return memoryview(bytearray(frame[: len(frame) - len(marshal.dumps(((1,), ())))]) + body)
+    return memoryview(bytearray(frame[: len(frame) - len(compact.encode((1,)))]) + body)
+
+
+def _array_entry(code: bytes, extent: int, data: bytes) -> bytes:
+    return b"a" + bytes((len(code),)) + code + b"\x01" + struct.pack("<q", extent) + data
 
 
 @pytest.mark.parametrize(
     "body",
     [
         b"\xff\x00garbage",
-        marshal.dumps([1, 2]),
-        marshal.dumps(((1,), (5 << 16,))),  # an array position outside the message
-        marshal.dumps(((("O", (1,), b"\x00" * 8),), (0,))),  # an object dtype
-        marshal.dumps(((("<f8", (3,), b"\x00" * 8),), (0,))),  # a shape its bytes do not fill
+        b"t\x01\x00\x00\x00[",  # a value of a type it never holds
+        b"t\x01\x00\x00\x00N\x00",  # a byte after the message
+        b"t\x01\x00\x00\x00" + _array_entry(b"|O8", 1, b"\x00" * 8),  # an object dtype
+        b"t\x01\x00\x00\x00" + _array_entry(b"<f8", 3, b"\x00" * 8),  # a shape its bytes do not fill
     ],
-    ids=["garbage", "not-a-pair", "bad-position", "object-dtype", "short-data"],
+    ids=["garbage", "foreign-type", "trailing-byte", "object-dtype", "short-data"],
 )
 def test_a_corrupt_compact_frame_is_a_transport_error(body):
     frame = _compact_frame(body)

@@ -1,0 +1,94 @@
+"""Where an envelope that arrives on a rank goes: a reply to its asker's future, a message to its actor.
+
+An envelope is ``(MESSAGE, actor name, method, args, kwargs, ask id)`` (ask id -1 for a tell) or ``(REPLY, ask
+id, value, failed)``. A message is handled at once, in the caller's stack, when its actor is idle and the handler
+cannot suspend (:meth:`ActorCell.deliver`), else queued in the actor's mailbox. While the rank shuts down an ask is
+answered with :class:`ActorStopped` and a tell is refused and counted; a message to an actor that does not exist
+fails its ask, or ends the job for a tell (a lost tell would be a silent wrong answer).
+
+:class:`Dispatch` here is the reference. The compiled message path has a twin (``_wire.Dispatch``) that takes the
+common cases in C, a reply and a message whose actor is idle and whose handler it has run before, and hands every
+other envelope to this one, so the rare cases have one implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .actor import ActorCell, ActorRef, Message
+from .errors import ActorNotFound, ActorStopped, Failure
+
+MESSAGE, REPLY = 0, 1
+
+
+@dataclass
+class PendingAsk:
+    """An ask awaiting its reply: the future its reply resolves with ``(value, failed)``."""
+
+    future: asyncio.Future
+    ref: ActorRef
+    method: str
+    started: float
+
+
+class Router(Protocol):
+    """What dispatching needs of the rank (the ActorSystem is one)."""
+
+    rank: int
+    host: str
+    stopping: bool
+    refused_tells: int
+
+    def reply(self, reply_to: tuple[int, int], value: Any) -> None: ...
+
+    def fail(self, error: BaseException, context: str, status: int = 1) -> None: ...
+
+
+class Dispatch:
+    """Routes the envelopes of one rank to the ``cells`` (actors by name) and ``asks`` (pending asks by id) that
+    the rank's ``system`` owns."""
+
+    def __init__(self, system: Router, cells: dict[str, ActorCell], asks: dict[int, PendingAsk]) -> None:
+        self.system = system
+        self.cells = cells
+        self.asks = asks
+
+    def envelopes(self, source: int, envelopes: list) -> None:
+        """Route ``envelopes`` from rank ``source``, in order."""
+        for envelope in envelopes:
+            self.envelope(source, envelope)
+
+    def envelope(self, source: int, envelope: tuple) -> None:
+        """Route one envelope from rank ``source``."""
+        if envelope[0] == REPLY:
+            _, ask_id, value, failed = envelope
+            pending = self.asks.pop(ask_id, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_result((value, failed))
+            return
+        _, name, method, args, kwargs, ask_id = envelope
+        system = self.system
+        reply_to = (source, ask_id) if ask_id >= 0 else None
+        origin = f"rank {system.rank} on host {system.host}"
+        if system.stopping:
+            if reply_to is not None:
+                error = ActorStopped(f"rank {system.rank} is shutting down; {name!r} did not handle {method!r}")
+                system.reply(reply_to, Failure.capture(error, origin))
+            else:
+                system.refused_tells += 1
+            return
+        cell = self.cells.get(name)
+        if cell is None:
+            missing = ActorNotFound(f"no actor {name!r} on rank {system.rank} (message {method!r} from rank {source})")
+            if reply_to is not None:
+                system.reply(reply_to, Failure.capture(missing, origin))
+            else:
+                system.fail(missing, "a tell was addressed to an actor that does not exist")
+            return
+        message = Message(method, args, kwargs, reply_to, source)
+        if source == system.rank:
+            cell.post(message)  # a local send returns before its handler runs, as a remote one does
+        else:
+            cell.deliver(message)
