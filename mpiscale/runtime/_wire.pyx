@@ -28,6 +28,7 @@ from mpi4py.MPI cimport Comm, Request
 
 cimport numpy as cnp
 from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
 from mpi4py import MPI
 
@@ -366,42 +367,52 @@ cdef object _decoded_array(_In *source, Py_ssize_t start):
     return array
 
 
+cdef object _decoded_item(_In *source):
+    """An item of a message: a tuple of values, a dict of scalars, or a value."""
+    cdef Py_ssize_t count, entry
+    cdef int tag = _tag(source)
+    if tag == b't':
+        return _decoded_tuple(source, _u32(source), False)
+    if tag == b'm':
+        entries = {}
+        count = _u32(source)
+        for entry in range(count):
+            tag = _tag(source)
+            if tag != b's':
+                _unexpected(source, tag)
+            source.at -= 1
+            key = _decoded_value(source, False)
+            entries[key] = _decoded_value(source, False)
+        return entries
+    source.at -= 1
+    return _decoded_value(source, True)
+
+
+cdef tuple _decoded_tuple(_In *source, Py_ssize_t count, bint message):
+    """The next ``count`` items of a message (``message``) or values of a tuple in it, as a tuple."""
+    cdef Py_ssize_t index
+    if count > source.length - source.at:  # each takes a byte at least: reading them fails, as in the reference
+        for index in range(count):
+            _decoded_item(source) if message else _decoded_value(source, True)
+    values = PyTuple_New(count)
+    for index in range(count):
+        value = _decoded_item(source) if message else _decoded_value(source, True)
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(values, index, value)
+    return values
+
+
 cdef tuple _decode_at(const unsigned char *data, Py_ssize_t length):
     """``compact.decode`` of the ``length`` bytes at ``data``."""
     cdef _In source
-    cdef Py_ssize_t count, index, inner, entry
-    cdef int tag
     source.data, source.length, source.at = data, length, 0
-    tag = _tag(&source)
+    cdef int tag = _tag(&source)
     if tag != b't':
         _unexpected(&source, tag)
-    count = _u32(&source)
-    items = []
-    for index in range(count):
-        tag = _tag(&source)
-        if tag == b't':
-            inner = _u32(&source)
-            values = []  # (a count the bytes cannot hold fails as the values run out, as in the reference)
-            for entry in range(inner):
-                values.append(_decoded_value(&source, True))
-            items.append(tuple(values))
-        elif tag == b'm':
-            entries = {}
-            inner = _u32(&source)
-            for entry in range(inner):
-                tag = _tag(&source)
-                if tag != b's':
-                    _unexpected(&source, tag)
-                source.at -= 1
-                key = _decoded_value(&source, False)
-                entries[key] = _decoded_value(&source, False)
-            items.append(entries)
-        else:
-            source.at -= 1
-            items.append(_decoded_value(&source, True))
+    message = _decoded_tuple(&source, _u32(&source), True)
     if source.at != length:
         _fail(f"{length - source.at} bytes follow the message")
-    return tuple(items)
+    return message
 
 
 cpdef tuple compact_decode(object data):
