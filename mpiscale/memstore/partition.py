@@ -24,6 +24,7 @@ from ..kernels.memstore import (
     decay,
     find_rows,
     fused_pass,
+    gather_rows,
 )
 from .mirror import DeviceMirror
 
@@ -51,6 +52,8 @@ class Partition:
 
     def __init__(self, extra: tuple[str, ...] = (), device: str = "cpu", device_threshold: int = DEVICE_THRESHOLD):
         self.names = (*BASE_COLUMNS, *extra)
+        self._float_names = tuple(name for name in self.names if name != "touched")
+        self._float_places = np.array([self.names.index(name) for name in self._float_names], np.int64)
         self.size = 0
         self._ids = np.empty(16, np.int64)
         self._columns = {name: np.empty(16, _column_type(name)) for name in self.names}
@@ -89,11 +92,10 @@ class Partition:
         """(found, one row of every column per id: NaN where not found) for ``ids``; float64, which holds the float32
         columns and the integer ``touched`` exactly."""
         rows = self.rows_of(ids)
-        found = rows >= 0
-        table = np.full((len(rows), len(self.names)), np.nan, np.float64)
-        for j, name in enumerate(self.names):
-            table[found, j] = self.column(name)[rows[found]]
-        return found, table
+        table = np.empty((len(rows), len(self.names)), np.float64)
+        floats = tuple(self.column(name) for name in self._float_names)
+        gather_rows(rows, floats, self._float_places, self.column("touched"), self.names.index("touched"), table)
+        return rows >= 0, table
 
     def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:
         """Store records (ids unique); existing ones are overwritten. Returns how many were new."""

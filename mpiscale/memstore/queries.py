@@ -53,7 +53,7 @@ class StoreClient:
         """(found, values) for ``ids``, in the order given."""
         ids = np.ascontiguousarray(ids, np.int64)
         owner = owners(ids, len(self.group))
-        if len(ids) and (owner == owner[0]).all():  # one owner (a single record, say): its answer is in order
+        if len(ids) == 1 or (len(ids) and (owner == owner[0]).all()):  # one owner: its answer is in order
             return await self.group[int(owner[0])].ask("get", ids, timeout=self.timeout)
         ranks = np.unique(owner)
         asked = [np.flatnonzero(owner == rank) for rank in ranks]

@@ -1,10 +1,12 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""The message path compiled: the frame header, the compact codec and the frames' MPI calls.
+"""The message path compiled: the frame header, the compact codec, the frames' MPI calls, the send queue and the
+routing of arrived envelopes.
 
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
-``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``encode``/
-``load``/``load_batch`` and ``wire.Endpoint``; a frame it does not read where it arrives (a pickled one, a
-compact one queued behind others from its source, a malformed one) is read by ``transport.decode_frame``.
+``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``load``/
+``load_batch``, ``wire.Endpoint``, ``outbox.Outbox`` and ``dispatch.Dispatch``; a frame it does not read where
+it arrives (a pickled one, a compact one queued behind others from its source, a malformed one) is read by
+``transport.decode_frame``.
 ``wire`` picks this module where it is built and current, the twins elsewhere (``launch/setup.sh`` builds it;
 ``MPISCALE_PURE_PYTHON=1`` forces the twins).
 
