@@ -165,20 +165,26 @@ class ProgressEngine:
 
     def poll_until(self, future: asyncio.Future, seconds: float) -> None:
         """Poll MPI in the caller's stack until ``future`` is done or ``seconds`` have passed, yielding the core
-        (``sched_yield``) after each empty poll. Only while no other callback is ready to run in the event loop:
-        a task that spins must not hold up the others (``asyncio.gather`` of several asks sends them all first)."""
+        (``sched_yield``) after each ``_BURST_S`` of empty polls, as the engine's own spin does (a yield after every
+        empty poll put a system call between a reply's arrival and its poll). Only while no other callback is ready
+        to run in the event loop: a task that spins must not hold up the others (``asyncio.gather`` of several asks
+        sends them all first)."""
         ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
         if ready is None or (ready and not (self._yielded and len(ready) == 1)):
             return  # (the one ready callback of a yielded engine is its own next turn, which this poll stands for)
         clock = time.monotonic
-        end = clock() + seconds
+        now = clock()
+        end, next_yield = now + seconds, now + _BURST_S
         while not future.done():
             if self._poll():
                 self._quiet_s = 0.0
-            elif clock() > end:
+                continue
+            now = clock()
+            if now > end:
                 return
-            else:
+            if now > next_yield:
                 os.sched_yield()
+                next_yield = clock() + _BURST_S
 
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
