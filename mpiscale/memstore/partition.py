@@ -54,6 +54,7 @@ class Partition:
         self.names = (*BASE_COLUMNS, *extra)
         self._float_names = tuple(name for name in self.names if name != "touched")
         self._float_places = np.array([self.names.index(name) for name in self._float_names], np.int64)
+        self._touched_place = self.names.index("touched")
         self.size = 0
         self._ids = np.empty(16, np.int64)
         self._columns = {name: np.empty(16, _column_type(name)) for name in self.names}
@@ -94,7 +95,7 @@ class Partition:
         rows = self.rows_of(ids)
         table = np.empty((len(rows), len(self.names)), np.float64)
         floats = tuple(self.column(name) for name in self._float_names)
-        gather_rows(rows, floats, self._float_places, self.column("touched"), self.names.index("touched"), table)
+        gather_rows(rows, floats, self._float_places, self.column("touched"), self._touched_place, table)
         return rows >= 0, table
 
     def upsert(self, ids: np.ndarray, values: dict[str, np.ndarray]) -> int:

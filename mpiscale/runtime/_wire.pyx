@@ -22,6 +22,7 @@ from libc.limits cimport INT_MAX
 from libc.stdint cimport uint32_t, uint64_t
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from mpi4py.libmpi cimport (
     MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Isend, MPI_Message,
     MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_SUCCESS, MPI_Test,
@@ -32,9 +33,11 @@ cimport numpy as cnp
 from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
+import asyncio as _asyncio
+
 from mpi4py import MPI
 
-from . import compact, transport
+from . import actor as _actor, compact, dispatch as _dispatch, outbox as _outbox, transport
 
 cnp.import_array()
 
@@ -162,6 +165,7 @@ cdef bint _scalar(_Out *out, object value) except -1:
     cdef int overflow = 0
     cdef long long number
     cdef double real
+    cdef uint64_t bits
     cdef Py_ssize_t size
     cdef const char *text
     if value is None:
@@ -183,8 +187,11 @@ cdef bint _scalar(_Out *out, object value) except -1:
             _put_data(out, PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data))
     elif kind is float:
         real = PyFloat_AS_DOUBLE(value)
+        memcpy(&bits, &real, 8)
         _put_tag(out, b'd')
-        _put_data(out, &real, 8)
+        _room(out, 8)
+        _put64(out.data + out.size, bits)  # little-endian, as the reference's "<d"
+        out.size += 8
     elif kind is str:
         try:
             text = PyUnicode_AsUTF8AndSize(value, &size)
@@ -312,6 +319,7 @@ cdef object _decoded_value(_In *source, bint arrays):
     cdef int tag = _tag(source)
     cdef Py_ssize_t size, start
     cdef double real
+    cdef uint64_t bits
     if tag == b'N':
         return None
     if tag == b'T' or tag == b'F':
@@ -319,7 +327,8 @@ cdef object _decoded_value(_In *source, bint arrays):
     if tag == b'i':
         return _i64(source)
     if tag == b'd':
-        memcpy(&real, source.data + _take(source, 8), 8)
+        bits = _get64(source.data + _take(source, 8))
+        memcpy(&real, &bits, 8)
         return real
     if tag == b'I' or tag == b's' or tag == b'b':
         size = _u32(source)
@@ -655,7 +664,6 @@ cdef class Endpoint:
 
 
 # ------------------------------------------------------------------ dispatch (dispatch.py)
-from . import actor as _actor, dispatch as _dispatch
 
 cdef object _Message = _actor.Message
 cdef object _finish_at_once = _actor.finish_at_once
@@ -735,13 +743,8 @@ cdef class Dispatch:
 
 
 # ------------------------------------------------------------------ the send queue (outbox.py)
-from . import outbox as _outbox
-import asyncio as _asyncio
-
 cdef Py_ssize_t _BATCH_MAX_MESSAGES = _outbox.BATCH_MAX_MESSAGES
 cdef object _get_running_loop = _asyncio.get_running_loop
-
-from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 
 cdef inline double _now() noexcept:

@@ -37,9 +37,11 @@ class Router(Protocol):
     """What dispatching needs of the rank (the ActorSystem is one)."""
 
     rank: int
-    host: str
     stopping: bool
     refused_tells: int
+
+    @property
+    def origin(self) -> str: ...
 
     def reply(self, reply_to: tuple[int, int], value: Any) -> None: ...
 
@@ -71,11 +73,10 @@ class Dispatch:
         _, name, method, args, kwargs, ask_id = envelope
         system = self.system
         reply_to = (source, ask_id) if ask_id >= 0 else None
-        origin = f"rank {system.rank} on host {system.host}"
         if system.stopping:
             if reply_to is not None:
                 error = ActorStopped(f"rank {system.rank} is shutting down; {name!r} did not handle {method!r}")
-                system.reply(reply_to, Failure.capture(error, origin))
+                system.reply(reply_to, Failure.capture(error, system.origin))
             else:
                 system.refused_tells += 1
             return
@@ -83,7 +84,7 @@ class Dispatch:
         if cell is None:
             missing = ActorNotFound(f"no actor {name!r} on rank {system.rank} (message {method!r} from rank {source})")
             if reply_to is not None:
-                system.reply(reply_to, Failure.capture(missing, origin))
+                system.reply(reply_to, Failure.capture(missing, system.origin))
             else:
                 system.fail(missing, "a tell was addressed to an actor that does not exist")
             return

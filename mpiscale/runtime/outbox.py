@@ -3,7 +3,7 @@
 Small one-way messages (:meth:`Outbox.post`) to the same rank within one turn of the event loop leave together, as
 one batch frame, at the end of that turn; the first of a turn leaves at once, so a lone message never waits (not
 even for a long computation after it in the same turn), and a stream of them costs one MPI message per batch. A
-turn lasts at most ``_TURN_S`` for this purpose: one loop pass may run several tasks that each compute for
+turn lasts at most :data:`TURN_S` for this purpose: one loop pass may run several tasks that each compute for
 milliseconds (batches in flight through a compiled graph), and a message one of them sends after its computation
 leaves at once instead of waiting for the others' to end. Any other send to that rank sends the batch first
 (:meth:`Outbox.send_queued`), so each receiver sees a sender's messages in the order they were made; the sequence

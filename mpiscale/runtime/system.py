@@ -178,7 +178,8 @@ class ActorSystem:
 
     # ------------------------------------------------------------- messaging
     @property
-    def _origin(self) -> str:
+    def origin(self) -> str:
+        """Where a failure on this rank happened, as its reports name it: "rank R on host H"."""
         return f"rank {self.rank} on host {self.host}"
 
     def _check_rank(self, ref: ActorRef) -> None:
@@ -237,7 +238,7 @@ class ActorSystem:
         except Exception as error:  # the result could not be pickled
             if failed:
                 raise
-            failure = Failure.capture(error, f"{self._origin}, sending a reply").picklable()
+            failure = Failure.capture(error, f"{self.origin}, sending a reply").picklable()
             self._post(rank, (REPLY, ask_id, failure, True), track=False)
 
     # ------------------------------------------------------------- lifecycle

@@ -22,7 +22,7 @@ compiled = wire.chosen()[0]
 class Rank:
     """What dispatching needs of the rank, recording what it is asked to do."""
 
-    rank, host = 0, "here"
+    rank, host, origin = 0, "here", "rank 0 on host here"
 
     def __init__(self) -> None:
         self.stopping = False
