@@ -45,6 +45,9 @@ class Assembler:
 
     def part(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
         batch, index, parts = key
+        if parts == 1 and index == 0 and (source, lane) not in self._partial:  # a value of one part: as it is
+            self._done(source, lane, batch, array)
+            return
         held = self._partial.setdefault((source, lane), [])
         if index != len(held) or not 0 < parts:
             raise ValueError(f"graph value part {index} of {parts} (batch {batch}) from rank {source} after "
@@ -53,11 +56,8 @@ class Assembler:
         if len(held) < parts:
             return
         del self._partial[(source, lane)]
-        if parts == 1:
-            self._done(source, lane, batch, held[0])
-        else:
-            names = held[0].tobytes().split(_SEPARATOR)
-            if len(names) != parts - 1:
-                raise ValueError(f"graph value of batch {batch} from rank {source} names {len(names)} parts of "
-                                 f"{parts - 1}")  # fmt: skip
-            self._done(source, lane, batch, {name.decode(): array for name, array in zip(names, held[1:])})
+        names = held[0].tobytes().split(_SEPARATOR)
+        if len(names) != parts - 1:
+            raise ValueError(f"graph value of batch {batch} from rank {source} names {len(names)} parts of "
+                             f"{parts - 1}")  # fmt: skip
+        self._done(source, lane, batch, {name.decode(): array for name, array in zip(names, held[1:])})

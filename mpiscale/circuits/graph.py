@@ -45,6 +45,8 @@ from .prefix import ModelRunner
 from .sources import read_matrix
 from .store import CatalogueError
 
+_ABSENT = object()  # a value not here yet
+
 
 @dataclass(frozen=True)
 class Failed:
@@ -287,12 +289,17 @@ class CompiledGraph:
         the outputs this rank holds, and the first failure seen here (None: none)."""
         assert self.inboxes is not None and self._channel is not None, "start the graph first"
         values: dict[str, object] = {INPUT: rows}
+        arrivals, sends = self.arrivals, self.sends
         for node in self.mine:
+            inputs = []
+            failed = None
             for source in node.inputs:
-                if source not in values:
-                    values[source] = await self.arrivals.take((batch, source), partial(self._expect, batch, source))
-            inputs = [values[source] for source in node.inputs]
-            failed = next((value for value in inputs if isinstance(value, Failed)), None)
+                value = values.get(source, _ABSENT)
+                if value is _ABSENT:
+                    value = values[source] = await arrivals.take((batch, source), partial(self._expect, batch, source))
+                if failed is None and type(value) is Failed:
+                    failed = value
+                inputs.append(value)
             if failed is None:
                 try:
                     value = node.compute(inputs)
@@ -301,15 +308,15 @@ class CompiledGraph:
             else:
                 value = failed
             values[node.name] = value
-            if self.sends[node.name]:
-                await self._send(batch, node.name, value)
+            if sends[node.name] and not self._send(batch, node.name, value):
+                await asyncio.sleep(0)  # an actor message leaves at the turn's end: end it, so the next rank starts
         failure = next((v.message for n in self.mine if isinstance(v := values[n.name], Failed)), None)
         held = {name: values[name] for name in self.outputs if not isinstance(values[name], Failed)}
         return held, failure  # type: ignore[return-value]
 
-    async def _send(self, batch: int, node: str, value: object) -> None:
-        """``value`` to every rank that needs it: arrays raw on the node's lane, anything else as an actor message
-        (which leaves at the loop turn's end: the turn is ended here, so the next rank starts)."""
+    def _send(self, batch: int, node: str, value: object) -> bool:
+        """``value`` to every rank that needs it: arrays raw on the node's lane (True), anything else as an actor
+        message (False: it leaves at the loop turn's end)."""
         assert self.inboxes is not None and self._channel is not None
         parts = as_parts(value)
         for rank in self.sends[node]:
@@ -318,8 +325,7 @@ class CompiledGraph:
             else:
                 for index, part in enumerate(parts):
                     self._channel.send(rank, self._lanes[node], (batch, index, len(parts)), part)
-        if parts is None:
-            await asyncio.sleep(0)
+        return parts is not None
 
     def _expect(self, batch: int, source: str, future: asyncio.Future) -> None:
         self.system.expect(future, f"graph value {source!r} of batch {batch} from rank {self.placement[source]}")

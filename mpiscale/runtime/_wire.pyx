@@ -1,10 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""The message path compiled: the frame header, the compact codec, the frames' MPI calls, the send queue and the
-routing of arrived envelopes.
+"""The message path compiled: the frame header, the compact codec, the frames' MPI calls, the send queue, the
+routing of arrived envelopes, and a channel's two ends.
 
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
 ``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``load``/
-``load_batch``, ``wire.Endpoint``, ``outbox.Outbox`` and ``dispatch.Dispatch``; a frame it does not read where
+``load_batch``, ``wire.Endpoint``, ``outbox.Outbox``, ``dispatch.Dispatch``, ``channel_send.Sender`` and ``channel_receive.Receiver``; a frame it does not read where
 it arrives (a pickled one, a compact one queued behind others from its source, a malformed one) is read by
 ``transport.decode_frame``.
 ``wire`` picks this module where it is built and current, the twins elsewhere (``launch/setup.sh`` builds it;
@@ -24,31 +24,36 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from mpi4py.libmpi cimport (
-    MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Isend, MPI_Message,
+    MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Irecv, MPI_Isend, MPI_Message,
     MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_SUCCESS, MPI_Test,
 )
 from mpi4py.MPI cimport Comm, Request
 
 cimport numpy as cnp
-from cpython.ref cimport Py_INCREF
+from cpython.ref cimport PyObject, Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 
 import asyncio as _asyncio
 
 from mpi4py import MPI
 
-from . import actor as _actor, compact, dispatch as _dispatch, outbox as _outbox, transport
+from . import actor as _actor, channel_format as _channel_format, channel_receive as _channel_receive
+from . import channel_send as _channel_send, compact, dispatch as _dispatch, outbox as _outbox, transport
 
 cnp.import_array()
 
 cdef extern from "numpy/arrayobject.h":
     object PyArray_Empty(int nd, cnp.npy_intp *dims, cnp.dtype descr, int fortran)  # steals descr
+    object PyArray_NewFromDescr(type subtype, cnp.dtype descr, int nd, cnp.npy_intp *dims, cnp.npy_intp *strides,
+                                void *data, int flags, object obj)  # steals descr
 
 cdef extern from "Python.h":
     const char *PyUnicode_AsUTF8AndSize(object text, Py_ssize_t *size) except NULL
     object PyUnicode_DecodeUTF8(const char *data, Py_ssize_t size, const char *errors)
     long long PyLong_AsLongLongAndOverflow(object number, int *overflow) except? -1
     double PyFloat_AS_DOUBLE(object number)
+    PyObject *PyList_GET_ITEM_BORROWED "PyList_GET_ITEM" (object items, Py_ssize_t index)
+    Py_ssize_t Py_REFCNT_OF "Py_REFCNT" (PyObject *item)
 
 cdef extern from *:
     """
@@ -578,11 +583,49 @@ cdef Request _pending(MPI_Request handle, object buffer):
     return request
 
 
+cdef enum:
+    _CH_FIELDS = 8  # a channel header's words before the shape: magic, lane, mode, bytes, key (3), dtype code
+
+
+cdef list _send_array(MPI_Comm comm, int dest, int header_tag, int data_tag, const long long *fields,
+                      Py_ssize_t nfields, cnp.ndarray array, bint inline):
+    """A channel's header (``fields``, the number of dimensions, the shape) and ``array``'s bytes to ``dest``, in
+    the header's message when ``inline``; the requests still pending (each holds its buffer)."""
+    cdef Py_ssize_t ndim = cnp.PyArray_NDIM(array), index, nbytes = cnp.PyArray_NBYTES(array)
+    cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(array)
+    cdef MPI_Request handle
+    cdef int done = 0
+    cdef long long *words
+    if not cnp.PyArray_IS_C_CONTIGUOUS(array) or nbytes > INT_MAX:
+        raise ValueError("send_array takes a C-contiguous array of at most MPI's int count of bytes")
+    cdef Py_ssize_t head = 8 * (nfields + 1 + ndim), size = head + (nbytes if inline else 0)
+    header = PyBytes_FromStringAndSize(NULL, size)
+    words = <long long *>PyBytes_AS_STRING(header)
+    memcpy(words, fields, 8 * nfields)
+    words[nfields] = ndim
+    for index in range(ndim):
+        words[nfields + 1 + index] = shape[index]
+    if inline:
+        memcpy(PyBytes_AS_STRING(header) + head, cnp.PyArray_DATA(array), nbytes)
+    pending = []
+    _check(MPI_Isend(words, <int>size, MPI_BYTE, dest, header_tag, comm, &handle))
+    _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+    if not done:
+        pending.append(_pending(handle, header))
+    if inline:
+        return pending
+    _check(MPI_Isend(cnp.PyArray_DATA(array), <int>nbytes, MPI_BYTE, dest, data_tag, comm, &handle))
+    _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+    if not done:
+        pending.append(_pending(handle, array))
+    return pending
+
+
 cdef class Endpoint:
     """``wire.Endpoint``: frames sent to and matched from the other ranks of one communicator on FRAME_TAG."""
 
+    cdef readonly object owner  # the Comm whose handle this is, kept alive with it
     cdef MPI_Comm comm
-    cdef object owner  # the Comm whose handle this is, kept alive with it
 
     def __cinit__(self, object MPI_module, Comm comm):
         self.comm = comm.ob_mpi
@@ -603,35 +646,13 @@ cdef class Endpoint:
         """``wire.Endpoint.send_array``: a channel's header (``fields``, the number of dimensions, the shape, as
         int64 words) and then ``array``'s bytes to ``dest``, in the header's message when ``inline``; the requests
         still pending (each holds its buffer)."""
-        cdef Py_ssize_t nfields = len(fields), ndim = cnp.PyArray_NDIM(array), index, nbytes = cnp.PyArray_NBYTES(array)
-        cdef cnp.npy_intp *shape = cnp.PyArray_DIMS(array)
-        cdef MPI_Request handle
-        cdef int done = 0
-        cdef long long *words
-        if not cnp.PyArray_IS_C_CONTIGUOUS(array) or nbytes > INT_MAX:
-            raise ValueError("send_array takes a C-contiguous array of at most MPI's int count of bytes")
-        cdef Py_ssize_t head = 8 * (nfields + 1 + ndim), size = head + (nbytes if inline else 0)
-        header = PyBytes_FromStringAndSize(NULL, size)
-        words = <long long *>PyBytes_AS_STRING(header)
+        cdef long long words[_CH_FIELDS]
+        cdef Py_ssize_t index, nfields = len(fields)
+        if nfields > _CH_FIELDS:
+            raise ValueError(f"a channel header has at most {_CH_FIELDS} fields before the shape, got {nfields}")
         for index in range(nfields):
             words[index] = fields[index]
-        words[nfields] = ndim
-        for index in range(ndim):
-            words[nfields + 1 + index] = shape[index]
-        if inline:
-            memcpy(PyBytes_AS_STRING(header) + head, cnp.PyArray_DATA(array), nbytes)
-        pending = []
-        _check(MPI_Isend(words, <int>size, MPI_BYTE, dest, header_tag, self.comm, &handle))
-        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
-        if not done:
-            pending.append(_pending(handle, header))
-        if inline:
-            return pending
-        _check(MPI_Isend(cnp.PyArray_DATA(array), <int>nbytes, MPI_BYTE, dest, data_tag, self.comm, &handle))
-        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
-        if not done:
-            pending.append(_pending(handle, array))
-        return pending
+        return _send_array(self.comm, dest, header_tag, data_tag, words, nfields, array, inline)
 
     def receive(self, dict inbound):
         """``wire.Endpoint.receive``: the next frame that has arrived, as (source, messages, frame bytes) where it is
@@ -848,3 +869,256 @@ cdef class Outbox:
             self._track(request, f"{count} small messages to rank {dest} ({len(frame)} bytes)", frame)
         else:
             self._kick()
+
+
+# ------------------------------------------------------------------ a channel's receiving end (channel_receive.py)
+cdef long long _CHANNEL_MAGIC = _channel_format.MAGIC
+cdef long long _CH_SHAPE = _channel_format.SHAPE, _CH_MAX_DIMS = _channel_format.MAX_DIMS
+cdef long long _CH_INLINE_BYTES = _channel_format.INLINE_BYTES
+cdef long long _CH_FIT = _channel_format.FIT, _CH_INLINE = _channel_format.INLINE, _CH_OVER = _channel_format.OVER
+cdef int _CH_HEADER_TAG = _channel_format.HEADER_TAG
+cdef Py_ssize_t _KEPT_BUFFERS = _channel_receive.KEPT_BUFFERS
+cdef object _BYTES = __import__("numpy").dtype("uint8")
+
+
+cdef object _view(object memory, object dtype, int ndim, cnp.npy_intp *dims):
+    """An array of ``dtype`` and shape ``dims`` over the start of ``memory`` (a uint8 array), which it holds."""
+    Py_INCREF(dtype)
+    array = PyArray_NewFromDescr(cnp.ndarray, <cnp.dtype>dtype, ndim, dims, NULL,
+                                 cnp.PyArray_DATA(<cnp.ndarray>memory), cnp.NPY_ARRAY_C_CONTIGUOUS | cnp.NPY_ARRAY_WRITEABLE,
+                                 None)
+    cnp.set_array_base(<cnp.ndarray>array, memory)
+    cnp.PyArray_UpdateFlags(<cnp.ndarray>array, cnp.NPY_ARRAY_UPDATE_ALL)
+    return array
+
+
+cdef class ChannelSender:
+    """``channel_send.Sender``: an array of plain numbers that fits MPI's count, on a lane sent on before, sent in
+    C; a lane's first array, one over ``chunk_bytes`` and anything refused by the reference, which this holds."""
+
+    cdef readonly object reference
+    cdef object traffic, sending, codes
+    cdef MPI_Comm comm
+    cdef long long chunk_bytes, inline_bytes
+    cdef bint closed
+
+    def __init__(self, object MPI_module, Comm comm, Endpoint endpoint, object traffic, str name, long long lanes,
+                 long long chunk_bytes, long long inline_bytes):
+        self.reference = _channel_send.Sender(MPI_module, comm, endpoint, traffic, name, lanes, chunk_bytes,
+                                              inline_bytes)
+        self.traffic, self.sending, self.codes = traffic, self.reference.sending, _channel_format.CODES
+        self.comm, self.chunk_bytes, self.inline_bytes = endpoint.comm, chunk_bytes, inline_bytes
+        self.closed = False
+
+    def send(self, object dest, object lane, object key, object array):
+        """``channel_send.Sender.send``."""
+        cdef long long fields[_CH_FIELDS]
+        cdef long long nbytes, mode
+        cdef int tag
+        state = self.sending.get((dest, lane))
+        if state is None or type(array) is not _ndarray or self.closed or type(key) is not tuple or len(key) != 3:
+            return self.reference.send(dest, lane, key, array)
+        code = self.codes.get((<cnp.ndarray>array).dtype)
+        nbytes = cnp.PyArray_NBYTES(<cnp.ndarray>array)
+        if code is None or cnp.PyArray_NDIM(<cnp.ndarray>array) > _CH_MAX_DIMS or nbytes > self.chunk_bytes \
+                or nbytes > INT_MAX or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>array):
+            return self.reference.send(dest, lane, key, array)
+        if nbytes <= self.inline_bytes:
+            mode = _CH_INLINE
+        else:
+            capacity = state.capacity
+            mode = _CH_FIT if capacity is not None and nbytes <= <long long>capacity else _CH_OVER
+            if capacity is None:
+                state.capacity = nbytes  # the same rule the receiver applies to the header
+        tags = <tuple>state.tags
+        tag = tags[0] if mode == _CH_FIT else tags[1]
+        fields[0], fields[1], fields[2], fields[3] = _CHANNEL_MAGIC, lane, mode, nbytes
+        fields[4], fields[5], fields[6], fields[7] = key[0], key[1], key[2], code
+        traffic = self.traffic
+        for request in _send_array(self.comm, dest, _CH_HEADER_TAG, tag, fields, _CH_FIELDS, <cnp.ndarray>array,
+                                   mode == _CH_INLINE):
+            traffic.track(request, state.what, None)
+        traffic.count_sent(1, nbytes + 8 * (_CH_SHAPE + cnp.PyArray_NDIM(<cnp.ndarray>array)))
+        traffic.kick()
+
+    def close(self):
+        """``channel_send.Sender.close``."""
+        self.closed = True
+        self.reference.close()
+
+
+cdef class ChannelReceiver:
+    """``channel_receive.Receiver``: an inline array, or one whose data has filled its lane's buffer, with nothing of
+    its lane before it, delivered in C, as are the lanes' buffers as they fill; every other arrival (a lane's
+    first, an array over its lane's buffer, a header that is not one) by the reference, which this holds."""
+
+    cdef readonly object reference
+    cdef object ring, receiving, fitting, deliver, counts, slots, owner
+    cdef list dtypes
+    cdef MPI_Comm comm
+    cdef long long lanes
+    cdef Py_ssize_t slot_bytes
+    cdef unsigned char *slot_data
+
+    def __init__(self, object MPI_module, Comm comm, object counts, str name, long long lanes,
+                 Py_ssize_t chunk_bytes, object deliver):
+        reference = self.reference = _channel_receive.Receiver(MPI_module, comm, counts, name, lanes, chunk_bytes,
+                                                               deliver)
+        self.ring, self.receiving, self.fitting = reference.ring, reference.receiving, reference.fitting
+        self.deliver, self.counts, self.slots, self.owner = deliver, counts, reference.slots, comm
+        self.slot_data = <unsigned char *>cnp.PyArray_DATA(<cnp.ndarray>self.slots)
+        self.slot_bytes = self.slots.shape[1]
+        self.comm, self.lanes = comm.ob_mpi, lanes
+        codes = _channel_format.DTYPES
+        self.dtypes = [codes.get(code) for code in range(max(codes) + 1)]
+
+    def poll(self):
+        """``channel_receive.Receiver.poll``."""
+        cdef bint progressed = False
+        cdef MPI_Status status
+        cdef int done = 0, count = 0
+        cdef Py_ssize_t slot
+        ring = self.ring
+        while True:
+            entry = <tuple>ring[0]
+            _check(MPI_Test(&(<Request>entry[1]).ob_mpi, &done, &status))
+            if not done:
+                break
+            ring.popleft()
+            slot = entry[0]
+            _check(MPI_Get_count(&status, MPI_BYTE, &count))
+            if not self._taken(status.MPI_SOURCE, slot, count):
+                self.reference.header_arrived(status.MPI_SOURCE, self.slots[slot], count)
+            self._post_header(slot)
+            progressed = True
+        if self.fitting and self._fits_arrived():
+            progressed = True
+        if self.reference.over and self.reference.poll_over():
+            progressed = True
+        return progressed
+
+    def cancel(self):
+        """``channel_receive.Receiver.cancel``."""
+        self.reference.cancel()
+
+    cdef _post_header(self, Py_ssize_t slot):
+        cdef MPI_Request handle
+        _check(MPI_Irecv(self.slot_data + slot * self.slot_bytes, <int>self.slot_bytes, MPI_BYTE, MPI_ANY_SOURCE,
+                         _CH_HEADER_TAG, self.comm, &handle))
+        self.ring.append((slot, _pending(handle, self.slots)))
+
+    cdef bint _taken(self, int source, Py_ssize_t slot, int count) except -1:
+        """Deliver the array whose header is in ``slot`` if it is a case taken here; False to leave it to the
+        reference (which also refuses a header that is not one)."""
+        cdef const long long *words = <const long long *>(self.slot_data + slot * self.slot_bytes)
+        cdef long long lane = words[1], mode = words[2], nbytes = words[3], code = words[7], ndim = words[8]
+        cdef long long extent, elements = 1, head = 8 * (_CH_SHAPE + ndim), itemsize
+        cdef cnp.npy_intp dims[7]
+        cdef Py_ssize_t index
+        cdef int done = 0
+        if count < 8 * _CH_SHAPE or words[0] != _CHANNEL_MAGIC or not 0 <= lane < self.lanes or nbytes < 0:
+            return False
+        if not 0 <= ndim <= _CH_MAX_DIMS or not 0 <= code < len(self.dtypes) or (mode != _CH_FIT and mode != _CH_INLINE):
+            return False
+        dtype = self.dtypes[code]
+        if dtype is None:
+            return False
+        for index in range(ndim):
+            extent = words[_CH_SHAPE + index]
+            if extent < 0 or (extent != 0 and elements > nbytes // extent):
+                return False
+            elements *= extent
+            dims[index] = <cnp.npy_intp>extent
+        itemsize = (<cnp.dtype>dtype).itemsize
+        if nbytes % itemsize != 0 or elements != nbytes // itemsize:
+            return False
+        if count != head + (nbytes if mode == _CH_INLINE else 0) or (mode == _CH_INLINE and nbytes > _CH_INLINE_BYTES):
+            return False
+        state = self.receiving.get((source, lane))
+        if state is None or state.arrivals:
+            return False
+        if mode == _CH_INLINE:
+            Py_INCREF(dtype)
+            array = PyArray_Empty(<int>ndim, dims, <cnp.dtype>dtype, 0)
+            memcpy(cnp.PyArray_DATA(<cnp.ndarray>array), <const char *>words + head, nbytes)
+        else:
+            capacity, request = state.capacity, state.request
+            if capacity is None or nbytes > <long long>capacity or request is None:
+                return False
+            _check(MPI_Test(&(<Request>request).ob_mpi, &done, MPI_STATUS_IGNORE))
+            if not done:
+                return False
+            memory = state.posted
+            state.posted = state.request = None
+            self._post_fit(state)
+            array = _view(memory, dtype, <int>ndim, dims)
+        self._count(nbytes + head)
+        self.deliver(source, lane, (words[4], words[5], words[6]), array)
+        return True
+
+    cdef _post_fit(self, object state):
+        """``Receiver.post_fit``: the lane's fit receive posted ahead, into a buffer nothing else holds."""
+        cdef list buffers = state.buffers
+        cdef Py_ssize_t index
+        cdef long long capacity = state.capacity
+        cdef cnp.npy_intp size = capacity
+        cdef MPI_Request handle
+        if capacity > INT_MAX:
+            self.reference.post_fit(state)  # (mpi4py's count check refuses it there)
+            return
+        buffer = None
+        for index in range(len(buffers)):
+            if Py_REFCNT_OF(PyList_GET_ITEM_BORROWED(buffers, index)) == 1:  # the list's is the only reference
+                buffer = <object>PyList_GET_ITEM_BORROWED(buffers, index)
+                break
+        if buffer is None:
+            Py_INCREF(_BYTES)
+            buffer = PyArray_Empty(1, &size, <cnp.dtype>_BYTES, 0)
+            if len(buffers) < _KEPT_BUFFERS:
+                buffers.append(buffer)
+        state.posted = buffer
+        _check(MPI_Irecv(cnp.PyArray_DATA(<cnp.ndarray>buffer), <int>capacity, MPI_BYTE, state.source,
+                         (<tuple>state.tags)[0], self.comm, &handle))
+        state.request = _pending(handle, buffer)
+
+    cdef bint _fits_arrived(self) except -1:
+        """The lanes' fit receives that completed, in order, each posted again and its array delivered."""
+        cdef bint progressed = False
+        cdef int done
+        for state in list(self.fitting):
+            fits = state.fits
+            while fits:
+                done = 0
+                _check(MPI_Test(&(<Request>state.request).ob_mpi, &done, MPI_STATUS_IGNORE))
+                if not done:
+                    break
+                arrival = fits.popleft()
+                arrival.memory = state.posted
+                state.posted = state.request = None
+                self._post_fit(state)
+                self._deliver_ready(state)
+                progressed = True
+            if not fits:
+                del self.fitting[state]
+        return progressed
+
+    cdef _deliver_ready(self, object state):
+        """``Receiver.deliver_ready``."""
+        cdef cnp.npy_intp dims[7]
+        cdef Py_ssize_t index, ndim
+        arrivals = state.arrivals
+        while arrivals and arrivals[0].memory is not None:
+            arrival = arrivals.popleft()
+            shape = <tuple>arrival.shape
+            ndim = len(shape)
+            for index in range(ndim):
+                dims[index] = shape[index]
+            self._count(arrival.nbytes + 8 * (_CH_SHAPE + ndim))
+            array = _view(arrival.memory, arrival.dtype, <int>ndim, dims)
+            arrival.memory = None
+            self.deliver(state.source, state.lane, arrival.key, array)
+
+    cdef _count(self, long long nbytes):
+        counts = self.counts
+        counts.messages_received += 1
+        counts.bytes_received += nbytes

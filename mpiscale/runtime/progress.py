@@ -101,7 +101,7 @@ class ProgressEngine:
         self.outbox = self._frames.Outbox(self._endpoint, self._frames, config.inline_bytes, self.track, self.kick)
         self.post = self.outbox.post
         self._stopped = False
-        self._yielded = False  # the engine waits for its next turn in the loop's ready queue (it is spinning)
+        self._yielded = False  # the engine waits for its next turn in the loop's ready queue (spinning, or woken)
         self._messages_sent = 0  # and the outbox's
         self._bytes_sent = 0
         self.messages_received = 0
@@ -171,7 +171,7 @@ class ProgressEngine:
         sends them all first)."""
         ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
         if ready is None or (ready and not (self._yielded and len(ready) == 1)):
-            return  # (the one ready callback of a yielded engine is its own next turn, which this poll stands for)
+            return  # (the one ready callback of a yielded or woken engine is its next turn, which this poll stands for)
         clock = time.monotonic
         now = clock()
         end, next_yield = now + seconds, now + _BURST_S
@@ -207,9 +207,7 @@ class ProgressEngine:
     def kick(self) -> None:
         """Note local activity: poll continuously again for the spin window."""
         self._quiet_s = 0.0
-        sleeper = self._sleeper
-        if sleeper is not None and not sleeper.done():
-            sleeper.set_result(None)
+        self._wake()
 
     @property
     def idle(self) -> bool:
@@ -257,12 +255,20 @@ class ProgressEngine:
             delay = min(max(self._quiet_s * _SLEEP_FRACTION, _MIN_SLEEP_S), max_sleep)
             self._quiet_s += delay
             self._sleeper = loop.create_future()
-            handle = loop.call_later(delay, _resolve, self._sleeper)
+            handle = loop.call_later(delay, self._wake)
             await self._sleeper
             handle.cancel()
             self._sleeper = None
+            self._yielded = False
 
     # ------------------------------------------------------------ internals
+    def _wake(self) -> None:
+        """End the engine's sleep: its next turn is then in the loop's ready queue, as when it yields."""
+        sleeper = self._sleeper
+        if sleeper is not None and not sleeper.done():
+            sleeper.set_result(None)
+            self._yielded = True
+
     async def _yield(self) -> None:
         """Let the other ready tasks run once; meanwhile an asker may poll in the engine's place."""
         self._yielded = True
@@ -381,8 +387,3 @@ def completed(result: object) -> asyncio.Future:
     future = asyncio.get_running_loop().create_future()
     future.set_result(result)
     return future
-
-
-def _resolve(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_result(None)

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from . import compact, dispatch, outbox, transport
+from . import channel_receive, channel_send, compact, dispatch, outbox, transport
+from .channel_format import channel_header
 
 PURE_ENV = "MPISCALE_PURE_PYTHON"
 _SOURCE = Path(__file__).with_name("_wire.pyx")
@@ -82,11 +83,6 @@ class Endpoint:
         return status.Get_source(), frame, None if request.Test() else request
 
 
-def channel_header(fields: tuple, array: Any) -> np.ndarray:
-    """A channel message's header: ``fields``, then ``array``'s number of dimensions and its shape, as int64 words."""
-    return np.array((*fields, array.ndim, *array.shape), np.int64)
-
-
 #: The reference path, under the compiled module's names.
 PURE = SimpleNamespace(
     compact_encode=compact.encode,
@@ -99,6 +95,8 @@ PURE = SimpleNamespace(
     Endpoint=Endpoint,
     Dispatch=dispatch.Dispatch,
     Outbox=outbox.Outbox,
+    ChannelReceiver=channel_receive.Receiver,
+    ChannelSender=channel_send.Sender,
 )
 
 

@@ -11,7 +11,8 @@ import sys
 import numpy as np
 
 import mpiscale
-from mpiscale.runtime.channels import _CODES, _MAGIC
+from mpiscale.runtime.channel_format import CODES as _CODES
+from mpiscale.runtime.channel_format import MAGIC as _MAGIC
 
 ROUNDS = 60
 DTYPES = (np.float32, np.float64, np.int16, np.complex64, np.uint8)
