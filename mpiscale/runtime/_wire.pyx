@@ -25,7 +25,8 @@ from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from mpi4py.libmpi cimport (
     MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Irecv, MPI_Isend, MPI_Message,
-    MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_SUCCESS, MPI_Test,
+    MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_STATUSES_IGNORE, MPI_SUCCESS, MPI_Test, MPI_Testsome,
+    MPI_UNDEFINED,
 )
 from mpi4py.MPI cimport Comm, Request
 
@@ -619,6 +620,44 @@ cdef list _send_array(MPI_Comm comm, int dest, int header_tag, int data_tag, con
     if not done:
         pending.append(_pending(handle, array))
     return pending
+
+
+cdef enum:
+    _ON_STACK = 32  # requests tested with arrays on the stack; more take memory of their own
+
+
+def testsome(object MPI_module, list pending):
+    """``wire.testsome``: the indices of the requests of ``pending`` (each item's ``request``) that completed, in
+    one ``MPI_Testsome``; None when every request is null."""
+    cdef Py_ssize_t count = len(pending), index
+    cdef MPI_Request stack_handles[_ON_STACK]
+    cdef int stack_indices[_ON_STACK]
+    cdef MPI_Request *handles = stack_handles
+    cdef int *indices = stack_indices
+    cdef int done = 0
+    cdef list requests = [item.request for item in pending]
+    if count > INT_MAX:
+        raise OverflowError(f"{count} requests at once are over MPI's count limit")
+    if count > _ON_STACK:
+        handles = <MPI_Request *>PyMem_Malloc(count * sizeof(MPI_Request))
+        indices = <int *>PyMem_Malloc(count * sizeof(int))
+        if handles == NULL or indices == NULL:
+            PyMem_Free(handles)
+            PyMem_Free(indices)
+            raise MemoryError()
+    try:
+        for index in range(count):
+            handles[index] = (<Request?>requests[index]).ob_mpi
+        _check(MPI_Testsome(<int>count, handles, &done, indices, MPI_STATUSES_IGNORE))
+        for index in range(count):
+            (<Request>requests[index]).ob_mpi = handles[index]
+        if done == MPI_UNDEFINED:
+            return None
+        return [indices[index] for index in range(done)]
+    finally:
+        if count > _ON_STACK:
+            PyMem_Free(handles)
+            PyMem_Free(indices)
 
 
 cdef class Endpoint:

@@ -322,7 +322,7 @@ class ProgressEngine:
 
     def _test_pending(self) -> bool:
         pending = self._pending
-        indices = self._MPI.Request.Testsome([p.request for p in pending])
+        indices = self._frames.testsome(self._MPI, pending)
         if not indices:
             return False
         done = [pending[i] for i in indices]

@@ -308,3 +308,34 @@ def test_the_reference_runs_when_asked_and_doctor_says_which_path():
     assert forced.stdout.strip() == f"pure-Python ({wire.PURE_ENV}=1)", forced.stderr
     doctor = subprocess.run([sys.executable, "-m", "mpiscale.cli", "doctor"], capture_output=True, text=True, cwd=REPO)
     assert re.search(r"^\[ok  \] message path +compiled$", doctor.stdout, re.MULTILINE), doctor.stdout
+
+
+@pytest.mark.parametrize("count", [3, 40], ids=["on-the-stack", "more-than-the-stack"])
+def test_the_engines_testsome_is_the_references(count):
+    """The pending requests of the engine tested at once on both paths: the same indices, and every request left as
+    MPI left it (completed ones null, the others still pending), over arrays on the stack and beyond them."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        outcomes = []
+        for testsome in (compiled.testsome, wire.testsome):
+            buffers = [np.zeros(4, np.int64) for _ in range(count)]
+            waiting = [comm.Irecv(buffer, 0, 100 + i) for i, buffer in enumerate(buffers)]  # every third completes
+            for i in range(0, count, 3):
+                comm.Send(np.full(4, i, np.int64), 0, 100 + i)
+            items = [SimpleNamespace(request=request) for request in [MPI.Request(), *waiting]]
+            indices = testsome(MPI, items)
+            nulls = [item.request == MPI.REQUEST_NULL for item in items]
+            outcomes.append((sorted(indices), nulls, [int(b[0]) for b in buffers]))
+            for item in items[1:]:
+                if item.request != MPI.REQUEST_NULL:
+                    item.request.Cancel()
+                    item.request.Wait()
+            assert testsome(MPI, [SimpleNamespace(request=MPI.Request())]) is None  # nothing but null requests
+    finally:
+        comm.Free()
+    assert outcomes[0] == outcomes[1]
+    indices, nulls, values = outcomes[0]
+    assert indices == [1 + i for i in range(0, count, 3)] and nulls == [True] + [i % 3 == 0 for i in range(count)]
+    assert values == [i if i % 3 == 0 else 0 for i in range(count)]
