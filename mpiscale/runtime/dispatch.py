@@ -31,6 +31,8 @@ class PendingAsk:
     ref: ActorRef
     method: str
     started: float
+    timeout: float | None = None  # seconds (None: none)
+    deadline: float | None = None  # when it times out, on the loop's clock
 
 
 class Router(Protocol):

@@ -25,9 +25,10 @@ from .channels import Channel, Deliver
 from .collectives import Communicator, Group, Hierarchy, build_hierarchy
 from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
+from .deadlines import AskDeadlines
 from .diagnostics import failure_report, rank_diagnostics
 from .dispatch import MESSAGE, REPLY, PendingAsk
-from .errors import AskTimeout, Failure, JobRefused
+from .errors import Failure, JobRefused
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -36,11 +37,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
 _AGREED_REPORT_S = 3.0  # a failure every rank raised alike: how long the others wait for the reporter's abort
-
-
-def _expire(future: asyncio.Future, ref: ActorRef, method: str, timeout: float) -> None:
-    if not future.done():
-        future.set_exception(AskTimeout(f"no reply from actor {ref} to {method!r} within {timeout:g}s"))
 
 
 class _SystemActor(Actor):
@@ -68,6 +64,7 @@ class ActorSystem:
         self._cells: dict[str, ActorCell] = {}
         self._asks: dict[int, PendingAsk] = {}
         self._dispatch = wire.chosen()[0].Dispatch(self, self._cells, self._asks)
+        self._deadlines = AskDeadlines(self._asks)
         self._engine = ProgressEngine(MPI, self._p2p, config, self._dispatch)
         self._ask_spin_s, self._value_spin_s = config.ask_spin_us * 1e-6, config.value_spin_us * 1e-6
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
@@ -201,9 +198,12 @@ class ActorSystem:
         ask_id = next(self._ask_ids)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        self._asks[ask_id] = PendingAsk(future, ref, method, time.monotonic())
-        # a timer that fails the future (asyncio.wait_for would add a task and tens of µs to every ask)
-        timer = None if timeout is None else loop.call_later(timeout, _expire, future, ref, method, timeout)
+        if timeout is None:
+            self._asks[ask_id] = PendingAsk(future, ref, method, time.monotonic())
+        else:  # failed by the one timer of the asks' deadlines (asyncio.wait_for would add a task to every ask)
+            deadline = loop.time() + timeout
+            self._asks[ask_id] = PendingAsk(future, ref, method, time.monotonic(), timeout, deadline)
+            self._deadlines.add(loop, deadline)
         try:
             self._post(ref.rank, (MESSAGE, ref.name, method, args, kwargs, ask_id), track=False)
             if ref.rank != self.rank and self._ask_spin_s:
@@ -211,8 +211,6 @@ class ActorSystem:
             value, failed = await future
         finally:
             self._asks.pop(ask_id, None)
-            if timer is not None:
-                timer.cancel()
         if failed:
             value.raise_here()
         return value
