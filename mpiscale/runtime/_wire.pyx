@@ -663,8 +663,8 @@ def testsome(object MPI_module, list pending):
 cdef class Endpoint:
     """``wire.Endpoint``: frames sent to and matched from the other ranks of one communicator on FRAME_TAG."""
 
-    cdef readonly object owner  # the Comm whose handle this is, kept alive with it
     cdef MPI_Comm comm
+    cdef object owner  # the Comm whose handle this is, kept alive with it
 
     def __cinit__(self, object MPI_module, Comm comm):
         self.comm = comm.ob_mpi
@@ -918,6 +918,7 @@ cdef long long _CH_FIT = _channel_format.FIT, _CH_INLINE = _channel_format.INLIN
 cdef int _CH_HEADER_TAG = _channel_format.HEADER_TAG
 cdef Py_ssize_t _KEPT_BUFFERS = _channel_receive.KEPT_BUFFERS
 cdef object _BYTES = __import__("numpy").dtype("uint8")
+cdef object _Arrival = _channel_format.Arrival
 
 
 cdef object _view(object memory, object dtype, int ndim, cnp.npy_intp *dims):
@@ -988,8 +989,9 @@ cdef class ChannelSender:
 
 cdef class ChannelReceiver:
     """``channel_receive.Receiver``: an inline array, or one whose data has filled its lane's buffer, with nothing of
-    its lane before it, delivered in C, as are the lanes' buffers as they fill; every other arrival (a lane's
-    first, an array over its lane's buffer, a header that is not one) by the reference, which this holds."""
+    its lane before it, delivered in C, an array that fits its lane's buffer queued for its data in C, and the
+    lanes' buffers delivered as they fill; every other arrival (a lane's first, an array over its lane's buffer, an
+    inline one behind others of its lane, a header that is not one) by the reference, which this holds."""
 
     cdef readonly object reference
     cdef object ring, receiving, fitting, deliver, counts, slots, owner
@@ -1074,8 +1076,9 @@ cdef class ChannelReceiver:
         if count != head + (nbytes if mode == _CH_INLINE else 0) or (mode == _CH_INLINE and nbytes > _CH_INLINE_BYTES):
             return False
         state = self.receiving.get((source, lane))
-        if state is None or state.arrivals:
+        if state is None or (mode == _CH_INLINE and state.arrivals):
             return False
+        key = (words[4], words[5], words[6])
         if mode == _CH_INLINE:
             Py_INCREF(dtype)
             array = PyArray_Empty(<int>ndim, dims, <cnp.dtype>dtype, 0)
@@ -1083,16 +1086,21 @@ cdef class ChannelReceiver:
         else:
             capacity, request = state.capacity, state.request
             if capacity is None or nbytes > <long long>capacity or request is None:
-                return False
-            _check(MPI_Test(&(<Request>request).ob_mpi, &done, MPI_STATUS_IGNORE))
-            if not done:
-                return False
+                return False  # (the reference refuses it)
+            if not state.arrivals:  # the lane's posted receive is this array's: delivered now if it has landed
+                _check(MPI_Test(&(<Request>request).ob_mpi, &done, MPI_STATUS_IGNORE))
+            if not done:  # it waits for its data, after what came before it on its lane (``Receiver.header_arrived``)
+                arrival = _Arrival(key, nbytes, dtype, tuple([words[_CH_SHAPE + index] for index in range(ndim)]))
+                state.arrivals.append(arrival)
+                state.fits.append(arrival)
+                self.fitting[state] = None
+                return True
             memory = state.posted
             state.posted = state.request = None
             self._post_fit(state)
             array = _view(memory, dtype, <int>ndim, dims)
         self._count(nbytes + head)
-        self.deliver(source, lane, (words[4], words[5], words[6]), array)
+        self.deliver(source, lane, key, array)
         return True
 
     cdef _post_fit(self, object state):

@@ -2,8 +2,9 @@
 posted ahead or of its own size, each lane's arrays delivered in the order they were sent.
 
 This is the reference; ``_wire.ChannelReceiver`` is its compiled twin, which takes the common arrivals in C (an
-inline array, or one whose data has filled its lane's buffer, with nothing of its lane before it) and hands the
-rest to the reference it holds, so the rare cases and every refusal have one implementation.
+inline array, or one whose data has filled its lane's buffer, with nothing of its lane before it; an array that fits
+its lane's buffer, queued until its data lands) and hands the rest to the reference it holds, so the rare cases and
+every refusal have one implementation.
 """
 
 from __future__ import annotations

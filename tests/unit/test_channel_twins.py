@@ -143,11 +143,14 @@ def test_every_pairing_of_twins_delivers_the_same_arrays_into_the_same_buffers(h
         assert places[32:] == lane + lane
 
 
-def test_the_compiled_receiver_leaves_only_a_lanes_first_and_overflowing_arrays_to_its_reference():
+def test_the_compiled_receiver_leaves_only_a_lanes_first_overflowing_and_queued_inline_arrays_to_its_reference():
     handed: list = []
     _run("compiled", "compiled", False, 1, handed)
     lane = [32, 37, 38]  # each lane's first, the array over its buffer, the array over a chunk
     assert handed == [0] + lane + [n + len(LANE) for n in lane]
+    at_once: list = []  # all sent first: the fit arrays wait for their data, queued in C
+    _run("compiled", "compiled", False, 64, at_once)
+    assert at_once == [0] + [32] * 12  # per lane its first, over-buffer, over-chunk and 3 inline arrays behind others
 
 
 def test_the_compiled_sender_leaves_only_a_lanes_first_and_arrays_over_a_chunk_to_its_reference():
