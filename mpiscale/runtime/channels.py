@@ -53,7 +53,7 @@ class Channel:
 
     def __init__(self, MPI: ModuleType, comm: Comm, engine: ProgressEngine, config: RuntimeConfig, name: str,
                  deliver: Deliver) -> None:  # fmt: skip
-        self._MPI, self.comm, self._engine, self.name = MPI, comm, engine, name
+        self.comm, self._engine, self.name = comm, engine, name
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         assert isinstance(tag_ub, int), tag_ub  # MPI sets it on every communicator
         self.lanes = (tag_ub - 2) // 2  # lanes 0 .. lanes-1 have tags
