@@ -39,7 +39,8 @@ import asyncio as _asyncio
 from mpi4py import MPI
 
 from . import actor as _actor, channel_format as _channel_format, channel_receive as _channel_receive
-from . import channel_send as _channel_send, compact, dispatch as _dispatch, outbox as _outbox, transport
+from . import channel_send as _channel_send, compact, dispatch as _dispatch, errors as _errors, outbox as _outbox
+from . import transport
 
 cnp.import_array()
 
@@ -529,26 +530,31 @@ cpdef object compact_messages(object frame):
     frame (the caller reads it with ``transport.decode_frame``, whose errors are the reference)."""
     cdef Py_buffer view
     cdef const unsigned char *data
-    cdef Py_ssize_t count = 0, index, offset
-    cdef uint64_t seq = 0, size
+    cdef Py_ssize_t count = 0
+    cdef uint64_t seq = 0
     cdef Layout layout
-    cdef list messages = []
     PyObject_GetBuffer(frame, &view, PyBUF_SIMPLE)
     try:
         data = <const unsigned char *>view.buf
         layout = _layout(data, view.len, &seq, &count)
-        if layout == OTHER:
-            return None
-        if layout == SINGLE:
-            return [_message_at(seq, data + COMPACT_HEAD, view.len - COMPACT_HEAD)]
-        offset = HEADER + 8 * count
-        for index in range(count):
-            size = _get64(data + HEADER + 8 * index)
-            messages.append(_message_at(seq, data + offset, size))
-            offset += size
-        return messages
+        return None if layout == OTHER else _messages_at(data, view.len, layout, seq, count)
     finally:
         PyBuffer_Release(&view)
+
+
+cdef list _messages_at(const unsigned char *data, Py_ssize_t length, Layout layout, uint64_t seq, Py_ssize_t count):
+    """The messages of a compact frame whose ``_layout`` is SINGLE or BATCH (``seq``, ``count``: as it read them)."""
+    cdef Py_ssize_t index, offset
+    cdef uint64_t size
+    if layout == SINGLE:
+        return [_message_at(seq, data + COMPACT_HEAD, length - COMPACT_HEAD)]
+    cdef list messages = []
+    offset = HEADER + 8 * count
+    for index in range(count):
+        size = _get64(data + HEADER + 8 * index)
+        messages.append(_message_at(seq, data + offset, size))
+        offset += size
+    return messages
 
 
 cdef object _load_compact(object header, object data):
@@ -660,15 +666,24 @@ def testsome(object MPI_module, list pending):
             PyMem_Free(indices)
 
 
+cdef enum:
+    _SCRATCH_BYTES = 4096  # frames up to this size are received into the endpoint's scratch buffer
+
+
+cdef class Dispatch
+
+
 cdef class Endpoint:
     """``wire.Endpoint``: frames sent to and matched from the other ranks of one communicator on FRAME_TAG."""
 
     cdef MPI_Comm comm
     cdef object owner  # the Comm whose handle this is, kept alive with it
+    cdef bytearray scratch  # where small frames land to be read in place
 
     def __cinit__(self, object MPI_module, Comm comm):
         self.comm = comm.ob_mpi
         self.owner = comm
+        self.scratch = PyByteArray_FromStringAndSize(NULL, _SCRATCH_BYTES)
 
     def send(self, int dest, bytes frame):
         """Start sending ``frame`` to ``dest``: None once it has left, else its pending Request (which holds it)."""
@@ -693,34 +708,76 @@ cdef class Endpoint:
             words[index] = fields[index]
         return _send_array(self.comm, dest, header_tag, data_tag, words, nfields, array, inline)
 
-    def receive(self, dict inbound):
-        """``wire.Endpoint.receive``: the next frame that has arrived, as (source, messages, frame bytes) where it is
-        a complete compact frame (one message or a batch) and nothing from its source waits before it (``inbound``:
-        the engine's queues by source); any other frame as :meth:`match` gives it; None when no frame waits."""
-        found = self.match()
-        if found is None:
-            return None
-        source, frame, request = <tuple>found
-        if request is not None or inbound.get(source):
-            return found
-        messages = compact_messages(frame)
-        return found if messages is None else (source, messages, len(frame))
+    def drain(self, dict inbound, object deliver, object counts):
+        """``wire.Endpoint.drain``: deliver each complete compact frame that has arrived, read in place; the first
+        other frame as :meth:`match` gives it; else whether it delivered any."""
+        cdef MPI_Message message
+        cdef MPI_Status status
+        cdef MPI_Request handle
+        cdef int found = 0, count = 0, done = 0
+        cdef Py_ssize_t nmessages = 0
+        cdef uint64_t seq = 0
+        cdef Layout layout
+        cdef bint delivered = False
+        cdef const unsigned char *data
+        cdef tuple other
+        while True:
+            _check(MPI_Improbe(MPI_ANY_SOURCE, FRAME_TAG, self.comm, &found, &message, &status))
+            if not found:
+                return delivered
+            _check(MPI_Get_count(&status, MPI_BYTE, &count))
+            source = status.MPI_SOURCE
+            if inbound.get(source):
+                return self._received(&message, count, source)
+            if count > _SCRATCH_BYTES:
+                other = self._received(&message, count, source)
+                if other[2] is not None:
+                    return other
+                frame = other[1]
+                data = <const unsigned char *>PyByteArray_AS_STRING(frame.obj)
+            else:
+                frame = self.scratch
+                data = <const unsigned char *>PyByteArray_AS_STRING(frame)
+                _check(MPI_Imrecv(<void *>data, count, MPI_BYTE, &message, &handle))
+                _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+                if not done:  # the frame's bytes still come into the scratch buffer, which it keeps
+                    self.scratch = PyByteArray_FromStringAndSize(NULL, _SCRATCH_BYTES)
+                    return source, memoryview(frame)[:count], _pending(handle, frame)
+                other = None
+            layout = _layout(data, count, &seq, &nmessages)
+            if layout == OTHER:
+                if other is None:
+                    other = source, memoryview(PyByteArray_FromStringAndSize(<const char *>data, count)), None
+                return other
+            messages = _messages_at(data, count, layout, seq, nmessages)
+            counts.bytes_received += count
+            counts.messages_received += nmessages
+            if type(deliver) is Dispatch:
+                (<Dispatch>deliver).envelopes(source, messages)
+            else:
+                deliver.envelopes(source, messages)
+            delivered = True
+
+    cdef tuple _received(self, MPI_Message *message, int count, object source):
+        """``match``'s answer for a frame already probed (``message``, of ``count`` bytes)."""
+        cdef MPI_Request handle
+        cdef int done = 0
+        frame = PyByteArray_FromStringAndSize(NULL, count)
+        _check(MPI_Imrecv(PyByteArray_AS_STRING(frame), count, MPI_BYTE, message, &handle))
+        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
+        return source, memoryview(frame), None if done else _pending(handle, frame)
 
     def match(self):
         """The next frame that has arrived from any rank, as (source, frame, request), the request None when its
         bytes are in ``frame`` already; None when no frame waits."""
         cdef MPI_Message message
         cdef MPI_Status status
-        cdef MPI_Request handle
-        cdef int found = 0, count = 0, done = 0
+        cdef int found = 0, count = 0
         _check(MPI_Improbe(MPI_ANY_SOURCE, FRAME_TAG, self.comm, &found, &message, &status))
         if not found:
             return None
         _check(MPI_Get_count(&status, MPI_BYTE, &count))
-        frame = PyByteArray_FromStringAndSize(NULL, count)
-        _check(MPI_Imrecv(PyByteArray_AS_STRING(frame), count, MPI_BYTE, &message, &handle))
-        _check(MPI_Test(&handle, &done, MPI_STATUS_IGNORE))
-        return status.MPI_SOURCE, memoryview(frame), None if done else _pending(handle, frame)
+        return self._received(&message, count, status.MPI_SOURCE)
 
 
 # ------------------------------------------------------------------ dispatch (dispatch.py)
@@ -732,6 +789,7 @@ cdef object _monotonic = __import__("time").monotonic
 cdef int _QUEUED = _actor.QUEUED, _NEVER_SUSPENDS = _actor.NEVER_SUSPENDS
 cdef int _MESSAGE = _dispatch.MESSAGE, _REPLY = _dispatch.REPLY
 cdef frozenset _VALUES = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict, _ndarray})
+cdef object _Failure = _errors.Failure
 
 
 cdef class Dispatch:
@@ -739,6 +797,7 @@ cdef class Dispatch:
     and cannot suspend, routed here; every other envelope by the reference, which this holds."""
 
     cdef object reference, system
+    cdef Outbox outbox
     cdef dict cells, asks
     cdef object rank
 
@@ -746,7 +805,7 @@ cdef class Dispatch:
         self.reference = _dispatch.Dispatch(system, cells, asks)
         self.system, self.cells, self.asks, self.rank = system, cells, asks, system.rank
 
-    def envelopes(self, object source, list envelopes):
+    cpdef envelopes(self, object source, list envelopes):
         """Route ``envelopes`` from rank ``source``, in order."""
         for envelope in envelopes:
             if not self._routed(source, envelope):
@@ -798,8 +857,15 @@ cdef class Dispatch:
         if type(result) not in _VALUES and _isawaitable(result):
             cell.inline_done(_Message(method, args, kwargs, reply_to, source), result)
         elif reply_to is not None:
-            self.system.reply(reply_to, result)
+            self._reply(source, ask_id, result)
         return True
+
+    cdef _reply(self, object source, object ask_id, object result):
+        """``system.reply`` to a remote asker: a value that travels compact leaves at once as its own frame."""
+        if self.outbox is None:
+            self.outbox = self.system.outbox
+        if isinstance(result, _Failure) or (<Outbox>self.outbox).send(source, (_REPLY, ask_id, result, False)) < 0:
+            self.system.reply((source, ask_id), result)
 
 
 # ------------------------------------------------------------------ the send queue (outbox.py)
@@ -871,7 +937,7 @@ cdef class Outbox:
         for dest in list(self.queued):
             self._send_batch(dest)
 
-    def send(self, object dest, object obj):
+    cpdef Py_ssize_t send(self, object dest, object obj) except? -2:
         """``outbox.Outbox.send``."""
         body = compact_body(obj, self._inline_bytes)
         if body is None:

@@ -86,6 +86,7 @@ class ProgressEngine:
         self._MPI = MPI
         self._comm = comm
         self._config = config
+        self._envelopes = deliver  # where arrived messages go
         self._deliver, self._deliver_all = deliver.envelope, deliver.envelopes
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         assert isinstance(tag_ub, int), tag_ub  # MPI sets it on every communicator
@@ -207,7 +208,8 @@ class ProgressEngine:
     def kick(self) -> None:
         """Note local activity: poll continuously again for the spin window."""
         self._quiet_s = 0.0
-        self._wake()
+        if self._sleeper is not None:
+            self._wake()
 
     @property
     def idle(self) -> bool:
@@ -278,47 +280,42 @@ class ProgressEngine:
             self._yielded = False
 
     def _poll(self) -> bool:
-        progressed = self._match_frames()
+        found = self._endpoint.drain(self._inbound, self._envelopes, self)  # delivers the small messages it can
+        progressed = found if type(found) is bool else self._frames_found(found)
         if self._pending:
             progressed |= self._test_pending()
         for poll in self.pollers:
             progressed |= poll()
         return progressed
 
-    def _match_frames(self) -> bool:
-        receive, decode_frame, queues = self._endpoint.receive, transport.decode_frame, self._inbound
-        matched = False
-        while True:
-            found = receive(queues)
-            if found is None:
-                return matched
-            matched = True
-            if type(found[1]) is list:  # small messages, read where they arrived, nothing from their source before
-                source, messages, size = found
-                self.bytes_received += size
-                self.messages_received += len(messages)
-                self._deliver_all(source, messages)
-                continue
-            source, frame, request = found
-            arrived = request is None  # eager data is already here
-            queue = self._inbound.get(source)
-            header = None
-            if arrived and not queue:  # nothing from source is before it
-                header = decode_frame(frame)
-                if header.inline_parts is not None:  # a small message: delivered at once, never queued
-                    self.bytes_received += len(frame)
-                    self._deliver_inline(source, header)
-                    continue
-            inbound = _Inbound(source, frame)
-            if queue is None:
-                queue = self._inbound[source] = deque()
-            queue.append(inbound)
-            if arrived:
-                self._frame_arrived(inbound, header)
-            else:
-                self._pending.append(
-                    _Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}")
-                )
+    def _frames_found(self, found: tuple) -> bool:
+        """Take in ``found``, a frame that ``drain`` left, then every frame that arrives after it; True."""
+        drain, queues, deliver = self._endpoint.drain, self._inbound, self._envelopes
+        while type(found) is not bool:
+            self._frame_found(*found)
+            found = drain(queues, deliver, self)
+        return True
+
+    def _frame_found(self, source: int, frame: memoryview, request: Any) -> None:
+        """A frame that ``drain`` left: its parts apart, its bytes still coming (``request``), a pickled message,
+        or one behind others of its source."""
+        arrived = request is None  # eager data is already here
+        queue = self._inbound.get(source)
+        header = None
+        if arrived and not queue:  # nothing from source is before it
+            header = transport.decode_frame(frame)
+            if header.inline_parts is not None:  # a small message: delivered at once, never queued
+                self.bytes_received += len(frame)
+                self._deliver_inline(source, header)
+                return
+        inbound = _Inbound(source, frame)
+        if queue is None:
+            queue = self._inbound[source] = deque()
+        queue.append(inbound)
+        if arrived:
+            self._frame_arrived(inbound, header)
+        else:
+            self._pending.append(_Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}"))
 
     def _test_pending(self) -> bool:
         pending = self._pending

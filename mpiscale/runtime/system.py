@@ -136,6 +136,11 @@ class ActorSystem:
         """Collectives over one rank per node; None on ranks that do not lead a node."""
         return self.hierarchy.leaders
 
+    @property
+    def outbox(self) -> Any:
+        """The progress engine's send queue (the compiled dispatch sends compact replies through it)."""
+        return self._engine.outbox
+
     # -------------------------------------------------------------- spawning
     def spawn_local(
         self, cls: type, *args: Any, name: str | None = None, restart: RestartPolicy | None = None, **kwargs: Any

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import channel_receive, channel_send, compact, dispatch, outbox, transport
 from .channel_format import channel_header
+from .errors import TransportError
 
 PURE_ENV = "MPISCALE_PURE_PYTHON"
 _SOURCE = Path(__file__).with_name("_wire.pyx")
@@ -55,21 +56,28 @@ class Endpoint:
                 pending.append(request)
         return pending
 
-    def receive(self, inbound: dict) -> tuple | None:
-        """The next frame that has arrived, as (source, messages, frame bytes) where it is a complete compact frame
-        (one message or a batch) and nothing from its source waits before it (``inbound``: the engine's queues by
-        source); any other frame as :meth:`match` gives it; None when no frame waits."""
-        found = self.match()
-        if found is None:
-            return None
-        source, frame, request = found
-        if request is not None or inbound.get(source):
-            return found
-        header = transport.decode_frame(frame)
-        if header.inline_parts is None or not header.compact:
-            return found
-        messages = transport.load_batch(header) if header.batch else [transport.load(header, header.inline_parts)]
-        return source, messages, len(frame)
+    def drain(self, inbound: dict, deliver: Any, counts: Any) -> tuple | bool:
+        """Deliver each frame that has arrived and is a complete compact one (one message or a batch) from a source
+        with nothing waiting before it (``inbound``: the engine's queues by source), in arrival order: its messages
+        to ``deliver.envelopes``, counted in ``counts`` (``messages_received``, ``bytes_received``). The first other
+        frame, as :meth:`match` gives it; else True when it delivered any, False when no frame had arrived."""
+        delivered = False
+        while (found := self.match()) is not None:
+            source, frame, request = found
+            if request is not None or inbound.get(source):
+                return found
+            try:
+                header = transport.decode_frame(frame)
+            except TransportError:
+                return found  # the engine reads it again, and refuses it
+            if header.inline_parts is None or not header.compact:
+                return found
+            messages = transport.load_batch(header) if header.batch else [transport.load(header, header.inline_parts)]
+            counts.bytes_received += len(frame)
+            counts.messages_received += len(messages)
+            deliver.envelopes(source, messages)
+            delivered = True
+        return delivered
 
     def match(self) -> tuple[int, memoryview, Any] | None:
         """The next frame that has arrived from any rank, as (source, frame, request), the request None when its

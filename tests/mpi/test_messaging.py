@@ -22,3 +22,12 @@ def test_ranks_on_either_message_path_talk_to_each_other():
     assert_ok(job)
     paths = "compiled,pure-Python,compiled,pure-Python"
     assert f"messaging ok on 4 ranks (['mixed']), paths {paths}" in job.stdout, job.stdout
+
+
+def test_frames_whose_bytes_follow_their_match():
+    """Without the kernel's single copy, a frame near the 4 KiB eager limit is matched before its sender has pushed
+    its bytes: the receiver keeps the buffer they come into for it while frames from other ranks arrive, and order
+    and payloads hold."""
+    job = run_mpi("messaging.py", 4, env={"OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
+    assert_ok(job)
+    assert "messaging ok on 4 ranks" in job.stdout

@@ -29,6 +29,28 @@ class Rank:
         self.refused_tells = 0
         self.replies: list = []
         self.failures: list = []
+        self.sent_by_outbox = 0
+
+    @property
+    def outbox(self):
+        """The compiled send queue, its ``send`` recording what leaves as a reply (the compiled dispatch sends
+        compact replies through it, the rest through :meth:`reply`)."""
+        from mpi4py import MPI
+
+        rank = self
+
+        class Recording(compiled.Outbox):
+            def send(self, dest, obj):
+                body = compiled.compact_body(obj, 65536)
+                if body is None:
+                    return -1
+                kind, ask_id, value, failed = obj
+                assert kind == dispatch.REPLY and not failed
+                rank.replies.append(((dest, ask_id), value))
+                rank.sent_by_outbox += 1
+                return len(body)
+
+        return Recording(compiled.Endpoint(MPI, MPI.COMM_SELF), compiled, 65536, None, None)
 
     def reply(self, reply_to, value) -> None:
         if isinstance(value, Failure):
@@ -94,7 +116,7 @@ async def route(kind) -> dict:
     for cell in cells.values():
         cell.task.cancel()
     replies = [(to, value.tolist() if isinstance(value, np.ndarray) else value) for to, value in rank.replies]
-    return {
+    return rank.sent_by_outbox, {
         "replies": replies,
         "failures": rank.failures,
         "refused": rank.refused_tells,
@@ -106,8 +128,9 @@ async def route(kind) -> dict:
 
 
 def test_the_compiled_dispatch_routes_every_envelope_as_the_reference():
-    mine, expected = asyncio.run(route(compiled.Dispatch)), asyncio.run(route(dispatch.Dispatch))
+    (by_outbox, mine), (_, expected) = asyncio.run(route(compiled.Dispatch)), asyncio.run(route(dispatch.Dispatch))
     assert mine == expected
+    assert by_outbox == 2  # the asks of a known handler (add, then double) leave by the send queue, the rest by reply
     replies = dict(expected["replies"])
     assert replies[(1, 5)] == 2 and replies[(1, 6)] == [0, 2, 4] and replies[(1, 8)] == 5 and replies[(1, 9)] == "d"
     assert replies[(1, 7)][:2] == ("ValueError", "broken by ask")

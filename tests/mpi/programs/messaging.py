@@ -21,7 +21,9 @@ class Recorder(Actor):
         self.notes: dict[int, list[int]] = {}
 
     def record(self, sender: int, seq: int, payload=None):
-        if payload is not None:
+        if payload is not None and payload.dtype == np.uint8:  # a compact frame about the 4 KiB eager limit
+            assert payload.shape == (3950 + seq % 150,) and (payload == seq % 251).all(), payload.shape
+        elif payload is not None:
             assert payload.shape == (seq % 7 * 5000,), payload.shape
             assert (payload == seq).all()
         self.seen.setdefault(sender, []).append(seq)
@@ -147,11 +149,14 @@ async def main(system):
     relays = await system.spawn_group(Relay, name="relay")
 
     # Ordering: every rank sends numbered tells to every recorder, mixing small
-    # (inline) and large (separate parts) messages, which complete at different speeds.
+    # (inline) and large (separate parts) messages, which complete at different speeds,
+    # and compact frames of either side of the shared-memory eager limit (4 KiB).
     count = 300
     for seq in range(count):
         for target in recorders:
             large = np.full(seq % 7 * 5000, seq, dtype=np.int64) if seq % 3 == 0 else None
+            if seq % 3 == 1:
+                large = np.full(3950 + seq % 150, seq % 251, dtype=np.uint8)
             target.tell("record", rank, seq, large)
     await system.world.barrier()
     await asyncio.sleep(0)
@@ -162,6 +167,13 @@ async def main(system):
     assert sorted(seen) == list(range(size)), seen.keys()
     for sender, seqs in seen.items():
         assert seqs == list(range(count)), f"rank {rank}: messages from {sender} out of order"
+
+    # Asks leave at once, each a frame of its own: compact frames either side of the 4 KiB eager limit, many in
+    # flight from every rank to every rank, come back whole and in place.
+    sizes = [n for n in range(3950, 4100, 3) for _ in range(size)]
+    asked = [echoes[i % size].ask("echo", np.full(n, n % 251, np.uint8)) for i, n in enumerate(sizes)]
+    echoed = await asyncio.gather(*asked)
+    assert all(value.shape == (n,) and (value == n % 251).all() for value, n in zip(echoed, sizes))
 
     # A burst of small tells in one loop turn leaves in batches (several, past the batch limits), in order, each
     # with the values its arrays held when it was told (a tell whose future is done has copied them, as batched
