@@ -708,7 +708,7 @@ cdef class Endpoint:
             words[index] = fields[index]
         return _send_array(self.comm, dest, header_tag, data_tag, words, nfields, array, inline)
 
-    def drain(self, dict inbound, object deliver, object counts):
+    cpdef object drain(self, dict inbound, object deliver, object counts):
         """``wire.Endpoint.drain``: deliver each complete compact frame that has arrived, read in place; the first
         other frame as :meth:`match` gives it; else whether it delivered any."""
         cdef MPI_Message message
@@ -778,6 +778,61 @@ cdef class Endpoint:
             return None
         _check(MPI_Get_count(&status, MPI_BYTE, &count))
         return self._received(&message, count, status.MPI_SOURCE)
+
+
+cdef extern from "<sched.h>" nogil:
+    int sched_yield()
+
+
+cdef class Poller:
+    """``polling.Poller``: the same poll, and the same spins on it, with no Python call per poll."""
+
+    cdef Endpoint endpoint
+    cdef dict inbound
+    cdef object envelopes, counts, frames_found, test_pending
+    cdef list pending, pollers
+
+    def __init__(self, Endpoint endpoint, dict inbound, object envelopes, object counts, list pending, list pollers,
+                 object frames_found, object test_pending):
+        self.endpoint, self.inbound, self.envelopes, self.counts = endpoint, inbound, envelopes, counts
+        self.pending, self.pollers = pending, pollers
+        self.frames_found, self.test_pending = frames_found, test_pending
+
+    cpdef bint poll(self) except -1:
+        """``polling.Poller.poll``."""
+        found = self.endpoint.drain(self.inbound, self.envelopes, self.counts)
+        cdef bint progressed = found is True or (found is not False and self.frames_found(found))
+        if self.pending and self.test_pending():
+            progressed = True
+        for poll in self.pollers:
+            if poll():
+                progressed = True
+        return progressed
+
+    def burst(self, double seconds):
+        """``polling.Poller.burst``."""
+        cdef double end = _now() + seconds
+        while not self.poll():
+            if _now() > end:
+                return False
+        return True
+
+    def until(self, object future, double seconds, double burst):
+        """``polling.Poller.until``."""
+        cdef double now = _now(), end = now + seconds, next_yield = now + burst
+        cdef bint progressed = False
+        done = future.done
+        while not done():
+            if self.poll():
+                progressed = True
+                continue
+            now = _now()
+            if now > end:
+                break
+            if now > next_yield:
+                sched_yield()
+                next_yield = _now() + burst
+        return progressed
 
 
 # ------------------------------------------------------------------ dispatch (dispatch.py)

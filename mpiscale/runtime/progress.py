@@ -111,6 +111,8 @@ class ProgressEngine:
         self.waits = WaitClock()
         #: Called on every poll (channels' receives posted ahead); each says whether anything happened.
         self.pollers: list[Callable[[], bool]] = []
+        self._poller = self._frames.Poller(self._endpoint, self._inbound, deliver, self, self._pending, self.pollers,
+                                           self._frames_found, self._test_pending)  # fmt: skip
 
     # ------------------------------------------------------------------ API
     @property
@@ -173,19 +175,8 @@ class ProgressEngine:
         ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
         if ready is None or (ready and not (self._yielded and len(ready) == 1)):
             return  # (the one ready callback of a yielded or woken engine is its next turn, which this poll stands for)
-        clock = time.monotonic
-        now = clock()
-        end, next_yield = now + seconds, now + _BURST_S
-        while not future.done():
-            if self._poll():
-                self._quiet_s = 0.0
-                continue
-            now = clock()
-            if now > end:
-                return
-            if now > next_yield:
-                os.sched_yield()
-                next_yield = clock() + _BURST_S
+        if self._poller.until(future, seconds, _BURST_S):
+            self._quiet_s = 0.0
 
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
@@ -231,23 +222,20 @@ class ProgressEngine:
         loop = asyncio.get_running_loop()
         spin = self._config.spin_us * 1e-6
         max_sleep = self._config.max_sleep_us * 1e-6
-        clock = time.monotonic
+        clock, poller = time.monotonic, self._poller
         while not self._stopped:
             if self._quiet_s < spin:
                 # Spinning: poll in a tight loop for a short burst before giving
                 # the event loop back; other ready tasks wait at most one burst.
                 began = clock()
-                burst_end = began + _BURST_S
-                while not self._poll():
-                    if clock() > burst_end:
-                        os.sched_yield()
-                        self._quiet_s += clock() - began
-                        break
-                else:
+                if poller.burst(_BURST_S):
                     self._quiet_s = 0.0
+                else:
+                    os.sched_yield()
+                    self._quiet_s += clock() - began
                 await self._yield()
                 continue
-            if self._poll():
+            if poller.poll():
                 self._quiet_s = 0.0
                 await self._yield()
                 continue
@@ -278,15 +266,6 @@ class ProgressEngine:
             await asyncio.sleep(0)
         finally:
             self._yielded = False
-
-    def _poll(self) -> bool:
-        found = self._endpoint.drain(self._inbound, self._envelopes, self)  # delivers the small messages it can
-        progressed = found if type(found) is bool else self._frames_found(found)
-        if self._pending:
-            progressed |= self._test_pending()
-        for poll in self.pollers:
-            progressed |= poll()
-        return progressed
 
     def _frames_found(self, found: tuple) -> bool:
         """Take in ``found``, a frame that ``drain`` left, then every frame that arrives after it; True."""
@@ -324,7 +303,7 @@ class ProgressEngine:
             return False
         done = [pending[i] for i in indices]
         keep = set(indices)
-        self._pending = [p for i, p in enumerate(pending) if i not in keep]
+        pending[:] = [p for i, p in enumerate(pending) if i not in keep]  # (the poller holds the list)
         for item in done:
             item.on_done()
         return True

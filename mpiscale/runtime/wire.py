@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from . import channel_receive, channel_send, compact, dispatch, outbox, transport
+from . import channel_receive, channel_send, compact, dispatch, outbox, polling, transport
 from .channel_format import channel_header
 from .errors import TransportError
 
@@ -112,6 +112,7 @@ PURE = SimpleNamespace(
     ChannelReceiver=channel_receive.Receiver,
     ChannelSender=channel_send.Sender,
     testsome=testsome,
+    Poller=polling.Poller,
 )
 
 
