@@ -23,6 +23,11 @@ from mpiscale.train.results import load_trained
 DIGITS = 64  # the bundled digits: 8 x 8 pixels
 
 
+# Heavy's 60 chained float32 products round differently with another batch size or thread count (a run's batches
+# of 20 against the whole input at once here): its features, of magnitude 0.01-0.4, agree to about 1e-5.
+TANH_CHAIN_ATOL = 1e-4
+
+
 class Heavy(torch.nn.Module):
     """A user's module that takes a while per batch (many products), so a run can be stopped or killed mid-way."""
 
@@ -371,7 +376,7 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     assert_ok(resumed)
     assert f"resumed from {partial}: {done} of 30 batches were written" in resumed.stdout
     with h5py.File(out, "r") as file:
-        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=TANH_CHAIN_ATOL)
         assert file["done"][()].all()
 
     out, log = tmp_path / "killed.h5", tmp_path / "killed.log"
@@ -388,11 +393,11 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
         flagged = file["done"][()].astype(bool)
         assert 2 <= flagged.sum() < 30
         rows = np.concatenate([np.arange(b * 20, b * 20 + 20) for b in np.flatnonzero(flagged)])
-        np.testing.assert_allclose(file["features"][()][rows], expected[rows], rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(file["features"][()][rows], expected[rows], rtol=1e-4, atol=TANH_CHAIN_ATOL)
     resumed = run_alone(*common, "--out", out, "--resume")
     assert_ok(resumed)
     with h5py.File(out, "r") as file:
-        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=TANH_CHAIN_ATOL)
 
 
 PLAN = """
