@@ -13,8 +13,9 @@ posted ahead (one lane for activations, one for gradients); so micro-batches
 of different sizes (the last of an epoch, other sequence lengths) need nothing
 special, and fewer micro-batches than stages is only a longer bubble. A
 gradient whose shape or dtype is not its output's is refused, naming the stage
-and micro-batch. A stage awaiting its next tensor polls for it briefly before
-it sleeps (``MPISCALE_VALUE_SPIN_US``). Gradients accumulate in the stage's parameters over the
+and micro-batch. A stage about to take its next tensor polls its channel once
+(one that has landed is then taken without a wait); one still to come it polls
+for briefly before it sleeps (``MPISCALE_VALUE_SPIN_US``). Gradients accumulate in the stage's parameters over the
 micro-batches, as in one process that sums the micro-batches' losses; the
 caller steps its own optimizer over its own stage.
 
@@ -163,11 +164,14 @@ class Pipeline:
                        self.split(targets, "targets") if self.last else None)  # fmt: skip
         self._step += 1
         for action in self.actions:
-            with self._noted(action, run.step):
+            try:  # (not a context manager: this runs twice a micro-batch)
                 if action.kind == FORWARD:
                     await self._forward(run, action.micro_batch)
                 else:
                     await self._backward(run, action.micro_batch)
+            except Exception as error:
+                self._note(error, action, run.step)
+                raise
         self._check_drained(run.step)
         if self.group is not None:
             began = time.perf_counter()
@@ -256,6 +260,9 @@ class Pipeline:
     async def _take(self, key: Key) -> torch.Tensor:
         """The activation or gradient of ``key``, on this stage's device; a wait for it counts as waiting on the
         neighbour that owes it."""
+        if key not in self._arrivals.arrived:
+            assert self._channel is not None, "make a pipeline with Pipeline.start"
+            self._channel.poll()  # one that has landed is delivered now: taken without a wait
         value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
         if value.device == self.device:
             return value
@@ -278,8 +285,11 @@ class Pipeline:
         try:
             yield
         except Exception as error:
-            error.add_note(f"in pipeline stage {self.stage} of {self.stages}, {action} (step {step})")
+            self._note(error, action, step)
             raise
+
+    def _note(self, error: Exception, action: Action, step: int) -> None:
+        error.add_note(f"in pipeline stage {self.stage} of {self.stages}, {action} (step {step})")
 
     def _check_drained(self, step: int) -> None:
         """Refuse messages of this step or earlier that no action took (the stage before may have begun the next
