@@ -40,9 +40,8 @@ the replicas' gradient averages, are moved likewise.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +163,7 @@ class Pipeline:
                        self.split(targets, "targets") if self.last else None)  # fmt: skip
         self._step += 1
         for action in self.actions:
-            try:  # (not a context manager: this runs twice a micro-batch)
+            try:  # (no context manager: this runs twice a micro-batch)
                 if action.kind == FORWARD:
                     await self._forward(run, action.micro_batch)
                 else:
@@ -192,7 +191,7 @@ class Pipeline:
         total = None
         with torch.no_grad():
             for m in range(self.micro_batches):
-                with self._noted(Action(FORWARD, m), step):
+                try:
                     x = xs[m] if xs is not None else await self._take((FORWARD, step, m))
                     out = self.module(x)
                     if ts is not None:
@@ -200,6 +199,9 @@ class Pipeline:
                         total = value if total is None else total + value
                     else:
                         self._send(FORWARD, step, m, out, False)
+                except Exception as error:
+                    self._note(error, Action(FORWARD, m), step)
+                    raise
         self._check_drained(step)
         return total
 
@@ -279,16 +281,8 @@ class Pipeline:
         what = "activation" if kind == FORWARD else "gradient"
         return f"pipeline stage {self.stage} for the {what} of micro-batch {m} (step {step}) from stage {source}"
 
-    @contextlib.contextmanager
-    def _noted(self, action: Action, step: int) -> Iterator[None]:
-        """Name the stage, action and step on an error from the user's module or loss."""
-        try:
-            yield
-        except Exception as error:
-            self._note(error, action, step)
-            raise
-
     def _note(self, error: Exception, action: Action, step: int) -> None:
+        """Name the stage, action and step on an error from the user's module or loss."""
         error.add_note(f"in pipeline stage {self.stage} of {self.stages}, {action} (step {step})")
 
     def _check_drained(self, step: int) -> None:
