@@ -19,6 +19,7 @@ messages to one rank, each an inline part, delivered in order.
 from __future__ import annotations
 
 import io
+import mmap
 import pickle
 import struct
 import sys
@@ -129,10 +130,10 @@ class _Serializer:
         try:
             stream.seek(0)
             stream.truncate()
-            self._pickler.clear_memo()
             self._pickler.dump(obj)
             parts = [memoryview(stream.getvalue())] + [buffer.raw() for buffer in buffers]
         finally:
+            self._pickler.clear_memo()  # its memo refers to what it pickled: a sent array would live on in it
             buffers.clear()
             self._busy = False
         return parts
@@ -310,7 +311,7 @@ class BufferPool:
         for buffer in self._buffers:
             if buffer.nbytes == size and sys.getrefcount(buffer) == _FREE_REFCOUNT:
                 return memoryview(buffer).cast("B")
-        buffer = np.empty(size, dtype=np.uint8)
+        buffer = huge_page_buffer(size)
         if self._held + size > self.max_bytes:
             self._drop_free()
         if self._held + size <= self.max_bytes:
@@ -333,12 +334,27 @@ _POOL_MIN_BYTES = 1 << 20
 def allocate(size: int, pool: BufferPool | None = None) -> memoryview:
     """A writable receive buffer of ``size`` bytes, at least 16-byte aligned.
 
-    Small buffers are bytearrays (cheapest to make); large ones are left
-    uninitialised (no time spent zeroing what MPI overwrites) and come from
+    Small buffers are bytearrays (cheapest to make); larger ones are left
+    uninitialised (no time spent zeroing what MPI overwrites); from 1 MiB on
+    they are mappings of their own (:func:`huge_page_buffer`), taken from
     ``pool`` when one is given.
     """
     if size <= 65536:
         return memoryview(bytearray(size))
-    if pool is not None and size >= _POOL_MIN_BYTES:
-        return pool.take(size)
-    return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    if size < _POOL_MIN_BYTES:
+        return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    return pool.take(size) if pool is not None else memoryview(huge_page_buffer(size)).cast("B")
+
+
+def huge_page_buffer(size: int) -> np.ndarray:
+    """``size`` bytes of fresh anonymous memory that the kernel may back with transparent huge pages.
+
+    A large message is copied between processes a page at a time (Open MPI's single copy pins the sender's pages):
+    with 2 MiB pages that costs less than with 4 KiB ones. ``np.empty`` of 16 MiB comes from glibc's heap once an
+    earlier one was freed, 16 bytes past a page boundary and without huge pages; a mapping of its own is aligned to
+    2 MiB for its size (Linux 6.7 on) and goes back to the system when dropped.
+    """
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (shared: no huge pages)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; where the kernel's policy is "madvise", this opts in
+        region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, dtype=np.uint8)

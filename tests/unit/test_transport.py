@@ -1,7 +1,10 @@
 """Message encoding without MPI: frames, inline and separate parts, compact messages."""
 
 import enum
+import gc
+import mmap
 import struct
+import weakref
 
 import numpy as np
 import pytest
@@ -37,6 +40,33 @@ def test_arrays_travel_out_of_band_without_copies():
     assert np.shares_memory(np.frombuffer(parts[1], dtype=np.uint8), array)  # zero copy on send
     value, encoded = roundtrip({"x": array})
     assert encoded.parts and np.array_equal(value["x"], array)
+
+
+def test_the_serializer_keeps_nothing_it_pickled_alive():
+    """Its pickler is reused; its memo must not hold the last message: a sent 16 MiB reply kept alive there held its
+    pooled receive buffer, and an echoing rank received every other message into a second one."""
+    array = np.ones(1000)
+    message = (1, "reply", array)
+    parts = transport.serialize(message)
+    assert np.shares_memory(np.frombuffer(parts[1], np.float64), array)
+    held = weakref.ref(array)
+    del message, array, parts
+    gc.collect()
+    assert held() is None
+
+
+def test_large_receive_buffers_are_mappings_of_their_own():
+    """Past the pool's 1 MiB floor, a receive buffer is fresh anonymous memory (the kernel may back it with huge
+    pages), writable, of the size asked; the pool hands the same one out again once it is dropped."""
+    pool = transport.BufferPool(max_bytes=64 << 20)
+    first = pool.take(3 << 20)
+    first[:] = b"\x01" * (3 << 20)
+    address = np.frombuffer(first, np.uint8).ctypes.data
+    assert isinstance(first.obj.base.obj, mmap.mmap) and first.nbytes == 3 << 20
+    del first
+    assert np.frombuffer(pool.take(3 << 20), np.uint8).ctypes.data == address
+    unpooled = transport.allocate(2 << 20)
+    assert isinstance(unpooled.obj.base.obj, mmap.mmap) and not unpooled.readonly
 
 
 @pytest.mark.parametrize(

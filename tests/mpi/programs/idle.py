@@ -1,6 +1,7 @@
 """An idle rank must not burn a core: CPU time while nothing happens, while an ask waits, while a large
-allreduce waits for a late rank (the worker thread's blocking MPI would spin), and while it awaits a value another
-rank sends late over a channel (a pipeline stage's next activation: it spins for it only briefly)."""
+allreduce waits for a late rank (the worker thread's blocking MPI would spin), while it awaits a value another
+rank sends late over a channel (a pipeline stage's next activation: it spins for it only briefly), and while a large
+message it sent waits for a rank whose loop is busy (it polls for the parts only within their allowance)."""
 
 import asyncio
 import time
@@ -14,6 +15,9 @@ class Sleeper(mpiscale.Actor):
     async def nap(self, seconds: float) -> str:
         await asyncio.sleep(seconds)
         return "rested"
+
+    def weigh(self, data: np.ndarray) -> float:
+        return float(data.sum())
 
 
 async def cpu_share(awaitable) -> float:
@@ -37,15 +41,31 @@ async def main(system):
     behind = await cpu_share(system.hierarchy.allreduce(gradients, out=gradients))
     assert (gradients == system.size).all()
     expected = await cpu_share(_late_value(system))
-    shares = await system.world.allgather(np.array([idle, waiting, 0.0 if late else behind, expected]))
+    stalled = await _stalled_transfer(system, sleepers[system.size - 1])
+    shares = await system.world.allgather(np.array([idle, waiting, 0.0 if late else behind, expected, stalled]))
     if system.rank == 0:
-        for rank, (a, b, c, d) in enumerate(shares):
+        for rank, (a, b, c, d, e) in enumerate(shares):
             print(
                 f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}, on a late rank's allreduce "
-                f"{c:.1%}, on a value sent 2 s late {d:.1%}"
+                f"{c:.1%}, on a value sent 2 s late {d:.1%}, on 16 MiB a busy rank takes 2 s late {e:.1%}"
             )
         assert (shares < 0.10).all(), f"an idle rank used 10% of a core or more: {shares}"
         print("idle ok")
+
+
+async def _stalled_transfer(system, last) -> float:
+    """The share of a core an ask with 16 MiB to the last rank takes while that rank's loop is blocked for 2 s (a
+    long computation in ``main``): the message's parts wait for it there. The last rank reports 0."""
+    data = np.ones(2 << 20)
+    await system.world.barrier()
+    if system.rank == system.size - 1:
+        time.sleep(2.0)
+        return 0.0
+
+    async def weighed() -> None:
+        assert await last.ask("weigh", data) == data.size
+
+    return await cpu_share(weighed())
 
 
 async def _late_value(system) -> None:
