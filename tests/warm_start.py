@@ -60,7 +60,10 @@ def stand_in(path: str, arguments: list[str]) -> None:
     )
 
     def forward(signum, _frame):
-        connection.sendall(_EVENT.pack(2, signum))
+        try:
+            connection.sendall(_EVENT.pack(2, signum))
+        except OSError:  # the keeper is gone, after it sent how the worker ended: that is on its way, or here
+            pass
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
