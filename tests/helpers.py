@@ -7,8 +7,10 @@ fixtures.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +40,17 @@ class Job:
         return self.stdout + self.stderr
 
 
+def scratch_folder(prefix: str) -> str:
+    """A new folder under the system's temporary directory, removed when this process ends."""
+    folder = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
 # Jobs' control tokens go to a directory of this session, not the user's home: two test sessions at once (CI beside
-# a developer's run) never take each other's tokens for the same job ids.
-os.environ.setdefault("MPISCALE_TOKEN_DIR", tempfile.mkdtemp(prefix="mpiscale-tokens-"))
+# a developer's run) never take each other's tokens for the same job ids. (The test workers inherit the session's.)
+if "MPISCALE_TOKEN_DIR" not in os.environ:
+    os.environ["MPISCALE_TOKEN_DIR"] = scratch_folder("mpiscale-tokens-")
 # The environment as the test session began, before any unit test initialised an MPI singleton in this
 # process (which leaves OMPI_/PMIX_ variables that mpirun would mistake for a job of its own). A site's
 # own settings (OMPI_MCA_plm_rsh_agent on a machine with no ssh, say) are part of it and are kept.
@@ -73,7 +83,7 @@ class Preloaded:
     @classmethod
     def _started(cls) -> str:
         if cls._socket is None:
-            folder = tempfile.mkdtemp(prefix="mpiscale-warm-")
+            folder = scratch_folder("mpiscale-warm-")
             socket_path, log = f"{folder}/socket", Path(folder, "log")
             with open(log, "w") as output:
                 server = subprocess.Popen(
