@@ -64,7 +64,14 @@ def test_a_tensor_travels_as_an_array_and_comes_back_with_its_dtype(dtype):
     tensor = (torch.arange(24).reshape(2, 3, 4) % 5).to(dtype)
     array, flags = channel_array(tensor.t() if tensor.ndim == 2 else tensor.transpose(0, 2), "the output")
     back = channel_tensor(array.copy(), flags)
-    assert back.dtype == dtype and torch.equal(back, tensor.transpose(0, 2))
+    assert array.flags.c_contiguous and back.dtype == dtype and torch.equal(back, tensor.transpose(0, 2))
+
+
+def test_an_output_in_autograd_travels_as_a_view_of_its_memory():
+    """A stage's output requires a gradient; what travels is its memory, detached, without a copy."""
+    out = torch.ones(4, 8, requires_grad=True) * 3
+    array, flags = channel_array(out, "the output")
+    assert flags == 0 and np.shares_memory(array, out.detach().numpy()) and (array == 3).all()
 
 
 def test_what_is_not_a_tensor_is_refused_with_what_it_was():
