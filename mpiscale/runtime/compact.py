@@ -35,6 +35,7 @@ of the pickled path's out-of-band arrays.
 from __future__ import annotations
 
 import struct
+import warnings
 from typing import Any, cast
 
 import numpy as np
@@ -70,7 +71,9 @@ def dtype_from_code(code: str) -> np.dtype:
     """The dtype a :func:`plain_dtype_code` names (cached); ValueError for one that holds objects."""
     dtype = _dtypes.get(code)
     if dtype is None:
-        dtype = np.dtype(code)
+        with warnings.catch_warnings():  # a deprecated alias ("a" for "S") is no code a sender writes: refused
+            warnings.simplefilter("error", DeprecationWarning)
+            dtype = np.dtype(code)
         if dtype.hasobject:
             raise ValueError(f"dtype {code!r} holds objects")
         _dtypes[code] = dtype
