@@ -45,6 +45,7 @@ def test_bench_pingpong_writes_json(tmp_path):
         assert (
             0 < row["ask_rtt_s"] <= row["ask_p99_s"] and row["persistent_rtt_s"] > 0 and row["mpi4py_pickle_rtt_s"] > 0
         )
+        assert row["ratio_to_reply_apart"] == row["ask_rtt_s"] / row["raw_reply_apart_rtt_s"]
     assert record["many_actors"]["ask_rtt_s"] > 0 and record["mpi4py_futures"]["rtt_s"] > 0
 
 
