@@ -7,7 +7,10 @@ thread per rank's share of the cores; in the same run:
   other ranks wait): the work a pipeline splits;
 * **ideal**: the slowest stage's measured compute per step times ``(M + S - 1) / M``, the step of a pipeline
   whose messages cost nothing (its only loss the fill and drain bubble);
-* **ours** and **torch**: median over steps of the slowest rank's step.
+* **ours** and **torch**: median over steps of the slowest rank's step;
+* **raw**: the same stages and schedule written by hand in mpi4py and torch (:mod:`.pipeline_raw`): receives posted
+  ahead into buffers of the one shape, blocking waits, nothing else: the floor of a Python pipeline on the machine,
+  its step over its own ideal (its slowest stage's compute, measured the same way) beside ours.
 
 Also: the bubble (``1 - slowest stage's compute / step``), our stages' idle share as they measured it, the
 overhead per hop (``(step - ideal) / (2 M (S - 1))``: what each activation or gradient message added on
@@ -27,7 +30,8 @@ from ..runtime import ActorSystem, run
 from ..train.pipeline import Pipeline, split_sequential
 from . import plots
 from .allreduce import init_torch_group
-from .report import median_slowest_async, table, write_json
+from .pipeline_raw import RawPipeline
+from .report import median_slowest, median_slowest_async, table, write_json
 
 WIDTH, LAYERS_PER_STAGE, ROWS = 256, 2, 32  # rows per micro-batch; about 0.5 ms of forward and backward per stage
 SCHEDULES = ("1f1b", "gpipe")
@@ -68,6 +72,7 @@ async def run_pipeline_bench(system: ActorSystem, json_path: str, quick: bool = 
         for schedule in SCHEDULES:
             record = {"schedule": schedule, "micro_batches": micro_batches, "one_process_s": floor}
             record |= await _ours(system, torch, x, y, micro_batches, schedule, steps)
+            record |= _raw(system, torch, x, y, micro_batches, schedule, steps)
             record["torch_s"] = await _torch(system, torch, x, y, micro_batches, schedule, steps)
             records.append(record)
     dist.destroy_process_group()
@@ -125,6 +130,29 @@ async def _ours(system: ActorSystem, torch, x, y, micro_batches: int, schedule: 
     }
 
 
+def _raw(system: ActorSystem, torch, x, y, micro_batches: int, schedule: str, steps: int) -> dict:
+    """The hand-written peer's median step, its slowest stage's compute, and its gradients' largest difference from
+    the one process's after one step from the same weights (it computes what ours does)."""
+    stage = _my_stage(system, torch)
+    comm = system.world.comm
+    inputs = list(torch.tensor_split(x, micro_batches)) if system.rank == 0 else None
+    targets = list(torch.tensor_split(y, micro_batches)) if system.rank == system.size - 1 else None
+    raw = RawPipeline(comm, stage, _loss, micro_batches, schedule, (len(x) // micro_batches, WIDTH))
+    computes = []
+
+    def step() -> None:
+        stage.zero_grad()
+        computes.append(raw.step(torch, inputs, targets))
+
+    step()
+    difference = _gradient_difference(system, torch, stage, x, y, micro_batches)
+    seconds = median_slowest(comm, step, steps)
+    raw.close()
+    compute = statistics.median(computes[-steps:])
+    return {"raw_s": seconds, "raw_slowest_stage_compute_s": max(comm.allgather(compute)),
+            "raw_gradient_difference": difference}  # fmt: skip
+
+
 def _gradient_difference(system: ActorSystem, torch, stage, x, y, micro_batches: int) -> float:
     """Largest |gradient - one process's| over every rank's stage, after one step from the same weights."""
     from mpi4py import MPI
@@ -164,23 +192,27 @@ def _report(system: ActorSystem, json_path: str, records: list[dict], steps: int
     for record in records:
         m = record["micro_batches"]
         ideal = record["slowest_stage_compute_s"] * (m + stages - 1) / m
-        ours, theirs = record["ours_s"], record["torch_s"]
+        ours, theirs, raw = record["ours_s"], record["torch_s"], record["raw_s"]
         record |= {
             "ideal_s": ideal,
             "ours_over_ideal": ours / ideal,
+            "raw_over_its_ideal": raw / (record["raw_slowest_stage_compute_s"] * (m + stages - 1) / m),
+            "ours_over_raw": ours / raw,
             "torch_over_ours": theirs / ours,
             "ours_bubble": 1 - record["slowest_stage_compute_s"] / ours,
             "torch_bubble": 1 - record["slowest_stage_compute_s"] / theirs,
             "overhead_per_hop_s": max(0.0, ours - ideal) / (2 * m * (stages - 1)),
         }
-        rows.append([record["schedule"], m, record["one_process_s"] * 1e3, ideal * 1e3, ours * 1e3, theirs * 1e3,
-                     record["ours_over_ideal"], record["torch_over_ours"], record["ours_bubble"],
+        rows.append([record["schedule"], m, record["one_process_s"] * 1e3, ideal * 1e3, ours * 1e3, raw * 1e3,
+                     theirs * 1e3, record["ours_over_ideal"], record["raw_over_its_ideal"], record["ours_over_raw"],
+                     record["torch_over_ours"], record["ours_bubble"],
                      record["ours_idle_share"], record["torch_bubble"], record["overhead_per_hop_s"] * 1e6,
                      record["peak_held_bytes"] / 1024, record["ours_gradient_difference"]])  # fmt: skip
     print(f"pipeline training step: MLP of {stages * LAYERS_PER_STAGE} layers {WIDTH} wide, one stage per rank "
           f"({stages} ranks), {ROWS} rows per micro-batch, {torch.get_num_threads()} torch threads per rank; "
           f"median of {steps} steps of the slowest rank")  # fmt: skip
-    headers = ["schedule", "M", "1 process ms", "ideal ms", "ours ms", "torch ms", "ours/ideal", "torch/ours",
+    headers = ["schedule", "M", "1 process ms", "ideal ms", "ours ms", "raw ms", "torch ms", "ours/ideal",
+               "raw/its ideal", "ours/raw", "torch/ours",
                "ours bubble", "ours idle", "torch bubble", "µs/hop", "held KiB", "grad diff"]  # fmt: skip
     print(table(headers, rows))
     one_f = [r for r in records if r["schedule"] == "1f1b"]

@@ -115,6 +115,21 @@ def test_bench_allreduce_writes_json(tmp_path):
     assert "ours/MPI" in job.stdout and "ours/gloo" in job.stdout
 
 
+def test_bench_pipeline_writes_json_with_the_hand_written_peer(tmp_path):
+    """Both schedules, ours beside the same pipeline written in raw mpi4py, each computing the one process's
+    gradients, and each step set against its own ideal."""
+    out = tmp_path / "pipeline.json"
+    job = mpiscale(2, "bench", "pipeline", "--quick", "--json", str(out), timeout=300)
+    assert_ok(job)
+    records = json.loads(out.read_text())["records"]
+    assert [record["schedule"] for record in records] == ["1f1b", "gpipe"]
+    for record in records:
+        assert record["ours_gradient_difference"] < 1e-4 and record["raw_gradient_difference"] < 1e-4
+        assert record["ours_over_raw"] == record["ours_s"] / record["raw_s"]
+        assert record["raw_over_its_ideal"] > 0 and record["raw_slowest_stage_compute_s"] > 0
+    assert "raw/its ideal" in job.stdout
+
+
 def test_bench_ddp_writes_json(tmp_path):
     out = tmp_path / "ddp.json"
     job = mpiscale(2, "bench", "ddp", "--quick", "--json", str(out), timeout=300)
