@@ -283,8 +283,9 @@ _BENCHMARKS = [
     _bench("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo, or NCCL with --device cuda "
            "(any ranks)", arg("--device", choices=("cpu", "cuda"), default="cpu",
                               help="where the models train (default: cpu; cuda: one rank per GPU)")),  # fmt: skip
-    _bench("pipeline", "a pipeline training step (1F1B, GPipe) vs one process, the ideal pipeline and "
-           "torch.distributed.pipelining on gloo (2+ ranks, one stage each)", _PLOT),  # fmt: skip
+    _bench("pipeline", "a pipeline training step (1F1B, GPipe) vs one process, the ideal pipeline, the same "
+           "pipeline by hand in raw mpi4py, and torch.distributed.pipelining on gloo (2+ ranks, one stage each)",
+           _PLOT),  # fmt: skip
     _bench("memstore", "memory store: decay vs numpy and a memory copy; full iterations at 1M and 10M records "
            "(any ranks)"),  # fmt: skip
     _bench("random", "per-sample random parameters vs a numpy generator per sample (any ranks)",
