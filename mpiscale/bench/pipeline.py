@@ -191,12 +191,13 @@ def _report(system: ActorSystem, json_path: str, records: list[dict], steps: int
     rows = []
     for record in records:
         m = record["micro_batches"]
-        ideal = record["slowest_stage_compute_s"] * (m + stages - 1) / m
+        fill_and_drain = (m + stages - 1) / m  # an ideal step over the slowest stage's compute
+        ideal = record["slowest_stage_compute_s"] * fill_and_drain
         ours, theirs, raw = record["ours_s"], record["torch_s"], record["raw_s"]
         record |= {
             "ideal_s": ideal,
             "ours_over_ideal": ours / ideal,
-            "raw_over_its_ideal": raw / (record["raw_slowest_stage_compute_s"] * (m + stages - 1) / m),
+            "raw_over_its_ideal": raw / (record["raw_slowest_stage_compute_s"] * fill_and_drain),
             "ours_over_raw": ours / raw,
             "torch_over_ours": theirs / ours,
             "ours_bubble": 1 - record["slowest_stage_compute_s"] / ours,

@@ -26,25 +26,26 @@ class RawPipeline:
     def __init__(self, comm: Comm, module: Any, loss_fn: Callable, micro_batches: int, schedule: str,
                  shape: tuple[int, ...]) -> None:  # fmt: skip
         self.comm = comm.Dup()
-        self.module, self.loss_fn, self.micro_batches, self.shape = module, loss_fn, micro_batches, shape
+        self.module, self.loss_fn = module, loss_fn
         rank, size = self.comm.Get_rank(), self.comm.Get_size()
         self.actions = build(schedule, size, micro_batches)[rank]
         self.before = rank - 1 if rank > 0 else None
         self.after = rank + 1 if rank < size - 1 else None
+        #: Each receive of a step, by (kind, micro-batch): its peer, its tag and the buffer it lands in, made once (a
+        #: step has waited for all of them, and sent all it sends, before the next one posts them again).
+        self.receives = {
+            (kind, m): (peer, 2 * m + (1 if kind == BACKWARD else 0), np.empty(shape, np.float32))
+            for kind, peer in ((FORWARD, self.before), (BACKWARD, self.after))
+            if peer is not None
+            for m in range(micro_batches)
+        }
 
     def step(self, torch: Any, inputs: list | None, targets: list | None) -> float:
         """One step's forward and backward passes (collective over the stages; the first passes its micro-batches'
         inputs, the last their targets); gradients add to the module's. Returns the seconds of compute. Micro-batch
         ``m``'s activation travels on tag ``2m``, its gradient on ``2m + 1``."""
         comm, compute = self.comm, 0.0
-        received: dict[tuple[str, int], tuple[Any, np.ndarray]] = {}
-        for m in range(self.micro_batches):  # every receive of the step, posted ahead
-            if self.before is not None:
-                buffer = np.empty(self.shape, np.float32)
-                received[(FORWARD, m)] = comm.Irecv(buffer, self.before, 2 * m), buffer
-            if self.after is not None:
-                buffer = np.empty(self.shape, np.float32)
-                received[(BACKWARD, m)] = comm.Irecv(buffer, self.after, 2 * m + 1), buffer
+        received = {key: (comm.Irecv(buffer, peer, tag), buffer) for key, (peer, tag, buffer) in self.receives.items()}
         held: dict[int, tuple[Any, Any]] = {}
         sends = []
         for action in self.actions:
