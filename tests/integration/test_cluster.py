@@ -276,6 +276,14 @@ def _until_checkpoint(scheduler: Controller, job: str, run: Path, step: int) -> 
     assert _checkpointed(checkpoints) >= step, f"job {job} ended before its checkpoint of iteration {step}"
 
 
+def _nodes_reported(run: Path) -> set[str]:
+    """The hosts that the job's metrics records have named so far (its telemetry file, as ``mpiscale watch`` reads)."""
+    telemetry = run / "dictionary.h5.telemetry.jsonl"
+    lines = telemetry.read_text().split("\n")[:-1] if telemetry.exists() else []  # a last line half written: left
+    records = [json.loads(line) for line in lines]
+    return {node["host"] for r in records if r["kind"] == "metrics" for node in r["nodes"]}
+
+
 def _assert_learned(run: Path, tmp_path: Path) -> None:
     with h5py.File(run / "dictionary.h5", "r") as file:
         assert file.attrs["iterations"] == 2000 and file.attrs["world_size"] == 4
@@ -307,6 +315,8 @@ def test_a_node_lost_under_slurm_is_named_and_the_job_resumes_on_the_nodes_that_
     options = f"{TEMPLATE_SETTINGS['OPTIONS']} --local-dir {LOCAL} --shared-every 0"
     job = _submit(scheduler, run, OPTIONS=options)
     _until_checkpoint(scheduler, job, run, 250)
+    # the job's telemetry (every 0.5 s) has named both nodes: 250 iterations can take less than one interval
+    scheduler.wait(job, 30, until=lambda j: _nodes_reported(run) >= {"node1", "node2"} or j.state != "RUNNING")
     try:
         killed = time.monotonic()
         assert cluster("kill", "node2").returncode == 0
