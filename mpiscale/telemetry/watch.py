@@ -85,25 +85,33 @@ class View:
         silent = self.silent_s(now)
         return silent is not None and silent > GONE_INTERVALS * self.interval_s
 
-    def _node_lines(self, nodes: list[dict]) -> list[str]:
-        """One line per node of a job on several (stalest first): its ranks, its step, how fresh its reports are;
-        a node silent for many intervals is named as hung or gone."""
+    def _node_lines(self, nodes: list[dict], as_of: float, ago: str) -> list[str]:
+        """One line per node of a job on several (stalest first): its ranks, its step, how fresh its reports were at
+        ``as_of`` (now, or the job's end); a node silent for many intervals is named as hung or gone."""
         if len(nodes) < 2:
             return []
-        lines, now = [], time.time()
+        lines = []
         for node in nodes:
-            age = max(0.0, now - node["report_time"])
-            fresh = (f"SILENT for {age:.0f} s: its ranks are hung, or the node is gone"
-                     if age > STALE_INTERVALS * self.interval_s else f"reported {age:.1f} s ago")  # fmt: skip
+            age = max(0.0, as_of - node["report_time"])
+            if age <= STALE_INTERVALS * self.interval_s:
+                fresh = f"reported {age:.1f} s {ago}"
+            elif self.ended:
+                fresh = f"SILENT for {age:.0f} s {ago}: its ranks were hung, or the node was gone"
+            else:
+                fresh = f"SILENT for {age:.0f} s: its ranks are hung, or the node is gone"
             lines.append(f"  node {node['host']} (ranks {_spans(node['ranks'])}): step {node['step']}, {fresh}")
         return lines
 
     def lines(self) -> list[str]:
+        now = time.time()
         status = self.latest.get("status")
         if status is None:
             return ["waiting for the job's status..."]
         lines = [f"job {status['job']}: {status['command']} on {status['ranks']} ranks ({status['host']}), "
                  f"{status['state']}"]  # fmt: skip
+        # ages are measured to the job's end once it has ended: its file read hours later shows how fresh each report
+        # was then, not hours of silence
+        as_of, ago = (status["time"], "before the job ended") if self.ended else (now, "ago")
         progress = self.latest.get("progress")
         if progress is not None:
             done = progress["step"] / progress["total"] if progress["total"] else 0.0
@@ -120,12 +128,12 @@ class View:
                 if name != "step":
                     lines.append(f"  {name}: min {spread['min']:.4g} (rank {spread['min_rank']}), "
                                  f"mean {spread['mean']:.4g}, max {spread['max']:.4g}")  # fmt: skip
-            lines += self._node_lines(metrics.get("nodes", []))
+            lines += self._node_lines(metrics.get("nodes", []), as_of, ago)
         beat = self.latest.get("heartbeat")
         if beat is not None:
-            age = time.time() - beat["time"]
-            lines.append(f"heartbeat {age:.1f} s ago; {beat['dropped']} records dropped by the publisher")
-        silent = self.silent_s(time.time())
+            age = max(0.0, as_of - beat["time"])
+            lines.append(f"heartbeat {age:.1f} s {ago}; {beat['dropped']} records dropped by the publisher")
+        silent = self.silent_s(now)
         if silent is not None and silent > STALE_INTERVALS * self.interval_s:
             lines.append(f"NO HEARTBEAT for {silent:.0f} s (one every {self.interval_s:.1f} s): the job is stalled, "
                          "or it died without a final status")  # fmt: skip

@@ -168,3 +168,20 @@ def test_per_node_reports_put_the_stalest_node_first_and_watch_names_a_silent_on
     view.take(record("metrics", "j", ranks_reporting=2, slowest_rank=0, values=spread(one_host),
                      nodes=by_node(one_host)))  # fmt: skip
     assert " node " not in "\n".join(view.lines())
+
+
+def test_a_finished_jobs_file_read_later_shows_its_nodes_as_they_were_when_it_ended():
+    """A job that failed an hour ago, read from its file now: node1 had reported 0.4 s before the end, node2 (lost)
+    60 s before it; the ages are measured to the job's end, so node1 is not called silent an hour on, and node2 is
+    named silent for its 60 s."""
+    end = time.time() - 3600
+    reports = {r: {**report(r, 50, end - 0.4 if r < 2 else end - 60), "host": f"node{r // 2 + 1}"} for r in range(4)}
+    view = _records(end - 1.0, end - 0.5)
+    view.take({**record("metrics", "j", ranks_reporting=4, slowest_rank=2, values=spread(reports),
+                        nodes=by_node(reports)), "time": end - 0.5})  # fmt: skip
+    view.take({**record("status", "j", ranks=4, host="node1", command="dictlearn", state="failed"), "time": end})
+    shown = "\n".join(view.lines())
+    assert "node node1 (ranks 0-1): step 50, reported 0.4 s before the job ended" in shown, shown
+    assert ("node node2 (ranks 2-3): step 50, SILENT for 60 s before the job ended: its ranks were hung, or the node "
+            "was gone") in shown, shown  # fmt: skip
+    assert "heartbeat 0.5 s before the job ended" in shown and " ago" not in shown, shown
