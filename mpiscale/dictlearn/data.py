@@ -29,8 +29,11 @@ class DataInfo:
         return f"{self.path}:/{self.name}" if self.name else self.path
 
 
-def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int, comm: Comm) -> DataInfo:
+def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int | None, comm: Comm) -> DataInfo:
     """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity.
+
+    ``batch_size``: the global mini-batch, which may not exceed the signals; None where the method takes the
+    whole data set at once (mod) and reads no mini-batches.
 
     Signals are the rows of any numeric data set; further axes are flattened
     (an N x 8 x 8 stack of patches is N signals of 64 values). Raises
@@ -76,10 +79,10 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int,
         problems.append(
             f"sparsity {sparsity} exceeds the signal length {features}: OMP cannot pick more independent atoms"
         )
-    if batch_size > samples:
+    if batch_size is not None and batch_size > samples:
         problems.append(f"batch size {batch_size} exceeds the {samples} signals")
     if problems:
-        raise ValueError(f"{path}:{name}: " + "; ".join(problems))
+        raise DataFileError(path, "; ".join(problems), name)
     return DataInfo(path, name, samples, features, patch_shape)
 
 
@@ -100,13 +103,14 @@ async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncGen
     epoch, step = divmod(start, reader.steps)
     while True:
         async for batch in reader.aepoch(epoch, step):
-            signals = batch.data[name]
-            yield batch.ids, np.asarray(signals, dtype=np.float64).reshape(len(signals), -1)
+            signals = np.asarray(batch.data[name], dtype=np.float64)
+            # by its shape, not -1: a rank with no rows in this batch (fewer rows than ranks) gets an empty block
+            yield batch.ids, signals.reshape(len(signals), int(np.prod(signals.shape[1:])))
         epoch, step = epoch + 1, 0
 
 
 def resident_block(info: DataInfo, comm: Comm) -> tuple[np.ndarray, np.ndarray]:
     """(global ids, rows) of this rank's block of the whole data set, read collectively."""
     start, stop = rank_rows(info.samples, comm.Get_size(), comm.Get_rank())
-    rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64).reshape(stop - start, -1)
+    rows = np.asarray(read_dataset(info.path, info.name, comm), dtype=np.float64).reshape(stop - start, info.features)
     return np.arange(start, stop, dtype=np.int64), rows

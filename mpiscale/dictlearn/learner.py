@@ -82,7 +82,8 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.nda
         planted = write_planted_dataset(
             path, config.samples, config.features, config.planted, config.sparsity, config.snr_db, config.seed, comm
         )
-    info = check_data(path, name, config.atoms, config.sparsity, config.batch_size, comm)
+    batch_size = config.batch_size if config.method == "online" else None  # mod reads no mini-batches
+    info = check_data(path, name, config.atoms, config.sparsity, batch_size, comm)
     return info, planted
 
 

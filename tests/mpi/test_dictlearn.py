@@ -72,6 +72,22 @@ def test_same_dictionary_on_1_2_and_4_ranks(tmp_path):
     assert np.abs(dictionaries[0] - dictionaries[2]).max() < 1e-9
 
 
+def test_ranks_with_no_rows_learn_what_one_rank_learns(tmp_path):
+    """3 signals in a user's .npy on 4 ranks: online batches of 2 leave two ranks without a row in every round, and
+    mod's whole data set leaves one rank none (its default --batch-size of 256, an online setting, is not held
+    against the 3 signals). Each learns the one-rank dictionary."""
+    data = tmp_path / "three.npy"
+    np.save(data, np.random.default_rng(5).standard_normal((3, 20)))
+    small = ["--data", str(data), "--atoms", "2", "--sparsity", "1", "--iterations", "4"]
+    for method in (["--batch-size", "2"], ["--method", "mod"]):
+        dictionaries = []
+        for ranks in (1, 4):
+            out = tmp_path / f"{method[-1]}-{ranks}.h5"
+            assert_ok(dictlearn(ranks, out, *small, *method))
+            dictionaries.append(learned(out))
+        assert np.abs(dictionaries[0] - dictionaries[1]).max() < 1e-12, method
+
+
 def test_replacements_are_chosen_for_the_whole_batch_on_1_to_4_ranks(tmp_path):
     """Handwritten digits (8x8 images written by plain h5py) with far more atoms than they need: more atoms go idle
     every iteration than --max-replace allows, and each rank's worst signals must not add up to more replacements.
