@@ -123,7 +123,8 @@ class View:
         if metrics is not None:
             step = metrics["values"].get("step", {})
             lines.append(f"slowest rank {metrics['slowest_rank']} (step {step.get('min', 0):.0f}; fastest at "
-                         f"{step.get('max', 0):.0f}), {metrics['ranks_reporting']} ranks reporting")  # fmt: skip
+                         f"{step.get('max', 0):.0f}), {metrics['ranks_reporting']} of {status['ranks']} ranks "
+                         "reporting")  # fmt: skip
             for name, spread in sorted(metrics["values"].items()):
                 if name != "step":
                     lines.append(f"  {name}: min {spread['min']:.4g} (rank {spread['min_rank']}), "

@@ -185,3 +185,13 @@ def test_a_finished_jobs_file_read_later_shows_its_nodes_as_they_were_when_it_en
     assert ("node node2 (ranks 2-3): step 50, SILENT for 60 s before the job ended: its ranks were hung, or the node "
             "was gone") in shown, shown  # fmt: skip
     assert "heartbeat 0.5 s before the job ended" in shown and " ago" not in shown, shown
+
+
+def test_watch_says_how_many_of_the_jobs_ranks_report():
+    """A node whose ranks have not reported yet shows in the count: 2 of the job's 4 ranks."""
+    now = time.time()
+    reports = {r: {**report(r, 5, now), "host": "node1"} for r in range(2)}
+    view = View()
+    view.take(record("status", "j", ranks=4, host="node1", command="dictlearn", state="running"))
+    view.take(record("metrics", "j", ranks_reporting=2, slowest_rank=0, values=spread(reports), nodes=by_node(reports)))
+    assert "slowest rank 0 (step 5; fastest at 5), 2 of 4 ranks reporting" in view.lines()
