@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import sys
 import time
 from collections import deque
@@ -185,7 +186,10 @@ class Screen:
             self.stream.write(f"\x1b[{self.shown}F\x1b[J")
         self.stream.write("\n".join(lines) + "\n" + ("" if self.tty else "\n"))
         self.stream.flush()
-        self.last, self.shown = lines, len(lines)
+        # the rows drawn, to go back up by: a line wider than the terminal wraps onto more than one (a failure's or a
+        # hang's event line), and counting it as one would leave the view's top on screen at every redraw
+        columns = shutil.get_terminal_size().columns
+        self.last, self.shown = lines, sum(max(1, -(-len(line) // columns)) for line in lines)
 
 
 def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, poll_s: float = 0.25) -> View:

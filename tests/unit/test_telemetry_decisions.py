@@ -1,12 +1,13 @@
 """What rank 0 decides from the ranks' reports, as pure functions: the metrics' spread, the pace, hangs, stragglers."""
 
+import io
 import time
 
 import pytest
 
 from mpiscale.telemetry import Watchdog, WatchdogSettings, by_node, pace, spread
 from mpiscale.telemetry.schema import problems, record
-from mpiscale.telemetry.watch import View
+from mpiscale.telemetry.watch import Screen, View
 
 
 def report(rank: int, step: int, time: float, wait_s: float = 0.0, waiting_in=None, **metrics) -> dict:
@@ -195,3 +196,24 @@ def test_watch_says_how_many_of_the_jobs_ranks_report():
     view.take(record("status", "j", ranks=4, host="node1", command="dictlearn", state="running"))
     view.take(record("metrics", "j", ranks_reporting=2, slowest_rank=0, values=spread(reports), nodes=by_node(reports)))
     assert "slowest rank 0 (step 5; fastest at 5), 2 of 4 ranks reporting" in view.lines()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_watch_in_a_terminal_goes_back_over_every_row_a_wrapped_line_took(monkeypatch):
+    """A failure event 250 characters long on an 80-column terminal takes 4 rows: the next redraw moves up over the
+    status line's 1 and those 4, so the view stays in place instead of creeping down the screen."""
+    monkeypatch.setenv("COLUMNS", "80")
+    view = View()
+    view.take({**record("status", "j", ranks=2, host="h", command="memstore", state="running"), "time": time.time()})
+    view.take(record("event", "j", event="hang", rank=1, detail="x" * 226))  # 250 characters with its prefix
+    terminal = _Terminal()
+    screen = Screen(terminal)
+    screen.draw(view)
+    assert [len(line) for line in terminal.getvalue().splitlines()] == [39, 250]
+    view.take(record("event", "j", event="checkpoint", rank=0, detail="step 10 saved"))
+    screen.draw(view)
+    assert terminal.getvalue().count("\x1b[5F\x1b[J") == 1
