@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         if (getattr(args, name, 1) or 1) < 1:
             top.error(f"--{name.replace('_', '-')} must be at least 1")
     module, function = args.handler.split(":")
-    status = getattr(import_module(module), function)(args)
+    status = 0
     try:
+        status = getattr(import_module(module), function)(args)
         sys.stdout.flush()
     except BrokenPipeError:  # the reader left (a pipe into head, a launcher ending the job): nobody to tell
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

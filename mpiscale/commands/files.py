@@ -52,8 +52,12 @@ def inspect(args: argparse.Namespace) -> int:
         if args.plot:
             report.plot(args.results, args.plot)
             print(f"wrote {args.plot}")
+    except BrokenPipeError:  # the reader of the report left (a pipe into head): the command line's to handle
+        raise
     except (MpiscaleError, OSError) as error:
         return _refused("inspect", error)
+    except KeyError as error:  # a data set or attribute the format has: the file is damaged, or still being written
+        return _refused("inspect", f"{args.results}: not a whole {job.name} file (damaged?): {error.args[0]}")
     return 0
 
 

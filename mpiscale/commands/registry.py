@@ -121,7 +121,7 @@ _TOOLS = [
         f"summarize a results file of {jobs_with('report', 'or')}; --plot draws those of {jobs_with('plots', 'and')}",
         "mpiscale.commands.files:inspect",
         options=(
-            arg("results", help=f"the results file of a {jobs_with('report', 'or')} run"),
+            arg("results", help=f"the file --out named in a job of {jobs_with('report', 'or')}"),
             arg(
                 "--plot",
                 metavar="FILE.png",

@@ -148,6 +148,23 @@ def test_the_catalogue_holds_every_circuit_readable_with_plain_h5py(pipeline, bu
     assert built.read_bytes() == before and not Path(f"{built}.tmp").exists()
 
 
+def test_inspect_summarizes_the_activations_collect_wrote(pipeline):
+    """Where the rows came from, each layer's shape, share of zeros and mean (as numpy finds them in the file), and
+    the command that learns from a layer."""
+    acts = pipeline / "acts.h5"
+    shown = run_alone("inspect", acts)
+    assert_ok(shown)
+    with h5py.File(acts, "r") as file:
+        layers = {name: file[name][()] for name in ("relu1", "relu2")}
+        inputs = file.attrs["inputs"]
+    assert f"{acts}: activations of 1,437 inputs from the model {pipeline / 'model.h5'} on 1 rank (cpu)" in shown.stdout
+    assert f"inputs: {inputs}; labels: " in shown.stdout
+    for name, values in layers.items():
+        assert (f"/{name}: 1,437 x {values.shape[1]} float32; over all rows: {np.mean(values == 0):.1%} zeros, mean "
+                f"{values.mean():.4g}\n") in shown.stdout, shown.stdout  # fmt: skip
+    assert f"learn a dictionary of a layer: mpiscale dictlearn --data {acts}:/relu1" in shown.stdout
+
+
 def test_files_that_name_each_other_by_relative_paths_are_found_from_any_folder(pipeline, tmp_path):
     """dictlearn run from a parent folder records its data as typed there (run/acts.h5): circuits add run from the
     results' own folder, and inspect --top-inputs from a third, find the data all the same (recorded absolute and
@@ -288,6 +305,13 @@ def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path
         np.testing.assert_array_equal(file["sample_ids"][()], np.arange(1437))
         assert file["done"][()].all() and file["circuits"][-1] == b"heavy/5"
         assert file.attrs["device"] == "cpu"  # auto, on a machine without a GPU
+    shown = run_alone("inspect", out)
+    assert_ok(shown)
+    assert f"of the catalogue {built} on 1,437 inputs of {data}, 2 ranks (cpu)" in shown.stdout, shown.stdout
+    assert "batches: all 15 written (--batch-size 100)\n/features: 1,437 x 25 (25 circuits)" in shown.stdout
+    names = [name.decode() for name in h5py.File(out, "r")["circuits"][()]]
+    most = int(np.argmax(np.abs(expected).mean(axis=0)))
+    assert f"most active over the written rows (mean |value|): {names[most]} " in shown.stdout, shown.stdout
     some = tmp_path / "some.h5"
     assert_ok(run_alone("circuits", "run", "--catalogue", built, "--data", data, "--out", some, "--all-features",
                         "--where", "tag=digits;atom>=3"))  # fmt: skip
@@ -365,6 +389,9 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with h5py.File(partial, "r") as file:
         done = int(file["done"][()].sum())
     assert 2 <= done < 30, done
+    shown = run_alone("inspect", partial)
+    assert f"batches: {done} of 30 written (--batch-size 20); mpiscale circuits run --resume --out {out}," in (
+        shown.stdout), shown.output  # fmt: skip
     before = partial.read_bytes()
     plain = run_cli(2, *common, "--out", out)  # decided on rank 0, said by every rank: one line, not an abort
     assert plain.returncode == 2 and "pass --resume" in plain.stderr, plain.output[-3000:]

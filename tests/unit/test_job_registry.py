@@ -48,7 +48,8 @@ def test_inspect_refuses_a_file_of_no_job_and_a_plot_of_a_job_without_one(tmp_pa
     with h5py.File(other, "w") as file:
         file.attrs["format"] = "someone.else/1"
     assert main(["inspect", str(other)]) == 2
-    assert "is not a results file of dictlearn, train, memstore or compress-adapters" in capsys.readouterr().err
+    assert ("is not a results file of dictlearn, train, collect, memstore, compress-adapters or circuits run"
+            in capsys.readouterr().err)  # fmt: skip
     store = tmp_path / "store.h5"
     with h5py.File(store, "w") as file:
         file.attrs["format"] = JOBS["memstore"].results_format
@@ -82,7 +83,8 @@ def test_every_command_has_a_real_handler_and_its_own_options(command):
 def test_help_lists_are_made_from_the_registry(capsys):
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])
-    assert "a dictlearn, train, memstore or compress-adapters run" in " ".join(capsys.readouterr().out.split())
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "a job of dictlearn, train, collect, memstore, compress-adapters or circuits run" in shown
     with pytest.raises(SystemExit):
         main(["circuits", "--help"])
     assert "{run,add,search,similar}" in capsys.readouterr().out

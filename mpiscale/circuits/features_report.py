@@ -1,0 +1,65 @@
+"""``mpiscale inspect`` of a features file (``mpiscale.circuit-features/1``, written by ``mpiscale circuits run``).
+
+It says what ran (every circuit of a catalogue, or a composition plan), on
+which data, how many of the batches are written (a stopped run's
+``OUT.partial`` or a killed run's ``OUT.tmp`` too, with the command that
+finishes it), and the circuits most active over the written rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..io import open_file
+from .job import FEATURES_FORMAT
+
+SAMPLE_BYTES = 64 << 20  # of the features, read for the most active circuits
+SHOWN = 5  # circuits named as the most active
+
+
+def summarize(path: str) -> str:
+    """What ran on which data, how complete the file is, and what it holds."""
+    with open_file(path, (FEATURES_FORMAT,)) as file:
+        attrs = file.attrs
+        ranks = int(attrs["world_size"])
+        done = file["done"][()]
+        samples = len(file["sample_ids"])
+        plan = str(attrs.get("plan_sha256", ""))
+        what = f"the plan (SHA-256 {plan[:12]}...)" if plan else "every selected circuit"
+        lines = [
+            f"{path}: {what} of the catalogue {attrs['catalogue']} on {samples:,} inputs of {attrs['data']}, "
+            f"{ranks} rank{'s' * (ranks > 1)} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
+            f"{attrs['created']}",
+            _written(path, done, int(attrs["batch_size"])),
+        ]
+        if "features" in file:
+            lines += _most_active(file["features"], [name.decode() for name in file["circuits"][()]], done,
+                                  int(attrs["batch_size"]))  # fmt: skip
+        else:
+            lines += [f"/outputs/{name}: {item.shape[0]:,} x {item.shape[1]}" for name, item in file["outputs"].items()]
+    return "\n".join(lines)
+
+
+def _written(path: str, done: np.ndarray, batch_size: int) -> str:
+    written = int(done.sum())
+    if written == len(done):
+        return f"batches: all {len(done):,} written (--batch-size {batch_size:,})"
+    out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
+    return (f"batches: {written:,} of {len(done):,} written (--batch-size {batch_size:,}); mpiscale circuits run "
+            f"--resume --out {out}, with the settings of the run, writes the others")  # fmt: skip
+
+
+def _most_active(features, names: list[str], done: np.ndarray, batch_size: int) -> list[str]:
+    """The circuits of the largest mean absolute value over the written batches among the first rows."""
+    rows, circuits = features.shape
+    read = min(rows, max(1, SAMPLE_BYTES // max(1, circuits * features.dtype.itemsize)))
+    written = np.repeat(done.astype(bool), batch_size)[:read]
+    values = features[:read][written]
+    lines = [f"/features: {rows:,} x {circuits} ({circuits} circuits)"]
+    if len(values):
+        activity = np.abs(values).mean(axis=0)
+        top = np.argsort(-activity, kind="stable")[:SHOWN]
+        where = "the written rows" if read == rows else f"the written rows of the first {read:,}"
+        lines.append(f"most active over {where} (mean |value|): "
+                     + ", ".join(f"{names[i]} {activity[i]:.4g}" for i in top))  # fmt: skip
+    return lines

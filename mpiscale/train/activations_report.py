@@ -1,0 +1,51 @@
+"""``mpiscale inspect`` of an activations file (``mpiscale.activations/1``, written by ``mpiscale collect``).
+
+It says where the rows came from (the model, the inputs and their labels), each
+layer's data set with its share of zeros and its mean, a dead layer (all zeros)
+or a broken model (non-finite values) showing at a glance, and the command that
+learns a dictionary from a layer. Only the first rows of a large layer are
+read (``SAMPLE_BYTES`` of them), so the report is quick on a file of any size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..io import open_file
+from .collect import ACTIVATIONS_FORMAT
+
+SAMPLE_BYTES = 64 << 20  # of each layer, read for its numbers
+
+
+def summarize(path: str) -> str:
+    """Provenance, each layer's shape and numbers, and the next step."""
+    with open_file(path, (ACTIVATIONS_FORMAT,)) as file:
+        attrs = file.attrs
+        ranks = int(attrs["world_size"])
+        layers = [name for name, item in file.items() if name != "sample_ids" and hasattr(item, "shape")]
+        samples = len(file["sample_ids"])
+        labels = attrs.get("labels") or "none"
+        lines = [
+            f"{path}: activations of {samples:,} inputs from the model {attrs['model']} on {ranks} "
+            f"rank{'s' * (ranks > 1)} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
+            f"{attrs['created']}",
+            f"inputs: {attrs['inputs']}; labels: {labels}",
+        ]
+        for name in layers:
+            lines.append(_layer_line(name, file[name]))
+    if layers:
+        lines.append(f"learn a dictionary of a layer: mpiscale dictlearn --data {path}:/{layers[0]}")
+    return "\n".join(lines)
+
+
+def _layer_line(name: str, dataset) -> str:
+    """A layer's shape, and its share of zeros, mean and non-finite values over its first rows."""
+    rows, width = dataset.shape
+    read = min(rows, max(1, SAMPLE_BYTES // max(1, width * dataset.dtype.itemsize)))
+    values = dataset[:read]
+    finite = np.isfinite(values)
+    where = "all rows" if read == rows else f"its first {read:,} rows"
+    numbers = f"{np.mean(values == 0):.1%} zeros, mean {values[finite].mean() if finite.any() else np.nan:.4g}"
+    broken = int((~finite).sum())
+    return (f"/{name}: {rows:,} x {width} {dataset.dtype}; over {where}: {numbers}"
+            + (f", {broken:,} values NaN or infinite" if broken else ""))  # fmt: skip
