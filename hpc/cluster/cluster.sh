@@ -143,11 +143,12 @@ start_slurm() {
     done
 }
 
-# slurmctld and munged (each slurmd went with its node), by their pid files, within 10 s each
+# slurmctld and munged (each slurmd went with its node), by their pid files, then any other daemon started with the
+# cluster's run directory (one whose pid file a later start overwrote), each gone within 10 s
 stop_slurm() {
-    local pid_file pid waited
-    for pid_file in "$slurm/slurmctld.pid" "$slurm/munge/munged.pid"; do
-        pid="$(cat "$pid_file" 2>/dev/null)" || continue
+    local pid waited
+    for pid in $(cat "$slurm/slurmctld.pid" "$slurm/munge/munged.pid" 2>/dev/null) \
+        $(pgrep -f "^/usr/sbin/(slurmctld|munged|slurmd) .*$run/" || true); do
         kill -TERM "$pid" 2>/dev/null || continue
         waited=0
         while kill -0 "$pid" 2>/dev/null && ((waited++ < 100)); do sleep 0.1; done
@@ -248,9 +249,21 @@ status() {
     done
 }
 
+# One command at a time on the machine's cluster: two ups at once would each start daemons and holders over the
+# other's (a second test session, a second terminal), leaving some that no pid file names. The script runs again
+# under flock, which holds the lock until it ends; -o keeps the lock's descriptor from the script, so the holders and
+# daemons it leaves running do not hold the lock for ever.
+if [[ "${1:-}" =~ ^(up|down|kill)$ && -z "${MPISCALE_CLUSTER_LOCKED:-}" ]]; then
+    [[ "$(id -u)" == 0 ]] || die "must run as root (it makes network, UTS and mount namespaces, a bridge and mounts)"
+    status=0
+    MPISCALE_CLUSTER_LOCKED=1 flock -o -w 300 -E 75 /run/mpiscale-cluster.lock "$0" "$@" || status=$?
+    ((status != 75)) || die "another hpc/cluster/cluster.sh command has held the cluster for 300 s"
+    exit "$status"
+fi
+
 case "${1:-}" in
     up) up "${2:-3}" ;;
-    down) [[ "$(id -u)" == 0 ]] || die "must run as root"; down ;;
+    down) down ;;
     status) status ;;
     kill) kill_node "${2:-}" ;;
     *) sed -n '2,6p' "$0" >&2; exit 2 ;;

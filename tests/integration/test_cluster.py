@@ -398,6 +398,31 @@ def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
     assert on_node("node1", f"cat {LOCAL}/mine").stdout == "shard\n"
 
 
+def test_two_ups_at_once_take_turns_and_leave_one_set_of_daemons(nodes):
+    """Two sessions bringing the cluster up at the same moment: the second waits for the first and finds it up, so
+    one munged, one slurmctld and one slurmd per node run, each named by its pid file, and none of the processes left
+    running holds the commands' lock (a later down would wait for it)."""
+    cluster("down")
+    ups = [subprocess.Popen([str(CLUSTER / "cluster.sh"), "up", str(NODES)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True) for _ in range(2)]  # fmt: skip
+    said = [up.communicate(timeout=120) for up in ups]
+    assert [up.returncode for up in ups] == [0, 0], said
+    assert sorted("already up" in out for out, _ in said) == [False, True], said
+    daemons = [line.split()[1] for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True)
+               .stdout.splitlines() if "/run/mpiscale-cluster/" in line]  # fmt: skip
+    assert sorted(Path(d).name for d in daemons) == ["munged", "slurmctld", *["slurmd"] * NODES], daemons
+    lock = Path("/run/mpiscale-cluster.lock").resolve()
+    holding = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _holds(p, lock)]
+    assert not holding, holding
+
+
+def _holds(process: Path, lock: Path) -> bool:
+    try:
+        return any(fd.resolve() == lock for fd in (process / "fd").iterdir())
+    except OSError:  # it ended while it was read
+        return False
+
+
 def test_the_cluster_is_refused_without_root_and_tears_down_leaving_nothing(nodes):
     """Not root: one line, exit 2, nothing made. Down (within 10 s): no namespace, bridge, /etc/hosts line, holder
     process, Slurm daemon (slurmctld, munged, a node's slurmd) or run directory left; a second down has nothing to
