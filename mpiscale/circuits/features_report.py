@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..io import open_file
+from ..io import leading_rows, open_file
 from .job import FEATURES_FORMAT
 
-SAMPLE_BYTES = 64 << 20  # of the features, read for the most active circuits
 SHOWN = 5  # circuits named as the most active
 
 
@@ -21,7 +20,7 @@ def summarize(path: str) -> str:
     """What ran on which data, how complete the file is, and what it holds."""
     with open_file(path, (FEATURES_FORMAT,)) as file:
         attrs = file.attrs
-        ranks = int(attrs["world_size"])
+        ranks, batch_size = int(attrs["world_size"]), int(attrs["batch_size"])
         done = file["done"][()]
         samples = len(file["sample_ids"])
         plan = str(attrs.get("plan_sha256", ""))
@@ -30,11 +29,11 @@ def summarize(path: str) -> str:
             f"{path}: {what} of the catalogue {attrs['catalogue']} on {samples:,} inputs of {attrs['data']}, "
             f"{ranks} rank{'s' * (ranks > 1)} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
             f"{attrs['created']}",
-            _written(path, done, int(attrs["batch_size"])),
+            _written(path, done, batch_size),
         ]
         if "features" in file:
-            lines += _most_active(file["features"], [name.decode() for name in file["circuits"][()]], done,
-                                  int(attrs["batch_size"]))  # fmt: skip
+            names = [name.decode() for name in file["circuits"][()]]
+            lines += _most_active(file["features"], names, done, batch_size)
         else:
             lines += [f"/outputs/{name}: {item.shape[0]:,} x {item.shape[1]}" for name, item in file["outputs"].items()]
     return "\n".join(lines)
@@ -52,14 +51,13 @@ def _written(path: str, done: np.ndarray, batch_size: int) -> str:
 def _most_active(features, names: list[str], done: np.ndarray, batch_size: int) -> list[str]:
     """The circuits of the largest mean absolute value over the written batches among the first rows."""
     rows, circuits = features.shape
-    read = min(rows, max(1, SAMPLE_BYTES // max(1, circuits * features.dtype.itemsize)))
-    written = np.repeat(done.astype(bool), batch_size)[:read]
-    values = features[:read][written]
+    first = leading_rows(features)
+    values = first[np.repeat(done.astype(bool), batch_size)[: len(first)]]
     lines = [f"/features: {rows:,} x {circuits} ({circuits} circuits)"]
     if len(values):
         activity = np.abs(values).mean(axis=0)
         top = np.argsort(-activity, kind="stable")[:SHOWN]
-        where = "the written rows" if read == rows else f"the written rows of the first {read:,}"
+        where = "the written rows" if len(first) == rows else f"the written rows of the first {len(first):,}"
         lines.append(f"most active over {where} (mean |value|): "
                      + ", ".join(f"{names[i]} {activity[i]:.4g}" for i in top))  # fmt: skip
     return lines

@@ -5,7 +5,7 @@ from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
-from .h5file import fixed_strings, open_file, publish, stamp, utc_timestamp, write_file
+from .h5file import fixed_strings, leading_rows, open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, epoch_order
@@ -31,6 +31,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataFileError",
+    "leading_rows",
     "LockedError",
     "OutputLock",
     "ReplayReport",

@@ -163,6 +163,15 @@ def datasets_in(group: h5py.Group) -> list[str]:
     return found
 
 
+SUMMARY_BYTES = 64 << 20  # what a report reads of a data set for its numbers: quick on a file of any size
+
+
+def leading_rows(data: h5py.Dataset, budget_bytes: int = SUMMARY_BYTES) -> np.ndarray:
+    """The first rows of ``data`` that fit in ``budget_bytes`` (one at least, where it has any), for a report."""
+    row_bytes = max(1, int(np.prod(data.shape[1:])) * data.dtype.itemsize)
+    return data[: min(len(data), max(1, budget_bytes // row_bytes))]
+
+
 def describe_datasets(group: h5py.Group, most: int = 12) -> str:
     """A short list of the datasets under ``group`` with their shapes and dtypes, for error messages."""
     names = datasets_in(group)

@@ -3,18 +3,16 @@
 It says where the rows came from (the model, the inputs and their labels), each
 layer's data set with its share of zeros and its mean, a dead layer (all zeros)
 or a broken model (non-finite values) showing at a glance, and the command that
-learns a dictionary from a layer. Only the first rows of a large layer are
-read (``SAMPLE_BYTES`` of them), so the report is quick on a file of any size.
+learns a dictionary from a layer. Only the first 64 MiB of a large layer's
+rows are read, so the report is quick on a file of any size.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..io import open_file
+from ..io import leading_rows, open_file
 from .collect import ACTIVATIONS_FORMAT
-
-SAMPLE_BYTES = 64 << 20  # of each layer, read for its numbers
 
 
 def summarize(path: str) -> str:
@@ -41,11 +39,12 @@ def summarize(path: str) -> str:
 def _layer_line(name: str, dataset) -> str:
     """A layer's shape, and its share of zeros, mean and non-finite values over its first rows."""
     rows, width = dataset.shape
-    read = min(rows, max(1, SAMPLE_BYTES // max(1, width * dataset.dtype.itemsize)))
-    values = dataset[:read]
+    shape = f"/{name}: {rows:,} x {width} {dataset.dtype}"
+    if not rows:
+        return shape
+    values = leading_rows(dataset)
     finite = np.isfinite(values)
-    where = "all rows" if read == rows else f"its first {read:,} rows"
+    where = "all rows" if len(values) == rows else f"its first {len(values):,} rows"
     numbers = f"{np.mean(values == 0):.1%} zeros, mean {values[finite].mean() if finite.any() else np.nan:.4g}"
     broken = int((~finite).sum())
-    return (f"/{name}: {rows:,} x {width} {dataset.dtype}; over {where}: {numbers}"
-            + (f", {broken:,} values NaN or infinite" if broken else ""))  # fmt: skip
+    return f"{shape}; over {where}: {numbers}" + (f", {broken:,} values NaN or infinite" if broken else "")

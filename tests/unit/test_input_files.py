@@ -4,7 +4,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiscale.io import BatchReader, DataFileError, ShardedDataset, epoch_order, read_dataset, write_index
+from mpiscale.io import BatchReader, DataFileError, ShardedDataset, epoch_order, leading_rows, read_dataset, write_index
 from mpiscale.io.reader import epoch_plan
 
 X = np.random.default_rng(5).standard_normal((240, 12))
@@ -140,3 +140,14 @@ def test_streaming_gives_the_batches_of_memory(tmp_path, window):
         assert np.array_equal(kept.ids, streamed.ids) and np.array_equal(kept.data["y"], kept.ids)
         assert np.array_equal(kept.data["X"], streamed.data["X"]) and np.array_equal(streamed.data["X"], X[kept.ids])
     assert len(batches[True]) == 2 * 8
+
+
+def test_a_report_reads_the_first_rows_within_its_budget(tmp_path):
+    """leading_rows: 10 rows of 4 float64 (32 bytes each) give 3 within 100 bytes, one within a budget smaller than
+    a row, all within a large one, none of an empty data set."""
+    with h5py.File(tmp_path / "r.h5", "w") as file:
+        file["X"] = np.arange(40.0).reshape(10, 4)
+        file.create_dataset("empty", shape=(0, 4), dtype="f8")
+        np.testing.assert_array_equal(leading_rows(file["X"], 100), np.arange(12.0).reshape(3, 4))
+        assert len(leading_rows(file["X"], 1)) == 1 and len(leading_rows(file["X"])) == 10
+        assert leading_rows(file["empty"]).shape == (0, 4)
