@@ -16,7 +16,7 @@ def index(args: argparse.Namespace) -> int:
     except (DataFileError, ValueError) as error:
         return _refused("index", error)
     arrays = ", ".join(f"/{name} {shape}" for name, shape in shapes.items())
-    print(f"wrote {args.index}: {len(files)} files as one data set: {arrays}")
+    print(f"wrote {args.index}: {len(files)} file{'s' * (len(files) > 1)} as one data set: {arrays}")
     return 0
 
 

@@ -13,7 +13,7 @@ from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
-from .sources import is_list_file, listed_paths, natural_key, resolve_files, split_spec
+from .sources import is_list_file, listed_paths, natural_key, resolve_files, same_file, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
@@ -58,6 +58,7 @@ __all__ = [
     "recorded",
     "replay",
     "resolve_files",
+    "same_file",
     "split_spec",
     "stamp",
     "utc_timestamp",

@@ -33,7 +33,7 @@ from .h5file import (
     settle_background_io,
     stamp,
 )
-from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files
+from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
 
@@ -69,6 +69,23 @@ def _describe(layout: dict) -> str:
     )
 
 
+def _check_index_path(path: str, shards: Sequence[str | os.PathLike]) -> None:
+    """Refuse an index path that would replace data: one of the shards, or an existing file that is not an index."""
+    for shard in shards:
+        if same_file(path, shard):
+            raise DataFileError(path, f"is a file the index would list ({os.fspath(shard)}): writing the index there "
+                                "would replace it; name the index another file")  # fmt: skip
+    if not os.path.exists(path):
+        return
+    kind = None
+    if h5py.is_hdf5(path):
+        with open_file(path) as file:
+            kind = file_format(file)
+    if kind != INDEX_FORMAT:
+        raise DataFileError(path, f"exists and is not an index ({kind or 'not an mpiscale file'}): writing the index "
+                            "there would replace it; name the index another file, or remove it first")  # fmt: skip
+
+
 def write_index(
     path: str | os.PathLike, shards: Sequence[str | os.PathLike], names: list[str] | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -82,6 +99,7 @@ def write_index(
     path = os.fspath(path)
     if not shards:
         raise ValueError(f"write_index {path}: no shard files given")
+    _check_index_path(path, shards)
     base = os.path.dirname(os.path.abspath(path))
     entries: list[dict] = []
     layouts = []

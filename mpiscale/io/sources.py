@@ -52,6 +52,15 @@ def resolve_files(pattern: str) -> list[str]:
     return matches
 
 
+def same_file(first: str | os.PathLike, second: str | os.PathLike) -> bool:
+    """Whether two paths name one file (an existing one, through symlinks, ``./`` spellings and hard links; or the
+    same path once symlinks are resolved, where one does not exist yet)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return os.path.realpath(first) == os.path.realpath(second)
+
+
 def is_list_file(path: str) -> bool:
     """Whether ``path`` is a text file listing paths (by its suffix: .txt, .lst or .list)."""
     return os.path.isfile(path) and path.endswith(LIST_SUFFIXES)

@@ -18,6 +18,7 @@ from ..io import (
     OutputLock,
     WriteError,
     resolve_files,
+    same_file,
     split_spec,
     write_file,
 )
@@ -147,14 +148,6 @@ def input_files(spec: str) -> list[str]:
         return list(dict.fromkeys([pattern, *resolve_files(pattern)]))
     except (DataFileError, OSError):  # a missing input: the job's own checks say so
         return [pattern]
-
-
-def same_file(first: str, second: str) -> bool:
-    """Whether two paths name one file (an existing one, or the same path once symlinks are resolved)."""
-    try:
-        return os.path.samefile(first, second)
-    except OSError:  # one of them does not exist (yet)
-        return os.path.realpath(first) == os.path.realpath(second)
 
 
 def lock_results(out: str, comm: Comm) -> OutputLock | None:

@@ -1,5 +1,7 @@
 """Data as users bring it: HDF5 written by plain h5py in many layouts, globs, lists, .npy (one process)."""
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -67,6 +69,30 @@ def test_index_of_user_files_reads_as_one_array(tmp_path):
     assert np.array_equal(read_dataset(tmp_path / "all.h5", "/sim/X"), X)
     with h5py.File(tmp_path / "all.h5", "r") as plain:  # a notebook's view, through the virtual data set
         assert np.array_equal(plain["sim/X"][:], X)
+
+
+def test_an_index_never_replaces_a_users_file(tmp_path):
+    """An index named as one of its own shards (directly or through a symlink), or as an existing file that is no
+    index (a user's HDF5, a .npy), is refused and the file left as it was; an earlier index is written anew."""
+    shards = []
+    for part, rows in enumerate(np.array_split(X, 2)):
+        shards.append(tmp_path / f"part{part}.h5")
+        with h5py.File(shards[-1], "w") as file:
+            file["X"] = rows
+    (tmp_path / "link.h5").symlink_to(shards[1])
+    np.save(tmp_path / "mine.npy", X)
+    with h5py.File(tmp_path / "mine.h5", "w") as file:
+        file["Y"] = X
+    for target, message in [(shards[0], "is a file the index would list"), (tmp_path / "link.h5", "would list"),
+                            (tmp_path / "mine.npy", "exists and is not an index"),
+                            (tmp_path / "mine.h5", "exists and is not an index")]:  # fmt: skip
+        before = Path(target).read_bytes()
+        with pytest.raises(DataFileError, match=message):
+            write_index(target, shards)
+        assert Path(target).read_bytes() == before
+    write_index(tmp_path / "all.h5", shards[:1])
+    assert write_index(tmp_path / "all.h5", shards) == {"X": X.shape}  # re-indexed with both
+    assert np.array_equal(read_dataset(tmp_path / "all.h5", "/X"), X)
 
 
 @pytest.mark.parametrize(
