@@ -38,6 +38,11 @@ def watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: {args.file} does not exist", file=sys.stderr)
             return 2
         view = watch_file(Path(args.file), follow=not args.no_follow)
+        if view.rejected and not view.latest:
+            other = f"{view.rejected} line{'s' * (view.rejected > 1)}"
+            print(f"mpiscale watch: {args.file} holds no telemetry record, only {other} of something else: name a "
+                  "job's FILE.telemetry.jsonl", file=sys.stderr)  # fmt: skip
+            return 2
     else:
         settings = _broker_settings(args, "watch")
         if not args.job or settings is None:

@@ -195,13 +195,15 @@ class Screen:
 def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, poll_s: float = 0.25) -> View:
     """Show the job of a telemetry file; with ``follow``, until its status says it ended."""
     view, screen = View(), Screen(stream)
-    with open(path) as records:
+    with open(path, errors="replace") as records:  # bytes that are not UTF-8 make a line that is no record
         while True:
             start = records.tell()
             line = records.readline()
             if line.endswith("\n"):
                 view.take_raw(line)
                 continue
+            if view.rejected and not view.latest:  # lines, none a record: not a telemetry file, nothing to wait for
+                return view
             screen.draw(view)
             if view.ended or not follow or view.gone(time.time()):
                 return view

@@ -3,6 +3,7 @@
 import io
 import time
 
+import numpy as np
 import pytest
 
 from mpiscale.telemetry import Watchdog, WatchdogSettings, by_node, pace, spread
@@ -217,3 +218,16 @@ def test_watch_in_a_terminal_goes_back_over_every_row_a_wrapped_line_took(monkey
     view.take(record("event", "j", event="checkpoint", rank=0, detail="step 10 saved"))
     screen.draw(view)
     assert terminal.getvalue().count("\x1b[5F\x1b[J") == 1
+
+
+def test_watch_of_a_file_that_is_no_telemetry_says_so_at_once(tmp_path, capsys):
+    """A .npy (bytes that are not UTF-8) and a JSON line that is no record: one line and status 2, followed or not,
+    instead of a UnicodeDecodeError or a wait for a status that never comes."""
+    from mpiscale.cli import main
+
+    np.save(tmp_path / "x.npy", np.arange(1000.0))
+    (tmp_path / "bad.jsonl").write_text('{"kind": "status"}\n')
+    assert main(["watch", "--file", str(tmp_path / "x.npy")]) == 2
+    assert "x.npy holds no telemetry record, only " in capsys.readouterr().err
+    assert main(["watch", "--file", str(tmp_path / "bad.jsonl"), "--no-follow"]) == 2
+    assert "bad.jsonl holds no telemetry record, only 1 line of something else" in capsys.readouterr().err
