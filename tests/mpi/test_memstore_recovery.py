@@ -202,8 +202,12 @@ def test_python_api_recovers_upserts_deletes_and_reinforcements_on_another_world
     assert killed.returncode == 137, killed.output[-4000:]
     job = run(*then)
     assert_ok(job)
-    assert "memstore recovered 15 commits from the checkpoint of commit 12" in job.stdout, job.output[-4000:]
-    assert "3 commits from" in job.stdout and f"memstore ok: {then[0]} ranks, 4040 records" in job.stdout
+    # from the checkpoint of commit 12 and commits 13-15 from the logs, or, where that checkpoint was still being
+    # written in the background when the kill came four commits later (a loaded machine), from commit 6's with nine
+    source = re.search(r"recovered 15 commits from the checkpoint of commit (\d+) \([^)]*\); (\d+) commits from",
+                       job.stdout)  # fmt: skip
+    assert source and source[1] in ("6", "12") and int(source[1]) + int(source[2]) == 15, job.output[-4000:]
+    assert f"memstore ok: {then[0]} ranks, 4040 records" in job.stdout
 
 
 def test_lost_logs_are_refused_until_the_rollback_is_accepted(tmp_path, uninterrupted):
