@@ -16,6 +16,7 @@ import numpy as np
 
 from ..io import ShardedDataset, fixed_strings
 from ..runtime import ActorSystem
+from ..words import counted
 from .catalogue import Catalogue
 from .config import CircuitsRunConfig
 from .graph import CompiledGraph, build_graph, place
@@ -97,5 +98,5 @@ class PlanRun:
     def describe(self) -> str:
         placed = self.compiled.placement
         ranks = len(set(placed.values()))
-        return (f"plan of {len(self.graph.nodes)} nodes on {ranks} rank{'s' * (ranks > 1)}, outputs "
+        return (f"plan of {len(self.graph.nodes)} nodes on {counted(ranks, 'rank')}, outputs "
                 f"{', '.join('/outputs/' + name for name in self.graph.outputs)}")  # fmt: skip

@@ -18,6 +18,7 @@ import numpy as np
 from ..io import DataFileError, ShardedDataset, fixed_strings
 from ..runtime import ActorSystem
 from ..train import rows_refused
+from ..words import counted
 from .catalogue import Catalogue, LayerCircuits
 from .config import CircuitsRunConfig
 from .filters import Filter, check_filters, matching, parse_filters
@@ -123,4 +124,4 @@ class AllFeatures:
 
     def describe(self) -> str:
         count, models = len(self.selection.names), len(self.selection.models)
-        return f"{count} circuits of {models} model{'s' * (models > 1)}"
+        return f"{count} circuits of {counted(models, 'model')}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import leading_rows, open_file
+from ..words import counted
 from .job import FEATURES_FORMAT
 
 SHOWN = 5  # circuits named as the most active
@@ -27,7 +28,7 @@ def summarize(path: str) -> str:
         what = f"the plan (SHA-256 {plan[:12]}...)" if plan else "every selected circuit"
         lines = [
             f"{path}: {what} of the catalogue {attrs['catalogue']} on {samples:,} inputs of {attrs['data']}, "
-            f"{ranks} rank{'s' * (ranks > 1)} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
+            f"{counted(ranks, 'rank')} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
             f"{attrs['created']}",
             _written(path, done, batch_size),
         ]

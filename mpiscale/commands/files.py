@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..words import counted
+
 
 def index(args: argparse.Namespace) -> int:
     """Write an index file that presents several HDF5 files as one data set."""
@@ -16,7 +18,7 @@ def index(args: argparse.Namespace) -> int:
     except (DataFileError, ValueError) as error:
         return _refused("index", error)
     arrays = ", ".join(f"/{name} {shape}" for name, shape in shapes.items())
-    print(f"wrote {args.index}: {len(files)} file{'s' * (len(files) > 1)} as one data set: {arrays}")
+    print(f"wrote {args.index}: {counted(len(files), 'file')} as one data set: {arrays}")
     return 0
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..words import counted
+
 
 def _broker_settings(args: argparse.Namespace, command: str):
     """The telemetry settings of the environment (user, password, TLS), with ``--broker`` if given; None if unset."""
@@ -38,10 +40,9 @@ def watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: {args.file} does not exist", file=sys.stderr)
             return 2
         view = watch_file(Path(args.file), follow=not args.no_follow)
-        if view.rejected and not view.latest:
-            other = f"{view.rejected} line{'s' * (view.rejected > 1)}"
-            print(f"mpiscale watch: {args.file} holds no telemetry record, only {other} of something else: name a "
-                  "job's FILE.telemetry.jsonl", file=sys.stderr)  # fmt: skip
+        if view.holds_no_record:
+            print(f"mpiscale watch: {args.file} holds no telemetry record, only {counted(view.rejected, 'line')} of "
+                  "something else: name a job's FILE.telemetry.jsonl", file=sys.stderr)  # fmt: skip
             return 2
     else:
         settings = _broker_settings(args, "watch")

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..words import counted
 from .errors import CollectiveAbandoned
 
 _RUNTIME_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -90,10 +91,6 @@ class CollectiveLog:
         }
 
 
-def _plural(count: int, word: str) -> str:
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'' if len(ranks) == 1 else 's'} {', '.join(map(str, ranks))}"
 
@@ -108,11 +105,11 @@ def describe_rank(rank: int, state: dict[str, Any] | None, log: str) -> str:
         operation, site, waited = own["pending"][number]
         where = f"waits in {operation} #{number} on {log} for {waited:.1f} s, called at {site}"
     else:
-        where = f"is not in a collective on {log} ({_plural(own['started'], 'collective')} started on it)"
+        where = f"is not in a collective on {log} ({counted(own['started'], 'collective')} started on it)"
     if state["main"] != "running":
         last = own["last"]
         tail = f"; the last: {last[0]} #{last[1]}, called at {last[2]}" if last else ""
-        where = f"left main ({state['main']}) after {_plural(own['started'], 'collective')} on {log}{tail}"
+        where = f"left main ({state['main']}) after {counted(own['started'], 'collective')} on {log}{tail}"
     return f"rank {rank} (host {state['host']}): {where}"
 
 

@@ -64,6 +64,11 @@ class View:
             self._beats.append(payload["time"])
 
     @property
+    def holds_no_record(self) -> bool:
+        """Lines came and none was a record: not a telemetry file."""
+        return bool(self.rejected) and not self.latest
+
+    @property
     def ended(self) -> bool:
         return self.latest.get("status", {}).get("state") in ENDED
 
@@ -202,7 +207,7 @@ def watch_file(path: Path, follow: bool = True, stream: TextIO = sys.stdout, pol
             if line.endswith("\n"):
                 view.take_raw(line)
                 continue
-            if view.rejected and not view.latest:  # lines, none a record: not a telemetry file, nothing to wait for
+            if view.holds_no_record:  # not a telemetry file: nothing to wait for
                 return view
             screen.draw(view)
             if view.ended or not follow or view.gone(time.time()):

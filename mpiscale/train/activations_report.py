@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import leading_rows, open_file
+from ..words import counted
 from .collect import ACTIVATIONS_FORMAT
 
 
@@ -24,8 +25,8 @@ def summarize(path: str) -> str:
         samples = len(file["sample_ids"])
         labels = attrs.get("labels") or "none"
         lines = [
-            f"{path}: activations of {samples:,} inputs from the model {attrs['model']} on {ranks} "
-            f"rank{'s' * (ranks > 1)} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
+            f"{path}: activations of {samples:,} inputs from the model {attrs['model']} on "
+            f"{counted(ranks, 'rank')} ({attrs['device']}), mpiscale {attrs['mpiscale_version']}, "
             f"{attrs['created']}",
             f"inputs: {attrs['inputs']}; labels: {labels}",
         ]
