@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, overload
 
 from .errors import MpiscaleError
+from .words import ranks_named
 
 if TYPE_CHECKING:  # mpi4py is imported where MPI is used, so that importing this module does not start MPI
     from mpi4py.MPI import Comm as MPIComm
@@ -258,16 +259,7 @@ def by_ranks(messages: list[str | None]) -> str:
     for other, message in enumerate(messages):
         if message:
             ranks_of.setdefault(message, []).append(other)
-    return "; ".join(f"{_ranks(where)}: {message}" for message, where in ranks_of.items())
-
-
-def _ranks(ranks: list[int]) -> str:
-    """'rank 3', 'ranks 0-3' or 'ranks 0, 2'."""
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    if ranks == list(range(ranks[0], ranks[-1] + 1)):
-        return f"ranks {ranks[0]}-{ranks[-1]}"
-    return "ranks " + ", ".join(map(str, ranks))
+    return "; ".join(f"{ranks_named(where)}: {message}" for message, where in ranks_of.items())
 
 
 def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = AgreedError) -> None:

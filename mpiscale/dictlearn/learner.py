@@ -27,6 +27,7 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
+    choose_numba_gpu,
     claim_outputs,
     give_back,
     load_state,
@@ -40,7 +41,7 @@ from ..jobs import (
 )
 from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
-from ..ranks import Comm, host_placement, ranks_sharing_cores
+from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .config import DictLearnConfig
@@ -199,13 +200,8 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
 
     comm = MPI.COMM_WORLD  # blocking I/O and checks; the iterations' allreduce goes through system.world
     device = resolve_device(config.device) if config.coder == "omp" else "cpu"
-    rank_on_host, _ = host_placement(comm)
     threads = share_cores(ranks_sharing_cores(comm))
-    label = device
-    if device == "cuda":
-        from ..kernels.devices import select_gpu
-
-        label = f"cuda:{select_gpu(rank_on_host)}"
+    label = choose_numba_gpu(comm) if device == "cuda" else device
     # the checkpoints are always open: a stop checkpoints without periodic ones too
     results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
     checkpoints = None

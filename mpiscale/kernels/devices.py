@@ -30,12 +30,19 @@ def resolve_device(device: str) -> str:
 _selected: int | None = None  # the GPU this rank uses, once chosen
 
 
-def select_gpu(rank_on_host: int) -> int:
-    """Use GPU ``rank_on_host`` modulo the GPUs present (one rank per GPU); returns its index."""
+def gpu_uuids() -> list[str]:
+    """The UUIDs of the GPUs numba shows this process, in its index order (the simulator's are made up)."""
+    from numba import cuda
+
+    return [str(getattr(gpu, "uuid", None) or f"GPU-simulated-{gpu.id}") for gpu in cuda.gpus]
+
+
+def select_gpu(index: int) -> int:
+    """Make GPU ``index`` (of those this process sees) the one this rank's kernels run on; returns it. Which index a
+    rank takes is the jobs' GPU rule (``mpiscale.gpus``, by the GPUs' identity)."""
     global _selected
     from numba import cuda
 
-    index = rank_on_host % len(cuda.gpus)
     cuda.select_device(index)
     _selected = index
     return index

@@ -22,7 +22,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..io import CheckpointError
-from ..kernels.devices import resolve_device, select_gpu
+from ..jobs import choose_numba_gpu
+from ..kernels.devices import resolve_device
 from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
 from .durability import Durability, DurableLog, Replica
@@ -76,7 +77,7 @@ class MemoryStore:
         #: ``cuda`` when partitions of at least ``device_threshold`` records iterate on the GPU (``auto``: if any).
         self.device = resolve_device(device)
         if self.device == "cuda":
-            select_gpu(system.node.rank)  # one rank per GPU, not every rank of a node on the first
+            choose_numba_gpu(system.world.comm)  # one rank per GPU, by the GPUs' identity (mpiscale.gpus)
         self.partition = Partition(tuple(extra), self.device, device_threshold)
         self.bins, self.quality_range = histogram_bins, quality_range
         #: Seconds spent in the last calls, by phase (kernel work and exchanges), and bytes this rank sent so far.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -46,49 +47,55 @@ def call_site() -> str:
 
 @dataclass
 class CollectiveLog:
-    """The collectives one rank started on one communicator, and which of them still wait."""
+    """The collectives one rank started on one communicator, and which of them still wait.
+
+    Thread-safe: the hierarchical allreduces of gradient buckets begin in autograd's threads and end in the
+    reducer's worker, while the loop reads the log for diagnostics."""
 
     name: str
     members: tuple[int, ...]  # world ranks, in the communicator's rank order
     started: int = 0
     last: tuple[str, int, str] | None = None  # (operation, number, call site) of the latest one
     pending: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # number -> (operation, site, since)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def begin(self, operation: str) -> int:
         """Record a collective this rank enters; returns its number (1 = the first on this communicator)."""
-        self.started += 1
         site = call_site()
-        self.last = (operation, self.started, site)
-        self.pending[self.started] = (operation, site, time.monotonic())
-        return self.started
+        with self._lock:
+            self.started += 1
+            self.last = (operation, self.started, site)
+            self.pending[self.started] = (operation, site, time.monotonic())
+            return self.started
 
     def end(self, number: int) -> None:
         """The collective ``number`` completed (or failed) on this rank."""
-        self.pending.pop(number, None)
+        with self._lock:
+            self.pending.pop(number, None)
 
     def cancel(self, number: int) -> None:
         """The collective ``number`` was refused before it reached MPI (bad arguments): it does not count."""
-        self.pending.pop(number, None)
-        if number == self.started:
-            self.started -= 1
-            self.last = None
+        with self._lock:
+            self.pending.pop(number, None)
+            if number == self.started:
+                self.started -= 1
+                self.last = None
 
     def oldest(self) -> tuple[int, str, str, float] | None:
         """(number, operation, site, seconds waited) of the oldest pending collective, or None."""
-        if not self.pending:
-            return None
-        number = min(self.pending)
-        operation, site, since = self.pending[number]
+        with self._lock:
+            if not self.pending:
+                return None
+            number = min(self.pending)
+            operation, site, since = self.pending[number]
         return number, operation, site, time.monotonic() - since
 
     def state(self) -> dict[str, Any]:
         """Plain data for another rank's diagnosis."""
         now = time.monotonic()
-        return {
-            "started": self.started,
-            "last": self.last,
-            "pending": {n: (op, site, now - since) for n, (op, site, since) in self.pending.items()},
-        }
+        with self._lock:
+            pending = {n: (op, site, now - since) for n, (op, site, since) in self.pending.items()}
+            return {"started": self.started, "last": self.last, "pending": pending}
 
 
 def _ranks(ranks: list[int]) -> str:

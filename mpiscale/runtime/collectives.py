@@ -8,6 +8,7 @@ so collectives never match the runtime's point-to-point traffic.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -331,16 +332,19 @@ class Hierarchy:
         """
         return await self.finish(self.start_allreduce(array, op, out))
 
-    async def finish(self, future: asyncio.Future) -> np.ndarray:
+    async def finish(self, started: concurrent.futures.Future) -> np.ndarray:
         """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
         telemetry reports and the hang watch reads)."""
+        future = asyncio.wrap_future(started)
         self.engine.waits.count(future, f"allreduce on {self.log.name}")
         return await future
 
     def start_allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
-    ) -> asyncio.Future:
-        """Begin ``allreduce`` now, even from code that does not await (a gradient hook); await the future later.
+    ) -> concurrent.futures.Future:
+        """Begin ``allreduce`` now, even from code that does not await or runs in another thread (a gradient hook:
+        for GPU parameters autograd runs it in its device thread, which has no event loop); ``await finish(future)``
+        later, on the loop.
 
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """

@@ -55,11 +55,10 @@ and only then starts the stages, which all ranks now run together.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
 
@@ -99,9 +98,10 @@ class HierarchicalAllreduce:
         self._copies_buffer = np.empty(0, np.uint8)  # every local rank's copy of this rank's share, kept as well
         self._ufuncs = [(MPI.SUM, np.add), (MPI.PROD, np.multiply), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]
 
-    def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> asyncio.Future:
-        """Begin a call now, in call order; await the result (``out``, or a new array)."""
-        return asyncio.wrap_future(self._worker.submit(self._run, array, op, op_name, out))
+    def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> Future:
+        """Begin a call now, in call order, from any thread (a gradient hook runs in autograd's device thread, which
+        has no event loop); the future's result is ``out``, or a new array."""
+        return self._worker.submit(self._run, array, op, op_name, out)
 
     def close(self) -> None:
         """Stop the worker once its calls are done."""

@@ -25,7 +25,7 @@ choosing) is any class with those two methods, given to
 
 from __future__ import annotations
 
-import asyncio
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
@@ -47,7 +47,8 @@ class Compression(Protocol):
     """A gradient-compression scheme ``DataParallel`` uses: implement both methods to bring your own."""
 
     def start(self, bucket: Bucket) -> None:
-        """The bucket's gradients are all in (called during backward): start its communication, return at once."""
+        """The bucket's gradients are all in (called during backward, in autograd's thread, which may be one without
+        an event loop): start its communication, return at once."""
         ...
 
     async def finish(self, bucket: Bucket) -> None:
@@ -60,7 +61,7 @@ class Exact:
 
     def __init__(self, system: ActorSystem | Group) -> None:
         self.system = system
-        self._futures: dict[int, asyncio.Future] = {}
+        self._futures: dict[int, Future] = {}
 
     def start(self, bucket: Bucket) -> None:
         self._futures[bucket.index] = self.system.hierarchy.start_allreduce(bucket.buffer, out=bucket.buffer)
@@ -75,7 +76,7 @@ class Narrow:
 
     def __init__(self, system: ActorSystem | Group, kind: str) -> None:
         self.system, self.kind, self.sum = system, kind, SumOfBits(kind)
-        self._wire: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
+        self._wire: dict[int, tuple[np.ndarray, Future]] = {}
 
     def start(self, bucket: Bucket) -> None:
         bucket.buffer *= 1.0 / self.system.size  # divided before the sum, so float16's range is not exceeded
@@ -113,7 +114,7 @@ class PowerSGD:
         self.system, self.rank, self.start_step, self.min_rate, self.seed = system, rank, start_step, min_rate, seed
         self.exact = Exact(system)
         self._layout: dict[int, tuple[list[_Matrix], np.ndarray]] = {}
-        self._pending: dict[int, tuple[np.ndarray, asyncio.Future]] = {}
+        self._pending: dict[int, tuple[np.ndarray, Future]] = {}
         self._steps: dict[int, int] = {}
 
     def _plan(self, bucket: Bucket) -> tuple[list[_Matrix], np.ndarray]:

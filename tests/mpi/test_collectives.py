@@ -8,17 +8,27 @@ output. A failing program ends its world with its report, which every test of th
 import pytest
 from helpers import Worlds
 
-COMPRESSIONS = ["fp16", "bf16", "powersgd-full", "powersgd-low", "user", "late-copies", "direct", "node-gloo"]
+COMPRESSIONS = [
+    "fp16",
+    "bf16",
+    "powersgd-full",
+    "powersgd-low",
+    "user",
+    "late-copies",
+    "device-thread",
+    "direct",
+    "node-gloo",
+]
 ALL_SCHEMES = ",".join(["none", *COMPRESSIONS])
 #: (ranks, ranks per node; 0: the host's) -> the programs that run in that world, in order
 LAYOUTS = {
     (1, 0): ["hierarchical.py", "data_parallel.py 6 none"],
-    (2, 0): ["collectives.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py",
+    (2, 0): ["collectives.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py", "device_rule.py",
              f"data_parallel.py 6 {ALL_SCHEMES}"],
     (2, 1): ["hierarchical.py"],
     (3, 0): ["data_parallel.py 6 none", "data_parallel_like_ddp.py"],
     (3, 2): ["hierarchical.py"],
-    (4, 0): ["collectives.py", "hierarchical.py"],
+    (4, 0): ["collectives.py", "hierarchical.py", "device_rule.py"],
     (4, 1): ["collectives.py"],
     (4, 2): ["collectives.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py",
              f"data_parallel.py 6 {ALL_SCHEMES}"],
@@ -63,6 +73,13 @@ def test_sixteen_bit_sums_on_the_wire(ranks, per_node):
 @pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
 def test_torch_tensors_of_four_dtypes(ranks, per_node):
     assert f"tensor allreduce ok: {ranks} ranks" in _out(ranks, per_node)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_gpu_rule_places_ranks_by_the_gpus_they_see(ranks):
+    """Made-up GPUs: one seen by each rank (Slurm's --gpus-per-task=1), all seen by all, too few, a rank without
+    one, shared on purpose (programs/device_rule.py)."""
+    assert f"device rule ok: {ranks} ranks" in _out(ranks, 0)
 
 
 def test_data_parallel_behaves_as_ddp_where_users_rely_on_it():

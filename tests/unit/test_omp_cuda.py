@@ -14,7 +14,9 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     from numba import config, cuda
     from mpiscale.dictlearn.coding import omp_encode
-    from mpiscale.kernels.devices import resolve_device, select_gpu
+    from mpi4py import MPI
+    from mpiscale.jobs import choose_numba_gpu
+    from mpiscale.kernels.devices import gpu_uuids, resolve_device
 
     import sys
     if sys.argv[1] == "simulator":
@@ -37,7 +39,8 @@ SCRIPT = textwrap.dedent(
     x = d[:1] + 2 * d[1:2]
     assert np.count_nonzero(omp_encode(x, twins, 4, device="cuda")) == 2
     assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
-    assert select_gpu(3) == 3 % len(cuda.gpus)  # the ranks of a host take the GPUs round-robin
+    assert choose_numba_gpu(MPI.COMM_SELF) == "cuda:0"  # the jobs' GPU rule, by the GPUs' identity
+    assert len(gpu_uuids()) == len(cuda.gpus) and all(uuid.startswith(("GPU-", "MIG-")) for uuid in gpu_uuids())
     print("cuda kernel matches")
     """
 )

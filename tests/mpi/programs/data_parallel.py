@@ -1,7 +1,7 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
 usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user,
-late-copies, direct, node-gloo)
+late-copies, device-thread, direct, node-gloo)
 Each scheme is checked in turn in the same job (a launch costs each rank
 seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
@@ -15,11 +15,15 @@ through the world's awaitable allreduce, started in ``finish``. ``late-copies``
 drives the staging scheduler as a GPU does (``train.staging``): each bucket's
 copy to host memory is said to arrive only after a few later questions, so
 buckets start late, some only in ``synchronize``, yet in index order.
+``device-thread`` runs backward in a thread without an event loop, as autograd
+runs the gradient hooks of GPU parameters in its device thread: buckets start
+from that thread, during backward.
 ``direct`` sums the buckets' tensors with MPI where they lie (``DirectSums``:
 device memory under a CUDA-aware MPI, here host memory), ``node-gloo`` with a
 gloo group per node and MPI between the nodes' first ranks (``NodeSums``).
 """
 
+import asyncio
 import sys
 
 import numpy as np
@@ -39,9 +43,9 @@ class Model(torch.nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.hidden = torch.nn.Linear(FEATURES, 2000)  # 80 KB of weights: several buckets at 0.05 MiB
+        self.sometimes = torch.nn.Linear(FEATURES, 1)  # registered first: the last bucket, as backward goes
+        self.hidden = torch.nn.Linear(FEATURES, 2000)  # 80 KB of weights: three buckets at 0.05 MiB
         self.out = torch.nn.Linear(2000, 1)
-        self.sometimes = torch.nn.Linear(FEATURES, 1)
 
     def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
         y = self.out(torch.tanh(self.hidden(x)))
@@ -128,6 +132,7 @@ SCHEMES = {  # name: (scheme, largest difference from one process allowed; None:
     "powersgd-low": (lambda system: PowerSGD(system, rank=1, start_step=1, min_rate=0.0), None),
     "user": (users_scheme, 1e-5),
     "late-copies": (InOrder, 1e-5),
+    "device-thread": (InOrder, 1e-5),
     "direct": (None, 1e-5),
     "node-gloo": (None, 1e-5),
 }
@@ -153,9 +158,13 @@ async def check(system, steps: int, name: str) -> None:
     await parallel.broadcast_parameters()
     before = loss_of(model)
     rows = rank_rows(BATCH, system.size, system.rank)
-    for _, optimizer in train(model, steps, rows, system.size / BATCH, parallel):
+    passes = train(model, steps, rows, system.size / BATCH, parallel)
+    early = []  # per step, the buckets started before synchronize()
+    while done := await asyncio.to_thread(next, passes, None) if name == "device-thread" else next(passes, None):
+        if name == "device-thread":
+            early.append(len(parallel.compression.started) - done[0] * len(parallel._buckets))
         await parallel.synchronize()
-        optimizer.step()
+        done[1].step()
     reference = Model(seed=0)
     for _, optimizer in train(reference, steps, (0, BATCH), 1.0 / BATCH):
         optimizer.step()
@@ -166,9 +175,12 @@ async def check(system, steps: int, name: str) -> None:
         assert difference <= tolerance + 1e-4 * np.abs(theirs).max(), (name, difference)
     else:
         assert loss_of(model) < 0.9 * before, (name, before, loss_of(model))
-    if name == "late-copies":
+    if name == "device-thread":
+        assert len(parallel._buckets) >= 3 and min(early) >= len(parallel._buckets) - 1, (len(parallel._buckets), early)
+    if name in ("late-copies", "device-thread"):
         count = len(parallel._buckets)
         assert parallel.compression.started == list(range(count)) * steps, parallel.compression.started
+    if name == "late-copies":
         assert parallel.gradients.late > 0, "no bucket was late: the scheduler's waiting went untested"
     if sums is not None:
         sums.close()
