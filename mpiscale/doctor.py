@@ -105,8 +105,9 @@ def _gpu_checks() -> list[Check]:
         found = f"none ({build})"
     aware = mpi_cuda_aware()
     mpi = {True: "yes: device buffers go to MPI as they are",
-           False: "no (built without CUDA): device buffers go through host memory",
-           None: "unknown (no ompi_info: not Open MPI)"}[aware]  # fmt: skip
+           False: "no (the library says so at run time): device buffers go through host memory",
+           None: "unknown (the library has no MPIX_Query_cuda_support): device buffers go through host memory"}[
+        aware]  # fmt: skip
     return [Check("GPUs (torch)", True, found, required=False), Check("MPI CUDA-aware", True, mpi, required=False)]
 
 

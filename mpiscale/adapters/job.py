@@ -40,12 +40,12 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
+    agreed_cuda_aware,
     announce,
     choose_torch_device,
     claim_outputs,
     give_back,
     kept_name,
-    mpi_cuda_aware,
     recorded_devices,
     run_lifecycle,
     setting_differences,
@@ -337,7 +337,7 @@ def _algebra(config: AdaptersConfig, comm: Comm) -> Algebra:
     device = choose_torch_device(config.device, comm)
     if device == "cpu":
         return HostAlgebra()
-    return TorchAlgebra(device, config.precision, cuda_aware=bool(mpi_cuda_aware()))
+    return TorchAlgebra(device, config.precision, cuda_aware=agreed_cuda_aware(comm, device))
 
 
 def _check_new_names(earlier: Earlier, names: dict[str, str]) -> None:

@@ -31,7 +31,7 @@ class ModelRunner:
             raise DataFileError(model.path, "has changed since its circuits were added to the catalogue (its "
                                             "SHA-256 differs): add them again from the new model")  # fmt: skip
         self.model, self.layers, self.device = model, layers, device
-        self.module = load_module(model).to(device)
+        self.module = load_module(model, device)
         if model.kind == "train":
             known = {name for name, _ in self.module.named_modules() if name}
             missing = [layer for layer in layers if layer not in known]
@@ -48,16 +48,23 @@ class ModelRunner:
         return {"": output.reshape(len(rows), -1).cpu().numpy().astype(np.float32, copy=False)}
 
 
-def load_module(model: ModelRef) -> torch.nn.Module:
-    """The model of ``model``'s file, ready for inference."""
+def load_module(model: ModelRef, device: str = "cpu") -> torch.nn.Module:
+    """The model of ``model``'s file on ``device``, ready for inference.
+
+    A ``torch.export`` program has the device of its example inputs baked into its factory ops
+    (``aten.ones(..., device=cpu)``): moving the module's parameters leaves those behind, so the program itself is
+    moved (``move_to_device_pass``) before its module is made. TorchScript loads straight onto ``device``.
+    """
     if model.kind == "train":
         from ..train import load_trained
 
-        return load_trained(model.path)[0]
+        return load_trained(model.path)[0].to(device)
     try:
         if model.kind == "export":
-            return torch.export.load(model.path).module()
-        module = torch.jit.load(model.path, map_location="cpu")
+            from torch.export.passes import move_to_device_pass
+
+            return move_to_device_pass(torch.export.load(model.path), device).module()
+        module = torch.jit.load(model.path, map_location=device)
     except Exception as error:  # torch's loaders raise many kinds for a file that is not theirs
         raise DataFileError(model.path, f"cannot be loaded as a {model.kind} module: {one_line(error)}") from None
     module.eval()

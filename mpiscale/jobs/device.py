@@ -13,9 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
-import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..gpus import SHARE_GPUS, GpuChoice, place_on_gpus
@@ -81,6 +79,11 @@ def choose_numba_gpu(comm: Comm) -> str:
     return f"cuda:{select_gpu(placed.index)}"
 
 
+def device_uuid(device: str) -> str | None:
+    """The UUID of the GPU the device rule chose as ``device`` (``cuda:K``) on this rank, or None."""
+    return _uuids.get(device)
+
+
 def recorded_devices(device: str, comm: Comm) -> str:
     """What a results file records of where the ranks ran (collective): one device, or each rank's as JSON; a GPU
     with its UUID (``cuda:0 GPU-8f1c...``)."""
@@ -118,20 +121,64 @@ def _gpu_device_files() -> bool:
 
 
 def mpi_cuda_aware() -> bool | None:
-    """Whether the MPI library takes device buffers (Open MPI built with CUDA support), or None when it cannot tell.
+    """Whether the MPI library this process loaded takes device buffers now, as it says at run time
+    (``MPIX_Query_cuda_support``, Open MPI's and MPICH's extension), or None where it has no such query.
 
-    Open MPI says so in ``ompi_info``; another MPI library, or none on ``PATH``, is None.
+    Run time, not the build: a library built with CUDA can still have it off (``--mca opal_cuda_support 0``), and
+    ``ompi_info`` may describe another ``libmpi`` than the one mpi4py loaded. Its UCX may still lack CUDA: only
+    ``agreed_cuda_aware``'s self-test tells that.
     """
-    program = shutil.which("ompi_info")
-    if program is None:
-        return None
-    try:
-        listing = subprocess.run(
-            [program, "--parsable", "--all"], capture_output=True, text=True, timeout=60, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    for line in listing.splitlines():
-        if line.startswith("mca:opal:base:param:opal_built_with_cuda_support:value:"):
-            return line.rsplit(":", 1)[1] == "true"
+    import ctypes
+
+    from mpi4py import MPI  # noqa: F401 (loads the library asked)
+
+    for path in _loaded_mpi_libraries():
+        try:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+        except OSError:
+            continue
+        if query is not None:
+            query.restype = ctypes.c_int
+            return bool(query())
     return None
+
+
+def agreed_cuda_aware(
+    comm: Comm,
+    device: str,
+    query: Callable[[], bool | None] = mpi_cuda_aware,
+    self_test: Callable[[Comm, str], bool] | None = None,
+) -> bool:
+    """Whether every rank's MPI takes device buffers (collective): every rank's library says so at run time, and a
+    one-element allreduce of device memory gives the right sum on every rank. Else False on every rank: the caller
+    stages through host memory. ``query`` and ``self_test`` stand for the library's answer and the trial (tests)."""
+    if not all(comm.allgather(device.startswith("cuda") and query() is True)):
+        return False
+    trial = self_test or _device_allreduce_works
+    try:
+        works = trial(comm, device)
+    except Exception:  # an MPI that refuses the pointer with an error (a segfault cannot be caught: see the guide)
+        works = False
+    return all(comm.allgather(works))
+
+
+def _device_allreduce_works(comm: Comm, device: str) -> bool:
+    """A one-element allreduce of ``device`` memory: the sum of the ranks' numbers, right on this rank."""
+    import torch
+    from mpi4py import MPI
+
+    value = torch.full((1,), float(comm.Get_rank() + 1), dtype=torch.float64, device=device)
+    torch.cuda.current_stream(value.device).synchronize()
+    comm.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM)
+    size = comm.Get_size()
+    return float(value.item()) == size * (size + 1) / 2
+
+
+def _loaded_mpi_libraries() -> list[str]:
+    """The paths of the MPI libraries mapped into this process (the ones mpi4py loaded), from /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line}
+    except OSError:
+        return []
+    return sorted(path for path in paths if path.startswith("/"))

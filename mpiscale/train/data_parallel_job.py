@@ -27,10 +27,10 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
+    agreed_cuda_aware,
     choose_torch_device,
     give_back,
     load_state,
-    mpi_cuda_aware,
     open_checkpointer,
     recorded_devices,
     same_bits_everywhere,
@@ -153,17 +153,17 @@ def _tensor_sums(system: ActorSystem, config: TrainConfig, comm: Comm, device: t
     backend); else, on GPUs whose MPI takes device buffers (on every rank), MPI on device memory."""
     kinds = {kind.split(":")[0] for kind in comm.allgather(str(device))}
     if config.intra_node == "mpi":
-        direct = kinds == {"cuda"} and config.compression == "none" and all(comm.allgather(bool(mpi_cuda_aware())))
+        direct = kinds == {"cuda"} and config.compression == "none" and agreed_cuda_aware(comm, str(device))
         if direct and comm.Get_rank() == 0:
             print("mpiscale train: the MPI library takes device buffers: gradients are summed in GPU memory",
                   flush=True)  # fmt: skip
-        return DirectSums(system) if direct else None
+        return DirectSums(system, device) if direct else None
     wanted = "cuda" if config.intra_node == "nccl" else "cpu"
     if kinds != {wanted}:
         raise ValueError(f"--intra-node {config.intra_node} sums buffers in {'GPU' if wanted == 'cuda' else 'host'} "
                          f"memory, and ranks run on {', '.join(sorted(kinds))}: use --device {wanted}"
                          + (" (or --intra-node nccl on GPUs)" if wanted == "cpu" else ""))  # fmt: skip
-    return NodeSums(system, config.intra_node)
+    return NodeSums(system, config.intra_node, device)
 
 
 def _restore(config, data, spec, checkpoints, state: TrainingState, curves: Curves, schedule: TrainingSteps) -> int:

@@ -25,13 +25,17 @@ job that made one already is refused.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Protocol
 
 import torch
 
-from ..ranks import rendezvous
+from ..jobs import device_uuid
+from ..ranks import agree, rendezvous
 from ..runtime import ActorSystem
+from ..words import ranks_named
 
 
 class TensorSums(Protocol):
@@ -52,9 +56,16 @@ TIMEOUT = timedelta(minutes=10)
 
 
 class NodeSums:
-    """Sums a tensor over every rank: torch.distributed (``backend``) inside the node, MPI between nodes."""
+    """Sums a tensor over every rank: torch.distributed (``backend``) inside the node, MPI between nodes.
 
-    def __init__(self, system: ActorSystem, backend: str) -> None:
+    NCCL takes one rank per GPU: two ranks of a node on one GPU (``MPISCALE_SHARE_GPUS=1``) are refused here, on
+    every rank and in one line, not by NCCL's "Duplicate GPU detected" inside the first step. ``gpu`` is the UUID of
+    this rank's GPU (by default the one the device rule chose for ``device``).
+    """
+
+    def __init__(
+        self, system: ActorSystem, backend: str, device: torch.device | None = None, gpu: str | None = None
+    ) -> None:
         import torch.distributed as dist
 
         if backend not in BACKENDS:
@@ -62,9 +73,20 @@ class NodeSums:
         if dist.is_initialized():
             raise ValueError("--intra-node makes the process's torch.distributed group, and one exists already")
         node = system.node.comm
+        problem = None
+        if backend == "nccl":
+            gpus = node.allgather(gpu or (device_uuid(str(device)) if device is not None else None))
+            shared = sorted({uuid for uuid in gpus if uuid and gpus.count(uuid) > 1})
+            if shared:
+                ranks = [rank for rank, uuid in enumerate(gpus) if uuid == shared[0]]
+                problem = (f"--intra-node nccl takes one rank per GPU, and {ranks_named(ranks)} of node "
+                           f"{system.hierarchy.node_index} share GPU {shared[0]}: use --intra-node mpi, or one rank "
+                           "per GPU")  # fmt: skip
+        agree(system.world.comm, problem, "making the node's group", ValueError)
         address, port = rendezvous(node)
         dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=node.Get_rank(),
-                                world_size=node.Get_size(), timeout=TIMEOUT)  # fmt: skip
+                                world_size=node.Get_size(), timeout=TIMEOUT,
+                                device_id=device if backend == "nccl" else None)  # fmt: skip
         self.dist, self.backend, self.system = dist, backend, system
 
     async def allreduce(self, flat: torch.Tensor) -> None:
@@ -85,19 +107,37 @@ class NodeSums:
         self.dist.destroy_process_group()
 
 
-class DirectSums:
-    """Sums a tensor over every rank by MPI, on the tensor's own memory (device memory with a CUDA-aware MPI)."""
+def _use_device(device: torch.device, select: Callable[[torch.device], None]) -> None:
+    """A worker thread's first act: ``device`` made its current GPU (a new thread's is GPU 0)."""
+    if device.type == "cuda":
+        select(device)
 
-    def __init__(self, system: ActorSystem) -> None:
+
+class DirectSums:
+    """Sums a tensor over every rank by MPI, on the tensor's own memory (device memory with a CUDA-aware MPI).
+
+    The MPI calls run in a worker thread of its own, whose current GPU is made ``device``: a new thread's is GPU 0,
+    and on GPU k != 0 mpi4py's DLPack export refuses the tensor ("Can't export tensors on a different CUDA device
+    index") or MPI works in the wrong context. ``select`` is what makes it current (``torch.cuda.set_device``).
+    """
+
+    def __init__(
+        self,
+        system: ActorSystem,
+        device: torch.device | None = None,
+        select: Callable[[torch.device], None] = torch.cuda.set_device,
+    ) -> None:
         from mpi4py import MPI
 
-        self.MPI, self.comm = MPI, system.world.comm.Dup()  # a communicator of its own, used from a worker thread
+        self.MPI, self.comm = MPI, system.world.comm.Dup()  # a communicator of its own, used from the worker
+        where = device if device is not None else torch.device("cpu")
+        self._worker = ThreadPoolExecutor(1, "mpiscale-direct-sums", _use_device, (where, select))
 
     async def allreduce(self, flat: torch.Tensor) -> None:
         """``flat`` summed over every rank, in place (collective; call in the same order everywhere)."""
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()  # backward's writes done before MPI reads
-        await asyncio.to_thread(self._reduce_and_broadcast, flat)
+        await asyncio.wrap_future(self._worker.submit(self._reduce_and_broadcast, flat))
 
     def _reduce_and_broadcast(self, flat: torch.Tensor) -> None:
         MPI, comm = self.MPI, self.comm
@@ -108,4 +148,5 @@ class DirectSums:
         comm.Bcast(flat, root=0)
 
     def close(self) -> None:
+        self._worker.shutdown(wait=True)
         self.comm.Free()

@@ -3,7 +3,10 @@ refused unless shared on purpose, ``auto`` on the CPU where ``cuda`` would refus
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,5 +74,10 @@ def test_without_a_gpu_auto_is_the_cpu_and_cuda_is_refused_in_one_line(capsys):
 
 
 @pytest.mark.skipif(shutil.which("ompi_info") is None, reason="not Open MPI")
-def test_open_mpi_says_whether_it_takes_device_buffers():
+def test_open_mpi_says_at_run_time_whether_it_takes_device_buffers():
+    """The library's own run-time answer, not its build flag: CUDA support turned off for one run is seen."""
     assert mpi_cuda_aware() in (True, False)
+    check = "from mpiscale.jobs import mpi_cuda_aware; print(mpi_cuda_aware())"
+    off = {**os.environ, "OMPI_MCA_opal_cuda_support": "0"}
+    done = subprocess.run([sys.executable, "-c", check], env=off, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
