@@ -83,6 +83,25 @@ def test_float32_with_one_refinement_keeps_the_explained_shares_within_1e_6(nois
     assert refined_error < 1e-5 and refined_error < np.abs(rough - double.vectors).max()
 
 
+def test_float32_on_a_flat_spectrum_is_solved_again_in_float64():
+    """Eigenvalues 1 to 1 + 1e-4: float32 cannot tell the vectors apart and one refinement gains almost nothing.
+    The residual check sees it, and the answer is float64's; ten leading eigenvalues clear of the rest keep their
+    float32 solve."""
+    rng = np.random.default_rng(5)
+    rotation = np.linalg.qr(rng.standard_normal((300, 300)))[0]
+    flat = (rotation * (1.0 + 1e-4 * np.linspace(0, 1, 300))) @ rotation.T
+    algebra = TorchAlgebra("cpu", "float32")
+    values, vectors = algebra.top_eigenpairs(torch.from_numpy(flat), 10)
+    assert algebra.solved_again == 1
+    exact = np.linalg.eigvalsh(flat)[::-1][:10]
+    np.testing.assert_allclose(values, exact, rtol=1e-13)
+    residuals = np.linalg.norm(flat @ vectors.numpy() - vectors.numpy() * values, axis=0)
+    assert residuals.max() < 1e-12
+    spread = (rotation * np.concatenate([np.linspace(100, 50, 10), np.linspace(1, 0.1, 290)])) @ rotation.T
+    algebra.top_eigenpairs(torch.from_numpy(spread), 10)
+    assert algebra.solved_again == 1  # kept: its residuals pass
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision must be one of float64, float32"):
         TorchAlgebra("cpu", "float16")
