@@ -9,10 +9,15 @@ bits when it is crowded, and the records at or above the threshold key (the
 top-k and the ties of its last entry) are collected for the host's exact
 ranking by (quality, id). The histogram and exponent counters are summed in
 shared memory per block first, so there is one global atomic per block and
-bin. Tested on the CPU with ``NUMBA_ENABLE_CUDASIM=1``.
+bin. The counters and the candidates' outputs live in ``PassBuffers``, made
+once per partition and zeroed on the device each pass: no allocation, and no
+host-to-device copy, per iteration. Tested on the CPU with
+``NUMBA_ENABLE_CUDASIM=1``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numba
 import numpy as np
@@ -119,6 +124,40 @@ def _collect(bits, quality, ids, threshold, out_quality, out_ids, used):
         out_ids[at] = ids[i]
 
 
+@cuda.jit
+def _fill(array, value):
+    i = cuda.grid(1)
+    if i < array.size:
+        array[i] = value
+
+
+class PassBuffers:
+    """The device arrays an iteration's pass fills, kept from one iteration to the next: counters are zeroed on the
+    device, and the candidates' outputs grow only when a partition outgrows them."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, Any] = {}
+        #: Device arrays made so far (tests: none after the first pass of a partition's size).
+        self.allocations = 0
+
+    def filled(self, name: str, size: int, dtype: type, value: float = 0) -> Any:
+        """The counter ``name`` of ``size`` elements, every one set to ``value`` on the device."""
+        array = self._kept.get(name)
+        if array is None or array.size != size:
+            array = self._kept[name] = cuda.device_array(size, dtype)
+            self.allocations += 1
+        _fill[_blocks(size), _THREADS](array, dtype(value))
+        return array
+
+    def room(self, name: str, size: int, dtype: type) -> Any:
+        """At least ``size`` elements for the output ``name`` (contents undefined)."""
+        array = self._kept.get(name)
+        if array is None or array.size < size:
+            array = self._kept[name] = cuda.device_array(max(size, 1), dtype)
+            self.allocations += 1
+        return array
+
+
 def _threshold_bin(counts: np.ndarray, wanted: int) -> tuple[int, int]:
     """(the highest bin b such that bins >= b hold at least ``wanted``, how many bins > b hold)."""
     above = np.cumsum(counts[::-1])[::-1]  # above[b]: the count in bins >= b
@@ -139,13 +178,18 @@ def apply_deltas(strength, rows: np.ndarray, deltas: np.ndarray) -> None:
         _apply_deltas[_blocks(len(rows)), _THREADS](strength, cuda.to_device(rows), cuda.to_device(deltas))
 
 
-def iteration_pass(strength, quality, ids, rate: np.float32, low: float, high: float, bins: int, k: int) -> PassOutput:
-    """Decay and the aggregates of device arrays in one pass; then the top-k's candidates by radix selection."""
+def iteration_pass(
+    strength, quality, ids, rate: np.float32, low: float, high: float, bins: int, k: int,
+    buffers: PassBuffers | None = None,
+) -> PassOutput:  # fmt: skip
+    """Decay and the aggregates of device arrays in one pass; then the top-k's candidates by radix selection.
+    ``buffers``: the partition's kept device arrays (fresh ones when None)."""
     n = strength.size
-    histogram = cuda.to_device(np.zeros(bins, np.int64))
-    exponents = cuda.to_device(np.zeros(EXPONENT_BINS, np.int64))
-    maximum = cuda.to_device(np.array([-np.inf]))
-    key_counts = cuda.to_device(np.zeros(_KEY_BINS, np.int32))
+    kept = buffers if buffers is not None else PassBuffers()
+    histogram = kept.filled("histogram", bins, np.int64)
+    exponents = kept.filled("exponents", EXPONENT_BINS, np.int64)
+    maximum = kept.filled("maximum", 1, np.float64, -np.inf)
+    key_counts = kept.filled("key_counts", _KEY_BINS, np.int32)
     bits = quality.view(np.uint32)
     if n:
         _pass[_blocks(n), _THREADS](
@@ -158,15 +202,14 @@ def iteration_pass(strength, quality, ids, rate: np.float32, low: float, high: f
         high_bin, above = _threshold_bin(counts, wanted)
         threshold = high_bin << 16
         if counts[high_bin] > _CROWDED:
-            low_counts = cuda.to_device(np.zeros(_KEY_BINS, np.int32))
+            low_counts = kept.filled("low_counts", _KEY_BINS, np.int32)
             _split[_blocks(n), _THREADS](bits, np.uint32(high_bin), low_counts)
             low_bin, _ = _threshold_bin(low_counts.copy_to_host(), wanted - above)
             threshold |= low_bin
     found_quality, found_ids = np.empty(0, np.float32), np.empty(0, np.int64)
     if wanted:
-        used = cuda.to_device(np.zeros(1, np.int64))
-        out_quality = cuda.device_array(n, np.float32)
-        out_ids = cuda.device_array(n, np.int64)
+        used = kept.filled("used", 1, np.int64)
+        out_quality, out_ids = kept.room("out_quality", n, np.float32), kept.room("out_ids", n, np.int64)
         _collect[_blocks(n), _THREADS](bits, quality, ids, np.uint32(threshold), out_quality, out_ids, used)
         size = int(used.copy_to_host()[0])
         found_quality, found_ids = out_quality[:size].copy_to_host(), out_ids[:size].copy_to_host()

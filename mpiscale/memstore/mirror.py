@@ -23,6 +23,7 @@ class DeviceMirror:
     def __init__(self) -> None:
         self._arrays: tuple[Any, Any, Any] | None = None  # (strength, quality, ids) on the device
         self._device_newer = False  # the device's strength has changes the host's has not
+        self._buffers = memstore_cuda.PassBuffers()  # what each iteration's pass fills, kept between iterations
 
     def arrays(self, strength: np.ndarray, quality: np.ndarray, ids: np.ndarray) -> tuple[Any, Any, Any]:
         """The device copies, uploaded from these host columns if there are none."""
@@ -59,6 +60,6 @@ class DeviceMirror:
         self.changed_strength()
 
     def iteration_pass(self, columns: tuple, rate, low, high, bins, k) -> memstore_cuda.PassOutput:
-        result = memstore_cuda.iteration_pass(*self.arrays(*columns), rate, low, high, bins, k)
+        result = memstore_cuda.iteration_pass(*self.arrays(*columns), rate, low, high, bins, k, self._buffers)
         self.changed_strength()
         return result

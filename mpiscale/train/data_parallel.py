@@ -20,7 +20,8 @@ twice (its first gradient is already being averaged). ``compression``
 (``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
 travels. Parameters in any memory format (``channels_last`` too) work, on the
 CPU or on a GPU (:mod:`.staging`: gradients staged through pinned host memory,
-the copies overlapping backward). With ``tensor_sums`` (:mod:`.tensor_sums`:
+the copies overlapping backward). On one rank nothing is copied or sent: each
+gradient is already the average, as DDP skips its reducer there. With ``tensor_sums`` (:mod:`.tensor_sums`:
 MPI on device memory where it takes it, or ``--intra-node``'s torch.distributed
 inside each node and MPI between nodes) the buckets are summed where they lie,
 after backward.
@@ -116,7 +117,8 @@ class DataParallel:
         devices = sorted({str(p.device) for p in params})
         if wrong or len(devices) > 1:
             raise TypeError(f"DataParallel takes float32 parameters on one device, got {', '.join(wrong + devices)}")
-        self.gradients = gradients_for(params[0].device if params else torch.device("cpu"))
+        self.gradients = gradients_for(params[0].device if params else torch.device("cpu"), staged=tensor_sums is None)
+        self._alone = system.size == 1  # one rank: each gradient is already the average, as DDP skips its work
         self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib, self.gradients)
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._launched = 0
@@ -153,16 +155,18 @@ class DataParallel:
 
     def _take(self, bucket: _Bucket, position: int, grad: torch.Tensor | None) -> None:
         """A parameter's gradient (None: zeros) into its bucket; a bucket complete now goes to host memory."""
-        self.gradients.take(bucket, position, grad)
         bucket.used[position] = grad is not None
         bucket.ready.add(position)
+        if self._alone:
+            return
+        self.gradients.take(bucket, position, grad)
         if len(bucket.ready) == len(bucket.params) and self.tensor_sums is None:
             self.gradients.send(bucket)
             bucket.sent = True
 
     def _launch_ready(self) -> None:
         """Start, in index order, every bucket whose gradients are all in host memory (without waiting)."""
-        while self._launched < len(self._buckets):
+        while self._launched < len(self._buckets) and not self._alone:
             bucket = self._buckets[self._launched]
             if not bucket.sent or not self.gradients.arrived(bucket, wait=False):
                 return
@@ -182,7 +186,9 @@ class DataParallel:
             for position, param in enumerate(bucket.params):
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
                     self._take(bucket, position, param.grad)
-        if self.tensor_sums is not None:
+        if self._alone:
+            pass
+        elif self.tensor_sums is not None:
             await self._sum_in_place()
         else:
             for bucket in self._buckets[self._launched :]:
@@ -190,6 +196,7 @@ class DataParallel:
                 self._start(bucket)
             for bucket in self._buckets:
                 await self.compression.finish(bucket)
+                self.gradients.back(bucket)
         # per parameter: 2 frozen since wrapping, 1 given a gradient, 0 neither; the maximum over the ranks
         states = np.concatenate([np.where([not p.requires_grad for p in b.params], 2, b.used) for b in self._buckets])
         await self.system.world.allreduce(states, op="max", out=states)
@@ -202,9 +209,9 @@ class DataParallel:
         with torch.no_grad():
             for bucket in self._buckets:
                 for position, param in enumerate(bucket.params):
-                    if not states[first + position]:  # no rank had a gradient: unset, as DDP leaves it
-                        continue
-                    average = self._average(bucket, position, tuple(param.shape))
+                    if not states[first + position] or self._alone:  # no rank had a gradient: unset, as DDP
+                        continue  # leaves it; or this rank's is the average
+                    average = self.gradients.average(bucket, position, tuple(param.shape))
                     if param.grad is None:
                         param.grad = average.clone()
                     else:
@@ -213,7 +220,7 @@ class DataParallel:
                 bucket.ready.clear()
                 bucket.sent = False
         self._launched = 0
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and not self._alone:
             await broadcast_buffers(self.system.world, self.module)
 
     async def _sum_in_place(self) -> None:
@@ -223,12 +230,6 @@ class DataParallel:
             flat = self.gradients.flat(bucket)
             await self.tensor_sums.allreduce(flat)
             flat *= 1.0 / self.system.size
-
-    def _average(self, bucket: _Bucket, position: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Parameter ``position``'s averaged gradient, where the parameter lives."""
-        if self.tensor_sums is None:
-            return self.gradients.average(bucket, position, shape)
-        return self.gradients.flat(bucket)[bucket.offsets[position] : bucket.offsets[position + 1]].view(shape)
 
     @staticmethod
     def _plan(

@@ -12,8 +12,10 @@ buffers). Its parameters live on one device; an adaptor moves their gradients:
   stream of its own, so it overlaps the rest of backward. Its reduction starts
   once that copy is done (``DataParallel`` asks without waiting at every
   gradient, and waits only in ``synchronize``), and the averages go back to the
-  device from the pinned buffer without blocking the host. Never a blocking
-  ``.cpu()`` per bucket.
+  device from the pinned buffer in one copy per bucket, into the bucket's own
+  device buffer, without blocking the host. Never a blocking ``.cpu()`` per
+  bucket. Where the buckets are summed in device memory (``staged=False``:
+  ``DataParallel(tensor_sums=...)``) no pinned memory is taken.
 
 The scheduling (which bucket is copied, which may start) is ``DataParallel``'s
 and the same for both, so the CPU tests cover all but the copies themselves.
@@ -57,8 +59,11 @@ class HostGradients:
         """Whether the bucket's host buffer holds its gradients (``wait``: once it does)."""
         return True
 
+    def back(self, bucket: Staged) -> None:
+        """The bucket's averages are in its host buffer: bring them to where the parameters live."""
+
     def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """Parameter ``position``'s averaged gradient, where the parameter lives."""
+        """Parameter ``position``'s averaged gradient, where the parameter lives (after ``back``)."""
         return torch.from_numpy(bucket.view(position)).reshape(shape)
 
     def flat(self, bucket: Staged) -> torch.Tensor:
@@ -69,13 +74,15 @@ class HostGradients:
 class DeviceGradients(HostGradients):
     """Parameters on a CUDA device: gradients gathered on the device, staged through pinned host memory."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, staged: bool = True) -> None:
+        self.device, self.staged = device, staged
         self.copies = torch.cuda.Stream(device=device)
 
     def buffer(self, size: int) -> tuple[np.ndarray, Any]:
-        pinned = torch.zeros(size, dtype=torch.float32, pin_memory=True)
         flat = torch.zeros(size, dtype=torch.float32, device=self.device)
+        if not self.staged:  # summed where it lies: no host copy, so no pinned memory
+            return np.empty(0, np.float32), {"pinned": None, "flat": flat, "copied": None}
+        pinned = torch.zeros(size, dtype=torch.float32, pin_memory=True)
         return pinned.numpy(), {"pinned": pinned, "flat": flat, "copied": None}
 
     def take(self, bucket: Staged, position: int, grad: torch.Tensor | None) -> None:
@@ -101,13 +108,17 @@ class DeviceGradients(HostGradients):
             copied.synchronize()
         return bool(copied.query())
 
+    def back(self, bucket: Staged) -> None:
+        state = bucket.staging
+        state["flat"].copy_(state["pinned"], non_blocking=True)  # one copy a bucket, from pinned memory
+
     def average(self, bucket: Staged, position: int, shape: tuple[int, ...]) -> torch.Tensor:
-        return super().average(bucket, position, shape).to(self.device, non_blocking=True)  # from pinned memory
+        return self.flat(bucket)[int(bucket.offsets[position]) : int(bucket.offsets[position + 1])].view(shape)
 
     def flat(self, bucket: Staged) -> torch.Tensor:
         return bucket.staging["flat"]
 
 
-def gradients_for(device: torch.device) -> HostGradients:
-    """The adaptor for parameters on ``device``."""
-    return DeviceGradients(device) if device.type == "cuda" else HostGradients()
+def gradients_for(device: torch.device, staged: bool = True) -> HostGradients:
+    """The adaptor for parameters on ``device``; ``staged``: their buckets are summed in host memory."""
+    return DeviceGradients(device, staged) if device.type == "cuda" else HostGradients()

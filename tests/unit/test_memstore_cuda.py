@@ -22,6 +22,8 @@ SCRIPT = textwrap.dedent(
     assert config.ENABLE_CUDASIM == (sys.argv[1] == "simulator")
     rng = np.random.default_rng(0)
 
+    buffers = memstore_cuda.PassBuffers()  # kept from pass to pass, as a partition keeps them
+
     def same_pass(n, k, crowded, spread):
         strength = rng.random(n, dtype=np.float32)
         quality = (rng.random(n, dtype=np.float32) * spread + (1 - spread) / 2).astype(np.float32)
@@ -32,7 +34,7 @@ SCRIPT = textwrap.dedent(
         ids = rng.permutation(10**6)[:n].astype(np.int64)
         memstore_cuda._CROWDED = crowded
         device = [cuda.to_device(a) for a in (strength, quality, ids)]
-        gpu = memstore_cuda.iteration_pass(*device, np.float32(0.01), 0.0, 1.0, 16, k)
+        gpu = memstore_cuda.iteration_pass(*device, np.float32(0.01), 0.0, 1.0, 16, k, buffers)
         cpu = fused_pass(strength, quality, ids, np.float32(0.01), 0.0, 1.0, 16, k)
         assert np.array_equal(device[0].copy_to_host(), strength), "decay"
         assert (gpu.count, gpu.maximum) == (cpu.count, cpu.maximum)
@@ -46,6 +48,9 @@ SCRIPT = textwrap.dedent(
     assert same_pass(1500, 7, 8, 1e-3) < 100  # a crowded threshold bin, split by the keys' low bits
     same_pass(300, 500, 4096, 1.0)  # k larger than the partition
     same_pass(0, 5, 4096, 1.0)
+    made = buffers.allocations
+    assert same_pass(2000, 10, 4096, 1.0) < 20 and same_pass(1500, 7, 8, 1e-3) < 100
+    assert buffers.allocations == made, "an iteration allocated device memory"
 
     async def main(system):
         stores = [MemoryStore(system, histogram_bins=8, device=d, device_threshold=0) for d in ("cuda", "cpu")]

@@ -108,6 +108,17 @@ class LateCopies(HostGradients):
         return here
 
 
+class Counted(HostGradients):
+    """The host adaptor, counting the gradients copied into buckets (on one rank there must be none)."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    def take(self, bucket, position, grad) -> None:
+        self.taken += 1
+        super().take(bucket, position, grad)
+
+
 class InOrder(Exact):
     """Exact, checking that buckets start in index order, each once a step."""
 
@@ -155,6 +166,8 @@ async def check(system, steps: int, name: str) -> None:
     )
     if name == "late-copies":
         parallel.gradients = LateCopies()
+    elif system.size == 1:
+        parallel.gradients = Counted()
     await parallel.broadcast_parameters()
     before = loss_of(model)
     rows = rank_rows(BATCH, system.size, system.rank)
@@ -182,6 +195,8 @@ async def check(system, steps: int, name: str) -> None:
         assert parallel.compression.started == list(range(count)) * steps, parallel.compression.started
     if name == "late-copies":
         assert parallel.gradients.late > 0, "no bucket was late: the scheduler's waiting went untested"
+    if system.size == 1:
+        assert parallel.gradients.taken == 0, f"one rank copied {parallel.gradients.taken} gradients into buckets"
     if sums is not None:
         sums.close()
     every = await system.world.allgather(mine)
