@@ -207,6 +207,32 @@ def _required(found: bool, missing: str) -> bool:
     return found
 
 
+def gpu_ranks() -> list[tuple[int, dict]]:
+    """The GPU tests' runs: (ranks, environment) for one rank, and for two (sharing the GPU on purpose where there
+    is one). Two ranks need parallel HDF5: where h5py lacks MPI (a GPU machine's own h5py) the two-rank run is left
+    out, and under ``MPISCALE_REQUIRE_GPU=1`` (make gpu-check) the test fails saying so instead."""
+    import h5py
+    import torch
+
+    runs = [(1, {})]
+    if _required(
+        h5py.get_config().mpi,
+        "this h5py lacks MPI, so the GPU tests' 2-rank runs cannot write parallel "
+        "HDF5: carry an h5py wheel built against the machine's MPI (docs/hpc.md)",
+    ):
+        runs.append((2, {"MPISCALE_SHARE_GPUS": "1"} if torch.cuda.device_count() == 1 else {}))
+    return runs
+
+
+def on_a_gpu(attrs) -> bool:
+    """Whether a results file's ``device`` attribute records GPUs only, each with its UUID."""
+    import json
+
+    recorded = str(attrs["device"])
+    devices = json.loads(recorded) if recorded.startswith("[") else [recorded]
+    return all(d.startswith("cuda:") and (" GPU-" in d or " MIG-" in d) for d in devices)
+
+
 def real_torch_gpu() -> bool:
     """Whether torch sees a CUDA GPU (the torch jobs' --device cuda); with ``MPISCALE_REQUIRE_GPU=1`` (make
     gpu-check) its absence fails the test instead of skipping it."""

@@ -45,7 +45,7 @@ def choose_torch_device(setting: str, comm: Comm, seen: Sequence[str] | None = N
     placed = place_on_gpus(comm, seen) if setting != "cpu" else "cpu"
     refusal = placed if isinstance(placed, str) and setting != "cpu" else None
     if setting == "cuda":
-        agree(comm, refusal, "choosing the device", ValueError)
+        agree(comm, ValueError(f"--device cuda: {refusal}") if refusal else None, "choosing the device", ValueError)
     elif setting == "auto":
         every = comm.allgather((refusal, bool(seen)))
         refused = next((problem for problem, _ in every if problem), None)
@@ -73,7 +73,8 @@ def choose_numba_gpu(comm: Comm) -> str:
     from ..kernels.devices import gpu_uuids, select_gpu
 
     placed = place_on_gpus(comm, gpu_uuids())
-    agree(comm, f"--device cuda: {placed}" if isinstance(placed, str) else None, "choosing the GPU", ValueError)
+    refusal = ValueError(f"--device cuda: {placed}") if isinstance(placed, str) else None
+    agree(comm, refusal, "choosing the GPU", ValueError)
     assert isinstance(placed, GpuChoice)
     _uuids[f"cuda:{placed.index}"] = placed.uuid
     return f"cuda:{select_gpu(placed.index)}"

@@ -74,7 +74,10 @@ class TrainConfig:
     learning_rate: float = option(1e-3, "Adam's step size")
     weight_decay: float = option(0.0, "Adam's L2 penalty")
     seed: int = option(0, "seed of the initial weights and of the batch order")
-    bucket_mib: float = option(25.0, "gradient bucket size in MiB (the first bucket is 1 MiB, as in DDP)")
+    bucket_mib: float = option(25.0, "gradient bucket size in MiB, after the first")
+    first_bucket_mib: float = option(
+        1.0, "the first gradient bucket's size in MiB (small, as in DDP, so communication starts early in backward)"
+    )
     compression: str = option(
         "none",
         "gradients on the wire: none (float32), fp16 or bf16 (16-bit, half the bytes), or powersgd (low-rank "
@@ -152,7 +155,7 @@ class TrainConfig:
         if self.checkpoint_every < 0:
             problems.append(f"checkpoint_every must be 0 or more, got {self.checkpoint_every}")
         problems += checkpoint_level_problems(self.local_dir, self.shared_every)
-        _positive(self, ("learning_rate", "bucket_mib"), problems)
+        _positive(self, ("learning_rate", "bucket_mib", "first_bucket_mib"), problems)
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             problems.append(f"weight_decay must be a number >= 0, got {self.weight_decay}")
         if any(width < 1 for width in self.hidden):

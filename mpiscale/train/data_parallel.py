@@ -30,6 +30,7 @@ after backward.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -37,7 +38,7 @@ import torch
 
 from ..runtime import ActorSystem, Communicator, Group
 from .compression import Compression, Exact
-from .staging import HostGradients, gradients_for
+from .staging import DeviceGradients, HostGradients, gradients_for
 from .tensor_sums import TensorSums
 
 FIRST_BUCKET_MIB = 1.0  # DDP's defaults: a small first bucket, then 25 MB
@@ -122,9 +123,21 @@ class DataParallel:
         self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib, self.gradients)
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._launched = 0
+        self._launching = threading.Lock()
         self._syncing = True
         for param in params:
             param.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    @property
+    def gradient_path(self) -> str:
+        """How the gradients are averaged, in words (results files and telemetry record it)."""
+        if self._alone:
+            return "none (one rank)"
+        if self.tensor_sums is not None:
+            return self.tensor_sums.name
+        if isinstance(self.gradients, DeviceGradients):
+            return "staged through pinned host memory, MPI on the host"
+        return "MPI on the host"
 
     async def broadcast_parameters(self) -> None:
         """Give every rank rank 0's parameters and buffers (collective; call once before training)."""
@@ -161,16 +174,19 @@ class DataParallel:
             return
         self.gradients.take(bucket, position, grad)
         if len(bucket.ready) == len(bucket.params) and self.tensor_sums is None:
-            self.gradients.send(bucket)
             bucket.sent = True
+            self.gradients.send(bucket, self._launch_ready)
 
     def _launch_ready(self) -> None:
-        """Start, in index order, every bucket whose gradients are all in host memory (without waiting)."""
-        while self._launched < len(self._buckets) and not self._alone:
-            bucket = self._buckets[self._launched]
-            if not bucket.sent or not self.gradients.arrived(bucket, wait=False):
-                return
-            self._start(bucket)
+        """Start, in index order, every bucket whose gradients are all in host memory (without waiting). Called
+        at each gradient, and when a bucket's copy to host memory arrives (from the adaptor's thread: a GPU's
+        copies finish after autograd has queued the whole backward), so the lock keeps the order."""
+        with self._launching:
+            while self._launched < len(self._buckets) and not self._alone:
+                bucket = self._buckets[self._launched]
+                if not bucket.sent or not self.gradients.arrived(bucket, wait=False):
+                    return
+                self._start(bucket)
 
     def _start(self, bucket: _Bucket) -> None:
         self.compression.start(bucket)  # the allreduce runs during the rest of backward
@@ -191,9 +207,10 @@ class DataParallel:
         elif self.tensor_sums is not None:
             await self._sum_in_place()
         else:
-            for bucket in self._buckets[self._launched :]:
-                self.gradients.arrived(bucket, wait=True)
-                self._start(bucket)
+            with self._launching:  # (a copy's arrival may start buckets meanwhile, from the adaptor's thread)
+                for bucket in self._buckets[self._launched :]:
+                    self.gradients.arrived(bucket, wait=True)
+                    self._start(bucket)
             for bucket in self._buckets:
                 await self.compression.finish(bucket)
                 self.gradients.back(bucket)

@@ -28,6 +28,7 @@ from ..jobs import (
     Plan,
     Step,
     agreed_cuda_aware,
+    announce,
     choose_torch_device,
     give_back,
     load_state,
@@ -108,7 +109,8 @@ class _Training(HeldOutputs):
         await same_bits_everywhere(self.system, weights, "weights")
         return await finish_training(self.system, self.config, self.comm, self.data, self.validation, self.spec,
                                      self.model, self.curves, self.threads, ended,
-                                     recorded_devices(str(self.device), self.comm))  # fmt: skip
+                                     recorded_devices(str(self.device), self.comm),
+                                     self.parallel.gradient_path)  # fmt: skip
 
 
 def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training:
@@ -133,8 +135,9 @@ def prepare_data_parallel(system: ActorSystem, config: TrainConfig) -> _Training
         start = _restore(config, data, spec, checkpoints, state, curves, schedule)
         # sums where the gradients lie take no compression
         compression = None if sums else scheme(system, config.compression, config.powersgd_rank, config.powersgd_start)
-        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, compression=compression,
-                                tensor_sums=sums)  # fmt: skip
+        parallel = DataParallel(system, model, bucket_mib=config.bucket_mib, first_bucket_mib=config.first_bucket_mib,
+                                compression=compression, tensor_sums=sums)  # fmt: skip
+        announce("gradients", parallel.gradient_path)  # telemetry's record of how they are averaged
         plan = training_plan(config, schedule)
         return _Training(
             system, config, comm, data, validation, spec, model, optimizer, parallel, curves, start, checkpoints,

@@ -49,9 +49,11 @@ async def finish_training(
     threads: int,
     ended: Ended,
     device: str = "cpu",
+    gradient_path: str = "",
 ) -> dict:
     """Rank 0 writes the results file of ``model`` (the whole model there, in host memory; None elsewhere), every
-    rank agrees; the summary every rank returns. ``device``: where it trained (``jobs.recorded_devices``)."""
+    rank agrees; the summary every rank returns. ``device``: where it trained (``jobs.recorded_devices``);
+    ``gradient_path``: how its gradients were averaged (``DataParallel.gradient_path``)."""
     hosts = sorted(set(comm.allgather(socket.gethostname())))
     score = ""
     if curves.epochs["validation_accuracy"]:
@@ -59,7 +61,8 @@ async def finish_training(
     done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
     failed = f"mpiscale train: could not write {config.out}: {{}}".format
     if model is not None:
-        results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads, device)
+        results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads, device,
+                               gradient_path)  # fmt: skip
         writer = partial(write, results=results)
     await write_results(system, config.out, writer if model is not None else _nothing, done, failed)
     loss = curves.steps["loss"][-1] if curves.done else None

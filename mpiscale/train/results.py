@@ -46,6 +46,7 @@ class TrainResults:
     hosts: list[str]
     threads: int
     device: str  # where it trained: "cpu", "cuda:0", or each rank's as JSON
+    gradient_path: str = ""  # how the gradients were averaged (DataParallel.gradient_path); "" for pipelines
 
 
 def write(file: h5py.File, results: TrainResults) -> None:
@@ -68,6 +69,8 @@ def write(file: h5py.File, results: TrainResults) -> None:
     file.attrs["hosts"] = json.dumps(results.hosts)
     file.attrs["threads_per_rank"] = results.threads
     file.attrs["device"] = results.device
+    if results.gradient_path:
+        file.attrs["gradient_path"] = results.gradient_path
     if data.patch_shape is not None:
         file.attrs["image_shape"] = data.patch_shape
 

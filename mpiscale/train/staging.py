@@ -10,8 +10,9 @@ buffers). Its parameters live on one device; an adaptor moves their gradients:
   bucket's flat device buffer as backward produces it; once the bucket is
   complete, one device-to-host copy into a pinned host buffer is queued on a
   stream of its own, so it overlaps the rest of backward. Its reduction starts
-  once that copy is done (``DataParallel`` asks without waiting at every
-  gradient, and waits only in ``synchronize``), and the averages go back to the
+  once that copy is done: a thread of the adaptor waits for each copy and then
+  calls ``DataParallel`` back (autograd queues the whole backward long before
+  the GPU has run it, so no later gradient would be there to ask), and the averages go back to the
   device from the pinned buffer in one copy per bucket, into the bucket's own
   device buffer, without blocking the host. Never a blocking ``.cpu()`` per
   bucket. Where the buckets are summed in device memory (``staged=False``:
@@ -23,6 +24,8 @@ and the same for both, so the CPU tests cover all but the copies themselves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,8 +55,9 @@ class HostGradients:
         """Parameter ``position``'s gradient (None: zeros) into the bucket."""
         bucket.view(position)[:] = 0.0 if grad is None else grad.detach().numpy().reshape(-1)
 
-    def send(self, bucket: Staged) -> None:
-        """The bucket is complete: start bringing it to its host buffer."""
+    def send(self, bucket: Staged, arrived: Callable[[], None]) -> None:
+        """The bucket is complete: start bringing it to its host buffer, and call ``arrived`` once it is there
+        (unless it is there at once: ``arrived(bucket)`` says so)."""
 
     def arrived(self, bucket: Staged, wait: bool) -> bool:
         """Whether the bucket's host buffer holds its gradients (``wait``: once it does)."""
@@ -77,6 +81,8 @@ class DeviceGradients(HostGradients):
     def __init__(self, device: torch.device, staged: bool = True) -> None:
         self.device, self.staged = device, staged
         self.copies = torch.cuda.Stream(device=device)
+        # waits for each copy in turn, on the parameters' GPU (a new thread's is GPU 0)
+        self._waiter = ThreadPoolExecutor(1, "mpiscale-staging", torch.cuda.set_device, (device,))
 
     def buffer(self, size: int) -> tuple[np.ndarray, Any]:
         flat = torch.zeros(size, dtype=torch.float32, device=self.device)
@@ -92,13 +98,14 @@ class DeviceGradients(HostGradients):
         else:
             view.copy_(grad.detach().reshape(-1))
 
-    def send(self, bucket: Staged) -> None:
+    def send(self, bucket: Staged, arrived: Callable[[], None]) -> None:
         state = bucket.staging
         self.copies.wait_stream(torch.cuda.current_stream(self.device))  # the gradients written, the averages read
         with torch.cuda.stream(self.copies):
             state["pinned"].copy_(state["flat"], non_blocking=True)
-            state["copied"] = torch.cuda.Event()
-            state["copied"].record(self.copies)
+            state["copied"] = copied = torch.cuda.Event()
+            copied.record(self.copies)
+        self._waiter.submit(_after, copied.synchronize, arrived)
 
     def arrived(self, bucket: Staged, wait: bool) -> bool:
         copied = bucket.staging["copied"]
@@ -117,6 +124,11 @@ class DeviceGradients(HostGradients):
 
     def flat(self, bucket: Staged) -> torch.Tensor:
         return bucket.staging["flat"]
+
+
+def _after(wait: Callable[[], object], then: Callable[[], None]) -> None:
+    wait()
+    then()
 
 
 def gradients_for(device: torch.device, staged: bool = True) -> HostGradients:

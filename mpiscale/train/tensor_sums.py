@@ -41,6 +41,9 @@ from ..words import ranks_named
 class TensorSums(Protocol):
     """What sums a bucket's tensor over every rank for ``DataParallel(tensor_sums=...)``."""
 
+    #: How it sums, for the record (``DataParallel.gradient_path``).
+    name: str
+
     async def allreduce(self, flat: torch.Tensor) -> None:
         """``flat`` summed over every rank, in place (collective; called in the same order everywhere)."""
         ...
@@ -88,6 +91,7 @@ class NodeSums:
                                 world_size=node.Get_size(), timeout=TIMEOUT,
                                 device_id=device if backend == "nccl" else None)  # fmt: skip
         self.dist, self.backend, self.system = dist, backend, system
+        self.name = f"{backend} in each node, MPI between nodes"
 
     async def allreduce(self, flat: torch.Tensor) -> None:
         """``flat`` summed over every rank of the job, in place (collective; call in the same order everywhere)."""
@@ -130,6 +134,7 @@ class DirectSums:
         from mpi4py import MPI
 
         self.MPI, self.comm = MPI, system.world.comm.Dup()  # a communicator of its own, used from the worker
+        self.name = "MPI on the gradients' own memory"
         where = device if device is not None else torch.device("cpu")
         self._worker = ThreadPoolExecutor(1, "mpiscale-direct-sums", _use_device, (where, select))
 

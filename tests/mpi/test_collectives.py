@@ -15,6 +15,7 @@ COMPRESSIONS = [
     "powersgd-low",
     "user",
     "late-copies",
+    "copies-after-backward",
     "device-thread",
     "direct",
     "node-gloo",
@@ -24,7 +25,7 @@ ALL_SCHEMES = ",".join(["none", *COMPRESSIONS])
 LAYOUTS = {
     (1, 0): ["hierarchical.py", "data_parallel.py 6 none"],
     (2, 0): ["collectives.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py", "device_rule.py",
-             f"data_parallel.py 6 {ALL_SCHEMES}"],
+             f"data_parallel.py 6 {ALL_SCHEMES}", "gpu_overlap.py cpu 20"],
     (2, 1): ["hierarchical.py"],
     (3, 0): ["data_parallel.py 6 none", "data_parallel_like_ddp.py"],
     (3, 2): ["hierarchical.py"],
@@ -80,6 +81,12 @@ def test_the_gpu_rule_places_ranks_by_the_gpus_they_see(ranks):
     """Made-up GPUs: one seen by each rank (Slurm's --gpus-per-task=1), all seen by all, too few, a rank without
     one, shared on purpose (programs/device_rule.py)."""
     assert f"device rule ok: {ranks} ranks" in _out(ranks, 0)
+
+
+def test_data_parallel_buckets_start_during_backward_and_average_exactly():
+    """The GPU check's program on the CPU (programs/gpu_overlap.py): 4 buckets, each started during backward, and
+    20 steps' averages the host's float32 average of the ranks' gradients, bit for bit."""
+    assert "gpu overlap ok: 2 ranks on cpu, 4 buckets, 20 steps" in _out(2, 0)
 
 
 def test_data_parallel_behaves_as_ddp_where_users_rely_on_it():

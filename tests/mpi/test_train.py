@@ -14,7 +14,17 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, launch, real_torch_gpu
+from helpers import (
+    REPO,
+    SESSION_ENVIRONMENT,
+    assert_ok,
+    finish,
+    gpu_ranks,
+    launch,
+    on_a_gpu,
+    real_torch_gpu,
+    run_mpi,
+)
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -94,14 +104,17 @@ def test_collect_in_small_rounds_writes_every_layer(tmp_path):
         np.testing.assert_allclose(file["relu1"][()], reference["relu1"][()], rtol=1e-5, atol=1e-5)
 
 
-FOLLOWED = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.002]
+#: Three gradient buckets of the 48-wide model (3,610 parameters): the output layer, the hidden biases, its weights.
+FOLLOWED = ["--epochs", 2, "--batch-size", 60, "--hidden", "48", "--progress-every", 0, "--bucket-mib", 0.0001,
+            "--first-bucket-mib", 0.001]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def one_process_model(tmp_path_factory) -> Path:
-    """A model of the settings ``FOLLOWED`` trained on one rank (once for every test that only reads it)."""
+    """A model of the settings ``FOLLOWED`` trained on one rank, on the CPU (once for every test that only reads it;
+    the GPU tests' reference, which auto would train on the GPU)."""
     one = tmp_path_factory.mktemp("one") / "one.h5"
-    assert_ok(mpiscale(1, "train", *FOLLOWED, "--out", one))
+    assert_ok(mpiscale(1, "train", *FOLLOWED, "--device", "cpu", "--out", one))
     return one
 
 
@@ -287,18 +300,17 @@ def test_collect_on_a_real_gpu_gives_the_cpus_rows(tmp_path, one_process_model):
         pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
     common = ("collect", "--model", one_process_model, "--layers", "hidden1,relu1")
     assert_ok(mpiscale(1, *common, "--out", tmp_path / "cpu.h5", "--device", "cpu"))
-    assert_ok(mpiscale(1, *common, "--out", tmp_path / "gpu.h5", "--device", "cuda"))
-    written = ["gpu.h5"]
-    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
-        crowded = mpiscale(2, *common, "--out", tmp_path / "crowded.h5", "--device", "cuda")
-        assert crowded.returncode == 2 and "start one rank per GPU, or set MPISCALE_SHARE_GPUS=1" in crowded.stderr
-        shared = {"MPISCALE_SHARE_GPUS": "1"}
-        assert_ok(mpiscale(2, *common, "--out", tmp_path / "shared.h5", "--device", "cuda", env=shared))
-        written.append("shared.h5")
+    written = []
+    for ranks, env in gpu_ranks():
+        if env:  # two ranks on the one GPU: refused unless shared on purpose
+            crowded = mpiscale(ranks, *common, "--out", tmp_path / "crowded.h5", "--device", "cuda")
+            assert crowded.returncode == 2 and "start one rank per GPU, or set MPISCALE_SHARE_GPUS=1" in crowded.stderr
+        assert_ok(mpiscale(ranks, *common, "--out", tmp_path / f"gpu{ranks}.h5", "--device", "cuda", env=env))
+        written.append(f"gpu{ranks}.h5")
     with h5py.File(tmp_path / "cpu.h5", "r") as cpu:
         for name in written:
             with h5py.File(tmp_path / name, "r") as gpu:
-                assert gpu.attrs["device"] == "cuda:0"
+                assert on_a_gpu(gpu.attrs), gpu.attrs["device"]
                 for layer in ("hidden1", "relu1"):
                     np.testing.assert_allclose(gpu[layer][()], cpu[layer][()], rtol=1e-4, atol=1e-5)
 
@@ -314,18 +326,21 @@ def test_train_on_cuda_without_a_gpu_is_refused_in_one_line(tmp_path, shape):
 
 
 def test_train_on_a_real_gpu_follows_the_cpu_and_resumes_across_devices(tmp_path, one_process_model):
-    """--device cuda on one rank, and on 2 ranks sharing the GPU on purpose (gradients staged through pinned host
-    memory), and with --intra-node nccl on one rank, against the CPU's one-rank run; a GPU run's checkpoint resumed
-    on the CPU and a CPU run's on the GPU give the same weights (skipped without a GPU; make gpu-check runs it)."""
+    """--device cuda on one rank, and on 2 ranks (sharing the GPU on purpose where there is one: gradients in three
+    buckets, staged through pinned host memory, or summed in device memory by a CUDA-aware MPI), and with
+    --intra-node nccl on one rank, against the CPU's one-rank run; the gradient path each run took is the one
+    expected; a GPU run's checkpoint resumed on the CPU and a CPU run's on the GPU give the same weights (skipped
+    without a GPU; make gpu-check runs it)."""
     if not real_torch_gpu():
         pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
-    runs = {"gpu.h5": (1, {})}
-    if h5py.get_config().mpi and torch.cuda.device_count() == 1:  # a GPU image's h5py may lack MPI: one rank then
-        runs["shared.h5"] = (2, {"MPISCALE_SHARE_GPUS": "1"})
-    for name, (ranks, env) in runs.items():
+    paths = {1: {"none (one rank)"}, 2: {"staged through pinned host memory, MPI on the host",
+                                         "MPI on the gradients' own memory"}}  # fmt: skip
+    for ranks, env in gpu_ranks():
+        name = f"gpu{ranks}.h5"
         assert_ok(mpiscale(ranks, "train", *FOLLOWED, "--device", "cuda", "--out", tmp_path / name, env=env))
         with h5py.File(tmp_path / name, "r") as file:
-            assert file.attrs["device"] == "cuda:0"
+            assert on_a_gpu(file.attrs), file.attrs["device"]
+            assert file.attrs["gradient_path"] in paths[ranks], file.attrs["gradient_path"]
         reference, result = weights(one_process_model), weights(tmp_path / name)
         for key in reference:
             np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"{name}: {key}")
@@ -344,6 +359,20 @@ def test_train_on_a_real_gpu_follows_the_cpu_and_resumes_across_devices(tmp_path
         reference, result = weights(one_process_model), weights(out)
         for key in reference:
             np.testing.assert_allclose(result[key], reference[key], rtol=1e-3, atol=1e-4, err_msg=f"{out}: {key}")
+
+
+def test_data_parallel_on_a_real_gpu_overlaps_backward_and_averages_exactly():
+    """Two ranks (sharing the GPU on purpose where there is one), backward lengthened on the device, 4 buckets: the
+    first bucket's allreduce starts before the GPU has finished backward in every one of 100 back-to-back steps,
+    and every average is the host's float32 average of the ranks' gradients, bit for bit (programs/gpu_overlap.py;
+    skipped without a GPU; make gpu-check runs it)."""
+    if not real_torch_gpu():
+        pytest.skip("torch sees no CUDA GPU (make gpu-check runs this where there is one)")
+    env = {"MPISCALE_SHARE_GPUS": "1"} if torch.cuda.device_count() == 1 else {}
+    job = run_mpi("gpu_overlap.py", 2, "cuda", "100", env=env, timeout=300)
+    assert_ok(job)
+    assert "gpu overlap ok: 2 ranks on cuda, 4 buckets, 100 steps" in job.stdout, job.output[-3000:]
+    print(job.stdout.strip().splitlines()[-1])  # which gradient path ran: staged, or MPI on device memory
 
 
 def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):

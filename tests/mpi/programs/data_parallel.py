@@ -1,7 +1,7 @@
 """DataParallel against one process training on the whole batch: the same parameters, the same on every rank.
 
 usage: data_parallel.py STEPS [SCHEME[,SCHEME...]]  (none, fp16, bf16, powersgd-full, powersgd-low, user,
-late-copies, device-thread, direct, node-gloo)
+late-copies, copies-after-backward, device-thread, direct, node-gloo)
 Each scheme is checked in turn in the same job (a launch costs each rank
 seconds of imports). Each step's global batch of 24 samples is split over the ranks; rank r's
 model starts from its own seed, so the broadcast from rank 0 matters. A
@@ -15,6 +15,11 @@ through the world's awaitable allreduce, started in ``finish``. ``late-copies``
 drives the staging scheduler as a GPU does (``train.staging``): each bucket's
 copy to host memory is said to arrive only after a few later questions, so
 buckets start late, some only in ``synchronize``, yet in index order.
+``copies-after-backward`` drives it as a GPU does when autograd has queued the
+whole backward long before the GPU has run it: each copy arrives 20 ms after it
+was sent, in another thread, when no later gradient is there to ask, and every
+bucket but one its rank left without a gradient must start before
+``synchronize()`` all the same.
 ``device-thread`` runs backward in a thread without an event loop, as autograd
 runs the gradient hooks of GPU parameters in its device thread: buckets start
 from that thread, during backward.
@@ -25,6 +30,7 @@ gloo group per node and MPI between the nodes' first ranks (``NodeSums``).
 
 import asyncio
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -98,7 +104,7 @@ class LateCopies(HostGradients):
         self.asked: dict[int, int] = {}
         self.late = 0  # questions answered "not yet"
 
-    def send(self, bucket) -> None:
+    def send(self, bucket, arrived) -> None:
         self.asked[bucket.index] = 0
 
     def arrived(self, bucket, wait: bool) -> bool:
@@ -106,6 +112,28 @@ class LateCopies(HostGradients):
         here = wait or self.asked[bucket.index] > 2
         self.late += not here
         return here
+
+
+class CopiesAfterBackward(HostGradients):
+    """The host adaptor, but each bucket's copy arrives 20 ms after it was sent, said from a timer's thread."""
+
+    def __init__(self) -> None:
+        self.landed: dict[int, threading.Event] = {}
+
+    def send(self, bucket, arrived) -> None:
+        self.landed[bucket.index] = landed = threading.Event()
+
+        def land() -> None:
+            landed.set()
+            arrived()
+
+        threading.Timer(0.02, land).start()
+
+    def arrived(self, bucket, wait: bool) -> bool:
+        landed = self.landed.get(bucket.index)
+        if landed is not None and wait:
+            assert landed.wait(10), "a copy never arrived"
+        return landed is None or landed.is_set()
 
 
 class Counted(HostGradients):
@@ -143,6 +171,7 @@ SCHEMES = {  # name: (scheme, largest difference from one process allowed; None:
     "powersgd-low": (lambda system: PowerSGD(system, rank=1, start_step=1, min_rate=0.0), None),
     "user": (users_scheme, 1e-5),
     "late-copies": (InOrder, 1e-5),
+    "copies-after-backward": (InOrder, 1e-5),
     "device-thread": (InOrder, 1e-5),
     "direct": (None, 1e-5),
     "node-gloo": (None, 1e-5),
@@ -166,6 +195,8 @@ async def check(system, steps: int, name: str) -> None:
     )
     if name == "late-copies":
         parallel.gradients = LateCopies()
+    elif name == "copies-after-backward":
+        parallel.gradients = CopiesAfterBackward()
     elif system.size == 1:
         parallel.gradients = Counted()
     await parallel.broadcast_parameters()
@@ -174,7 +205,9 @@ async def check(system, steps: int, name: str) -> None:
     passes = train(model, steps, rows, system.size / BATCH, parallel)
     early = []  # per step, the buckets started before synchronize()
     while done := await asyncio.to_thread(next, passes, None) if name == "device-thread" else next(passes, None):
-        if name == "device-thread":
+        if name == "copies-after-backward":
+            await asyncio.sleep(0.2)  # the rest of the step's host work, while the copies land
+        if name in ("device-thread", "copies-after-backward"):
             early.append(len(parallel.compression.started) - done[0] * len(parallel._buckets))
         await parallel.synchronize()
         done[1].step()
@@ -188,9 +221,9 @@ async def check(system, steps: int, name: str) -> None:
         assert difference <= tolerance + 1e-4 * np.abs(theirs).max(), (name, difference)
     else:
         assert loss_of(model) < 0.9 * before, (name, before, loss_of(model))
-    if name == "device-thread":
+    if name in ("device-thread", "copies-after-backward"):
         assert len(parallel._buckets) >= 3 and min(early) >= len(parallel._buckets) - 1, (len(parallel._buckets), early)
-    if name in ("late-copies", "device-thread"):
+    if name in ("late-copies", "device-thread", "copies-after-backward"):
         count = len(parallel._buckets)
         assert parallel.compression.started == list(range(count)) * steps, parallel.compression.started
     if name == "late-copies":
