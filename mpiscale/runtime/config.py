@@ -50,6 +50,10 @@ class RuntimeConfig:
     #: extra hand-offs cost more than they save (over TCP here they overtook MPI between 16 and 64 MiB).
     #: 0: the stages at every size.
     hierarchical_min_bytes: int = 32 << 20
+    #: A hierarchical allreduce that is MPI's own Allreduce runs in pieces of at most this many bytes (0: whole).
+    #: Open MPI's shared-memory Allreduce of 2 ranks fell from 8 to 2.7 GB/s past 16 MiB (its large-message
+    #: algorithm): 33.6 MB took 12.3 ms whole and 4.0 ms in pieces of 8 MiB, 50 MB 18.4 and 6.4 ms (2026-11-28).
+    allreduce_piece_bytes: int = 8 << 20
     #: Seconds a SIGTERM/SIGINT shutdown may spend draining before it exits anyway.
     shutdown_timeout_s: float = 10.0
     #: Seconds a job that stops on SIGTERM after its current step (with a checkpoint) has to reach that step's end
@@ -78,6 +82,7 @@ class RuntimeConfig:
             "ranks_per_node",
             "pool_bytes",
             "hierarchical_min_bytes",
+            "allreduce_piece_bytes",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"MPISCALE_{name.upper()} must be >= 0, got {getattr(self, name)}")

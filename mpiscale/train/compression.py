@@ -97,6 +97,7 @@ class _Matrix:
         self.start, self.rows, self.columns = start, rows, columns
         self.q = generator.standard_normal((columns, rank)).astype(np.float32)  # the same on every rank
         self.residual = np.zeros((rows, columns), np.float32)
+        self.average = np.empty((rows, columns), np.float32)  # kept: a fresh matrix a step costs its page faults
         self.p = np.empty((rows, rank), np.float32)
 
     def view(self, buffer: np.ndarray) -> np.ndarray:
@@ -175,9 +176,9 @@ class PowerSGD:
             matrix.q = qs[offset : offset + matrix.q.size].reshape(matrix.q.shape).copy()
             offset += matrix.q.size
             gradient = matrix.view(bucket.buffer)
-            average = (matrix.p @ matrix.q.T) * scale
-            np.subtract(gradient, average, out=matrix.residual)
-            gradient[...] = average
+            np.matmul(matrix.p * np.float32(scale), matrix.q.T, out=matrix.average)  # (the scale on the thin factor)
+            np.subtract(gradient, matrix.average, out=matrix.residual)
+            np.copyto(gradient, matrix.average)
 
 
 def scheme(system: ActorSystem | Group, name: str, powersgd_rank: int = 4, powersgd_start: int = 10) -> Compression:

@@ -37,8 +37,9 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-#: Hierarchical allreduces from 4 KiB run the stages, smaller ones MPI's own Allreduce: the programs meet both.
-STAGES_FROM = {"MPISCALE_HIERARCHICAL_MIN_BYTES": "4096"}
+#: Hierarchical allreduces from 4 KiB run the stages, smaller ones MPI's own Allreduce, in pieces of 64 KiB (in
+#: place where the result goes back into the buffer): the programs meet all of them.
+STAGES_FROM = {"MPISCALE_HIERARCHICAL_MIN_BYTES": "4096", "MPISCALE_ALLREDUCE_PIECE_BYTES": "65536"}
 world = Worlds(
     {
         layout: (layout[0], {"MPISCALE_RANKS_PER_NODE": str(layout[1])} | STAGES_FROM, programs)

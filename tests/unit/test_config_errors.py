@@ -38,6 +38,7 @@ def test_environment_overrides():
         ("MPISCALE_CHECK_COLLECTIVES", "maybe", "not a valid bool"),
         ("MPISCALE_MAX_SLEEP_US", "-1", "MPISCALE_MAX_SLEEP_US must be >= 0"),
         ("MPISCALE_HIERARCHICAL_MIN_BYTES", "-4096", "MPISCALE_HIERARCHICAL_MIN_BYTES must be >= 0"),
+        ("MPISCALE_ALLREDUCE_PIECE_BYTES", "-1", "MPISCALE_ALLREDUCE_PIECE_BYTES must be >= 0"),
     ],
 )
 def test_bad_values_name_the_variable(variable, value, message):
