@@ -37,14 +37,14 @@ def shared_on_purpose() -> bool:
     return os.environ.get(SHARE_GPUS) == "1"
 
 
-def assign_gpus(views: Sequence[Sequence[str]], share: bool = False) -> list[GpuChoice]:
-    """Each rank's GPU, given every rank of one host's view (the UUIDs it sees, in its index order), in host-rank
-    order. Raises ``ValueError`` (one line) for a rank that sees no GPU, and for two ranks on one GPU unless
-    ``share``."""
+def assign_gpus(views: Sequence[Sequence[str]], share: bool = False, finder: str = "torch") -> list[GpuChoice]:
+    """Each rank's GPU, given every rank of one host's view (the UUIDs ``finder`` shows it, in its index order), in
+    host-rank order. Raises ``ValueError`` (one line) for a rank that sees no GPU, and for two ranks on one GPU
+    unless ``share``."""
     blind = [rank for rank, view in enumerate(views) if not view]
     if blind:
-        raise ValueError(f"torch sees no CUDA GPU for {ranks_named(blind)} of this host (mpiscale doctor says what it "
-                         "finds)")  # fmt: skip
+        raise ValueError(f"{finder} sees no CUDA GPU for {ranks_named(blind)} of this host (mpiscale doctor says what "
+                         "it finds)")  # fmt: skip
     groups: dict[frozenset[str], list[int]] = {}
     for rank, view in enumerate(views):
         groups.setdefault(frozenset(view), []).append(rank)
@@ -70,7 +70,7 @@ def assign_gpus(views: Sequence[Sequence[str]], share: bool = False) -> list[Gpu
     return choices
 
 
-def place_on_gpus(comm: Any, seen: Sequence[str], share: bool | None = None) -> GpuChoice | str:
+def place_on_gpus(comm: Any, seen: Sequence[str], share: bool | None = None, finder: str = "torch") -> GpuChoice | str:
     """This rank's GPU under ``assign_gpus``, from the UUIDs ``seen`` by each rank of its host (collective over
     ``comm``, an mpi4py communicator); the refusal's text instead where the host's ranks cannot each have one. Every
     rank of a host gets the same refusal."""
@@ -83,6 +83,6 @@ def place_on_gpus(comm: Any, seen: Sequence[str], share: bool | None = None) -> 
     finally:
         host.Free()
     try:
-        return assign_gpus(views, shared_on_purpose() if share is None else share)[rank]
+        return assign_gpus(views, shared_on_purpose() if share is None else share, finder)[rank]
     except ValueError as refusal:
         return str(refusal)

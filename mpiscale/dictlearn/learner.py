@@ -27,7 +27,7 @@ from ..jobs import (
     HeldOutputs,
     Plan,
     Step,
-    choose_numba_gpu,
+    choose_numba_device,
     claim_outputs,
     give_back,
     load_state,
@@ -39,7 +39,6 @@ from ..jobs import (
     state_arrays,
     write_results,
 )
-from ..kernels.devices import resolve_device
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
@@ -199,9 +198,9 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD  # blocking I/O and checks; the iterations' allreduce goes through system.world
-    device = resolve_device(config.device) if config.coder == "omp" else "cpu"
+    label = choose_numba_device(config.device if config.coder == "omp" else "cpu", comm)
+    device = label.split(":")[0]
     threads = share_cores(ranks_sharing_cores(comm))
-    label = choose_numba_gpu(comm) if device == "cuda" else device
     # the checkpoints are always open: a stop checkpoints without periodic ones too
     results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
     checkpoints = None

@@ -42,19 +42,9 @@ def choose_torch_device(setting: str, comm: Comm, seen: Sequence[str] | None = N
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {setting!r}")
     if seen is None:
         seen = [] if setting == "cpu" else visible_gpus(setting)
-    placed = place_on_gpus(comm, seen) if setting != "cpu" else "cpu"
-    refusal = placed if isinstance(placed, str) and setting != "cpu" else None
-    if setting == "cuda":
-        agree(comm, ValueError(f"--device cuda: {refusal}") if refusal else None, "choosing the device", ValueError)
-    elif setting == "auto":
-        every = comm.allgather((refusal, bool(seen)))
-        refused = next((problem for problem, _ in every if problem), None)
-        if refused is not None:
-            placed = "cpu"
-            if comm.Get_rank() == 0 and any(saw for _, saw in every):  # (no note on hosts without GPUs)
-                print(f"mpiscale: --device auto runs on the CPU: {refused} (--device cuda would refuse)", flush=True)
+    placed = _placed(setting, comm, seen, "torch") if setting != "cpu" else None
     device = "cpu"
-    if isinstance(placed, GpuChoice):
+    if placed is not None:
         device = f"cuda:{placed.index}"
         _uuids[device] = placed.uuid
         if _torch_sees_gpus():
@@ -67,17 +57,43 @@ def choose_torch_device(setting: str, comm: Comm, seen: Sequence[str] | None = N
     return device
 
 
-def choose_numba_gpu(comm: Comm) -> str:
-    """``cuda:K``: this rank's GPU for the Numba kernels under the GPU rule, selected (collective: a refusal on any
-    rank, two ranks on one GPU, is raised on every rank)."""
-    from ..kernels.devices import gpu_uuids, select_gpu
+def choose_numba_device(setting: str, comm: Comm) -> str:
+    """``cpu`` or ``cuda:K``: where this rank's Numba kernels run, its GPU selected (collective, as
+    ``choose_torch_device``): ``cuda`` where a rank finds no GPU, or two ranks would share one, is refused on every
+    rank; ``auto`` takes the GPUs when every rank can have one of its own, else the CPU on every rank."""
+    from ..kernels.devices import gpu_uuids, resolve_device, select_gpu
 
-    placed = place_on_gpus(comm, gpu_uuids())
-    refusal = ValueError(f"--device cuda: {placed}") if isinstance(placed, str) else None
-    agree(comm, refusal, "choosing the GPU", ValueError)
-    assert isinstance(placed, GpuChoice)
+    if setting == "cpu":
+        return "cpu"  # (the same on every rank: nothing to agree)
+    problem = None
+    try:
+        wanted = resolve_device(setting)  # (the simulator is no GPU for auto)
+    except ValueError as error:
+        wanted, problem = "cpu", error
+    agree(comm, problem, "choosing the GPU", ValueError)
+    placed = _placed(setting, comm, gpu_uuids() if wanted == "cuda" else [], "numba")
+    if placed is None:
+        return "cpu"
     _uuids[f"cuda:{placed.index}"] = placed.uuid
     return f"cuda:{select_gpu(placed.index)}"
+
+
+def _placed(setting: str, comm: Comm, seen: Sequence[str], finder: str) -> GpuChoice | None:
+    """This rank's GPU under the rule (``setting`` ``cuda`` or ``auto``), from the UUIDs ``finder`` shows it; None
+    for the CPU (collective). ``cuda`` refused on any rank is raised on every rank; ``auto`` is then the CPU on
+    every rank, and rank 0 says why in one line (not where no rank sees a GPU at all)."""
+    placed = place_on_gpus(comm, seen, finder=finder)
+    refusal = placed if isinstance(placed, str) else None
+    if setting == "cuda":
+        agree(comm, ValueError(f"--device cuda: {refusal}") if refusal else None, "choosing the device", ValueError)
+        return placed if isinstance(placed, GpuChoice) else None
+    every = comm.allgather((refusal, bool(seen)))
+    refused = next((problem for problem, _ in every if problem), None)
+    if refused is None:
+        return placed if isinstance(placed, GpuChoice) else None
+    if comm.Get_rank() == 0 and any(saw for _, saw in every):
+        print(f"mpiscale: --device auto runs on the CPU: {refused} (--device cuda would refuse)", flush=True)
+    return None
 
 
 def device_uuid(device: str) -> str | None:

@@ -22,8 +22,7 @@ from typing import TypeVar
 import numpy as np
 
 from ..io import CheckpointError
-from ..jobs import choose_numba_gpu
-from ..kernels.devices import resolve_device
+from ..jobs import choose_numba_device
 from ..kernels.memstore import exact_total, group_by_owner, owners
 from ..runtime import ActorSystem
 from .durability import Durability, DurableLog, Replica
@@ -75,9 +74,8 @@ class MemoryStore:
             raise ValueError(f"need bins >= 1 and low < high, got {histogram_bins} bins over {quality_range}")
         self.system = system
         #: ``cuda`` when partitions of at least ``device_threshold`` records iterate on the GPU (``auto``: if any).
-        self.device = resolve_device(device)
-        if self.device == "cuda":
-            choose_numba_gpu(system.world.comm)  # one rank per GPU, by the GPUs' identity (mpiscale.gpus)
+        # one rank per GPU, by the GPUs' identity (mpiscale.gpus); agreed by every rank
+        self.device = choose_numba_device(device, system.world.comm).split(":")[0]
         self.partition = Partition(tuple(extra), self.device, device_threshold)
         self.bins, self.quality_range = histogram_bins, quality_range
         #: Seconds spent in the last calls, by phase (kernel work and exchanges), and bytes this rank sent so far.

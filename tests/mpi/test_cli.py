@@ -144,6 +144,7 @@ def test_bench_ddp_writes_json(tmp_path):
     assert all(seconds > 0 for name, seconds in record["seconds_per_step"].items() if name != "ddp_bf16")
     assert set(record["ours_vs_ddp"]) == {"none", "fp16", "powersgd"} and 0 <= record["hidden_share"] <= 1
     assert "communication hidden behind backward" in job.stdout
+    assert 0 < record["allreduce_during_backward_share"] <= 1  # the first bucket's allreduce starts in backward
 
 
 def test_bench_memstore_writes_json(tmp_path):

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent(
     from numba import config, cuda
     from mpiscale.dictlearn.coding import omp_encode
     from mpi4py import MPI
-    from mpiscale.jobs import choose_numba_gpu
+    from mpiscale.jobs import choose_numba_device
     from mpiscale.kernels.devices import gpu_uuids, resolve_device
 
     import sys
@@ -39,7 +39,8 @@ SCRIPT = textwrap.dedent(
     x = d[:1] + 2 * d[1:2]
     assert np.count_nonzero(omp_encode(x, twins, 4, device="cuda")) == 2
     assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
-    assert choose_numba_gpu(MPI.COMM_SELF) == "cuda:0"  # the jobs' GPU rule, by the GPUs' identity
+    assert choose_numba_device("cuda", MPI.COMM_SELF) == "cuda:0"  # the jobs' GPU rule, by the GPUs' identity
+    assert choose_numba_device("cpu", MPI.COMM_SELF) == "cpu"
     assert len(gpu_uuids()) == len(cuda.gpus) and all(uuid.startswith(("GPU-", "MIG-")) for uuid in gpu_uuids())
     print("cuda kernel matches")
     """
