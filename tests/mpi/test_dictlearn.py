@@ -252,11 +252,17 @@ def test_reconstruction_error_no_worse_than_scikit_learn(tmp_path, signals_file)
 
 
 def test_cuda_device_learns_the_cpu_dictionary_on_the_simulator(tmp_path):
-    """--device cuda end to end (GPU choice per rank, kernel, provenance), on Numba's CUDA simulator."""
+    """--device cuda end to end (GPU choice per rank, kernel, provenance), on Numba's CUDA simulator: its one GPU
+    refused to two ranks in one line, then shared on purpose."""
     options = [*KSVD, "--iterations", "3", "--batch-size", "16"]  # the simulator runs a kernel thread by thread
     assert_ok(dictlearn(2, tmp_path / "cpu.h5", *options, "--device", "cpu"))
     command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(tmp_path / "gpu.h5"), *options]
-    job = finish(launch(2, [*command, "--device", "cuda"], env={"NUMBA_ENABLE_CUDASIM": "1"}), "cuda dictlearn", 180)
+    simulated = {"NUMBA_ENABLE_CUDASIM": "1"}
+    crowded = finish(launch(2, [*command, "--device", "cuda"], env=simulated), "crowded cuda dictlearn", 180)
+    assert crowded.returncode == 2 and crowded.stderr.count("\n") == 1, crowded.output[-3000:]
+    assert "ranks 0-1 of this host would share GPU GPU-simulated-0" in crowded.stderr
+    shared = simulated | {"MPISCALE_SHARE_GPUS": "1"}
+    job = finish(launch(2, [*command, "--device", "cuda"], env=shared), "cuda dictlearn", 180)
     assert_ok(job)
     assert np.abs(learned(tmp_path / "gpu.h5") - learned(tmp_path / "cpu.h5")).max() < 1e-9
     with h5py.File(tmp_path / "gpu.h5", "r") as file:
