@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import mpiscale
+from mpiscale.jobs import choose_torch_device
 from mpiscale.train import DataParallel
 from mpiscale.train.compression import Exact
 
@@ -65,10 +66,8 @@ class Timed(Exact):
 
 
 async def main(system) -> None:
-    device = torch.device(sys.argv[1], 0) if sys.argv[1] == "cuda" else torch.device("cpu")
+    device = torch.device(choose_torch_device(sys.argv[1], system.world.comm))  # the jobs' rule, made current
     steps = int(sys.argv[2])
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     model = Model().to(device)
     scheme = Timed(system)
     size = WIDTH * (WIDTH + 1) * 4 / 2**20  # one layer's MiB: a bucket each
