@@ -7,7 +7,9 @@ import importlib
 import shutil
 from dataclasses import dataclass
 
+from .io import PARALLEL_H5PY
 from .runtime import library_line, message_path
+from .wire_build import REBUILD
 
 
 @dataclass
@@ -28,7 +30,7 @@ def _version(module: str) -> str | None:
         return None
 
 
-SETUP = "run launch/setup.sh"
+SETUP = "pip install mpiscale's dependencies (pip install . in its checkout; launch/setup.sh does it all)"
 
 
 def _mpi_checks() -> list[Check]:
@@ -61,7 +63,7 @@ def _mpi_checks() -> list[Check]:
 
 def _message_path() -> Check:
     path, as_asked = message_path()
-    fix = "run launch/setup.sh: it compiles mpiscale/runtime/_wire.pyx (build/wire.log says why a build failed)"
+    fix = f"{REBUILD}: it compiles mpiscale/runtime/_wire.pyx with the site's mpicc and says why a build fails"
     return Check("message path", as_asked, path, fix, required=False)
 
 
@@ -73,7 +75,10 @@ def _h5py_check() -> Check:
     mpi = bool(h5py.get_config().mpi)
     found = f"{h5py.__version__}, HDF5 {h5py.version.hdf5_version}, MPI {'yes' if mpi else 'NO'}"
     return Check(
-        "h5py (parallel)", mpi, found, "rebuild h5py against parallel HDF5: remove .venv and run launch/setup.sh"
+        "h5py (parallel)",
+        mpi,
+        found,
+        f"rebuild h5py against parallel HDF5 (docs/hpc.md): {PARALLEL_H5PY}",
     )
 
 

@@ -5,7 +5,7 @@ from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
-from .h5file import fixed_strings, leading_rows, open_file, publish, stamp, utc_timestamp, write_file
+from .h5file import PARALLEL_H5PY, fixed_strings, leading_rows, open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, epoch_order
@@ -18,6 +18,7 @@ from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
+    "PARALLEL_H5PY",
     "STRATEGIES",
     "Batch",
     "BatchReader",

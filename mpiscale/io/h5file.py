@@ -80,6 +80,10 @@ def fixed_strings(values: list[str]) -> np.ndarray:
     return np.array(encoded, dtype=f"S{max(1, *map(len, encoded))}")
 
 
+#: How a pip user rebuilds h5py against the site's parallel HDF5 (HDF5_DIR too where it is not found by itself).
+PARALLEL_H5PY = "HDF5_MPI=ON CC=mpicc pip install --no-binary=h5py --no-build-isolation --force-reinstall h5py"
+
+
 def file_access(comm: Comm | None) -> dict:
     """``h5py.File`` keywords for a file every rank of ``comm`` opens: the MPI-IO driver.
 
@@ -90,9 +94,10 @@ def file_access(comm: Comm | None) -> dict:
     if comm is None or (comm.Get_size() == 1 and not h5py.get_config().mpi):
         return {}
     if not h5py.get_config().mpi:
-        raise RuntimeError(
+        raise ValueError(  # the installation's, not the run's: status 2, never retried
             f"h5py {h5py.__version__} was built without MPI, so a job of {comm.Get_size()} ranks cannot share an "
-            "HDF5 file: rebuild it against parallel HDF5 (launch/setup.sh does), or run one rank"
+            f"HDF5 file: rebuild it against parallel HDF5 ({PARALLEL_H5PY}; launch/setup.sh does it in a checkout), "
+            "or run one rank"
         )
     return {"driver": "mpio", "comm": comm}
 

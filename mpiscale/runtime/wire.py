@@ -1,4 +1,5 @@
-"""Which message path runs: the compiled one (``_wire``, built by ``launch/setup.sh``) or the pure-Python
+"""Which message path runs: the compiled one (``_wire``, built by ``pip install``, ``launch/setup.sh`` or
+``python -m mpiscale.wire_build``) or the pure-Python
 reference (:mod:`.transport`, :mod:`.compact` and :class:`Endpoint` here), and why.
 
 Both write the same frames, so ranks on either path talk to each other. The compiled module is used when it is
@@ -121,17 +122,19 @@ def chosen() -> tuple[Any, str]:
     """The functions of the path that runs (the compiled module, or :data:`PURE`) and its name: "compiled", or
     "pure-Python (why)". Decided at the first call, once MPI is loaded: the compiled module imports ``mpi4py.MPI``,
     which must not initialise MPI before the runtime has set its thread level."""
+    from ..wire_build import REBUILD  # (here: python -m mpiscale.wire_build must not find itself imported)
+
     if os.environ.get(PURE_ENV, "0") not in ("", "0"):
         return PURE, f"pure-Python ({PURE_ENV}=1)"
     try:
         _wire = import_module(f"{__package__}._wire")
     except ImportError as error:
-        return PURE, f"pure-Python (the compiled module is not built: {error}; run launch/setup.sh)"
+        return PURE, f"pure-Python (the compiled module is not built: {error}; build it: {REBUILD})"
     from mpi4py import MPI
 
     stale = stale_build(_wire, _SOURCE, MPI.Get_library_version())
     if stale is not None:
-        return PURE, f"pure-Python ({stale}; run launch/setup.sh)"
+        return PURE, f"pure-Python ({stale}; build it again: {REBUILD})"
     return _wire, "compiled"
 
 
