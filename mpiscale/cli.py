@@ -6,17 +6,33 @@ import argparse
 import os
 import sys
 from importlib import import_module
+from typing import NoReturn
 
 from ._version import __version__
 from .commands import COMMANDS, GROUPS, Command, children
 from .jobs import add_options
+from .ranks import launched_rank
 
 _AT_LEAST_ONE = ("tokens", "laps", "samples", "top_inputs", "atoms")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with options spelled out (``--atom`` is no ``--atoms``, as a TOML file's key is not) and, under a
+    launcher, a mistake said once: by rank 0, the other ranks leaving with the same status and no words."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if launched_rank() != 0:
+            sys.exit(2)
+        super().error(message)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser: every command of the registry, with its options documented in --help."""
-    top = argparse.ArgumentParser(
+    top = _Parser(
         prog="mpiscale",
         description="Actor runtime on MPI. Run jobs under launch/mpiscale-run -n N -- mpiscale ...",
     )
@@ -42,7 +58,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _sub_commands(parser: argparse.ArgumentParser, words: list[str], required: bool) -> argparse._SubParsersAction:
     dest = "_".join(["command", *words])
-    return parser.add_subparsers(dest=dest, required=required, metavar="{" + ",".join(children(words)) + "}")
+    return parser.add_subparsers(dest=dest, required=required, metavar="{" + ",".join(children(words)) + "}",
+                                 parser_class=_Parser)  # fmt: skip
 
 
 def _group_help(words: list[str]) -> str:

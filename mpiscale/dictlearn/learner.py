@@ -42,6 +42,7 @@ from ..jobs import (
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
+from ..words import counted
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
@@ -174,7 +175,7 @@ class _Learning(HeldOutputs):
         )
         rate = summary.get("recovery_rate")
         recovered = f"; planted atoms recovered: {rate:.1%}" if rate is not None else ""
-        done = f"wrote {config.out}: {summary['iterations']} iterations on {system.size} ranks{recovered}"
+        done = f"wrote {config.out}: {summary['iterations']} iterations on {counted(system.size, 'rank')}{recovered}"
         await write_results(
             system, config.out, partial(write, results=results), done, partial(self._unwritten_results, results)
         )

@@ -24,6 +24,7 @@ import h5py
 import numpy as np
 
 from ..io import open_file, recorded, stamp
+from ..words import counted
 from .config import DictLearnConfig
 from .data import DataInfo
 from .history import METRICS, History
@@ -89,7 +90,7 @@ def summarize(path: str) -> str:
         atoms, features = file["dictionary"].shape
         lines = [
             f"{path}: {atoms} atoms of {features} features, learned by {config['method']} with {config['coder']} "
-            f"on {file.attrs['world_size']} ranks ({', '.join(json.loads(file.attrs['hosts']))}), "
+            f"on {counted(int(file.attrs['world_size']), 'rank')} ({', '.join(json.loads(file.attrs['hosts']))}), "
             f"mpiscale {file.attrs['mpiscale_version']}, {file.attrs['created']}",
             f"data: {file.attrs['data']} ({file.attrs['samples']} signals); device {file.attrs['device']}; "
             f"stopped by {file.attrs['stop_reason']}",

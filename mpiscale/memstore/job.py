@@ -33,6 +33,7 @@ from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from ..telemetry import restart_count
+from ..words import counted
 from .config import MemstoreConfig
 from .durability import Durability
 from .history import IterationHistory
@@ -202,7 +203,7 @@ def summarize(path: str) -> str:
         ranks = file.attrs["world_size"]
         return "\n".join(
             [
-                f"{path}: {settings['records']:,} records, {len(seconds)} iterations on {ranks} ranks, "
+                f"{path}: {settings['records']:,} records, {len(seconds)} iterations on {counted(ranks, 'rank')}, "
                 f"mpiscale {file.attrs['mpiscale_version']}, {file.attrs['created']}",
                 f"time per iteration: median {1e3 * np.median(seconds):.2f} ms, first {1e3 * seconds[0]:.2f} ms",
                 f"last iteration: mean quality {file['mean'][-1]:.6f}, maximum {file['maximum'][-1]:.6f}, "

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem, Communicator, Orders
+from ..words import counted
 from .aggregate import by_node, pace, spread
 from .beat import BusyBeat
 from .control import Rejected, parse, set_log_level
@@ -123,7 +124,7 @@ class Telemetry:
             session._busy_beat = BusyBeat(settings.interval_s, session._beat_while_busy)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
-            session.event("started", f"{command} on {system.size} ranks")
+            session.event("started", f"{command} on {counted(system.size, 'rank')}")
             restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TextIO
 
+from ..words import counted
 from .schema import KINDS, problems
 from .settings import TelemetrySettings
 from .sinks import mqtt_client, topic
@@ -113,7 +114,7 @@ class View:
         status = self.latest.get("status")
         if status is None:
             return ["waiting for the job's status..."]
-        lines = [f"job {status['job']}: {status['command']} on {status['ranks']} ranks ({status['host']}), "
+        lines = [f"job {status['job']}: {status['command']} on {counted(status['ranks'], 'rank')} ({status['host']}), "
                  f"{status['state']}"]  # fmt: skip
         # ages are measured to the job's end once it has ended: its file read hours later shows how fresh each report
         # was then, not hours of silence

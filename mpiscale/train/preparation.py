@@ -19,6 +19,7 @@ from ..jobs import Ended, Plan, claim_outputs, restore_compatible, write_results
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
+from ..words import counted
 from .batches import TrainingSteps, training_steps, uses_samples
 from .bundled import write_digits, write_sequences
 from .config import TrainConfig
@@ -58,7 +59,7 @@ async def finish_training(
     score = ""
     if curves.epochs["validation_accuracy"]:
         score = f"; held-out accuracy {curves.epochs['validation_accuracy'][-1]:.1%}"
-    done = f"wrote {config.out}: {ended.done} steps on {system.size} ranks{score}"
+    done = f"wrote {config.out}: {ended.done} steps on {counted(system.size, 'rank')}{score}"
     failed = f"mpiscale train: could not write {config.out}: {{}}".format
     if model is not None:
         results = TrainResults(config, data, validation, spec, model, curves, system.size, hosts, threads, device,

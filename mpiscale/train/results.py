@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..io import open_file, stamp
+from ..words import counted
 from .config import TrainConfig
 from .curves import EPOCH_METRICS, STEP_METRICS, Curves
 from .data import LabelledData
@@ -95,7 +96,7 @@ def summarize(path: str) -> str:
     spec, config = json.loads(attrs["model"]), json.loads(attrs["config"])
     parameters = sum(p.numel() for p in model.parameters())
     lines = [
-        f"{path}: {describe(spec)} ({parameters:,} parameters), trained on {attrs['world_size']} ranks "
+        f"{path}: {describe(spec)} ({parameters:,} parameters), trained on {counted(int(attrs['world_size']), 'rank')} "
         f"({', '.join(json.loads(attrs['hosts']))}) on {attrs.get('device', 'cpu')}, "
         f"mpiscale {attrs['mpiscale_version']}, {attrs['created']}",
         f"data: {attrs['data']} ({attrs['samples']} samples); held out: {attrs['validation'] or 'none'}",

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import LAUNCHER, assert_ok, finish, launch
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
@@ -187,3 +188,16 @@ def test_bench_telemetry_writes_json(tmp_path):
     # a sanity bound, not a timing goal (the bench's table is the measure): tens of microseconds alone, but the
     # other test worker's oversubscribed jobs (the local cluster's 6 ranks) stretched it past 1 ms once in CI
     assert all(0 < seconds < 0.05 for seconds in record["empty_step_s"].values())
+
+
+def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(tmp_path):
+    """--atom is not --atoms (a TOML file refuses the same typo), and 2 ranks print one usage and one error."""
+    from mpiscale.cli import parser
+
+    with pytest.raises(SystemExit) as refused:
+        parser().parse_args(["dictlearn", "--atom", "7", "--iteration", "5"])
+    assert refused.value.code == 2
+    assert parser().parse_args(["dictlearn", "--atoms", "7"]).atoms == 7
+    job = mpiscale(2, "dictlearn", "--atomz", "7", "--out", str(tmp_path / "d.h5"))
+    assert job.returncode == 2 and job.stderr.count("error: unrecognized arguments: --atomz 7") == 1, job.stderr
+    assert job.stderr.count("usage: mpiscale") == 1 and not (tmp_path / "d.h5").exists()

@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -336,3 +337,16 @@ def test_each_rank_gets_its_share_of_the_cores(tmp_path):
     assert bound.returncode == 0, bound.stdout + bound.stderr
     with h5py.File(tmp_path / "bound.h5", "r") as file:
         assert file.attrs["numba_threads_per_rank"] == 1
+
+
+def test_one_rank_is_one_rank_in_what_the_job_and_inspect_say(tmp_path):
+    """'on 1 rank', never 'on 1 ranks': the job's last line, its telemetry's start, and inspect."""
+    out = tmp_path / "one.h5"
+    job = dictlearn(1, out, *KSVD, "--iterations", "5")
+    assert_ok(job)
+    assert "5 iterations on 1 rank" in job.stdout and "1 ranks" not in job.output, job.output[-2000:]
+    shown = subprocess.run([sys.executable, "-m", "mpiscale.cli", "inspect", str(out)], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert shown.returncode == 0 and "on 1 rank (" in shown.stdout and "1 ranks" not in shown.stdout, shown.stdout
+    telemetry = Path(f"{out}.telemetry.jsonl").read_text()
+    assert "on 1 rank" in telemetry and "1 ranks" not in telemetry
