@@ -333,7 +333,7 @@ class Telemetry:
             if self.stopped_after:
                 self.event("finished", f"{self.command} stopped after {self.stopped_after}, its state saved")
             else:
-                self.event("finished", f"{self.command} finished")
+                self.event("finished", self.command)  # (watch shows "finished dictlearn")
             await self._end("stopped" if self.stopped_after else "finished")
 
     async def fail(self, detail: str, rank: int = 0) -> None:

@@ -48,6 +48,7 @@ def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_
     shown, errors = watcher.communicate(timeout=60)
     assert watcher.returncode == 0, errors
     assert "job t1: memstore on 3 ranks" in shown and "finished" in shown and "] 400/400" in shown, shown[-3000:]
+    assert "rank 0: finished memstore" in shown and "finished memstore finished" not in shown, shown[-3000:]
     late = Subscriber(broker.port)  # joins after the job: the retained status says how it ended
     try:
         status = late.wait_for(lambda p: p["kind"] == "status", timeout=10)
