@@ -11,6 +11,9 @@ from ..io import BatchReader, DataFileError, ShardedDataset, rank_rows, read_dat
 from ..ranks import Comm
 
 _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
+#: Values of whose magnitude the squares stay normal float64 numbers: outside, the Gram matrix and the residuals
+#: underflow (all codes zero, atoms off unit norm) or overflow.
+_SMALLEST, _LARGEST = float(np.sqrt(np.finfo(np.float64).tiny)), float(np.sqrt(np.finfo(np.float64).max)) / 1e3
 
 
 @dataclass
@@ -30,7 +33,8 @@ class DataInfo:
 
 
 def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int | None, comm: Comm) -> DataInfo:
-    """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity.
+    """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity, and the data
+    for a scale it can be learned at (not all zero, squares neither underflowing nor overflowing).
 
     ``batch_size``: the global mini-batch, which may not exceed the signals; None where the method takes the
     whole data set at once (mod) and reads no mini-batches.
@@ -59,7 +63,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
         largest_block = -(-samples // comm.Get_size())
         rows_per_read = max(1, _SCAN_BYTES // (features * data.dtype.itemsize))
         rounds = -(-largest_block // rows_per_read)  # the same on every rank: each read is collective
-        first_bad = samples
+        first_bad, largest = samples, 0.0
         for part in range(rounds):
             lo = min(stop, start + part * rows_per_read)
             hi = min(stop, lo + rows_per_read)
@@ -69,9 +73,19 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
                 bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
             if len(bad):
                 first_bad = min(first_bad, lo + int(bad[0]))
+            elif rows.size:
+                largest = max(largest, float(np.abs(rows).max()))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
     if first_bad < samples:
         raise DataFileError(path, f"signal {first_bad} holds NaN or infinite values; clean the data first", name)
+    largest = comm.allreduce(largest, op=MPI.MAX)
+    if largest == 0:
+        raise DataFileError(path, "every value is zero: there is nothing to learn from", name)
+    if not _SMALLEST <= largest <= _LARGEST:
+        way = "underflow" if largest < _SMALLEST else "overflow"
+        raise DataFileError(path, f"the largest value is {largest:.3g}: at that scale the squares of the data {way} "
+                                  "in float64 and nothing is learned; scale the data first (divide it by its standard "
+                                  "deviation)", name)  # fmt: skip
     problems = []
     if atoms > samples:
         problems.append(f"{atoms} atoms need at least as many signals to start from, the data has {samples}")

@@ -350,3 +350,16 @@ def test_one_rank_is_one_rank_in_what_the_job_and_inspect_say(tmp_path):
     assert shown.returncode == 0 and "on 1 rank (" in shown.stdout and "1 ranks" not in shown.stdout, shown.stdout
     telemetry = Path(f"{out}.telemetry.jsonl").read_text()
     assert "on 1 rank" in telemetry and "1 ranks" not in telemetry
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-160, 1e160], ids=["zero", "denormal-squares", "overflowing-squares"])
+def test_data_that_cannot_teach_is_refused_in_one_line(tmp_path, scale):
+    """All-zero data (it ran to 'error 0.0000' and a random dictionary), and data whose squares leave float64's
+    normal range (at 1e-160 every code was zero and atoms came out of norm 1.2): refused on both ranks, status 2."""
+    signals = np.random.default_rng(0).standard_normal((400, 16)) * scale
+    path = tmp_path / "signals.npy"
+    np.save(path, signals)
+    job = dictlearn(2, tmp_path / "d.h5", "--data", str(path), "--atoms", "8", "--sparsity", "2", "--iterations", "3")
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    expected = "every value is zero" if scale == 0 else "scale the data first"
+    assert expected in job.stderr and not (tmp_path / "d.h5").exists(), job.stderr
