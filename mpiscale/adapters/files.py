@@ -118,8 +118,25 @@ def find_adapters(spec: str) -> list[str]:
     return found
 
 
-def open_adapter(path: str) -> Adapter:
-    """The adapter in directory ``path``, its settings and tensor names checked (nothing but the header read)."""
+def adapter_names(paths: list[str]) -> list[str]:
+    """Each adapter's name: its directory's, or where directories share a name (``runs/*/adapter``), the part of
+    the paths that differs (``r0``, ``r1``; several directories joined by ``-``)."""
+    parts = [Path(os.path.abspath(path)).parts for path in paths]
+    if len({p[-1] for p in parts}) == len(parts):
+        return [p[-1] for p in parts]
+    shortest = min(len(p) for p in parts)
+    prefix = 0
+    while prefix < shortest - 1 and len({p[prefix] for p in parts}) == 1:
+        prefix += 1
+    suffix = 0
+    while prefix + suffix < shortest - 1 and len({p[-1 - suffix] for p in parts}) == 1:
+        suffix += 1
+    return ["-".join(p[prefix : len(p) - suffix]) for p in parts]
+
+
+def open_adapter(path: str, name: str | None = None) -> Adapter:
+    """The adapter in directory ``path`` (named ``name``, by default its directory's), its settings and tensor
+    names checked (nothing but the header read)."""
     from safetensors import SafetensorError, safe_open
 
     if not os.path.isfile(os.path.join(path, CONFIG)):
@@ -147,7 +164,7 @@ def open_adapter(path: str) -> Adapter:
         ))  # fmt: skip
     rank = int(config["r"])
     modules = _modules(weights, shapes, rank)
-    return Adapter(Path(path).name, os.path.abspath(path), config, rank, modules)
+    return Adapter(name or Path(path).name, os.path.abspath(path), config, rank, modules)
 
 
 def _reason(error: BaseException) -> str:

@@ -56,7 +56,17 @@ from ..runtime import ActorSystem, JobRefused
 from .algebra import Algebra, HostAlgebra, TorchAlgebra
 from .config import AdaptersConfig
 from .earlier import Earlier, update_norm2
-from .files import CONFIG, WEIGHTS, Adapter, AdapterError, Module, check_alike, find_adapters, open_adapter
+from .files import (
+    CONFIG,
+    WEIGHTS,
+    Adapter,
+    AdapterError,
+    Module,
+    adapter_names,
+    check_alike,
+    find_adapters,
+    open_adapter,
+)
 from .layout import ADAPTERS_FORMAT, group_name
 from .pca import Components, shared_components
 
@@ -305,11 +315,12 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
                          "of ranks), or remove it to start over")  # fmt: skip
     paths = find_adapters(config.adapters)
     names: dict[str, str] = {}
-    for path in paths:
-        name = os.path.basename(os.path.normpath(path))
+    for path, name in zip(paths, adapter_names(paths)):
         if name in names:
-            raise AdapterError(path, f"has the name of {names[name]}: adapters are named by their directories")
+            raise AdapterError(path, f"has the name of {names[name]} ({name}): adapters are named by their "
+                                     "directories, or by the part of their paths that differs")  # fmt: skip
         names[name] = path
+    named = {path: name for name, path in names.items()}
     inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
     algebra = _algebra(config, comm)
     # the last collective: the checks below may fail on one rank alone
@@ -318,9 +329,9 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
         earlier = Earlier.open(config.add_to) if config.add_to else None
         if earlier is not None:
             _check_new_names(earlier, names)
-        reference = earlier.reference if earlier else open_adapter(paths[0])
+        reference = earlier.reference if earlier else open_adapter(paths[0], named[paths[0]])
         first, stop = rank_rows(len(paths), system.size, system.rank)
-        mine = [open_adapter(path) for path in paths[first:stop]]
+        mine = [open_adapter(path, named[path]) for path in paths[first:stop]]
         for adapter in mine:
             check_alike(adapter, reference)
             for module in adapter.modules:

@@ -117,3 +117,14 @@ def test_planted_adapters_read_back(tmp_path):
     adapter = open_adapter(str(tmp_path / "task-1"))
     assert adapter.name == "task-1" and adapter.rank == 4 and [m.name for m in adapter.modules] == list(MODULES)
     assert (adapter.modules[0].inputs, adapter.modules[0].outputs) == (64, 48)
+
+
+def test_adapters_are_named_by_the_part_of_their_paths_that_differs():
+    """runs/*/adapter held one adapter at most: both were named 'adapter' and the second was refused."""
+    from mpiscale.adapters.files import adapter_names
+
+    assert adapter_names(["/x/a", "/x/b"]) == ["a", "b"]
+    assert adapter_names(["/w/runs/r0/adapter", "/w/runs/r1/adapter"]) == ["r0", "r1"]
+    assert adapter_names(["/w/a/x/adapter", "/w/b/y/adapter", "/w/b/z/adapter"]) == ["a-x", "b-y", "b-z"]
+    assert adapter_names(["/w/r0/adapter", "/w/r0/adapter"]) == ["adapter", "adapter"]  # the same one twice: refused
+    assert adapter_names(["/w/one/adapter"]) == ["adapter"]
