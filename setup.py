@@ -21,7 +21,8 @@ class OptionalWire(build_ext):
         self._failure = None
         try:
             compiler = wire_build.mpi_compiler()
-            self.distribution.ext_modules = [wire_build.extension("mpiscale/runtime/_wire.pyx", compiler, "build")]
+            library = wire_build.library_line(compiler)
+            self.distribution.ext_modules = [wire_build.extension("mpiscale/runtime/_wire.pyx", library, "build")]
             os.environ["CC"] = compiler
         except Exception as error:  # no mpicc, no Cython, a probe that does not compile
             self._failure = error

@@ -109,10 +109,11 @@ def _gpu_checks() -> list[Check]:
     else:
         found = f"none ({build})"
     aware = mpi_cuda_aware()
-    mpi = {True: "yes: device buffers go to MPI as they are",
-           False: "no (the library says so at run time): device buffers go through host memory",
-           None: "unknown (the library has no MPIX_Query_cuda_support): device buffers go through host memory"}[
-        aware]  # fmt: skip
+    staged = "device buffers go through host memory"
+    answers = {True: "yes: device buffers go to MPI as they are",
+               False: f"no (the library says so at run time): {staged}",
+               None: f"unknown (the library has no MPIX_Query_cuda_support): {staged}"}  # fmt: skip
+    mpi = answers[aware]
     return [Check("GPUs (torch)", True, found, required=False), Check("MPI CUDA-aware", True, mpi, required=False)]
 
 

@@ -40,15 +40,15 @@ def mpi_compiler() -> str:
 
 
 def library_line(compiler: str) -> str:
-    """The first line of ``MPI_Get_library_version`` of the library ``compiler`` links (a probe compiled and run;
-    the call is allowed before ``MPI_Init``)."""
+    """The first line of ``MPI_Get_library_version`` of the library ``compiler`` links, as a build records it (a probe
+    compiled and run; the call is allowed before ``MPI_Init``)."""
     with tempfile.TemporaryDirectory() as folder:
         source, program = Path(folder, "probe.c"), Path(folder, "probe")
         source.write_text(_PROBE)
         subprocess.run([*compiler.split(), str(source), "-o", str(program)], check=True, capture_output=True,
                        timeout=300)  # fmt: skip
         printed = subprocess.run([str(program)], check=True, capture_output=True, text=True, timeout=60).stdout
-    return printed.replace("\0", "").strip().splitlines()[0].strip()
+    return printed.replace("\0", "").strip().splitlines()[0].strip().replace('"', "'")  # (a C string's quotes)
 
 
 def placeholder() -> Any:
@@ -59,15 +59,14 @@ def placeholder() -> Any:
     return Extension(MODULE, ["mpiscale/runtime/_wire.pyx"])
 
 
-def extension(source: str, compiler: str, build_dir: str) -> Any:
+def extension(source: str, library: str, build_dir: str) -> Any:
     """The extension of ``source`` (a path relative to the build's root), cythonized into ``build_dir``, with its
-    provenance."""
+    provenance: the source's digest and ``library`` (``library_line``)."""
     import numpy
     from Cython.Build import cythonize
     from setuptools import Extension
 
     digest = hashlib.sha256(Path(source).read_bytes()).hexdigest()
-    library = library_line(compiler).replace('"', "'")
     made = Extension(
         MODULE,
         [source],
@@ -92,12 +91,12 @@ def built_modules(folder: Path = SOURCE.parent) -> list[Path]:
     return sorted(folder.glob("_wire.*.so"))
 
 
-def current(module: Path, compiler: str) -> bool:
-    """Whether ``module`` was built from the source beside it against the library ``compiler`` links (the
+def current(module: Path, library: str) -> bool:
+    """Whether ``module`` was built from the source beside it against ``library`` (``library_line``; the
     provenance strings are in its bytes)."""
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest().encode()
     body = module.read_bytes()
-    return digest in body and library_line(compiler).replace('"', "'").encode() in body
+    return digest in body and library.encode() in body
 
 
 def build_in_place(force: bool = False) -> str:
@@ -106,7 +105,8 @@ def build_in_place(force: bool = False) -> str:
     try:
         _tools()
         compiler = mpi_compiler()
-        if not force and any(current(module, compiler) for module in built_modules()):
+        library = library_line(compiler)
+        if not force and any(current(module, library) for module in built_modules()):
             return "mpiscale: the compiled message path is up to date"
         root = SOURCE.parents[2]  # the folder that holds the mpiscale package
         with tempfile.TemporaryDirectory() as scratch, _quiet(LOG) as log:
@@ -114,7 +114,7 @@ def build_in_place(force: bool = False) -> str:
             previous = os.getcwd()
             os.chdir(root)
             try:
-                made = extension(str(SOURCE.relative_to(root)), compiler, str(Path(scratch) / "cython"))
+                made = extension(str(SOURCE.relative_to(root)), library, str(Path(scratch) / "cython"))
                 _install(_compile(made, Path(scratch)))
             except BaseException as error:  # a compiler's SystemExit included: the fallback is the point
                 raise RuntimeError(f"{_last_error(log) or error}; the compiler's output is in {log}") from None

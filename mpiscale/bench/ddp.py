@@ -169,9 +169,8 @@ async def run_ddp_bench(system: ActorSystem, json_path: str, quick: bool = False
         overlap[:] = [0.0, 0.0]
         seconds[f"ours_{name}"] = await median_slowest_async(system, step, steps)
         if name == "none":
-            during = (
-                overlap[0] / overlap[1] if overlap[1] else 0.0
-            )  # the same buckets with gradients in place: the allreduces alone, nothing to hide behind
+            during = overlap[0] / overlap[1] if overlap[1] else 0.0
+            # the same buckets with gradients in place: the allreduces alone, nothing to hide behind
             seconds["communication_only"] = await median_slowest_async(system, parallel.synchronize, steps)
         del step, parallel
         step_ddp = ddp(name)

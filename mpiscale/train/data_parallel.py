@@ -118,8 +118,10 @@ class DataParallel:
         devices = sorted({str(p.device) for p in params})
         if wrong or len(devices) > 1:
             raise TypeError(f"DataParallel takes float32 parameters on one device, got {', '.join(wrong + devices)}")
-        self.gradients = gradients_for(params[0].device if params else torch.device("cpu"), staged=tensor_sums is None)
         self._alone = system.size == 1  # one rank: each gradient is already the average, as DDP skips its work
+        # (alone, the buckets only keep the books: host buffers never written, no device or pinned memory)
+        device = params[0].device if params and not self._alone else torch.device("cpu")
+        self.gradients = gradients_for(device, staged=tensor_sums is None)
         self._buckets = self._plan(params[::-1], first_bucket_mib, bucket_mib, self.gradients)
         self._where = {id(p): (b, i) for b, bucket in enumerate(self._buckets) for i, p in enumerate(bucket.params)}
         self._launched = 0
@@ -182,7 +184,7 @@ class DataParallel:
         at each gradient, and when a bucket's copy to host memory arrives (from the adaptor's thread: a GPU's
         copies finish after autograd has queued the whole backward), so the lock keeps the order."""
         with self._launching:
-            while self._launched < len(self._buckets) and not self._alone:
+            while self._launched < len(self._buckets):  # (alone, no bucket is ever sent)
                 bucket = self._buckets[self._launched]
                 if not bucket.sent or not self.gradients.arrived(bucket, wait=False):
                     return
@@ -202,18 +204,8 @@ class DataParallel:
             for position, param in enumerate(bucket.params):
                 if position not in bucket.ready:  # no gradient this step (or only inside no_sync): as it stands
                     self._take(bucket, position, param.grad)
-        if self._alone:
-            pass
-        elif self.tensor_sums is not None:
-            await self._sum_in_place()
-        else:
-            with self._launching:  # (a copy's arrival may start buckets meanwhile, from the adaptor's thread)
-                for bucket in self._buckets[self._launched :]:
-                    self.gradients.arrived(bucket, wait=True)
-                    self._start(bucket)
-            for bucket in self._buckets:
-                await self.compression.finish(bucket)
-                self.gradients.back(bucket)
+        if not self._alone:
+            await self._average_buckets()
         # per parameter: 2 frozen since wrapping, 1 given a gradient, 0 neither; the maximum over the ranks
         states = np.concatenate([np.where([not p.requires_grad for p in b.params], 2, b.used) for b in self._buckets])
         await self.system.world.allreduce(states, op="max", out=states)
@@ -239,6 +231,19 @@ class DataParallel:
         self._launched = 0
         if self.broadcast_buffers and not self._alone:
             await broadcast_buffers(self.system.world, self.module)
+
+    async def _average_buckets(self) -> None:
+        """Every bucket's average over the ranks, where ``average`` reads it (the buckets not started yet started)."""
+        if self.tensor_sums is not None:
+            await self._sum_in_place()
+            return
+        with self._launching:  # (a copy's arrival may start buckets meanwhile, from the adaptor's thread)
+            for bucket in self._buckets[self._launched :]:
+                self.gradients.arrived(bucket, wait=True)
+                self._start(bucket)
+        for bucket in self._buckets:
+            await self.compression.finish(bucket)
+            self.gradients.back(bucket)
 
     async def _sum_in_place(self) -> None:
         """``tensor_sums``: each bucket summed where its gradients lie, in bucket order, then averaged."""
