@@ -21,7 +21,9 @@ Every record is a JSON object with ``schema``, ``job``, ``kind`` and
   ``rank`` (the rank it is about), ``detail``; answers also carry ``id``, the
   command's (null for a message too malformed to have one).
 - ``heartbeat``: ``ranks_reporting``, ``oldest_report_s`` (the age of the
-  stalest rank's last report), ``dropped`` (records the publisher had to drop).
+  stalest rank's last report), ``dropped`` (records the publisher had to drop),
+  and ``interval_s``, the job's report interval (absent from files of earlier
+  versions).
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ def problems(payload: object) -> list[str]:
         found.append(f"event: {payload.get('event')!r} is none of {', '.join(EVENTS + ANSWERS)}")
     if kind == "event" and payload.get("event") in ANSWERS and not isinstance(payload.get("id", 0), (str, type(None))):
         found.append(f"event: an answer's id is {payload.get('id')!r}: a string, or null")
+    if kind == "heartbeat" and "interval_s" in payload:
+        declared = payload["interval_s"]
+        if not isinstance(declared, _NUMBER) or isinstance(declared, bool) or not declared > 0:
+            found.append(f"heartbeat: interval_s is {declared!r}")
     if kind == "metrics":
         for name, summary in payload.get("values", {}).items():
             if not isinstance(summary, dict) or set(summary) != {"min", "mean", "max", "min_rank"}:

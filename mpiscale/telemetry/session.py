@@ -284,7 +284,8 @@ class Telemetry:
         """The heartbeat record: how many ranks report, and the age of the oldest report."""
         oldest = now - min(report["time"] for report in reports.values())
         dropped = self.sink.dropped if self.sink is not None else 0
-        return record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped)
+        return record("heartbeat", self.job, ranks_reporting=len(reports), oldest_report_s=oldest, dropped=dropped,
+                      interval_s=self.settings.interval_s)  # fmt: skip
 
     def _beat_while_busy(self) -> None:
         """From the busy beat's thread: the loop is held, so its reports stand as they are (a copy, read once)."""

@@ -33,7 +33,7 @@ from .sinks import mqtt_client, topic
 ENDED = ("finished", "stopped", "failed")
 STALE_INTERVALS = 5  # a heartbeat this many intervals late is shown as missing
 GONE_INTERVALS = 30  # and this many: the job is taken for dead
-_UNKNOWN_INTERVAL_S = 2.0  # telemetry's default interval, until two heartbeats tell the real one
+_UNKNOWN_INTERVAL_S = 2.0  # telemetry's default interval, for records that do not say theirs
 _REDRAW_S = 1.0
 
 
@@ -45,6 +45,7 @@ class View:
         self.events: deque[dict] = deque(maxlen=5)
         self.rejected = 0
         self._beats: deque[float] = deque(maxlen=5)  # the times of the latest heartbeats
+        self._declared_s: float | None = None  # the interval the job's heartbeats say it reports at
 
     def take_raw(self, raw: str | bytes) -> None:
         """Take one record as it came (a JSON line, an MQTT payload); what is not JSON counts as rejected."""
@@ -63,6 +64,7 @@ class View:
             self.events.append(payload)
         elif payload["kind"] == "heartbeat":
             self._beats.append(payload["time"])
+            self._declared_s = payload.get("interval_s", self._declared_s)
 
     @property
     def holds_no_record(self) -> bool:
@@ -75,10 +77,18 @@ class View:
 
     @property
     def interval_s(self) -> float:
-        """The job's heartbeat interval as its records show it (the longest recent gap)."""
+        """The job's heartbeat interval: the longest recent gap, never shorter than the interval the job declares.
+
+        Beats can come together (the busy-loop thread's and the loop's own, a
+        queue flushed), so the gaps alone can say 0.01 s for a job that reports
+        every 2 s; a loaded job can beat slower than it declares.
+        """
         beats = list(self._beats)
         gaps = [later - earlier for earlier, later in zip(beats, beats[1:]) if later > earlier]
-        return max(gaps) if gaps else _UNKNOWN_INTERVAL_S
+        floor = self._declared_s if self._declared_s is not None else 0.0
+        if not gaps and self._declared_s is None:
+            return _UNKNOWN_INTERVAL_S
+        return max([floor, *gaps])
 
     def silent_s(self, now: float) -> float | None:
         """Seconds since the job's last heartbeat (or status, before any); None before any record or after its end."""

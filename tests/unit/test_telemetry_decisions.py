@@ -107,12 +107,13 @@ def test_even_waiting_is_no_straggler():
         assert watchdog.look(reports, t) == []
 
 
-def _records(*beats: float, state: str = "running") -> View:
+def _records(*beats: float, state: str = "running", declared: float | None = None) -> View:
     view = View()
     status = {"ranks": 2, "host": "h", "command": "memstore", "state": state}
     view.take({**record("status", "j", **status), "time": 0.0})
+    said = {} if declared is None else {"interval_s": declared}
     for beat in beats:
-        view.take({**record("heartbeat", "j", ranks_reporting=2, oldest_report_s=0.1, dropped=0), "time": beat})
+        view.take({**record("heartbeat", "j", ranks_reporting=2, oldest_report_s=0.1, dropped=0, **said), "time": beat})
     return view
 
 
@@ -122,6 +123,18 @@ def test_watch_takes_a_job_for_dead_after_30_of_its_own_heartbeat_intervals():
     assert not view.gone(1.4 + 29 * 0.2) and view.gone(1.4 + 31 * 0.2)
     assert "NO HEARTBEAT for" in "\n".join(view.lines())  # its time is long past
     assert view.silent_s(2.0) == pytest.approx(0.6)
+
+
+def test_heartbeats_that_come_together_do_not_shorten_the_interval_the_job_declared():
+    """A busy loop's beat from the beat thread and the loop's own beat right after it (CI saw two 0.01 s apart):
+    the watch took 0.01 s for the interval and the job for dead 0.3 s later, before its last will arrived."""
+    view = _records(1.0, 1.01, declared=0.2)
+    assert view.interval_s == pytest.approx(0.2)
+    assert not view.gone(1.01 + 29 * 0.2) and view.gone(1.01 + 31 * 0.2)
+    slower = _records(1.0, 1.5, 2.0, declared=0.2)  # a loaded job beating slower than it said: its own pace counts
+    assert slower.interval_s == pytest.approx(0.5)
+    assert not problems(slower.latest["heartbeat"])
+    assert problems({**slower.latest["heartbeat"], "interval_s": "0.2"}) == ["heartbeat: interval_s is '0.2'"]
 
 
 def test_watch_waits_for_a_lost_job_and_never_calls_an_ended_one_dead():
