@@ -9,6 +9,9 @@ from ..lazy_exports import lazy_exports
 _PUBLIC = {
     "RESULTS_FORMAT": "results",
     "DictLearnConfig": "config",
+    "DictionaryLearning": "estimator",
+    "LearnedDictionary": "results",
+    "load_results": "results",
     "load_config": "config",
     "format_top_inputs": "atom_usage",
     "top_inputs": "atom_usage",

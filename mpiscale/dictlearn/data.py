@@ -78,14 +78,9 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
     if first_bad < samples:
         raise DataFileError(path, f"signal {first_bad} holds NaN or infinite values; clean the data first", name)
-    largest = comm.allreduce(largest, op=MPI.MAX)
-    if largest == 0:
-        raise DataFileError(path, "every value is zero: there is nothing to learn from", name)
-    if not _SMALLEST <= largest <= _LARGEST:
-        way = "underflow" if largest < _SMALLEST else "overflow"
-        raise DataFileError(path, f"the largest value is {largest:.3g}: at that scale the squares of the data {way} "
-                                  "in float64 and nothing is learned; scale the data first (divide it by its standard "
-                                  "deviation)", name)  # fmt: skip
+    problem = scale_problem(comm.allreduce(largest, op=MPI.MAX))
+    if problem:
+        raise DataFileError(path, problem, name)
     problems = []
     if atoms > samples:
         problems.append(f"{atoms} atoms need at least as many signals to start from, the data has {samples}")
@@ -100,16 +95,39 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
     return DataInfo(path, name, samples, features, patch_shape)
 
 
+def scale_problem(largest: float) -> str:
+    """Why data whose largest magnitude is ``largest`` cannot be learned from ("" when it can)."""
+    if largest == 0:
+        return "every value is zero: there is nothing to learn from"
+    if not _SMALLEST <= largest <= _LARGEST:
+        way = "underflow" if largest < _SMALLEST else "overflow"
+        return (f"the largest value is {largest:.3g}: at that scale the squares of the data {way} in float64 and "
+                "nothing is learned; scale the data first (divide it by its standard deviation)")  # fmt: skip
+    return ""
+
+
+def initial_ids(samples: int, atoms: int, rng: np.random.Generator) -> np.ndarray:
+    """The sorted ids of the distinct signals the first atoms are made of (all of them when there are fewer)."""
+    return np.sort(rng.choice(samples, min(atoms, samples), replace=False))
+
+
+def unit_atoms(rows: np.ndarray, atoms: int, rng: np.random.Generator) -> np.ndarray:
+    """``atoms`` unit rows: ``rows`` scaled, then random directions for zero rows and for atoms beyond ``rows``."""
+    chosen = np.zeros((atoms, rows.shape[1]))
+    chosen[: len(rows)] = rows
+    norms = np.linalg.norm(chosen, axis=1)
+    flat = norms <= 1e-12 * max(norms.max(), 1e-300)
+    chosen[flat] = rng.standard_normal((int(flat.sum()), chosen.shape[1]))
+    return chosen / np.linalg.norm(chosen, axis=1, keepdims=True)
+
+
 def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm: Comm) -> np.ndarray:
     """Distinct signals chosen by ``seed``, scaled to unit norm (zero ones become random directions)."""
     rng = np.random.default_rng(seed)
-    ids = np.sort(rng.choice(info.samples, atoms, replace=False))
+    ids = initial_ids(info.samples, atoms, rng)
     with ShardedDataset(info.path, info.name, comm) as data:
-        rows = np.array([data.read(int(i), int(i) + 1)[0] for i in ids], dtype=np.float64).reshape(atoms, -1)
-    norms = np.linalg.norm(rows, axis=1)
-    flat = norms <= 1e-12 * max(norms.max(), 1e-300)
-    rows[flat] = rng.standard_normal((int(flat.sum()), info.features))
-    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+        rows = np.array([data.read(int(i), int(i) + 1)[0] for i in ids], dtype=np.float64).reshape(len(ids), -1)
+    return unit_atoms(rows, atoms, rng)
 
 
 async def online_batches(reader: BatchReader, name: str, start: int) -> AsyncGenerator[tuple[np.ndarray, np.ndarray]]:

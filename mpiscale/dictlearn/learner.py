@@ -43,13 +43,13 @@ from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..words import counted
-from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
 from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
 from .history import History
+from .iteration import Iteration, Rule
 from .results import JobResults, results_bytes, write
 from .synthetic import recovery_rate, write_planted_dataset
-from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
+from .update import DictionaryState
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,9 @@ _COMPATIBLE = (
 )  # fmt: skip
 
 
-def _code(config: DictLearnConfig, dictionary: np.ndarray, signals: np.ndarray, device: str, gram: np.ndarray):
-    """Codes of ``signals``; ``gram`` is ``D D^T`` of ``dictionary``, computed once per dictionary by the caller."""
-    correlations = correlations_of(signals, dictionary)
-    if config.coder == "lasso":
-        return lasso_encode_gram(gram, correlations, config.alpha)
-    return omp_encode_gram(gram, correlations, config.sparsity, device)
-
-
-async def _whole_data_error(system: ActorSystem, config, dictionary, block, device: str, gram: np.ndarray) -> float:
+async def _whole_data_error(system: ActorSystem, step: Iteration, block) -> float:
     _, rows = block
-    codes = _code(config, dictionary, rows, device, gram)
-    residual = rows - codes @ dictionary
+    residual = rows - step.code(rows) @ step.state.dictionary
     sums = np.array([np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows)])
     await system.world.allreduce(sums, out=sums)
     return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
@@ -230,9 +221,8 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
     """The iterations from ``start``, one ``Step`` after each."""
     system, config = job.system, job.config
     rank, size = system.rank, system.size
-    info, state, history, device = job.info, job.state, job.history, job.device
-    stats = BatchStatistics(config.atoms, info.features, size, config.max_replace)
-    alpha = config.alpha if config.coder == "lasso" else 0.0
+    info, history = job.info, job.history
+    step = Iteration(rule_of(config), job.state, size, job.device)
     block = resident_block(info, job.comm) if config.method == "mod" or config.eval_every else None
     reader = None
     if config.method == "online":
@@ -249,7 +239,6 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
         )
         batches = online_batches(reader, info.name, start)
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
-    gram = gram_matrix(state.dictionary)
     clock = time.perf_counter()
     try:
         for iteration in range(start, config.iterations):
@@ -260,27 +249,18 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
                 assert block is not None  # "mod" keeps the whole data resident
                 ids, signals = block
             read = time.perf_counter()
-            codes = _code(config, state.dictionary, signals, device, gram)
-            stats.fill(rank, ids, signals, codes, state.dictionary, alpha)
+            step.fill(rank, ids, signals)
             coded = time.perf_counter()
-            await system.world.allreduce(stats.buffer, out=stats.buffer)
+            await system.world.allreduce(step.stats.buffer, out=step.stats.buffer)
             reduced = time.perf_counter()
-            if config.method == "online":
-                online_update(state, stats, iteration, config.forgetting)
-            else:
-                mod_update(state, stats)
-            gram = gram_matrix(state.dictionary)  # for the duplicate check and the next batch's coder
-            replace = atoms_to_replace(state, stats.usage, config.replace_after, config.duplicate_cosine, gram)
-            replaced = replace_atoms(state, replace, stats.worst_signals()) if replace else 0
-            if replaced:
-                gram = gram_matrix(state.dictionary)
+            replaced = step.apply(iteration)
             updated = time.perf_counter()
             full_error = recovered = math.nan
             if config.eval_every and (iteration + 1) % config.eval_every == 0:
-                full_error = await _whole_data_error(system, config, state.dictionary, block, device, gram)
+                full_error = await _whole_data_error(system, step, block)
                 if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
-                    recovered = recovery_rate(job.planted, state.dictionary)
-            row = stats.metrics(alpha) | {
+                    recovered = recovery_rate(job.planted, step.state.dictionary)
+            row = step.stats.metrics(step.rule.penalty) | {
                 "replaced": float(replaced),
                 "read_s": read - began,
                 "compute_s": coded - read,
@@ -290,11 +270,11 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
                 "full_error": full_error,
                 "recovered": recovered,
             }
-            history.record(row, stats.usage)
+            history.record(row, step.stats.usage)
             phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
                       "update": row["update_s"]}  # fmt: skip
             reached = "target_error" if config.target_error and full_error <= config.target_error else None
-            yield Step(_progress_text(row), stats.sum("signals"), phases, reached)
+            yield Step(_progress_text(row), step.stats.sum("signals"), phases, reached)
             clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
     finally:
         if reader is not None:
@@ -305,6 +285,12 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
 def _progress_text(row: dict) -> str:
     recovered = "" if math.isnan(row["recovered"]) else f"  planted recovered {row['recovered']:.0%}"
     return f"objective {row['objective']:.4e}  error {row['error']:.4f}  non-zeros {row['sparsity']:.2f}{recovered}"
+
+
+def rule_of(config: DictLearnConfig) -> Rule:
+    """The iteration's rule of a job's settings."""
+    return Rule(config.method, config.coder, config.sparsity, config.alpha, config.forgetting, config.replace_after,
+                config.max_replace, config.duplicate_cosine)  # fmt: skip
 
 
 def _compatibility(config: DictLearnConfig, info) -> dict:

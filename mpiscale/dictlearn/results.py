@@ -82,6 +82,52 @@ def write(file: h5py.File, results: JobResults) -> None:
         file.attrs["patch_shape"] = info.patch_shape
 
 
+@dataclass(frozen=True)
+class LearnedDictionary:
+    """What a job's results file holds, as ``load_results`` reads it."""
+
+    path: str
+    dictionary: np.ndarray  # atoms x features, unit rows
+    config: DictLearnConfig  # the job's settings
+    iterations: int
+    samples: int
+    features: int
+    data: str  # the data as the job read it (absolute)
+    stop_reason: str
+    world_size: int
+    metrics: dict[str, np.ndarray]  # per name of ``history.METRICS``, one value per row
+    rows_end: np.ndarray  # the iteration that ends each row of the metrics
+    atom_usage: np.ndarray  # rows x atoms: codes that used each atom
+    planted: np.ndarray | None  # synthetic data only
+    recovery_rate: float | None
+    patch_shape: tuple[int, ...] | None
+
+
+def load_results(path: str) -> LearnedDictionary:
+    """The dictionary, settings and record of a ``mpiscale dictlearn`` results file (any rank count wrote it)."""
+    with open_file(path, (RESULTS_FORMAT,)) as file:
+        settings = json.loads(file.attrs["config"])
+        known = {name: value for name, value in settings.items() if name in DictLearnConfig.__dataclass_fields__}
+        group = file["metrics"]
+        return LearnedDictionary(
+            path=path,
+            dictionary=file["dictionary"][()],
+            config=DictLearnConfig(**known),
+            iterations=int(file.attrs["iterations"]),
+            samples=int(file.attrs["samples"]),
+            features=int(file.attrs["features"]),
+            data=str(file.attrs["data"]),
+            stop_reason=str(file.attrs["stop_reason"]),
+            world_size=int(file.attrs["world_size"]),
+            metrics={name: group[name][()] for name in METRICS if name in group},
+            rows_end=group["iteration"][()],
+            atom_usage=group["atom_usage"][()],
+            planted=file["planted_dictionary"][()] if "planted_dictionary" in file else None,
+            recovery_rate=float(file.attrs["recovery_rate"]) if "recovery_rate" in file.attrs else None,
+            patch_shape=tuple(int(n) for n in file.attrs["patch_shape"]) if "patch_shape" in file.attrs else None,
+        )
+
+
 def summarize(path: str) -> str:
     """A short text report of a results file."""
     with open_file(path, (RESULTS_FORMAT,)) as file:

@@ -8,7 +8,7 @@ from .errors import CheckpointError, DataFileError, LockedError, WriteError
 from .h5file import PARALLEL_H5PY, fixed_strings, leading_rows, open_file, publish, stamp, utc_timestamp, write_file
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
-from .reader import Batch, BatchReader, epoch_order
+from .reader import Batch, BatchReader, epoch_order, epoch_plan
 from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
@@ -45,6 +45,7 @@ __all__ = [
     "checksum",
     "encode_record",
     "epoch_order",
+    "epoch_plan",
     "fixed_strings",
     "is_variable_length",
     "is_list_file",

@@ -27,6 +27,17 @@ def test_the_readmes_program_runs_as_written(tmp_path):
     assert "3 ranks: the ranks sum to 3" in job.stdout
 
 
+def test_dictionary_learning_from_python_prints_the_same_error_on_one_and_on_several_ranks(tmp_path):
+    script = [sys.executable, str(REPO / "examples" / "dictlearn_from_python.py")]
+    said = {}
+    for ranks in (1, 3):
+        job = finish(launch(ranks, script, cwd=tmp_path), f"examples/dictlearn_from_python.py on {ranks}", 90)
+        assert_ok(job)
+        assert f"from 1,500 digits on {ranks} rank" in job.stdout, job.stdout
+        said[ranks] = job.stdout.splitlines()[-1]
+    assert said[1] == said[3] and "297 unseen digits, 5 atoms each: relative error 0.3" in said[1], said
+
+
 def _train(ranks: int, workdir, epochs: int) -> str:
     script = REPO / "examples" / "train_with_checkpoints.py"
     command = [sys.executable, str(script), str(workdir), "--epochs", str(epochs)]

@@ -1,0 +1,63 @@
+"""``DictionaryLearning`` as a user runs it under mpirun: each rank reads its own block of rows and fits.
+
+``estimator_fit.py DATA.h5 OUT.npy SETTINGS_JSON MODE``. MODE ``plain``: the
+estimator finds the launcher's world; ``runtime``: inside ``mpiscale.run``,
+given the system's world; ``nan``: rank 1's rows hold a NaN, and every rank
+must refuse (each prints its error). Rank 0 saves the dictionary; every rank
+checks that all ranks hold the same bits.
+"""
+
+import json
+import sys
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+import mpiscale
+from mpiscale.dictlearn import DictionaryLearning
+from mpiscale.ranks import rank_rows
+
+DATA, OUT, SETTINGS, MODE = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+
+
+def my_rows(comm) -> np.ndarray:
+    with h5py.File(DATA, "r") as file:
+        signals = file["signals"]
+        start, stop = rank_rows(len(signals), comm.Get_size(), comm.Get_rank())
+        return signals[start:stop]
+
+
+def fitted(rows: np.ndarray, **extra) -> DictionaryLearning:
+    estimator = DictionaryLearning(**SETTINGS, **extra).fit(rows)
+    codes = estimator.transform(rows)  # each rank its own rows, no communication
+    assert codes.shape == (len(rows), estimator.n_components) and estimator.n_iter_ == SETTINGS["n_iter"]
+    return estimator
+
+
+def check_and_save(comm, dictionary: np.ndarray) -> None:
+    everyone = comm.allgather(dictionary.tobytes())
+    assert all(bits == everyone[0] for bits in everyone), "the ranks' dictionaries differ"
+    if comm.Get_rank() == 0:
+        np.save(OUT, dictionary)
+        print(f"fitted on {comm.Get_size()} ranks", flush=True)
+
+
+async def in_runtime(system: mpiscale.ActorSystem) -> None:
+    estimator = fitted(my_rows(system.world.comm), comm=system.world)
+    check_and_save(system.world.comm, estimator.components_)
+
+
+if MODE == "runtime":
+    mpiscale.run(in_runtime)
+elif MODE == "nan":
+    rows = my_rows(MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        rows[0, 0] = np.nan
+    try:
+        DictionaryLearning(**SETTINGS).fit(rows)
+    except ValueError as error:
+        print(f"rank {MPI.COMM_WORLD.Get_rank()} refused: {error}", flush=True)
+    MPI.COMM_WORLD.Barrier()  # every rank got here: none waits in a collective the others left
+else:
+    check_and_save(MPI.COMM_WORLD, fitted(my_rows(MPI.COMM_WORLD)).components_)

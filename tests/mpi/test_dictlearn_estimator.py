@@ -1,0 +1,90 @@
+"""``DictionaryLearning`` learns what ``mpiscale dictlearn`` learns: the same data (written by a user with h5py), the
+same settings and the same number of ranks give the same dictionary, in one process, under mpirun, and inside
+``mpiscale.run``; a problem on one rank is refused on every rank; a job's results file becomes a fitted estimator."""
+
+import json
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from helpers import assert_ok, finish, launch, run_mpi
+
+from mpiscale.dictlearn import DictionaryLearning, load_results
+from mpiscale.dictlearn.synthetic import planted_dictionary
+
+SETTINGS = {"n_components": 24, "n_nonzero_coefs": 3, "batch_size": 64, "n_iter": 60, "random_state": 3}
+JOB_OPTIONS = ["--atoms", "24", "--sparsity", "3", "--batch-size", "64", "--iterations", "60", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def signals(tmp_path_factory):
+    """1,003 noisy signals of 16 features (an odd count: the ranks' blocks differ), float32 as users store them."""
+    path = tmp_path_factory.mktemp("data") / "signals.h5"
+    rng = np.random.default_rng(11)
+    atoms = planted_dictionary(24, 16, 4)
+    codes = np.zeros((1003, 24))
+    for row in codes:
+        row[rng.choice(24, 3, replace=False)] = rng.standard_normal(3)
+    with h5py.File(path, "w") as file:
+        file["signals"] = (codes @ atoms + 0.01 * rng.standard_normal((1003, 16))).astype(np.float32)
+    return path
+
+
+def job_dictionary(ranks: int, data, out, *options: str) -> np.ndarray:
+    command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--data", f"{data}:/signals", "--out", str(out),
+               "--progress-every", "0", *JOB_OPTIONS, *options]  # fmt: skip
+    assert_ok(finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", 120))
+    return load_results(str(out)).dictionary
+
+
+def estimator_dictionary(ranks: int, data, out, mode: str = "plain", **settings) -> np.ndarray:
+    job = run_mpi("estimator_fit.py", ranks, str(data), str(out), json.dumps(SETTINGS | settings), mode, timeout=120)
+    assert_ok(job)
+    assert f"fitted on {ranks} ranks" in job.stdout, job.output[-3000:]
+    return np.load(out)
+
+
+def test_the_estimator_learns_the_jobs_dictionary_on_as_many_ranks(signals, tmp_path, ranks):
+    job = job_dictionary(ranks, signals, tmp_path / "job.h5")
+    ours = estimator_dictionary(ranks, signals, tmp_path / "estimator.npy")
+    assert np.abs(ours - job).max() < 1e-12, np.abs(ours - job).max()
+
+
+def test_in_one_process_and_inside_the_runtime_with_the_lasso_coder_and_mod(signals, tmp_path):
+    job = job_dictionary(1, signals, tmp_path / "job.h5")
+    with h5py.File(signals, "r") as file:
+        alone = DictionaryLearning(**SETTINGS).fit(file["signals"][()])
+    assert np.abs(alone.components_ - job).max() < 1e-12
+    lasso = job_dictionary(2, signals, tmp_path / "lasso.h5", "--coder", "lasso", "--alpha", "0.05")
+    ours = estimator_dictionary(2, signals, tmp_path / "lasso.npy", "runtime", fit_algorithm="lasso", alpha=0.05)
+    assert np.abs(ours - lasso).max() < 1e-12
+    mod = job_dictionary(2, signals, tmp_path / "mod.h5", "--method", "mod", "--iterations", "8")
+    ours = estimator_dictionary(2, signals, tmp_path / "mod.npy", "runtime", method="mod", n_iter=8)
+    assert np.abs(ours - mod).max() < 1e-12
+
+
+def test_a_nan_on_one_rank_is_refused_on_every_rank(signals, tmp_path):
+    job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "nan")
+    assert_ok(job)
+    for rank in (0, 1):
+        assert f"rank {rank} refused: DictionaryLearning failed: rank 1: " in job.stdout, job.output[-3000:]
+    assert "NaN" in job.stdout
+
+
+def test_a_jobs_results_file_is_a_fitted_estimator(signals, tmp_path):
+    out = tmp_path / "job.h5"
+    dictionary = job_dictionary(2, signals, out)
+    learned = load_results(str(out))
+    assert learned.config.atoms == 24 and learned.iterations == 60 and learned.samples == 1003
+    assert learned.metrics["error"].shape == (60,) and learned.world_size == 2 and learned.planted is None
+    estimator = DictionaryLearning.from_results(str(out), transform_n_nonzero_coefs=2)
+    assert estimator.n_components == 24 and estimator.n_iter_ == 60
+    assert np.array_equal(estimator.components_, dictionary)
+    with h5py.File(signals, "r") as file:
+        rows = file["signals"][:200]
+    codes = estimator.transform(rows)
+    assert codes.shape == (200, 24) and (np.count_nonzero(codes, axis=1) <= 2).all()
+    assert np.linalg.norm(rows - estimator.inverse_transform(codes)) < 0.5 * np.linalg.norm(rows)
+    estimator.partial_fit(rows)  # goes on from the job's dictionary
+    assert estimator.n_iter_ == 61

@@ -1,0 +1,78 @@
+"""``DictionaryLearning`` in one process: scikit-learn's own estimator checks, codes equal to scikit-learn's
+``sparse_encode``, ``partial_fit`` over a stream, and refusals of what cannot be learned."""
+
+import numpy as np
+import pytest
+from sklearn.decomposition import sparse_encode
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from mpiscale.dictlearn import DictionaryLearning
+from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
+
+# Every check applies. scikit-learn itself skips check_array_api_input (its array-API checks need SCIPY_ARRAY_API
+# set, and the estimator computes in numpy float64 whatever arrays come in).
+
+
+@parametrize_with_checks([DictionaryLearning(n_iter=50)])
+def test_scikit_learn_estimator_checks(estimator, check):
+    check(estimator)
+
+
+def planted(samples=1200, atoms=30, features=16, nonzeros=3, seed=0):
+    rng = np.random.default_rng(seed)
+    dictionary = planted_dictionary(atoms, features, seed + 1)
+    codes = np.zeros((samples, atoms))
+    for row in codes:
+        row[rng.choice(atoms, nonzeros, replace=False)] = rng.standard_normal(nonzeros)
+    return dictionary, codes @ dictionary
+
+
+def test_omp_codes_equal_scikit_learns():
+    dictionary, signals = planted()
+    estimator = DictionaryLearning(30, n_iter=20, transform_n_nonzero_coefs=5).fit(signals)
+    noisy = signals + 0.1 * np.random.default_rng(1).standard_normal(signals.shape)
+    theirs = sparse_encode(noisy, estimator.components_, algorithm="omp", n_nonzero_coefs=5)
+    assert np.abs(estimator.transform(noisy) - theirs).max() < 1e-10
+
+
+def test_lasso_codes_equal_scikit_learns_where_both_converge():
+    """Orthonormal atoms: both coordinate descents reach the exact minimiser (soft thresholding); on coherent atoms
+    scikit-learn stops at its own tolerance (tests/unit/test_dictlearn_parts.py compares objectives there)."""
+    rng = np.random.default_rng(2)
+    atoms = np.linalg.qr(rng.standard_normal((16, 16)))[0][:10]
+    estimator = DictionaryLearning(10, n_iter=5, transform_algorithm="lasso_cd", transform_alpha=0.2)
+    estimator.fit(rng.standard_normal((100, 16)))
+    estimator.components_ = atoms  # the atoms under test, as a user would set a known dictionary
+    signals = rng.standard_normal((300, 16))
+    theirs = sparse_encode(signals, atoms, algorithm="lasso_cd", alpha=0.2)
+    assert np.abs(estimator.transform(signals) - theirs).max() < 1e-10
+    assert np.count_nonzero(theirs) < theirs.size  # the penalty zeroes some codes
+
+
+def test_partial_fit_over_a_stream_recovers_the_planted_atoms():
+    dictionary, signals = planted(samples=24_000)
+    estimator = DictionaryLearning(30, random_state=4)
+    for batch in np.array_split(signals, 120):
+        estimator.partial_fit(batch)
+    assert estimator.n_iter_ == 120 and estimator.components_.shape == (30, 16)
+    assert recovery_rate(dictionary, estimator.components_) >= 0.9
+    rebuilt = estimator.inverse_transform(estimator.transform(signals[:1000]))
+    assert np.linalg.norm(rebuilt - signals[:1000]) < 0.2 * np.linalg.norm(signals[:1000])
+
+
+def test_what_cannot_be_learned_is_refused_with_the_parameter_named():
+    _, signals = planted(samples=300)
+    with pytest.raises(ValueError, match="every value is zero"):
+        DictionaryLearning(10).fit(np.zeros((50, 8)))
+    with pytest.raises(ValueError, match="underflow"):
+        DictionaryLearning(10).fit(signals * 1e-160)
+    with pytest.raises(ValueError, match=r"n_components must be an integer of at least 1, got 0.*"
+                                         r"fit_algorithm must be one of omp, lasso, got 'lars'"):  # fmt: skip
+        DictionaryLearning(0, fit_algorithm="lars").fit(signals)
+    with pytest.raises(ValueError, match="partial_fit takes online steps"):
+        DictionaryLearning(10, method="mod").partial_fit(signals)
+    fitted = DictionaryLearning(10, n_iter=5).fit(signals)
+    with pytest.raises(ValueError, match="codes have one column per atom: 10, got 16"):
+        fitted.inverse_transform(signals)
+    with pytest.raises(ValueError, match="16 features"):
+        fitted.transform(signals[:, :8])
