@@ -49,7 +49,7 @@ from .history import History
 from .iteration import Iteration, Rule
 from .results import JobResults, results_bytes, write
 from .synthetic import recovery_rate, write_planted_dataset
-from .update import DictionaryState
+from .update import DictionaryState, close_pairs
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,12 @@ class _Learning(HeldOutputs):
                          "world_size": system.size, "threads": self.threads}  # fmt: skip
         if self.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
             summary["recovery_rate"] = recovery_rate(self.planted, self.state.dictionary)
+        summary["close_pairs"], closest = close_pairs(self.state.dictionary, config.duplicate_cosine)
+        if summary["close_pairs"] and config.duplicate_cosine < 1 and system.rank == 0:
+            print(f"note: {summary['close_pairs']} pairs of atoms remain at |cosine| above --duplicate-cosine "
+                  f"{config.duplicate_cosine} (up to {closest:.3f}). A replacement takes a badly coded signal and "
+                  "the last batches had none to spare: the data may hold fewer distinct directions than "
+                  f"{config.atoms} atoms, and fewer atoms would do", flush=True)  # fmt: skip
         placement = self.comm.allgather((socket.gethostname(), self.device_label))
         results = JobResults(
             config=config,

@@ -28,6 +28,7 @@ from ..words import counted
 from .config import DictLearnConfig
 from .data import DataInfo
 from .history import METRICS, History
+from .update import close_pairs
 
 RESULTS_FORMAT = "mpiscale.dictlearn-results/1"
 
@@ -159,6 +160,9 @@ def summarize(path: str) -> str:
                 lines.append(f"whole-data error: {evaluated[-1]:.4f} (evaluated {len(evaluated)} times)")
         if "recovery_rate" in file.attrs:
             lines.append(f"planted atoms recovered (|cos| > 0.99): {file.attrs['recovery_rate']:.1%}")
+        threshold = float(config.get("duplicate_cosine", 0.99))
+        pairs, closest = close_pairs(file["dictionary"][()], threshold)
+        lines.append(f"atoms closer than |cos| {threshold:g}: {pairs} pairs (the closest two at {closest:.3f})")
     return "\n".join(lines)
 
 

@@ -184,6 +184,13 @@ def atoms_to_replace(
     return sorted(chosen)
 
 
+def close_pairs(dictionary: np.ndarray, threshold: float) -> tuple[int, float]:
+    """How many pairs of atoms have a |cosine| above ``threshold``, and the largest |cosine| between two atoms."""
+    gram = dictionary @ dictionary.T
+    np.fill_diagonal(gram, 0.0)
+    return len(near_duplicates(gram, threshold)), float(np.abs(gram).max()) if len(gram) > 1 else 0.0
+
+
 def replace_atoms(state: DictionaryState, atoms: list, residuals: np.ndarray) -> int:
     """Point atoms at the worst-coded residuals (one each, in order); forget their statistics. Returns how many."""
     count = 0

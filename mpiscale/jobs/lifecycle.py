@@ -183,6 +183,8 @@ async def observed(
         try:
             result = await work()
         except BaseException as error:
+            if isinstance(error, JobRefused) and error.status == 2:
+                session.refused()  # bad input: "before anything is written" holds for telemetry files too
             await session.fail(f"{type(error).__name__}: {error}")
             raise
         finally:

@@ -24,6 +24,7 @@ from ..io import (
 )
 from ..ranks import Comm, agree
 from ..runtime import ActorSystem, JobRefused
+from ..telemetry import current
 from .settings import option
 
 Job = TypeVar("Job")
@@ -48,6 +49,9 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
         problem, status = OSError(f"mpiscale {command}: {error}"), 1
     await system.agree(problem, "the input and settings", status=status)
     assert prepared  # the agreement raised on every rank otherwise
+    session = current()
+    if session is not None:
+        session.accept()
     return job  # type: ignore[return-value]
 
 

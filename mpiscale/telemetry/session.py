@@ -88,6 +88,7 @@ class Telemetry:
         self._token: str | None = None  # rank 0 with a broker: what commands must carry (None: all are refused)
         self._task: asyncio.Task | None = None
         self._busy_beat: BusyBeat | None = None  # rank 0: heartbeats while its loop is held
+        self._accepted = False  # the job's checks passed (``accept``)
         self._leader = 0
         self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
         self._loop = asyncio.get_running_loop()
@@ -143,15 +144,22 @@ class Telemetry:
                 kept = f"; no control: the token cannot be written ({error})"
             self.sink = MqttSink(self.settings, self.job, lost, on_control=self.on_control)
             where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/{kept}"
-        else:
-            path = Path(f"{out or self.command}.telemetry.jsonl")
-            try:
-                self.sink = FileSink(path)
-            except OSError as error:  # telemetry never stops a job: the job says what is wrong with its outputs
-                log.warning("telemetry: %s cannot be written (%s); no telemetry for this job", path, error)
-                return
-            where = str(path)
+        else:  # opened once the job's input is accepted: a refused job writes nothing
+            self.sink = FileSink(Path(f"{out or self.command}.telemetry.jsonl"))
+            return
         print(f"telemetry: job {self.job} -> {where}", flush=True)
+
+    def accept(self) -> None:
+        """The job's input and settings passed its checks: its records from now on, and those held, are written."""
+        sink = self.sink
+        if isinstance(sink, FileSink) and sink.accept() and not self._accepted:
+            print(f"telemetry: job {self.job} -> {sink.path}", flush=True)
+        self._accepted = True
+
+    def refused(self) -> None:
+        """The job was refused before its checks passed: a telemetry file keeps nothing of it."""
+        if isinstance(self.sink, FileSink) and not self._accepted:
+            self.sink.discard()
 
     # ------------------------------------------------------------- every rank
     def update(self, step: int, total: int, items: float = 0.0, phases: dict[str, float] | None = None) -> None:

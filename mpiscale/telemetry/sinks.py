@@ -27,6 +27,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from .schema import record
 from .settings import TelemetrySettings
@@ -82,29 +83,67 @@ def mqtt_client(
 
 
 class FileSink:
-    """Appends each record as one JSON line (the embedded default); a full disk drops records, never the job."""
+    """Appends each record as one JSON line (the embedded default); a full disk drops records, never the job.
+
+    Until ``accept`` the records wait in memory and no file is touched: a job
+    refused for bad input (``discard``) leaves no file, and never appends to the
+    file of an earlier run with the same outputs. A sink closed without either
+    (a job that has no checks to pass) writes them at its close.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.dropped = 0
-        self._stream = open(path, "a", buffering=1)
+        self._held: list[str] | None = []  # None once accepted or discarded
+        self._stream: TextIO | None = None
         self._lock = threading.Lock()  # rank 0's heartbeat thread writes too
+
+    def accept(self) -> bool:
+        """Open the file and write the records held so far; False (and a warning) when it cannot be written."""
+        with self._lock:
+            if self._held is None:
+                return self._stream is not None
+            held, self._held = self._held, None
+            try:
+                self._stream = open(self.path, "a", buffering=1)
+            except OSError as error:  # telemetry never stops a job: the job says what is wrong with its outputs
+                log.warning("telemetry: %s cannot be written (%s); no telemetry for this job", self.path, error)
+                return False
+            for line in held:  # under the lock: a record published meanwhile comes after them
+                self._write(line)
+        return True
+
+    def discard(self) -> None:
+        """Drop the held records and every later one: the job was refused before it began."""
+        with self._lock:
+            if self._held is not None:
+                self._held = None
 
     def publish(self, payload: dict, retain: bool = False) -> None:
         line = json.dumps(payload) + "\n"
         with self._lock:
-            if self._stream.closed:
-                return
-            try:
-                self._stream.write(line)
-            except OSError as error:
-                if not self.dropped:
-                    log.warning("telemetry: %s: %s; records are dropped", self.path, error)
-                self.dropped += 1
+            if self._held is not None:
+                self._held.append(line)
+            else:
+                self._write(line)
+
+    def _write(self, line: str) -> None:
+        """One line to the file (the lock held)."""
+        if self._stream is None or self._stream.closed:
+            return
+        try:
+            self._stream.write(line)
+        except OSError as error:
+            if not self.dropped:
+                log.warning("telemetry: %s: %s; records are dropped", self.path, error)
+            self.dropped += 1
 
     async def close(self) -> None:
+        if self._held is not None:
+            self.accept()
         with self._lock, contextlib.suppress(OSError):  # the last line's flush on a full disk
-            self._stream.close()
+            if self._stream is not None:
+                self._stream.close()
 
 
 class MqttSink:

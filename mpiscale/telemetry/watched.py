@@ -45,6 +45,7 @@ def report_step(step: int, total: int = 0, items: float = 0.0, phases: dict[str,
 
 async def _watched(system: ActorSystem, command: str, main: Callable[[ActorSystem], Awaitable[T]]) -> T:
     session = await Telemetry.start(system, command, None)
+    session.accept()  # a program of the user's has no checks to pass first
     # its last numbers are collective: the runtime runs this only once main returned (or exited 0) on every rank
     system.at_end(session.close)
     set_current(session)

@@ -363,3 +363,46 @@ def test_data_that_cannot_teach_is_refused_in_one_line(tmp_path, scale):
     assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
     expected = "every value is zero" if scale == 0 else "scale the data first"
     assert expected in job.stderr and not (tmp_path / "d.h5").exists(), job.stderr
+
+
+def test_a_refused_run_writes_no_telemetry_and_leaves_the_earlier_runs_record_whole(tmp_path):
+    """A refusal used to leave OUT.telemetry.jsonl behind, and a refused re-run appended a 'failed' status to the
+    earlier good run's file (watch then showed that run as failed, exit 1); a missing --out folder printed a
+    telemetry WARNING before the refusal."""
+    out = tmp_path / "run.h5"
+    missing = dictlearn(2, tmp_path / "no-such-folder" / "run.h5", *KSVD, "--iterations", "5")
+    assert missing.returncode == 2 and "WARNING" not in missing.output and "telemetry" not in missing.output, (
+        missing.output[-2000:]
+    )
+    assert missing.stderr.strip().count("\n") == 0, missing.stderr  # the refusal, one line
+    refused = dictlearn(2, out, "--data", str(tmp_path / "absent.h5:/X"), "--iterations", "5")
+    assert refused.returncode == 2 and not Path(f"{out}.telemetry.jsonl").exists(), sorted(tmp_path.iterdir())
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "5"))
+    telemetry = Path(f"{out}.telemetry.jsonl")
+    good = telemetry.read_bytes()
+    again = dictlearn(2, out, *KSVD, "--iterations", "5", "--atoms", "5000")  # more atoms than signals: refused
+    assert again.returncode == 2 and "5000 atoms need at least as many signals" in again.stderr, again.output[-2000:]
+    assert telemetry.read_bytes() == good
+    shown = subprocess.run([sys.executable, "-m", "mpiscale.cli", "watch", "--file", str(telemetry)],
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert shown.returncode == 0 and "finished" in shown.stdout and "failed" not in shown.stdout, shown.stdout
+
+
+def test_atoms_left_as_near_duplicates_are_named_by_the_run_and_by_inspect(tmp_path):
+    """20 distinct signals, repeated, and 32 atoms: every signal is coded exactly, so no residual is left to replace
+    duplicate atoms with, and pairs at |cos| 1.000 stayed despite --duplicate-cosine 0.99 without a word."""
+    rng = np.random.default_rng(0)
+    distinct = rng.standard_normal((20, 64))
+    np.save(tmp_path / "twenty.npy", distinct[rng.integers(0, 20, 2000)])
+    out = tmp_path / "twenty.h5"
+    job = dictlearn(2, out, "--data", str(tmp_path / "twenty.npy"), "--atoms", "32", "--sparsity", "4",
+                    "--iterations", "60")  # fmt: skip
+    assert_ok(job)
+    dictionary = learned(out)
+    cosines = np.abs(dictionary @ dictionary.T)[np.triu_indices(32, 1)]
+    pairs = int((cosines > 0.99).sum())
+    assert pairs > 0  # the data cannot give 32 distinct atoms
+    assert f"note: {pairs} pairs of atoms remain at |cosine| above --duplicate-cosine 0.99" in job.stdout, job.stdout
+    shown = subprocess.run([sys.executable, "-m", "mpiscale.cli", "inspect", str(out)], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert f"atoms closer than |cos| 0.99: {pairs} pairs (the closest two at 1.000)" in shown.stdout, shown.stdout
