@@ -54,25 +54,58 @@ def _checked_signals(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.nd
     return gram_matrix(dictionary), correlations_of(signals, dictionary)
 
 
-def omp_encode_gram(gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, device: str = "cpu") -> np.ndarray:
-    """Codes (signals x atoms) from the Gram matrix D D^T and the correlations X D^T, by Batch-OMP."""
+def omp_encode_gram(
+    gram: np.ndarray,
+    correlations: np.ndarray,
+    n_nonzero: int,
+    device: str = "cpu",
+    max_residual: float | None = None,
+    energies: np.ndarray | None = None,
+) -> np.ndarray:
+    """Codes (signals x atoms) from the Gram matrix D D^T and the correlations X D^T, by Batch-OMP.
+
+    At most ``n_nonzero`` atoms per signal. With ``max_residual`` (epsilon), a
+    signal's coding also stops once ``||x - c D|| <= epsilon``: the
+    error-constrained OMP of K-SVD denoising and of SPAMS's ``omp`` with ``eps``.
+    It needs ``energies``, each signal's ``||x||^2``, and runs on the CPU
+    kernel (``device="cuda"`` is refused; ``auto`` takes the CPU).
+    """
     gram, correlations = _checked_gram(gram, correlations)
     atoms = gram.shape[0]
     if not 1 <= n_nonzero <= atoms:
         raise ValueError(f"n_nonzero must be between 1 and the number of atoms ({atoms}), got {n_nonzero}")
     codes = np.empty(correlations.shape)
+    target, squared = -1.0, np.empty(0)
+    if max_residual is not None:
+        if not (max_residual >= 0 and np.isfinite(max_residual)):
+            raise ValueError(f"max_residual must be a number >= 0, got {max_residual}")
+        if device == "cuda":
+            raise ValueError("OMP to an error target runs on the CPU: give device 'cpu' or 'auto'")
+        if energies is None or np.shape(energies) != (len(correlations),):
+            raise ValueError(f"an error target needs the {len(correlations)} signals' squared norms (energies)")
+        target, squared, device = float(max_residual) ** 2, _finite("energies", energies), "cpu"
     if resolve_device(device) == "cuda":
         from ..kernels.omp_cuda import batch_omp_gram_cuda
 
         batch_omp_gram_cuda(gram, correlations, int(n_nonzero), codes)
     else:
-        batch_omp_gram(gram, correlations, int(n_nonzero), codes)
+        batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, codes)
     return codes
 
 
-def omp_encode(signals: np.ndarray, dictionary: np.ndarray, n_nonzero: int, device: str = "cpu") -> np.ndarray:
-    """Codes (signals x atoms) with at most ``n_nonzero`` atoms each, by Batch-OMP."""
-    return omp_encode_gram(*_checked_signals(signals, dictionary), n_nonzero, device)
+def omp_encode(
+    signals: np.ndarray, dictionary: np.ndarray, n_nonzero: int, device: str = "cpu", max_residual: float | None = None
+) -> np.ndarray:
+    """Codes (signals x atoms) with at most ``n_nonzero`` atoms each, by Batch-OMP; with ``max_residual``, each
+    signal's coding stops once its residual norm is at most that (see ``omp_encode_gram``)."""
+    gram, correlations = _checked_signals(signals, dictionary)
+    energies = squared_norms(signals) if max_residual is not None else None
+    return omp_encode_gram(gram, correlations, n_nonzero, device, max_residual, energies)
+
+
+def squared_norms(signals: np.ndarray) -> np.ndarray:
+    """Each signal's ``||x||^2`` (the energies an error target needs)."""
+    return np.einsum("sf,sf->s", signals, signals)
 
 
 def lasso_encode_gram(

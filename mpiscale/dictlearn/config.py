@@ -35,6 +35,14 @@ class DictLearnConfig:
     method: str = option("online", "online (Mairal et al. 2009, mini-batches) or mod (batch, whole data set)")
     coder: str = option("omp", "sparse coder: omp (Batch-OMP, L non-zeros) or lasso (L1 penalty alpha)")
     alpha: float = option(0.1, "lasso: L1 penalty of the codes")
+    max_residual: float = option(
+        0.0,
+        "omp: code each signal only until its residual norm ||x - cD|| is at most this, with at most SPARSITY atoms "
+        "(0 = always SPARSITY atoms; SPAMS's eps; for denoising about 1.15 sigma sqrt(features))",
+    )
+    remove_mean: bool = option(
+        False, "subtract each signal's mean before coding and learning (image patches: atoms of texture, not light)"
+    )
     device: str = option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present)")
     seed: int = option(0, "seed of the initial dictionary, the batch order and the synthetic data")
     forgetting: float = option(10.0, "online: past statistics weigh (1 - 1/t)^FORGETTING at iteration t")
@@ -84,6 +92,12 @@ class DictLearnConfig:
             problems.append(f"coder must be one of {', '.join(CODERS)}, got {self.coder!r}")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             problems.append(f"alpha must be a positive number, got {self.alpha}")
+        if not (self.max_residual >= 0 and math.isfinite(self.max_residual)):
+            problems.append(f"max_residual must be a number >= 0, got {self.max_residual}")
+        elif self.max_residual and self.coder != "omp":
+            problems.append("max_residual is an error target of the omp coder; the lasso coder takes alpha")
+        elif self.max_residual and self.device == "cuda":
+            problems.append("OMP to an error target (max_residual) runs on the CPU: give --device cpu or auto")
         if not (self.forgetting >= 0 and math.isfinite(self.forgetting)):
             problems.append(f"forgetting must be a number >= 0, got {self.forgetting}")
         if not 0 < self.duplicate_cosine <= 1:

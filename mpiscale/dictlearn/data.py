@@ -121,12 +121,15 @@ def unit_atoms(rows: np.ndarray, atoms: int, rng: np.random.Generator) -> np.nda
     return chosen / np.linalg.norm(chosen, axis=1, keepdims=True)
 
 
-def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm: Comm) -> np.ndarray:
-    """Distinct signals chosen by ``seed``, scaled to unit norm (zero ones become random directions)."""
+def initial_dictionary(info: DataInfo, atoms: int, seed: int, comm: Comm, remove_mean: bool = False) -> np.ndarray:
+    """Distinct signals chosen by ``seed`` (each less its mean with ``remove_mean``), scaled to unit norm (zero ones
+    become random directions)."""
     rng = np.random.default_rng(seed)
     ids = initial_ids(info.samples, atoms, rng)
     with ShardedDataset(info.path, info.name, comm) as data:
         rows = np.array([data.read(int(i), int(i) + 1)[0] for i in ids], dtype=np.float64).reshape(len(ids), -1)
+    if remove_mean:
+        rows -= rows.mean(axis=1, keepdims=True)
     return unit_atoms(rows, atoms, rng)
 
 

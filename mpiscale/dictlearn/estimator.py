@@ -35,7 +35,7 @@ from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
 from .data import initial_ids, scale_problem, unit_atoms
-from .iteration import Iteration, Rule
+from .iteration import Iteration, Rule, without_means
 from .results import load_results
 from .update import DictionaryState
 
@@ -48,9 +48,11 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
 
     Parameters follow ``mpiscale dictlearn``'s options (``n_components`` is
     ``--atoms``, ``n_nonzero_coefs`` ``--sparsity``, ``fit_algorithm``
-    ``--coder``, ``n_iter`` ``--iterations``, ``random_state`` ``--seed``);
+    ``--coder``, ``n_iter`` ``--iterations``, ``random_state`` ``--seed``;
+    ``max_residual`` None is ``--max-residual 0``, no error target);
     ``transform_*`` choose how ``transform`` codes new data, as in
-    scikit-learn's ``MiniBatchDictionaryLearning``. ``comm``: an mpi4py
+    scikit-learn's ``MiniBatchDictionaryLearning`` (``transform_max_residual``
+    None takes ``max_residual``). ``comm``: an mpi4py
     communicator (or an ``ActorSystem``'s ``world``) whose ranks each pass
     their rows; by default the world when the process was started by an MPI
     launcher, else none.
@@ -66,6 +68,8 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         *,
         n_nonzero_coefs: int = 3,
         alpha: float = 0.1,
+        max_residual: float | None = None,
+        remove_mean: bool = False,
         fit_algorithm: str = "omp",
         method: str = "online",
         batch_size: int = 256,
@@ -78,6 +82,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         transform_algorithm: str = "omp",
         transform_n_nonzero_coefs: int | None = None,
         transform_alpha: float | None = None,
+        transform_max_residual: float | None = None,
         transform_max_iter: int = 1000,
         device: str = "cpu",
         random_state: Any = 0,
@@ -86,6 +91,8 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         self.n_components = n_components
         self.n_nonzero_coefs = n_nonzero_coefs
         self.alpha = alpha
+        self.max_residual = max_residual
+        self.remove_mean = remove_mean
         self.fit_algorithm = fit_algorithm
         self.method = method
         self.batch_size = batch_size
@@ -98,6 +105,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         self.transform_algorithm = transform_algorithm
         self.transform_n_nonzero_coefs = transform_n_nonzero_coefs
         self.transform_alpha = transform_alpha
+        self.transform_max_residual = transform_max_residual
         self.transform_max_iter = transform_max_iter
         self.device = device
         self.random_state = random_state
@@ -115,6 +123,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
             method=config.method, batch_size=config.batch_size, n_iter=config.iterations, forgetting=config.forgetting,
             replace_after=config.replace_after, max_replace=config.max_replace,
             duplicate_cosine=config.duplicate_cosine, shuffle_window_mib=config.shuffle_window_mib,
+            max_residual=config.max_residual or None, remove_mean=config.remove_mean,
             random_state=config.seed,
         )  # fmt: skip
         estimator = cls(**(settings | params))
@@ -183,6 +192,8 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         rows = np.zeros((len(ids), data.features))
         mine = data.mine(ids)
         rows[np.searchsorted(ids, mine)] = data.signals[mine - data.offset]
+        if self.remove_mean:
+            rows = without_means(rows)
         if comm is not None:  # each row is set by the rank that holds it, zeros elsewhere: the sum is exact
             from mpi4py import MPI
 
@@ -193,7 +204,8 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
     def _rule(self, features: int) -> Rule:
         sparsity = min(self.n_nonzero_coefs, features, self.n_components)
         return Rule(self.method, self.fit_algorithm, sparsity, float(self.alpha), self.forgetting, self.replace_after,
-                    self.max_replace, self.duplicate_cosine)  # fmt: skip
+                    self.max_replace, self.duplicate_cosine, float(self.max_residual or 0.0),
+                    bool(self.remove_mean))  # fmt: skip
 
     def _checked(self, comm: Comm | None, X: Any, reset: bool) -> tuple[np.ndarray, int]:
         """The signals as float64 rows, and the seed; a problem on any rank is raised on every rank."""
@@ -253,6 +265,12 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
             problems.append(f"transform_n_nonzero_coefs must be None or an integer of at least 1, got {wanted!r}")
         if self.transform_alpha is not None and not _positive(self.transform_alpha):
             problems.append(f"transform_alpha must be None or a positive number, got {self.transform_alpha!r}")
+        for name in ("max_residual", "transform_max_residual"):
+            value = getattr(self, name)
+            if value is not None and not (_number(value) and 0 <= value < math.inf):
+                problems.append(f"{name} must be None or a number >= 0, got {value!r}")
+        if self.max_residual is not None and self.fit_algorithm != "omp":
+            problems.append("max_residual is an error target of fit_algorithm='omp'; lasso takes alpha")
         if problems:
             raise ValueError(f"{_WHAT}: " + "; ".join(problems))
 
@@ -265,14 +283,19 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         check_is_fitted(self, "components_")
         self._check_settings()
         signals = validate_data(self, X, reset=False, dtype=np.float64)
+        if self.remove_mean:
+            signals = without_means(signals)
         if self.transform_algorithm == "lasso_cd":
             alpha = self.alpha if self.transform_alpha is None else self.transform_alpha
             return lasso_encode(signals, self.components_, alpha, max_sweeps=self.transform_max_iter)
         wanted = self.n_nonzero_coefs if self.transform_n_nonzero_coefs is None else self.transform_n_nonzero_coefs
-        return omp_encode(signals, self.components_, min(wanted, *self.components_.shape), self.device)
+        target = self.max_residual if self.transform_max_residual is None else self.transform_max_residual
+        device = "cpu" if target is not None else self.device
+        return omp_encode(signals, self.components_, min(wanted, *self.components_.shape), device, target)
 
     def inverse_transform(self, X: Any) -> np.ndarray:
-        """Signals back from codes: ``codes @ components_``."""
+        """Signals back from codes: ``codes @ components_`` (with ``remove_mean``, without the means ``transform``
+        took away: add them back from the signals)."""
         check_is_fitted(self, "components_")
         codes = check_array(X, dtype=np.float64)
         if codes.shape[1] != len(self.components_):

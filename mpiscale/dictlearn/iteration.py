@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram
+from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, squared_norms
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
 
@@ -27,6 +27,8 @@ class Rule:
     replace_after: int  # batches an atom may go unused before it is replaced
     max_replace: int  # most atoms replaced in one iteration
     duplicate_cosine: float  # |cosine| above which one of two atoms is replaced
+    max_residual: float = 0.0  # OMP: stop coding a signal once its residual norm is at most this (0: never)
+    remove_mean: bool = False  # each signal's mean is subtracted before it is coded
 
     @property
     def penalty(self) -> float:
@@ -43,15 +45,24 @@ class Iteration:
         self.stats = BatchStatistics(atoms, features, ranks, rule.max_replace)
         self.gram = gram_matrix(state.dictionary)  # D D^T, kept for the coder and the duplicate check
 
+    def prepared(self, signals: np.ndarray) -> np.ndarray:
+        """The signals as the learner sees them: each one's mean removed when the rule says so."""
+        return without_means(signals) if self.rule.remove_mean else signals
+
     def code(self, signals: np.ndarray) -> np.ndarray:
-        """Codes of ``signals`` (rows) with the current dictionary."""
+        """Codes of prepared ``signals`` (rows) with the current dictionary."""
         correlations = correlations_of(signals, self.state.dictionary)
-        if self.rule.coder == "lasso":
-            return lasso_encode_gram(self.gram, correlations, self.rule.alpha)
-        return omp_encode_gram(self.gram, correlations, self.rule.sparsity, self.device)
+        rule = self.rule
+        if rule.coder == "lasso":
+            return lasso_encode_gram(self.gram, correlations, rule.alpha)
+        if rule.max_residual:
+            return omp_encode_gram(self.gram, correlations, rule.sparsity, "cpu", rule.max_residual,
+                                   squared_norms(signals))  # fmt: skip
+        return omp_encode_gram(self.gram, correlations, rule.sparsity, self.device)
 
     def fill(self, rank: int, ids: np.ndarray, signals: np.ndarray) -> None:
         """This rank's part of the statistics (``stats.buffer``), from its signals and their global sample ids."""
+        signals = self.prepared(signals)
         codes = self.code(signals)
         self.stats.fill(rank, ids, signals, codes, self.state.dictionary, self.rule.penalty)
 
@@ -68,3 +79,8 @@ class Iteration:
         if replaced:
             self.gram = gram_matrix(state.dictionary)
         return replaced
+
+
+def without_means(signals: np.ndarray) -> np.ndarray:
+    """``signals`` (rows) each less its own mean: a copy."""
+    return signals - signals.mean(axis=1, keepdims=True)

@@ -55,12 +55,15 @@ log = logging.getLogger(__name__)
 
 #: Settings a checkpoint must share with the run that resumes it.
 _COMPATIBLE = (
-    "atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting", "shuffle_window_mib"
+    "atoms", "sparsity", "method", "coder", "alpha", "batch_size", "seed", "forgetting", "shuffle_window_mib",
+    "max_residual", "remove_mean",
 )  # fmt: skip
+#: Settings added after checkpoints were first written, as a checkpoint that does not name them was saved.
+_ADDED = {"max_residual": 0.0, "remove_mean": False}
 
 
 async def _whole_data_error(system: ActorSystem, step: Iteration, block) -> float:
-    _, rows = block
+    rows = step.prepared(block[1])
     residual = rows - step.code(rows) @ step.state.dictionary
     sums = np.array([np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows)])
     await system.world.allreduce(sums, out=sums)
@@ -90,7 +93,13 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer, state: Di
             )
 
     restored = restore_compatible(
-        checkpoints, config.resume, config.checkpoints, _compatibility(config, info), "iteration", within_iterations
+        checkpoints,
+        config.resume,
+        config.checkpoints,
+        _compatibility(config, info),
+        "iteration",
+        within_iterations,
+        added=_ADDED,
     )
     if restored is None:
         return 0
@@ -204,7 +213,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     checkpoints = None
     try:
         info, planted = _prepare_data(config, comm)
-        state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm))
+        state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm, config.remove_mean))
         history, start = History.start(config.iterations, config.atoms), 0
         checkpoints = open_checkpointer(config.checkpoints, comm, config.local_dir, config.shared_every)
         start = _restore(config, info, checkpoints, state, history)
@@ -296,7 +305,7 @@ def _progress_text(row: dict) -> str:
 def rule_of(config: DictLearnConfig) -> Rule:
     """The iteration's rule of a job's settings."""
     return Rule(config.method, config.coder, config.sparsity, config.alpha, config.forgetting, config.replace_after,
-                config.max_replace, config.duplicate_cosine)  # fmt: skip
+                config.max_replace, config.duplicate_cosine, config.max_residual, config.remove_mean)  # fmt: skip
 
 
 def _compatibility(config: DictLearnConfig, info) -> dict:

@@ -69,6 +69,7 @@ def restore_compatible(
     check: Callable[[Restored], None] | None = None,
     rows: dict[str, tuple[int, int]] | None = None,
     why: Mapping[str, str] | None = None,
+    added: Mapping[str, object] | None = None,
 ) -> Restored | None:
     """The newest checkpoint when ``resume`` (None if there is none), or None when starting afresh; ``rows`` are
     the rows of sharded arrays this rank reads (``Checkpointer.load``'s; by default its block).
@@ -79,7 +80,8 @@ def restore_compatible(
     every setting that differs (first: a step count means nothing under other
     settings); ``check`` (the step against the run's length, say) runs next.
     ``unit`` names a step ("iteration", "step") in the messages; ``why`` says, for a setting that must not change,
-    why and what to do instead.
+    why and what to do instead. ``added``: settings introduced after checkpoints were first written, each with the
+    value a checkpoint that does not record it was saved with.
     """
     if not resume:
         steps = checkpoints.steps()
@@ -93,7 +95,7 @@ def restore_compatible(
     if restored is None:
         return None
     keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
-    saved: dict = next((restored.meta[key] for key in keys if key in restored.meta), {})
+    saved: dict = {**(added or {}), **next((restored.meta[key] for key in keys if key in restored.meta), {})}
     differences = setting_differences(saved, expected, "checkpoint", why)
     if differences:
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")

@@ -26,7 +26,7 @@ def build_extend(compile_function):
     Extends the Cholesky factor of the chosen atoms' Gram sub-matrix by one row
     and solves for the coefficients ``gamma``; returns the new support size, or
     -1 when ``best`` is linearly dependent on the atoms already chosen. Shared by
-    the CPU kernel and both GPU kernels, so the numerics are the same on each.
+    the CPU kernel and the GPU kernel, so the numerics are the same on each.
     """
 
     def forward_solve(chol, size, values):
@@ -70,58 +70,63 @@ def build_extend(compile_function):
     return compile_function(extend)
 
 
-def build_code_one(compile_function):
-    """OMP of one signal, compiled by ``compile_function`` (``njit`` here, ``cuda.jit(device=True)`` for GPUs).
+_extend = build_extend(njit(inline="always"))
 
-    The steps are written once, with plain loops only, so both targets compile
-    the same source and give the same codes.
-    """
-    extend = build_extend(compile_function)
 
-    def code_one(gram, correlations, n_nonzero, alpha, chol, support, gamma, work, chosen, out):
-        atoms = gram.shape[0]
+@njit(inline="always")
+def _code_one(gram, correlations, n_nonzero, energy, target, alpha, chol, support, gamma, work, chosen, out):
+    """OMP of one signal: at most ``n_nonzero`` atoms and, when ``target`` >= 0, only until the squared residual
+    norm is at most ``target`` (``energy`` is the signal's squared norm)."""
+    atoms = gram.shape[0]
+    for k in range(atoms):
+        alpha[k] = correlations[k]
+        chosen[k] = False
+    size = 0
+    residual = energy
+    for _ in range(n_nonzero):
+        if target >= 0 and residual <= target:
+            break
+        best, best_value = -1, 0.0
+        for k in range(atoms):
+            value = abs(alpha[k])
+            if not chosen[k] and value > best_value:
+                best, best_value = k, value
+        if best < 0 or best_value <= 1e-14:  # the residual is (numerically) orthogonal to every atom
+            break
+        grown = _extend(gram, correlations, chol, support, gamma, work, size, best)
+        if grown < 0:
+            break
+        size = grown
+        chosen[best] = True
+        # alpha = correlations - G[:, support] gamma (G is symmetric: read rows, contiguously).
         for k in range(atoms):
             alpha[k] = correlations[k]
-            chosen[k] = False
-        size = 0
-        for _ in range(n_nonzero):
-            best, best_value = -1, 0.0
-            for k in range(atoms):
-                value = abs(alpha[k])
-                if not chosen[k] and value > best_value:
-                    best, best_value = k, value
-            if best < 0 or best_value <= 1e-14:  # the residual is (numerically) orthogonal to every atom
-                break
-            grown = extend(gram, correlations, chol, support, gamma, work, size, best)
-            if grown < 0:
-                break
-            size = grown
-            chosen[best] = True
-            # alpha = correlations - G[:, support] gamma (G is symmetric: read rows, contiguously).
-            for k in range(atoms):
-                alpha[k] = correlations[k]
-            for j in range(size):
-                atom_row = gram[support[j]]
-                weight = gamma[j]
-                for k in range(atoms):
-                    alpha[k] -= atom_row[k] * weight
-        for k in range(atoms):
-            out[k] = 0.0
         for j in range(size):
-            out[support[j]] = gamma[j]
-
-    return compile_function(code_one)
-
-
-_code_one = build_code_one(njit(inline="always"))
+            atom_row = gram[support[j]]
+            weight = gamma[j]
+            for k in range(atoms):
+                alpha[k] -= atom_row[k] * weight
+        if target >= 0:  # least squares on the support: ||r||^2 = ||x||^2 - gamma . (D x)[support]
+            residual = energy
+            for j in range(size):
+                residual -= gamma[j] * correlations[support[j]]
+    for k in range(atoms):
+        out[k] = 0.0
+    for j in range(size):
+        out[support[j]] = gamma[j]
 
 
 @njit(parallel=True, cache=True)
-def batch_omp_gram(gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, codes: np.ndarray) -> None:
+def batch_omp_gram(
+    gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, energies: np.ndarray, target: float, codes: np.ndarray
+) -> None:
     """Write the OMP codes of every signal into ``codes`` (signals x atoms).
 
     ``gram`` is D D^T (atoms x atoms), ``correlations`` is X D^T (signals x
-    atoms); at most ``n_nonzero`` atoms per signal.
+    atoms); at most ``n_nonzero`` atoms per signal. With ``target`` >= 0, a
+    signal's coding stops once its squared residual norm is at most ``target``
+    (``energies``: each signal's squared norm); with ``target`` < 0,
+    ``energies`` is not read (it may be empty).
     """
     signals, atoms = correlations.shape
     for chunk in prange((signals + _CHUNK - 1) // _CHUNK):
@@ -132,4 +137,6 @@ def batch_omp_gram(gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, c
         work = np.empty(n_nonzero)
         chosen = np.empty(atoms, dtype=np.bool_)
         for signal in range(chunk * _CHUNK, min(signals, (chunk + 1) * _CHUNK)):
-            _code_one(gram, correlations[signal], n_nonzero, alpha, chol, support, gamma, work, chosen, codes[signal])
+            energy = energies[signal] if target >= 0 else 0.0
+            _code_one(gram, correlations[signal], n_nonzero, energy, target, alpha, chol, support, gamma, work, chosen,
+                      codes[signal])  # fmt: skip

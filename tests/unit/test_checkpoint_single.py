@@ -112,3 +112,17 @@ def test_a_jobs_checkpoint_is_resumed_under_todays_and_older_settings_keys(check
         restore_compatible(checkpoints, True, "ckpt", expected | {"atoms": 60}, "iteration")
     with pytest.raises(CheckpointError, match="already holds checkpoints \\(newest: iteration 3\\)"):
         restore_compatible(checkpoints, False, "ckpt", expected, "iteration")
+
+
+def test_a_checkpoint_from_before_a_setting_existed_resumes_with_its_old_value_only(checkpoints):
+    """dictlearn's max_residual and remove_mean came after its first checkpoints: one that does not name them was
+    saved without an error target or mean removal, and resumes only under those."""
+    from mpiscale.jobs import restore_compatible
+
+    checkpoints.save(3, replicated={"x": np.ones(2)}, meta={"settings": {"atoms": 50}})
+    checkpoints.wait()
+    added = {"max_residual": 0.0, "remove_mean": False}
+    restored = restore_compatible(checkpoints, True, "ckpt", {"atoms": 50} | added, "iteration", added=added)
+    assert restored is not None and restored.step == 3
+    with pytest.raises(CheckpointError, match="remove_mean: checkpoint False, now True"):
+        restore_compatible(checkpoints, True, "ckpt", {"atoms": 50, "remove_mean": True}, "iteration", added=added)

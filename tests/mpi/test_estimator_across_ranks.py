@@ -51,7 +51,7 @@ def test_the_estimator_learns_the_jobs_dictionary_on_as_many_ranks(signals, tmp_
     assert np.abs(ours - job).max() < 1e-12, np.abs(ours - job).max()
 
 
-def test_in_one_process_and_inside_the_runtime_with_the_lasso_coder_and_mod(signals, tmp_path):
+def test_in_one_process_and_inside_the_runtime_with_other_coders_mean_removal_and_mod(signals, tmp_path):
     job = job_dictionary(1, signals, tmp_path / "job.h5")
     with h5py.File(signals, "r") as file:
         alone = DictionaryLearning(**SETTINGS).fit(file["signals"][()])
@@ -59,6 +59,10 @@ def test_in_one_process_and_inside_the_runtime_with_the_lasso_coder_and_mod(sign
     lasso = job_dictionary(2, signals, tmp_path / "lasso.h5", "--coder", "lasso", "--alpha", "0.05")
     ours = estimator_dictionary(2, signals, tmp_path / "lasso.npy", "runtime", fit_algorithm="lasso", alpha=0.05)
     assert np.abs(ours - lasso).max() < 1e-12
+    target = job_dictionary(2, signals, tmp_path / "target.h5", "--max-residual", "0.05", "--remove-mean")
+    ours = estimator_dictionary(2, signals, tmp_path / "target.npy", max_residual=0.05, remove_mean=True)
+    assert np.abs(ours - target).max() < 1e-12 and np.abs(target - lasso).max() > 0.1
+    assert np.abs(target.mean(axis=1)).max() < 1e-9  # atoms of mean-free signals have no mean themselves
     mod = job_dictionary(2, signals, tmp_path / "mod.h5", "--method", "mod", "--iterations", "8")
     ours = estimator_dictionary(2, signals, tmp_path / "mod.npy", "runtime", method="mod", n_iter=8)
     assert np.abs(ours - mod).max() < 1e-12
