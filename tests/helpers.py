@@ -258,3 +258,25 @@ def run_alone(*args: object, timeout: float = 120, cwd: Path | None = None) -> J
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     return finish(process, f"mpiscale {' '.join(map(str, args))} alone", timeout)
+
+
+def cli_rank_pids(marker: str) -> list[int]:
+    """The ranks (``python -m mpiscale.cli`` processes) of the job whose command line holds ``marker``."""
+    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    pids = []
+    for pid in map(int, found):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].decode() == sys.executable and b"mpiscale.cli" in argv:
+            pids.append(pid)
+    return pids
+
+
+def wait_for_output(process: subprocess.Popen, log: Path, text: str, timeout: float = 60) -> None:
+    """Wait until the job writing ``log`` has printed ``text``; it must still run then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None and text not in log.read_text():
+        time.sleep(0.02)
+    assert process.poll() is None, log.read_text()

@@ -302,6 +302,8 @@ _BENCHMARKS = [
     _bench("graph", "a 16-node circuit plan sequential (the floor), as one remote call per node, and compiled "
            "over the ranks: overhead per cross-rank edge (2 ranks)"),
     _bench("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)"),
+    _bench("encode", "coding new data by sparsity and to an error target vs scikit-learn's sparse_encode and SPAMS's "
+           "omp, all cores each (one process, no mpirun)"),
     _bench("dictlearn", "time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, "
            "time per iteration, OMP throughput (any ranks)", _SCRATCH),
     _bench("reader", "read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and "

@@ -1,4 +1,5 @@
-"""Distributed sparse dictionary learning: sparse coders, the online and MOD learners, results files.
+"""Distributed sparse dictionary learning: sparse coders, the online and MOD learners, the estimator, results and
+codes files.
 
 Names are loaded on first use: the command line reads the settings without importing the numba kernels.
 """
@@ -9,6 +10,10 @@ from ..lazy_exports import lazy_exports
 _PUBLIC = {
     "RESULTS_FORMAT": "results",
     "DictLearnConfig": "config",
+    "EncodeConfig": "config",
+    "CODES_FORMAT": "codes",
+    "SparseCodes": "codes",
+    "load_codes": "codes",
     "DictionaryLearning": "estimator",
     "LearnedDictionary": "results",
     "load_results": "results",
@@ -21,6 +26,9 @@ _PUBLIC = {
     "lasso_encode_gram": "coding",
     "omp_encode": "coding",
     "omp_encode_gram": "coding",
+    "CodeRows": "coding",
+    "omp_rows": "coding",
+    "omp_rows_gram": "coding",
 }
 
 __all__ = sorted(_PUBLIC)

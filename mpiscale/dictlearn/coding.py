@@ -8,6 +8,8 @@ many batches against one dictionary compute once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..kernels.devices import resolve_device
@@ -54,15 +56,48 @@ def _checked_signals(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.nd
     return gram_matrix(dictionary), correlations_of(signals, dictionary)
 
 
-def omp_encode_gram(
+@dataclass(frozen=True)
+class CodeRows:
+    """Sparse codes row by row: signal ``s`` uses atoms ``atoms[s, :counts[s]]`` (increasing) with weights
+    ``values[s, :counts[s]]``; ``values`` and ``atoms`` are signals x the most atoms a code may hold."""
+
+    values: np.ndarray
+    atoms: np.ndarray
+    counts: np.ndarray
+    n_atoms: int  # the dictionary's
+
+    def _used(self) -> np.ndarray:
+        return np.arange(self.values.shape[1]) < self.counts[:, None]
+
+    def dense(self) -> np.ndarray:
+        """The codes as signals x atoms."""
+        codes = np.zeros((len(self.counts), self.n_atoms))
+        used = self._used()
+        codes[np.nonzero(used)[0], self.atoms[used]] = self.values[used]
+        return codes
+
+    def csr(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(values, their atoms as int32, row starts with the end last): CSR, as scipy's ``csr_matrix`` takes it."""
+        used = self._used()
+        starts = np.zeros(len(self.counts) + 1, np.int64)
+        np.cumsum(self.counts, out=starts[1:])
+        return self.values[used], self.atoms[used].astype(np.int32), starts
+
+    def rebuilt(self, dictionary: np.ndarray) -> np.ndarray:
+        """The signals the codes make: ``codes @ dictionary``, without the dense codes."""
+        weights = np.where(self._used(), self.values, 0.0)
+        return np.einsum("sl,slf->sf", weights, dictionary[self.atoms])
+
+
+def omp_rows_gram(
     gram: np.ndarray,
     correlations: np.ndarray,
     n_nonzero: int,
     device: str = "cpu",
     max_residual: float | None = None,
     energies: np.ndarray | None = None,
-) -> np.ndarray:
-    """Codes (signals x atoms) from the Gram matrix D D^T and the correlations X D^T, by Batch-OMP.
+) -> CodeRows:
+    """Batch-OMP codes from the Gram matrix D D^T and the correlations X D^T, kept sparse (``CodeRows``).
 
     At most ``n_nonzero`` atoms per signal. With ``max_residual`` (epsilon), a
     signal's coding also stops once ``||x - c D|| <= epsilon``: the
@@ -71,36 +106,81 @@ def omp_encode_gram(
     kernel (``device="cuda"`` is refused; ``auto`` takes the CPU).
     """
     gram, correlations = _checked_gram(gram, correlations)
-    atoms = gram.shape[0]
-    if not 1 <= n_nonzero <= atoms:
-        raise ValueError(f"n_nonzero must be between 1 and the number of atoms ({atoms}), got {n_nonzero}")
-    codes = np.empty(correlations.shape)
-    target, squared = -1.0, np.empty(0)
-    if max_residual is not None:
-        if not (max_residual >= 0 and np.isfinite(max_residual)):
-            raise ValueError(f"max_residual must be a number >= 0, got {max_residual}")
-        if device == "cuda":
-            raise ValueError("OMP to an error target runs on the CPU: give device 'cpu' or 'auto'")
-        if energies is None or np.shape(energies) != (len(correlations),):
-            raise ValueError(f"an error target needs the {len(correlations)} signals' squared norms (energies)")
-        target, squared, device = float(max_residual) ** 2, _finite("energies", energies), "cpu"
+    signals, atoms = correlations.shape
+    target, squared, device = _omp_checks(atoms, signals, n_nonzero, device, max_residual, energies)
     if resolve_device(device) == "cuda":
         from ..kernels.omp_cuda import batch_omp_gram_cuda
 
+        codes = np.empty(correlations.shape)
         batch_omp_gram_cuda(gram, correlations, int(n_nonzero), codes)
-    else:
-        batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, codes)
-    return codes
+        return _rows_of(codes, int(n_nonzero))
+    rows = _empty_rows(signals, atoms, n_nonzero)
+    batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, rows.values, rows.atoms, rows.counts)
+    return rows
+
+
+def _omp_checks(
+    atoms: int, signals: int, n_nonzero: int, device: str, max_residual: float | None, energies: np.ndarray | None
+) -> tuple[float, np.ndarray, str]:
+    """(the kernel's squared target, or -1; the energies it reads; the device) of checked OMP settings."""
+    if not 1 <= n_nonzero <= atoms:
+        raise ValueError(f"n_nonzero must be between 1 and the number of atoms ({atoms}), got {n_nonzero}")
+    if max_residual is None:
+        return -1.0, np.empty(0), device
+    if not (max_residual >= 0 and np.isfinite(max_residual)):
+        raise ValueError(f"max_residual must be a number >= 0, got {max_residual}")
+    if device == "cuda":
+        raise ValueError("OMP to an error target runs on the CPU: give device 'cpu' or 'auto'")
+    if energies is None or np.shape(energies) != (signals,):
+        raise ValueError(f"an error target needs the {signals} signals' squared norms (energies)")
+    return float(max_residual) ** 2, _finite("energies", energies), "cpu"
+
+
+def _empty_rows(signals: int, atoms: int, n_nonzero: int) -> CodeRows:
+    return CodeRows(np.empty((signals, n_nonzero)), np.empty((signals, n_nonzero), np.int64),
+                    np.empty(signals, np.int64), atoms)  # fmt: skip
+
+
+def _rows_of(codes: np.ndarray, n_nonzero: int) -> CodeRows:
+    """``CodeRows`` of dense codes with at most ``n_nonzero`` non-zeros a row (the GPU kernel's)."""
+    signals, atoms = codes.shape
+    values, chosen = np.zeros((signals, n_nonzero)), np.zeros((signals, n_nonzero), np.int64)
+    rows, columns = np.nonzero(codes)
+    counts = np.bincount(rows, minlength=signals)
+    places = np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    values[rows, places], chosen[rows, places] = codes[rows, columns], columns
+    return CodeRows(values, chosen, counts.astype(np.int64), atoms)
+
+
+def omp_encode_gram(
+    gram: np.ndarray,
+    correlations: np.ndarray,
+    n_nonzero: int,
+    device: str = "cpu",
+    max_residual: float | None = None,
+    energies: np.ndarray | None = None,
+) -> np.ndarray:
+    """Codes (signals x atoms) from the Gram matrix D D^T and the correlations X D^T, by Batch-OMP (see
+    ``omp_rows_gram`` for the error target)."""
+    return omp_rows_gram(gram, correlations, n_nonzero, device, max_residual, energies).dense()
+
+
+def omp_rows(
+    signals: np.ndarray, dictionary: np.ndarray, n_nonzero: int, device: str = "cpu", max_residual: float | None = None
+) -> CodeRows:
+    """Sparse OMP codes of ``signals`` (``CodeRows``): what ``omp_encode`` gives, without a signals x atoms array
+    of codes."""
+    gram, correlations = _checked_signals(signals, dictionary)
+    energies = squared_norms(signals) if max_residual is not None else None
+    return omp_rows_gram(gram, correlations, n_nonzero, device, max_residual, energies)
 
 
 def omp_encode(
     signals: np.ndarray, dictionary: np.ndarray, n_nonzero: int, device: str = "cpu", max_residual: float | None = None
 ) -> np.ndarray:
     """Codes (signals x atoms) with at most ``n_nonzero`` atoms each, by Batch-OMP; with ``max_residual``, each
-    signal's coding stops once its residual norm is at most that (see ``omp_encode_gram``)."""
-    gram, correlations = _checked_signals(signals, dictionary)
-    energies = squared_norms(signals) if max_residual is not None else None
-    return omp_encode_gram(gram, correlations, n_nonzero, device, max_residual, energies)
+    signal's coding stops once its residual norm is at most that (see ``omp_rows_gram``)."""
+    return omp_rows(signals, dictionary, n_nonzero, device, max_residual).dense()
 
 
 def squared_norms(signals: np.ndarray) -> np.ndarray:

@@ -18,6 +18,22 @@ CODERS = ("omp", "lasso")
 IN_MEMORY = ("auto", "yes", "no")
 
 
+def coder_problems(coder: str, alpha: float, max_residual: float, device: str) -> list[str]:
+    """What is wrong with a coder's settings (the same for learning and for ``encode``)."""
+    problems = []
+    if coder not in CODERS:
+        problems.append(f"coder must be one of {', '.join(CODERS)}, got {coder!r}")
+    if not (alpha > 0 and math.isfinite(alpha)):
+        problems.append(f"alpha must be a positive number, got {alpha}")
+    if not (max_residual >= 0 and math.isfinite(max_residual)):
+        problems.append(f"max_residual must be a number >= 0, got {max_residual}")
+    elif max_residual and coder != "omp":
+        problems.append("max_residual is an error target of the omp coder; the lasso coder takes alpha")
+    elif max_residual and device == "cuda":
+        problems.append("OMP to an error target (max_residual) runs on the CPU: give --device cpu or auto")
+    return problems
+
+
 @dataclass
 class DictLearnConfig:
     """What to learn from, how, and where the results go."""
@@ -88,16 +104,7 @@ class DictLearnConfig:
             problems.append(f"in_memory must be one of {', '.join(IN_MEMORY)}, got {self.in_memory!r}")
         if not (self.shuffle_window_mib > 0 and math.isfinite(self.shuffle_window_mib)):
             problems.append(f"shuffle_window_mib must be a positive number, got {self.shuffle_window_mib}")
-        if self.coder not in CODERS:
-            problems.append(f"coder must be one of {', '.join(CODERS)}, got {self.coder!r}")
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            problems.append(f"alpha must be a positive number, got {self.alpha}")
-        if not (self.max_residual >= 0 and math.isfinite(self.max_residual)):
-            problems.append(f"max_residual must be a number >= 0, got {self.max_residual}")
-        elif self.max_residual and self.coder != "omp":
-            problems.append("max_residual is an error target of the omp coder; the lasso coder takes alpha")
-        elif self.max_residual and self.device == "cuda":
-            problems.append("OMP to an error target (max_residual) runs on the CPU: give --device cpu or auto")
+        problems += coder_problems(self.coder, self.alpha, self.max_residual, self.device)
         if not (self.forgetting >= 0 and math.isfinite(self.forgetting)):
             problems.append(f"forgetting must be a number >= 0, got {self.forgetting}")
         if not 0 < self.duplicate_cosine <= 1:
@@ -146,3 +153,48 @@ class DictLearnConfig:
 def load_config(path: str | None, overrides: dict) -> DictLearnConfig:
     """Defaults, then the TOML file (top level or a [dictlearn] table), then ``overrides`` (not None)."""
     return load_settings(DictLearnConfig, "dictlearn", path, overrides)
+
+
+REMOVE_MEAN = ("auto", "yes", "no")
+
+
+@dataclass
+class EncodeConfig:
+    """Which atoms code which signals, how, and where the codes go (``mpiscale encode``)."""
+
+    dictionary: str = option(
+        "", "the atoms: a results file of mpiscale dictlearn, or any FILE.h5:/dataset or FILE.npy of atoms x features"
+    )
+    data: str = option(
+        "",
+        "signals to code, one per row: FILE.h5:/dataset (any HDF5 file), a quoted glob 'run-*.h5:/X', a list "
+        "FILES.txt:/X (one path a line), or FILE.npy",
+    )
+    coder: str = option("omp", "omp (at most SPARSITY atoms, or to an error target) or lasso (L1 penalty alpha)")
+    sparsity: int = option(0, "omp: atoms per code at most (0 = the sparsity the dictionary was learned with, or 3)")
+    max_residual: float = option(
+        0.0, "omp: code each signal only until its residual norm ||x - cD|| is at most this (0 = SPARSITY atoms)"
+    )
+    alpha: float = option(0.1, "lasso: L1 penalty of the codes")
+    remove_mean: str = option(
+        "auto", "subtract each signal's mean before coding: yes, no, or auto (as the dictionary was learned)"
+    )
+    batch_size: int = option(4096, "signals each rank codes per round (a round is written, then marked done)")
+    device: str = option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present; error targets run on the CPU)")
+    out: str = option("codes.h5", "the codes (CSR, readable by h5py and scipy), visible once complete")
+    resume: bool = option(False, "go on from the rounds a stopped (OUT.partial) or killed (OUT.tmp) run wrote")
+    progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
+
+    def __post_init__(self) -> None:
+        problems = coder_problems(self.coder, self.alpha, self.max_residual, self.device)
+        if self.sparsity < 0 or self.batch_size < 1:
+            problems.append(f"sparsity must be 0 or more and batch_size at least 1, got {self.sparsity}, "
+                            f"{self.batch_size}")  # fmt: skip
+        if self.remove_mean not in REMOVE_MEAN:
+            problems.append(f"remove_mean must be one of {', '.join(REMOVE_MEAN)}, got {self.remove_mean!r}")
+        if problems:
+            raise ValueError("encode settings: " + "; ".join(problems))
+
+    def to_dict(self) -> dict:
+        """Plain values (for the codes file)."""
+        return asdict(self)

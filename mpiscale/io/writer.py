@@ -14,6 +14,7 @@ another name instead and ``reopen`` it in a later run, on any number of ranks
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import h5py
@@ -30,7 +31,9 @@ class RowWriter:
     """Creates ``path`` with data sets ``{name: (global shape, dtype)}`` (collective); ``write`` and ``close`` too.
 
     ``attrs`` are extra file attributes (strings or numbers) besides the usual
-    mpiscale ones.
+    mpiscale ones. The data sets named in ``growing`` start with the first
+    dimension of their shape and grow with ``grow`` (chunked): for output whose
+    size is known only as it is made (the non-zeros of sparse codes).
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class RowWriter:
         config: dict | None = None,
         attrs: dict | None = None,
         file_format: str = DATASET_FORMAT,
+        growing: tuple[str, ...] = (),
     ) -> None:
         self.path, self.comm = os.fspath(path), as_mpi(comm)
         directory = os.path.dirname(os.path.abspath(self.path))
@@ -60,7 +64,11 @@ class RowWriter:
             for key, value in (attrs or {}).items():
                 self.file.attrs[key] = value
             for name, (shape, dtype) in layout.items():
-                self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
+                if name in growing:
+                    chunk = (max(1, (1 << 20) // max(np.dtype(dtype).itemsize * math.prod(shape[1:]), 1)), *shape[1:])
+                    self.file.create_dataset(name, shape, np.dtype(dtype), maxshape=(None, *shape[1:]), chunks=chunk)
+                else:
+                    self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
@@ -125,6 +133,18 @@ class RowWriter:
         try:
             for name, (shape, dtype) in layout.items():
                 self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")
+        except (OSError, RuntimeError, ValueError) as error:
+            failure = error
+        self._agree(failure)
+
+    def grow(self, rows: dict[str, int]) -> None:
+        """Set the first dimension of growing data sets (collective: the same ``rows`` on every rank); smaller
+        drops the rows past it (a resumed run drops what its predecessor wrote after its last mark)."""
+        assert self.file is not None, "grow after close"
+        failure = None
+        try:
+            for name, count in rows.items():
+                self.file[name].resize(count, axis=0)
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)

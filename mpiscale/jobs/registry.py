@@ -55,6 +55,18 @@ JOBS: dict[str, JobEntry] = {
             plots=True,
         ),
         JobEntry(
+            "encode",
+            "sparse codes of a data set with a learned dictionary, written in parallel as CSR",
+            "Code the signals of --data with the atoms of --dictionary (a dictlearn results file, or any atoms x "
+            "features array), by OMP (at most L atoms, or to an error target) or Lasso.",
+            "mpiscale.dictlearn.config:EncodeConfig",
+            "mpiscale.dictlearn.encode:encode",
+            "mpiscale.codes/1",
+            "mpiscale.dictlearn.codes",
+            "hpc/slurm/encode.sbatch",
+            steers=True,
+        ),
+        JobEntry(
             "train",
             "data-parallel or pipeline training of an MLP or transformer classifier "
             "(run under launch/mpiscale-run -n N)",

@@ -74,9 +74,10 @@ _extend = build_extend(njit(inline="always"))
 
 
 @njit(inline="always")
-def _code_one(gram, correlations, n_nonzero, energy, target, alpha, chol, support, gamma, work, chosen, out):
+def _code_one(gram, correlations, n_nonzero, energy, target, alpha, chol, support, gamma, work, chosen):
     """OMP of one signal: at most ``n_nonzero`` atoms and, when ``target`` >= 0, only until the squared residual
-    norm is at most ``target`` (``energy`` is the signal's squared norm)."""
+    norm is at most ``target`` (``energy`` is the signal's squared norm). Returns the atoms chosen, ``size``: the
+    code is ``gamma[:size]`` at atoms ``support[:size]``."""
     atoms = gram.shape[0]
     for k in range(atoms):
         alpha[k] = correlations[k]
@@ -110,23 +111,30 @@ def _code_one(gram, correlations, n_nonzero, energy, target, alpha, chol, suppor
             residual = energy
             for j in range(size):
                 residual -= gamma[j] * correlations[support[j]]
-    for k in range(atoms):
-        out[k] = 0.0
-    for j in range(size):
-        out[support[j]] = gamma[j]
+    return size
 
 
 @njit(parallel=True, cache=True)
 def batch_omp_gram(
-    gram: np.ndarray, correlations: np.ndarray, n_nonzero: int, energies: np.ndarray, target: float, codes: np.ndarray
+    gram: np.ndarray,
+    correlations: np.ndarray,
+    n_nonzero: int,
+    energies: np.ndarray,
+    target: float,
+    values: np.ndarray,
+    atoms_of: np.ndarray,
+    counts: np.ndarray,
 ) -> None:
-    """Write the OMP codes of every signal into ``codes`` (signals x atoms).
+    """The OMP codes of every signal, sparse: signal ``s`` uses ``counts[s]`` atoms, ``atoms_of[s, :counts[s]]`` in
+    increasing order, with weights ``values[s, :counts[s]]`` (``values`` and ``atoms_of`` are signals x
+    ``n_nonzero``).
 
     ``gram`` is D D^T (atoms x atoms), ``correlations`` is X D^T (signals x
     atoms); at most ``n_nonzero`` atoms per signal. With ``target`` >= 0, a
     signal's coding stops once its squared residual norm is at most ``target``
     (``energies``: each signal's squared norm); with ``target`` < 0,
-    ``energies`` is not read (it may be empty).
+    ``energies`` is not read (it may be empty). Writing only the non-zeros
+    keeps the output signals x ``n_nonzero``, not signals x atoms.
     """
     signals, atoms = correlations.shape
     for chunk in prange((signals + _CHUNK - 1) // _CHUNK):
@@ -138,5 +146,14 @@ def batch_omp_gram(
         chosen = np.empty(atoms, dtype=np.bool_)
         for signal in range(chunk * _CHUNK, min(signals, (chunk + 1) * _CHUNK)):
             energy = energies[signal] if target >= 0 else 0.0
-            _code_one(gram, correlations[signal], n_nonzero, energy, target, alpha, chol, support, gamma, work, chosen,
-                      codes[signal])  # fmt: skip
+            size = _code_one(gram, correlations[signal], n_nonzero, energy, target, alpha, chol, support, gamma, work,
+                             chosen)  # fmt: skip
+            counts[signal] = size
+            for j in range(size):  # in the order of the atoms (insertion sort: a code holds few)
+                atom, weight, place = support[j], gamma[j], j
+                while place > 0 and atoms_of[signal, place - 1] > atom:
+                    atoms_of[signal, place] = atoms_of[signal, place - 1]
+                    values[signal, place] = values[signal, place - 1]
+                    place -= 1
+                atoms_of[signal, place] = atom
+                values[signal, place] = weight

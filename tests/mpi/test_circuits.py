@@ -5,16 +5,25 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import assert_ok, finish, gpu_ranks, launch, on_a_gpu, real_torch_gpu, run_alone, run_cli
+from helpers import (
+    assert_ok,
+    cli_rank_pids,
+    finish,
+    gpu_ranks,
+    launch,
+    on_a_gpu,
+    real_torch_gpu,
+    run_alone,
+    run_cli,
+    wait_for_output,
+)
 
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
 from mpiscale.dictlearn import top_inputs
@@ -338,27 +347,6 @@ def test_circuits_run_on_a_real_gpu_gives_the_cpus_features(pipeline, built, tmp
             np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-4)
 
 
-def _rank_pids(marker: str) -> list[int]:
-    """The ranks (python processes) of the job whose command line holds ``marker``."""
-    found = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    pids = []
-    for pid in map(int, found):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0].decode() == sys.executable and b"mpiscale.cli" in argv:
-            pids.append(pid)
-    return pids
-
-
-def _started(process, log: Path, step: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None and step not in log.read_text():
-        time.sleep(0.02)
-    assert process.poll() is None, log.read_text()
-
-
 def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline, tmp_path):
     """The slow exported module over 600 digits in batches of 20 on 2 ranks. SIGTERM after a few steps keeps
     OUT.partial; a plain rerun and a resume with another batch size are refused and leave it as it was; --resume on
@@ -379,7 +367,7 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        _started(process, log, "step 3/")
+        wait_for_output(process, log, "step 3/")
         process.send_signal(signal.SIGTERM)
         stopped = finish(process, "circuits run after SIGTERM", 60)
     assert "SIGTERM received, stopping after the current step" in stopped.stderr, stopped.stderr[-3000:]
@@ -408,8 +396,8 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        _started(process, log, "step 3/")
-        os.kill(max(_rank_pids(str(out))), signal.SIGKILL)
+        wait_for_output(process, log, "step 3/")
+        os.kill(max(cli_rank_pids(str(out))), signal.SIGKILL)
         killed = finish(process, "circuits run with a rank killed", 60)
     assert killed.returncode != 0
     kept = Path(f"{out}.tmp")

@@ -48,7 +48,7 @@ def test_inspect_refuses_a_file_of_no_job_and_a_plot_of_a_job_without_one(tmp_pa
     with h5py.File(other, "w") as file:
         file.attrs["format"] = "someone.else/1"
     assert main(["inspect", str(other)]) == 2
-    assert ("is not a results file of dictlearn, train, collect, memstore, compress-adapters or circuits run"
+    assert ("is not a results file of dictlearn, encode, train, collect, memstore, compress-adapters or circuits run"
             in capsys.readouterr().err)  # fmt: skip
     store = tmp_path / "store.h5"
     with h5py.File(store, "w") as file:
@@ -84,7 +84,7 @@ def test_help_lists_are_made_from_the_registry(capsys):
     with pytest.raises(SystemExit):
         main(["inspect", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "a job of dictlearn, train, collect, memstore, compress-adapters or circuits run" in shown
+    assert "a job of dictlearn, encode, train, collect, memstore, compress-adapters or circuits run" in shown
     with pytest.raises(SystemExit):
         main(["circuits", "--help"])
     assert "{run,add,search,similar}" in capsys.readouterr().out

@@ -1,0 +1,150 @@
+"""``mpiscale encode`` as users run it: a dictionary learned by the job (or any array of atoms), signals written
+with h5py or numpy, codes in CSR that scipy reads and that equal one process's, a stopped or killed run resumed on
+another number of ranks, and refusals in one line."""
+
+import os
+import signal
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from helpers import assert_ok, cli_rank_pids, finish, launch, run_alone, run_cli, wait_for_output
+
+from mpiscale.dictlearn import lasso_encode, load_codes, load_results, omp_encode
+from mpiscale.dictlearn.synthetic import planted_dictionary
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory):
+    """A dictionary of 32 atoms of 16 values learned by the job (with mean removal), and 2,003 signals a user wrote:
+    float32, chunked and compressed."""
+    folder = tmp_path_factory.mktemp("encode")
+    rng = np.random.default_rng(5)
+    atoms = planted_dictionary(32, 16, 6)
+    codes = np.zeros((2003, 32))
+    for row in codes:
+        row[rng.choice(32, 4, replace=False)] = rng.standard_normal(4)
+    signals = (codes @ atoms + 0.05 * rng.standard_normal((2003, 16)) + rng.normal(3, 1, (2003, 1))).astype("f4")
+    with h5py.File(folder / "signals.h5", "w") as file:
+        file.create_dataset("X", data=signals, chunks=(100, 16), compression="gzip")
+    job = run_cli(
+        2,
+        "dictlearn",
+        "--data",
+        f"{folder / 'signals.h5'}:/X",
+        "--atoms",
+        "32",
+        "--sparsity",
+        "4",
+        "--remove-mean",
+        "--iterations",
+        "100",
+        "--out",
+        folder / "dictionary.h5",
+        "--progress-every",
+        "0",
+    )
+    assert_ok(job)  # fmt: skip
+    return folder, signals.astype(np.float64), load_results(str(folder / "dictionary.h5")).dictionary
+
+
+def test_codes_equal_one_process_and_scipy_reads_them(learned, tmp_path, ranks):
+    folder, signals, atoms = learned
+    out = tmp_path / "codes.h5"
+    job = run_cli(ranks, "encode", "--dictionary", folder / "dictionary.h5", "--data", f"{folder / 'signals.h5'}:/X",
+                  "--batch-size", "97", "--out", out)  # fmt: skip
+    assert_ok(job)
+    assert f"wrote {out}: codes of 2,003 signals over 32 atoms" in job.stdout, job.stdout
+    centred = signals - signals.mean(axis=1, keepdims=True)  # auto: as the dictionary was learned
+    expected = omp_encode(centred, atoms, 4)
+    codes = load_codes(str(out))
+    matrix = codes.to_scipy()
+    assert matrix.shape == (2003, 32) and matrix.has_sorted_indices and (np.diff(codes.indptr) <= 4).all()
+    assert np.abs(matrix.toarray() - expected).max() < 1e-12
+    assert np.allclose(codes.residual_norm, np.linalg.norm(centred - expected @ atoms, axis=1), atol=1e-12)
+    assert np.allclose(codes.mean, signals.mean(axis=1), atol=1e-12)
+    assert np.abs(codes.signals() - (expected @ atoms + codes.mean[:, None])).max() < 1e-12
+    with h5py.File(out, "r") as file:  # plain h5py, as a user reads it
+        assert file.attrs["format"] == "mpiscale.codes/1" and file.attrs["rows_done"] == 2003
+        assert file["codes/indptr"][-1] == len(file["codes/data"]) == file.attrs["nnz_done"]
+    shown = run_alone("inspect", out)
+    assert "codes of 2,003 signals over 32 atoms (omp, at most 4 atoms, each signal less its mean)" in shown.stdout
+
+
+def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
+    folder, signals, atoms = learned
+    np.save(tmp_path / "atoms.npy", atoms)  # a dictionary from elsewhere: a plain array, no settings with it
+    data = f"{folder / 'signals.h5'}:/X"
+    target = tmp_path / "target.h5"
+    assert_ok(run_cli(2, "encode", "--dictionary", tmp_path / "atoms.npy", "--data", data, "--sparsity", "12",
+                      "--max-residual", "0.3", "--remove-mean", "yes", "--out", target))  # fmt: skip
+    centred = signals - signals.mean(axis=1, keepdims=True)
+    expected = omp_encode(centred, atoms, 12, max_residual=0.3)
+    codes = load_codes(str(target))
+    assert np.abs(codes.to_scipy().toarray() - expected).max() < 1e-12 and (codes.residual_norm <= 0.3 + 1e-9).all()
+    lasso = tmp_path / "lasso.h5"
+    assert_ok(run_cli(2, "encode", "--dictionary", tmp_path / "atoms.npy", "--data", data, "--coder", "lasso",
+                      "--alpha", "0.2", "--out", lasso))  # fmt: skip
+    codes = load_codes(str(lasso))
+    assert codes.mean is None  # a plain array says nothing of means: auto is no
+    assert np.abs(codes.to_scipy().toarray() - lasso_encode(signals, atoms, 0.2)).max() < 1e-9
+
+
+def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_counts(learned, tmp_path):
+    folder, signals, atoms = learned
+    common = ["encode", "--dictionary", str(folder / "dictionary.h5"), "--data", f"{folder / 'signals.h5'}:/X",
+              "--batch-size", "10", "--progress-every", "0.001"]  # fmt: skip
+    whole = tmp_path / "whole.h5"
+    assert_ok(run_cli(1, *common, "--out", whole))
+    expected = load_codes(str(whole))
+    for way, then in (("stopped", 4), ("killed", 1)):
+        out, log = tmp_path / f"{way}.h5", tmp_path / f"{way}.log"
+        with open(log, "w") as stdout:
+            process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out)], stdout=stdout)
+            wait_for_output(process, log, "round 5/")
+            if way == "stopped":
+                process.send_signal(signal.SIGTERM)
+            else:
+                os.kill(max(cli_rank_pids(str(out))), signal.SIGKILL)
+            ended = finish(process, f"encode {way}", 60)
+        assert ended.returncode != 0 and not out.exists(), ended.output[-3000:]
+        kept = tmp_path / (f"{way}.h5.partial" if way == "stopped" else f"{way}.h5.tmp")
+        with h5py.File(kept, "r") as file:
+            done = int(file.attrs["rows_done"])
+        assert 0 < done < 2003, done
+        plain = run_cli(2, *common, "--out", out)
+        said = plain.stderr.splitlines()
+        assert plain.returncode == 2 and "pass --resume" in said[-1], plain.stderr
+        taken_over = way == "killed" and "taking over the lock" in said[0]  # the killed run left its lock
+        assert len(said) == 1 or (taken_over and len(said) == 2), plain.stderr
+        resumed = run_cli(then, *common, "--out", out, "--resume")
+        assert_ok(resumed)
+        assert f"resumed from {kept}: {done:,} of 2,003 signals were coded" in resumed.stdout, resumed.stdout
+        codes = load_codes(str(out))
+        assert np.array_equal(codes.indptr, expected.indptr) and np.array_equal(codes.indices, expected.indices)
+        assert np.abs(codes.data - expected.data).max() < 1e-12 and not kept.exists()
+
+
+def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):
+    folder, signals, atoms = learned
+    data = f"{folder / 'signals.h5'}:/X"
+    np.save(tmp_path / "transposed.npy", atoms.T)  # SPAMS keeps its atoms as columns
+    np.save(tmp_path / "scaled.npy", 2 * atoms)
+    with h5py.File(tmp_path / "nan.h5", "w") as file:
+        file["X"] = np.where(np.arange(16) == 3, np.nan, signals[:50])
+    cases = [
+        (["--dictionary", tmp_path / "transposed.npy", "--data", data], "a SPAMS dictionary is features x atoms"),
+        (["--dictionary", tmp_path / "scaled.npy", "--data", data], "row 0 has norm 2"),
+        (["--dictionary", folder / "dictionary.h5", "--data", f"{tmp_path / 'nan.h5'}:/X"], "signal 0 holds NaN"),
+        (["--dictionary", folder / "dictionary.h5", "--data", data, "--sparsity", "40"], "sparsity 40 exceeds"),
+        (["--dictionary", folder / "dictionary.h5"], "give --dictionary"),
+    ]
+    for options, message in cases:
+        job = run_cli(2, "encode", *options, "--out", tmp_path / "refused.h5")
+        assert job.returncode == 2 and message in job.stderr and job.stderr.count("\n") == 1, job.output[-2000:]
+    same = run_cli(
+        2, "encode", "--dictionary", folder / "dictionary.h5", "--data", data, "--out", folder / "signals.h5"
+    )
+    assert same.returncode == 2 and "signals.h5" in same.stderr and same.stderr.count("\n") == 1, same.stderr
+    assert not list(tmp_path.glob("refused.h5*"))
