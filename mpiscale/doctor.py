@@ -152,7 +152,7 @@ def checks() -> list[Check]:
         *_gpu_checks(),
         _module("aiomqtt", "aiomqtt", SETUP, required=True),
         *_job_extras(),
-        _module("DictionaryLearning (sklearn)", "sklearn", "pip install 'mpiscale[sklearn]'", False),
+        _module("estimator (sklearn)", "sklearn", "pip install 'mpiscale[sklearn]'", False),
         _module("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)", False),
         _program("mpirun", "apt-get install openmpi-bin (launch/setup.sh does it)", required=True),
         _program("mosquitto", "apt-get install mosquitto (launch/setup.sh does it)", required=False),

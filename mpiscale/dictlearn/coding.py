@@ -85,8 +85,9 @@ class CodeRows:
 
     def rebuilt(self, dictionary: np.ndarray) -> np.ndarray:
         """The signals the codes make: ``codes @ dictionary``, without the dense codes."""
-        weights = np.where(self._used(), self.values, 0.0)
-        return np.einsum("sl,slf->sf", weights, dictionary[self.atoms])
+        used = self._used()  # the slots past a row's count hold whatever the kernel's buffers held
+        weights = np.where(used, self.values, 0.0)
+        return np.einsum("sl,slf->sf", weights, dictionary[np.where(used, self.atoms, 0)])
 
 
 def omp_rows_gram(

@@ -1,5 +1,6 @@
 """The examples (examples/, and the README's program) run as written."""
 
+import re
 import sys
 
 import h5py
@@ -36,6 +37,30 @@ def test_dictionary_learning_from_python_prints_the_same_error_on_one_and_on_sev
         assert f"from 1,500 digits on {ranks} rank" in job.stdout, job.stdout
         said[ranks] = job.stdout.splitlines()[-1]
     assert said[1] == said[3] and "297 unseen digits, 5 atoms each: relative error 0.3" in said[1], said
+
+
+def test_image_denoising_with_mpiscales_own_commands_gains_over_4_db(tmp_path):
+    """The guide's denoising, as it is written, on a 64x64 cut of the photo: prepare, dictlearn, encode, rebuild."""
+    script = [sys.executable, str(REPO / "examples" / "denoise_image.py")]
+    folder = tmp_path / "denoise"
+    steps = [
+        [*script, "prepare", str(folder), "--sigma", "20", "--size", "64"],
+        [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--data", f"{folder}/noisy.h5:/patches", "--remove-mean",
+         "--atoms", "64", "--sparsity", "16", "--max-residual", "184", "--iterations", "100", "--batch-size", "128",
+         "--out", str(folder / "dictionary.h5")],
+        [sys.executable, "-m", "mpiscale.cli", "encode", "--dictionary", str(folder / "dictionary.h5"), "--data",
+         f"{folder}/noisy.h5:/patches", "--sparsity", "32", "--max-residual", "184", "--out", str(folder / "codes.h5")],
+        [*script, "rebuild", str(folder)],
+    ]  # fmt: skip
+    said = []
+    for command in steps:
+        ranks = 1 if command[1] == script[1] else 2  # the example's own steps are one process
+        job = finish(launch(ranks, command, cwd=tmp_path), " ".join(command[1:4]), 120)
+        assert_ok(job)
+        said.append(job.stdout)
+    assert "code to --max-residual 184" in said[0], said[0]
+    found = re.search(r"noisy ([0-9.]+) dB -> denoised ([0-9.]+) dB", said[-1])
+    assert found and float(found[2]) - float(found[1]) > 4, said[-1]
 
 
 def _train(ranks: int, workdir, epochs: int) -> str:

@@ -7,7 +7,7 @@ from sklearn.decomposition import sparse_encode
 from sklearn.linear_model import orthogonal_mp_gram
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from mpiscale.dictlearn import DictionaryLearning
+from mpiscale.dictlearn import DictionaryLearning, omp_encode, omp_rows
 from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
 
 # Every check applies. scikit-learn itself skips check_array_api_input (its array-API checks need SCIPY_ARRAY_API
@@ -96,3 +96,19 @@ def test_what_cannot_be_learned_is_refused_with_the_parameter_named():
         fitted.inverse_transform(signals)
     with pytest.raises(ValueError, match="16 features"):
         fitted.transform(signals[:, :8])
+
+
+def test_sparse_rows_of_codes_to_an_error_target_rebuild_the_dense_codes():
+    """Codes to an error target fill fewer slots than the most allowed; the slots past a row's count hold what the
+    kernel's buffers held (large garbage indices made ``rebuilt`` fail in ``mpiscale encode``)."""
+    dictionary, signals = planted(samples=300)
+    rows = omp_rows(signals + 0.05, dictionary, 16, max_residual=0.5)
+    rows.atoms[rows.counts < 16, -1] = 2**40  # what an empty buffer may hold
+    codes = rows.dense()
+    assert (
+        len(set(rows.counts)) > 1
+        and np.abs(codes - omp_encode(signals + 0.05, dictionary, 16, max_residual=0.5)).max() == 0
+    )
+    assert np.abs(rows.rebuilt(dictionary) - codes @ dictionary).max() < 1e-12
+    values, indices, starts = rows.csr()
+    assert np.array_equal(starts[1:], np.cumsum(rows.counts)) and (indices < 30).all() and len(values) == starts[-1]
