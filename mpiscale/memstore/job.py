@@ -37,7 +37,7 @@ from ..words import counted
 from .config import MemstoreConfig
 from .durability import Durability
 from .history import IterationHistory
-from .rehearsal import PlantedFailure, planted_failure
+from .rehearsal import VARIABLE, PlantedFailure, planted_failure
 from .store import MemoryStore
 
 RESULTS_FORMAT = "mpiscale.memstore-results/1"
@@ -58,6 +58,8 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
 
     share_cores(ranks_sharing_cores(MPI.COMM_WORLD))
     failure = planted_failure()  # a malformed rehearsal setting is bad input
+    if failure is not None and failure.kills:  # the rank says why as it dies: one line for the whole failure
+        system.planned_deaths[failure.rank] = f"killed by {VARIABLE} in iteration {failure.iteration}"
     lock = claim_outputs(config.out, config.checkpoint_dir or None, [], MPI.COMM_WORLD)
     durable = Durability(config.checkpoint_dir, config.local_dir or None) if config.checkpoint_dir else None
     try:

@@ -34,6 +34,11 @@ class PlantedFailure:
     hang_s: float = 0.0
     slow_s: float = 0.0
 
+    @property
+    def kills(self) -> bool:
+        """Whether the planted failure kills its rank (not a hang, not a straggler)."""
+        return not (self.hang_s or self.slow_s)
+
     def strike(self, rank: int, iteration: int, local: Path | None) -> None:
         """Fail here if this is the rank and the iteration (from the iteration on, for ``slow``)."""
         if rank != self.rank or iteration < self.iteration:

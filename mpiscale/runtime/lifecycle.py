@@ -122,6 +122,11 @@ class Lifecycle:
         system = self.system
         named = ", ".join(f"rank {rank} (pid {pid}{', ' + system.roles[rank] if rank in system.roles else ''})"
                           for rank, pid in sorted(dead.items()))  # fmt: skip
+        planned = {system.planned_deaths.get(rank) for rank in dead}
+        if None not in planned:  # every dead rank died as planned, and said so itself
+            detail = f"{named} on host {system.host} ended as planned ({'; '.join(sorted(planned))})"  # type: ignore[arg-type]
+            await self._end_for_death("", f"{detail}; the job cannot go on", min(dead))
+            return
         detail = (
             f"{named} on host {system.host} ended while the job ran (killed by a signal, such as the "
             "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
@@ -134,13 +139,14 @@ class Lifecycle:
         await self._end_for_death(detail, detail, min(lost.ranks, default=0))
 
     async def _end_for_death(self, report: str, detail: str, rank: int) -> None:
-        """Tell the job's telemetry that ``rank`` died, then end every rank with ``report`` (one line)."""
+        """Tell the job's telemetry that ``rank`` died, then end every rank with ``report`` (one line; none when
+        empty: the dead rank said why itself)."""
         system = self.system
         for reporter in system.death_reporters:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reporter(detail, rank), 1.0)
         if not system.failing:  # one line, not a second report: a rank that failed has printed its own
-            system.abort(f"mpiscale: rank {system.rank}: {report}\n", 1)
+            system.abort(f"mpiscale: rank {system.rank}: {report}\n" if report else "", 1)
 
     def stop_at_start(self) -> None:
         """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops

@@ -89,6 +89,9 @@ class ActorSystem:
         self._at_end: list[Callable[[], Awaitable[None]]] = []
         #: What a rank does in the job (``"pipeline stage 1 of 4"``), named with it when it dies; a job fills it.
         self.roles: dict[int, str] = {}
+        #: Ranks the job itself plans to kill (a rehearsed failure), with why: such a rank says so as it dies, so
+        #: the rank that finds it gone names the plan in telemetry and prints no second line of its own.
+        self.planned_deaths: dict[int, str] = {}
 
     def communicator(self, name: str) -> Communicator:
         """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives
