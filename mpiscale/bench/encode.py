@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from functools import partial
 from importlib.util import find_spec
 
 import numpy as np
 
 from ..dictlearn import omp_encode, omp_rows
-from .report import best_of, table, write_json
+from .report import Progress, best_of, table, write_json
 
 SETTINGS = (  # (name, atoms, features, non-zeros, signals)
     ("K-SVD synthetic", 50, 20, 3, 50_000),
@@ -139,13 +138,11 @@ def command(args: argparse.Namespace) -> int:
     """``mpiscale bench encode``: the table printed and the JSON record written."""
     cores = len(os.sched_getaffinity(0))
     repeats = 1 if args.quick else 3
-    records = []
+    records, said = [], Progress()
     for name, atoms, features, nonzero, signals in SETTINGS:
-        began = time.perf_counter()
-        print(f"measuring {name} ({signals // (5 if args.quick else 1):,} signals, K={atoms}, L={nonzero})...",
-              flush=True)  # fmt: skip
-        records += measure(name, atoms, features, nonzero, signals // (5 if args.quick else 1), repeats, cores)
-        print(f"  done in {time.perf_counter() - began:.1f} s", flush=True)
+        count = signals // (5 if args.quick else 1)
+        records += measure(name, atoms, features, nonzero, count, repeats, cores)
+        said(f"{name} ({count:,} signals, K={atoms}, L={nonzero}) measured")
     print(table(HEADERS, [row(record) for record in records]))
     if find_spec("spams") is None:
         print("SPAMS: not installed (pip install spams-bin), so not measured")

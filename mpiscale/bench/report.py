@@ -42,6 +42,18 @@ def machine() -> dict:
     }
 
 
+class Progress:
+    """A line per part of a long benchmark as it ends, with the seconds since the start, so that a run on a loaded
+    machine shows it is alive long before its table (``make bench`` once said nothing for 300 s)."""
+
+    def __init__(self, shown: bool = True) -> None:
+        self.shown, self.started = shown, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if self.shown:
+            print(f"[{time.perf_counter() - self.started:5.0f} s] {what}", flush=True)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """Render rows as a right-aligned text table."""
     cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import LAUNCHER, assert_ok, finish, launch
+from helpers import LAUNCHER, assert_ok, finish, launch, run_alone
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -42,6 +42,10 @@ def test_bench_pingpong_writes_json(tmp_path):
     assert sizes[0] == 8 and sizes[-1] == 16 << 20
     assert all(min(row["raw_rtt_s"], row["asyncio_floor_rtt_s"], row["ask_rtt_s"]) > 0 for row in record["round_trip"])
     assert record["one_way"]["tell_msgs_per_s"] > 0 and "p99/p50" in job.stdout
+    # each size says it is done as it ends, before the table (make bench once printed nothing for 300 s)
+    lines = job.stdout.splitlines()
+    done = [i for i, line in enumerate(lines) if "round trips of " in line and "sizes)" in line]
+    assert len(done) == 8 and done[-1] < lines.index(next(line for line in lines if "p99/p50" in line)), job.stdout
     for row in record["round_trip"]:
         assert (
             0 < row["ask_rtt_s"] <= row["ask_p99_s"] and row["persistent_rtt_s"] > 0 and row["mpi4py_pickle_rtt_s"] > 0
@@ -201,3 +205,19 @@ def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(t
     job = mpiscale(2, "dictlearn", "--atomz", "7", "--out", str(tmp_path / "d.h5"))
     assert job.returncode == 2 and job.stderr.count("error: unrecognized arguments: --atomz 7") == 1, job.stderr
     assert job.stderr.count("usage: mpiscale") == 1 and not (tmp_path / "d.h5").exists()
+
+
+def test_bench_encode_compares_codes_first_then_speed(tmp_path):
+    """One process, both settings, by sparsity and to an error target: our codes must be scikit-learn's before any
+    speed counts; progress shows before the table."""
+    out = tmp_path / "encode.json"
+    job = run_alone("bench", "encode", "--quick", "--json", out, timeout=300)
+    assert_ok(job)
+    records = json.loads(out.read_text())["settings"]
+    assert [(r["setting"], r["eps"] is None) for r in records] == [
+        ("K-SVD synthetic", True), ("K-SVD synthetic", False), ("8x8 image patches", True),
+        ("8x8 image patches", False)]  # fmt: skip
+    by_sparsity = [r for r in records if r["eps"] is None]
+    assert all(r["sklearn_differing_codes"] == 0 and r["ratio_to_sklearn"] > 0 for r in by_sparsity), by_sparsity
+    assert all(0 < r["ours_nonzeros_per_signal"] <= r["features"] for r in records)
+    assert job.stdout.index("image patches (4,000 signals, K=256, L=8) measured") < job.stdout.index("ours/sklearn")
