@@ -66,24 +66,40 @@ def summarize(path: str) -> str:
 
 
 def plot(path: str, image: str) -> None:
-    """The cumulative explained share against the number of components, one line per group and side."""
+    """The cumulative explained share against the number of components (see ``figure``), saved to ``image``."""
+    import matplotlib.pyplot as plt
+
+    drawn = figure(path)
+    drawn.savefig(image, dpi=120)
+    plt.close(drawn)
+
+
+LEGEND_GROUPS = 12  # groups named in the legend; more make it unreadable, and the rest are listed as a count
+
+
+def figure(path: str):
+    """The cumulative explained share against the number of components, one line per layer group and side, each
+    group named in the legend (the first ``LEGEND_GROUPS``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    drawn, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     with open_file(path, READABLE_FORMATS) as file:
-        for index in range(len(group_names(file))):
+        names = group_names(file)
+        for index, name in enumerate(names):
             for axis, side in zip(axes, ("A", "B"), strict=True):
                 shares = np.cumsum(file[f"{group_name(index)}/{side}/explained"][()])
-                axis.plot(np.arange(1, len(shares) + 1), shares, alpha=0.6)
+                label = name if index < LEGEND_GROUPS else None
+                axis.plot(np.arange(1, len(shares) + 1), shares, alpha=0.6, label=label)
     for axis, side in zip(axes, ("A", "B"), strict=True):
         axis.set_title(f"LoRA {side} matrices")
         axis.set_xlabel(f"components ({side} side)")
         axis.grid(alpha=0.3)
     axes[0].set_ylabel("share of the sum of squares explained")
-    figure.suptitle(f"{path}: explained share per layer group (one line each)")
-    figure.tight_layout()
-    figure.savefig(image, dpi=120)
-    plt.close(figure)
+    more = len(names) - LEGEND_GROUPS
+    axes[1].legend(title="layer group" + (f" (and {more} more)" if more > 0 else ""), fontsize=7, loc="lower right")
+    drawn.suptitle(f"{path}: explained share per layer group (one line each)")
+    drawn.tight_layout()
+    return drawn

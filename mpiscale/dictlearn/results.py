@@ -167,9 +167,18 @@ def summarize(path: str) -> str:
 
 
 def plot(path: str, image: str) -> None:
-    """The run in three panels: the errors over the iterations; the planted atoms recovered over the iterations
-    (atom usage without planted atoms); and the learned atoms, against the planted ones where there are some, or as
-    an image grid when they are image patches."""
+    """The run in three panels (see ``figure``), saved to ``image``."""
+    import matplotlib.pyplot as plt
+
+    drawn = figure(path)
+    drawn.savefig(image, dpi=120)
+    plt.close(drawn)
+
+
+def figure(path: str):
+    """The run in three panels: the errors over the iterations; the planted atoms recovered over the iterations and
+    at the end (atom usage without planted atoms); and the learned atoms, against the planted ones recovered worst
+    where there are some, or as an image grid when they are image patches."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,12 +189,13 @@ def plot(path: str, image: str) -> None:
         iterations = file["metrics"]["iteration"][()]
         dictionary = file["dictionary"][()]
         planted = file["planted_dictionary"][()] if "planted_dictionary" in file else None
+        final = float(file.attrs["recovery_rate"]) if "recovery_rate" in file.attrs else None
         shape = tuple(file.attrs["patch_shape"]) if "patch_shape" in file.attrs else _square(dictionary.shape[1])
     panels = 3 if planted is not None or shape is not None else 2
-    figure, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
+    drawn, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.2))
     _errors(axes[0], iterations, metrics)
     if planted is not None:
-        _recovery(axes[1], iterations, metrics)
+        _recovery(axes[1], iterations, metrics, final)
         _against_planted(axes[2], dictionary, planted)
     else:
         _usage(axes[1], iterations, metrics, len(dictionary))
@@ -193,10 +203,9 @@ def plot(path: str, image: str) -> None:
             axes[2].imshow(_grid(dictionary, shape), cmap="gray", interpolation="nearest")
             axes[2].set_title(f"the {len(dictionary)} learned atoms")
             axes[2].axis("off")
-    figure.suptitle(path)
-    figure.tight_layout()
-    figure.savefig(image, dpi=120)
-    plt.close(figure)
+    drawn.suptitle(path)
+    drawn.tight_layout()
+    return drawn
 
 
 def _errors(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> None:
@@ -210,12 +219,16 @@ def _errors(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> Non
     axis.legend()
 
 
-def _recovery(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> None:
+def _recovery(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray], final: float | None) -> None:
+    """The share recovered at each evaluation, and at the end (the results file keeps it without evaluations)."""
     recovered = metrics.get("recovered", np.full(len(iterations), np.nan))
     evaluated = ~np.isnan(recovered)
     if evaluated.any():
-        axis.plot(iterations[evaluated], 100 * recovered[evaluated], "o-")
-    else:
+        axis.plot(iterations[evaluated], 100 * recovered[evaluated], "o-", label="during the run (--eval-every)")
+    if final is not None and len(iterations):
+        axis.plot([iterations[-1]], [100 * final], "*", markersize=14, label=f"at the end: {final:.0%}")
+        axis.legend(loc="lower right")
+    elif not evaluated.any():
         axis.text(0.5, 0.5, "not evaluated during the run\n(give --eval-every)", ha="center", transform=axis.transAxes)
     axis.set_ylim(0, 105)
     axis.set_title("Planted atoms recovered")
@@ -224,31 +237,38 @@ def _recovery(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray]) -> N
 
 
 def _usage(axis, iterations: np.ndarray, metrics: dict[str, np.ndarray], atoms: int) -> None:
-    axis.plot(iterations, 100 * metrics["unused"] / atoms, label="unused by the batch")
-    axis.plot(iterations, np.cumsum(metrics["replaced"]), label="replaced, in all (count)")
+    """Atoms unused by each batch (%, left axis) and atoms replaced so far (a count, right axis)."""
+    unused = axis.plot(iterations, 100 * metrics["unused"] / atoms, label="unused by the batch (%, left)")
+    axis.set_ylabel("% of the atoms unused by the batch")
+    count = axis.twinx()
+    replaced = count.plot(iterations, np.cumsum(metrics["replaced"]), color="C1", label="replaced so far (right)")
+    count.set_ylabel("atoms replaced so far")
     axis.set_title("Atom usage")
     axis.set_xlabel("iteration")
-    axis.set_ylabel("% of atoms / atoms")
-    axis.legend()
+    axis.legend(unused + replaced, [line.get_label() for line in unused + replaced], loc="upper right")
 
 
 def _against_planted(axis, learned: np.ndarray, planted: np.ndarray, shown: int = 6) -> None:
-    """The first ``shown`` planted atoms (solid), each with the learned atom closest to it (dashed, its sign
-    matched), stacked one above the other, with their |cosine|."""
+    """The ``shown`` planted atoms recovered worst (solid; the missed ones first), each with the learned atom closest
+    to it (dashed, its sign matched), stacked one above the other, with their |cosine|."""
     unit = planted / np.linalg.norm(planted, axis=1, keepdims=True)
     norms = np.linalg.norm(learned, axis=1, keepdims=True)
     found = learned / np.where(norms > 0, norms, 1.0)
-    cosines = unit[:shown] @ found.T
-    for row, atom in enumerate(unit[:shown]):
-        best = int(np.argmax(np.abs(cosines[row])))
-        match = found[best] * np.sign(cosines[row, best])
-        offset = -1.2 * row * max(np.abs(unit[:shown]).max(), 1e-12)
-        axis.plot(atom + offset, color=f"C{row}")
+    cosines = unit @ found.T
+    best = np.argmax(np.abs(cosines), axis=1)
+    closeness = np.abs(cosines[np.arange(len(unit)), best])
+    worst = np.argsort(closeness, kind="stable")[:shown]
+    height = max(np.abs(unit[worst]).max(), 1e-12)
+    for row, atom in enumerate(worst):
+        match = found[best[atom]] * np.sign(cosines[atom, best[atom]])
+        offset = -1.2 * row * height
+        axis.plot(unit[atom] + offset, color=f"C{row}")
         axis.plot(match + offset, "--", color=f"C{row}")
-        axis.text(len(atom) - 1, offset + 0.1, f"|cos| {abs(cosines[row, best]):.3f}", ha="right", fontsize=8)
-    axis.set_title(
-        f"Planted atoms (solid) and the closest learned ones (dashed): {min(shown, len(unit))} of {len(unit)}"
-    )
+        axis.text(len(unit[atom]) - 1, offset + 0.1, f"planted {atom}: |cos| {closeness[atom]:.3f}", ha="right",
+                  fontsize=8)  # fmt: skip
+    missed = int(np.count_nonzero(closeness <= 0.99))
+    axis.set_title(f"The {len(worst)} planted atoms recovered worst (solid) and the closest learned ones (dashed); "
+                   f"{missed} of {len(unit)} missed (|cos| <= 0.99)")  # fmt: skip
     axis.title.set_fontsize(9)
     axis.set_xlabel("feature")
     axis.set_yticks([])

@@ -131,6 +131,10 @@ def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_pat
     assert_ok(report)
     assert "4 LoRA adapters of rank 4 on base model " in report.stdout
     assert "4 layer groups (computed on cpu)" in report.stdout
+    from mpiscale.adapters.results import figure  # inspect --plot's picture: each group named in its legend
+
+    legend = figure(str(out)).axes[1].get_legend()
+    assert [text.get_text() for text in legend.get_texts()] == list(got["modules"]), legend
 
     from mpiscale.cli import main
 

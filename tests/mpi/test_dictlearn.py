@@ -406,3 +406,25 @@ def test_atoms_left_as_near_duplicates_are_named_by_the_run_and_by_inspect(tmp_p
     shown = subprocess.run([sys.executable, "-m", "mpiscale.cli", "inspect", str(out)], capture_output=True, text=True,
                            timeout=120)  # fmt: skip
     assert f"atoms closer than |cos| 0.99: {pairs} pairs (the closest two at 1.000)" in shown.stdout, shown.stdout
+
+
+def test_the_plots_show_the_final_recovery_the_worst_atoms_and_one_unit_per_axis(tmp_path):
+    """Without --eval-every the recovery panel was empty though the file keeps the final rate; the planted-atom panel
+    showed the first 6 atoms (all at |cos| 1.000), not the worst; the usage panel put a % and a count on one axis."""
+    from mpiscale.dictlearn.results import figure
+
+    out = tmp_path / "planted.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "20"))
+    _, recovery, atoms = figure(str(out)).axes
+    with h5py.File(out, "r") as file:
+        final = float(file.attrs["recovery_rate"])
+    assert [line.get_label() for line in recovery.get_lines()] == [f"at the end: {final:.0%}"] and not recovery.texts
+    shown = [float(text.get_text().rsplit(" ", 1)[1]) for text in atoms.texts]
+    assert len(shown) == 6 and shown == sorted(shown) and "recovered worst" in atoms.get_title(), atoms.get_title()
+    assert f"{sum(cos <= 0.99 for cos in shown)} of 50 missed" in atoms.get_title() or shown[-1] <= 0.99
+    np.save(tmp_path / "patches.npy", np.random.default_rng(0).standard_normal((600, 16)))  # 4x4: an image grid
+    real = tmp_path / "real.h5"
+    assert_ok(dictlearn(2, real, "--data", str(tmp_path / "patches.npy"), "--atoms", "12", "--iterations", "20"))
+    _, usage, grid, replaced = figure(str(real)).axes
+    assert usage.get_ylabel() == "% of the atoms unused by the batch"
+    assert replaced.get_ylabel() == "atoms replaced so far" and grid.get_title() == "the 12 learned atoms"
