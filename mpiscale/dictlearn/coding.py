@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from ..kernels.devices import resolve_device
 from ..kernels.lasso import lasso_cd_gram
-from ..kernels.omp import batch_omp_gram
+from ..kernels.omp import batch_omp_gram, batch_omp_signals
 
 
 def gram_matrix(dictionary: np.ndarray) -> np.ndarray:
@@ -167,13 +168,36 @@ def omp_encode_gram(
 
 
 def omp_rows(
-    signals: np.ndarray, dictionary: np.ndarray, n_nonzero: int, device: str = "cpu", max_residual: float | None = None
+    signals: np.ndarray,
+    dictionary: np.ndarray,
+    n_nonzero: int,
+    device: str = "cpu",
+    max_residual: float | None = None,
+    gram: np.ndarray | None = None,
 ) -> CodeRows:
-    """Sparse OMP codes of ``signals`` (``CodeRows``): what ``omp_encode`` gives, without a signals x atoms array
-    of codes."""
-    gram, correlations = _checked_signals(signals, dictionary)
+    """Sparse OMP codes of ``signals`` (``CodeRows``): what ``omp_encode`` gives, without a signals x atoms array of
+    codes, nor of correlations on the CPU (each chunk of signals makes its own, in cache). ``gram``: ``D D^T`` when
+    the caller codes many batches with one dictionary."""
+    signals = _finite("signals", signals)
+    dictionary = _finite("dictionary", dictionary)
+    if signals.ndim != 2 or dictionary.ndim != 2 or signals.shape[1] != dictionary.shape[1]:
+        shapes = f"{signals.shape} and {dictionary.shape}"
+        raise ValueError(f"signals (signals, features) and dictionary (atoms, features) disagree: {shapes}")
     energies = squared_norms(signals) if max_residual is not None else None
-    return omp_rows_gram(gram, correlations, n_nonzero, device, max_residual, energies)
+    count, atoms = len(signals), len(dictionary)
+    target, squared, device = _omp_checks(atoms, count, n_nonzero, device, max_residual, energies)
+    # BLAS on one thread from here: each Numba thread multiplies its own chunk, and BLAS threads woken by a product
+    # just before would spin on the cores the kernel needs (at 256 atoms the coding ran at 0.6x)
+    with threadpool_limits(1, user_api="blas"):
+        gram = gram_matrix(dictionary) if gram is None else gram
+        if (np.diag(gram) <= 0).any():
+            raise ValueError(f"atoms {np.flatnonzero(np.diag(gram) <= 0).tolist()} are zero")
+        if resolve_device(device) == "cuda":
+            return omp_rows_gram(gram, correlations_of(signals, dictionary), n_nonzero, "cuda")
+        rows = _empty_rows(count, atoms, n_nonzero)
+        batch_omp_signals(signals, np.ascontiguousarray(dictionary.T), gram, int(n_nonzero), squared, target,
+                          rows.values, rows.atoms, rows.counts)  # fmt: skip
+    return rows
 
 
 def omp_encode(

@@ -42,7 +42,7 @@ from ..ranks import Comm, on_rank_0, rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from ..words import counted
 from .codes import CODES_FORMAT, csr_rows
-from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_rows_gram, squared_norms
+from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_rows
 from .config import EncodeConfig
 from .data import DataInfo, check_data
 from .iteration import without_means
@@ -147,15 +147,12 @@ class _Encoding(HeldOutputs):
     def _code(self, gram: np.ndarray, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(values, their atoms, each row's end, the signals the codes rebuild) of this rank's signals: OMP keeps
         its codes sparse (signals x SPARSITY), Lasso's come dense."""
-        correlations = correlations_of(signals, self.atoms)
         config = self.config
         if config.coder == "lasso":
-            codes = lasso_encode_gram(gram, correlations, config.alpha)
+            codes = lasso_encode_gram(gram, correlations_of(signals, self.atoms), config.alpha)
             return *csr_rows(codes), codes @ self.atoms
         target = config.max_residual or None
-        energies = squared_norms(signals) if target else None
-        device = "cpu" if target else self.device
-        rows = omp_rows_gram(gram, correlations, self.sparsity, device, target, energies)
+        rows = omp_rows(signals, self.atoms, self.sparsity, "cpu" if target else self.device, target, gram)
         values, indices, starts = rows.csr()
         return values, indices, starts[1:], rows.rebuilt(self.atoms)
 
