@@ -74,6 +74,25 @@ def uninterrupted(slurm, tmp_path_factory):
     return job, run, learned(run)[0]
 
 
+def test_the_encode_template_codes_the_data_with_the_templates_dictionary(slurm, uninterrupted, tmp_path):
+    """hpc/slurm/encode.sbatch after the dictlearn template: the planted signals coded with its dictionary, equal to
+    one process's codes."""
+    from mpiscale.dictlearn import load_codes, omp_encode
+
+    _, run, dictionary = uninterrupted
+    env = {"MPISCALE_HOME": str(REPO), "DICTIONARY": str(run / "dictionary.h5"),
+           "DATA": f"{run}/dictionary.synthetic.h5:/signals", "OUT": str(tmp_path / "codes.h5"),
+           "OPTIONS": "--batch-size 100 --progress-every 0"}  # fmt: skip
+    job = slurm.submit(TEMPLATES / "encode.sbatch", "--ntasks=2", cwd=tmp_path, env=env)
+    done(slurm, job)
+    text = (tmp_path / f"mpiscale-encode-{job}.out").read_text()
+    assert f"wrote {tmp_path}/codes.h5: codes of 1,500 signals over 50 atoms" in text, text
+    with h5py.File(run / "dictionary.synthetic.h5", "r") as file:
+        signals = file["signals"][()]
+    codes = load_codes(str(tmp_path / "codes.h5")).to_scipy().toarray()
+    assert np.abs(codes - omp_encode(signals, dictionary, 3)).max() < 1e-12
+
+
 def test_a_plain_run_of_the_dictlearn_template(slurm, uninterrupted):
     job, run, dictionary = uninterrupted
     text = output(run, job)
