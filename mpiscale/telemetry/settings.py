@@ -7,6 +7,7 @@ else is needed to run a job.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class TelemetrySettings:
         if text:
             host, _, port = text.rpartition(":") if ":" in text else (text, "", "1883")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"MPISCALE_BROKER={text!r}: expected HOST:PORT")
+                raise ValueError(f"MPISCALE_BROKER={text!r}: expected HOST:PORT, or HOST for port 1883")
             check_host(host.strip("[]"), "MPISCALE_BROKER")
             broker = (host, int(port))
         try:
@@ -41,8 +42,10 @@ class TelemetrySettings:
             scrape = int(env["MPISCALE_PROMETHEUS_PORT"]) if env.get("MPISCALE_PROMETHEUS_PORT") else None
         except ValueError as error:
             raise ValueError(f"telemetry settings: {error}") from None
-        if not interval > 0 or buffer < 1:
-            raise ValueError("MPISCALE_TELEMETRY_INTERVAL_S must be > 0 and MPISCALE_TELEMETRY_BUFFER >= 1")
+        if not 0 < interval < math.inf or buffer < 1:  # NaN and inf would never report
+            raise ValueError(
+                "MPISCALE_TELEMETRY_INTERVAL_S must be a finite number > 0 and MPISCALE_TELEMETRY_BUFFER >= 1"
+            )
         check_job_id(env.get("MPISCALE_JOB_ID", ""))
         if scrape is not None and not 0 <= scrape < 65536:
             raise ValueError(f"MPISCALE_PROMETHEUS_PORT={scrape}: a port is 0 to 65535")

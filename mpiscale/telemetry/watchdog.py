@@ -48,9 +48,14 @@ class WatchdogSettings:
             )
         except ValueError as error:
             raise ValueError(f"hang detection settings: {error}") from None
-        if settings.action not in ("report", "abort") or settings.hang_after_s <= 0 or settings.straggler_intervals < 1:
+        # not "<= 0": a NaN compares false with everything and would never report a hang
+        if (
+            settings.action not in ("report", "abort")
+            or not settings.hang_after_s > 0
+            or settings.straggler_intervals < 1
+        ):
             raise ValueError(
-                "MPISCALE_HANG_ACTION must be report or abort, MPISCALE_HANG_AFTER_S > 0 and "
+                "MPISCALE_HANG_ACTION must be report or abort, MPISCALE_HANG_AFTER_S a number > 0 (inf: never) and "
                 "MPISCALE_STRAGGLER_INTERVALS >= 1"
             )
         return settings

@@ -84,3 +84,27 @@ def test_a_job_id_that_cannot_name_mqtt_topics_is_refused(job):
     with pytest.raises(ValueError, match="a job id names MQTT topics"):
         TelemetrySettings.from_env({"MPISCALE_JOB_ID": job})
     assert TelemetrySettings.from_env({"MPISCALE_JOB_ID": "alice/4242_3"}).enabled
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        ("MPISCALE_HANG_AFTER_S", "nan", "MPISCALE_HANG_AFTER_S a number > 0"),  # was accepted: no hang ever found
+        ("MPISCALE_HANG_AFTER_S", "0", "MPISCALE_HANG_AFTER_S a number > 0"),
+        ("MPISCALE_TELEMETRY_INTERVAL_S", "nan", "a finite number > 0"),
+        ("MPISCALE_TELEMETRY_INTERVAL_S", "inf", "a finite number > 0"),
+        ("MPISCALE_BROKER", "host:", "expected HOST:PORT, or HOST for port 1883"),
+    ],
+)
+def test_settings_that_would_never_report_are_refused(variable, value, message):
+    from mpiscale.telemetry import WatchdogSettings
+
+    with pytest.raises(ValueError, match=message):
+        (WatchdogSettings if "HANG" in variable else TelemetrySettings).from_env({variable: value})
+
+
+def test_a_broker_named_without_a_port_is_port_1883_as_the_docs_say():
+    from mpiscale.telemetry import WatchdogSettings
+
+    assert TelemetrySettings.from_env({"MPISCALE_BROKER": "broker.example.org"}).broker == ("broker.example.org", 1883)
+    assert WatchdogSettings.from_env({"MPISCALE_HANG_AFTER_S": "inf"}).hang_after_s == float("inf")  # never
