@@ -91,7 +91,7 @@ def restore_compatible(
                 "pass --resume to continue from them, or choose another --checkpoint-dir"
             )
         return None
-    restored = checkpoints.load(rows=rows)
+    restored = checkpoints.load(rows=rows, announce=False)  # said once it is taken: a refused one says nothing
     if restored is None:
         return None
     keys = (SETTINGS_KEY, *_OLDER_SETTINGS_KEYS)
@@ -101,6 +101,7 @@ def restore_compatible(
         raise CheckpointError(f"the checkpoint in {directory} belongs to another job ({'; '.join(differences)})")
     if check is not None:
         check(restored)
+    checkpoints.announce(restored)
     announce("resumed", f"from the checkpoint of {unit} {restored.step} in {directory}")
     return restored
 

@@ -174,8 +174,9 @@ def signals_file(tmp_path_factory):
         (["--data", "{data}:/signals", "--sparsity", "60", "--atoms", "60"], "sparsity 60 exceeds the signal length"),
         (["--data", "{data}:/signals", "--atoms", "10", "--sparsity", "11"], "sparsity 11 exceeds the number of atoms"),
         (["--data", "{data}"], "holds 2 data sets; name one as"),
+        (["--data", "{data}:/signals", "--out", "{data}/x.h5"], "is a file, not a directory"),
     ],
-    ids=["dataset", "nan", "atoms", "sparsity-features", "sparsity-atoms", "no-dataset-name"],
+    ids=["dataset", "nan", "atoms", "sparsity-features", "sparsity-atoms", "no-dataset-name", "out-under-a-file"],
 )
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, signals_file, options, message):
     data, broken = signals_file
@@ -198,6 +199,7 @@ def test_incompatible_or_unasked_checkpoints_are_refused(tmp_path, signals_file)
     before = out.read_bytes()
     job = dictlearn(2, out, *base, "--atoms", "40", "--resume")
     assert job.returncode != 0 and "belongs to another job (atoms: checkpoint 50, now 40)" in job.stderr
+    assert "restored checkpoint" not in job.output, job.output  # it was said before the refusal
     job = dictlearn(2, out, *base)
     assert job.returncode != 0 and "pass --resume" in job.stderr
     assert out.read_bytes() == before

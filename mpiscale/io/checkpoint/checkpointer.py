@@ -364,13 +364,17 @@ class Checkpointer:
         except OSError as error:
             raise CheckpointError(f"the checkpoint directory {self.layout.shared} cannot be listed: {error}") from None
 
-    def load(self, step: int | None = None, rows: dict[str, tuple[int, int]] | None = None) -> Restored | None:
+    def load(
+        self, step: int | None = None, rows: dict[str, tuple[int, int]] | None = None, announce: bool = True
+    ) -> Restored | None:
         """Restore the newest usable checkpoint (or ``step``), resharded onto this world (collective).
 
         Each rank gets the rows ``rows[name]`` of each sharded array, by default
         its block as ``np.array_split`` splits the rows. Returns None when there
         is no checkpoint; raises CheckpointError when there are some but none
-        can be restored.
+        can be restored. ``announce``: log the restore (INFO, rank 0) now; a
+        caller that may still refuse the checkpoint calls ``announce`` itself once
+        it is taken.
         """
         self.wait()
         comm = self._front
@@ -394,14 +398,20 @@ class Checkpointer:
                 if self.rank == 0:
                     log.warning("checkpoint step %d cannot be restored (%s); trying the previous one", candidate, error)
                 continue
+            restored.seconds = time.perf_counter() - started
+            if announce:
+                self.announce(restored)
             if self.rank == 0:
-                took = time.perf_counter() - started
-                log.info("restored checkpoint step %d from %s in %.2f s", candidate, restored.sources, took)
                 if candidate != latest:
                     log.warning("restored step %d, not the newest (%s)", candidate, latest)
             self._last_step = restored.step
             return restored
         raise CheckpointError(f"no usable checkpoint in {self.layout.shared}: " + "; ".join(reasons))
+
+    def announce(self, restored: Restored) -> None:
+        """Say on rank 0 (INFO) which checkpoint was restored, from where, in how long."""
+        if self.rank == 0:
+            log.info("restored checkpoint step %d from %s in %.2f s", restored.step, restored.sources, restored.seconds)
 
     # --------------------------------------------------------------- lifetime
     def close(self) -> None:

@@ -37,6 +37,7 @@ class Restored:
     replicated: dict[str, np.ndarray]
     meta: dict
     sources: dict[int, str] = field(default_factory=dict)  # step read -> "local", "local+partner" or "shared"
+    seconds: float = 0.0  # how long the restore took
 
 
 class Restorer:
