@@ -81,6 +81,14 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
     problem = scale_problem(comm.allreduce(largest, op=MPI.MAX))
     if problem:
         raise DataFileError(path, problem, name)
+    problems = size_problems(atoms, sparsity, batch_size, samples, features)
+    if problems:
+        raise DataFileError(path, problems, name)
+    return DataInfo(path, name, samples, features, patch_shape)
+
+
+def size_problems(atoms: int, sparsity: int, batch_size: int | None, samples: int, features: int) -> str:
+    """Why signals of this count and length cannot be learned from with these settings ("" when they can)."""
     problems = []
     if atoms > samples:
         problems.append(f"{atoms} atoms need at least as many signals to start from, the data has {samples}")
@@ -90,9 +98,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
         )
     if batch_size is not None and batch_size > samples:
         problems.append(f"batch size {batch_size} exceeds the {samples} signals")
-    if problems:
-        raise DataFileError(path, "; ".join(problems), name)
-    return DataInfo(path, name, samples, features, patch_shape)
+    return "; ".join(problems)
 
 
 def scale_problem(largest: float) -> str:

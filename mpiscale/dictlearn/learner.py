@@ -44,7 +44,7 @@ from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..words import counted
 from .config import DictLearnConfig
-from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block
+from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block, size_problems
 from .history import History
 from .iteration import Iteration, Rule
 from .results import JobResults, results_bytes, write
@@ -70,16 +70,27 @@ async def _whole_data_error(system: ActorSystem, step: Iteration, block) -> floa
     return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
 
 
-def _prepare_data(config: DictLearnConfig, comm: Comm) -> tuple[DataInfo, np.ndarray | None]:
+def _prepare_data(config: DictLearnConfig, comm: Comm) -> DataInfo:
+    """The data checked; a synthetic set is only planned here (its sizes checked), and written by ``_planted``
+    once nothing can refuse the job any more, so that a refused run never rewrites an earlier run's set."""
     path, name = config.data_path
-    planted = None
-    if not config.data:
-        planted = write_planted_dataset(
-            path, config.samples, config.features, config.planted, config.sparsity, config.snr_db, config.seed, comm
-        )
     batch_size = config.batch_size if config.method == "online" else None  # mod reads no mini-batches
-    info = check_data(path, name, config.atoms, config.sparsity, batch_size, comm)
-    return info, planted
+    if config.data:
+        return check_data(path, name, config.atoms, config.sparsity, batch_size, comm)
+    problems = size_problems(config.atoms, config.sparsity, batch_size, config.samples, config.features)
+    if problems:
+        raise ValueError(f"the synthetic data set: {problems}")
+    return DataInfo(path, name, config.samples, config.features)
+
+
+def _planted(config: DictLearnConfig, comm: Comm) -> np.ndarray | None:
+    """Write the synthetic set the job learns from (collective); its planted atoms (None for the user's data)."""
+    if config.data:
+        return None
+    path, _ = config.data_path
+    return write_planted_dataset(
+        path, config.samples, config.features, config.planted, config.sparsity, config.snr_db, config.seed, comm
+    )
 
 
 def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer, state: DictionaryState, history: History) -> int:
@@ -212,11 +223,14 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
     checkpoints = None
     try:
-        info, planted = _prepare_data(config, comm)
-        state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm, config.remove_mean))
+        info = _prepare_data(config, comm)
+        state = DictionaryState.start(np.zeros((config.atoms, info.features)))  # what a checkpoint restores into
         history, start = History.start(config.iterations, config.atoms), 0
         checkpoints = open_checkpointer(config.checkpoints, comm, config.local_dir, config.shared_every)
         start = _restore(config, info, checkpoints, state, history)
+        planted = _planted(config, comm)  # every check passed: nothing can refuse the job now
+        if not start:
+            state = DictionaryState.start(initial_dictionary(info, config.atoms, config.seed, comm, config.remove_mean))
         if start and system.rank == 0:
             print(f"resumed from the checkpoint of iteration {start} in {config.checkpoints}", flush=True)
         elif config.resume and not start and system.rank == 0:

@@ -105,8 +105,8 @@ def check_outputs(out: str, checkpoints: str | None) -> None:
         raise ValueError(f"the results file {out} is a directory: name a file (in it, say: {example})")
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
-        blocking = next((part for part in [directory, *Path(directory).parents] if os.path.exists(part)), None)
-        if blocking is not None and not os.path.isdir(blocking):
+        blocking = next((part for part in [Path(directory), *Path(directory).parents] if part.exists()), None)
+        if blocking is not None and not blocking.is_dir():
             raise ValueError(f"the results file {out} cannot be written: {blocking} is a file, not a directory")
         raise ValueError(f"the results file's directory {directory} does not exist")
     if not os.access(directory, os.W_OK):

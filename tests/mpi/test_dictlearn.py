@@ -430,3 +430,23 @@ def test_the_plots_show_the_final_recovery_the_worst_atoms_and_one_unit_per_axis
     _, usage, grid, replaced = figure(str(real)).axes
     assert usage.get_ylabel() == "% of the atoms unused by the batch"
     assert replaced.get_ylabel() == "atoms replaced so far" and grid.get_title() == "the 12 learned atoms"
+
+
+def test_a_refused_run_leaves_the_earlier_runs_synthetic_set_as_it_was(tmp_path):
+    """The planted set was written before the checkpoint and size checks: a refused --resume with other atoms (so
+    another planted set) rewrote OUT.synthetic.h5 under the earlier run's checkpoints."""
+    out = tmp_path / "planted.h5"
+    assert_ok(dictlearn(2, out, *KSVD, "--iterations", "20", "--checkpoint-every", "10"))
+    synthetic = tmp_path / "planted.synthetic.h5"
+    before = synthetic.read_bytes()
+    with h5py.File(synthetic, "r") as file:
+        signals = file["signals"][()]
+    for options, message in ((["--atoms", "40", "--resume"], "belongs to another job"),
+                             (["--atoms", "2000"], "2000 atoms need at least as many signals")):  # fmt: skip
+        job = dictlearn(2, out, *KSVD, "--iterations", "20", "--checkpoint-every", "10", *options)
+        assert job.returncode == 2 and message in job.stderr, job.output[-2000:]
+        assert synthetic.read_bytes() == before
+    resumed = dictlearn(2, out, *KSVD, "--iterations", "30", "--checkpoint-every", "10", "--resume")
+    assert_ok(resumed)
+    with h5py.File(synthetic, "r") as file:  # a run that goes on writes the same set again (its time stamp aside)
+        assert np.array_equal(file["signals"][()], signals) and file_rate(out) > 0
