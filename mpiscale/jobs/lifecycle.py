@@ -102,6 +102,12 @@ class HeldOutputs:
             self.results_lock.release()
 
 
+def _give_up(job: SteppedJob) -> None:
+    """What a prepared job claimed, given back when another rank refused it: its checkpointer, then its lock."""
+    job.close_checkpoints()
+    job.release()
+
+
 async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[], SteppedJob]) -> dict:
     """Run the job ``prepare()`` builds on every rank, through every phase (collective); its summary.
 
@@ -110,7 +116,7 @@ async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[],
     it with status 1 after the checkpoints closed, and so does a results file
     that cannot be written.
     """
-    job = await start_agreed(system, command, prepare)
+    job = await start_agreed(system, command, prepare, _give_up)
     try:
         if await stopped_at_start(system):
             failure = job.close_checkpoints()

@@ -30,13 +30,18 @@ from .settings import option
 Job = TypeVar("Job")
 
 
-async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], Job]) -> Job:
+async def start_agreed(
+    system: ActorSystem, command: str, prepare: Callable[[], Job], give_up: Callable[[Job], None]
+) -> Job:
     """``prepare()`` on every rank, then agree: bad input ends every rank with one message and status 2.
 
     Bad input is a ``ValueError`` (data, settings, paths; ``DataFileError`` is
     one), a ``CheckpointError`` or a ``LockedError`` (another job on the same
     outputs). A ``WriteError`` (a file the job writes first did not fit) ends
-    it with status 1: the run failed, the input was fine.
+    it with status 1: the run failed, the input was fine. A rank whose own
+    ``prepare`` passed while another's failed gives back what it claimed
+    (``give_up(job)``: rank 0's results lock, say), so a refusal found on one
+    rank alone leaves no lock file behind either.
     """
     job: Job | None = None
     status, prepared = 2, False
@@ -47,12 +52,22 @@ async def start_agreed(system: ActorSystem, command: str, prepare: Callable[[], 
         problem = ValueError(f"mpiscale {command}: {error}")
     except WriteError as error:
         problem, status = OSError(f"mpiscale {command}: {error}"), 1
-    await system.agree(problem, "the input and settings", status=status)
+    try:
+        await system.agree(problem, "the input and settings", status=status)
+    except JobRefused:
+        if prepared:
+            give_up(job)  # type: ignore[arg-type]  # prepared: the job was made
+        raise
     assert prepared  # the agreement raised on every rank otherwise
     session = current()
     if session is not None:
         session.accept()
     return job  # type: ignore[return-value]
+
+
+def _release_lock(job: HoldsLock) -> None:
+    if job.lock is not None:
+        job.lock.release()
 
 
 class HoldsLock(Protocol):
@@ -73,7 +88,7 @@ async def run_without_steps(
 ) -> dict:
     """A job with no steps to stop after: ``prepare`` agreed by every rank, then ``work``; a ``WriteError`` ends it
     with status 1, a ``bad_input`` found while working (agreed by every rank) with status 2; the lock is released."""
-    job = await start_agreed(system, command, prepare)
+    job = await start_agreed(system, command, prepare, _release_lock)
     try:
         return work(job)
     except WriteError as error:

@@ -182,6 +182,9 @@ def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adap
     job = mpiscale(2, "compress-adapters", "--adapters", broken, "--out", out)
     assert job.returncode == 2 and not out.exists() and not (tmp_path / "c.h5.tmp").exists(), job.stderr[-2000:]
     assert f"task-2/adapter_model.safetensors: {MODULES[1]} holds NaN or infinite values" in job.stderr
+    # found by rank 1 alone (rank 0 holds task-0 and task-1): rank 0 left its lock behind, and the next run warned
+    # that it took over the lock of a job that ended without releasing it
+    assert not (tmp_path / "c.h5.lock").exists(), sorted(tmp_path.iterdir())
 
     inside = root / "adapters" / "task-0" / "adapter_model.safetensors"
     job = mpiscale(1, "compress-adapters", "--adapters", root / "adapters", "--out", inside)
