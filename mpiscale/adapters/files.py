@@ -105,17 +105,32 @@ def find_adapters(spec: str) -> list[str]:
     if is_list_file(spec):
         return listed_paths(spec)
     if os.path.isdir(spec):
-        if os.path.isfile(os.path.join(spec, CONFIG)):
+        if _holds_config(spec):
             return [spec]
         candidates = [str(path) for path in Path(spec).iterdir() if path.is_dir()]
         where = f"no adapter directories (with {CONFIG}) in it"
     else:
         candidates = glob.glob(spec)
         where = "no adapter directories match this pattern"
-    found = sorted((path for path in candidates if os.path.isfile(os.path.join(path, CONFIG))), key=natural_key)
+    found = sorted((path for path in candidates if _holds_config(path)), key=natural_key)
     if not found:
         raise AdapterError(spec, where)
     return found
+
+
+def _holds_config(directory: str) -> bool:
+    """Whether ``directory`` is an adapter's; a config that is a link nothing can follow is refused, not skipped
+    (an adapter left out of the compression without a word)."""
+    config = os.path.join(directory, CONFIG)
+    if os.path.isfile(config):
+        return True
+    if os.path.islink(config):
+        try:
+            os.stat(config)
+        except OSError as error:  # ELOOP, or a target that is gone
+            raise AdapterError(config, f"is a link that cannot be followed ({error.strerror})") from None
+        raise AdapterError(config, "is a link to something that is not a file")
+    return False
 
 
 def adapter_names(paths: list[str]) -> list[str]:

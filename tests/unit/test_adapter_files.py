@@ -128,3 +128,17 @@ def test_adapters_are_named_by_the_part_of_their_paths_that_differs():
     assert adapter_names(["/w/a/x/adapter", "/w/b/y/adapter", "/w/b/z/adapter"]) == ["a-x", "b-y", "b-z"]
     assert adapter_names(["/w/r0/adapter", "/w/r0/adapter"]) == ["adapter", "adapter"]  # the same one twice: refused
     assert adapter_names(["/w/one/adapter"]) == ["adapter"]
+
+
+def test_an_adapter_whose_config_is_a_link_nothing_can_follow_is_refused_not_skipped(tmp_path):
+    """A symlink loop as adapter_config.json left that adapter out without a word: 7 of 8 compressed, exit 0."""
+    write_planted(tmp_path / "runs", 3, 4)
+    config = tmp_path / "runs" / "task-1" / "adapter_config.json"
+    config.unlink()
+    config.symlink_to(config)  # a loop
+    with pytest.raises(AdapterError, match=r"task-1/adapter_config.json: is a link that cannot be followed"):
+        find_adapters(str(tmp_path / "runs"))
+    config.unlink()
+    config.symlink_to(tmp_path / "gone.json")  # dangling
+    with pytest.raises(AdapterError, match="is a link that cannot be followed"):
+        find_adapters(str(tmp_path / "runs" / "task-*"))
