@@ -16,7 +16,9 @@ buffers (BatchNorm's running statistics) go to every rank, in one broadcast
 (``broadcast_buffers=False`` keeps each rank's own). Inside ``no_sync()``
 backward only accumulates, for micro-batches; a second backward outside it
 before ``synchronize()`` is refused, as DDP refuses marking a gradient ready
-twice (its first gradient is already being averaged). ``compression``
+twice (its first gradient is already being averaged), and so is one inside
+``no_sync()`` after one outside it (its gradient would be lost: ``synchronize``
+writes the first pass's average over it). ``compression``
 (``compression.Exact`` by default, ``Narrow`` or ``PowerSGD``) decides what
 travels. Parameters in any memory format (``channels_last`` too) work, on the
 CPU or on a GPU (:mod:`.staging`: gradients staged through pinned host memory,
@@ -155,15 +157,18 @@ class DataParallel:
             self._syncing = True
 
     def _gradient_ready(self, param: torch.nn.Parameter) -> None:
-        if not self._syncing:
-            return
         index, position = self._where[id(param)]
-        if position in self._buckets[index].ready:  # its gradient is already on its way: a second backward
+        taken = position in self._buckets[index].ready  # its gradient is already on its way
+        if not self._syncing and not taken:
+            return  # no_sync(): it accumulates, and the next backward outside sends the sum
+        if taken:  # a second backward (inside no_sync or not) before synchronize(): it would be lost, or halved
             names = {id(p): name for name, p in self.module.named_parameters()}
+            inside = " inside no_sync()" if not self._syncing else ""
             raise RuntimeError(
-                f"a second backward() reached parameter {names.get(id(param), '?')!r} before synchronize(): its "
-                "gradient was already being averaged, so the step would average a part of it. Call synchronize() "
-                "after each backward(), or run the earlier backward passes inside no_sync() to accumulate them"
+                f"a second backward(){inside} reached parameter {names.get(id(param), '?')!r} before synchronize(): "
+                "its gradient was already being averaged, so the step would leave this pass out or average a part "
+                "of it. Call synchronize() after each backward() outside no_sync(), and run the passes to "
+                "accumulate inside no_sync() before it"
             )
         self._take(self._buckets[index], position, param.grad)  # the hook runs after the gradient was accumulated
         self._launch_ready()

@@ -127,6 +127,16 @@ async def a_second_backward_before_synchronize_is_refused(system) -> None:
         raise AssertionError("a second backward before synchronize() went on")
     await parallel.synchronize()  # the first pass's buckets finish; the job goes on
     torch.testing.assert_close(model.used.weight.grad * 2, accumulated)
+    model.zero_grad()  # a pass inside no_sync after one outside it: exit 0 with the second pass lost, before
+    model(x, 1).sum().backward()
+    try:
+        with parallel.no_sync():
+            model(x, 1).sum().backward()
+    except RuntimeError as error:
+        assert "a second backward() inside no_sync() reached parameter" in str(error), error
+    else:
+        raise AssertionError("a backward inside no_sync() after one outside it went on, and its gradient was lost")
+    await parallel.synchronize()
 
 
 async def main(system) -> None:
