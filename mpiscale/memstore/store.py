@@ -34,6 +34,8 @@ from .recovery import Recovered
 Checked = TypeVar("Checked")
 
 
+_EXACT_ITERATIONS = 2**53  # the largest iteration a float64 (lookups, the journal) holds with its neighbours
+
 @dataclass(frozen=True)
 class Aggregate:
     """The global quality aggregate after an iteration (the same on every rank)."""
@@ -225,6 +227,10 @@ class MemoryStore:
         began = time.perf_counter()
 
         def check() -> tuple[np.ndarray, np.ndarray]:
+            exact = isinstance(iteration, (int, np.integer)) and not isinstance(iteration, bool)
+            if not (exact and 0 <= iteration <= _EXACT_ITERATIONS):
+                raise ValueError(f"reinforce: the iteration must be an integer from 0 to 2^53 (lookups and the "
+                                 f"journal hold it as a float64, exact up to there), got {iteration!r}")  # fmt: skip
             checked = checked_ids(ids)
             return checked, finite(deltas, "deltas", len(checked))
 

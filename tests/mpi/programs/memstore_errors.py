@@ -39,6 +39,13 @@ async def main(system) -> None:
             raise AssertionError(f"{name} was accepted")
         after = snapshot()
         assert all(np.array_equal(a, b) for a, b in zip(before, after)), f"{name} changed the store"
+    try:  # a float64 holds 2^53 + 1 as 2^53: it was stored, and read back one less
+        await store.reinforce(ids[:1], np.array([0.1]), iteration=2**53 + 1)
+    except ValueError as error:
+        assert "the iteration must be an integer from 0 to 2^53" in str(error), str(error)
+    else:
+        raise AssertionError("iteration 2^53 + 1 was accepted")
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot())), "a refused iteration changed the store"
     try:
         await store.upsert(ids[:2], {"strength": np.array([0.1, np.inf if last else 0.2]), "quality": np.ones(2)})
     except ValueError as error:
