@@ -157,7 +157,7 @@ stop_slurm() {
 }
 
 up() {
-    local count="${1:-3}"
+    local count="$1"
     [[ "$count" =~ ^[1-9][0-9]?$ ]] || die "up takes a number of nodes from 1 to 99, got '$count'"
     preflight
     if [[ -f "$run/nodes" ]]; then
@@ -167,7 +167,10 @@ up() {
             echo "hpc/cluster: already up: $(nodes | tr '\n' ' ')"
             return 0
         fi
-        down >/dev/null  # a cluster of another size, or one left half up: start afresh
+        # a whole cluster of another size runs jobs and keeps node-local data: taking it down is the user's call
+        ((alive)) && die "a cluster of $(nodes | wc -l) nodes is up (its jobs and node-local data would go):" \
+            "run 'hpc/cluster/cluster.sh down' first, then up $count"
+        down >/dev/null  # one left half up (a node killed): start afresh
     fi
     mkdir -p "$run"
     [[ -d "$local_path" ]] || { mkdir -p "$local_path"; touch "$run/made-local-path"; }
@@ -262,7 +265,7 @@ if [[ "${1:-}" =~ ^(up|down|kill)$ && -z "${MPISCALE_CLUSTER_LOCKED:-}" ]]; then
 fi
 
 case "${1:-}" in
-    up) up "${2:-3}" ;;
+    up) up "${2-3}" ;;  # none given: 3; an empty one is refused
     down) down ;;
     status) status ;;
     kill) kill_node "${2:-}" ;;

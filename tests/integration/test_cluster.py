@@ -398,6 +398,18 @@ def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
     assert on_node("node1", f"cat {LOCAL}/mine").stdout == "shard\n"
 
 
+def test_up_refuses_to_replace_a_running_cluster_of_another_size_or_an_empty_count(nodes):
+    """`up 2` while 3 nodes ran took the cluster down without a word, with its jobs and node-local data; `up ''`
+    was taken as `up 3`."""
+    other = cluster("up", str(NODES - 1))
+    assert other.returncode == 2 and f"a cluster of {NODES} nodes is up" in other.stderr, other.stderr
+    assert "run 'hpc/cluster/cluster.sh down' first" in other.stderr
+    empty = cluster("up", "")
+    assert empty.returncode == 2 and "up takes a number of nodes from 1 to 99, got ''" in empty.stderr, empty.stderr
+    status = cluster("status")
+    assert status.returncode == 0 and all(f"node{k}" in status.stdout for k in range(1, NODES + 1)), status.stdout
+
+
 def test_two_ups_at_once_take_turns_and_leave_one_set_of_daemons(nodes):
     """Two sessions bringing the cluster up at the same moment: the second waits for the first and finds it up, so
     one munged, one slurmctld and one slurmd per node run, each named by its pid file, and none of the processes left
