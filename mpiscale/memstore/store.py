@@ -36,6 +36,7 @@ Checked = TypeVar("Checked")
 
 _EXACT_ITERATIONS = 2**53  # the largest iteration a float64 (lookups, the journal) holds with its neighbours
 
+
 @dataclass(frozen=True)
 class Aggregate:
     """The global quality aggregate after an iteration (the same on every rank)."""

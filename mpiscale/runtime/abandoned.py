@@ -9,8 +9,10 @@ waited ``collective_check_s`` in one asks every other member for its logs
 collective or waits to shut down) and :func:`diagnose` decides from the
 answers. Only proof ends the job: a member that left ``main`` after fewer
 collectives on that communicator, or one that waits in a different operation
-at the same position. A member that is only slow, busy or silent is never
-taken for a culprit; the question is asked again, less and less often.
+at the same position, or one that waits in a collective on another
+communicator which this rank (a member there too) has not entered: each waits
+for the other. A member that is only slow, busy or silent is never taken for a
+culprit; the question is asked again, less and less often.
 """
 
 from __future__ import annotations
@@ -117,17 +119,47 @@ def describe_rank(rank: int, state: dict[str, Any] | None, log: str) -> str:
         last = own["last"]
         tail = f"; the last: {last[0]} #{last[1]}, called at {last[2]}" if last else ""
         where = f"left main ({state['main']}) after {counted(own['started'], 'collective')} on {log}{tail}"
+    elif not own["pending"]:
+        where += "".join(f"; it waits in {operation} #{number} on {other} for {waited:.1f} s, called at {site}"
+                         for other, (number, operation, site, waited) in _waits(state, log).items())  # fmt: skip
     return f"rank {rank} (host {state['host']}): {where}"
 
 
+def _waits(state: dict[str, Any], besides: str) -> dict[str, tuple[int, str, str, float]]:
+    """The oldest collective a rank waits in on each communicator but ``besides``: (number, operation, site,
+    seconds)."""
+    found = {}
+    for name, own in state["logs"].items():
+        if name != besides and own["pending"]:
+            number = min(own["pending"])
+            found[name] = (number, *own["pending"][number])
+    return found
+
+
+def _waits_for_me(state: dict[str, Any], besides: str, mine: dict[str, CollectiveLog]) -> bool:
+    """Whether a rank waits in a collective on another communicator that this rank, a member there, has not
+    entered: it waits for this rank, which waits for it."""
+    for name, (number, _, _, _) in _waits(state, besides).items():
+        log = mine.get(name)
+        if log is not None and log.started < number:
+            return True
+    return False
+
+
 def diagnose(
-    me: int, host: str, log: CollectiveLog, states: dict[int, dict[str, Any] | None]
+    me: int,
+    host: str,
+    log: CollectiveLog,
+    states: dict[int, dict[str, Any] | None],
+    mine: dict[str, CollectiveLog] | None = None,
 ) -> tuple[str, int] | None:
     """The report if some member provably never enters this rank's oldest pending collective on ``log``.
 
-    ``states`` holds every other member's answer (None: no answer). Returns
-    (report, the rank that should print it: the lowest member waiting at that
-    position, whichever operation), or None when nothing is proven.
+    ``states`` holds every other member's answer (None: no answer); ``mine``
+    this rank's logs of every communicator (by name), to see a member that
+    waits for it elsewhere. Returns (report, the rank that should print it:
+    the lowest member waiting at that position, whichever operation), or None
+    when nothing is proven.
     """
     oldest = log.oldest()
     if oldest is None:
@@ -149,6 +181,9 @@ def diagnose(
         elif other is not None:
             waiting.append(rank)
             stuck.append(rank)
+        elif state["main"] == "running" and _waits_for_me(state, log.name, mine or {}):
+            culprits.append(rank)
+            stuck.append(rank)  # it finds this rank the same way: the lower of the two reports
     if not culprits:
         return None
     lines = [
@@ -199,7 +234,8 @@ class AbandonedWatch:
     async def _check(self, log: CollectiveLog, times: int) -> None:
         others = [rank for rank in log.members if rank != self._rank]
         answers = await asyncio.gather(*(self._answer(rank) for rank in others))
-        found = diagnose(self._rank, self._host, log, dict(zip(others, answers)))
+        mine = {own.name: own for own in self._logs()}
+        found = diagnose(self._rank, self._host, log, dict(zip(others, answers)), mine)
         if found is None:
             return
         report, reporter = found

@@ -95,6 +95,26 @@ def test_a_collective_the_ranks_call_differently_ends_the_job_naming_both_operat
 
 
 @pytest.mark.parametrize(
+    "scenario, culprit",
+    [
+        ("two-communicators", r"rank 1 \(host [^)]*\): is not in a collective on world \(hierarchical\) \(0 "
+                              r"collectives started on it\); it waits in allreduce #2 on world for [0-9.]+ s, called "
+                              r"at abandoned.py:33"),
+        ("world-against-node-barrier", r"rank 1 \(host [^)]*\): is not in a collective on world \(1 collective "
+                                       r"started on it\); it waits in barrier #1 on node"),
+    ],
+)  # fmt: skip
+def test_collectives_on_two_communicators_that_wait_for_each_other_end_in_one_report(scenario, culprit):
+    """Rank 0 in the hierarchical allreduce while rank 1 is in the world's (or a world barrier against a node
+    barrier): each waits for the other, and the job hung without a word until the test's timeout."""
+    job = run_mpi("abandoned.py", 2, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
+    assert job.returncode != 0, job.output
+    assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"
+    assert job.stderr.count("CollectiveAbandoned: a collective that not every rank will enter") == 1, job.stderr
+    assert re.search(culprit, job.stderr), job.stderr
+
+
+@pytest.mark.parametrize(
     "scenario, calls",
     [
         ("agree-against-allreduce", ["rank 0: agree() at abandoned.py:", "rank 1: allreduce(float64(4,) sum) at"]),

@@ -26,6 +26,16 @@ async def main(system):
             await system.world.barrier()
         else:
             await system.world.allreduce(ones)
+    elif scenario == "two-communicators":  # each waits in a collective of a communicator the other never enters
+        if system.rank == 0:
+            await system.hierarchy.allreduce(ones)
+        else:
+            await system.world.allreduce(ones)
+    elif scenario == "world-against-node-barrier":
+        if system.rank == 0:
+            await system.world.barrier()
+        else:
+            await system.node.barrier()
     elif scenario == "agree-against-allreduce":  # the lengths an agreement exchanges met another's signature
         if system.rank == 0:
             await system.world.agree(None, "a check")
