@@ -401,6 +401,8 @@ def test_node_local_disks_are_private_and_a_killed_node_takes_its_own(nodes):
 def test_up_refuses_to_replace_a_running_cluster_of_another_size_or_an_empty_count(nodes):
     """`up 2` while 3 nodes ran took the cluster down without a word, with its jobs and node-local data; `up ''`
     was taken as `up 3`."""
+    whole = cluster("up", str(NODES))  # an earlier test may have left a node killed: the whole cluster, running
+    assert whole.returncode == 0, whole.stderr
     other = cluster("up", str(NODES - 1))
     assert other.returncode == 2 and f"a cluster of {NODES} nodes is up" in other.stderr, other.stderr
     assert "run 'hpc/cluster/cluster.sh down' first" in other.stderr

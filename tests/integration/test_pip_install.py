@@ -81,8 +81,8 @@ def test_a_two_rank_job_runs_on_the_compiled_path_and_one_needing_parallel_hdf5_
     assert demo.returncode == 0 and "demo ok: 2 ranks" in demo.stdout, demo.output[-3000:]
     assert "the message path is" not in demo.stderr  # the warning of a fallback nobody asked for
     out = tmp_path / "d.h5"
-    job = launch(2, [mpiscale, "dictlearn", "--atoms", "4", "--features", "4", "--samples", "100", "--out", str(out)],
-                 cold=True, cwd=tmp_path, env={"MPISCALE_TELEMETRY": "0"})  # fmt: skip
+    job = launch(2, [mpiscale, "dictlearn", "--atoms", "4", "--features", "4", "--samples", "100", "--batch-size", "50",
+                     "--out", str(out)], cold=True, cwd=tmp_path, env={"MPISCALE_TELEMETRY": "0"})  # fmt: skip
     refused = finish(job, "dictlearn from the venv", 180)
     h5py_has_mpi = "MPI yes" in _doctor(venv).stdout
     if not h5py_has_mpi:
