@@ -43,17 +43,27 @@ def _checked_gram(gram: np.ndarray, correlations: np.ndarray) -> tuple[np.ndarra
         raise ValueError(f"gram must be square, got shape {gram.shape}")
     if correlations.ndim != 2 or correlations.shape[1] != gram.shape[0]:
         raise ValueError(f"correlations must be (signals, {gram.shape[0]}), got shape {correlations.shape}")
-    if (np.diag(gram) <= 0).any():
-        raise ValueError(f"atoms {np.flatnonzero(np.diag(gram) <= 0).tolist()} are zero")
+    _no_zero_atoms(gram)
     return gram, correlations
 
 
-def _checked_signals(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _no_zero_atoms(gram: np.ndarray) -> None:
+    if (np.diag(gram) <= 0).any():
+        raise ValueError(f"atoms {np.flatnonzero(np.diag(gram) <= 0).tolist()} are zero")
+
+
+def _checked_pair(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Signals and dictionary as finite float64 arrays of matching shapes (signals x features, atoms x features)."""
     signals = _finite("signals", signals)
     dictionary = _finite("dictionary", dictionary)
     if signals.ndim != 2 or dictionary.ndim != 2 or signals.shape[1] != dictionary.shape[1]:
         shapes = f"{signals.shape} and {dictionary.shape}"
         raise ValueError(f"signals (signals, features) and dictionary (atoms, features) disagree: {shapes}")
+    return signals, dictionary
+
+
+def _checked_signals(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    signals, dictionary = _checked_pair(signals, dictionary)
     return gram_matrix(dictionary), correlations_of(signals, dictionary)
 
 
@@ -178,11 +188,7 @@ def omp_rows(
     """Sparse OMP codes of ``signals`` (``CodeRows``): what ``omp_encode`` gives, without a signals x atoms array of
     codes, nor of correlations on the CPU (each chunk of signals makes its own, in cache). ``gram``: ``D D^T`` when
     the caller codes many batches with one dictionary."""
-    signals = _finite("signals", signals)
-    dictionary = _finite("dictionary", dictionary)
-    if signals.ndim != 2 or dictionary.ndim != 2 or signals.shape[1] != dictionary.shape[1]:
-        shapes = f"{signals.shape} and {dictionary.shape}"
-        raise ValueError(f"signals (signals, features) and dictionary (atoms, features) disagree: {shapes}")
+    signals, dictionary = _checked_pair(signals, dictionary)
     energies = squared_norms(signals) if max_residual is not None else None
     count, atoms = len(signals), len(dictionary)
     target, squared, device = _omp_checks(atoms, count, n_nonzero, device, max_residual, energies)
@@ -190,8 +196,7 @@ def omp_rows(
     # just before would spin on the cores the kernel needs (at 256 atoms the coding ran at 0.6x)
     with threadpool_limits(1, user_api="blas"):
         gram = gram_matrix(dictionary) if gram is None else gram
-        if (np.diag(gram) <= 0).any():
-            raise ValueError(f"atoms {np.flatnonzero(np.diag(gram) <= 0).tolist()} are zero")
+        _no_zero_atoms(gram)
         if resolve_device(device) == "cuda":
             return omp_rows_gram(gram, correlations_of(signals, dictionary), n_nonzero, "cuda")
         rows = _empty_rows(count, atoms, n_nonzero)
