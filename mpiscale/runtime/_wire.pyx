@@ -90,6 +90,7 @@ _ndarray = numpy.ndarray
 cdef object plain_dtype_code = compact.plain_dtype_code
 cdef object NotCompact = compact.NotCompact
 cdef object TransportError = transport.TransportError
+cdef object MessageRefused = _errors.MessageRefused
 cdef object deserialize = transport.deserialize
 
 
@@ -640,7 +641,7 @@ def testsome(object MPI_module, list pending):
     cdef int stack_indices[_ON_STACK]
     cdef MPI_Request *handles = stack_handles
     cdef int *indices = stack_indices
-    cdef int done = 0
+    cdef int done = 0, code
     cdef list requests = [item.request for item in pending]
     if count > INT_MAX:
         raise OverflowError(f"{count} requests at once are over MPI's count limit")
@@ -654,9 +655,10 @@ def testsome(object MPI_module, list pending):
     try:
         for index in range(count):
             handles[index] = (<Request?>requests[index]).ob_mpi
-        _check(MPI_Testsome(<int>count, handles, &done, indices, MPI_STATUSES_IGNORE))
-        for index in range(count):
+        code = MPI_Testsome(<int>count, handles, &done, indices, MPI_STATUSES_IGNORE)
+        for index in range(count):  # also on an error: MPI freed the requests it completed
             (<Request>requests[index]).ob_mpi = handles[index]
+        _check(code)
         if done == MPI_UNDEFINED:
             return None
         return [indices[index] for index in range(done)]
@@ -749,13 +751,16 @@ cdef class Endpoint:
                 if other is None:
                     other = source, memoryview(PyByteArray_FromStringAndSize(<const char *>data, count)), None
                 return other
-            messages = _messages_at(data, count, layout, seq, nmessages)
-            counts.bytes_received += count
-            counts.messages_received += nmessages
-            if type(deliver) is Dispatch:
-                (<Dispatch>deliver).envelopes(source, messages)
-            else:
-                deliver.envelopes(source, messages)
+            try:
+                messages = _messages_at(data, count, layout, seq, nmessages)
+                counts.bytes_received += count
+                counts.messages_received += nmessages
+                if type(deliver) is Dispatch:
+                    (<Dispatch>deliver).envelopes(source, messages)
+                else:
+                    deliver.envelopes(source, messages)
+            except Exception as error:
+                raise MessageRefused.of(source, error) from error
             delivered = True
 
     cdef tuple _received(self, MPI_Message *message, int count, object source):
@@ -790,19 +795,19 @@ cdef class Poller:
     cdef Endpoint endpoint
     cdef dict inbound
     cdef object envelopes, counts, frames_found, test_pending
-    cdef list pending, pollers
+    cdef list pending, unmatched, pollers
 
-    def __init__(self, Endpoint endpoint, dict inbound, object envelopes, object counts, list pending, list pollers,
-                 object frames_found, object test_pending):
+    def __init__(self, Endpoint endpoint, dict inbound, object envelopes, object counts, list pending, list unmatched,
+                 list pollers, object frames_found, object test_pending):
         self.endpoint, self.inbound, self.envelopes, self.counts = endpoint, inbound, envelopes, counts
-        self.pending, self.pollers = pending, pollers
+        self.pending, self.unmatched, self.pollers = pending, unmatched, pollers
         self.frames_found, self.test_pending = frames_found, test_pending
 
     cpdef bint poll(self) except -1:
         """``polling.Poller.poll``."""
         found = self.endpoint.drain(self.inbound, self.envelopes, self.counts)
         cdef bint progressed = found is True or (found is not False and self.frames_found(found))
-        if self.pending and self.test_pending():
+        if (self.pending or self.unmatched) and self.test_pending():
             progressed = True
         for poll in self.pollers:
             if poll():
@@ -877,7 +882,7 @@ cdef class Dispatch:
             return False
         cdef tuple items = <tuple>envelope
         cdef Py_ssize_t count = len(items)
-        if count == 4 and type(items[0]) is int and items[0] == _REPLY:
+        if count == 4 and type(items[0]) is int and items[0] == _REPLY and type(items[1]) is int and items[3] is False:
             pending = self.asks.pop(items[1], None)
             if pending is not None:
                 future = pending.future
@@ -887,8 +892,12 @@ cdef class Dispatch:
         if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank:
             return False
         method, args, kwargs, ask_id = items[2], items[3], items[4], items[5]
-        if type(args) is not tuple or type(kwargs) is not dict or type(ask_id) is not int or self.system.stopping:
+        if (type(items[1]) is not str or type(method) is not str or type(args) is not tuple or type(kwargs) is not dict
+                or type(ask_id) is not int or self.system.stopping):
             return False
+        for key in <dict>kwargs:
+            if type(key) is not str:
+                return False  # the reference refuses it
         cell = self.cells.get(items[1])
         if cell is None or not cell._started or cell.mailbox or cell.current is not None:
             return False

@@ -4,6 +4,7 @@ the end of a job (no rank busy, no message in flight)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -42,18 +43,36 @@ async def agree_or_refuse(
     raise JobRefused(text.tobytes().decode(errors="replace"), int(lengths[root, 1]))
 
 
-async def until_quiet(MPI: ModuleType, engine: ProgressEngine, control: Any, locally_idle: Callable[[], bool]) -> None:
+async def until_quiet(
+    MPI: ModuleType, engine: ProgressEngine, control: Any, locally_idle: Callable[[], bool], stalled_s: float
+) -> None:
     """Return when every rank is idle and every sent message was delivered: two votes in a row with the same
-    counts, sent equal to received."""
+    counts, sent equal to received.
+
+    A rank that holds a frame whose parts never began to come (:attr:`ProgressEngine.unfinished`: a frame no rank
+    sent as one of its messages, which also holds up what its sender sent after it) would keep the counts apart,
+    or the job's end waiting, for ever: once the counts have not moved for ``stalled_s`` seconds with such a frame
+    anywhere, the rank that holds it raises its :class:`MessageRefused`, naming the sender (the others vote on
+    until its report ends the job)."""
     previous = None
+    stalled_since = 0.0
     while True:
         delay = 0.0
         while not locally_idle():
             await asyncio.sleep(delay)
             delay = min(delay * 2 or 1e-4, 5e-3)
-        counts = np.array([engine.messages_sent, engine.messages_received], dtype=np.int64)
+        counts = np.array([engine.messages_sent, engine.messages_received, engine.unfinished], dtype=np.int64)
         await engine.wait(control.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM), "termination vote")
-        current = (int(counts[0]), int(counts[1]))
-        if current[0] == current[1] and current == previous:
+        current = (int(counts[0]), int(counts[1]), int(counts[2]))
+        if current[2] == 0 and current[0] == current[1] and current == previous:
             return
+        if current[2] and current == previous:  # stalled, with a frame's parts missing somewhere
+            now = time.monotonic()
+            stalled_since = stalled_since or now
+            refusal = engine.unfinished_refusal()
+            if refusal is not None and now - stalled_since > stalled_s:
+                raise refusal
+            await asyncio.sleep(0.05)
+        else:
+            stalled_since = 0.0
         previous = current

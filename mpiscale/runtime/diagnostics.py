@@ -10,6 +10,8 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+from .errors import MessageRefused
+
 
 class _Pending(Protocol):
     @property
@@ -66,4 +68,13 @@ def failure_report(rank: int, size: int, host: str, context: str, error: BaseExc
     return (
         f"\n{bar}\nmpiscale: job failed on rank {rank} of {size} (host {host}, pid {os.getpid()})\n{context}\n\n"
         f"{text}{bar}\nmpiscale: aborting all {size} ranks\n"
+    )
+
+
+def refusal_report(rank: int, size: int, host: str, sender_host: str, refusal: MessageRefused) -> str:
+    """The report of a rank that refused another rank's message: which message, from whom, why; no traceback (the
+    receiver's stack says nothing about the sender)."""
+    return (
+        f"mpiscale: job failed on rank {rank} of {size} (host {host}, pid {os.getpid()}): it refused a message from "
+        f"rank {refusal.source} (host {sender_host}): {refusal}\nmpiscale: aborting all {size} ranks\n"
     )

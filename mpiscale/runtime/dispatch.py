@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .actor import ActorCell, ActorRef, Message
-from .errors import ActorNotFound, ActorStopped, Failure
+from .errors import ActorNotFound, ActorStopped, Failure, TransportError
 
 MESSAGE, REPLY = 0, 1
 
@@ -68,7 +68,9 @@ class Dispatch:
             self.envelope(source, envelope)
 
     def envelope(self, source: int, envelope: tuple) -> None:
-        """Route one envelope from rank ``source``."""
+        """Route one envelope from rank ``source``; :class:`TransportError` for one no rank sends."""
+        if not _well_formed(envelope):
+            raise TransportError(f"its message is no envelope of this runtime: {_summary(envelope)}")
         if envelope[0] == REPLY:
             _, ask_id, value, failed = envelope
             pending = self.asks.pop(ask_id, None)
@@ -98,3 +100,29 @@ class Dispatch:
             cell.post(message)  # a local send returns before its handler runs, as a remote one does
         else:
             cell.deliver(message)
+
+
+def _well_formed(envelope: object) -> bool:
+    """Whether ``envelope`` is one the runtime sends: ``(MESSAGE, actor, method, args, kwargs, ask id)`` or
+    ``(REPLY, ask id, value, failed)``, a failed reply's value a :class:`Failure`."""
+    if type(envelope) is not tuple or not envelope or type(envelope[0]) is not int:
+        return False
+    if envelope[0] == MESSAGE and len(envelope) == 6:
+        _, name, method, args, kwargs, ask_id = envelope
+        return (type(name) is str and type(method) is str and type(args) is tuple and type(kwargs) is dict
+                and all(type(key) is str for key in kwargs) and type(ask_id) is int)  # fmt: skip
+    if envelope[0] == REPLY and len(envelope) == 4:
+        _, ask_id, value, failed = envelope
+        return type(ask_id) is int and type(failed) is bool and (not failed or isinstance(value, Failure))
+    return False
+
+
+def _summary(envelope: object) -> str:
+    """A short description of a malformed envelope: its type, and its items' types."""
+    if type(envelope) is not tuple:
+        return f"a {type(envelope).__name__}, not a tuple"
+    kinds = ", ".join(type(item).__name__ for item in envelope[:8])
+    first = envelope[0] if envelope and type(envelope[0]) is int else None
+    return f"a tuple of {len(envelope)} items ({kinds}{', ...' if len(envelope) > 8 else ''})" + (
+        f", of kind {first}" if first is not None else ""
+    )

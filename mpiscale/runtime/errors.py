@@ -84,6 +84,23 @@ class TransportError(MpiscaleError, RuntimeError):
     """A frame that this runtime cannot decode (corrupt or from another program)."""
 
 
+class MessageRefused(TransportError):
+    """A message from rank ``source`` that this rank cannot take: damaged, foreign, beyond what it can hold, or
+    declaring parts that never came. The job ends with one report that names the sender."""
+
+    def __init__(self, source: int, detail: str) -> None:
+        super().__init__(detail)
+        self.source = source
+
+    @classmethod
+    def of(cls, source: int, error: BaseException) -> MessageRefused:
+        """``error``, raised while taking in a message from ``source``, as the refusal of that message."""
+        if isinstance(error, MessageRefused):
+            return error
+        detail = str(error) if isinstance(error, TransportError) else f"{type(error).__name__}: {error}"
+        return cls(source, detail)
+
+
 @dataclass
 class Failure:
     """A handler's exception as it travels back to the asker."""

@@ -37,6 +37,9 @@ _FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the
 # One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
 # srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
 _SAME_STOP_S = 2.0
+#: Sent by a rank that printed its report and aborts the job to the other ranks of its host, before the launcher's
+#: SIGTERM reaches them (a real-time signal: nothing else in a job sends it, and it queues in order of sending).
+REPORTED_SIGNAL = signal.SIGRTMIN + 3
 _STEERING_BEGINS_S = 5.0  # a stop that came while the rank started waits this long for the job to begin steering
 
 
@@ -51,13 +54,17 @@ class Lifecycle:
         world = system.world.comm
         placement = world.allgather((system.host, os.getpid()))  # every rank's, once, for both watches
         self.local_peers = LocalPeers.of(placement, system.rank)
-        self.node_watch = NodeWatch.gather(world, [host for host, _ in placement])
+        system.hosts = [host for host, _ in placement]
+        self.node_watch = NodeWatch.gather(world, system.hosts)
+        self.peer_reported = False  # a rank of this host printed a report and aborts the job (REPORTED_SIGNAL)
+        system.before_abort.append(self.tell_peers_reported)
+        signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)  # until the loop takes it (its default action ends a process)
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
         """``main`` on this rank, then the quiet end every rank agrees on; signals handled meanwhile."""
         system = self.system
         loop = asyncio.get_running_loop()
-        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+        signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, REPORTED_SIGNAL)
         loop.add_signal_handler(signal.SIGINT, self.on_signal, signal.SIGINT)
         for signum in (signal.SIGTERM, signal.SIGUSR2):
             loop.add_signal_handler(signum, self.on_terminate)
@@ -65,6 +72,7 @@ class Lifecycle:
             # request now, so the agreement at its end carries it (asyncio's wakeup of the loop stays in place)
             signal.signal(signum, self.note_stop)
         loop.add_signal_handler(signal.SIGUSR1, system.dump_diagnostics)
+        loop.add_signal_handler(REPORTED_SIGNAL, self.on_peer_reported)
         faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
         engine_task, watch = system.start()
         self.node_watch.start(self.node_lost)
@@ -102,8 +110,9 @@ class Lifecycle:
         finally:
             self.node_watch.close()
             faulthandler.unregister(signal.SIGUSR1)
-            for signum in signals:
-                loop.remove_signal_handler(signum)
+            for handled in signals:
+                loop.remove_signal_handler(handled)
+            signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)
 
     def on_terminate(self) -> None:
         """SIGTERM or SIGUSR2 from outside; a repeat within ``_SAME_STOP_S`` of the first is the same request."""
@@ -118,8 +127,21 @@ class Lifecycle:
                 return
         self.on_signal(signal.SIGTERM)
 
+    def tell_peers_reported(self) -> None:
+        """This rank printed its report and now aborts the job: its host's other ranks are told (the launcher's
+        SIGTERM comes after), so that none takes its death for a signal's and adds a line of its own."""
+        for pid in self.local_peers.pids.values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, REPORTED_SIGNAL)
+
+    def on_peer_reported(self) -> None:
+        self.peer_reported = True
+
     async def peers_died(self, dead: dict[int, int]) -> None:
         system = self.system
+        if self.peer_reported:  # the rank that died printed why; telemetry still hears of it
+            await self._end_for_death("", f"rank {min(dead)} failed and reported it; the job cannot go on", min(dead))
+            return
         named = ", ".join(f"rank {rank} (pid {pid}{', ' + system.roles[rank] if rank in system.roles else ''})"
                           for rank, pid in sorted(dead.items()))  # fmt: skip
         planned = {system.planned_deaths.get(rank) for rank in dead}

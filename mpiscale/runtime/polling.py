@@ -18,8 +18,9 @@ from typing import Any
 
 class Poller:
     """The polls of one engine: its ``endpoint``, the queues of frames waiting by source (``inbound``), where small
-    messages go (``envelopes``) and are counted (``counts``), its pending requests (the list itself, tested by
-    ``test_pending``), its channels' ``pollers``, and what takes in any other frame (``frames_found``)."""
+    messages go (``envelopes``) and are counted (``counts``), its pending requests and the messages whose parts it
+    awaits (the lists themselves, both handled by ``test_pending``), its channels' ``pollers``, and what takes in
+    any other frame (``frames_found``)."""
 
     def __init__(
         self,
@@ -28,19 +29,20 @@ class Poller:
         envelopes: Any,
         counts: Any,
         pending: list,
+        unmatched: list,
         pollers: list[Callable[[], bool]],
         frames_found: Callable[[tuple], bool],
         test_pending: Callable[[], bool],
     ) -> None:
         self._endpoint, self._inbound, self._envelopes, self._counts = endpoint, inbound, envelopes, counts
-        self._pending, self._pollers = pending, pollers
+        self._pending, self._unmatched, self._pollers = pending, unmatched, pollers
         self._frames_found, self._test_pending = frames_found, test_pending
 
     def poll(self) -> bool:
         """One poll of everything: whether anything happened."""
         found = self._endpoint.drain(self._inbound, self._envelopes, self._counts)
         progressed = found if type(found) is bool else self._frames_found(found)
-        if self._pending:
+        if self._pending or self._unmatched:
             progressed |= self._test_pending()
         for poll in self._pollers:
             progressed |= poll()

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 from ..ranks import Comm, chunks
 from . import transport, wire
 from .config import RuntimeConfig
+from .errors import MessageRefused, TransportError
 from .waits import WaitClock
 
 
@@ -85,6 +86,8 @@ class _Inbound:
     parts: list = field(default_factory=list)
     missing: int = -1  # part receives still outstanding; -1 until the frame arrived
     header: transport.FrameHeader | None = None
+    unmatched: deque = field(default_factory=deque)  # pieces of its parts whose MPI message has not arrived yet
+    due: float = 0.0  # the time.monotonic() by which its parts should have moved
 
 
 class ProgressEngine:
@@ -101,6 +104,12 @@ class ProgressEngine:
         self._tag_ub = tag_ub
         self._pending: list[_Pending] = []
         self._inbound: dict[int, deque[_Inbound]] = {}
+        #: Messages whose parts are expected: each piece is received only once its MPI message is matched with its
+        #: size checked (a piece sent longer than its receive would overrun it: Open MPI 4.1's single-copy path
+        #: writes past a truncated receive's buffer).
+        self._unmatched: list[_Inbound] = []
+        self._probe_status = MPI.Status()
+        self._memory_bytes = transport.host_memory_bytes()
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
         self._pool = transport.BufferPool(config.pool_bytes)
@@ -119,8 +128,8 @@ class ProgressEngine:
         self.waits = WaitClock()
         #: Called on every poll (channels' receives posted ahead); each says whether anything happened.
         self.pollers: list[Callable[[], bool]] = []
-        self._poller = self._frames.Poller(self._endpoint, self._inbound, deliver, self, self._pending, self.pollers,
-                                           self._frames_found, self._test_pending)  # fmt: skip
+        self._poller = self._frames.Poller(self._endpoint, self._inbound, deliver, self, self._pending, self._unmatched,
+                                           self.pollers, self._frames_found, self._test_pending)  # fmt: skip
 
     # ------------------------------------------------------------------ API
     @property
@@ -216,6 +225,24 @@ class ProgressEngine:
         """True when nothing is queued to send, no request is pending and no inbound message is partial."""
         return not self.outbox.queued and not self._pending and not any(self._inbound.values())
 
+    @property
+    def unfinished(self) -> int:
+        """Messages whose frame came and some of whose parts have not even begun to arrive."""
+        return len(self._unmatched)
+
+    def unfinished_refusal(self) -> MessageRefused | None:
+        """When the job ends with every sent message delivered and still :attr:`unfinished` messages: the refusal
+        of the first (no rank will send its parts: its frame was none of theirs), else None."""
+        if not self._unmatched:
+            return None
+        inbound = self._unmatched[0]
+        assert inbound.header is not None
+        declared = sum(inbound.header.sizes)
+        missing = sum(len(piece) for piece in inbound.unmatched)
+        return MessageRefused(inbound.source, f"its message seq {inbound.header.seq} declared {declared} bytes of "
+                              f"parts, {missing} of which never came: the job ended without them (a frame no rank "
+                              "sent as one of its messages: damaged, or from another program)")  # fmt: skip
+
     def describe(self) -> list[str]:
         """One line per pending request, oldest first, then per queued batch (for diagnostics)."""
         now = time.monotonic()
@@ -269,7 +296,7 @@ class ProgressEngine:
         """Whether a message's parts are on their way to or from this rank and not overdue: polling on for them,
         not sleeping a quarter of the time they took so far, saves a large message up to that quarter."""
         now = time.monotonic()
-        return any(now < item.due for item in self._pending)
+        return any(now < item.due for item in self._pending) or any(now < item.due for item in self._unmatched)
 
     def _wake(self) -> None:
         """End the engine's sleep: its next turn is then in the loop's ready queue, as when it yields."""
@@ -290,7 +317,10 @@ class ProgressEngine:
         """Take in ``found``, a frame that ``drain`` left, then every frame that arrives after it; True."""
         drain, queues, deliver = self._endpoint.drain, self._inbound, self._envelopes
         while type(found) is not bool:
-            self._frame_found(*found)
+            try:
+                self._frame_found(*found)
+            except Exception as error:
+                raise MessageRefused.of(found[0], error) from error
             found = drain(queues, deliver, self)
         return True
 
@@ -316,10 +346,12 @@ class ProgressEngine:
             self._pending.append(_Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}"))
 
     def _test_pending(self) -> bool:
+        """Match the parts awaited, then test every pending request once: whether anything happened."""
+        matched = self._match_parts() if self._unmatched else False
         pending = self._pending
-        indices = self._frames.testsome(self._MPI, pending)
+        indices = self._frames.testsome(self._MPI, pending) if pending else None
         if not indices:
-            return False
+            return matched
         done = [pending[i] for i in indices]
         keep = set(indices)
         pending[:] = [p for i, p in enumerate(pending) if i not in keep]  # (the poller holds the list)
@@ -328,28 +360,58 @@ class ProgressEngine:
         return True
 
     def _frame_arrived(self, inbound: _Inbound, header: transport.FrameHeader | None = None) -> None:
-        """Its frame is here (``header``: already decoded): deliver it, or post the receives of its parts."""
-        header = inbound.header = header or transport.decode_frame(inbound.frame)
-        self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
-        if header.inline_parts is not None:
-            inbound.missing = 0
-            self._deliver_ready(inbound.source)
-            return
-        MPI, comm = self._MPI, self._comm
-        tag = transport.data_tag(header.seq, self._tag_ub)
-        inbound.parts = [transport.allocate(size, self._pool) for size in header.sizes]
-        pieces = [p for part in inbound.parts for p in chunks(part, self._config.chunk_bytes)]
-        inbound.missing = len(pieces)
-        what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"
-        due = self._due(sum(header.sizes))
-        for piece in pieces:
-            request = comm.Irecv([piece, MPI.BYTE], inbound.source, tag)
-            self._pending.append(_Pending(request, partial(self._part_arrived, inbound), what, due=due))
+        """Its frame is here (``header``: already decoded): deliver it, or receive its parts as they come."""
+        try:
+            header = inbound.header = header or transport.decode_frame(inbound.frame)
+            self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
+            if header.inline_parts is not None:
+                inbound.missing = 0
+                self._deliver_ready(inbound.source)
+                return
+            declared = sum(header.sizes)
+            if declared > self._memory_bytes:  # refused before any of it is mapped
+                raise TransportError(f"its message seq {header.seq} declares {declared} bytes of parts, more than "
+                                     f"this host's memory ({self._memory_bytes} bytes)")  # fmt: skip
+            inbound.parts = [transport.allocate(size, self._pool) for size in header.sizes]
+        except Exception as error:
+            raise MessageRefused.of(inbound.source, error) from error
+        inbound.unmatched.extend(p for part in inbound.parts for p in chunks(part, self._config.chunk_bytes))
+        inbound.missing = len(inbound.unmatched)
+        inbound.due = self._due(declared)
+        self._unmatched.append(inbound)
+        self._match_parts()
+
+    def _match_parts(self) -> bool:
+        """Receive each awaited piece of a message's parts whose MPI message has come, its size checked first:
+        whether any came."""
+        MPI, comm, status = self._MPI, self._comm, self._probe_status
+        matched = False
+        for inbound in self._unmatched:
+            header = inbound.header
+            assert header is not None
+            tag = transport.data_tag(header.seq, self._tag_ub)
+            what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"
+            while inbound.unmatched and (message := comm.Improbe(inbound.source, tag, status)) is not None:
+                piece = inbound.unmatched[0]
+                size = status.Get_count(MPI.BYTE)
+                if size != len(piece):
+                    raise MessageRefused(inbound.source, f"a piece of its message seq {header.seq}'s parts came with "
+                                         f"{size} bytes where {len(piece)} were declared")  # fmt: skip
+                inbound.unmatched.popleft()
+                request = message.Irecv([piece, MPI.BYTE])
+                self._pending.append(_Pending(request, partial(self._part_arrived, inbound), what, due=inbound.due))
+                matched = True
+        if matched:
+            self._unmatched[:] = [inbound for inbound in self._unmatched if inbound.unmatched]
+        return matched
 
     def _part_arrived(self, inbound: _Inbound) -> None:
         inbound.missing -= 1
         if inbound.missing == 0:
-            self._deliver_ready(inbound.source)
+            try:
+                self._deliver_ready(inbound.source)
+            except Exception as error:
+                raise MessageRefused.of(inbound.source, error) from error
 
     def _deliver_ready(self, source: int) -> None:
         queue = self._inbound[source]

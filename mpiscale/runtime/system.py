@@ -26,9 +26,9 @@ from .collectives import Communicator, Group, Hierarchy, build_hierarchy
 from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
 from .deadlines import AskDeadlines
-from .diagnostics import failure_report, rank_diagnostics
+from .diagnostics import failure_report, rank_diagnostics, refusal_report
 from .dispatch import MESSAGE, REPLY, PendingAsk
-from .errors import Failure, JobRefused
+from .errors import Failure, JobRefused, MessageRefused
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -92,6 +92,11 @@ class ActorSystem:
         #: Ranks the job itself plans to kill (a rehearsed failure), with why: such a rank says so as it dies, so
         #: the rank that finds it gone names the plan in telemetry and prints no second line of its own.
         self.planned_deaths: dict[int, str] = {}
+        #: Every rank's host, by rank (the lifecycle gathers them at start-up): reports name a sender's host.
+        self.hosts: list[str] = []
+        #: Called just before this rank aborts the job after printing its report (the lifecycle tells the ranks of
+        #: its host that the report is there, so that none adds a line of its own about this rank's death).
+        self.before_abort: list[Callable[[], None]] = []
 
     def communicator(self, name: str) -> Communicator:
         """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives
@@ -270,7 +275,7 @@ class ActorSystem:
 
     async def _until_quiet(self) -> None:
         """Return when every rank is idle and every sent message was delivered."""
-        await until_quiet(self.MPI, self._engine, self._control, self._locally_idle)
+        await until_quiet(self.MPI, self._engine, self._control, self._locally_idle, self.config.shutdown_timeout_s)
 
     async def _stop_actors(self) -> None:
         for cell in self._cells.values():
@@ -309,6 +314,11 @@ class ActorSystem:
             self.abort(f"mpiscale: rank {self.rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank "
                         f"{reporter}'s)\n", status)  # fmt: skip
             return
+        if isinstance(error, MessageRefused):
+            source = error.source
+            sender_host = self.hosts[source] if 0 <= source < len(self.hosts) else "unknown"
+            self.abort(refusal_report(self.rank, self.size, self.host, sender_host, error), status)
+            return
         self.abort(failure_report(self.rank, self.size, self.host, context, error), status)
 
     def start(self) -> tuple[asyncio.Task, asyncio.Task | None]:
@@ -329,7 +339,10 @@ class ActorSystem:
         if watch is not None:
             watch.cancel()
         if refused is None:
-            await self._until_quiet()
+            try:
+                await self._until_quiet()
+            except MessageRefused as unfinished:  # a frame whose parts no rank sent: no end would ever come
+                self.fail(unfinished, "the job ended with a message from another rank unfinished")
             for hook in self._at_end:
                 try:
                     await hook()
@@ -361,6 +374,8 @@ class ActorSystem:
         sys.stdout.flush()
         sys.stderr.write(last_words)
         sys.stderr.flush()
+        for hook in self.before_abort:
+            hook()
         self.MPI.COMM_WORLD.Abort(status)
 
     def _collective_logs(self) -> list[CollectiveLog]:

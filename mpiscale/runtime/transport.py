@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import mmap
+import os
 import pickle
 import struct
 import sys
@@ -344,6 +345,14 @@ def allocate(size: int, pool: BufferPool | None = None) -> memoryview:
     if size < _POOL_MIN_BYTES:
         return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
     return pool.take(size) if pool is not None else memoryview(huge_page_buffer(size)).cast("B")
+
+
+def host_memory_bytes() -> int:
+    """This host's physical memory: no message may declare more parts (unknown: no bound)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 def huge_page_buffer(size: int) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import channel_receive, channel_send, compact, dispatch, outbox, polling, transport
 from .channel_format import channel_header
-from .errors import TransportError
+from .errors import MessageRefused, TransportError
 
 PURE_ENV = "MPISCALE_PURE_PYTHON"
 _SOURCE = Path(__file__).with_name("_wire.pyx")
@@ -73,10 +73,14 @@ class Endpoint:
                 return found  # the engine reads it again, and refuses it
             if header.inline_parts is None or not header.compact:
                 return found
-            messages = transport.load_batch(header) if header.batch else [transport.load(header, header.inline_parts)]
-            counts.bytes_received += len(frame)
-            counts.messages_received += len(messages)
-            deliver.envelopes(source, messages)
+            try:
+                parts = header.inline_parts
+                messages = transport.load_batch(header) if header.batch else [transport.load(header, parts)]
+                counts.bytes_received += len(frame)
+                counts.messages_received += len(messages)
+                deliver.envelopes(source, messages)
+            except Exception as error:
+                raise MessageRefused.of(source, error) from error
             delivered = True
         return delivered
 

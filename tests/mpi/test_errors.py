@@ -41,6 +41,14 @@ def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, 
     assert f"job failed on rank {failing_rank} of {ranks}" in job.stderr, job.stderr
     assert context in job.stderr, job.stderr
     assert error in job.stderr, job.stderr
+    assert "killed by a signal" not in job.stderr, job.stderr  # the others knew the failing rank reported
+
+
+def test_a_rank_that_crashes_is_named_with_its_signal_and_a_likely_cause(tmp_path):
+    job = run_mpi("failures.py", 2, "segfault", str(tmp_path / "rows.h5"), timeout=60)
+    assert job.returncode == 139, job.output[-3000:]
+    assert "a rank was killed by SIGSEGV (status 139): a crash in native code" in job.stderr, job.stderr
+    assert "out-of-memory" not in job.stderr.split("mpiscale-run:", 1)[1], job.stderr
 
 
 CHECK_S = 1.0  # MPISCALE_COLLECTIVE_CHECK_S in these runs: a report within about twice that

@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -40,6 +41,14 @@ def _wait_for_text(path: Path, text: str, timeout: float = 30) -> str:
             return content
         time.sleep(0.05)
     pytest.fail(f"{text!r} did not appear within {timeout}s:\n{path.read_text()[-5000:]}")
+
+
+def _left_in_session(session: int) -> list[str]:
+    """The processes still running in the launcher's session (it was started as the session's leader); ended ones
+    not yet collected by init (zombies) are gone already."""
+    table = subprocess.run(["ps", "-e", "-o", "sid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    rows = [line.split(None, 2) for line in table.splitlines()]
+    return [row[2] for row in rows if len(row) == 3 and int(row[0]) == session and not row[1].startswith("Z")]
 
 
 def test_sigusr1_prints_diagnostics_and_the_job_goes_on(ranks, tmp_path):
@@ -108,6 +117,7 @@ def test_a_stop_during_a_long_step_is_obeyed_at_that_steps_end(tmp_path):
         job = finish(process, "stops.py long-steps", timeout=60)
     said = log.read_text()
     assert job.returncode == 143, said[-3000:] + job.stderr[-3000:]
+    assert _left_in_session(process.pid) == []  # the launcher's stop timer went with the job (its sleep was left)
     stopped = re.search(r"stopped on request \(a stop command or SIGTERM\) after step (\d+)", said)
     assert stopped and int(stopped[1]) <= 3, said[-3000:]  # step 3 was running when the signal came
 

@@ -12,7 +12,7 @@ import pytest
 
 from mpiscale.runtime import dispatch, outbox, wire
 from mpiscale.runtime.actor import Actor, ActorCell, ActorRef, RestartPolicy
-from mpiscale.runtime.errors import Failure
+from mpiscale.runtime.errors import Failure, TransportError
 
 if os.environ.get(wire.PURE_ENV, "0") not in ("", "0"):
     pytest.skip(f"{wire.PURE_ENV} forces the reference: nothing compiled to compare", allow_module_level=True)
@@ -83,6 +83,44 @@ class Counter(Actor):
         return asyncio.sleep(0, value)  # a plain handler that returns an awaitable
 
 
+FOUR = Failure(ValueError("four"), "(its traceback)", "rank 1")  # one object: both routes' results compare equal
+MALFORMED = [
+    ((2, "c", "add", (1,), {}, -1), "a tuple of 6 items (int, str, str, tuple, dict, int), of kind 2"),
+    ((0, "c", "add", (1,), {}), "a tuple of 5 items (int, str, str, tuple, dict), of kind 0"),
+    ((0, ["c"], "add", (1,), {}, -1), "(int, list, str, tuple, dict, int), of kind 0"),
+    ((0, "c", ("add",), (1,), {}, -1), "(int, str, tuple, tuple, dict, int), of kind 0"),
+    ((0, "c", "add", [1], {}, -1), "(int, str, str, list, dict, int), of kind 0"),
+    ((0, "c", "add", (1,), {1: 2}, -1), "(int, str, str, tuple, dict, int), of kind 0"),
+    ((0, "c", "add", (1,), {}, 1.5), "(int, str, str, tuple, dict, float), of kind 0"),
+    ((1, 3, "three", True), "a tuple of 4 items (int, int, str, bool), of kind 1"),
+    ((1, 3, "three", 0), "a tuple of 4 items (int, int, str, int), of kind 1"),
+    ((1, "3", "three", False), "a tuple of 4 items (int, str, str, bool), of kind 1"),
+    ((np.zeros(1, "V16"), "c", "add", (1,), {}, -1), "a tuple of 6 items (ndarray, str, str, tuple, dict, int)"),
+    ([0, "c", "add", (1,), {}, -1], "a list, not a tuple"),
+    ((), "a tuple of 0 items ()"),
+]
+
+
+@pytest.mark.parametrize("kind", ["compiled", "reference"])
+@pytest.mark.parametrize("envelope, said", MALFORMED)
+def test_an_envelope_no_rank_sends_is_refused_alike_and_routes_nothing(kind, envelope, said):
+    async def refused():
+        rank, cells = Rank(), {}
+        cells["c"] = ActorCell(rank, ActorRef(0, "c"), Counter, (), {}, None)
+        cells["c"].start()
+        await asyncio.sleep(0)
+        routes = (compiled.Dispatch if kind == "compiled" else dispatch.Dispatch)(rank, cells, {})
+        routes.envelope(1, (0, "c", "add", (1,), {}, -1))  # its handler known: the compiled one takes the next
+        with pytest.raises(TransportError, match="no envelope of this runtime") as refusal:
+            routes.envelope(1, envelope)
+        await asyncio.sleep(0.01)
+        cells["c"].task.cancel()
+        return str(refusal.value), cells["c"].instance.seen, rank.replies, rank.failures
+
+    text, seen, replies, failures = asyncio.run(refused())
+    assert said in text and seen == [1] and replies == [] and failures == []
+
+
 async def route(kind) -> dict:
     """Every kind of envelope through ``kind`` (a Dispatch class), and what came of each."""
     rank, cells, asks = Rank(), {}, {}
@@ -108,7 +146,7 @@ async def route(kind) -> dict:
         routes.envelope(1, (0, "r", "broken", ("tell",), {}, -1))  # restarted once, by its policy
         routes.envelope(0, (0, "c", "add", (4,), {}, 12))  # from this rank: queued, as a local send is
         await asyncio.sleep(0.01)
-    routes.envelopes(1, [(1, 3, "three", False), (1, 4, "four", True), (1, 99, "nobody asked", False)])
+    routes.envelopes(1, [(1, 3, "three", False), (1, 4, FOUR, True), (1, 99, "nobody asked", False)])
     routes.envelope(1, (0, "nobody", "add", (1,), {}, -1))  # a lost tell ends the job
     rank.stopping = True
     routes.envelopes(1, [(0, "c", "add", (5,), {}, 13), (0, "c", "add", (6,), {}, -1)])

@@ -27,6 +27,7 @@ class Engine:
         self.messages_received = self.bytes_received = 0
         self.calls: list = []
         self.pending: list = []
+        self.unmatched: list = []
         self.polls = 0
         self.busy_on = set(busy_on)
 
@@ -50,7 +51,7 @@ class Engine:
 
 def poller_of(kinds, comm, engine: Engine):
     poller, endpoint = kinds
-    return poller(endpoint(__import__("mpi4py.MPI").MPI, comm), {}, engine, engine, engine.pending,
+    return poller(endpoint(__import__("mpi4py.MPI").MPI, comm), {}, engine, engine, engine.pending, engine.unmatched,
                   [engine.channel], engine.frames_found, engine.test_pending)  # fmt: skip
 
 

@@ -54,6 +54,13 @@ async def main(system):
         if system.rank == 0:
             ActorRef(system.size - 1, "waiter").tell("wait", "unexpected argument")
         await asyncio.sleep(3600)
+    elif scenario == "segfault":  # a crash in native code, as an extension's bug would cause
+        if system.rank == 1:
+            import ctypes
+
+            await asyncio.sleep(0.2)
+            ctypes.string_at(0)
+        await asyncio.sleep(3600)
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 
