@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from .. import early_stop
+from .. import early_stop, run_dir
 from ..errors import MpiscaleError
 from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
@@ -36,7 +36,7 @@ T = TypeVar("T")
 _FINALIZE_GRACE_S = 3  # seconds MPI_Finalize may take after a signal before the process ends anyway
 # One cancel reaches a rank several times at once: Slurm signals every process of the job (the rank, and mpirun or
 # srun, which pass a SIGTERM on), and the launcher turns its own into SIGUSR2. Repeats this close count as one.
-_SAME_STOP_S = 2.0
+_SAME_STOP_S = early_stop.SAME_STOP_S
 #: Sent by a rank that printed its report and aborts the job to the other ranks of its host, before the launcher's
 #: SIGTERM reaches them (a real-time signal: nothing else in a job sends it, and it queues in order of sending).
 REPORTED_SIGNAL = signal.SIGRTMIN + 3
@@ -265,6 +265,7 @@ def _finalize_and_exit(MPI, code: int) -> None:
     sys.stderr.flush()
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(_FINALIZE_GRACE_S)
+    run_dir.note("status", str(code))
     try:
         MPI.Finalize()
     finally:
@@ -308,6 +309,7 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     finally:
         set_current_system(None)
     status = system.exit_status or (128 + system.stop_signal if system.stop_signal is not None else 0)
+    run_dir.note("status", str(status))
     if status:
         raise SystemExit(status)  # a job stopped by SIGTERM says so, also when it saved its state first
     return result  # type: ignore[return-value]  # None only where main refused, and then status is set

@@ -106,6 +106,41 @@ def test_a_stop_while_the_ranks_start_ends_the_job_before_its_first_step_with_on
     assert "step 1" not in job.stdout, job.output[-3000:]
 
 
+def test_a_stop_the_moment_the_job_is_launched_ends_it_with_one_line_and_143(tmp_path):
+    """SIGTERM to the launcher 50 ms after it started: before, mpirun passed SIGUSR2 on to ranks that did not hold
+    it yet (its default action: status 140, no word), or to none yet (the stop was lost until the launcher's own
+    timer). Now the launcher passes it on once every rank holds stops."""
+    process = start_mpi("stops.py", 2, "startup", str(tmp_path), cold=True)
+    time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    job = finish(process, "stops.py startup", timeout=90)
+    assert job.returncode == 143, job.output[-3000:]
+    assert "stopped on request (a stop command or SIGTERM) before the first step" in job.stdout, job.output[-3000:]
+
+
+@pytest.mark.parametrize("who", ["process group", "every process"])
+def test_a_stop_sent_to_every_process_of_the_job_is_obeyed_with_143(tmp_path, who):
+    """As timeout(1) signals the launcher's process group (which reached mpirun, whose own SIGTERM ended the job
+    with 1 and killed the ranks a second later), and Slurm's cancel every process of the job: there the launcher
+    gives mpirun half of Slurm's KillWait before it kills the ranks (5 s here), and takes the ranks' own status
+    over mpirun's 1."""
+    log = tmp_path / "steps.log"
+    env = {"OMPI_MCA_odls_base_sigkill_timeout": "5"} if who == "every process" else {}
+    with open(log, "w") as stdout:
+        process = start_mpi("stops.py", 2, "long-steps", str(tmp_path), env=env, stdout=stdout)
+        _wait_for_text(log, "step 2", timeout=60)
+        if who == "process group":
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            table = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+            for pid in {process.pid, *map(int, table.split())}:
+                os.kill(pid, signal.SIGTERM)
+        job = finish(process, "stops.py long-steps", timeout=60)
+    said = log.read_text()
+    assert job.returncode == 143, said[-3000:] + job.stderr[-3000:]
+    assert re.search(r"stopped on request \(a stop command or SIGTERM\) after step \d+", said), said[-3000:]
+
+
 def test_a_stop_during_a_long_step_is_obeyed_at_that_steps_end(tmp_path):
     """Steps of 0.6 s that never await: the request is noted as the signal comes, and with steps this long the
     ranks agree on it at the end of that very step (not two steps later)."""
