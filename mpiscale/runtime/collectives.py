@@ -176,7 +176,11 @@ class Communicator:
         text = problem_text(problem)
         lengths = await self._exchange("agree", "", len(text.encode()) if text is not None else -1)
         messages = await self._texts(text, f"agreement on {what}", lengths)
-        raise_agreed(messages, problem, what, kind)
+        try:
+            raise_agreed(messages, problem, what, kind)
+        except kind as agreed:
+            agreed.reporter = self.world_ranks[0]  # type: ignore[attr-defined]  # every rank raises it: one report
+            raise
 
     @_collective
     async def barrier(self) -> None:
@@ -350,10 +354,12 @@ class Hierarchy:
         """
         data = self.world._array(array, "hierarchical allreduce")
         number = self.log.begin("allreduce")
+        assert self.log.last is not None  # set by begin
+        call = (f"allreduce #{number} on {self.log.name}", self.log.last[2])
         if isinstance(op, str):
-            future = self.reducer.start(data, self.world._op(op), op, out)
+            future = self.reducer.start(data, self.world._op(op), op, out, call)
         else:
-            future = self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out)
+            future = self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out, call)
         future.add_done_callback(lambda _: self.log.end(number))
         return future
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -64,16 +63,6 @@ class CollectiveMismatch(MpiscaleError, ValueError):
 def signature_digest(signature: str) -> int:
     """A signed 64-bit digest of a collective's arguments (shape, dtype, op), to compare across ranks."""
     return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-def check_signatures(digests: Sequence[int], what: str, rank: int, signature: str) -> None:
-    """Raise CollectiveMismatch (on every rank alike) unless every rank's digest equals rank 0's."""
-    odd = [other for other, digest in enumerate(digests) if digest != digests[0]]
-    if odd:
-        raise CollectiveMismatch(
-            f"{what}: ranks disagree on shape/dtype/op (this rank {rank} passed {signature}); "
-            f"ranks whose arguments differ from rank 0's: {odd}"
-        )
 
 
 class CollectiveAbandoned(MpiscaleError, RuntimeError):

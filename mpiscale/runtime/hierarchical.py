@@ -68,9 +68,9 @@ from typing import Any
 
 import numpy as np
 
-from ..ranks import Comm, block_rows
+from ..ranks import Comm, block_rows, by_ranks
 from .config import RuntimeConfig
-from .errors import check_signatures, signature_digest
+from .errors import CollectiveMismatch, signature_digest
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
@@ -88,6 +88,8 @@ class HierarchicalAllreduce:
         self._piece_bytes = config.allreduce_piece_bytes
         self._node, self._world = node.Dup(), world.Dup()
         self._gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
+        # the job's rank of the first one here: it reports a mismatch every rank raises
+        self._reporter = MPI.Group.Translate_ranks(world.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.blocks = world.allreduce(self.local_size, op=MPI.MAX)
         self.nodes = world.allreduce(1 if self.local_rank == 0 else 0)
@@ -103,17 +105,20 @@ class HierarchicalAllreduce:
         self._copies_buffer = np.empty(0, np.uint8)  # every local rank's copy of this rank's share, kept as well
         self._ufuncs = [(MPI.SUM, np.add), (MPI.PROD, np.multiply), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]
 
-    def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> Future:
+    def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]) -> Future:
         """Begin a call now, in call order, from any thread (a gradient hook runs in autograd's device thread, which
-        has no event loop); the future's result is ``out``, or a new array."""
-        return self._worker.submit(self._run, array, op, op_name, out)
+        has no event loop); the future's result is ``out``, or a new array. ``call``: what the call is and where it
+        was made (``allreduce #3 on world (hierarchical)``, a file and line), named in a mismatch's report."""
+        return self._worker.submit(self._run, array, op, op_name, out, call)
 
     def close(self) -> None:
         """Stop the worker once its calls are done."""
         self._worker.shutdown(wait=True)
 
-    def _run(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None) -> np.ndarray:
-        self._until_all_arrived(f"{array.dtype}{array.shape} {op_name}")
+    def _run(
+        self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]
+    ) -> np.ndarray:
+        self._until_all_arrived(f"{array.dtype}{array.shape} {op_name}", call)
         if not isinstance(op, self._MPI.Op):  # a reduction function, applied outside MPI
             flat = np.ascontiguousarray(array).reshape(-1)
             total = np.empty_like(flat)
@@ -136,16 +141,23 @@ class HierarchicalAllreduce:
         np.copyto(out, result)
         return out
 
-    def _until_all_arrived(self, signature: str) -> None:
+    def _until_all_arrived(self, signature: str, call: tuple[str, str]) -> None:
         """Return once every rank has reached this call, so that a rank ahead of the others leaves its core to
-        compute threads meanwhile; with checks on, the same exchange compares every rank's arguments."""
+        compute threads meanwhile; with checks on, the same exchange compares every rank's arguments, and a
+        mismatch is one :class:`CollectiveMismatch` naming every rank's arguments and call site (raised on every
+        rank; the lowest one reports it)."""
         if not self._check:
             self._until_done([self._gate.Ibarrier()], _GATE_SPIN_S, _GATE_SLEEP_S)
             return
         digests = np.empty(self._gate.Get_size(), np.int64)
         mine = np.array([signature_digest(signature)], np.int64)
         self._until_done([self._gate.Iallgather(mine, digests)], _GATE_SPIN_S, _GATE_SLEEP_S)
-        check_signatures(digests.tolist(), "hierarchical allreduce", self._gate.Get_rank(), signature)
+        if (digests != digests[0]).any():
+            calls = self._gate.allgather(f"allreduce({signature}) at {call[1]}")
+            error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
+                                       f"must pass the same: {by_ranks(calls)}")  # fmt: skip
+            error.reporter = self._reporter
+            raise error
 
     def _until_done(self, requests: list, spin_s: float, longest_sleep_s: float) -> None:
         """Return once ``requests`` are complete: polled for ``spin_s``, then with sleeps doubling from 20 µs to

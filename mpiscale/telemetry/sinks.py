@@ -160,6 +160,7 @@ class MqttSink:
         self.settings, self.job, self.on_control = settings, job, on_control
         self.dropped = 0
         self.refused = 0  # publishes the broker acknowledged with a refusal (its ACL)
+        self._heard_of: set[str] = set()  # topics whose first publish was sent acknowledged
         self.connected = False
         self._ever_connected = False
         self._said_unreachable = False
@@ -291,7 +292,11 @@ class MqttSink:
         while True:
             while self._queue:
                 name, body, retain = self._queue[0]
-                await client.publish(name, body, qos=1 if retain else 0, retain=retain, timeout=5.0)
+                # the first record of each topic is acknowledged: a broker whose ACL refuses the topic says so (it
+                # drops a refused QoS 0 publish without a word), the rest need no round trip
+                acknowledged = retain or name not in self._heard_of
+                self._heard_of.add(name)
+                await client.publish(name, body, qos=1 if acknowledged else 0, retain=retain, timeout=5.0)
                 with self._lock:
                     if self._queue and self._queue[0][1] is body:  # not dropped meanwhile for a full buffer
                         self._queue.popleft()

@@ -217,8 +217,10 @@ class DataParallel:
         if (states == 2).any():
             names = {id(p): name for name, p in self.module.named_parameters()}
             frozen = [names.get(id(p), "?") for b in self._buckets for p in b.params if not p.requires_grad]
-            raise RuntimeError(f"parameters {frozen or 'of another rank'} were frozen after DataParallel wrapped the "
-                               "model: wrap it again after changing requires_grad")  # fmt: skip
+            refusal = RuntimeError(f"parameters {frozen or 'of another rank'} were frozen after DataParallel wrapped "
+                                   "the model: wrap it again after changing requires_grad")  # fmt: skip
+            refusal.reporter = self.system.world.world_ranks[0]  # type: ignore[attr-defined]  # every rank: one report
+            raise refusal
         first = 0
         with torch.no_grad():
             for bucket in self._buckets:

@@ -196,3 +196,19 @@ def publish_as(user, password, port, ca, topic, message):
     finally:
         client.loop_stop()
         client.disconnect()
+
+
+def test_a_broker_that_takes_the_status_and_refuses_the_rest_is_named_once(tmp_path):
+    """An ACL that lets the job write its retained status and nothing else: the other records went at QoS 0, which
+    the broker drops without a word, and 59 publishes were refused with nothing said (issue 59, item 14)."""
+    (tmp_path / "acl").write_text("topic read mpiscale/#\ntopic write mpiscale/7/status\n")
+    broker = start_broker(tmp_path, f"allow_anonymous true\nacl_file {tmp_path / 'acl'}\n")
+    try:
+        env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "7"}
+        command = [*MPISCALE, "memstore", "--records", "20000", "--out", str(tmp_path / "m.h5"), "--iterations", "200"]
+        job = finish(launch(2, command, env=env), "a job whose records but the status are refused", 120)
+        assert_ok(job)
+        assert job.stderr.count("the broker") == 1, job.stderr
+        assert "refuses this job's publishes under mpiscale/7/ (Not authorized)" in job.stderr, job.stderr
+    finally:
+        broker.stop()

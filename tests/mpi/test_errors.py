@@ -143,6 +143,18 @@ def test_ranks_in_different_collectives_end_with_one_report_of_every_call(scenar
     assert "MemoryError" not in job.stderr and "MPI_ERR" not in job.stderr, job.stderr
 
 
+def test_a_hierarchical_allreduce_of_other_shapes_ends_with_one_report_of_every_call(ranks):
+    """Every rank raised its own report (70 lines on 2 ranks), without call sites; now one, the lowest rank's."""
+    job = run_mpi("abandoned.py", ranks, "hierarchical-shapes", timeout=60)
+    assert job.returncode == 1, job.output
+    assert job.stderr.count("mpiscale: job failed on rank") == 1, job.stderr
+    assert f"job failed on rank 0 of {ranks}" in job.stderr, job.stderr
+    assert "CollectiveMismatch: allreduce #1 on world (hierarchical): the ranks passed different" in job.stderr
+    first = "rank 0" if ranks == 2 else "ranks 0-2"
+    assert f"{first}: allreduce(float64(4,) sum) at abandoned.py:" in job.stderr, job.stderr
+    assert f"rank {ranks - 1}: allreduce(float64(5,) sum) at abandoned.py:" in job.stderr, job.stderr
+
+
 @pytest.mark.parametrize("scenario, said", [("slow-rank", "slow rank ok"), ("slow-leaves-late", "late finish ok")])
 def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
     job = run_mpi("abandoned.py", ranks, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)

@@ -411,3 +411,11 @@ def test_collect_finds_the_training_data_from_another_directory(tmp_path):
     assert again.returncode == 2, again.output
     assert "names its training data model.digits.h5, a path relative to where training ran" in again.stderr
     assert "pass --data FILE:/dataset" in again.stderr and not (elsewhere / "again.h5").exists()
+
+
+def test_a_step_every_rank_refuses_ends_the_job_with_one_report(ranks):
+    """Every rank raised its own report of the same refusal (issue 59, item 11); now the lowest rank reports."""
+    job = run_mpi("refused_step.py", ranks, timeout=90)
+    assert job.returncode == 1, job.output[-3000:]
+    assert job.stderr.count("mpiscale: job failed on rank") == 1, job.stderr
+    assert "job failed on rank 0 of" in job.stderr and "were frozen after DataParallel wrapped" in job.stderr

@@ -49,6 +49,8 @@ async def main(system):
             await system.world.barrier()
         else:
             await store.lookup(np.arange(3))
+    elif scenario == "hierarchical-shapes":  # the last rank passes one value more
+        await system.hierarchy.allreduce(np.ones(4 + (system.rank == system.size - 1)))
     elif scenario == "slow-rank":  # late, busy outside the loop, but it does enter: no report, the right sum
         if system.rank == last:
             time.sleep(3 * system.config.collective_check_s)
