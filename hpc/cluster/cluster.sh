@@ -111,7 +111,8 @@ SlurmdParameters=config_overrides
 SchedulerParameters=sched_interval=1,sched_min_interval=100000
 # a node whose slurmd stops answering is DOWN after 10 s (sites: minutes), and its jobs are requeued (--requeue)
 SlurmdTimeout=10
-ReturnToService=2
+# a node DOWN for not answering is back once its slurmd answers; one an admin set DOWN stays so (2 undid it at once)
+ReturnToService=1
 MinJobAge=600
 MpiDefault=none
 EOF

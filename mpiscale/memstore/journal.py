@@ -10,10 +10,13 @@ fsynced before ``write`` returns. Files, in ``local_dir/node-K/wal/`` (or
     run-<id>.rank-00003-of-00004.from-00000020.wal        rank 3's commits after checkpoint 20
     run-<id>.copy-of-rank-00001-of-00004.from-00000020.wal  the partner copy of rank 1's
 
-A new segment starts at every checkpoint, so the segments before the previous
-checkpoint can go. ``directory/journal.json`` names the run whose logs follow
-the newest checkpoint, and the job's settings: logs of other runs (a dead
-node's leftovers) are never replayed.
+A node keeps its disk when a rerun numbers the nodes anew (the first node lost:
+the second is the rerun's first), so recovery reads every ``node-K`` folder on
+a node's disk, not only the one of its new number. A new segment starts at
+every checkpoint, so the segments before the previous checkpoint can go.
+``directory/journal.json`` names the run whose logs follow the newest
+checkpoint, and the job's settings: logs of other runs (a dead node's
+leftovers) are never replayed.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def decode_commit(number: int, arrays: dict[str, np.ndarray]) -> Commit:
 
 @dataclass(frozen=True)
 class Segment:
-    """One log file: whose commits (an old rank of an old world), which copy, after which checkpoint."""
+    """One log file: whose commits (an old rank of an old world), which copy, after which checkpoint; on which node
+    of this run it lies, and in which ``node-K`` folder of that node's disk (the node's number in the run that
+    wrote it: a node keeps its disk when the nodes are numbered anew)."""
 
     node: int
     copy: bool
@@ -87,6 +92,7 @@ class Segment:
     world: int
     start: int
     name: str
+    folder: int = 0
 
 
 class Journal:
@@ -116,6 +122,14 @@ class Journal:
     def wal_dir(self, node: int) -> Path:
         return (self._local / f"node-{node}" if self._local is not None else self.directory) / "wal"
 
+    def _wal_dirs(self) -> list[tuple[int, Path]]:
+        """Every log folder this rank's node holds, with the node number in its name: its own, and those its disk
+        kept from runs that numbered the nodes otherwise."""
+        if self._local is None:
+            return [(0, self.wal_dir(0))]
+        found = [(int(path.name[5:]), path / "wal") for path in self._local.glob("node-*") if path.name[5:].isdigit()]
+        return sorted(found) or [(self.node, self.wal_dir(self.node))]
+
     def _path(self, copy: bool, rank: int, start: int) -> Path:
         kind = "copy-of-rank" if copy else "rank"
         name = f"run-{self.run}.{kind}-{rank:05d}-of-{self.system.size:05d}.from-{start:08d}.wal"
@@ -140,12 +154,12 @@ class Journal:
             publish(temporary, self.record_file)
         self.comm.Barrier()
         self.run, self.start = run, start
-        directory = self.wal_dir(self.node)
-        if self.system.rank == self.nodes_of.index(self.node):  # the node's first rank tidies its directory
-            directory.mkdir(parents=True, exist_ok=True)
-            for path in directory.glob("run-*.wal"):
-                if not path.name.startswith(f"run-{run}."):
-                    path.unlink(missing_ok=True)
+        if self.system.rank == self.nodes_of.index(self.node):  # the node's first rank tidies its disk's logs
+            self.wal_dir(self.node).mkdir(parents=True, exist_ok=True)
+            for _, directory in self._wal_dirs():  # (other runs': the recovered state is checkpointed already)
+                for path in directory.glob("run-*.wal"):
+                    if not path.name.startswith(f"run-{run}."):
+                        path.unlink(missing_ok=True)
         self.comm.Barrier()
         self._own = WriteAheadLog(self._path(False, self.system.rank, start))
 
@@ -176,7 +190,7 @@ class Journal:
         self._own = WriteAheadLog(self._path(False, self.system.rank, start))
         senders = set(self.checkpoints.senders)
         for path in self.wal_dir(self.node).glob(f"run-{self.run}.*.wal"):
-            segment = _parse(self.node, path.name)
+            segment = _parse(self.node, self.node, path.name)
             if segment is None or segment.start >= keep_from:
                 continue
             if (segment.copy and segment.rank in senders) or (not segment.copy and segment.rank == self.system.rank):
@@ -191,9 +205,10 @@ class Journal:
 
     # ----------------------------------------------------------------- reading
     def listing(self, run: str | None) -> list[Segment]:
-        """The segments of ``run`` (None: of any run) on this rank's node."""
+        """The segments of ``run`` (None: of any run) on this rank's node, in every log folder its disk holds."""
         pattern = f"run-{run}.*.wal" if run is not None else "run-*.wal"
-        found = [_parse(self.node, path.name) for path in self.wal_dir(self.node).glob(pattern)]
+        found = [_parse(self.node, folder, path.name) for folder, directory in self._wal_dirs()
+                 for path in directory.glob(pattern)]  # fmt: skip
         return [segment for segment in found if segment is not None]
 
     def wal_places(self) -> str:
@@ -206,7 +221,7 @@ class Journal:
         commits: list[Commit] = []
         torn = ""
         for segment in sorted(segments, key=lambda s: s.start):
-            path = self.wal_dir(segment.node) / segment.name
+            path = self.wal_dir(segment.folder) / segment.name
             report = ReplayReport()
             try:
                 records = list(replay(path, report))
@@ -224,12 +239,12 @@ class Journal:
         return commits, torn
 
 
-def _parse(node: int, name: str) -> Segment | None:
+def _parse(node: int, folder: int, name: str) -> Segment | None:
     match = _SEGMENT.match(name)
     if match is None:
         return None
     _, kind, rank, world, start = match.groups()
-    return Segment(node, kind != "rank", int(rank), int(world), int(start), name)
+    return Segment(node, kind != "rank", int(rank), int(world), int(start), name, folder)
 
 
 def existing_segments(run: str, found: list[Segment]) -> dict[int, list[Segment]]:

@@ -128,7 +128,7 @@ async def recover(
 def _no_record(journal: Journal, accept_rollback: bool) -> None:
     """Without ``journal.json``, refuse to start over while logs or checkpoints of an earlier run are there."""
     comm = journal.comm
-    logs = len({(s.node, s.name) for listing in comm.allgather(journal.listing(None)) for s in listing})
+    logs = len({(s.node, s.folder, s.name) for listing in comm.allgather(journal.listing(None)) for s in listing})
     steps = journal.checkpoints.steps()
     if not logs and not steps:
         return
@@ -161,7 +161,7 @@ async def _replay(
     came from."""
     comm, run = journal.comm, record["run"]
     found = [segment for listing in comm.allgather(journal.listing(run)) for segment in listing]
-    found = list({(s.node, s.name): s for s in found}.values())  # ranks on one node list the same files
+    found = list({(s.node, s.folder, s.name): s for s in found}.values())  # ranks on one node list the same files
     plan = on_rank_0(comm, lambda: existing_segments(run, found), (CheckpointError,))
     lost = lost_logs(found, record.get("ranks"))
     if lost:

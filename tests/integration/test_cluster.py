@@ -10,6 +10,7 @@ cannot be made (not root, a container that refuses them) the module is skipped, 
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -133,11 +134,17 @@ def test_training_across_hosts_follows_one_process(nodes, tmp_path):
 STORE = ["memstore", "--records", "60000", "--iterations", "200", "--top", "20", "--checkpoint-every", "10"]
 
 
-def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path):
-    """4 ranks on node1 and node2, node-local logs and checkpoint shards on each node's own disk (partner copies on
-    the other node); node2 killed whole mid-run, its disk with it. The job ends; rerun on the nodes that remain
-    (node1, node3) it recovers from node1's partner copies and ends with every record and every iteration's
-    aggregates and top-k equal, bit for bit, to one uninterrupted rank."""
+@pytest.mark.parametrize(
+    "ranks, lost, rerun, remain",
+    [(4, "node2", 4, "node1 and node3"), (4, "node1", 4, "node2 and node3"), (6, "node2", 4, "node1 and node3")],
+)
+def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path, ranks, lost, rerun, remain):
+    """4 ranks on node1 and node2 (or 6 on all three), node-local logs and checkpoint shards on each node's own disk
+    (partner copies on the next node); one node killed whole mid-run, its disk with it. The job ends; rerun on the
+    nodes that remain (on 4 ranks) it recovers from the partner copies and ends with every record and every
+    iteration's aggregates and top-k equal, bit for bit, to one uninterrupted rank. With node1 lost, node2 is the
+    rerun's first node: its disk holds its logs under the number it had (node-1), which the rerun read only under
+    its new one (node-0) and called every log lost."""
     cli = [sys.executable, "-m", "mpiscale.cli"]
     reference = tmp_path / "reference.h5"
     assert_ok(across(1, [*cli, *STORE, "--out", str(reference)], "the uninterrupted store"))
@@ -147,7 +154,7 @@ def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path)
     log = tmp_path / "first.log"
     try:
         with open(log, "w") as output:
-            first = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *cli, *durable], env=environment,
+            first = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *cli, *durable], env=environment,
                                      cwd=REPO, text=True, stdout=output, stderr=subprocess.STDOUT,
                                      start_new_session=True)  # fmt: skip
             deadline = time.monotonic() + 120
@@ -155,18 +162,18 @@ def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path)
                 time.sleep(0.05)
             assert first.poll() is None, log.read_text()[-4000:]
             killed = time.time()
-            assert cluster("kill", "node2").returncode == 0
-            ended = finish(first, "the store after node2 was killed", 90)
+            assert cluster("kill", lost).returncode == 0
+            ended = finish(first, f"the store after {lost} was killed", 90)
         assert ended.returncode != 0, log.read_text()[-4000:]
-        again = across(4, [*cli, *durable], "the store rerun on node1 and node3", timeout=180)
+        again = across(rerun, [*cli, *durable], f"the store rerun on {remain}", timeout=180)
         assert_ok(again)
         run = results(tmp_path / "store.h5")
         assert "(local+partner)" in run[2]["source"] and "partner copies" in run[2]["source"], run[2]
         assert_same(run, results(reference), records=60000, iterations=200)
-        print(f"node2 killed to the rerun's first iteration: {run[2]['resumed_at'] - killed:.1f} s (the job's end, "
+        print(f"{lost} killed to the rerun's first iteration: {run[2]['resumed_at'] - killed:.1f} s (the job's end, "
               f"the relaunch and recovery included); recovery itself {run[2]['seconds']['total']:.2f} s")  # fmt: skip
     finally:
-        cluster("up", str(NODES))  # the whole cluster again for the tests after this one (afresh: node2 is gone)
+        cluster("up", str(NODES))  # the whole cluster again for the tests after this one (afresh: a node is gone)
 
 
 DICTLEARN = ["dictlearn", "--atoms", "50", "--iterations", "2000", "--samples", "1500", "--features", "20",
@@ -347,6 +354,28 @@ def test_a_node_lost_under_slurm_is_named_and_the_job_resumes_on_the_nodes_that_
     assert watched.returncode == 1 and lost in watched.stdout and ", failed" in watched.stdout, watched.stdout
     assert "node node1 (ranks 0-1): step " in watched.stdout and "node node2 (ranks 2-3): step " in watched.stdout
     print(f"node2 killed: named after {named:.1f} s, the requeued job resumed on node1 and node3 after {back:.1f} s")
+
+
+def test_a_node_an_admin_sets_down_stays_down_until_resumed(scheduler):
+    """ReturnToService=2 returned node2 to service as soon as its slurmd registered again (35 ms after scontrol set
+    it DOWN, for a node that came back), so a requeued job landed on it again (issue 59, item 17)."""
+    scheduler.run(["scontrol", "update", "nodename=node2", "state=DOWN", "reason=maintenance"])
+    try:
+        pid_file = SLURM_CONF.parent / "slurmd-node2.pid"
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)  # the node's slurmd restarts, as on a node's reboot
+        deadline = time.monotonic() + 30
+        while pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert on_node("node2", f"/usr/sbin/slurmd -f {SLURM_CONF}").returncode == 0
+        time.sleep(3)  # it registers within this
+        shown = scheduler.run(["scontrol", "show", "node", "node2"]).stdout
+        assert "State=DOWN" in shown and "Reason=maintenance" in shown, shown
+    finally:
+        scheduler.run(["scontrol", "update", "nodename=node2", "state=RESUME"])
+    deadline = time.monotonic() + 30
+    while "State=IDLE" not in (shown := scheduler.run(["scontrol", "show", "node", "node2"]).stdout):
+        assert time.monotonic() < deadline, shown
+        time.sleep(0.2)
 
 
 def test_the_time_limit_signal_reaches_every_nodes_ranks_and_the_job_resumes(scheduler, tmp_path):
