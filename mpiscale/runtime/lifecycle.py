@@ -119,6 +119,13 @@ class Lifecycle:
         now = time.monotonic()
         if now - self.stop_asked_at < _SAME_STOP_S:
             return
+        if self.peer_reported:  # a rank of this host reported a failure and aborts the job: not a stop to announce
+            return
+        lost = self.node_watch.ended()
+        if lost is not None:  # the launcher ends the job because a node was lost: that is what to report
+            self.stop_asked_at = now
+            asyncio.get_running_loop().create_task(self.node_lost(lost), name="a node was lost")
+            return
         if self.stop_asked_at == -math.inf:
             self.stop_asked_at = now
             dead = self.local_peers.gone()

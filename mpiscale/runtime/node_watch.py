@@ -87,6 +87,8 @@ class NodeWatch:
         self._following, self._preceding = following, preceding  # the next and previous hosts, and their listeners
         self._tasks: list[asyncio.Task] = []
         self._over = False
+        self._watched: dict[socket.socket, LostNode] = {}  # the neighbours' connections held now
+        self._ending: LostNode | None = None  # a neighbour whose connection ended, being asked again
 
     @classmethod
     def gather(cls, world: Comm, hosts: list[str]) -> NodeWatch:
@@ -121,6 +123,21 @@ class NodeWatch:
         self._tasks.append(loop.create_task(self._accept(on_lost), name="node watch: accept"))
         if self._following is not None:
             self._tasks.append(loop.create_task(self._watch(self._following, on_lost), name="node watch: next"))
+
+    def ended(self) -> LostNode | None:
+        """A neighbour whose connection has ended by now, looked at without waiting (a SIGTERM that comes as a node
+        is lost is the launcher ending the job for it: the loss, not a stop, is what to report); None: none."""
+        if self._ending is not None:
+            return self._ending
+        for connection, neighbour in list(self._watched.items()):
+            try:
+                if connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return neighbour
+            except BlockingIOError:
+                continue
+            except OSError:
+                return neighbour
+        return None
 
     def quiet(self) -> None:
         """This rank's ``main`` ended, or a stop began: a connection that ends from now on is the job's end, not a
@@ -167,9 +184,12 @@ class NodeWatch:
         """Wait for ``connection`` to end; then, while the job still runs, ask the neighbour's listener again: a
         neighbour that answers is alive (watched on the new connection), one that does not is lost."""
         while True:
+            self._watched[connection] = neighbour[0]
             await self._hold(connection)
+            del self._watched[connection]
             if self._over:
                 return
+            self._ending = neighbour[0]
             await asyncio.sleep(GRACE_S)
             if self._over:
                 return
@@ -178,6 +198,7 @@ class NodeWatch:
                 if not self._over:
                     await on_lost(neighbour[0])
                 return
+            self._ending = None
             log.warning("node watch: the connection to node %s ended, but its first rank answers again: it is "
                         "watched on a new connection", neighbour[0].host)  # fmt: skip
             connection = answer

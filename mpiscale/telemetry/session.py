@@ -93,6 +93,8 @@ class Telemetry:
         self._progress: list[tuple[float, int, float]] = []  # (time, step, items) of recent reports
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
+        self._out: str | None = None  # the job's output, beside which a telemetry file lies
+        self._spoke_for_rank_0 = False  # this rank reported rank 0's death in its place
 
     @classmethod
     async def start(cls, system: ActorSystem, command: str, out: str | None) -> Telemetry:
@@ -129,7 +131,8 @@ class Telemetry:
             restarts = restart_count()
             if restarts:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
-            system.death_reporters.append(session.fail)
+        session._out = out
+        system.death_reporters.append(session.died)  # (on the others: where rank 0 is the one that died)
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
         return session
 
@@ -353,9 +356,31 @@ class Telemetry:
             self.emit(record("event", self.job, event="failure", rank=rank, detail=detail))
             await self._end("failed")
 
+    async def died(self, detail: str, rank: int) -> None:
+        """``rank`` died (the runtime's death reporter): as :meth:`fail`, and when rank 0 is the one that died (its
+        node lost), the rank that found it says so in its place."""
+        if self.system.rank != 0 and rank == 0 and self.group is not None and not self._spoke_for_rank_0:
+            self._spoke_for_rank_0 = True  # once (a node found lost by both of its connections)
+            self.sink = self._sink_in_rank_0s_place()
+            if self._task is not None:
+                self._task.cancel()
+            self.emit(record("event", self.job, event="failure", rank=rank, detail=detail))
+            await self._end("failed")
+            return
+        await self.fail(detail, rank)
+
+    def _sink_in_rank_0s_place(self) -> MqttSink | FileSink:
+        """Where rank 0 reported (its broker, or its file, which no one else writes now that it is gone)."""
+        if self.settings.broker is not None:
+            lost = lost_status(self.job, self.command, self.system.size, socket.gethostname())
+            return MqttSink(self.settings, self.job, lost)
+        sink = FileSink(Path(f"{self._out or self.command}.telemetry.jsonl"))
+        sink.accept()
+        return sink
+
     async def _end(self, state: str) -> None:
-        if self.fail in self.system.death_reporters:
-            self.system.death_reporters.remove(self.fail)
+        if self.died in self.system.death_reporters:
+            self.system.death_reporters.remove(self.died)
         self.emit(record("status", self.job, state=state, command=self.command, ranks=self.system.size,
                          host=socket.gethostname()), retain=True)  # fmt: skip
         if self._busy_beat is not None:
