@@ -33,6 +33,8 @@ from .sinks import mqtt_client, topic
 ENDED = ("finished", "stopped", "failed")
 STALE_INTERVALS = 5  # a heartbeat this many intervals late is shown as missing
 GONE_INTERVALS = 30  # and this many: the job is taken for dead
+#: ... but never sooner than this: a job of short intervals (0.2 s) on a loaded machine was silent 8 s at its end
+GONE_AFTER_S = 15.0
 _UNKNOWN_INTERVAL_S = 2.0  # telemetry's default interval, for records that do not say theirs
 _REDRAW_S = 1.0
 
@@ -100,7 +102,7 @@ class View:
     def gone(self, now: float) -> bool:
         """Whether the job has said nothing for so long that it is taken for dead."""
         silent = self.silent_s(now)
-        return silent is not None and silent > GONE_INTERVALS * self.interval_s
+        return silent is not None and silent > max(GONE_INTERVALS * self.interval_s, GONE_AFTER_S)
 
     def _node_lines(self, nodes: list[dict], as_of: float, ago: str) -> list[str]:
         """One line per node of a job on several (stalest first): its ranks, its step, how fresh its reports were at

@@ -58,12 +58,13 @@ def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_
 
 
 def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
-    """Rank 0 (the publisher) SIGKILLed mid-run: the broker sends the job's last will, retained."""
+    """Rank 0 (the publisher) SIGKILLed mid-run, alone (no rank remains to report in its place, as on 2 ranks): the
+    broker sends the job's last will, retained."""
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t2",
            "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}  # fmt: skip
     watcher = subprocess.Popen([*MPISCALE, "watch", "t2", "--broker", broker.address, "--timeout", "120"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    job = memstore(2, tmp_path / "m.h5", "--iterations", 100000, env=env)
+    job = memstore(1, tmp_path / "m.h5", "--iterations", 100000, env=env)
     finished = finish(job, "memstore killed", 180)
     assert finished.returncode == 137, finished.output[-3000:]
     subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] == "running")
@@ -178,18 +179,24 @@ def test_without_a_broker_the_records_go_to_a_file_beside_the_results(tmp_path):
     assert shown.returncode == 0 and "] 300/300" in shown.stdout and "finished" in shown.stdout, shown.stdout
 
 
-def test_watch_of_the_file_of_a_job_that_died_ends_saying_so(tmp_path):
-    """No final status ever comes from a killed job: watch --file ends once the job has said nothing for 30
-    heartbeat intervals (here 0.2 s each)."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_watch_of_the_file_of_a_job_that_died_ends_saying_so(tmp_path, ranks):
+    """Rank 0 killed: on 1 rank no final status ever comes, and watch --file ends once the job has said nothing for
+    30 heartbeat intervals (here 0.2 s each); on 2, the rank that remains writes the failure and the failed status
+    in rank 0's place (it wrote nothing before: issue 59, item 16)."""
     out = tmp_path / "m.h5"
-    env = {"MPISCALE_JOB_ID": "t5", "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}
-    finished = finish(memstore(2, out, "--iterations", 100000, env=env), "memstore killed", 180)
+    env = {"MPISCALE_JOB_ID": "t5", "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000", **MPIRUN_GRACE}
+    finished = finish(memstore(ranks, out, "--iterations", 100000, env=env), "memstore killed", 180)
     assert finished.returncode == 137, finished.output[-3000:]
     shown = subprocess.run([*MPISCALE, "watch", "--file", f"{out}.telemetry.jsonl"], capture_output=True, text=True,
                            timeout=60)  # fmt: skip
     assert shown.returncode == 1, shown.stdout[-2000:] + shown.stderr
-    assert "mpiscale watch: the job (running) has said nothing for " in shown.stderr, shown.stderr
-    assert "it died without a final status, or its rank 0 is blocked" in shown.stderr
+    if ranks == 1:
+        assert "mpiscale watch: the job (running) has said nothing for " in shown.stderr, shown.stderr
+        assert "it died without a final status, or its rank 0 is blocked" in shown.stderr
+        return
+    assert "mpiscale watch: the job ended failed" in shown.stderr, shown.stderr
+    assert "failure rank 0 (pid " in shown.stdout and "MPISCALE_REHEARSE_FAILURE" in shown.stdout, shown.stdout[-2000:]
 
 
 @pytest.mark.parametrize(

@@ -137,6 +137,7 @@ def test_recovery_on_fewer_ranks_with_a_torn_log_tail(tmp_path, uninterrupted):
     assert job.returncode == 137, job.output[-4000:]
     newest = max((local / "node-0" / "wal").glob("*.rank-00000-*"), key=lambda path: path.name)
     tear(newest, 34)
+    shutil.rmtree(local / "node-1")  # node 1's disk is gone with it (recovery reads every node-K folder it finds)
     job = memstore(3, *durable)
     assert_ok(job)
     run = results(out)
