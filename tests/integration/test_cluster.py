@@ -134,6 +134,23 @@ def test_training_across_hosts_follows_one_process(nodes, tmp_path):
 STORE = ["memstore", "--records", "60000", "--iterations", "200", "--top", "20", "--checkpoint-every", "10"]
 
 
+def _killed_mid_run(
+    ranks: int, command: list[str], environment: dict, log: Path, lost: str, stderr: int
+) -> tuple[Job, float]:
+    """``command`` on ``ranks`` ranks over the cluster (its output in ``log``; its stderr there too, or kept in the
+    job), with node ``lost`` killed at its iteration 40: the job as it ended, and when the node was killed."""
+    with open(log, "w") as output:
+        job = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *command], env=environment, cwd=REPO,
+                               text=True, stdout=output, stderr=stderr, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None and _iterations(log) < 40:
+            time.sleep(0.05)
+        assert job.poll() is None, log.read_text()[-4000:]
+        killed = time.time()
+        assert cluster("kill", lost).returncode == 0
+        return finish(job, f"the job after {lost} was killed", 90), killed
+
+
 @pytest.mark.parametrize(
     "ranks, lost, rerun, remain",
     [(4, "node2", 4, "node1 and node3"), (4, "node1", 4, "node2 and node3"), (6, "node2", 4, "node1 and node3")],
@@ -153,18 +170,8 @@ def test_a_memory_store_loses_nothing_when_a_whole_node_is_lost(nodes, tmp_path,
     environment = SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "0"}
     log = tmp_path / "first.log"
     try:
-        with open(log, "w") as output:
-            first = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *cli, *durable], env=environment,
-                                     cwd=REPO, text=True, stdout=output, stderr=subprocess.STDOUT,
-                                     start_new_session=True)  # fmt: skip
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and first.poll() is None and _iterations(log) < 40:
-                time.sleep(0.05)
-            assert first.poll() is None, log.read_text()[-4000:]
-            killed = time.time()
-            assert cluster("kill", lost).returncode == 0
-            ended = finish(first, f"the store after {lost} was killed", 90)
-            ended_at = time.time()
+        ended, killed = _killed_mid_run(ranks, [*cli, *durable], environment, log, lost, subprocess.STDOUT)
+        ended_at = time.time()
         assert ended.returncode != 0, log.read_text()[-4000:]
         again = across(rerun, [*cli, *durable], f"the store rerun on {remain}", timeout=180)
         assert_ok(again)
@@ -189,18 +196,8 @@ def test_a_lost_node_is_one_line_and_one_failure_event_from_a_rank_that_remains(
                str(tmp_path / "checkpoints"), "--local-dir", LOCAL, "--progress-every", "0.1"]  # fmt: skip
     # mpirun's own grace before it kills the ranks (the suite's is 0): the ranks that remain report in it
     environment = SESSION_ENVIRONMENT | MPIRUN_GRACE | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "1"}
-    log = tmp_path / "out.log"
     try:
-        with open(log, "w") as output:
-            job = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *command], env=environment,
-                                   cwd=REPO, text=True, stdout=output, stderr=subprocess.PIPE,
-                                   start_new_session=True)  # fmt: skip
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and job.poll() is None and _iterations(log) < 40:
-                time.sleep(0.05)
-            assert job.poll() is None, log.read_text()[-4000:]
-            assert cluster("kill", lost).returncode == 0
-            ended = finish(job, f"the store after {lost} was killed", 90)
+        ended, _ = _killed_mid_run(4, command, environment, tmp_path / "out.log", lost, subprocess.PIPE)
     finally:
         cluster("up", str(NODES))
     assert ended.returncode != 0
