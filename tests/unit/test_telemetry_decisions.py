@@ -8,7 +8,7 @@ import pytest
 
 from mpiscale.telemetry import Watchdog, WatchdogSettings, by_node, pace, spread
 from mpiscale.telemetry.schema import problems, record
-from mpiscale.telemetry.watch import Screen, View
+from mpiscale.telemetry.watch import GONE_AFTER_S, Screen, View
 
 
 def report(rank: int, step: int, time: float, wait_s: float = 0.0, waiting_in=None, **metrics) -> dict:
@@ -118,11 +118,15 @@ def _records(*beats: float, state: str = "running", declared: float | None = Non
 
 
 def test_watch_takes_a_job_for_dead_after_30_of_its_own_heartbeat_intervals():
-    view = _records(1.0, 1.2, 1.4)
-    assert view.interval_s == pytest.approx(0.2)
-    assert not view.gone(1.4 + 29 * 0.2) and view.gone(1.4 + 31 * 0.2)
-    assert "NO HEARTBEAT for" in "\n".join(view.lines())  # its time is long past
-    assert view.silent_s(2.0) == pytest.approx(0.6)
+    view = _records(1.0, 2.0, 3.0)
+    assert view.interval_s == pytest.approx(1.0)
+    assert not view.gone(3.0 + 29) and view.gone(3.0 + 31)
+    fast = _records(1.0, 1.2, 1.4)  # 30 intervals of 0.2 s: 6 s, shorter than a loaded job's end; 15 s at least
+    assert fast.interval_s == pytest.approx(0.2)
+    assert not fast.gone(1.4 + 31 * 0.2) and not fast.gone(1.4 + GONE_AFTER_S - 0.1)
+    assert fast.gone(1.4 + GONE_AFTER_S + 0.1)
+    assert "NO HEARTBEAT for" in "\n".join(fast.lines())  # its time is long past
+    assert fast.silent_s(2.0) == pytest.approx(0.6)
 
 
 def test_heartbeats_that_come_together_do_not_shorten_the_interval_the_job_declared():
@@ -130,7 +134,7 @@ def test_heartbeats_that_come_together_do_not_shorten_the_interval_the_job_decla
     the watch took 0.01 s for the interval and the job for dead 0.3 s later, before its last will arrived."""
     view = _records(1.0, 1.01, declared=0.2)
     assert view.interval_s == pytest.approx(0.2)
-    assert not view.gone(1.01 + 29 * 0.2) and view.gone(1.01 + 31 * 0.2)
+    assert not view.gone(1.01 + 0.3) and not view.gone(1.01 + 29 * 0.2)
     slower = _records(1.0, 1.5, 2.0, declared=0.2)  # a loaded job beating slower than it said: its own pace counts
     assert slower.interval_s == pytest.approx(0.5)
     assert not problems(slower.latest["heartbeat"])
