@@ -69,8 +69,7 @@ async def until_quiet(
         if current[2] and current == previous:  # stalled, with a frame's parts missing somewhere
             now = time.monotonic()
             stalled_since = stalled_since or now
-            refusal = engine.unfinished_refusal()
-            if refusal is not None and now - stalled_since > stalled_s:
+            if now - stalled_since > stalled_s and (refusal := engine.unfinished_refusal()) is not None:
                 raise refusal
             await asyncio.sleep(0.05)
         else:

@@ -120,6 +120,8 @@ class Lifecycle:
         if now - self.stop_asked_at < _SAME_STOP_S:
             return
         if self.peer_reported:  # a rank of this host reported a failure and aborts the job: not a stop to announce
+            self.stop_asked_at = now
+            asyncio.get_running_loop().create_task(self.peer_failed(), name="a rank of this host failed")
             return
         lost = self.node_watch.ended()
         if lost is not None:  # the launcher ends the job because a node was lost: that is what to report
@@ -144,10 +146,21 @@ class Lifecycle:
     def on_peer_reported(self) -> None:
         self.peer_reported = True
 
+    async def peer_failed(self) -> None:
+        """A rank of this host printed its report and aborts the job: telemetry hears of it (the rank, once its
+        process is gone: half a second at most), this rank adds no line."""
+        dead: dict[int, int] = {}
+        for _ in range(50):
+            if dead := self.local_peers.gone():
+                break
+            await asyncio.sleep(0.01)
+        rank = min(dead or self.local_peers.pids or [0])
+        await self._end_for_death("", f"rank {rank} failed and reported it; the job cannot go on", rank)
+
     async def peers_died(self, dead: dict[int, int]) -> None:
         system = self.system
         if self.peer_reported:  # the rank that died printed why; telemetry still hears of it
-            await self._end_for_death("", f"rank {min(dead)} failed and reported it; the job cannot go on", min(dead))
+            await self.peer_failed()
             return
         named = ", ".join(f"rank {rank} (pid {pid}{', ' + system.roles[rank] if rank in system.roles else ''})"
                           for rank, pid in sorted(dead.items()))  # fmt: skip
