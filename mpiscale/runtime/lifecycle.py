@@ -155,6 +155,10 @@ class Lifecycle:
                 break
             await asyncio.sleep(0.01)
         rank = min(dead or self.local_peers.pids or [0])
+        if rank == 0:  # rank 0 reported, to its telemetry too: nothing to add there
+            if not self.system.failing:
+                self.system.abort("", 1)
+            return
         await self._end_for_death("", f"rank {rank} failed and reported it; the job cannot go on", rank)
 
     async def peers_died(self, dead: dict[int, int]) -> None:

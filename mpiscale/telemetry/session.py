@@ -148,7 +148,7 @@ class Telemetry:
             self.sink = MqttSink(self.settings, self.job, lost, on_control=self.on_control)
             where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/{kept}"
         else:  # opened once the job's input is accepted: a refused job writes nothing
-            self.sink = FileSink(Path(f"{out or self.command}.telemetry.jsonl"))
+            self.sink = FileSink(self._file_path(out))
             return
         print(f"telemetry: job {self.job} -> {where}", flush=True)
 
@@ -352,7 +352,7 @@ class Telemetry:
         """The job is failing on this rank (not collective), or ``rank`` died: rank 0 says so, and closes its sink."""
         if self._task is not None:
             self._task.cancel()
-        if self.system.rank == 0 and self.group is not None and self.sink is not None:
+        if self.group is not None and self.sink is not None:  # rank 0's, or one speaking in its place
             self.emit(record("event", self.job, event="failure", rank=rank, detail=detail))
             await self._end("failed")
 
@@ -362,19 +362,18 @@ class Telemetry:
         if self.system.rank != 0 and rank == 0 and self.group is not None and not self._spoke_for_rank_0:
             self._spoke_for_rank_0 = True  # once (a node found lost by both of its connections)
             self.sink = self._sink_in_rank_0s_place()
-            if self._task is not None:
-                self._task.cancel()
-            self.emit(record("event", self.job, event="failure", rank=rank, detail=detail))
-            await self._end("failed")
-            return
         await self.fail(detail, rank)
+
+    def _file_path(self, out: str | None) -> Path:
+        """The telemetry file beside the job's output (or named after its command)."""
+        return Path(f"{out or self.command}.telemetry.jsonl")
 
     def _sink_in_rank_0s_place(self) -> MqttSink | FileSink:
         """Where rank 0 reported (its broker, or its file, which no one else writes now that it is gone)."""
         if self.settings.broker is not None:
             lost = lost_status(self.job, self.command, self.system.size, socket.gethostname())
             return MqttSink(self.settings, self.job, lost)
-        sink = FileSink(Path(f"{self._out or self.command}.telemetry.jsonl"))
+        sink = FileSink(self._file_path(self._out))
         sink.accept()
         return sink
 
