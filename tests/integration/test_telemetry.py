@@ -300,6 +300,26 @@ def test_a_hang_in_a_users_own_job_is_named_and_ends_it(tmp_path, ranks, how):
     assert waited[-1]["max"] >= 1.0, waited[-3:]  # rank 0's wait, counted while it goes on
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_an_error_raised_on_another_rank_is_one_failure_event_in_rank_0s_telemetry(tmp_path, ranks):
+    """Rank 1 of a user's job raises: it prints the job's one report and aborts, and tells the ranks of its host
+    first. Rank 0, told, gives its telemetry one failure event naming rank 1 and no second line on stderr (it had
+    returned at once, and the job's records ended without the failure)."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t13", "MPISCALE_TELEMETRY_INTERVAL_S": "0.2", **MPIRUN_GRACE}
+    job = start_mpi("user_job.py", ranks, "100000", "1", "100", "raise", env=env, cwd=tmp_path)
+    done = finish(job, "a user's job whose rank 1 raises", 120)
+    assert done.returncode == 1, done.output[-4000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("mpiscale")]
+    assert len(said) == 2 and said[0].startswith(f"mpiscale: job failed on rank 1 of {ranks} "), done.stderr[-4000:]
+    assert said[1] == f"mpiscale: aborting all {ranks} ranks", done.stderr[-4000:]  # the report's last line
+    assert "RuntimeError: the user's step" in done.stderr and "killed by a signal" not in done.stderr, done.stderr
+    records = read_records(tmp_path / "user_job.telemetry.jsonl")
+    failures = [p for p in records if p["kind"] == "event" and p["event"] == "failure"]
+    assert [p["rank"] for p in failures] == [1], failures
+    assert failures[0]["detail"] == "rank 1 failed and reported it; the job cannot go on", failures
+    assert records[-1] == {**records[-1], "kind": "status", "state": "failed", "command": "user_job"}
+
+
 def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
     env = {"MPISCALE_JOB_ID": "t7", "MPISCALE_STRAGGLER_INTERVALS": "3",
            "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=10,slow=0.2"}  # fmt: skip
