@@ -10,6 +10,7 @@ batch, so the results are the same bits on any number of ranks.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ async def run_memstore(system: ActorSystem, config: MemstoreConfig) -> dict:
 def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
     from mpi4py import MPI
 
+    prepared_at = time.time()  # MPI and the runtime are up, the modules imported
     share_cores(ranks_sharing_cores(MPI.COMM_WORLD))
     failure = planted_failure()  # a malformed rehearsal setting is bad input
     if failure is not None and failure.kills:  # the rank says why as it dies: one line for the whole failure
@@ -70,7 +72,7 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
     # every iteration is committed (its logs hold the last ones): no checkpoint at the end
     plan = Plan("iteration", "records", config.iterations, config.progress_every, config.checkpoint_every,
                 saves=bool(config.checkpoint_dir))  # fmt: skip
-    return _Memstore(system, config, store, failure, lock, plan)
+    return _Memstore(system, config, store, failure, lock, plan, prepared_at=prepared_at)
 
 
 @dataclass
@@ -84,7 +86,8 @@ class _Memstore:
     results_lock: OutputLock | None
     plan: Plan
     history: IterationHistory = field(default_factory=IterationHistory)
-    recovery: dict | None = None  # how the store was recovered, for the results file
+    prepared_at: float = 0.0
+    recovery: dict | None = None  # how the store was recovered, and what the restart cost, for the results file
 
     async def restore(self) -> int:
         """The iterations the store's files hold (recovered), or 0 after a fresh load of the records."""
@@ -102,7 +105,9 @@ class _Memstore:
                     self.history.extend(notes)
                 done = len(self.history)
                 self.recovery = {"restart": restart_count(), "iterations_done": done, "source": recovered.source,
-                                 "seconds": recovered.seconds, "records": recovered.records}  # fmt: skip
+                                 "seconds": recovered.seconds, "records": recovered.records,
+                                 "process_started_at": _process_started_at(),
+                                 "prepared_at": self.prepared_at}  # fmt: skip
                 announce("resumed", f"{recovered.records:,} records after iteration {done}")
                 if system.rank == 0:
                     print(
@@ -178,6 +183,17 @@ async def _iterate(job: _Memstore, start: int) -> AsyncGenerator[Step, None]:
             await store.commit(history.to_arrays(slice(-1, None)))
         text = f"mean quality {result.mean:.4f}  {1e3 * seconds:.2f} ms/iteration"
         yield Step(text, config.records, {"iteration": seconds})
+
+
+def _process_started_at() -> float | None:
+    """When this process began (seconds since the epoch, to the kernel's clock tick), so that a restart's cost splits
+    into the launch and the start-up; None where ``/proc`` does not say."""
+    try:
+        fields = open("/proc/self/stat").read().rpartition(")")[2].split()  # the name in () may hold spaces
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22
+    except (OSError, IndexError, ValueError, AttributeError):
+        return None
+    return time.time() - age
 
 
 def _write_results(

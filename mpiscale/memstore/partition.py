@@ -13,6 +13,8 @@ where launching kernels would cost more than the work.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from ..kernels.memstore import (
@@ -26,7 +28,9 @@ from ..kernels.memstore import (
     fused_pass,
     gather_rows,
 )
-from .mirror import DeviceMirror
+
+if TYPE_CHECKING:
+    from .mirror import DeviceMirror
 
 BASE_COLUMNS = ("strength", "quality", "touched")
 #: Each column's type: float32, but ``touched``, the iteration that last reinforced a record, is an integer (a
@@ -59,7 +63,11 @@ class Partition:
         self._ids = np.empty(16, np.int64)
         self._columns = {name: np.empty(16, _column_type(name)) for name in self.names}
         self._slots = build_index(self._ids[:0], 16)
-        self._mirror = DeviceMirror() if device == "cuda" else None
+        self._mirror: DeviceMirror | None = None
+        if device == "cuda":  # imported here: numba.cuda costs every rank of a CPU job 30 ms of its start
+            from .mirror import DeviceMirror
+
+            self._mirror = DeviceMirror()
         self.device_threshold = device_threshold
 
     @property
