@@ -132,7 +132,9 @@ class View:
         # was then, not hours of silence
         as_of, ago = (status["time"], "before the job ended") if self.ended else (now, "ago")
         progress = self.latest.get("progress")
-        if progress is not None:
+        if progress is not None and not progress["total"]:  # the report at the start, before the job's first step
+            lines.append("no step reported yet")
+        elif progress is not None:
             done = progress["step"] / progress["total"] if progress["total"] else 0.0
             bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
             eta = _clock(progress["eta_s"]) if progress["eta_s"] is not None else "?"

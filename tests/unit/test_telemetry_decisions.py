@@ -216,6 +216,17 @@ def test_watch_says_how_many_of_the_jobs_ranks_report():
     assert "slowest rank 0 (step 5; fastest at 5), 2 of 4 ranks reporting" in view.lines()
 
 
+def test_watch_says_no_step_came_before_the_jobs_first_one():
+    """Telemetry reports at once, before the job knows its steps: a job killed before its next report (a memory
+    store at iteration 3,000 in its first interval) showed "0/0  0.0 steps/s ... ETA ?"."""
+    view = View()
+    view.take(record("status", "j", ranks=1, host="node1", command="memstore", state="running"))
+    view.take(record("progress", "j", step=0, total=0, steps_per_s=0.0, eta_s=None, items_per_s=0.0))
+    assert "no step reported yet" in view.lines() and not any("0/0" in line for line in view.lines())
+    view.take(record("progress", "j", step=5, total=10, steps_per_s=1.0, eta_s=5.0, items_per_s=1.0))
+    assert any(line.startswith("[###############...............] 5/10") for line in view.lines()), view.lines()
+
+
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
