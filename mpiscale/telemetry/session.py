@@ -121,6 +121,11 @@ class Telemetry:
         session._leader = system.node.world_ranks[0]  # the node's first rank
         if system.rank == 0:
             session._open_sink(out)
+            restarts = restart_count()
+            previous = session.sink.previous_failure() if restarts and isinstance(session.sink, FileSink) else None
+            if previous is not None:
+                print(f"mpiscale: restart {restarts} of this job: its previous run failed: {previous}", file=sys.stderr,
+                      flush=True)  # fmt: skip
             if settings.prometheus_port is not None:
                 session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
             session.watchdog = Watchdog(watching, settings.interval_s)
@@ -128,9 +133,9 @@ class Telemetry:
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
             session.event("started", f"{command} on {counted(system.size, 'rank')}")
-            restarts = restart_count()
             if restarts:
-                session.event("restarted", f"run {restarts + 1} of the job (restart {restarts})")
+                after = f", after: {previous}" if previous else ""
+                session.event("restarted", f"run {restarts + 1} of the job (restart {restarts}){after}")
         session._out = out
         system.death_reporters.append(session.died)  # (on the others: where rank 0 is the one that died)
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")

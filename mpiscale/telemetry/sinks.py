@@ -44,6 +44,7 @@ CLOSE_UNCONNECTED_S = 0.5  # ... and for a lost connection to come back, retried
 # back in the meantime gets the final status
 CLOSING_RETRY_S = 0.05
 #: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
+_TAIL_BYTES = 1 << 20  # how much of a telemetry file's end a restart reads for its previous run's failure
 _PAHO_LOG = logging.getLogger("mpiscale.telemetry.mqtt")
 _PAHO_LOG.setLevel(logging.CRITICAL)
 
@@ -137,6 +138,30 @@ class FileSink:
             if not self.dropped:
                 log.warning("telemetry: %s: %s; records are dropped", self.path, error)
             self.dropped += 1
+
+    def previous_failure(self) -> str | None:
+        """Why the run before this one ended, when its last status in the file says it failed: its failure event's
+        detail (who failed). A restarted job says it, since the run that failed may have lost its output with its
+        node (Slurm's batch host: the job's stderr went with it, its telemetry did not)."""
+        try:
+            with open(self.path, "rb") as file:
+                file.seek(max(0, file.seek(0, os.SEEK_END) - _TAIL_BYTES))
+                tail = file.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        failure = None
+        for line in tail:
+            try:
+                payload = json.loads(line)
+            except ValueError:  # a line cut by the tail's start, or half written when the run died
+                continue
+            if not isinstance(payload, dict):
+                continue
+            if payload.get("kind") == "status" and payload.get("state") == "running":
+                failure = None  # a later run: its own failure or none
+            elif payload.get("kind") == "event" and payload.get("event") == "failure":
+                failure = f"{payload.get('detail')} (rank {payload.get('rank')})"
+        return failure
 
     async def close(self) -> None:
         if self._held is not None:

@@ -1,6 +1,7 @@
 """What rank 0 decides from the ranks' reports, as pure functions: the metrics' spread, the pace, hangs, stragglers."""
 
 import io
+import json
 import time
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 
 from mpiscale.telemetry import Watchdog, WatchdogSettings, by_node, pace, spread
 from mpiscale.telemetry.schema import problems, record
+from mpiscale.telemetry.sinks import FileSink
 from mpiscale.telemetry.watch import GONE_AFTER_S, Screen, View
 
 
@@ -259,3 +261,23 @@ def test_watch_of_a_file_that_is_no_telemetry_says_so_at_once(tmp_path, capsys):
     assert "x.npy holds no telemetry record, only " in capsys.readouterr().err
     assert main(["watch", "--file", str(tmp_path / "bad.jsonl"), "--no-follow"]) == 2
     assert "bad.jsonl holds no telemetry record, only 1 line of something else" in capsys.readouterr().err
+
+
+def test_a_restart_reads_why_the_previous_run_failed_from_the_jobs_telemetry_file(tmp_path):
+    """The run that failed may have lost its stderr with its node (Slurm's batch host): the restarted run finds its
+    failure in the telemetry file, the last run's only, past a torn line, and nothing after a run that ended well."""
+    path = tmp_path / "out.h5.telemetry.jsonl"
+    runs = [
+        record("status", "j", state="running", command="dictlearn", ranks=4, host="node1"),
+        record("event", "j", event="failure", rank=0, detail="an older run's failure"),
+        record("status", "j", state="running", command="dictlearn", ranks=4, host="node1"),
+        record("event", "j", event="failure", rank=0, detail="node node1 (ranks 0, 1) was lost while the job ran"),
+        record("status", "j", state="failed", command="dictlearn", ranks=4, host="node2"),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in runs) + '{"kind": "heart')
+    sink = FileSink(path)
+    assert sink.previous_failure() == "node node1 (ranks 0, 1) was lost while the job ran (rank 0)"
+    with open(path, "a") as file:
+        file.write("\n" + json.dumps(runs[0]) + "\n" + json.dumps({**runs[-1], "state": "finished"}) + "\n")
+    assert sink.previous_failure() is None
+    assert FileSink(tmp_path / "none.jsonl").previous_failure() is None
