@@ -65,7 +65,13 @@ class Controller:
         return done.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> Job:
-        shown = self.run(["scontrol", "show", "job", "-o", job_id])
+        """The job's state; a query slurmctld fails while busy (its RPC timed out under load, exit 1) is asked again
+        for up to 30 s, then fails with what scontrol said."""
+        deadline = time.monotonic() + 30
+        while (shown := self.run(["scontrol", "show", "job", "-o", job_id], check=False)).returncode != 0:
+            if time.monotonic() > deadline:
+                pytest.fail(f"scontrol show job {job_id} failed for 30 s: {shown.stderr.strip()}")
+            time.sleep(0.5)
         fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
         return Job(job_id, fields)
 
