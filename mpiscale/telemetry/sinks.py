@@ -43,8 +43,8 @@ CLOSE_TIMEOUT_S = 5.0  # the longest a job's end waits for its last records to r
 CLOSE_UNCONNECTED_S = 0.5  # ... and for a lost connection to come back, retried every CLOSING_RETRY_S: a broker
 # back in the meantime gets the final status
 CLOSING_RETRY_S = 0.05
-#: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
 _TAIL_BYTES = 1 << 20  # how much of a telemetry file's end a restart reads for its previous run's failure
+#: paho's own log (through aiomqtt) reports every reset socket as an error; the sink reports what matters itself.
 _PAHO_LOG = logging.getLogger("mpiscale.telemetry.mqtt")
 _PAHO_LOG.setLevel(logging.CRITICAL)
 

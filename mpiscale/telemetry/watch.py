@@ -135,7 +135,7 @@ class View:
         if progress is not None and not progress["total"]:  # the report at the start, before the job's first step
             lines.append("no step reported yet")
         elif progress is not None:
-            done = progress["step"] / progress["total"] if progress["total"] else 0.0
+            done = progress["step"] / progress["total"]
             bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
             eta = _clock(progress["eta_s"]) if progress["eta_s"] is not None else "?"
             lines.append(f"[{bar}] {progress['step']}/{progress['total']}  {progress['steps_per_s']:.1f} steps/s  "
