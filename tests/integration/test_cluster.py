@@ -354,8 +354,11 @@ def test_sbatch_runs_a_job_across_two_nodes_with_either_launch_line(scheduler, t
     _assert_learned(run, tmp_path)
 
 
-# node1 (the batch host) passed alone, but once in the full suite no node2 rank wrote the failure within 30 s
-# (the job stayed COMPLETING): out of make test until that is found (make test-slow runs it)
+# node1 (the batch host): in about 1 run of 3 no node2 rank writes the failure (the job stays COMPLETING). With each
+# rank's stderr kept on its node and a thread in each writing the main thread's stack every 20 ms, node2's ranks were
+# seen to stop at the very instant of node1's kill (on the compiled and the pure message path alike), print nothing,
+# and end about 1 s later (Slurm's PMIx server lost them): no code of theirs runs after the kill, so the node watch
+# cannot speak. What stops them is not found; out of make test until it is (make test-slow runs it)
 BATCH_HOST_LOST = pytest.param("node1", "0, 1", "node[2-3]", marks=pytest.mark.slow)
 
 
