@@ -3,7 +3,7 @@
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
 from .channels import Channel
-from .collectives import Communicator, Group, Hierarchy
+from .collectives import Communicator
 from .config import RuntimeConfig
 from .errors import (
     ActorNotFound,
@@ -17,6 +17,7 @@ from .errors import (
     RemoteTraceback,
     TransportError,
 )
+from .hierarchy import Group, Hierarchy
 from .lifecycle import run
 from .steering import Orders, Steering
 from .system import ActorSystem

@@ -18,6 +18,7 @@ culprit; the question is asked again, less and less often.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import sys
 import threading
@@ -44,7 +45,12 @@ def call_site() -> str:
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_RUNTIME_DIR):
         frame = frame.f_back
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return _site(frame.f_code.co_filename, frame.f_lineno)
+
+
+@functools.lru_cache(maxsize=1024)
+def _site(filename: str, line: int) -> str:
+    return f"{os.path.basename(filename)}:{line}"
 
 
 @dataclass

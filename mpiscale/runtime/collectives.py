@@ -7,28 +7,56 @@ so collectives never match the runtime's point-to-point traffic.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import functools
+import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
-from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed, split_nodes
+from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed
 from . import transport
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
+
+
+@functools.lru_cache(maxsize=1024)
+def _described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
+    """A collective's arguments as its check compares and its report names them: ``float32(1024,) sum`` (kept: numpy
+    takes microseconds to name a dtype, longer than a small collective)."""
+    return f"{dtype}{shape} {rest}" if rest else f"{dtype}{shape}"
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+#: A checked allreduce of at most this many bytes is MPI's blocking Allreduce, and a hierarchical one of at most
+#: this many runs on the event loop: every rank has reached it (the exchange before it showed it), so it ends at once,
+#: and the loop waits for it (64 KiB take about 11 µs between two ranks of a host, 4 MiB 0.35 ms). Larger ones leave
+#: the loop free: the world's are awaited, the hierarchical ones run in the reducer's thread.
+BLOCKING_ALLREDUCE_BYTES = 4 << 20
+#: How long a collective's request is tested in the caller's stack before the engine takes it over (seconds): MPI
+#: ends a small one among ranks that are all there in 1-3 µs (2 ranks of a host).
+_INLINE_TEST_S = 20e-6
+
+
+async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, spin_s: float) -> None:
+    """Wait for a collective's ``request``. One the other ranks are in already ends within microseconds: it is
+    tested in the caller's stack first (for ``_INLINE_TEST_S``), with no future and no task switch; then the engine
+    polls for it in the caller's stack (for ``spin_s``, while no other task is ready); then it is awaited."""
+    clock = time.perf_counter
+    end = clock() + _INLINE_TEST_S
+    while not request.Test():
+        if clock() > end:
+            done = engine.wait(request, what, keep)
+            engine.poll_until(done, spin_s)
+            await done
+            return
 
 
 P = ParamSpec("P")
@@ -85,6 +113,7 @@ class Communicator:
         #: The collectives this rank started here, and those still pending.
         self.log = CollectiveLog(name, world_ranks(MPI, comm))
         self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI
+        self._spin_s = config.value_spin_us * 1e-6
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -96,7 +125,7 @@ class Communicator:
 
     async def _wait(self, request, what: str, keep: object = None) -> None:
         self._posted += 1
-        await self._engine.wait(request, f"{what} on {self.name}", keep)
+        await settle(self._engine, request, f"{what} on {self.name}", keep, self._spin_s)
 
     def _op(self, op: str):
         try:
@@ -194,8 +223,15 @@ class Communicator:
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
-        await self._check("allreduce", f"{data.dtype}{data.shape} {op}")
+        await self._check("allreduce", _described(data.dtype, data.shape, str(op)))
         mpi_op = self._op(op)
+        if self._config.check_collectives and data.nbytes <= BLOCKING_ALLREDUCE_BYTES:
+            # every rank is in this call now (the check's exchange showed it): MPI's blocking Allreduce of a small
+            # buffer ends at once, with none of the non-blocking one's rounds of polling
+            result = data if out is array and data is array else (np.empty_like(data) if out is None else out)
+            self._posted += 1
+            self.comm.Allreduce(self._MPI.IN_PLACE if result is data else data, result, mpi_op)
+            return result
         if out is array and data is array:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array
@@ -209,7 +245,7 @@ class Communicator:
     ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         data = self._array(array, "reduce")
-        await self._check("reduce", f"{data.dtype}{data.shape} {op} root={root}")
+        await self._check("reduce", _described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
         if self.rank != root:
             await self._wait(self.comm.Ireduce(data, None, mpi_op, root), "reduce", keep=data)
@@ -226,7 +262,7 @@ class Communicator:
         """Broadcast ``root``'s array into ``array`` on every rank (same shape everywhere)."""
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
-        await self._check("bcast_array", f"{array.dtype}{array.shape} root={root}")
+        await self._check("bcast_array", _described(array.dtype, array.shape, f"root={root}"))
         await self._wait(self.comm.Ibcast(array, root), "bcast")
         return array
 
@@ -256,7 +292,7 @@ class Communicator:
     async def allgather(self, array: np.ndarray) -> np.ndarray:
         """Stack every rank's array (same shape and dtype): result shape (size, *shape)."""
         data = self._array(array, "allgather")
-        await self._check("allgather", f"{data.dtype}{data.shape}")
+        await self._check("allgather", _described(data.dtype, data.shape, ""))
         result = np.empty((self.size, *data.shape), dtype=data.dtype)
         await self._wait(self.comm.Iallgather(data, result), "allgather", keep=data)
         return result
@@ -265,7 +301,7 @@ class Communicator:
     async def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:
         """Stack every rank's array on ``root``; None elsewhere."""
         data = self._array(array, "gather")
-        await self._check("gather", f"{data.dtype}{data.shape} root={root}")
+        await self._check("gather", _described(data.dtype, data.shape, f"root={root}"))
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
         await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
         return result
@@ -280,7 +316,7 @@ class Communicator:
         data = self._array(rows, "alltoallv")
         if data.ndim == 0 or len(counts) != self.size or int(np.sum(counts)) != len(data):
             raise ValueError(f"alltoallv: {self.size} counts summing to the {len(data)} rows are needed, got {counts}")
-        await self._check("alltoallv", f"{data.dtype}{data.shape[1:]}")
+        await self._check("alltoallv", _described(data.dtype, data.shape[1:], ""))
         sent = np.ascontiguousarray(counts, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
@@ -297,7 +333,7 @@ class Communicator:
         data = self._array(array, "reduce_scatter")
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
-        await self._check("reduce_scatter", f"{data.dtype}{data.shape} {op}")
+        await self._check("reduce_scatter", _described(data.dtype, data.shape, str(op)))
         rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]
@@ -305,119 +341,3 @@ class Communicator:
         request = self.comm.Ireduce_scatter(data, result, counts, self._op(op))
         await self._wait(request, "reduce_scatter", keep=data)
         return result
-
-
-@dataclass
-class Hierarchy:
-    """World, node-local and node-leader communicators, and the hierarchical allreduce."""
-
-    world: Communicator
-    node: Communicator
-    leaders: Communicator | None  # None on ranks that do not lead their node
-    node_index: int
-    node_count: int
-    reducer: HierarchicalAllreduce
-    #: The hierarchical allreduces this rank started, and those still pending.
-    log: CollectiveLog
-    engine: ProgressEngine  # counts the time a rank waits for a call's end (telemetry, the hang watch)
-
-    async def allreduce(
-        self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Reduce-scatter in each node, reduce each block across nodes, allgather in each node.
-
-        Same result as ``world.allreduce`` up to floating-point summation order,
-        and the same bits on every rank; every rank carries its share across
-        nodes. float16 is summed in float32. ``op`` is "sum", "min", "max",
-        "prod", or a ``Reduction``: a function of the contributions stacked in
-        rank order (rows) returning one row, applied outside MPI (for element
-        types MPI cannot add, such as 16-bit floats held as uint16). Several
-        calls may be in flight.
-        """
-        return await self.finish(self.start_allreduce(array, op, out))
-
-    async def finish(self, started: concurrent.futures.Future) -> np.ndarray:
-        """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
-        telemetry reports and the hang watch reads)."""
-        future = asyncio.wrap_future(started)
-        self.engine.waits.count(future, f"allreduce on {self.log.name}")
-        return await future
-
-    def start_allreduce(
-        self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
-    ) -> concurrent.futures.Future:
-        """Begin ``allreduce`` now, even from code that does not await or runs in another thread (a gradient hook:
-        for GPU parameters autograd runs it in its device thread, which has no event loop); ``await finish(future)``
-        later, on the loop.
-
-        The reduction runs while the caller goes on; ``array`` must not change until the future is done.
-        """
-        data = self.world._array(array, "hierarchical allreduce")
-        number = self.log.begin("allreduce")
-        assert self.log.last is not None  # set by begin
-        call = (f"allreduce #{number} on {self.log.name}", self.log.last[2])
-        if isinstance(op, str):
-            future = self.reducer.start(data, self.world._op(op), op, out, call)
-        else:
-            future = self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out, call)
-        future.add_done_callback(lambda _: self.log.end(number))
-        return future
-
-
-def build_hierarchy(
-    MPI: ModuleType, world_comm: Comm, engine: ProgressEngine, config: RuntimeConfig, name: str = "world"
-) -> Hierarchy:
-    """Create the communicators (collective over ``world_comm``; the runtime's at start-up, a :class:`Group`'s when
-    it is made). ``name`` names its ``world`` communicator; the node communicators are named after it."""
-    node_comm, index, count = split_nodes(world_comm, config.ranks_per_node)
-    is_leader = node_comm.Get_rank() == 0
-    leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
-    prefix = "" if name == "world" else f"{name}."
-    leaders = Communicator(MPI, leader_comm, engine, config, f"{prefix}leaders") if is_leader else None
-    world = Communicator(MPI, world_comm.Dup(), engine, config, name)
-    return Hierarchy(
-        reducer=HierarchicalAllreduce(MPI, node_comm, world_comm, index, config),
-        world=world,
-        node=Communicator(MPI, node_comm, engine, config, f"{prefix}node{index}"),
-        leaders=leaders,
-        node_index=index,
-        node_count=count,
-        log=CollectiveLog(f"{name} (hierarchical)", world.log.members),
-        engine=engine,
-    )
-
-
-@dataclass
-class Group:
-    """Some of the world's ranks with collectives of their own (``ActorSystem.split``): the ``rank``, ``size``,
-    ``world`` and ``hierarchy`` an ``ActorSystem`` offers, so what reduces over the whole job (``DataParallel``,
-    the gradient compressions) reduces over a group alike."""
-
-    name: str
-    hierarchy: Hierarchy
-
-    @property
-    def world(self) -> Communicator:
-        """Awaitable collectives over the group's ranks."""
-        return self.hierarchy.world
-
-    @property
-    def rank(self) -> int:
-        return self.hierarchy.world.rank
-
-    @property
-    def size(self) -> int:
-        return self.hierarchy.world.size
-
-    def logs(self) -> list[CollectiveLog]:
-        """The collective logs of its communicators (for the watch on collectives some rank abandoned)."""
-        h = self.hierarchy
-        return [h.world.log, h.node.log, h.log] + ([h.leaders.log] if h.leaders else [])
-
-    def free(self) -> None:
-        """Stop the reducer's thread and free the communicators (at the runtime's end)."""
-        h = self.hierarchy
-        h.reducer.close()
-        for comm in (h.world.comm, h.node.comm, h.leaders.comm if h.leaders else None):
-            if comm is not None:
-                comm.Free()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import traceback
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class CollectiveMismatch(MpiscaleError, ValueError):
     reporter: int | None = None
 
 
+@functools.lru_cache(maxsize=1024)
 def signature_digest(signature: str) -> int:
     """A signed 64-bit digest of a collective's arguments (shape, dtype, op), to compare across ranks."""
     return int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little", signed=True)

@@ -43,7 +43,13 @@ operations call Python inside MPI, holding the GIL (a training step with them
 ran 4x slower).
 
 The calls run in one worker thread per rank, on communicators of their own,
-while the event loop goes on. Open MPI's non-blocking collectives advance
+while the event loop goes on. An awaited call of at most 4 MiB
+(``collectives.BLOCKING_ALLREDUCE_BYTES``) runs on the event loop itself when
+the worker has no call queued (the hand-offs to the thread and back cost about
+0.1 ms, 30 times a 4 KiB Allreduce): its exchange is awaited like the world's
+collectives, then the reduction blocks the loop for as long as MPI takes with
+every rank there. Calls begun meanwhile wait for it, so every rank's calls
+meet on the same communicators in the same order whichever thread runs them. Open MPI's non-blocking collectives advance
 only while the caller polls, and measured at a third to a half of the blocking
 ones' bandwidth here, so where a stage is a collective it is a blocking one.
 The worker takes calls in the order they were made, the same on every rank (as
@@ -60,6 +66,7 @@ and only then starts the stages, which all ranks now run together.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,12 +111,41 @@ class HierarchicalAllreduce:
         self._buffer = np.empty(0, np.uint8)  # this rank's share, kept between calls: fresh pages cost page faults
         self._copies_buffer = np.empty(0, np.uint8)  # every local rank's copy of this rank's share, kept as well
         self._ufuncs = [(MPI.SUM, np.add), (MPI.PROD, np.multiply), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]
+        self._order = threading.Lock()  # guards the count below: which thread runs the next call
+        self._queued = 0  # calls given to the worker and not finished
+        self._inline_free = threading.Event()  # cleared while the event loop runs a call itself
+        self._inline_free.set()
 
     def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]) -> Future:
         """Begin a call now, in call order, from any thread (a gradient hook runs in autograd's device thread, which
         has no event loop); the future's result is ``out``, or a new array. ``call``: what the call is and where it
         was made (``allreduce #3 on world (hierarchical)``, a file and line), named in a mismatch's report."""
-        return self._worker.submit(self._run, array, op, op_name, out, call)
+        with self._order:
+            self._queued += 1
+        return self._worker.submit(self._run_queued, array, op, op_name, out, call)
+
+    def claim_inline(self) -> bool:
+        """Whether the caller may run the next call itself, on the event loop (:meth:`post_gate`, :meth:`passed`,
+        :meth:`reduce_now`, then :meth:`release_inline`): only when no call is queued or running in the worker, and
+        calls begun meanwhile wait for it. Every rank's calls then still meet on the same communicators in the same
+        order, whichever thread runs them."""
+        with self._order:
+            if self._queued or not self._inline_free.is_set():
+                return False
+            self._inline_free.clear()
+            return True
+
+    def release_inline(self) -> None:
+        self._inline_free.set()
+
+    def _run_queued(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None,
+                    call: tuple[str, str]) -> np.ndarray:  # fmt: skip
+        try:
+            self._inline_free.wait()  # a call the loop runs itself, begun before this one
+            return self._run(array, op, op_name, out, call)
+        finally:
+            with self._order:
+                self._queued -= 1
 
     def close(self) -> None:
         """Stop the worker once its calls are done."""
@@ -118,7 +154,34 @@ class HierarchicalAllreduce:
     def _run(
         self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]
     ) -> np.ndarray:
-        self._until_all_arrived(f"{array.dtype}{array.shape} {op_name}", call)
+        gate, digests, signature = self.post_gate(array, op_name)
+        self._until_done([gate], _GATE_SPIN_S, _GATE_SLEEP_S)
+        self.passed(digests, signature, call)
+        return self.reduce_now(array, op, out)
+
+    def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
+        """Start the exchange that waits until every rank has reached this call (so a rank ahead of the others
+        leaves its core to compute threads meanwhile); with checks on it carries a digest of the call's arguments.
+        Returns (its request, where the digests arrive (None without checks), the arguments as text)."""
+        signature = f"{array.dtype}{array.shape} {op_name}"
+        if not self._check:
+            return self._gate.Ibarrier(), None, signature
+        digests = np.empty(self._gate.Get_size(), np.int64)
+        mine = np.array([signature_digest(signature)], np.int64)
+        return self._gate.Iallgather(mine, digests), digests, signature
+
+    def passed(self, digests: np.ndarray | None, signature: str, call: tuple[str, str]) -> None:
+        """After the exchange: a mismatch of the ranks' arguments is one :class:`CollectiveMismatch` naming every
+        rank's arguments and call site (raised on every rank; the lowest one reports it)."""
+        if digests is not None and (digests != digests[0]).any():
+            calls = self._gate.allgather(f"allreduce({signature}) at {call[1]}")
+            error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
+                                       f"must pass the same: {by_ranks(calls)}")  # fmt: skip
+            error.reporter = self._reporter
+            raise error
+
+    def reduce_now(self, array: np.ndarray, op: Any, out: np.ndarray | None) -> np.ndarray:
+        """The reduction itself, once every rank has passed the exchange (blocking: all ranks run it together)."""
         if not isinstance(op, self._MPI.Op):  # a reduction function, applied outside MPI
             flat = np.ascontiguousarray(array).reshape(-1)
             total = np.empty_like(flat)
@@ -140,24 +203,6 @@ class HierarchicalAllreduce:
             return result
         np.copyto(out, result)
         return out
-
-    def _until_all_arrived(self, signature: str, call: tuple[str, str]) -> None:
-        """Return once every rank has reached this call, so that a rank ahead of the others leaves its core to
-        compute threads meanwhile; with checks on, the same exchange compares every rank's arguments, and a
-        mismatch is one :class:`CollectiveMismatch` naming every rank's arguments and call site (raised on every
-        rank; the lowest one reports it)."""
-        if not self._check:
-            self._until_done([self._gate.Ibarrier()], _GATE_SPIN_S, _GATE_SLEEP_S)
-            return
-        digests = np.empty(self._gate.Get_size(), np.int64)
-        mine = np.array([signature_digest(signature)], np.int64)
-        self._until_done([self._gate.Iallgather(mine, digests)], _GATE_SPIN_S, _GATE_SLEEP_S)
-        if (digests != digests[0]).any():
-            calls = self._gate.allgather(f"allreduce({signature}) at {call[1]}")
-            error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
-                                       f"must pass the same: {by_ranks(calls)}")  # fmt: skip
-            error.reporter = self._reporter
-            raise error
 
     def _until_done(self, requests: list, spin_s: float, longest_sleep_s: float) -> None:
         """Return once ``requests`` are complete: polled for ``spin_s``, then with sleeps doubling from 20 µs to

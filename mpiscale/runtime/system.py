@@ -22,13 +22,14 @@ from . import wire
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy
 from .channels import Channel, Deliver
-from .collectives import Communicator, Group, Hierarchy, build_hierarchy
+from .collectives import Communicator
 from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
 from .deadlines import AskDeadlines
 from .diagnostics import failure_report, rank_diagnostics, refusal_report
 from .dispatch import MESSAGE, REPLY, PendingAsk
 from .errors import Failure, JobRefused, MessageRefused
+from .hierarchy import Group, Hierarchy, build_hierarchy
 from .progress import ProgressEngine, completed
 from .steering import Steering
 

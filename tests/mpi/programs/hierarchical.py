@@ -33,6 +33,14 @@ async def main(system) -> None:
         assert await h.allreduce(matrix, out=matrix) is matrix and (matrix == ranks * (ranks + 1) / 2).all()
         row = np.arange(float(shape[0] * shape[1]))
         assert (await h.allreduce(row * rank, op="max") == row * (ranks - 1)).all()
+    # A small call runs on the event loop where the reducer's thread is idle, and queues behind the thread's calls
+    # where it is not: rank 0 makes it with its 4 MiB call still in flight, the others after theirs ended. Every
+    # rank's calls still meet in the same order.
+    large = h.start_allreduce(np.full(1 << 19, float(rank)))
+    if rank != 0:
+        await h.finish(large)
+    assert (await h.allreduce(np.full(10, rank + 1.0)) == ranks * (ranks + 1) / 2).all()
+    assert (await h.finish(large) == ranks * (ranks - 1) / 2).all()
     try:  # shapes that differ by rank: refused on every rank alike, before any stage starts
         await h.allreduce(np.zeros(1000 + rank))
     except mpiscale.CollectiveMismatch as error:

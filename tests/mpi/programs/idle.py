@@ -47,7 +47,8 @@ async def main(system):
         for rank, (a, b, c, d, e) in enumerate(shares):
             print(
                 f"rank {rank}: idle {a:.1%} of a core, waiting on an ask {b:.1%}, on a late rank's allreduce "
-                f"{c:.1%}, on a value sent 2 s late {d:.1%}, on 16 MiB a busy rank takes 2 s late {e:.1%} beyond the transfer itself"
+                f"{c:.1%}, on a value sent 2 s late {d:.1%}, on 16 MiB a busy rank takes 2 s late {e:.1%} beyond "
+                "the transfer itself"
             )
         assert (shares < 0.10).all(), f"an idle rank used 10% of a core or more: {shares}"
         print("idle ok")
