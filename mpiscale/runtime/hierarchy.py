@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ranks import Comm, split_nodes
 from .abandoned import CollectiveLog
-from .collectives import BLOCKING_ALLREDUCE_BYTES, Communicator, Reduction, settle
+from .collectives import BLOCKING_ALLREDUCE_BYTES, Communicator, Reduction, out_of_size, settle
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
@@ -59,6 +59,8 @@ class Hierarchy:
         reduction, which ends at once with every rank there."""
         data = self.world._array(array, "hierarchical allreduce")
         mpi_op = self.world._op(op)
+        if out is not None:  # refused before the exchange: the reduction after it blocks every rank until all run it
+            out_of_size(data, out, "hierarchical allreduce")
         number = self.log.begin("allreduce")
         try:
             assert self.log.last is not None  # set by begin

@@ -93,6 +93,17 @@ async def main(system):
     else:
         raise AssertionError("mismatch not detected")
 
+    # An out that cannot hold the result is refused before any MPI call: the blocking reduction after the check
+    # would leave the other ranks in it. The next call is whole.
+    for reduce in (world.allreduce, h.allreduce):
+        try:
+            await reduce(np.ones(4), out=np.empty(3))
+        except ValueError as error:
+            assert "out holds 3 elements, the array 4" in str(error), error
+        else:
+            raise AssertionError(f"{reduce} took an out of the wrong size")
+    assert (await h.allreduce(np.ones(4), out=np.empty(4)) == size).all()
+
     stop.set()
     sent = await chat
     sent_total = await world.allreduce(np.array([sent], dtype=np.int64))
