@@ -42,8 +42,10 @@ import numpy as np
 
 from ..errors import MpiscaleError
 
-#: Largest array that travels in a compact message; larger ones go out of band, without a copy.
-MAX_ARRAY_BYTES = 4096
+#: Largest array that travels in a compact message (the message's whole body is at most ``inline_bytes``); larger
+#: ones go out of band, without a copy. Copying 64 KiB in and out costs less than pickling the array: an 8 KiB
+#: vector asked back took 24 µs pickled.
+MAX_ARRAY_BYTES = 65536
 #: Most dimensions of an array in a compact message, and the largest extent (and element count) one may declare.
 MAX_DIMS = 32
 MAX_EXTENT = 1 << 40

@@ -23,14 +23,21 @@ def test_run_returns_after_in_flight_messages_are_handled(ranks):
     assert job.stdout.count("drained") == ranks
 
 
-def _wait_for_pids(folder: Path, ranks: int, timeout: float = 60) -> list[int]:
+def _wait_for_pids(folder: Path, ranks: int, process: subprocess.Popen, timeout: float = 60) -> list[int]:
+    """The ranks' pids, once each has written its own; if they do not within ``timeout``, the job is killed (its ranks
+    left running had loaded the machine for the rest of the suite) and the test fails with its output."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         files = [folder / f"rank{r}.pid" for r in range(ranks)]
         if all(f.exists() and f.read_text() for f in files):
             return [int(f.read_text()) for f in files]
         time.sleep(0.05)
-    pytest.fail(f"ranks did not start within {timeout}s")
+    os.killpg(process.pid, signal.SIGKILL)
+    stdout, stderr = process.communicate()
+    pytest.fail(
+        f"ranks did not start within {timeout}s\n--- stdout ---\n{(stdout or '')[-3000:]}\n--- stderr ---\n"
+        f"{(stderr or '')[-6000:]}"
+    )
 
 
 def _wait_for_text(path: Path, text: str, timeout: float = 30) -> str:
@@ -55,7 +62,7 @@ def test_sigusr1_prints_diagnostics_and_the_job_goes_on(ranks, tmp_path):
     err = tmp_path / "stderr.txt"
     with err.open("w") as stderr:
         process = start_mpi("signals.py", ranks, "usr1", str(tmp_path), stderr=stderr)
-        pids = _wait_for_pids(tmp_path, ranks)
+        pids = _wait_for_pids(tmp_path, ranks, process)
         time.sleep(0.3)  # let the holds start
         os.kill(pids[1], signal.SIGUSR1)
         text = _wait_for_text(err, "asyncio tasks:")
@@ -76,7 +83,7 @@ def test_sigusr1_prints_diagnostics_and_the_job_goes_on(ranks, tmp_path):
 )
 def test_signal_drains_and_exits_nonzero(ranks, tmp_path, who, signum):
     process = start_mpi("signals.py", ranks, "term", str(tmp_path))
-    pids = _wait_for_pids(tmp_path, ranks)
+    pids = _wait_for_pids(tmp_path, ranks, process)
     time.sleep(0.5)
     start = time.monotonic()
     for pid in pids if who == "all" else pids[-1:]:
@@ -163,7 +170,7 @@ def test_stuck_ranks_cannot_keep_a_job_the_launcher_was_told_to_stop_alive(tmp_p
     and drain (1 s each here) and 5 s more are over."""
     env = {"MPISCALE_STOP_GRACE_S": "1", "MPISCALE_SHUTDOWN_TIMEOUT_S": "1"}
     process = start_mpi("signals.py", 2, "stuck", str(tmp_path), env=env)
-    _wait_for_pids(tmp_path, 2)
+    _wait_for_pids(tmp_path, 2, process)
     start = time.monotonic()
     process.send_signal(signal.SIGTERM)
     job = finish(process, "signals.py stuck", timeout=60)

@@ -40,7 +40,7 @@ NOT_COMPACT = [
     (True, {1: 2}),  # a key that is not a str
     ({"a": [1]},),  # a value that is not a scalar
     ((1, (2,)),),  # a tuple inside a tuple inside the message
-    (np.zeros(4097, np.uint8),),  # over MAX_ARRAY_BYTES
+    (np.zeros(compact.MAX_ARRAY_BYTES + 1, np.uint8),),  # over MAX_ARRAY_BYTES
     (np.zeros((4, 4))[:, ::2],),  # not contiguous
     (np.array(["a", 1], dtype=object),),  # holds objects
     (np.zeros(2).view(np.matrix),),  # a subclass
@@ -89,7 +89,7 @@ def test_compact_bytes_and_messages_are_the_references(message):
 def test_what_is_not_compact_is_refused_alike_and_pickled_alike(message):
     assert compiled.compact_encode(message) is None and compact.encode(message) is None
     assert compiled.compact_body(message, 65536) is None
-    encoded = transport.encode(message, 4, 65536)
+    encoded = transport.encode(message, 4, 1 << 20)  # (inline: one frame, even past the compact limit)
     header = transport.decode_frame(memoryview(encoded.frame))
     assert same(compiled.load(header, header.inline_parts), message)
     assert compiled.compact_messages(memoryview(encoded.frame)) is None  # a pickled frame: the reference reads it
