@@ -35,11 +35,6 @@ def _offsets(counts: np.ndarray) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
-#: A checked allreduce of at most this many bytes is MPI's blocking Allreduce, and a hierarchical one of at most
-#: this many runs on the event loop: every rank has reached it (the exchange before it showed it), so it ends at once,
-#: and the loop waits for it (64 KiB take about 11 µs between two ranks of a host, 4 MiB 0.35 ms). Larger ones leave
-#: the loop free: the world's are awaited, the hierarchical ones run in the reducer's thread.
-BLOCKING_ALLREDUCE_BYTES = 4 << 20
 #: How long a collective's request is tested in the caller's stack before the engine takes it over (seconds): MPI
 #: ends a small one among ranks that are all there in 1-3 µs (2 ranks of a host).
 _INLINE_TEST_S = 20e-6
@@ -231,19 +226,12 @@ class Communicator:
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
-        if out is not None:  # refused before any MPI call (a blocking one would leave the other ranks in it)
+        if out is not None:  # refused before any MPI call, alike on every rank
             out_of_size(data, out, "allreduce")
             if out.dtype != data.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
         await self._check("allreduce", _described(data.dtype, data.shape, str(op)))
         mpi_op = self._op(op)
-        if self._config.check_collectives and data.nbytes <= BLOCKING_ALLREDUCE_BYTES:
-            # every rank is in this call now (the check's exchange showed it): MPI's blocking Allreduce of a small
-            # buffer ends at once, with none of the non-blocking one's rounds of polling
-            result = data if out is array and data is array else (np.empty_like(data) if out is None else out)
-            self._posted += 1
-            self.comm.Allreduce(self._MPI.IN_PLACE if result is data else data, result, mpi_op)
-            return result
         if out is array and data is array:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array

@@ -43,13 +43,15 @@ operations call Python inside MPI, holding the GIL (a training step with them
 ran 4x slower).
 
 The calls run in one worker thread per rank, on communicators of their own,
-while the event loop goes on. An awaited call of at most 4 MiB
-(``collectives.BLOCKING_ALLREDUCE_BYTES``) runs on the event loop itself when
-the worker has no call queued (the hand-offs to the thread and back cost about
-0.1 ms, 30 times a 4 KiB Allreduce): its exchange is awaited like the world's
-collectives, then the reduction blocks the loop for as long as MPI takes with
-every rank there. Calls begun meanwhile wait for it, so every rank's calls
-meet on the same communicators in the same order whichever thread runs them. Open MPI's non-blocking collectives advance
+while the event loop goes on. An awaited call of at most 1 MiB
+(``INLINE_ALLREDUCE_BYTES``) that is MPI's own Allreduce runs on the
+event loop itself when the worker has no call queued (the hand-offs to the
+thread and back cost about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange
+and a non-blocking Allreduce, both settled as the world's collectives are, so
+the loop is never blocked (a blocking call there kept the node watch from
+reporting a lost node). Calls begun meanwhile wait for it, so every rank's
+calls meet on the same communicators in the same order whichever thread runs
+them. Open MPI's non-blocking collectives advance
 only while the caller polls, and measured at a third to a half of the blocking
 ones' bandwidth here, so where a stage is a collective it is a blocking one.
 The worker takes calls in the order they were made, the same on every rank (as
@@ -84,6 +86,9 @@ _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sl
 _GATE_SLEEP_S = 500e-6  # the longest sleep between its polls: a call starts at most this late
 _MOVE_SPIN_S = 2e-3  # how long the stages' messages are polled without sleeping (a small buffer arrives by then)
 _MOVE_SLEEP_S = 100e-6  # the longest sleep between those polls: the transfer stalls at most this long
+#: An awaited call of at most this many bytes runs on the event loop (non-blocking, its requests settled there) when
+#: the worker is idle; larger ones run in the worker.
+INLINE_ALLREDUCE_BYTES = 1 << 20
 _STAGE_TAG = 7  # the stages' point-to-point messages, on communicators of their own
 
 
@@ -125,10 +130,10 @@ class HierarchicalAllreduce:
         return self._worker.submit(self._run_queued, array, op, op_name, out, call)
 
     def claim_inline(self) -> bool:
-        """Whether the caller may run the next call itself, on the event loop (:meth:`post_gate`, :meth:`passed`,
-        :meth:`reduce_now`, then :meth:`release_inline`): only when no call is queued or running in the worker, and
-        calls begun meanwhile wait for it. Every rank's calls then still meet on the same communicators in the same
-        order, whichever thread runs them."""
+        """Whether the caller may run the next call itself, on the event loop (:meth:`post_gate`, :meth:`passed`, a
+        non-blocking Allreduce on :meth:`direct_comm`, then :meth:`release_inline`): only when no call is queued or
+        running in the worker, and calls begun meanwhile wait for it. Every rank's calls then still meet on the same
+        communicators in the same order, whichever thread runs them."""
         with self._order:
             if self._queued or not self._inline_free.is_set():
                 return False
@@ -157,7 +162,28 @@ class HierarchicalAllreduce:
         gate, digests, signature = self.post_gate(array, op_name)
         self._until_done([gate], _GATE_SPIN_S, _GATE_SLEEP_S)
         self.passed(digests, signature, call)
+        if isinstance(op, self._MPI.Op) and self.direct_comm(array) is not None:  # as the loop runs it elsewhere
+            request, result = self.start_direct(array, op)
+            self._until_done([request], _MOVE_SPIN_S, _MOVE_SLEEP_S)
+            return self.direct_result(array, result, out)
         return self.reduce_now(array, op, out)
+
+    def start_direct(self, data: np.ndarray, op: Any) -> tuple[Any, np.ndarray]:
+        """MPI's non-blocking Allreduce of a call :meth:`direct_comm` takes, into a new array: (its request, that
+        array). The event loop and the worker run such a call alike (a blocking collective would not match a
+        non-blocking one on another rank)."""
+        result = np.empty_like(data)
+        comm = self.direct_comm(data)
+        assert comm is not None
+        return comm.Iallreduce(data, result, op), result
+
+    @staticmethod
+    def direct_result(data: np.ndarray, result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The caller's result of a direct call: ``out`` filled, else the new array shaped as ``data``."""
+        if out is None:
+            return result.reshape(data.shape)
+        np.copyto(out, result.reshape(out.shape), casting="unsafe")
+        return out
 
     def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
         """Start the exchange that waits until every rank has reached this call (so a rank ahead of the others
@@ -179,6 +205,16 @@ class HierarchicalAllreduce:
                                        f"must pass the same: {by_ranks(calls)}")  # fmt: skip
             error.reporter = self._reporter
             raise error
+
+    def direct_comm(self, array: np.ndarray) -> Comm | None:
+        """The communicator on which a call of ``array`` is MPI's own Allreduce in one piece, when the event loop
+        may run it (:data:`INLINE_ALLREDUCE_BYTES` at most, no widening); None: the worker runs it."""
+        nbytes = getattr(array, "nbytes", INLINE_ALLREDUCE_BYTES + 1)
+        if nbytes > INLINE_ALLREDUCE_BYTES or array.dtype in _WIDER:
+            return None
+        if self.nodes == 1:
+            return self._node
+        return self._world if nbytes < self._min_bytes else None
 
     def reduce_now(self, array: np.ndarray, op: Any, out: np.ndarray | None) -> np.ndarray:
         """The reduction itself, once every rank has passed the exchange (blocking: all ranks run it together)."""

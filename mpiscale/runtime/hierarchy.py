@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ranks import Comm, split_nodes
 from .abandoned import CollectiveLog
-from .collectives import BLOCKING_ALLREDUCE_BYTES, Communicator, Reduction, out_of_size, settle
+from .collectives import Communicator, Reduction, out_of_size, settle
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
@@ -45,7 +45,7 @@ class Hierarchy:
         types MPI cannot add, such as 16-bit floats held as uint16). Several
         calls may be in flight.
         """
-        if isinstance(op, str) and getattr(array, "nbytes", BLOCKING_ALLREDUCE_BYTES + 1) <= BLOCKING_ALLREDUCE_BYTES:
+        if isinstance(op, str) and self.reducer.direct_comm(array) is not None:
             if self.reducer.claim_inline():  # nothing queued in the reducer's thread: this call runs here
                 try:
                     return await self._inline_allreduce(array, op, out)
@@ -55,8 +55,8 @@ class Hierarchy:
 
     async def _inline_allreduce(self, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
         """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
-        about 0.1 ms): the same exchange first, awaited as the world's collectives are, then the blocking
-        reduction, which ends at once with every rank there."""
+        about 0.1 ms): the same exchange first, then MPI's non-blocking Allreduce, both settled as the world's
+        collectives are. Nothing blocks the loop: a rank lost meanwhile is still reported (the node watch)."""
         data = self.world._array(array, "hierarchical allreduce")
         mpi_op = self.world._op(op)
         if out is not None:  # refused before the exchange: the reduction after it blocks every rank until all run it
@@ -68,7 +68,9 @@ class Hierarchy:
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, f"allreduce on {self.log.name}", digests, self.world._spin_s)
             self.reducer.passed(digests, signature, call)
-            return self.reducer.reduce_now(data, mpi_op, out)
+            request, result = self.reducer.start_direct(data, mpi_op)
+            await settle(self.engine, request, f"allreduce on {self.log.name}", data, self.world._spin_s)
+            return self.reducer.direct_result(data, result, out)
         finally:
             self.log.end(number)
 
