@@ -226,7 +226,7 @@ class Communicator:
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
         data = self._array(array, "allreduce")
-        if out is not None:  # refused before any MPI call, alike on every rank
+        if out is not None:  # refused before any MPI call: the others wait in the check, where the watch finds it
             out_of_size(data, out, "allreduce")
             if out.dtype != data.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")

@@ -162,19 +162,19 @@ class HierarchicalAllreduce:
         gate, digests, signature = self.post_gate(array, op_name)
         self._until_done([gate], _GATE_SPIN_S, _GATE_SLEEP_S)
         self.passed(digests, signature, call)
-        if isinstance(op, self._MPI.Op) and self.direct_comm(array) is not None:  # as the loop runs it elsewhere
-            request, result = self.start_direct(array, op)
+        comm = self.direct_comm(array) if isinstance(op, self._MPI.Op) else None
+        if comm is not None:  # as the event loop runs such a call on other ranks
+            request, result = self.start_direct(comm, array, op)
             self._until_done([request], _MOVE_SPIN_S, _MOVE_SLEEP_S)
             return self.direct_result(array, result, out)
         return self.reduce_now(array, op, out)
 
-    def start_direct(self, data: np.ndarray, op: Any) -> tuple[Any, np.ndarray]:
-        """MPI's non-blocking Allreduce of a call :meth:`direct_comm` takes, into a new array: (its request, that
-        array). The event loop and the worker run such a call alike (a blocking collective would not match a
+    @staticmethod
+    def start_direct(comm: Comm, data: np.ndarray, op: Any) -> tuple[Any, np.ndarray]:
+        """MPI's non-blocking Allreduce on ``comm`` (the call's :meth:`direct_comm`), into a new array: (its request,
+        that array). The event loop and the worker run such a call alike (a blocking collective would not match a
         non-blocking one on another rank)."""
         result = np.empty_like(data)
-        comm = self.direct_comm(data)
-        assert comm is not None
         return comm.Iallreduce(data, result, op), result
 
     @staticmethod

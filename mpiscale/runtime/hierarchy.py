@@ -45,34 +45,39 @@ class Hierarchy:
         types MPI cannot add, such as 16-bit floats held as uint16). Several
         calls may be in flight.
         """
-        if isinstance(op, str) and self.reducer.direct_comm(array) is not None:
-            if self.reducer.claim_inline():  # nothing queued in the reducer's thread: this call runs here
+        if isinstance(op, str):
+            comm = self.reducer.direct_comm(array)
+            if comm is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
-                    return await self._inline_allreduce(array, op, out)
+                    return await self._inline_allreduce(comm, array, op, out)
                 finally:
                     self.reducer.release_inline()
         return await self.finish(self.start_allreduce(array, op, out))
 
-    async def _inline_allreduce(self, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+    async def _inline_allreduce(self, comm: Comm, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
         """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
-        about 0.1 ms): the same exchange first, then MPI's non-blocking Allreduce, both settled as the world's
-        collectives are. Nothing blocks the loop: a rank lost meanwhile is still reported (the node watch)."""
+        about 0.1 ms): the same exchange first, then MPI's non-blocking Allreduce on ``comm``, both settled as the
+        world's collectives are. Nothing blocks the loop: a rank lost meanwhile is still reported (the node watch)."""
         data = self.world._array(array, "hierarchical allreduce")
         mpi_op = self.world._op(op)
-        if out is not None:  # refused before the exchange: the reduction after it blocks every rank until all run it
+        if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
             out_of_size(data, out, "hierarchical allreduce")
-        number = self.log.begin("allreduce")
+        number, call = self._begin()
         try:
-            assert self.log.last is not None  # set by begin
-            call = (f"allreduce #{number} on {self.log.name}", self.log.last[2])
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, f"allreduce on {self.log.name}", digests, self.world._spin_s)
             self.reducer.passed(digests, signature, call)
-            request, result = self.reducer.start_direct(data, mpi_op)
+            request, result = self.reducer.start_direct(comm, data, mpi_op)
             await settle(self.engine, request, f"allreduce on {self.log.name}", data, self.world._spin_s)
             return self.reducer.direct_result(data, result, out)
         finally:
             self.log.end(number)
+
+    def _begin(self) -> tuple[int, tuple[str, str]]:
+        """A call entered in the log: its number, and what and where it is (named in a mismatch's report)."""
+        number = self.log.begin("allreduce")
+        assert self.log.last is not None  # set by begin
+        return number, (f"allreduce #{number} on {self.log.name}", self.log.last[2])
 
     async def finish(self, started: concurrent.futures.Future) -> np.ndarray:
         """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
@@ -91,9 +96,7 @@ class Hierarchy:
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
-        number = self.log.begin("allreduce")
-        assert self.log.last is not None  # set by begin
-        call = (f"allreduce #{number} on {self.log.name}", self.log.last[2])
+        number, call = self._begin()
         if isinstance(op, str):
             future = self.reducer.start(data, self.world._op(op), op, out, call)
         else:

@@ -93,8 +93,8 @@ async def main(system):
     else:
         raise AssertionError("mismatch not detected")
 
-    # An out that cannot hold the result is refused before any MPI call: the blocking reduction after the check
-    # would leave the other ranks in it. The next call is whole.
+    # An out that cannot hold the result is refused with one message before any MPI call (MPI's own refusal would come
+    # after the check, with the other ranks already in the reduction). The next call is whole.
     for reduce in (world.allreduce, h.allreduce):
         try:
             await reduce(np.ones(4), out=np.empty(3))
