@@ -43,7 +43,11 @@ _INLINE_TEST_S = 20e-6
 async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, spin_s: float) -> None:
     """Wait for a collective's ``request``. One the other ranks are in already ends within microseconds: it is
     tested in the caller's stack first (for ``_INLINE_TEST_S``), with no future and no task switch; then the engine
-    polls for it in the caller's stack (for ``spin_s``, while no other task is ready); then it is awaited."""
+    polls for it in the caller's stack (for ``spin_s``); then it is awaited. While another task is ready to run, it
+    is awaited at once: a loop of collectives that all end in place must not keep the event loop from the others."""
+    if engine.others_ready():
+        await engine.wait(request, what, keep)
+        return
     clock = time.perf_counter
     end = clock() + _INLINE_TEST_S
     while not request.Test():

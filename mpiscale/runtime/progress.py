@@ -120,6 +120,8 @@ class ProgressEngine:
         self.post = self.outbox.post
         self._stopped = False
         self._yielded = False  # the engine waits for its next turn in the loop's ready queue (spinning, or woken)
+        self._turn_at = time.monotonic()  # when the engine's task last ran
+        self._longest_turn_s = config.max_sleep_us * 1e-6
         self._messages_sent = 0  # and the outbox's
         self._bytes_sent = 0
         self.messages_received = 0
@@ -190,11 +192,23 @@ class ProgressEngine:
         empty poll put a system call between a reply's arrival and its poll). Only while no other callback is ready
         to run in the event loop: a task that spins must not hold up the others (``asyncio.gather`` of several asks
         sends them all first)."""
-        ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
-        if ready is None or (ready and not (self._yielded and len(ready) == 1)):
-            return  # (the one ready callback of a yielded or woken engine is its next turn, which this poll stands for)
+        if self.others_ready():
+            return
         if self._poller.until(future, seconds, _BURST_S):
             self._quiet_s = 0.0
+
+    def others_ready(self) -> bool:
+        """Whether another task or callback is ready to run in the event loop: a caller that would poll or test in
+        its own stack must then await instead, and let them run (a loop of calls that all end at once in the
+        caller's stack would otherwise never give the loop a turn: telemetry, served asks, the user's other tasks).
+        True where the loop's run queue cannot be read, and once the engine has gone without a turn for longer than
+        it sleeps at most: timers fall due unseen in the run queue (telemetry's reports, deadlines), and only a turn
+        of the loop runs them."""
+        if time.monotonic() > self._turn_at + self._longest_turn_s:
+            return True
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
+        # (the one ready callback of a yielded or woken engine is its next turn, which a caller's poll stands for)
+        return ready is None or bool(ready) and not (self._yielded and len(ready) == 1)
 
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
@@ -260,6 +274,7 @@ class ProgressEngine:
         max_sleep = self._config.max_sleep_us * 1e-6
         clock, poller = time.monotonic, self._poller
         while not self._stopped:
+            self._turn_at = clock()
             if self._quiet_s < spin or self._transferring():
                 # Spinning: poll in a tight loop for a short burst before giving
                 # the event loop back; other ready tasks wait at most one burst.
