@@ -84,9 +84,21 @@ class Controller:
                 break
             time.sleep(0.25)
         if until is None and job.state not in FINAL_STATES or until is not None and not until(job):
+            output = self._stacks_and_output(job) if job.state == "RUNNING" else ""
             self.run(["scancel", job_id], check=False)
-            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self._logs()}")
+            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self._logs()}"
+                        f"{output}")  # fmt: skip
         return job
+
+    def _stacks_and_output(self, job: Job) -> str:
+        """A running job's output, after its steps' processes were sent SIGUSR1 (mpiscale's ranks write every
+        thread's stack on it): where its ranks are."""
+        self.run(["scancel", "--signal=USR1", job.id], check=False)
+        time.sleep(2)
+        path = Path(job.fields.get("StdOut", ""))
+        if not path.is_file():
+            return ""
+        return f"\n--- {path.name}, the ranks' stacks at the end ---\n{path.read_text()[-12000:]}"
 
     def _logs(self) -> str:
         return "".join(
