@@ -4,7 +4,8 @@ Run on exactly two ranks. Every comparison carries the same numpy payload
 between the same two processes in the same run: raw ``Send``/``Recv``, raw
 with an ask's buffers (the reply into a second buffer: what a large ask cannot
 avoid), persistent requests, mpi4py's pickle-based ``send``/``recv``, a bare
-asyncio loop, and ``mpi4py.futures``. Each round trip is timed on its own, so
+asyncio loop, and ``mpi4py.futures``; the ask is timed plain and with its reply
+into the array sent (``reply_into``). Each round trip is timed on its own, so
 the tables give medians (p50) and p99; the ratio ours / raw is what to quote.
 """
 
@@ -183,8 +184,11 @@ async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: i
     return samples
 
 
-async def _ask_round_trip(system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1) -> list[float]:
-    """Round trips of ``ask`` from rank 0 to an echo actor on rank 1 (one of ``actors``, chosen at random)."""
+async def _ask_round_trip(
+    system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1, into: bool = False
+) -> list[float]:
+    """Round trips of ``ask`` from rank 0 to an echo actor on rank 1 (one of ``actors``, chosen at random); with
+    ``into``, the reply goes into the array sent (``reply_into``)."""
     payload = np.zeros(size, dtype=np.uint8)
     targets = [ActorRef(1, ECHO if actors == 1 else f"{ECHO}.{i}") for i in range(actors)]
     pick = np.random.default_rng(0).integers(0, actors, repeats)
@@ -195,7 +199,7 @@ async def _ask_round_trip(system: ActorSystem, size: int, repeats: int, batches:
         if system.rank == 0:
             for i in range(repeats):
                 start = clock()
-                payload = await targets[pick[i]].ask("echo", payload)
+                payload = await targets[pick[i]].ask("echo", payload, reply_into=payload if into else None)
                 if batch:
                     samples.append(clock() - start)
         await system.world.barrier()  # rank 1 serves the asks meanwhile
@@ -288,9 +292,10 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         pickled = _pickled_round_trip(comm, size, repeats, batches)
         floor = await _loop_floor_round_trip(comm, size, repeats, batches)
         ours = await _ask_round_trip(system, size, repeats, batches)
+        into = await _ask_round_trip(system, size, repeats, batches, into=True)
         if system.rank == 0:
             measured = {"raw": raw, "apart": apart, "persistent": persistent, "pickled": pickled, "floor": floor,
-                        "ask": ours}  # fmt: skip
+                        "ask": ours, "into": into}  # fmt: skip
             p50 = {name: statistics.median(samples) for name, samples in measured.items()}
             ask_p99 = _percentile(ours, 0.99)
             records.append(
@@ -306,11 +311,13 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
                     "ask_p99_s": ask_p99,
                     "ratio": p50["ask"] / p50["raw"],
                     "ratio_to_reply_apart": p50["ask"] / p50["apart"],
+                    "ask_into_rtt_s": p50["into"],
+                    "ask_into_ratio": p50["into"] / p50["raw"],
                 }
             )
             rows.append([size] + [p50[k] * 1e6 for k in ("raw", "apart", "persistent", "pickled", "floor", "ask")]
                         + [ask_p99 * 1e6, p50["ask"] / p50["raw"], p50["ask"] / p50["apart"],
-                           ask_p99 / p50["ask"]])  # fmt: skip
+                           ask_p99 / p50["ask"], p50["into"] * 1e6, p50["into"] / p50["raw"]])  # fmt: skip
             said(f"round trips of {size:,} B: ask {p50['ask'] * 1e6:.3g} µs, raw {p50['raw'] * 1e6:.3g} µs "
                  f"({len(records)} of {len(SIZES)} sizes)")  # fmt: skip
     said("asks to 1 of 100 actors, mpi4py.futures, and the one-way streams")
@@ -330,10 +337,12 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         <= SMALL_PICKLE_TARGET * small["mpi4py_pickle_rtt_s"],
         "small_ask_p99_within_3x_of_p50": small["ask_p99_s"] <= 3 * small["ask_rtt_s"],
         "16MiB_ask_within_1.10x_of_raw": large["ratio"] <= LARGE_TARGET,
+        "16MiB_ask_into_within_1.10x_of_raw": large["ask_into_ratio"] <= LARGE_TARGET,
         "tell_rate_at_least_raw": tell_rate >= TELL_TARGET * raw_rate,
     }
     headers = ["bytes", "raw µs", "raw, reply apart µs", "persistent µs", "mpi4py pickle µs", "loop floor µs",
-               "ask µs", "ask p99 µs", "ask/raw", "ask/reply apart", "p99/p50"]  # fmt: skip
+               "ask µs", "ask p99 µs", "ask/raw", "ask/reply apart", "p99/p50", "ask into µs",
+               "into/raw"]  # fmt: skip
     print(f"message path: {message_path()[0]}")
     print("round trip, median (p50) of single round trips unless marked p99")
     print(table(headers, rows))
@@ -359,6 +368,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
             "asyncio_floor": "a bare asyncio loop doing Isend/Improbe/Irecv, no pickling or actors",
             "mpi4py_futures": "MPICommExecutor submit(echo).result(), rank 1 the worker",
         },
+        "ask_into": "ask(..., reply_into=payload): the reply received into the array sent",
         "round_trip": records,
         "many_actors": {
             "actors_per_rank": MANY_ACTORS,

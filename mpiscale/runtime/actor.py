@@ -30,7 +30,9 @@ class Host(Protocol):
     rank: int
     host: str
 
-    async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any: ...
+    async def ask(
+        self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None, reply_into: Any = None
+    ) -> Any: ...
 
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future: ...
 
@@ -90,12 +92,16 @@ class ActorRef:
     rank: int
     name: str
 
-    async def ask(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    async def ask(
+        self, method: str, *args: Any, timeout: float | None = None, reply_into: Any = None, **kwargs: Any
+    ) -> Any:
         """Call ``method`` on the actor and await its result (or its exception).
 
-        ``timeout`` (seconds) raises :class:`~mpiscale.AskTimeout` when no reply comes.
+        ``timeout`` (seconds) raises :class:`~mpiscale.AskTimeout` when no reply comes. ``reply_into``, a writable
+        C-contiguous numpy array, takes the reply, which must be an array of its dtype and shape: a large reply is
+        received straight into it (no allocation, no copy), and the ask returns it. It may be the array sent.
         """
-        return await current_system().ask(self, method, args, kwargs, timeout)
+        return await current_system().ask(self, method, args, kwargs, timeout, reply_into)
 
     def tell(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
         """Send ``method(*args)`` without waiting for a result.

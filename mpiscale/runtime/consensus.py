@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import JobRefused
+from .errors import JobRefused, TransportError
 from .progress import ProgressEngine
 
 
@@ -53,7 +53,8 @@ async def until_quiet(
     sent as one of its messages, which also holds up what its sender sent after it) would keep the counts apart,
     or the job's end waiting, for ever: once the counts have not moved for ``stalled_s`` seconds with such a frame
     anywhere, the rank that holds it raises its :class:`MessageRefused`, naming the sender (the others vote on
-    until its report ends the job)."""
+    until its report ends the job). Counts that stay apart with no such frame (a message no rank of the job sent,
+    delivered) end the job the same way, with rank 0's :class:`TransportError`."""
     previous = None
     stalled_since = 0.0
     while True:
@@ -64,14 +65,26 @@ async def until_quiet(
         counts = np.array([engine.messages_sent, engine.messages_received, engine.unfinished], dtype=np.int64)
         await engine.wait(control.Iallreduce(MPI.IN_PLACE, counts, MPI.SUM), "termination vote")
         current = (int(counts[0]), int(counts[1]), int(counts[2]))
-        if current[2] == 0 and current[0] == current[1] and current == previous:
+        balanced = current[2] == 0 and current[0] == current[1]
+        if balanced and current == previous:
             return
-        if current[2] and current == previous:  # stalled, with a frame's parts missing somewhere
+        if current == previous:  # stalled: every rank idle, and the counts do not meet
             now = time.monotonic()
             stalled_since = stalled_since or now
-            if now - stalled_since > stalled_s and (refusal := engine.unfinished_refusal()) is not None:
-                raise refusal
+            if now - stalled_since > stalled_s:
+                if current[2] and (refusal := engine.receiving.unfinished_refusal()) is not None:
+                    raise refusal  # a frame's parts missing here
+                if not current[2] and control.Get_rank() == 0:
+                    raise TransportError(_unbalanced(*current[:2], stalled_s))
             await asyncio.sleep(0.05)
         else:
             stalled_since = 0.0
         previous = current
+
+
+def _unbalanced(sent: int, delivered: int, stalled_s: float) -> str:
+    """Why a job whose ranks are all idle cannot end: its counts of messages sent and delivered do not meet."""
+    why = (f": {delivered - sent} delivered that no rank of the job sent as its messages (frames from outside the "
+           "job, or damaged ones that read as messages)" if delivered > sent else "")  # fmt: skip
+    return (f"the job cannot end: its ranks sent {sent} messages and delivered {delivered}, unchanged for "
+            f"{stalled_s:g} s with every rank idle{why}")  # fmt: skip

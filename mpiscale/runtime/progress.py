@@ -34,27 +34,17 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any
 
 from ..ranks import Comm, chunks
 from . import transport, wire
 from .config import RuntimeConfig
-from .errors import MessageRefused, TransportError
+from .errors import MessageRefused
+from .inbound import Envelopes, Receiving
 from .waits import WaitClock
-
-
-class Envelopes(Protocol):
-    """Where arrived messages go (``dispatch.Dispatch``, or its compiled twin): one, or several from one source."""
-
-    def envelope(self, source: int, envelope: Any) -> None: ...
-
-    def envelopes(self, source: int, envelopes: list) -> None: ...
-
 
 _BURST_S = 20e-6  # longest tight-polling burst before yielding to the event loop
 _SLEEP_FRACTION = 0.25  # an idle rank sleeps at most this fraction of its quiet time so far
@@ -77,19 +67,6 @@ class _Pending:
     due: float = 0.0  # for a message's parts: the time.monotonic() by which they should have moved (else 0)
 
 
-@dataclass
-class _Inbound:
-    """A message from one source being received: its frame, then its parts."""
-
-    source: int
-    frame: memoryview
-    parts: list = field(default_factory=list)
-    missing: int = -1  # part receives still outstanding; -1 until the frame arrived
-    header: transport.FrameHeader | None = None
-    unmatched: deque = field(default_factory=deque)  # pieces of its parts whose MPI message has not arrived yet
-    due: float = 0.0  # the time.monotonic() by which its parts should have moved
-
-
 class ProgressEngine:
     """Drives all non-blocking MPI traffic of one rank from the asyncio loop."""
 
@@ -98,22 +75,16 @@ class ProgressEngine:
         self._comm = comm
         self._config = config
         self._envelopes = deliver  # where arrived messages go
-        self._deliver, self._deliver_all = deliver.envelope, deliver.envelopes
         tag_ub = comm.Get_attr(MPI.TAG_UB)
         assert isinstance(tag_ub, int), tag_ub  # MPI sets it on every communicator
         self._tag_ub = tag_ub
         self._pending: list[_Pending] = []
-        self._inbound: dict[int, deque[_Inbound]] = {}
-        #: Messages whose parts are expected: each piece is received only once its MPI message is matched with its
-        #: size checked (a piece sent longer than its receive would overrun it: Open MPI 4.1's single-copy path
-        #: writes past a truncated receive's buffer).
-        self._unmatched: list[_Inbound] = []
-        self._probe_status = MPI.Status()
-        self._memory_bytes = transport.host_memory_bytes()
         self._quiet_s = 0.0  # seconds of the engine's own vain polling and sleeping since the last activity
         self._sleeper: asyncio.Future | None = None
-        self._pool = transport.BufferPool(config.pool_bytes)
         self._frames = wire.chosen()[0]  # the compiled message path, or its pure-Python reference
+        #: The messages on their way in (``unfinished``: frames whose parts have not even begun to arrive).
+        self.receiving = Receiving(MPI, comm, self._frames, deliver, self, self._watch, self._due,
+                                   transport.BufferPool(config.pool_bytes), config.chunk_bytes)  # fmt: skip
         self._endpoint = self._frames.Endpoint(MPI, comm)
         #: Small one-way messages queued per destination (``post``), sent as one frame at the loop turn's end.
         self.outbox = self._frames.Outbox(self._endpoint, self._frames, config.inline_bytes, self.track, self.kick)
@@ -130,8 +101,10 @@ class ProgressEngine:
         self.waits = WaitClock()
         #: Called on every poll (channels' receives posted ahead); each says whether anything happened.
         self.pollers: list[Callable[[], bool]] = []
-        self._poller = self._frames.Poller(self._endpoint, self._inbound, deliver, self, self._pending, self._unmatched,
-                                           self.pollers, self._frames_found, self._test_pending)  # fmt: skip
+        receiving = self.receiving
+        self._poller = self._frames.Poller(self._endpoint, receiving.queues, deliver, self, self._pending,
+                                           receiving.unmatched, self.pollers, self._frames_found,
+                                           self._test_pending)  # fmt: skip
 
     # ------------------------------------------------------------------ API
     @property
@@ -149,15 +122,16 @@ class ProgressEngine:
         self._messages_sent += messages
         self._bytes_sent += nbytes
 
-    def send(self, dest: int, obj: object, track: bool = True) -> asyncio.Future | None:
+    def send(self, dest: int, obj: object, track: bool = True, answers: int = -1) -> asyncio.Future | None:
         """Send ``obj`` to rank ``dest``, after what :meth:`post` queued for it; the future resolves when the
-        buffers are reusable (None without ``track``: the runtime's own asks and replies need none)."""
+        buffers are reusable (None without ``track``: the runtime's own asks and replies need none). ``answers``:
+        the ask whose reply ``obj`` is."""
         nbytes = self.outbox.send(dest, obj)  # a small message of plain values: its compact frame, sent at once
         if nbytes >= 0:
             return completed(nbytes) if track else None  # (its values were copied into the frame)
         self.outbox.send_queued(dest)
         seq = self.outbox.next_seq(dest)
-        encoded = transport.encode_pickled(obj, seq, self._config.inline_bytes)
+        encoded = transport.encode_pickled(obj, seq, self._config.inline_bytes, answers)
         MPI, comm = self._MPI, self._comm
         self._messages_sent += 1
         self._bytes_sent += len(encoded.frame) + (encoded.nbytes if encoded.parts else 0)  # inline parts: in the frame
@@ -237,25 +211,12 @@ class ProgressEngine:
     @property
     def idle(self) -> bool:
         """True when nothing is queued to send, no request is pending and no inbound message is partial."""
-        return not self.outbox.queued and not self._pending and not any(self._inbound.values())
+        return not self.outbox.queued and not self._pending and not self.receiving.busy
 
     @property
     def unfinished(self) -> int:
         """Messages whose frame came and some of whose parts have not even begun to arrive."""
-        return len(self._unmatched)
-
-    def unfinished_refusal(self) -> MessageRefused | None:
-        """When the job ends with every sent message delivered and still :attr:`unfinished` messages: the refusal
-        of the first (no rank will send its parts: its frame was none of theirs), else None."""
-        if not self._unmatched:
-            return None
-        inbound = self._unmatched[0]
-        assert inbound.header is not None
-        declared = sum(inbound.header.sizes)
-        missing = sum(len(piece) for piece in inbound.unmatched)
-        return MessageRefused(inbound.source, f"its message seq {inbound.header.seq} declared {declared} bytes of "
-                              f"parts, {missing} of which never came: the job ended without them (a frame no rank "
-                              "sent as one of its messages: damaged, or from another program)")  # fmt: skip
+        return len(self.receiving.unmatched)
 
     def describe(self) -> list[str]:
         """One line per pending request, oldest first, then per queued batch (for diagnostics)."""
@@ -311,7 +272,8 @@ class ProgressEngine:
         """Whether a message's parts are on their way to or from this rank and not overdue: polling on for them,
         not sleeping a quarter of the time they took so far, saves a large message up to that quarter."""
         now = time.monotonic()
-        return any(now < item.due for item in self._pending) or any(now < item.due for item in self._unmatched)
+        unmatched = self.receiving.unmatched
+        return any(now < item.due for item in self._pending) or any(now < item.due for item in unmatched)
 
     def _wake(self) -> None:
         """End the engine's sleep: its next turn is then in the loop's ready queue, as when it yields."""
@@ -330,39 +292,19 @@ class ProgressEngine:
 
     def _frames_found(self, found: tuple) -> bool:
         """Take in ``found``, a frame that ``drain`` left, then every frame that arrives after it; True."""
-        drain, queues, deliver = self._endpoint.drain, self._inbound, self._envelopes
+        drain, queues, deliver = self._endpoint.drain, self.receiving.queues, self._envelopes
+        frame_found = self.receiving.frame_found
         while type(found) is not bool:
             try:
-                self._frame_found(*found)
+                frame_found(*found)
             except Exception as error:
                 raise MessageRefused.of(found[0], error) from error
             found = drain(queues, deliver, self)
         return True
 
-    def _frame_found(self, source: int, frame: memoryview, request: Any) -> None:
-        """A frame that ``drain`` left: its parts apart, its bytes still coming (``request``), a pickled message,
-        or one behind others of its source."""
-        arrived = request is None  # eager data is already here
-        queue = self._inbound.get(source)
-        header = None
-        if arrived and not queue:  # nothing from source is before it
-            header = transport.decode_frame(frame)
-            if header.inline_parts is not None:  # a small message: delivered at once, never queued
-                self.bytes_received += len(frame)
-                self._deliver_inline(source, header)
-                return
-        inbound = _Inbound(source, frame)
-        if queue is None:
-            queue = self._inbound[source] = deque()
-        queue.append(inbound)
-        if arrived:
-            self._frame_arrived(inbound, header)
-        else:
-            self._pending.append(_Pending(request, partial(self._frame_arrived, inbound), f"frame from rank {source}"))
-
     def _test_pending(self) -> bool:
         """Match the parts awaited, then test every pending request once: whether anything happened."""
-        matched = self._match_parts() if self._unmatched else False
+        matched = self.receiving.match_parts() if self.receiving.unmatched else False
         pending = self._pending
         indices = self._frames.testsome(self._MPI, pending) if pending else None
         if not indices:
@@ -374,81 +316,9 @@ class ProgressEngine:
             item.on_done()
         return True
 
-    def _frame_arrived(self, inbound: _Inbound, header: transport.FrameHeader | None = None) -> None:
-        """Its frame is here (``header``: already decoded): deliver it, or receive its parts as they come."""
-        try:
-            header = inbound.header = header or transport.decode_frame(inbound.frame)
-            self.bytes_received += len(inbound.frame) + (sum(header.sizes) if header.inline_parts is None else 0)
-            if header.inline_parts is not None:
-                inbound.missing = 0
-                self._deliver_ready(inbound.source)
-                return
-            declared = sum(header.sizes)
-            if declared > self._memory_bytes:  # refused before any of it is mapped
-                raise TransportError(f"its message seq {header.seq} declares {declared} bytes of parts, more than "
-                                     f"this host's memory ({self._memory_bytes} bytes)")  # fmt: skip
-            inbound.parts = [transport.allocate(size, self._pool) for size in header.sizes]
-        except Exception as error:
-            raise MessageRefused.of(inbound.source, error) from error
-        inbound.unmatched.extend(p for part in inbound.parts for p in chunks(part, self._config.chunk_bytes))
-        inbound.missing = len(inbound.unmatched)
-        inbound.due = self._due(declared)
-        self._unmatched.append(inbound)
-        self._match_parts()
-
-    def _match_parts(self) -> bool:
-        """Receive each awaited piece of a message's parts whose MPI message has come, its size checked first:
-        whether any came."""
-        MPI, comm, status = self._MPI, self._comm, self._probe_status
-        matched = False
-        for inbound in self._unmatched:
-            header = inbound.header
-            assert header is not None
-            tag = transport.data_tag(header.seq, self._tag_ub)
-            what = f"message parts from rank {inbound.source} (seq {header.seq}, {sum(header.sizes)} bytes)"
-            while inbound.unmatched and (message := comm.Improbe(inbound.source, tag, status)) is not None:
-                piece = inbound.unmatched[0]
-                size = status.Get_count(MPI.BYTE)
-                if size != len(piece):
-                    raise MessageRefused(inbound.source, f"a piece of its message seq {header.seq}'s parts came with "
-                                         f"{size} bytes where {len(piece)} were declared")  # fmt: skip
-                inbound.unmatched.popleft()
-                request = message.Irecv([piece, MPI.BYTE])
-                self._pending.append(_Pending(request, partial(self._part_arrived, inbound), what, due=inbound.due))
-                matched = True
-        if matched:
-            self._unmatched[:] = [inbound for inbound in self._unmatched if inbound.unmatched]
-        return matched
-
-    def _part_arrived(self, inbound: _Inbound) -> None:
-        inbound.missing -= 1
-        if inbound.missing == 0:
-            try:
-                self._deliver_ready(inbound.source)
-            except Exception as error:
-                raise MessageRefused.of(inbound.source, error) from error
-
-    def _deliver_ready(self, source: int) -> None:
-        queue = self._inbound[source]
-        while queue and queue[0].missing == 0:
-            inbound = queue.popleft()
-            assert inbound.header is not None  # set when its frame arrived
-            if inbound.header.inline_parts is not None:
-                self._deliver_inline(source, inbound.header)
-            else:
-                self.messages_received += 1
-                self._deliver(source, self._frames.load(inbound.header, inbound.parts))
-
-    def _deliver_inline(self, source: int, header: transport.FrameHeader) -> None:
-        """Deliver the message, or the batch of messages, that a frame carries inline."""
-        assert header.inline_parts is not None
-        if header.batch:
-            messages = self._frames.load_batch(header)
-            self.messages_received += len(messages)
-            self._deliver_all(source, messages)
-        else:
-            self.messages_received += 1
-            self._deliver(source, self._frames.load(header, header.inline_parts))
+    def _watch(self, request: Any, on_done: Callable[[], None], what: str, due: float) -> None:
+        """Test ``request`` with the others, and call ``on_done`` once it completes."""
+        self._pending.append(_Pending(request, on_done, what, due=due))
 
 
 def _nothing() -> None:

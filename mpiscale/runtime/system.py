@@ -28,8 +28,9 @@ from .consensus import agree_or_refuse, until_quiet
 from .deadlines import AskDeadlines
 from .diagnostics import failure_report, rank_diagnostics, refusal_report
 from .dispatch import MESSAGE, REPLY, PendingAsk
-from .errors import Failure, JobRefused, MessageRefused
+from .errors import Failure, JobRefused, MessageRefused, TransportError
 from .hierarchy import Group, Hierarchy, build_hierarchy
+from .lending import into, lendable
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -197,19 +198,25 @@ class ActorSystem:
         if not 0 <= ref.rank < self.size:
             raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {self.size} ranks")
 
-    def _post(self, rank: int, envelope: tuple, track: bool = True) -> asyncio.Future | None:
+    def _post(self, rank: int, envelope: tuple, track: bool = True, answers: int = -1) -> asyncio.Future | None:
         """Send an envelope (to this rank's own actors without MPI); a future for its buffers when ``track``."""
         if rank == self.rank:
             self._dispatch.envelope(rank, envelope)
             return completed(0) if track else None
-        return self._engine.send(rank, envelope, track)
+        return self._engine.send(rank, envelope, track, answers)
 
-    async def ask(self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None) -> Any:
+    async def ask(
+        self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None, reply_into: Any = None
+    ) -> Any:
         """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
         self._check_rank(ref)
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
         ask_id = next(self._ask_ids)
+        if reply_into is not None:  # the buffer lent for the reply while the ask is out (see lending.py)
+            lendable(reply_into, f"ask({method!r}) to {ref}")
+            lending = self._engine.receiving.lending
+            loan = lending.lend(ask_id, ref.rank, reply_into) if ref.rank != self.rank else None
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if timeout is None:
@@ -225,9 +232,11 @@ class ActorSystem:
             value, failed = await future
         finally:
             self._asks.pop(ask_id, None)
+            if reply_into is not None and loan is not None:
+                await lending.end(loan)
         if failed:
             value.raise_here()
-        return value
+        return value if reply_into is None else into(reply_into, value, f"ask({method!r}) to {ref}")
 
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
@@ -246,7 +255,7 @@ class ActorSystem:
         if failed and rank != self.rank:
             value = value.picklable()
         try:
-            self._post(rank, (REPLY, ask_id, value, failed), track=False)
+            self._post(rank, (REPLY, ask_id, value, failed), track=False, answers=ask_id)
         except Exception as error:  # the result could not be pickled
             if failed:
                 raise
@@ -344,6 +353,8 @@ class ActorSystem:
                 await self._until_quiet()
             except MessageRefused as unfinished:  # a frame whose parts no rank sent: no end would ever come
                 self.fail(unfinished, "the job ended with a message from another rank unfinished")
+            except TransportError as unbalanced:  # a message no rank sent, delivered: no end would ever come
+                self.fail(SystemExit(str(unbalanced)), "the job's end")
             for hook in self._at_end:
                 try:
                     await hook()
@@ -415,6 +426,7 @@ class ActorSystem:
             "messages_received": engine.messages_received,
             "bytes_sent": engine.bytes_sent,
             "bytes_received": engine.bytes_received,
+            "bytes_received_in_place": engine.receiving.lending.bytes_in_place,
             "mailbox_depth": sum(len(cell.mailbox) for cell in self._cells.values()),
         }
 

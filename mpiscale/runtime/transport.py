@@ -38,6 +38,8 @@ _HEADER = struct.Struct("<IIQ")  # magic, number of parts (high bit: inline), se
 _INLINE_BIT = 1 << 31
 _COMPACT_BIT = 1 << 30
 _BATCH_BIT = 1 << 29
+_REPLY_BIT = 1 << 28  # parts apart, of a reply: the ask's id (8 bytes) follows the header
+_ASK_ID = struct.Struct("<q")
 _COMPACT_COUNT = 1 | _INLINE_BIT | _COMPACT_BIT  # the part count field of a compact frame
 _COMPACT_HEAD = _HEADER.size + 8  # header and the one part's size
 _SIZE_TABLES = [struct.Struct(f"<{n}Q") for n in range(17)]
@@ -214,15 +216,19 @@ def encode(obj: object, seq: int, inline_bytes: int) -> Encoded:
     return encode_pickled(obj, seq, inline_bytes)
 
 
-def encode_pickled(obj: object, seq: int, inline_bytes: int) -> Encoded:
-    """:func:`encode` of a message that is not compact: pickled, its parts inline up to ``inline_bytes``."""
+def encode_pickled(obj: object, seq: int, inline_bytes: int, answers: int = -1) -> Encoded:
+    """:func:`encode` of a message that is not compact: pickled, its parts inline up to ``inline_bytes``. A reply
+    to ask ``answers`` whose parts travel apart names the ask in its frame: its asker may have lent a buffer."""
     parts = serialize(obj)
     sizes = [part.nbytes for part in parts]
     total = sum(sizes)
     count = len(parts)
     if total > inline_bytes:
-        head = _HEADER.pack(_MAGIC, count, seq) + _size_table(count).pack(*sizes)
-        return Encoded(head, parts, total)
+        if answers >= 0:
+            head = _HEADER.pack(_MAGIC, count | _REPLY_BIT, seq) + _ASK_ID.pack(answers)
+        else:
+            head = _HEADER.pack(_MAGIC, count, seq)
+        return Encoded(head + _size_table(count).pack(*sizes), parts, total)
     pieces = [_HEADER.pack(_MAGIC, count | _INLINE_BIT, seq), _size_table(count).pack(*sizes), parts[0]]
     offset = _HEADER.size + 8 * count + sizes[0]
     for part, size in zip(parts[1:], sizes[1:]):
@@ -241,6 +247,7 @@ class FrameHeader:
     inline_parts: list[memoryview] | None
     compact: bool = False  # inline parts of compact bytes rather than a pickle stream (one unless a batch)
     batch: bool = False  # each inline part is a message of its own
+    answers: int = -1  # a reply whose parts travel apart: the ask's id
 
 
 def decode_frame(frame: memoryview) -> FrameHeader:
@@ -255,18 +262,21 @@ def decode_frame(frame: memoryview) -> FrameHeader:
             return FrameHeader(seq, [size], [frame[_COMPACT_HEAD:]], True)
     if magic != _MAGIC:
         raise TransportError(f"frame starts with {magic:#x}, not an mpiscale frame")
-    inline, is_compact, batch = count & _INLINE_BIT, count & _COMPACT_BIT, count & _BATCH_BIT
-    count &= ~(_INLINE_BIT | _COMPACT_BIT | _BATCH_BIT)
-    if is_compact and not inline or (count != 1 and is_compact and not batch) or (batch and not is_compact):
-        raise TransportError(f"frame with {count} parts has inconsistent flags {inline=} {is_compact=} {batch=}")
+    inline, is_compact, batch, reply = count & _INLINE_BIT, count & _COMPACT_BIT, count & _BATCH_BIT, count & _REPLY_BIT
+    count &= ~(_INLINE_BIT | _COMPACT_BIT | _BATCH_BIT | _REPLY_BIT)
+    if (is_compact and not inline or (count != 1 and is_compact and not batch) or (batch and not is_compact)
+            or reply and inline):  # fmt: skip
+        raise TransportError(f"frame with {count} parts has inconsistent flags {inline=} {is_compact=} {batch=} "
+                             f"{reply=}")  # fmt: skip
     if batch:
         return _decode_batch(frame, seq, count)
-    offset = _HEADER.size + 8 * count
+    table = _HEADER.size + (_ASK_ID.size if reply else 0)
+    offset = table + 8 * count
     if length < offset:
         raise TransportError("frame is shorter than its part table")
-    sizes = _size_table(count).unpack_from(frame, _HEADER.size)
+    sizes = _size_table(count).unpack_from(frame, table)
     if not inline:
-        return FrameHeader(seq, list(sizes), None)
+        return FrameHeader(seq, list(sizes), None, answers=_ASK_ID.unpack_from(frame, _HEADER.size)[0] if reply else -1)
     parts = [frame[offset : offset + sizes[0]]]
     offset += sizes[0]
     for size in sizes[1:]:
@@ -345,6 +355,13 @@ def allocate(size: int, pool: BufferPool | None = None) -> memoryview:
     if size < _POOL_MIN_BYTES:
         return memoryview(np.empty(size, dtype=np.uint8)).cast("B")
     return pool.take(size) if pool is not None else memoryview(huge_page_buffer(size)).cast("B")
+
+
+def copied(part: memoryview) -> memoryview:
+    """A buffer of its own holding ``part``'s bytes."""
+    fresh = allocate(len(part))
+    fresh[:] = part
+    return fresh
 
 
 def host_memory_bytes() -> int:

@@ -47,6 +47,26 @@ def test_on_four_ranks_the_sender_is_named_too(scenario):
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_a_delivered_message_no_rank_sent_ends_the_job_with_one_report_not_a_hang(path):
+    """A well-formed tell from outside the job's books: the counts of the job's end never meet. It ended in a hang."""
+    job = _hostile("foreign-tell", 2, path)
+    assert job.returncode == 1, job.output[-3000:]
+    assert job.stderr.count("mpiscale: job failed on rank") == 1, job.stderr
+    assert "1 delivered that no rank of the job sent as its messages" in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_forged_frames_that_name_an_ask_never_stay_in_the_buffer_lent_for_its_reply(path):
+    """Rank 0 lends a buffer for its ask of rank 1, and rank 1 sends tells of its size whose frames say they answer
+    rank 0's asks 0 to 9: each is moved to memory of its own and delivered to the actor it names, and the buffer
+    then takes the real reply."""
+    job = _hostile("forged-reply", 2, path)
+    assert job.returncode == 0, job.output[-3000:]
+    assert "forged-reply: the buffer holds the reply, the sink took 10" in job.stdout, job.output[-3000:]
+    assert "forged-reply: all 10 frames delivered" in job.stdout, job.output[-3000:]
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("seed", range(1, 7))
 def test_fuzzed_frames_are_delivered_or_end_the_job_with_one_report(seed, path):
     """Random damage to real frames of every kind (compact, batch, pickled inline, parts apart), 40 in a row, each

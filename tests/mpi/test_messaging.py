@@ -31,3 +31,17 @@ def test_frames_whose_bytes_follow_their_match():
     job = run_mpi("messaging.py", 4, env={"OMPI_MCA_btl_vader_single_copy_mechanism": "none"})
     assert_ok(job)
     assert "messaging ok on 4 ranks" in job.stdout
+
+
+def test_replies_go_into_the_buffer_the_asker_lends(ranks):
+    """``ask(..., reply_into=buffer)``: large replies land in the buffer (counted in place), small and local ones are
+    copied in, a reply after a timeout never lands there, and replies that do not fit are refused."""
+    job = run_mpi("reply_into.py", ranks)
+    assert_ok(job)
+    assert f"reply_into ok on {ranks} ranks" in job.stdout
+
+
+def test_replies_go_into_lent_buffers_on_the_pure_path_too():
+    job = run_mpi("reply_into.py", 2, env={"MPISCALE_PURE_PYTHON": "1"})
+    assert_ok(job)
+    assert "reply_into ok on 2 ranks" in job.stdout

@@ -47,15 +47,17 @@ def test_event_loop_honours_sub_millisecond_sleeps():
     import asyncio
     import time
 
-    async def nap() -> float:
-        start = time.perf_counter()
+    async def shortest_nap() -> float:
+        naps = []
         for _ in range(20):
+            start = time.perf_counter()
             await asyncio.sleep(100e-6)
-        return (time.perf_counter() - start) / 20
+            naps.append(time.perf_counter() - start)
+        return min(naps)  # (a loaded machine may take the core from any one of them: not from all)
 
     loop = new_event_loop()
     try:
         assert isinstance(loop._selector, PreciseSelector)
-        assert loop.run_until_complete(nap()) < 700e-6  # asyncio's default rounds each up to 1 ms
+        assert loop.run_until_complete(shortest_nap()) < 700e-6  # asyncio's default rounds every one up to 1 ms
     finally:
         loop.close()

@@ -8,6 +8,7 @@ the job with one report naming the sender: never a crash, never a hang.
     python hostile_frames.py SCENARIO
 """
 
+import asyncio
 import random
 import struct
 import sys
@@ -32,6 +33,13 @@ class Sink(mpiscale.Actor):
 
     def count(self) -> int:
         return self.taken
+
+    async def vector_later(self, seconds: float) -> np.ndarray:
+        await asyncio.sleep(seconds)
+        return np.arange(VECTOR, dtype=np.float64)
+
+
+VECTOR = 20000  # float64s of the forged replies' array, and of the buffer rank 0 lends
 
 
 def declaring(sizes: list[int], seq: int) -> bytes:
@@ -62,6 +70,8 @@ def named(scenario: str, seq: int) -> list[tuple[bytes, list[bytes]]]:
         return [(compact_frame((2, "sink", "take", (), {}, -1), seq), [])]
     if scenario == "void-kind":
         return [(compact_frame((np.zeros(1, "V16"), "sink", "take", (), {}, -1), seq), [])]
+    if scenario == "foreign-tell":  # well formed, delivered, and sent by no rank of the job
+        return [(compact_frame((0, "sink", "take", (), {}, -1), seq), [])]
     if scenario == "failed-reply-not-failure":
         return [(compact_frame((1, 7, "not a Failure", True), seq), [])]
     raise SystemExit(f"unknown scenario {scenario}")
@@ -73,8 +83,10 @@ def real_frames(seq: int) -> list[tuple[bytes, list[bytes]]]:
     batch = transport.encode_batch([compact.encode(tell)] * 3, seq + 1)
     inline = transport.encode_pickled((0, "sink", "take", ({"a": [1, 2]},), {}, -1), seq + 2, 1 << 16)
     apart = transport.encode_pickled((0, "sink", "take", (np.arange(20000.0),), {}, -1), seq + 3, 0)
+    reply = transport.encode_pickled((0, "sink", "take", (np.arange(20000.0),), {}, -1), seq + 4, 0, answers=5)
     return [(compact_frame(tell, seq), []), (batch, []), (inline.frame, []),
-            (apart.frame, [bytes(part) for part in apart.parts])]  # fmt: skip
+            (apart.frame, [bytes(part) for part in apart.parts]),
+            (reply.frame, [bytes(part) for part in reply.parts])]  # fmt: skip
 
 
 def damaged(frame: bytes, generator: random.Random) -> bytes:
@@ -96,23 +108,51 @@ def fuzzed(seed: int, seq: int, count: int) -> list[tuple[bytes, list[bytes]]]:
     generator = random.Random(seed)
     frames = []
     for index in range(count):
-        frame, parts = generator.choice(real_frames(seq + 4 * index))
+        frame, parts = generator.choice(real_frames(seq + 5 * index))
         frames.append((damaged(frame, generator), parts))
     return frames
+
+
+def forged_replies(seq: int) -> list[tuple[bytes, list[bytes]]]:
+    """Tells to rank 0's sink whose frames say they answer rank 0's asks 0 to 9, with an array of the size of the
+    buffer rank 0 lent for its ask of the attacker."""
+    frames = []
+    for ask_id in range(10):
+        forged = transport.encode_pickled((0, "sink", "take", (np.full(VECTOR, -1.0),), {}, -1), seq + ask_id, 0,
+                                          answers=ask_id)  # fmt: skip
+        frames.append((forged.frame, [bytes(part) for part in forged.parts]))
+    return frames
+
+
+async def lend_to_the_attacker(system, attacker: int) -> None:
+    """Rank 0 in "forged-reply": its ask of the attacker lends a buffer that forged replies name meanwhile."""
+    buffer = np.zeros(VECTOR)
+    got = await mpiscale.ActorRef(attacker, "sink").ask("vector_later", 0.5, reply_into=buffer)
+    assert got is buffer and np.array_equal(buffer, np.arange(VECTOR, dtype=np.float64)), buffer[:4]
+    taken = await mpiscale.ActorRef(0, "sink").ask("count")
+    assert taken == 10, f"the sink took {taken} of the 10 forged replies"
+    print(f"forged-reply: the buffer holds the reply, the sink took {taken}", flush=True)
 
 
 async def main(system):
     scenario = sys.argv[1]
     await system.spawn_group(Sink, name="sink")
     attacker = system.size - 1
+    if system.rank == 0 and scenario == "forged-reply":
+        return await lend_to_the_attacker(system, attacker)
     if system.rank != attacker:
         return
     MPI, comm = system.MPI, system._p2p  # the runtime's own point-to-point communicator
     tag_ub = comm.Get_attr(MPI.TAG_UB)
     fuzz = scenario.startswith("fuzz-")
-    frames = fuzzed(int(scenario[5:]), _FIRST_SEQ, 40) if fuzz else named(scenario, _FIRST_SEQ)
+    if scenario == "forged-reply":
+        await asyncio.sleep(0.2)  # rank 0's ask is out
+        frames = forged_replies(_FIRST_SEQ)
+    else:
+        frames = fuzzed(int(scenario[5:]), _FIRST_SEQ, 40) if fuzz else named(scenario, _FIRST_SEQ)
     sink = mpiscale.ActorRef(0, "sink")
     sent = []
+    taken_before = 0
     for index, (frame, parts) in enumerate(frames):
         sent.append(comm.Isend([frame, MPI.BYTE], 0, transport.FRAME_TAG))
         seq = _HEADER.unpack_from(frame)[2] if len(frame) >= _HEADER.size else 0
@@ -124,6 +164,9 @@ async def main(system):
             print(f"frame {index} holds up what follows it", flush=True)
             return
         print(f"frame {index} delivered (the sink took {taken})", flush=True)
+        if scenario != "foreign-tell":  # the attacker's books: the messages its frames made count as its own
+            system._engine.count_sent(taken - taken_before, 0)
+        taken_before = taken
     print(f"{scenario}: all {len(frames)} frames delivered", flush=True)
 
 
