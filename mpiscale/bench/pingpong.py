@@ -185,10 +185,10 @@ async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: i
 
 
 async def _ask_round_trip(
-    system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1, into: bool = False
+    system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1, into: str = ""
 ) -> list[float]:
-    """Round trips of ``ask`` from rank 0 to an echo actor on rank 1 (one of ``actors``, chosen at random); with
-    ``into``, the reply goes into the array sent (``reply_into``)."""
+    """Round trips of ``ask`` from rank 0 to an echo actor on rank 1 (one of ``actors``, chosen at random). The
+    reply into the array sent: ``into="lend"`` lends it (``reply_into``), ``into="copy"`` copies the reply there."""
     payload = np.zeros(size, dtype=np.uint8)
     targets = [ActorRef(1, ECHO if actors == 1 else f"{ECHO}.{i}") for i in range(actors)]
     pick = np.random.default_rng(0).integers(0, actors, repeats)
@@ -199,7 +199,10 @@ async def _ask_round_trip(
         if system.rank == 0:
             for i in range(repeats):
                 start = clock()
-                payload = await targets[pick[i]].ask("echo", payload, reply_into=payload if into else None)
+                if into == "copy":
+                    np.copyto(payload, await targets[pick[i]].ask("echo", payload))
+                else:
+                    payload = await targets[pick[i]].ask("echo", payload, reply_into=payload if into else None)
                 if batch:
                     samples.append(clock() - start)
         await system.world.barrier()  # rank 1 serves the asks meanwhile
@@ -292,10 +295,11 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         pickled = _pickled_round_trip(comm, size, repeats, batches)
         floor = await _loop_floor_round_trip(comm, size, repeats, batches)
         ours = await _ask_round_trip(system, size, repeats, batches)
-        into = await _ask_round_trip(system, size, repeats, batches, into=True)
+        into = await _ask_round_trip(system, size, repeats, batches, into="lend")
+        copy = await _ask_round_trip(system, size, repeats, batches, into="copy")
         if system.rank == 0:
             measured = {"raw": raw, "apart": apart, "persistent": persistent, "pickled": pickled, "floor": floor,
-                        "ask": ours, "into": into}  # fmt: skip
+                        "ask": ours, "into": into, "copy": copy}  # fmt: skip
             p50 = {name: statistics.median(samples) for name, samples in measured.items()}
             ask_p99 = _percentile(ours, 0.99)
             records.append(
@@ -313,11 +317,13 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
                     "ratio_to_reply_apart": p50["ask"] / p50["apart"],
                     "ask_into_rtt_s": p50["into"],
                     "ask_into_ratio": p50["into"] / p50["raw"],
+                    "ask_then_copy_rtt_s": p50["copy"],
                 }
             )
             rows.append([size] + [p50[k] * 1e6 for k in ("raw", "apart", "persistent", "pickled", "floor", "ask")]
                         + [ask_p99 * 1e6, p50["ask"] / p50["raw"], p50["ask"] / p50["apart"],
-                           ask_p99 / p50["ask"], p50["into"] * 1e6, p50["into"] / p50["raw"]])  # fmt: skip
+                           ask_p99 / p50["ask"], p50["into"] * 1e6, p50["into"] / p50["raw"],
+                           p50["copy"] * 1e6])  # fmt: skip
             said(f"round trips of {size:,} B: ask {p50['ask'] * 1e6:.3g} µs, raw {p50['raw'] * 1e6:.3g} µs "
                  f"({len(records)} of {len(SIZES)} sizes)")  # fmt: skip
     said("asks to 1 of 100 actors, mpi4py.futures, and the one-way streams")
@@ -342,7 +348,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
     }
     headers = ["bytes", "raw µs", "raw, reply apart µs", "persistent µs", "mpi4py pickle µs", "loop floor µs",
                "ask µs", "ask p99 µs", "ask/raw", "ask/reply apart", "p99/p50", "ask into µs",
-               "into/raw"]  # fmt: skip
+               "into/raw", "ask + copy µs"]  # fmt: skip
     print(f"message path: {message_path()[0]}")
     print("round trip, median (p50) of single round trips unless marked p99")
     print(table(headers, rows))
@@ -369,6 +375,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
             "mpi4py_futures": "MPICommExecutor submit(echo).result(), rank 1 the worker",
         },
         "ask_into": "ask(..., reply_into=payload): the reply received into the array sent",
+        "ask_then_copy": "a plain ask, then the reply copied into the array sent (what reply_into saves)",
         "round_trip": records,
         "many_actors": {
             "actors_per_rank": MANY_ACTORS,

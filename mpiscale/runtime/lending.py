@@ -31,27 +31,31 @@ class Loan:
     memory: memoryview  # the buffer's bytes
     address: int  # where they are
     held: asyncio.Future | None = None  # while a frame's parts are received into it: done when all are there
+    repaid: bool = False  # the reply it was lent for is in it
 
 
 def lendable(buffer: object, what: str) -> np.ndarray:
     """``buffer`` if a reply can be received into it (a writable, C-contiguous numpy array); else TypeError."""
-    if not isinstance(buffer, np.ndarray) or not buffer.flags.c_contiguous or not buffer.flags.writeable:
-        kind = type(buffer).__name__ if not isinstance(buffer, np.ndarray) else "an array not writable and contiguous"
-        raise TypeError(f"{what}: reply_into must be a writable, C-contiguous numpy array, got {kind}")
+    if not isinstance(buffer, np.ndarray):
+        raise TypeError(f"{what}: reply_into must be a writable, C-contiguous numpy array, got {type(buffer).__name__}")
+    flags = buffer.flags
+    if not flags.c_contiguous or not flags.writeable:
+        raise TypeError(f"{what}: reply_into must be a writable, C-contiguous numpy array, got an array not both")
     if buffer.dtype.hasobject:
         raise TypeError(f"{what}: reply_into cannot be an array of Python objects")
     return buffer
 
 
-def into(buffer: np.ndarray, value: object, what: str) -> np.ndarray:
-    """``buffer`` holding the reply ``value`` (copied in, unless it was received there); ValueError for a reply
-    that is not an array of the buffer's dtype and shape."""
+def into(buffer: np.ndarray, value: object, in_place: bool, ref: object, method: str) -> np.ndarray:
+    """``buffer`` holding the reply ``value`` to ask ``method`` of ``ref`` (copied in, unless it was received there:
+    ``in_place``); ValueError for a reply that is not an array of the buffer's dtype and shape."""
     if value is buffer:
         return buffer
     if not isinstance(value, np.ndarray) or value.dtype != buffer.dtype or value.shape != buffer.shape:
         got = f"{value.dtype}{value.shape}" if isinstance(value, np.ndarray) else f"a {type(value).__name__}"
-        raise ValueError(f"{what}: the reply is {got}, the buffer given as reply_into {buffer.dtype}{buffer.shape}")
-    if value.__array_interface__["data"][0] != buffer.__array_interface__["data"][0]:
+        raise ValueError(f"ask({method!r}) to {ref}: the reply is {got}, the buffer given as reply_into "
+                         f"{buffer.dtype}{buffer.shape}")  # fmt: skip
+    if not in_place:
         np.copyto(buffer, value)
     return buffer
 
@@ -63,10 +67,14 @@ class Lending:
         self._offers: dict[int, Loan] = {}
         self.bytes_in_place = 0  # of replies received straight into their lent buffers
 
-    def lend(self, ask_id: int, source: int, buffer: np.ndarray) -> Loan:
-        """Offer ``buffer`` (see :func:`lendable`) to the reply to ask ``ask_id`` of rank ``source``."""
-        loan = Loan(ask_id, source, memoryview(buffer).cast("B"), buffer.__array_interface__["data"][0])
-        self._offers[ask_id] = loan
+    def lend(self, ask_id: int, source: int, buffer: object, what: str, offer_over: int | None) -> Loan | None:
+        """The loan of ``buffer`` (see :func:`lendable`) for the reply to ask ``ask_id`` of rank ``source``, if it
+        holds more than ``offer_over`` bytes (else None: a smaller reply travels in its frame; ``offer_over`` None:
+        the ask is of this rank)."""
+        array = lendable(buffer, what)
+        if offer_over is None or array.nbytes <= offer_over:
+            return None
+        loan = self._offers[ask_id] = Loan(ask_id, source, memoryview(array).cast("B"), array.ctypes.data)
         return loan
 
     def claim(self, source: int, answers: int, sizes: list[int]) -> Loan | None:
@@ -91,12 +99,12 @@ class Lending:
                 and envelope[2].__array_interface__["data"][0] == loan.address):  # fmt: skip
             self._offers.pop(loan.ask_id, None)
             self.bytes_in_place += len(loan.memory)
+            loan.repaid = True
             return True
         return False
 
-    async def end(self, loan: Loan) -> None:
-        """The ask is over: its buffer is no longer offered, and is the asker's again once no message's parts are
-        still being received into it (an ask that timed out meanwhile waits for them: the buffer is not free)."""
+    def end(self, loan: Loan) -> asyncio.Future | None:
+        """The ask is over: its buffer is no longer offered. Returns what to await before the buffer is the
+        asker's again: the parts of a message still being received into it (an ask that timed out meanwhile)."""
         self._offers.pop(loan.ask_id, None)
-        if loan.held is not None:
-            await asyncio.shield(loan.held)
+        return loan.held

@@ -30,7 +30,7 @@ from .diagnostics import failure_report, rank_diagnostics, refusal_report
 from .dispatch import MESSAGE, REPLY, PendingAsk
 from .errors import Failure, JobRefused, MessageRefused, TransportError
 from .hierarchy import Group, Hierarchy, build_hierarchy
-from .lending import into, lendable
+from .lending import into
 from .progress import ProgressEngine, completed
 from .steering import Steering
 
@@ -213,10 +213,10 @@ class ActorSystem:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
         ask_id = next(self._ask_ids)
-        if reply_into is not None:  # the buffer lent for the reply while the ask is out (see lending.py)
-            lendable(reply_into, f"ask({method!r}) to {ref}")
-            lending = self._engine.receiving.lending
-            loan = lending.lend(ask_id, ref.rank, reply_into) if ref.rank != self.rank else None
+        loan = None  # of the buffer for the reply, while the ask is out (see lending.py)
+        if reply_into is not None:
+            over = self.config.inline_bytes if ref.rank != self.rank else None
+            loan = self._engine.receiving.lending.lend(ask_id, ref.rank, reply_into, f"ask({method!r}) to {ref}", over)
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         if timeout is None:
@@ -232,11 +232,11 @@ class ActorSystem:
             value, failed = await future
         finally:
             self._asks.pop(ask_id, None)
-            if reply_into is not None and loan is not None:
-                await lending.end(loan)
+            if loan is not None and (held := self._engine.receiving.lending.end(loan)) is not None:
+                await asyncio.shield(held)  # a timed-out ask: its reply's parts still coming into the buffer
         if failed:
             value.raise_here()
-        return value if reply_into is None else into(reply_into, value, f"ask({method!r}) to {ref}")
+        return value if reply_into is None else into(reply_into, value, bool(loan and loan.repaid), ref, method)
 
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
