@@ -63,12 +63,13 @@ class Hierarchy:
         if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
             out_of_size(data, out, "hierarchical allreduce")
         number, call = self._begin()
+        what = f"allreduce on {self.log.name}"
         try:
             gate, digests, signature = self.reducer.post_gate(data, op)
-            await settle(self.engine, gate, f"allreduce on {self.log.name}", digests, self.world._spin_s)
+            await settle(self.engine, gate, what, digests, self.world._spin_s)
             self.reducer.passed(digests, signature, call)
             request, result = self.reducer.start_direct(comm, data, mpi_op)
-            await settle(self.engine, request, f"allreduce on {self.log.name}", data, self.world._spin_s)
+            await settle(self.engine, request, what, data, self.world._spin_s)
             return self.reducer.direct_result(data, result, out)
         finally:
             self.log.end(number)

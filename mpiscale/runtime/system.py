@@ -354,7 +354,7 @@ class ActorSystem:
             except MessageRefused as unfinished:  # a frame whose parts no rank sent: no end would ever come
                 self.fail(unfinished, "the job ended with a message from another rank unfinished")
             except TransportError as unbalanced:  # a message no rank sent, delivered: no end would ever come
-                self.fail(SystemExit(str(unbalanced)), "the job's end")
+                self.fail(SystemExit(str(unbalanced)), "the job's end")  # (as a SystemExit: its text, no traceback)
             for hook in self._at_end:
                 try:
                     await hook()
