@@ -27,7 +27,8 @@ from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
 from .errors import JobRefused
 from .eventloop import new_event_loop
-from .node_watch import LostNode, NodeWatch
+from .node_sentry import NodeSentry
+from .node_watch import LostNode
 from .peers import LocalPeers
 from .system import ActorSystem
 from .wire import message_path
@@ -55,7 +56,8 @@ class Lifecycle:
         placement = world.allgather((system.host, os.getpid()))  # every rank's, once, for both watches
         self.local_peers = LocalPeers.of(placement, system.rank)
         system.hosts = [host for host, _ in placement]
-        self.node_watch = NodeWatch.gather(world, system.hosts)
+        self.node_watch = NodeSentry.gather(world, system.hosts)
+        system.leave_last_words = self.node_watch.leave_last_words
         self.peer_reported = False  # a rank of this host printed a report and aborts the job (REPORTED_SIGNAL)
         system.before_abort.append(self.tell_peers_reported)
         signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)  # until the loop takes it (its default action ends a process)

@@ -12,7 +12,9 @@ process went (the kernel closes its socket at once) or its host went silent
 which an abort begun elsewhere usually signals this process too, the rank asks
 the other's listener again: if it answers, the other is alive and is watched
 on the new connection; if it does not, the job ends with one report naming the
-host that was lost. Jobs on a single host watch nothing.
+host that was lost. Jobs on a single host watch nothing. The ring runs in a
+process of its own beside the rank (:mod:`.node_sentry`): a rank's Python can
+be held while a node is lost.
 """
 
 from __future__ import annotations
@@ -23,8 +25,6 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-from ..ranks import Comm
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LostNode:
         )
 
 
-def _listening_socket() -> socket.socket:
+def listening_socket() -> socket.socket:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("0.0.0.0", 0))
     listener.listen(8)
@@ -59,7 +59,7 @@ def _listening_socket() -> socket.socket:
     return listener
 
 
-def _own_addresses(host: str) -> list[str]:
+def own_addresses(host: str) -> list[str]:
     """This host's IPv4 addresses by its name, loopback left out (none: the host is not watched)."""
     try:
         return [a for a in socket.gethostbyname_ex(host)[2] if not a.startswith("127.")]
@@ -78,8 +78,7 @@ Address = tuple[list[str], int]  # a first rank's listener: its host's addresses
 
 
 class NodeWatch:
-    """One rank's part of the ring; only the first rank of each host takes part (every method but ``gather`` is
-    for this rank alone)."""
+    """One host's part of the ring, watched for the host's first rank (in its node sentry's process)."""
 
     def __init__(self, listener: socket.socket | None, following: tuple[LostNode, Address] | None = None,
                  preceding: tuple[LostNode, Address] | None = None) -> None:  # fmt: skip
@@ -89,31 +88,6 @@ class NodeWatch:
         self._over = False
         self._watched: dict[socket.socket, LostNode] = {}  # the neighbours' connections held now
         self._ending: LostNode | None = None  # a neighbour whose connection ended, being asked again
-
-    @classmethod
-    def gather(cls, world: Comm, hosts: list[str]) -> NodeWatch:
-        """Collective over ``world`` at start-up, given every rank's host: each host's first rank listens, and
-        learns its neighbours' (nothing, and no communication, on a single host)."""
-        first_of = {h: hosts.index(h) for h in dict.fromkeys(hosts)}
-        if len(first_of) == 1:
-            return cls(None)
-        rank = world.Get_rank()
-        host = hosts[rank]
-        leads = first_of[host] == rank
-        listener = _listening_socket() if leads else None
-        addresses = _own_addresses(host) if leads else []
-        port = listener.getsockname()[1] if listener is not None else 0
-        everyone = world.allgather((addresses, port))
-        if not leads or not addresses:
-            if listener is not None:
-                listener.close()
-            return cls(None)
-        ring = list(first_of)  # hosts in the order of their first rank
-        neighbours = [ring[(ring.index(host) + 1) % len(ring)], ring[ring.index(host) - 1]]
-        following, preceding = [
-            (LostNode(h, [r for r, where in enumerate(hosts) if where == h]), everyone[first_of[h]]) for h in neighbours
-        ]
-        return cls(listener, following if following[1][0] else None, preceding if preceding[1][0] else None)
 
     def start(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
         """Accept connections (the previous host's), connect to the next host; ``on_lost`` when one ends early."""

@@ -55,14 +55,12 @@ class ActorSystem:
     """The runtime of one rank: actors, messaging, collectives, lifecycle."""
 
     def __init__(self, MPI: ModuleType, config: RuntimeConfig) -> None:
-        self.MPI = MPI
-        self.config = config
+        self.MPI, self.config = MPI, config
         world = MPI.COMM_WORLD
         self.rank: int = world.Get_rank()
         self.size: int = world.Get_size()
         self.host: str = MPI.Get_processor_name()
-        self._p2p = world.Dup()
-        self._control = world.Dup()
+        self._p2p, self._control = world.Dup(), world.Dup()
         self._cells: dict[str, ActorCell] = {}
         self._asks: dict[int, PendingAsk] = {}
         self._dispatch = wire.chosen()[0].Dispatch(self, self._cells, self._asks)
@@ -73,8 +71,7 @@ class ActorSystem:
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
         self._groups = [Group("world", self.hierarchy)]  # the whole job's, then those ``split`` made
         self._channels: list[Channel] = []
-        self._ask_ids = itertools.count()
-        self._names = itertools.count()
+        self._ask_ids, self._names = itertools.count(), itertools.count()
         #: The rank is shutting down: incoming asks are answered with ActorStopped, tells refused and counted.
         self.stopping = False
         self.refused_tells = 0
@@ -99,6 +96,9 @@ class ActorSystem:
         #: Called just before this rank aborts the job after printing its report (the lifecycle tells the ranks of
         #: its host that the report is there, so that none adds a line of its own about this rank's death).
         self.before_abort: list[Callable[[], None]] = []
+        #: ``leave_last_words(module, spec)``: what the node watch says for this rank if a lost node finds the rank's
+        #: Python held (``await module.speak(spec, detail, rank)``): telemetry's failure event. The lifecycle sets it.
+        self.leave_last_words: Callable[[str, dict], None] = lambda module, spec: None
 
     def communicator(self, name: str) -> Communicator:
         """A new communicator over every rank, with its own numbering of collectives: for a layer's own collectives

@@ -30,6 +30,7 @@ import numpy as np
 from ..kernels.devices import gpu_memory_mib
 from ..runtime import Actor, ActorGroup, ActorSystem, Communicator, Orders
 from ..words import counted
+from . import last_words
 from .aggregate import by_node, pace, spread
 from .beat import BusyBeat
 from .control import Rejected, parse, set_log_level
@@ -138,6 +139,8 @@ class Telemetry:
                 session.event("restarted", f"run {restarts + 1} of the job (restart {restarts}){after}")
         session._out = out
         system.death_reporters.append(session.died)  # (on the others: where rank 0 is the one that died)
+        said = last_words.spec(session.job, command, system.size, system.rank, session._file_path(out))
+        system.leave_last_words(last_words.__name__, said)  # a held rank's node watch says it in its place
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
         return session
 
