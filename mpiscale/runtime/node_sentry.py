@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -33,6 +34,8 @@ from collections.abc import Callable, Coroutine
 
 from ..ranks import Comm
 from .node_watch import Address, LostNode, NodeWatch, listening_socket, own_addresses
+
+log = logging.getLogger(__name__)
 
 HANDLED_S = 0.25  # a rank that has not taken a lost node's report within this is held: the sentry speaks for it
 _LAST_WORDS_S = 1.0  # the longest the sentry waits for the rank's last words before it kills the rank
@@ -160,6 +163,9 @@ class NodeSentry:
         if not data:  # the sentry is gone: nothing watches now
             with contextlib.suppress(RuntimeError):
                 asyncio.get_running_loop().remove_reader(self._link.fileno())
+            if not self._quiet and not self._answer:
+                log.warning("node watch: its process (pid %s) ended while the job ran; a lost node is no longer "
+                            "named", self._process.pid if self._process else "?")  # fmt: skip
             self._answer.append(None)
             return
         self._buffer += data

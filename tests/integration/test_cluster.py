@@ -216,6 +216,40 @@ def test_a_lost_node_is_one_line_and_one_failure_event_from_a_rank_that_remains(
     assert records[-1]["kind"] == "status" and records[-1]["state"] == "failed", records[-1]
 
 
+def test_a_node_lost_while_the_ranks_that_remain_are_held_in_hdf5_is_still_one_line_and_one_failure_event(
+    nodes, tmp_path
+):
+    """node1's ranks wait in a parallel HDF5 open for node2's, which never come, and node2 is killed. h5py keeps the
+    GIL there: no Python of theirs runs, the event loop's node watch included. Before, the job ended after
+    mpirun's grace with no line of the ranks' and no telemetry event (1 run in 5 of the memory store above, killed
+    during a background checkpoint's open); now rank 0's node sentry names node2 in its place."""
+    program = [sys.executable, str(PROGRAMS / "held_in_hdf5.py"), str(tmp_path / "never.h5")]
+    environment = SESSION_ENVIRONMENT | MPIRUN_GRACE | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "1"}
+    log = tmp_path / "out.log"
+    try:
+        with open(log, "w") as output:
+            job = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *program], env=environment,
+                                   cwd=tmp_path, text=True, stdout=output, stderr=subprocess.PIPE,
+                                   start_new_session=True)  # fmt: skip
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and job.poll() is None and log.read_text().count(" holds") < 2:
+                time.sleep(0.05)
+            assert log.read_text().count(" holds") == 2, log.read_text()
+            time.sleep(0.5)  # both are in the open, its GIL held
+            assert cluster("kill", "node2").returncode == 0
+            ended = finish(job, "the held job after node2 was killed", 90)
+    finally:
+        cluster("up", str(NODES))
+    assert ended.returncode != 0
+    named = [line for line in ended.stderr.splitlines() if "node2" in line]
+    assert len(named) == 1 and named[0].startswith("mpiscale: rank 0: node node2 (ranks 2, 3) was lost"), ended.stderr
+    assert named[0].endswith("(said by its node watch: the rank was held)"), named
+    records = [json.loads(line) for line in (tmp_path / "held.telemetry.jsonl").read_text().splitlines()]
+    failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
+    assert len(failures) == 1 and "node node2 (ranks 2, 3)" in failures[0]["detail"], failures
+    assert records[-1]["kind"] == "status" and records[-1]["state"] == "failed", records[-1]
+
+
 DICTLEARN = ["dictlearn", "--atoms", "50", "--iterations", "2000", "--samples", "1500", "--features", "20",
              "--sparsity", "3", "--snr-db", "20", "--progress-every", "0"]  # fmt: skip
 TRAIN = ["train", "--epochs", "2", "--batch-size", "60", "--hidden", "32", "--progress-every", "0"]

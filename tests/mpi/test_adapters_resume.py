@@ -33,9 +33,11 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
     uninterrupted run on 1 rank."""
     write_planted(tmp_path / "adapters", 9, RANK, shared=SHARED, modules=GROUPS)
     # Many power iterations (each a pass over the adapters) make each group take a while, so the stop lands mid-run,
-    # and over the 0.25 s after which a stop is agreed at the end of the step it came in (runtime/steering.py).
+    # and over the 0.25 s after which a stop is agreed at the end of the step it came in (runtime/steering.py): 1000
+    # take 0.4 s a group on 2 ranks of an idle 2-core VM. 300 took 0.13 s a group there: the stop was then agreed
+    # a step later, as for short steps, and this test failed whenever the machine was idle.
     options = ["--adapters", tmp_path / "adapters", "--method", "randomized", "--components", SHARED,
-               "--power-iterations", 300]  # fmt: skip
+               "--power-iterations", 1000]  # fmt: skip
     out, partial, log = tmp_path / "c.h5", tmp_path / "c.h5.partial", tmp_path / "stopped.log"
     with open(log, "w") as stdout:
         process = launch(2, [*MPISCALE, "compress-adapters", *map(str, options), "--out", str(out),
