@@ -48,8 +48,8 @@ while the event loop goes on. An awaited call of at most 1 MiB
 event loop itself when the worker has no call queued (the hand-offs to the
 thread and back cost about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange
 and a non-blocking Allreduce, both settled as the world's collectives are, so
-the loop is never blocked (a blocking call there kept the node watch from
-reporting a lost node). Calls begun meanwhile wait for it, so every rank's
+the loop is never blocked (a rank blocked there serves no message, and cannot
+report a rank of its host that died meanwhile). Calls begun meanwhile wait for it, so every rank's
 calls meet on the same communicators in the same order whichever thread runs
 them. Open MPI's non-blocking collectives advance
 only while the caller polls, and measured at a third to a half of the blocking

@@ -57,7 +57,7 @@ class Hierarchy:
     async def _inline_allreduce(self, comm: Comm, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
         """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
         about 0.1 ms): the same exchange first, then MPI's non-blocking Allreduce on ``comm``, both settled as the
-        world's collectives are. Nothing blocks the loop: a rank lost meanwhile is still reported (the node watch)."""
+        world's collectives are. Nothing blocks the loop: a rank that died meanwhile is still reported."""
         data = self.world._array(array, "hierarchical allreduce")
         mpi_op = self.world._op(op)
         if out is not None:  # refused before any MPI call, as the world's allreduce refuses it

@@ -96,7 +96,9 @@ class NodeSentry:
         """Start the sentry of ``rank`` on ``listener`` with its neighbours (``[host, ranks, addresses, port]``:
         watched where it has addresses)."""
         ours, theirs = socket.socketpair()
-        command = [sys.executable, "-m", __name__, str(listener.fileno()), str(theirs.fileno())]
+        # -c, not -m: the package imports this module first, and runpy warns of that on the rank's stderr
+        start = f"import sys; from {__name__} import main; main(sys.argv)"
+        command = [sys.executable, "-c", start, str(listener.fileno()), str(theirs.fileno())]
         process = subprocess.Popen(command, pass_fds=(listener.fileno(), theirs.fileno()), stdin=subprocess.DEVNULL)
         listener.close()
         theirs.close()
@@ -248,14 +250,10 @@ class _Sentry:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m mpiscale.runtime.node_sentry LISTENER_FD LINK_FD``: the rank's sentry."""
+    """The sentry's process: ``argv`` ends with the listener's and the link's file descriptors."""
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # the launcher's signals are the rank's to take
-    listener, link = socket.socket(fileno=int(argv[1])), socket.socket(fileno=int(argv[2]))
+    listener, link = socket.socket(fileno=int(argv[-2])), socket.socket(fileno=int(argv[-1]))
     listener.setblocking(False)
     link.setblocking(False)
     asyncio.run(_Sentry(listener, link).serve())
-
-
-if __name__ == "__main__":
-    main(sys.argv)
