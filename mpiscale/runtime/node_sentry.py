@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine
 
@@ -240,11 +241,15 @@ class _Sentry:
             return
         detail = node.describe()
         line = f"mpiscale: rank {self.rank}: {detail} (said by its node watch: the rank was held)\n"
-        os.write(2, line.encode())
+        # in a thread: a stderr whose reader is gone with the lost node (srun on the batch host) blocks a write,
+        # and the failure event must still be written
+        saying = threading.Thread(target=os.write, args=(2, line.encode()), daemon=True, name="the line")
+        saying.start()
         if self.last_words is not None:
             module, spec = self.last_words
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(module.speak(spec, detail, min(node.ranks, default=0)), _LAST_WORDS_S)  # type: ignore[attr-defined]
+        saying.join(_LAST_WORDS_S)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.rank_pid, signal.SIGKILL)  # the launcher ends the job: this rank cannot
 

@@ -32,12 +32,10 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
     other settings is refused and leaves it as it was; --resume on 3 ranks does the rest and equals one
     uninterrupted run on 1 rank."""
     write_planted(tmp_path / "adapters", 9, RANK, shared=SHARED, modules=GROUPS)
-    # Many power iterations (each a pass over the adapters) make each group take a while, so the stop lands mid-run,
-    # and over the 0.25 s after which a stop is agreed at the end of the step it came in (runtime/steering.py): 1000
-    # take 0.4 s a group on 2 ranks of an idle 2-core VM. 300 took 0.13 s a group there: the stop was then agreed
-    # a step later, as for short steps, and this test failed whenever the machine was idle.
+    # Many power iterations (each a pass over the adapters) make each group take a while, so the stop lands mid-run:
+    # 0.13 s a group on 2 ranks of an idle 2-core VM, seconds on a loaded one.
     options = ["--adapters", tmp_path / "adapters", "--method", "randomized", "--components", SHARED,
-               "--power-iterations", 1000]  # fmt: skip
+               "--power-iterations", 300]  # fmt: skip
     out, partial, log = tmp_path / "c.h5", tmp_path / "c.h5.partial", tmp_path / "stopped.log"
     with open(log, "w") as stdout:
         process = launch(2, [*MPISCALE, "compress-adapters", *map(str, options), "--out", str(out),
@@ -55,8 +53,11 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
     assert partial.exists() and not out.exists() and not (tmp_path / "c.h5.tmp").exists()
     with h5py.File(partial, "r") as file:
         done = int(file.attrs["groups_done"])
-    # obeyed at the end of the group it came in (steps this long agree at once), not groups later
-    assert seen <= done <= seen + 1 < len(GROUPS), (seen, done)
+    # obeyed within two groups' ends of the one it came in, as steering promises for steps of any length (steps of
+    # 0.25 s or more: at the end of that group, which stops.py long-steps checks with steps of a fixed length); this
+    # test's groups are shorter or longer than that as the machine is idle or loaded. Asked for seen+1 at most, it
+    # failed every run on an idle machine; 1000 power iterations to make the groups long outran 120 s under load.
+    assert seen <= done <= seen + 2 < len(GROUPS), (seen, done)
     assert f"kept the {done} of {len(GROUPS)} layer groups done in {partial}" in log.read_text()
     before = partial.read_bytes()
 
