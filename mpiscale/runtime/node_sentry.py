@@ -100,7 +100,9 @@ class NodeSentry:
         # -c, not -m: the package imports this module first, and runpy warns of that on the rank's stderr
         start = f"import sys; from {__name__} import main; main(sys.argv)"
         command = [sys.executable, "-c", start, str(listener.fileno()), str(theirs.fileno())]
-        process = subprocess.Popen(command, pass_fds=(listener.fileno(), theirs.fileno()), stdin=subprocess.DEVNULL)
+        # its stdout is not the rank's (a launcher reads that to its end); its stderr is: the line it may print
+        fds = (listener.fileno(), theirs.fileno())
+        process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         listener.close()
         theirs.close()
         watched = [n if n is not None and n[2] else None for n in (following, preceding)]
