@@ -59,7 +59,7 @@ class Lifecycle:
         self.node_watch = NodeSentry.gather(world, system.hosts)
         system.leave_last_words = self.node_watch.leave_last_words
         self.peer_reported = False  # a rank of this host printed a report and aborts the job (REPORTED_SIGNAL)
-        system.before_abort.append(self.tell_peers_reported)
+        system.before_abort.extend((self.tell_peers_reported, self.node_watch.farewell))
         signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)  # until the loop takes it (its default action ends a process)
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
@@ -239,6 +239,7 @@ class Lifecycle:
         self.node_watch.quiet()  # the ranks end now: connections that close are no loss
         if system.stopping:
             sys.stderr.write(f"mpiscale: rank {system.rank}: second {name}, exiting now\n")
+            self.node_watch.farewell()
             os._exit(128 + signum)
         system.stopping = True
         sys.stderr.write(f"mpiscale: rank {system.rank}: {name} received, draining and shutting down\n")
@@ -259,6 +260,7 @@ class Lifecycle:
     async def shutdown(self, code: int) -> None:
         system = self.system
         drained = await system.drain(time.monotonic() + system.config.shutdown_timeout_s)
+        self.node_watch.farewell()  # this rank exits now, whatever the others do: its neighbours lose nothing
         sys.stderr.write(
             f"mpiscale: rank {system.rank}: shutdown {'drained' if drained else 'timed out'}; "
             f"{system.refused_tells} incoming tells refused; exit status {code}\n"

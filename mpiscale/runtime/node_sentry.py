@@ -143,10 +143,17 @@ class NodeSentry:
             self._quiet = True
             _send(self._link, {"quiet": True})
 
+    def farewell(self) -> None:
+        """This rank exits on purpose (a drain, a report's abort): the neighbours take the end of its connections for
+        no loss, even where their rank is held (safe in a signal handler)."""
+        self.quiet()
+        if self._link is not None:
+            _send(self._link, {"farewell": True})
+
     def close(self) -> None:
         """End the sentry and its connections, once every rank has ended (a rank that closes them earlier looks
         lost)."""
-        self._quiet = True
+        self.farewell()
         if self._link is None:
             return
         with contextlib.suppress(RuntimeError):  # no loop runs any more
@@ -220,6 +227,9 @@ class _Sentry:
         if "quiet" in message:
             self.quiet = True
             self.watch.quiet()
+        elif "farewell" in message:
+            self.quiet = True
+            self.watch.farewell()
         elif "handled" in message:
             self.handled.set()
         elif "ended" in message:

@@ -12,9 +12,10 @@ process went (the kernel closes its socket at once) or its host went silent
 which an abort begun elsewhere usually signals this process too, the rank asks
 the other's listener again: if it answers, the other is alive and is watched
 on the new connection; if it does not, the job ends with one report naming the
-host that was lost. Jobs on a single host watch nothing. The ring runs in a
-process of its own beside the rank (:mod:`.node_sentry`): a rank's Python can
-be held while a node is lost.
+host that was lost. A first rank that exits on purpose says farewell (one
+byte) before its connections end: that end is no loss. Jobs on a single host
+watch nothing. The ring runs in a process of its own beside the rank
+(:mod:`.node_sentry`): a rank's Python can be held while a node is lost.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _CONNECT_TIMEOUT_S = 2.0  # a neighbour's listener that does not answer within t
 # short wait lets the signal, not the closed connection, speak. mpirun, for its part, kills its ranks soon after a
 # node's daemon is lost: the report must come before.
 GRACE_S = 0.05
+FAREWELL = b"F"  # the one byte a first rank that exits on purpose sends its neighbours
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class NodeWatch:
         self._tasks: list[asyncio.Task] = []
         self._over = False
         self._watched: dict[socket.socket, LostNode] = {}  # the neighbours' connections held now
+        self._open: set[socket.socket] = set()  # every connection held now (the neighbours', and probes)
+        self._parting: set[socket.socket] = set()  # those whose other end said farewell
         self._ending: LostNode | None = None  # a neighbour whose connection ended, being asked again
 
     def start(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
@@ -104,6 +108,8 @@ class NodeWatch:
         if self._ending is not None:
             return self._ending
         for connection, neighbour in list(self._watched.items()):
+            if connection in self._parting:
+                continue
             try:
                 if connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
                     return neighbour
@@ -117,6 +123,14 @@ class NodeWatch:
         """This rank's ``main`` ended, or a stop began: a connection that ends from now on is the job's end, not a
         loss (safe in a signal handler). The connections stay open: ranks elsewhere may still run their ``main``."""
         self._over = True
+
+    def farewell(self) -> None:
+        """This host's first rank exits on purpose (a drain, a report's abort): the neighbours are told, so that the
+        end of its connections is no loss to them, even where their rank is held and cannot take a stop."""
+        self._over = True
+        for connection in list(self._open):
+            with contextlib.suppress(OSError):
+                connection.send(FAREWELL)
 
     def close(self) -> None:
         """Close the connections, once every rank has ended (a rank that closes them earlier looks lost)."""
@@ -145,13 +159,23 @@ class NodeWatch:
         if connection is not None:
             await self._until_lost(connection, neighbour, on_lost)
 
-    async def _hold(self, connection: socket.socket) -> None:
-        """Keep an accepted connection open until it ends (nothing is ever sent on it)."""
+    async def _hold(self, connection: socket.socket) -> bool:
+        """Keep a connection open until it ends (a farewell is all that is ever sent on it): whether the other end
+        said farewell first."""
+        self._open.add(connection)
+        said = False
         try:
-            with contextlib.suppress(OSError):
-                await asyncio.get_running_loop().sock_recv(connection, 1)
+            while data := await asyncio.get_running_loop().sock_recv(connection, 16):
+                if FAREWELL in data:
+                    said = True
+                    self._parting.add(connection)
+        except OSError:
+            pass
         finally:
+            self._open.discard(connection)
+            self._parting.discard(connection)
             connection.close()
+        return said
 
     async def _until_lost(self, connection: socket.socket, neighbour: tuple[LostNode, Address],
                           on_lost: Callable[[LostNode], Awaitable[None]]) -> None:  # fmt: skip
@@ -159,9 +183,9 @@ class NodeWatch:
         neighbour that answers is alive (watched on the new connection), one that does not is lost."""
         while True:
             self._watched[connection] = neighbour[0]
-            await self._hold(connection)
+            farewell = await self._hold(connection)
             del self._watched[connection]
-            if self._over:
+            if self._over or farewell:
                 return
             self._ending = neighbour[0]
             await asyncio.sleep(GRACE_S)

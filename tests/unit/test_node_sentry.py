@@ -30,9 +30,11 @@ async def main():
     sentry.start(on_lost)
     if mode == "quiet":
         sentry.quiet()
-    if mode in ("held", "quiet"):
+    if mode == "exits":
+        await asyncio.sleep(1.0)  # the sentry has started and connected
+    elif mode in ("held", "quiet"):
         ctypes.PyDLL(None).sleep(3)  # a C call that keeps the GIL: nothing else of this process's Python runs
-    else:
+    elif mode == "answers":
         await asyncio.wait_for(found.wait(), 10)
     sentry.close()
 
@@ -81,3 +83,19 @@ def test_a_rank_whose_end_began_is_left_alone_even_held(tmp_path):
     ended, records = _rank(tmp_path, "quiet")
     assert ended.returncode == 0 and ended.stderr == ended.stdout == "", ended
     assert records == []
+
+
+def test_a_rank_that_exits_on_purpose_has_its_sentry_say_farewell_to_the_next_host(tmp_path):
+    peer = socket.socket()
+    peer.bind(("127.0.0.1", 0))
+    peer.listen(4)
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(peer.getsockname()[1]), "exits", str(tmp_path / "t")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    peer.settimeout(20)
+    connection, _ = peer.accept()
+    connection.settimeout(20)
+    said = b""
+    while chunk := connection.recv(16):  # until the sentry closes it: the farewell comes first
+        said += chunk
+    out, err = rank.communicate(timeout=30)
+    assert said == b"F" and rank.returncode == 0 and out == err == "", (said, out, err)

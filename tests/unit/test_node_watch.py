@@ -51,3 +51,37 @@ def test_a_neighbour_that_answers_again_is_watched_anew_and_one_that_does_not_is
     lost = asyncio.run(asyncio.wait_for(_watched_peer(caplog), 20))
     assert lost == [LostNode("node2", [2, 3])]
     assert "ranks 2, 3" in lost[0].describe()
+
+
+async def _parting(says_farewell: bool) -> tuple[list[LostNode], bytes]:
+    """The next host (this test) ends its connection and stops listening, with or without a farewell first; then
+    the watch itself says farewell on a second connection: (what it found lost, what the second peer read)."""
+    loop = asyncio.get_running_loop()
+    peer, other, lost = _peer(), _peer(), []
+
+    async def on_lost(node: LostNode) -> None:
+        lost.append(node)
+
+    watch = NodeWatch(_peer(), following=(LostNode("node2", [2, 3]), (["127.0.0.1"], peer.getsockname()[1])))
+    watch.start(on_lost)
+    connection, _ = await asyncio.wait_for(loop.sock_accept(peer), 5)
+    if says_farewell:
+        await loop.sock_sendall(connection, b"F")
+    peer.close()
+    connection.close()
+    await _until(lambda: bool(lost), 1.0)
+    watch.close()
+    told = NodeWatch(_peer(), following=(LostNode("node3", [4]), (["127.0.0.1"], other.getsockname()[1])))
+    told.start(on_lost)
+    second, _ = await asyncio.wait_for(loop.sock_accept(other), 5)
+    await asyncio.sleep(0.05)  # its connection is held
+    told.farewell()
+    read = await asyncio.wait_for(loop.sock_recv(second, 1), 5)
+    told.close()
+    return lost, read
+
+
+def test_a_neighbour_that_said_farewell_is_no_loss_and_the_watch_says_it_when_its_rank_exits():
+    assert asyncio.run(asyncio.wait_for(_parting(says_farewell=False), 20))[0] == [LostNode("node2", [2, 3])]
+    lost, read = asyncio.run(asyncio.wait_for(_parting(says_farewell=True), 20))
+    assert lost == [] and read == b"F"
