@@ -145,9 +145,9 @@ class NodeSentry:
 
     def farewell(self) -> None:
         """This rank exits on purpose (a drain, a report's abort): the neighbours take the end of its connections for
-        no loss, even where their rank is held (safe in a signal handler)."""
-        self.quiet()
+        no loss, even where their rank is held (safe in a signal handler). It also quiets the sentry's watch."""
         if self._link is not None:
+            self._quiet = True
             _send(self._link, {"farewell": True})
 
     def close(self) -> None:
@@ -201,7 +201,6 @@ class _Sentry:
         self.rank_pid = os.getppid()
         self.watch: NodeWatch | None = None
         self.handled = asyncio.Event()
-        self.quiet = False
         self.reported = False
         self.last_words: tuple[object, dict] | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -218,17 +217,14 @@ class _Sentry:
             while line := await reader.readline():
                 self.take(json.loads(line))
         finally:
-            self.quiet = True
-            self.watch.close()
+            self.watch.close()  # the rank is gone, or ended: nothing to say for it now
 
     def take(self, message: dict) -> None:
         """One message from the rank."""
         assert self.watch is not None and self.writer is not None
         if "quiet" in message:
-            self.quiet = True
             self.watch.quiet()
         elif "farewell" in message:
-            self.quiet = True
             self.watch.farewell()
         elif "handled" in message:
             self.handled.set()
@@ -242,14 +238,15 @@ class _Sentry:
 
     async def lost(self, node: LostNode) -> None:
         """A neighbour is lost: the rank reports it; if it does not take the report, the sentry speaks for it."""
-        if self.reported or self.quiet:
+        assert self.watch is not None
+        if self.reported or self.watch.over:
             return
         self.reported = True
         assert self.writer is not None
         self.writer.write(json.dumps({"lost": [node.host, node.ranks]}).encode() + b"\n")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.handled.wait(), HANDLED_S)
-        if self.handled.is_set() or self.quiet:
+        if self.handled.is_set() or self.watch.over:
             return
         detail = node.describe()
         line = f"mpiscale: rank {self.rank}: {detail} (said by its node watch: the rank was held)\n"

@@ -119,6 +119,11 @@ class NodeWatch:
                 return neighbour
         return None
 
+    @property
+    def over(self) -> bool:
+        """This rank's end began (quiet, farewell or closed): no connection's end is a loss now."""
+        return self._over
+
     def quiet(self) -> None:
         """This rank's ``main`` ended, or a stop began: a connection that ends from now on is the job's end, not a
         loss (safe in a signal handler). The connections stay open: ranks elsewhere may still run their ``main``."""

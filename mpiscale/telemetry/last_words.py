@@ -18,6 +18,18 @@ from .settings import TelemetrySettings
 from .sinks import FileSink, MqttSink, lost_status
 
 
+def sink_in_rank_0s_place(
+    settings: TelemetrySettings, job: str, command: str, ranks: int, file: Path
+) -> MqttSink | FileSink:
+    """Where rank 0 reports (its broker, or its file), for a writer other than rank 0's telemetry: a rank that found
+    rank 0's node lost, or a held rank's node sentry."""
+    if settings.broker is not None:
+        return MqttSink(settings, job, lost_status(job, command, ranks, socket.gethostname()))
+    sink = FileSink(file)
+    sink.accept()
+    return sink
+
+
 def spec(job: str, command: str, ranks: int, rank: int, file: Path) -> dict:
     """What ``speak`` needs to know of a rank's telemetry (the broker's settings come from the environment)."""
     return {"job": job, "command": command, "ranks": ranks, "rank": rank, "file": str(file)}
@@ -28,13 +40,7 @@ async def speak(said: dict, detail: str, rank: int) -> None:
     if said["rank"] != 0 and rank != 0:  # rank 0 is alive: it is the one that reports, held or not
         return
     job, host = said["job"], socket.gethostname()
-    settings = TelemetrySettings.from_env()
-    sink: FileSink | MqttSink
-    if settings.broker is not None:
-        sink = MqttSink(settings, job, lost_status(job, said["command"], said["ranks"], host))
-    else:
-        sink = FileSink(Path(said["file"]))
-        sink.accept()
+    sink = sink_in_rank_0s_place(TelemetrySettings.from_env(), job, said["command"], said["ranks"], Path(said["file"]))
     sink.publish(record("event", job, event="failure", rank=rank, detail=detail))
     sink.publish(record("status", job, state="failed", command=said["command"], ranks=said["ranks"], host=host),
                  retain=True)  # fmt: skip

@@ -369,21 +369,13 @@ class Telemetry:
         node lost), the rank that found it says so in its place."""
         if self.system.rank != 0 and rank == 0 and self.group is not None and not self._spoke_for_rank_0:
             self._spoke_for_rank_0 = True  # once (a node found lost by both of its connections)
-            self.sink = self._sink_in_rank_0s_place()
+            file = self._file_path(self._out)
+            self.sink = last_words.sink_in_rank_0s_place(self.settings, self.job, self.command, self.system.size, file)
         await self.fail(detail, rank)
 
     def _file_path(self, out: str | None) -> Path:
         """The telemetry file beside the job's output (or named after its command)."""
         return Path(f"{out or self.command}.telemetry.jsonl")
-
-    def _sink_in_rank_0s_place(self) -> MqttSink | FileSink:
-        """Where rank 0 reported (its broker, or its file, which no one else writes now that it is gone)."""
-        if self.settings.broker is not None:
-            lost = lost_status(self.job, self.command, self.system.size, socket.gethostname())
-            return MqttSink(self.settings, self.job, lost)
-        sink = FileSink(self._file_path(self._out))
-        sink.accept()
-        return sink
 
     async def _end(self, state: str) -> None:
         if self.died in self.system.death_reporters:
