@@ -7,6 +7,7 @@ so collectives never match the runtime's point-to-point traffic.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
@@ -20,11 +21,12 @@ from . import transport
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
+from .pair_reduce import UFUNCS, exchanged, rounds
 from .progress import ProgressEngine
 
 
 @functools.lru_cache(maxsize=1024)
-def _described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
+def described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
     """A collective's arguments as its check compares and its report names them: ``float32(1024,) sum`` (kept: numpy
     takes microseconds to name a dtype, longer than a small collective)."""
     return f"{dtype}{shape} {rest}" if rest else f"{dtype}{shape}"
@@ -58,6 +60,18 @@ async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, 
             return
 
 
+async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: object, spin_s: float) -> None:
+    """:func:`settle` each of ``requests`` in turn. If a wait fails (the job ends, the call is abandoned), the engine
+    still holds ``keep`` until the ones not yet settled complete: MPI may still read or write those buffers."""
+    for settled, request in enumerate(requests):
+        try:
+            await settle(engine, request, what, keep, spin_s)
+        except BaseException:
+            for rest in requests[settled + 1 :]:
+                engine.track(rest, what, keep)
+            raise
+
+
 def out_of_size(data: np.ndarray, out: object, what: str) -> None:
     """Refuse an ``out`` that cannot take the result of reducing ``data``."""
     if not isinstance(out, np.ndarray):
@@ -73,14 +87,22 @@ R = TypeVar("R")
 def _collective(
     method: Callable[Concatenate[Communicator, P], Awaitable[R]],
 ) -> Callable[Concatenate[Communicator, P], Awaitable[R]]:
-    """Record the call in the communicator's log while it runs (how an abandoned collective is found)."""
+    """Record the call in the communicator's log while it runs (how an abandoned collective is found), and run the
+    communicator's calls one at a time, in the order they were made.
+
+    A call's MPI operations are posted in steps (its check, then its data, in as many steps as it needs), each after
+    an await. Two calls in flight at once could interleave their steps in one order on one rank and in another on
+    a rank that came late, and MPI would match one call's data with the other's: two allgathers started together on
+    two ranks, one of them 5 ms late, ended in MPI_ERR_TRUNCATE (2026-11-29). Calls made together still overlap
+    with everything else the loop runs, and with other communicators' calls."""
     operation = method.__name__
 
     @functools.wraps(method)
     async def logged(self: Communicator, *args: P.args, **kwargs: P.kwargs) -> R:
         number, posted = self.log.begin(operation), self._posted
         try:
-            return await method(self, *args, **kwargs)
+            async with self._one_at_a_time:  # FIFO: the calls start in call order, the same on every rank
+                return await method(self, *args, **kwargs)
         except BaseException:
             if self._posted == posted:  # refused before any MPI call: the other ranks need not match it
                 self.log.cancel(number)
@@ -121,6 +143,8 @@ class Communicator:
         self.log = CollectiveLog(name, world_ranks(MPI, comm))
         self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI
         self._spin_s = config.value_spin_us * 1e-6
+        self._one_at_a_time = asyncio.Lock()  # see _collective
+        self._spare: np.ndarray | None = None  # the receive buffer of two-rank allreduces
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -133,6 +157,10 @@ class Communicator:
     async def _wait(self, request, what: str, keep: object = None) -> None:
         self._posted += 1
         await settle(self._engine, request, f"{what} on {self.name}", keep, self._spin_s)
+
+    async def _wait_all(self, requests: list, what: str, keep: object) -> None:
+        self._posted += 1
+        await settle_all(self._engine, requests, f"{what} on {self.name}", keep, self._spin_s)
 
     def _op(self, op: str):
         try:
@@ -234,8 +262,11 @@ class Communicator:
             out_of_size(data, out, "allreduce")
             if out.dtype != data.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
-        await self._check("allreduce", _described(data.dtype, data.shape, str(op)))
+        await self._check("allreduce", described(data.dtype, data.shape, str(op)))
         mpi_op = self._op(op)
+        ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
+        if ufunc is not None:  # two ranks: one exchange (see pair_reduce)
+            return await self._pair_allreduce(ufunc, data, array if out is array and data is array else out)
         if out is array and data is array:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array
@@ -243,13 +274,25 @@ class Communicator:
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
 
+    async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""
+        theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
+        if theirs is None or theirs.nbytes < data.nbytes:
+            theirs = np.empty(data.nbytes, np.uint8)
+        received = theirs[: data.nbytes].view(data.dtype).reshape(data.shape)
+        result = np.empty_like(data) if out is None else out.reshape(data.shape)
+        for requests in rounds(self.comm, ufunc, data, result, received):  # its sends too: the caller may change
+            await self._wait_all(requests, "allreduce", keep=(data, received, result))  # its buffer on return
+        self._spare = theirs  # kept for the next call: fresh pages cost page faults
+        return result if out is None else out
+
     @_collective
     async def reduce(
         self, array: np.ndarray, op: str = "sum", root: int = 0, out: np.ndarray | None = None
     ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         data = self._array(array, "reduce")
-        await self._check("reduce", _described(data.dtype, data.shape, f"{op} root={root}"))
+        await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
         if self.rank != root:
             await self._wait(self.comm.Ireduce(data, None, mpi_op, root), "reduce", keep=data)
@@ -266,7 +309,7 @@ class Communicator:
         """Broadcast ``root``'s array into ``array`` on every rank (same shape everywhere)."""
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
-        await self._check("bcast_array", _described(array.dtype, array.shape, f"root={root}"))
+        await self._check("bcast_array", described(array.dtype, array.shape, f"root={root}"))
         await self._wait(self.comm.Ibcast(array, root), "bcast")
         return array
 
@@ -296,7 +339,7 @@ class Communicator:
     async def allgather(self, array: np.ndarray) -> np.ndarray:
         """Stack every rank's array (same shape and dtype): result shape (size, *shape)."""
         data = self._array(array, "allgather")
-        await self._check("allgather", _described(data.dtype, data.shape, ""))
+        await self._check("allgather", described(data.dtype, data.shape, ""))
         result = np.empty((self.size, *data.shape), dtype=data.dtype)
         await self._wait(self.comm.Iallgather(data, result), "allgather", keep=data)
         return result
@@ -305,7 +348,7 @@ class Communicator:
     async def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:
         """Stack every rank's array on ``root``; None elsewhere."""
         data = self._array(array, "gather")
-        await self._check("gather", _described(data.dtype, data.shape, f"root={root}"))
+        await self._check("gather", described(data.dtype, data.shape, f"root={root}"))
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
         await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
         return result
@@ -320,7 +363,7 @@ class Communicator:
         data = self._array(rows, "alltoallv")
         if data.ndim == 0 or len(counts) != self.size or int(np.sum(counts)) != len(data):
             raise ValueError(f"alltoallv: {self.size} counts summing to the {len(data)} rows are needed, got {counts}")
-        await self._check("alltoallv", _described(data.dtype, data.shape[1:], ""))
+        await self._check("alltoallv", described(data.dtype, data.shape[1:], ""))
         sent = np.ascontiguousarray(counts, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
@@ -337,7 +380,7 @@ class Communicator:
         data = self._array(array, "reduce_scatter")
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
-        await self._check("reduce_scatter", _described(data.dtype, data.shape, str(op)))
+        await self._check("reduce_scatter", described(data.dtype, data.shape, str(op)))
         rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]

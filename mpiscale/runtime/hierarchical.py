@@ -43,19 +43,22 @@ operations call Python inside MPI, holding the GIL (a training step with them
 ran 4x slower).
 
 The calls run in one worker thread per rank, on communicators of their own,
-while the event loop goes on. An awaited call of at most 1 MiB
-(``INLINE_ALLREDUCE_BYTES``) that is MPI's own Allreduce runs on the
-event loop itself when the worker has no call queued (the hand-offs to the
-thread and back cost about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange
-and a non-blocking Allreduce, both settled as the world's collectives are, so
-the loop is never blocked (a rank blocked there serves no message, and cannot
-report a rank of its host that died meanwhile). Calls begun meanwhile wait for it, so every rank's
-calls meet on the same communicators in the same order whichever thread runs
-them. Open MPI's non-blocking collectives advance
-only while the caller polls, and measured at a third to a half of the blocking
-ones' bandwidth here, so where a stage is a collective it is a blocking one.
-The worker takes calls in the order they were made, the same on every rank (as
-all collectives require), so several may be in flight.
+while the event loop goes on. An awaited call that is one direct call runs on
+the event loop itself when the worker has no call queued (the hand-offs to the
+thread and back cost about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange,
+then the direct call, both settled as the world's collectives are, so the loop
+is never blocked (a rank blocked there serves no message, and cannot report a
+rank of its host that died meanwhile). A direct call is, between two ranks (one
+node of two, or two nodes of one, under ``hierarchical_min_bytes``), the
+exchange of :mod:`.pair_reduce` at any size; otherwise MPI's ``Iallreduce`` of
+at most 1 MiB (``INLINE_ALLREDUCE_BYTES``). The worker runs a direct call the
+same way, and calls begun meanwhile wait for the loop's, so every rank's calls
+meet on the same communicators in the same order whichever thread runs them.
+Open MPI's non-blocking collectives advance only while the caller polls, and
+measured at a third to a half of the blocking ones' bandwidth here, so where a
+stage is a collective it is a blocking one. The worker takes calls in the order
+they were made, the same on every rank (as all collectives require), so several
+may be in flight.
 
 A blocking collective busy-polls until its last rank arrives. A rank that starts
 a gradient bucket during backward would spin a core for as long as the slowest
@@ -70,7 +73,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import ModuleType
 from typing import Any
@@ -78,8 +81,10 @@ from typing import Any
 import numpy as np
 
 from ..ranks import Comm, block_rows, by_ranks
+from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
+from .pair_reduce import exchanged, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
@@ -162,34 +167,44 @@ class HierarchicalAllreduce:
         gate, digests, signature = self.post_gate(array, op_name)
         self._until_done([gate], _GATE_SPIN_S, _GATE_SLEEP_S)
         self.passed(digests, signature, call)
-        comm = self.direct_comm(array) if isinstance(op, self._MPI.Op) else None
+        comm = self.direct_comm(array, op) if isinstance(op, self._MPI.Op) else None
         if comm is not None:  # as the event loop runs such a call on other ranks
-            request, result = self.start_direct(comm, array, op)
-            self._until_done([request], _MOVE_SPIN_S, _MOVE_SLEEP_S)
-            return self.direct_result(array, result, out)
+            steps, result = self.start_direct(comm, array, op, out)
+            for requests in steps:
+                self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
+            return result()
         return self.reduce_now(array, op, out)
 
-    @staticmethod
-    def start_direct(comm: Comm, data: np.ndarray, op: Any) -> tuple[Any, np.ndarray]:
-        """MPI's non-blocking Allreduce on ``comm`` (the call's :meth:`direct_comm`), into a new array: (its request,
-        that array). The event loop and the worker run such a call alike (a blocking collective would not match a
+    def start_direct(
+        self, comm: Comm, data: np.ndarray, op: Any, out: np.ndarray | None
+    ) -> tuple[Iterator[list], Callable[[], np.ndarray]]:
+        """A call on ``comm`` (its :meth:`direct_comm`) in one piece, non-blocking: (its rounds, each the requests to
+        wait for before the next; what returns the caller's result after the last: ``out`` filled, else a new array
+        shaped as ``data``). Between two ranks it is the exchange of :mod:`.pair_reduce`, else MPI's
+        ``Iallreduce``. The event loop and the worker run such a call alike (a blocking collective would not match a
         non-blocking one on another rank)."""
-        result = np.empty_like(data)
-        return comm.Iallreduce(data, result, op), result
+        ufunc = exchanged(comm.Get_size(), data.dtype, self._ufunc(op))
+        # the exchange may reduce into the caller's buffer, even in place; MPI's call takes a buffer of its own
+        fits = ufunc is not None and out is not None and out.dtype == data.dtype and out.flags.c_contiguous
+        result = out.reshape(data.shape) if fits and out is not None else np.empty_like(data)
 
-    @staticmethod
-    def direct_result(data: np.ndarray, result: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """The caller's result of a direct call: ``out`` filled, else the new array shaped as ``data``."""
-        if out is None:
-            return result.reshape(data.shape)
-        np.copyto(out, result.reshape(out.shape), casting="unsafe")
-        return out
+        def caller_result() -> np.ndarray:
+            if out is None:
+                return result
+            if not np.may_share_memory(result, out):
+                np.copyto(out, result.reshape(out.shape), casting="unsafe")
+            return out
+
+        if ufunc is None:
+            return iter([[comm.Iallreduce(data, result, op)]]), caller_result
+        theirs = self._kept_copies(data.nbytes).view(data.dtype).reshape(data.shape)  # the worker and the loop
+        return rounds(comm, ufunc, data, result, theirs), caller_result  # never run calls at once: one buffer
 
     def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
         """Start the exchange that waits until every rank has reached this call (so a rank ahead of the others
         leaves its core to compute threads meanwhile); with checks on it carries a digest of the call's arguments.
         Returns (its request, where the digests arrive (None without checks), the arguments as text)."""
-        signature = f"{array.dtype}{array.shape} {op_name}"
+        signature = described(array.dtype, array.shape, op_name)
         if not self._check:
             return self._gate.Ibarrier(), None, signature
         digests = np.empty(self._gate.Get_size(), np.int64)
@@ -206,15 +221,17 @@ class HierarchicalAllreduce:
             error.reporter = self._reporter
             raise error
 
-    def direct_comm(self, array: np.ndarray) -> Comm | None:
-        """The communicator on which a call of ``array`` is MPI's own Allreduce in one piece, when the event loop
-        may run it (:data:`INLINE_ALLREDUCE_BYTES` at most, no widening); None: the worker runs it."""
-        nbytes = getattr(array, "nbytes", INLINE_ALLREDUCE_BYTES + 1)
-        if nbytes > INLINE_ALLREDUCE_BYTES or array.dtype in _WIDER:
+    def direct_comm(self, array: np.ndarray, op: Any) -> Comm | None:
+        """The communicator on which a call of ``array`` by MPI operation ``op`` is one non-blocking call
+        (:meth:`start_direct`), which the event loop may run: no widening, and :data:`INLINE_ALLREDUCE_BYTES` at
+        most, or any size where it is the two-rank exchange; None: the worker runs it."""
+        if not isinstance(array, np.ndarray) or array.dtype in _WIDER:  # (not an array: refused on the way)
             return None
-        if self.nodes == 1:
-            return self._node
-        return self._world if nbytes < self._min_bytes else None
+        nbytes = array.nbytes
+        comm = self._node if self.nodes == 1 else self._world if nbytes < self._min_bytes else None
+        if comm is None or nbytes <= INLINE_ALLREDUCE_BYTES or exchanged(comm.Get_size(), array.dtype, self._ufunc(op)):
+            return comm
+        return None
 
     def reduce_now(self, array: np.ndarray, op: Any, out: np.ndarray | None) -> np.ndarray:
         """The reduction itself, once every rank has passed the exchange (blocking: all ranks run it together)."""

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..ranks import Comm, split_nodes
 from .abandoned import CollectiveLog
-from .collectives import Communicator, Reduction, out_of_size, settle
+from .collectives import Communicator, Reduction, out_of_size, settle, settle_all
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce
 from .progress import ProgressEngine
@@ -46,7 +46,7 @@ class Hierarchy:
         calls may be in flight.
         """
         if isinstance(op, str):
-            comm = self.reducer.direct_comm(array)
+            comm = self.reducer.direct_comm(array, self.world._op(op))
             if comm is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
                     return await self._inline_allreduce(comm, array, op, out)
@@ -56,8 +56,8 @@ class Hierarchy:
 
     async def _inline_allreduce(self, comm: Comm, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
         """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
-        about 0.1 ms): the same exchange first, then MPI's non-blocking Allreduce on ``comm``, both settled as the
-        world's collectives are. Nothing blocks the loop: a rank that died meanwhile is still reported."""
+        about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call on ``comm``, both settled
+        as the world's collectives are. Nothing blocks the loop: a rank that died meanwhile is still reported."""
         data = self.world._array(array, "hierarchical allreduce")
         mpi_op = self.world._op(op)
         if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
@@ -68,9 +68,10 @@ class Hierarchy:
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, what, digests, self.world._spin_s)
             self.reducer.passed(digests, signature, call)
-            request, result = self.reducer.start_direct(comm, data, mpi_op)
-            await settle(self.engine, request, what, data, self.world._spin_s)
-            return self.reducer.direct_result(data, result, out)
+            steps, result = self.reducer.start_direct(comm, data, mpi_op, out)
+            for requests in steps:
+                await settle_all(self.engine, requests, what, (data, out, steps), self.world._spin_s)
+            return result()
         finally:
             self.log.end(number)
 

@@ -117,7 +117,8 @@ def test_bench_allreduce_writes_json(tmp_path):
     assert [size["bytes"] for size in record["sizes"]] == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     for size in record["sizes"]:
         assert size["ours_busbw_gbs"] > 0 and size["mpi_busbw_gbs"] > 0 and size["gloo_busbw_gbs"] > 0
-    assert "ours/MPI" in job.stdout and "ours/gloo" in job.stdout
+        assert size["world_busbw_gbs"] > 0 and size["world_vs_mpi"] == size["mpi_s"] / size["world_s"]
+    assert "ours/MPI" in job.stdout and "world/MPI" in job.stdout and "ours/gloo" in job.stdout
 
 
 def test_bench_pipeline_writes_json_with_the_hand_written_peer(tmp_path):

@@ -25,11 +25,12 @@ ALL_SCHEMES = ",".join(["none", *COMPRESSIONS])
 LAYOUTS = {
     (1, 0): ["hierarchical.py", "data_parallel.py 6 none", "fair_turns.py"],
     (2, 0): ["collectives.py", "fair_turns.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py",
-             "device_rule.py", f"data_parallel.py 6 {ALL_SCHEMES}", "gpu_overlap.py cpu 20"],
-    (2, 1): ["hierarchical.py"],
+             "device_rule.py", f"data_parallel.py 6 {ALL_SCHEMES}", "gpu_overlap.py cpu 20", "pair_allreduce.py",
+             "concurrent_collectives.py"],
+    (2, 1): ["hierarchical.py", "pair_allreduce.py"],
     (3, 0): ["data_parallel.py 6 none", "data_parallel_like_ddp.py"],
     (3, 2): ["hierarchical.py"],
-    (4, 0): ["collectives.py", "hierarchical.py", "device_rule.py"],
+    (4, 0): ["collectives.py", "hierarchical.py", "device_rule.py", "concurrent_collectives.py"],
     (4, 1): ["collectives.py"],
     (4, 2): ["collectives.py", "fair_turns.py", "hierarchical.py", "narrow_sums.py", "tensor_allreduce.py",
              f"data_parallel.py 6 {ALL_SCHEMES}"],
@@ -72,6 +73,20 @@ def test_forced_ranks_per_node_hierarchy(per_node):
 def test_hierarchical_allreduce_matches_numpy_on_any_layout(ranks, per_node):
     """Flat, one rank per node, and uneven nodes (3 ranks in nodes of 2; 4 in nodes of 3 and 1)."""
     assert f"hierarchical allreduce ok: {ranks} ranks" in _out(ranks, per_node)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_collectives_started_together_each_get_their_own_result_with_a_rank_late(ranks):
+    """Four calls of one communicator in one ``asyncio.gather``, the last rank 5 ms late each round: MPI matched one
+    call's data with another's before a communicator's calls ran one at a time (programs/concurrent_collectives.py)."""
+    assert f"concurrent collectives ok: {ranks} ranks, 10 rounds" in _out(ranks, 0)
+
+
+@pytest.mark.parametrize("per_node", [0, 1])
+def test_two_ranks_reduce_by_exchange_exactly_and_alike(per_node):
+    """Sums, products, minima and maxima of six dtypes, whole buffers and halves, on one node and on two: numpy's
+    reduction of the pair in rank order, bit for bit on both ranks (programs/pair_allreduce.py)."""
+    assert "pair allreduce ok: 78 cases on two paths" in _out(2, per_node)
 
 
 @pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])
