@@ -120,11 +120,14 @@ class HierarchicalAllreduce:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-allreduce")
         self._buffer = np.empty(0, np.uint8)  # this rank's share, kept between calls: fresh pages cost page faults
         self._copies_buffer = np.empty(0, np.uint8)  # every local rank's copy of this rank's share, kept as well
-        self._ufuncs = [(MPI.SUM, np.add), (MPI.PROD, np.multiply), (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]
-        self._order = threading.Lock()  # guards the count below: which thread runs the next call
+        # numpy's twin of each operation, by its handle (MPI's operations are not hashable)
+        self._ufuncs = {op.py2f(): f for op, f in [(MPI.SUM, np.add), (MPI.PROD, np.multiply),
+                                                   (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]}  # fmt: skip
+        self._order = threading.Lock()  # guards the three below: which thread runs the next call
         self._queued = 0  # calls given to the worker and not finished
-        self._inline_free = threading.Event()  # cleared while the event loop runs a call itself
-        self._inline_free.set()
+        self._inline_busy = False  # while the event loop runs a call itself
+        self._worker_waits = False  # the worker waits for that call's end (a threading.Event's set and clear cost
+        self._inline_done = threading.Condition(self._order)  # 1.5 µs of a 9 µs call: notified only then)
 
     def start(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]) -> Future:
         """Begin a call now, in call order, from any thread (a gradient hook runs in autograd's device thread, which
@@ -140,18 +143,24 @@ class HierarchicalAllreduce:
         running in the worker, and calls begun meanwhile wait for it. Every rank's calls then still meet on the same
         communicators in the same order, whichever thread runs them."""
         with self._order:
-            if self._queued or not self._inline_free.is_set():
+            if self._queued or self._inline_busy:
                 return False
-            self._inline_free.clear()
+            self._inline_busy = True
             return True
 
     def release_inline(self) -> None:
-        self._inline_free.set()
+        with self._order:
+            self._inline_busy = False
+            if self._worker_waits:
+                self._inline_done.notify()
 
     def _run_queued(self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None,
                     call: tuple[str, str]) -> np.ndarray:  # fmt: skip
         try:
-            self._inline_free.wait()  # a call the loop runs itself, begun before this one
+            with self._order:  # a call the loop runs itself, begun before this one
+                self._worker_waits = True
+                self._inline_done.wait_for(lambda: not self._inline_busy)
+                self._worker_waits = False
             return self._run(array, op, op_name, out, call)
         finally:
             with self._order:
@@ -352,7 +361,7 @@ class HierarchicalAllreduce:
         _fold(ufunc, rows, mine)
 
     def _ufunc(self, op: Any) -> np.ufunc | None:
-        return next((f for known, f in self._ufuncs if op == known), None)
+        return self._ufuncs.get(op.py2f()) if isinstance(op, self._MPI.Op) else None
 
     def _layout(self, count: int) -> tuple[list[int], np.ndarray, list[int]]:
         """(elements per block, block starts, elements per local rank) of a buffer of ``count``."""
