@@ -21,7 +21,7 @@ from . import transport
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import UFUNCS, exchanged, rounds
+from .pair_reduce import UFUNCS, exchanged, room, rounds
 from .progress import ProgressEngine
 
 
@@ -144,7 +144,7 @@ class Communicator:
         self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI
         self._spin_s = config.value_spin_us * 1e-6
         self._one_at_a_time = asyncio.Lock()  # see _collective
-        self._spare: np.ndarray | None = None  # the receive buffer of two-rank allreduces
+        self._spare: np.ndarray | None = None  # the receive buffer of two-rank allreduces, kept: its largest call's
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -277,12 +277,11 @@ class Communicator:
     async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""
         theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
-        if theirs is None or theirs.nbytes < data.nbytes:
-            theirs = np.empty(data.nbytes, np.uint8)
-        received = theirs[: data.nbytes].view(data.dtype).reshape(data.shape)
+        if theirs is None or theirs.nbytes < room(data):
+            theirs = np.empty(room(data), np.uint8)
         result = np.empty_like(data) if out is None else out.reshape(data.shape)
-        for requests in rounds(self.comm, ufunc, data, result, received):  # its sends too: the caller may change
-            await self._wait_all(requests, "allreduce", keep=(data, received, result))  # its buffer on return
+        for requests in rounds(self.comm, ufunc, data, result, theirs):  # its sends too: the caller may change
+            await self._wait_all(requests, "allreduce", keep=(data, theirs, result))  # its buffer on return
         self._spare = theirs  # kept for the next call: fresh pages cost page faults
         return result if out is None else out
 

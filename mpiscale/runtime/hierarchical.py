@@ -84,7 +84,7 @@ from ..ranks import Comm, block_rows, by_ranks
 from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import exchanged, rounds
+from .pair_reduce import exchanged, room, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
@@ -206,8 +206,8 @@ class HierarchicalAllreduce:
 
         if ufunc is None:
             return iter([[comm.Iallreduce(data, result, op)]]), caller_result
-        theirs = self._kept_copies(data.nbytes).view(data.dtype).reshape(data.shape)  # the worker and the loop
-        return rounds(comm, ufunc, data, result, theirs), caller_result  # never run calls at once: one buffer
+        theirs = self._kept_copies(room(data))  # the worker and the loop never run calls at once: one buffer
+        return rounds(comm, ufunc, data, result, theirs), caller_result
 
     def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
         """Start the exchange that waits until every rank has reached this call (so a rank ahead of the others

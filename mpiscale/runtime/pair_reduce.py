@@ -44,20 +44,31 @@ def exchanged(comm_size: int, dtype: np.dtype, ufunc: np.ufunc | None) -> np.ufu
 HALVES_FROM_BYTES = 512 << 10
 
 
+def room(data: np.ndarray) -> int:
+    """Bytes the other rank's values take in an exchange of ``data``: all of them, or from
+    :data:`HALVES_FROM_BYTES` the larger half."""
+    if data.nbytes < HALVES_FROM_BYTES:
+        return data.nbytes
+    return (data.size - data.size // 2) * data.itemsize
+
+
 def rounds(comm: Comm, ufunc: np.ufunc, data: np.ndarray, result: np.ndarray, theirs: np.ndarray) -> Iterator[list]:
     """The allreduce of C-contiguous ``data`` on a two-rank ``comm`` into ``result`` (which may be ``data``), as
     rounds: it yields each round's requests, and the caller waits for all of them (the event loop settles them,
-    a thread polls them) before it resumes. ``theirs``: room for the other rank's values (``data``'s size)."""
+    a thread polls them) before it resumes. ``theirs``: at least :func:`room` bytes for the other rank's values."""
     rank, other = comm.Get_rank(), 1 - comm.Get_rank()
+    scratch = theirs.reshape(-1).view(np.uint8)[: room(data)].view(data.dtype)
     if data.nbytes < HALVES_FROM_BYTES:
-        yield [comm.Irecv(theirs, other, _TAG), comm.Isend(data, other, _TAG)]  # (posted first: no wait for it)
-        _in_rank_order(ufunc, rank, data, theirs, result)
+        received = scratch.reshape(data.shape)
+        yield [comm.Irecv(received, other, _TAG), comm.Isend(data, other, _TAG)]  # (posted first: no wait for it)
+        _in_rank_order(ufunc, rank, data, received, result)
         return
-    sent, received, into = data.reshape(-1), theirs.reshape(-1), result.reshape(-1)
+    sent, into = data.reshape(-1), result.reshape(-1)
     halves = (slice(0, sent.size // 2), slice(sent.size // 2, None))
     mine, its = halves[rank], halves[other]
-    yield [comm.Irecv(received[mine], other, _TAG), comm.Isend(sent[its], other, _TAG)]
-    _in_rank_order(ufunc, rank, sent[mine], received[mine], into[mine])
+    received = scratch[: into[mine].size]
+    yield [comm.Irecv(received, other, _TAG), comm.Isend(sent[its], other, _TAG)]
+    _in_rank_order(ufunc, rank, sent[mine], received, into[mine])
     # in place, ``into[its]`` is the half just sent: the round above has ended, so it may be overwritten now
     yield [comm.Irecv(into[its], other, _TAG), comm.Isend(into[mine], other, _TAG)]
 

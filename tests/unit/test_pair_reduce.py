@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpiscale.runtime.pair_reduce import UFUNCS, exchanged
+from mpiscale.runtime.pair_reduce import HALVES_FROM_BYTES, UFUNCS, exchanged, room
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int8, np.int64, np.uint32, np.complex128])
@@ -33,3 +33,10 @@ def test_what_mpi_reduces_otherwise_or_refuses_is_left_to_it(dtype, op):
 def test_an_operation_without_a_twin_is_left_to_mpi():
     assert exchanged(2, np.dtype(np.float64), None) is None
     assert exchanged(2, np.dtype(np.float64), np.subtract) is None
+
+
+def test_the_room_for_the_other_ranks_values_is_all_of_them_or_the_larger_half():
+    small = np.zeros(HALVES_FROM_BYTES // 8 - 1)
+    assert room(small) == small.nbytes
+    odd = np.zeros(HALVES_FROM_BYTES // 8 + 1)  # halves of (n // 2) and (n - n // 2) elements
+    assert room(odd) == (odd.size - odd.size // 2) * 8 < odd.nbytes
