@@ -43,22 +43,18 @@ operations call Python inside MPI, holding the GIL (a training step with them
 ran 4x slower).
 
 The calls run in one worker thread per rank, on communicators of their own,
-while the event loop goes on. An awaited call that is one direct call runs on
-the event loop itself when the worker has no call queued (the hand-offs to the
-thread and back cost about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange,
-then the direct call, both settled as the world's collectives are, so the loop
-is never blocked (a rank blocked there serves no message, and cannot report a
-rank of its host that died meanwhile). A direct call is, between two ranks (one
-node of two, or two nodes of one, under ``hierarchical_min_bytes``), the
-exchange of :mod:`.pair_reduce` at any size; otherwise MPI's ``Iallreduce`` of
-at most 1 MiB (``INLINE_ALLREDUCE_BYTES``). The worker runs a direct call the
-same way, and calls begun meanwhile wait for the loop's, so every rank's calls
-meet on the same communicators in the same order whichever thread runs them.
-Open MPI's non-blocking collectives advance only while the caller polls, and
-measured at a third to a half of the blocking ones' bandwidth here, so where a
-stage is a collective it is a blocking one. The worker takes calls in the order
-they were made, the same on every rank (as all collectives require), so several
-may be in flight.
+while the event loop goes on. An awaited call that is one direct call (between
+two ranks, the exchange of :mod:`.pair_reduce` at any size; else MPI's
+``Iallreduce`` of at most ``INLINE_ALLREDUCE_BYTES``) runs on the event loop
+when the worker has no call queued (the hand-offs to the thread and back cost
+about 0.1 ms, 30 times a 4 KiB Allreduce): its exchange, then the direct call,
+both settled as the world's collectives are, never blocking the loop. The
+worker runs a direct call the same way, and calls begun meanwhile wait for the
+loop's, so every rank's calls meet in the same order whichever thread runs
+them. Open MPI's non-blocking collectives advance only while the caller polls
+(a third to a half of the blocking ones' bandwidth here), so where a stage is a
+collective it is a blocking one. The worker takes calls in the order they were
+made, the same on every rank, so several may be in flight.
 
 A blocking collective busy-polls until its last rank arrives. A rank that starts
 a gradient bucket during backward would spin a core for as long as the slowest
