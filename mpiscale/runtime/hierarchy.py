@@ -46,20 +46,22 @@ class Hierarchy:
         calls may be in flight.
         """
         if isinstance(op, str):
-            comm = self.reducer.direct_comm(array, self.world._op(op))
+            mpi_op = self.world._op(op)
+            comm = self.reducer.direct_comm(array, mpi_op)
             if comm is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
-                    return await self._inline_allreduce(comm, array, op, out)
+                    return await self._inline_allreduce(comm, array, op, mpi_op, out)
                 finally:
                     self.reducer.release_inline()
         return await self.finish(self.start_allreduce(array, op, out))
 
-    async def _inline_allreduce(self, comm: Comm, array: np.ndarray, op: str, out: np.ndarray | None) -> np.ndarray:
+    async def _inline_allreduce(
+        self, comm: Comm, array: np.ndarray, op: str, mpi_op: object, out: np.ndarray | None
+    ) -> np.ndarray:
         """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
         about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call on ``comm``, both settled
         as the world's collectives are. Nothing blocks the loop: a rank that died meanwhile is still reported."""
         data = self.world._array(array, "hierarchical allreduce")
-        mpi_op = self.world._op(op)
         if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
             out_of_size(data, out, "hierarchical allreduce")
         number, call = self._begin()
