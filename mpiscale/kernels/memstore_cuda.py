@@ -22,6 +22,7 @@ from typing import Any
 import numba
 import numpy as np
 from numba import cuda
+from numba.cuda.cudadrv.driver import device_memset
 
 from .memstore import EXPONENT_BINS, PassOutput
 
@@ -146,7 +147,10 @@ class PassBuffers:
         if array is None or array.size != size:
             array = self._kept[name] = cuda.device_array(size, dtype)
             self.allocations += 1
-        _fill[_blocks(size), _THREADS](array, dtype(value))
+        if value == 0:  # the driver's memset: a fill kernel of 65,536 threads took 21 s on the simulator
+            device_memset(array, 0, array.size * array.dtype.itemsize)
+        else:
+            _fill[_blocks(size), _THREADS](array, dtype(value))
         return array
 
     def room(self, name: str, size: int, dtype: type) -> Any:
