@@ -11,7 +11,8 @@ start-up, is not a pace). A report saying its rank waits counts while it is fres
 ``hang_after_s`` or two and a half report intervals, whichever is longer (a
 report travels up to an interval before rank 0 looks at it). A rank
 **straggles** when, for ``straggler_intervals`` reports in a row,
-the share of its time spent waiting in collectives is under
+the share of its time spent waiting in collectives (between its latest two
+reports) is under
 ``straggler_ratio`` of the other ranks' median share while they wait at
 least a fifth of theirs: everyone else waits for it, every step.
 
@@ -76,6 +77,7 @@ class Watchdog:
     _pace: dict[int, float] = field(default_factory=dict)  # rank -> its seconds per step between its last reports
     _moved: set[int] = field(default_factory=set)  # ranks seen advancing once (their start-up behind them)
     _waited: dict[int, tuple[float, float]] = field(default_factory=dict)  # rank -> (report time, wait_s)
+    _shares: dict[int, float] = field(default_factory=dict)  # rank -> its share of time waiting, between its reports
     _slow: dict[int, int] = field(default_factory=dict)  # rank -> straggling reports in a row
     _told: set[tuple[str, int]] = field(default_factory=set)
 
@@ -136,13 +138,18 @@ class Watchdog:
         return leader if reports[leader]["time"] < reports[rank]["time"] + 1.5 * self.report_interval_s else None
 
     def _stragglers(self, reports: dict[int, dict]) -> list[Finding]:
-        shares = {}
         for rank, report in reports.items():
             before = self._waited.get(rank)
+            if before is not None and report["time"] <= before[0]:
+                continue
             self._waited[rank] = (report["time"], report.get("wait_s", 0.0))
-            if before is not None and report["time"] > before[0]:
-                shares[rank] = (report.get("wait_s", 0.0) - before[1]) / (report["time"] - before[0])
-        if len(shares) < 2:
+            if before is not None:
+                self._shares[rank] = (report.get("wait_s", 0.0) - before[1]) / (report["time"] - before[0])
+        # a rank without a new report keeps its last share: it is often the straggler itself, its loop held by its
+        # computation past a tick, and leaving it out named the rank that waits least of the rest; no rank is judged
+        # before every rank has a share
+        shares = {rank: self._shares[rank] for rank in reports if rank in self._shares}
+        if len(shares) < max(2, len(reports)):
             return []
         slowest = min(shares, key=lambda rank: (shares[rank], rank))
         others = statistics.median(share for rank, share in shares.items() if rank != slowest)

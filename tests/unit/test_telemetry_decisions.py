@@ -101,6 +101,22 @@ def test_a_straggler_is_the_rank_the_others_wait_for_report_after_report():
     assert found[3][0].kind == "straggler" and found[3][0].rank == 2 and "the others wait for it" in found[3][0].detail
 
 
+def test_a_straggler_whose_reports_lag_is_still_the_one_named():
+    """Rank 2 computes through three of rank 0's looks (its loop held, its report unchanged) while rank 0, starved of
+    its core for a moment, waits less than rank 1: the suite saw rank 0 named, rank 2's last share left out."""
+    watchdog = Watchdog(WatchdogSettings(straggler_intervals=3))
+    found, slow_wait, late = [], 0.0, 0.0
+    for look in range(9):
+        t = 0.2 * look
+        if look % 4 == 0:
+            late = t  # rank 2's report reaches rank 0 every fourth look
+        slow_wait += 0.2 * (0.3 if look % 4 else 0.8)
+        reports = {0: report(0, look, t, wait_s=slow_wait), 1: report(1, look, t, wait_s=0.8 * t),
+                   2: report(2, look, late, wait_s=0.01 * late)}  # fmt: skip
+        found += watchdog.look(reports, t)
+    assert [(f.kind, f.rank) for f in found] == [("straggler", 2)], found
+
+
 def test_even_waiting_is_no_straggler():
     watchdog = Watchdog(WatchdogSettings(straggler_intervals=1))
     for interval in range(4):
