@@ -12,7 +12,8 @@ of a node of ``m`` ranks, so nodes of different sizes work together. Per call:
    long: 64 MiB, 2 ranks on a node, shared memory, 2026-11-27); other
    operations use ``Reduce_scatter``;
 2. per block, across its owners (one per node): between two nodes the owners
-   swap their partial sums and each reduces the pair in node order; over more
+   reduce their partial sums by the exchange of :mod:`.pair_reduce` (whole, or
+   a half each from 512 KiB), in node order; over more
    nodes it is ``Reduce`` then ``Bcast`` rooted on the first node. One
    reduction order, so every rank ends with the very same bits;
 3. each rank sends its reduced blocks to the other local ranks, which put the
@@ -400,10 +401,9 @@ class HierarchicalAllreduce:
         offset, cross_comms = 0, self._cross_comms()
         for block in self.owned:
             piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
-            if cross.Get_size() == 2 and ufunc is not None:  # swapped, and reduced in node order on both nodes
-                theirs = self._kept_copies(piece.nbytes).view(piece.dtype)
-                self._swap(cross, piece, theirs)
-                _fold(ufunc, [piece, theirs] if cross.Get_rank() == 0 else [theirs, piece], piece)
+            if cross.Get_size() == 2 and ufunc is not None:  # exchanged, and reduced in node order on both nodes
+                for requests in rounds(cross, ufunc, piece, piece, self._kept_copies(room(piece))):
+                    self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
             elif cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
                 cross.Allreduce(self._MPI.IN_PLACE, piece, op)
             elif cross.Get_rank() == 0:
