@@ -33,7 +33,7 @@ def watch(args: argparse.Namespace) -> int:
     import time
     from pathlib import Path
 
-    from ..telemetry import GONE_INTERVALS, watch_broker, watch_file
+    from ..telemetry import watch_broker, watch_file
 
     if args.file:
         if not Path(args.file).is_file():
@@ -63,8 +63,9 @@ def watch(args: argparse.Namespace) -> int:
     if state == "stopped":
         print("mpiscale watch: the job stopped on request; its state is saved, and a resumed run goes on")
     elif view.gone(now) and silent is not None:
-        print(f"mpiscale watch: the job ({state}) has said nothing for {silent:.0f} s, {GONE_INTERVALS} heartbeat "
-              "intervals: it died without a final status, or its rank 0 is blocked", file=sys.stderr)  # fmt: skip
+        print(f"mpiscale watch: the job ({state}) has said nothing for {silent:.0f} s (it beats every "
+              f"{view.interval_s:.1f} s): it died without a final status, or its rank 0 is blocked",
+              file=sys.stderr)  # fmt: skip
     elif state != "finished":
         print(f"mpiscale watch: the job ended {state or 'without a status'}", file=sys.stderr)
     return 0 if state in ("finished", "stopped") else 1

@@ -7,13 +7,12 @@ from .schema import SCHEMA, problems, record
 from .session import Telemetry, current, set_current
 from .settings import TelemetrySettings, job_id, restart_count
 from .token import read as read_token
-from .watch import GONE_INTERVALS, watch_broker, watch_file
+from .watch import watch_broker, watch_file
 from .watchdog import Finding, Watchdog, WatchdogSettings
 from .watched import report_step
 from .watched import run as run_watched
 
 __all__ = [
-    "GONE_INTERVALS",
     "LEVELS",
     "SCHEMA",
     "Command",

@@ -245,9 +245,11 @@ async def watch_broker(
     async with asyncio.timeout(timeout_s):
         while True:
             try:
-                async for _ in _records(settings, job, view):
+                async for idle in _records(settings, job, view):
                     screen.draw(view)
-                    if view.ended or view.gone(time.time()):
+                    # silence is judged only when no record waits: a watch that was itself held (suspended, or its
+                    # output blocked) has the job's queued records to read before it may call the job gone
+                    if view.ended or (idle and view.gone(time.time())):
                         return view
             except (aiomqtt.MqttError, OSError) as error:
                 if not view.latest:
@@ -256,17 +258,19 @@ async def watch_broker(
                 await asyncio.sleep(_REDRAW_S)
 
 
-async def _records(settings: TelemetrySettings, job: str, view: View) -> AsyncIterator[None]:
-    """Feed the job's records into ``view``; yields after each, and every second when none comes."""
+async def _records(settings: TelemetrySettings, job: str, view: View) -> AsyncIterator[bool]:
+    """Feed the job's records into ``view``; yields False after each, and True every second when none comes (False
+    when the wait took far longer: the watch itself was held, and the records queued meanwhile come next)."""
     async with mqtt_client(settings) as client:
         for kind in KINDS:
             await client.subscribe(topic(job, kind), qos=1)
         messages = aiter(client.messages)
         while True:
+            began = time.monotonic()
             try:
                 message = await asyncio.wait_for(anext(messages), _REDRAW_S)
             except TimeoutError:
-                yield
+                yield time.monotonic() - began < 2 * _REDRAW_S
                 continue
             view.take_raw(bytes(message.payload))
-            yield
+            yield False

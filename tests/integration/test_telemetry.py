@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from mqtt_broker import Subscriber, free_port
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
 from mpiscale.telemetry.sinks import MqttSink, lost_status
+from mpiscale.telemetry.watch import GONE_AFTER_S
 
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
@@ -59,10 +61,11 @@ def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_
 
 def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
     """Rank 0 (the publisher) SIGKILLed mid-run, alone (no rank remains to report in its place, as on 2 ranks): the
-    broker sends the job's last will, retained."""
+    broker sends the job's last will, retained. (Killed in iteration 3,000, two busy loops beside it, the job outran
+    the watch's 120 s: 32 steps/s.)"""
     env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t2",
-           "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=3000"}  # fmt: skip
-    watcher = subprocess.Popen([*MPISCALE, "watch", "t2", "--broker", broker.address, "--timeout", "120"],
+           "MPISCALE_REHEARSE_FAILURE": "rank=0,iteration=300"}  # fmt: skip
+    watcher = subprocess.Popen([*MPISCALE, "watch", "t2", "--broker", broker.address, "--timeout", "240"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     job = memstore(1, tmp_path / "m.h5", "--iterations", 100000, env=env)
     finished = finish(job, "memstore killed", 180)
@@ -75,6 +78,36 @@ def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):
     assert watcher.returncode == 1, shown[-2000:] + errors
     assert "NO HEARTBEAT for " in shown and "watching for it to come back" in shown, shown[-3000:]
     assert "mpiscale watch: the job (lost) has said nothing for " in errors, errors
+
+
+def test_a_watch_held_past_the_silence_limit_reads_the_queued_records_before_judging(broker, tmp_path):
+    """The watch suspended (Ctrl-Z; or its output piped to a reader that stopped) for longer than a job may be
+    silent: when it runs again it reads the records queued meanwhile and goes on watching a job that is alive. It
+    used to compare the first stale record with the clock and call the job gone (the suite's piped watch did)."""
+    job = memstore(1, tmp_path / "m.h5", "--iterations", 10**7,
+                   env={"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t14"})  # fmt: skip
+    shown_path = tmp_path / "watch.out"
+    try:
+        with open(shown_path, "w") as shown_file:
+            watcher = subprocess.Popen([*MPISCALE, "watch", "t14", "--broker", broker.address, "--timeout", "300"],
+                                       stdout=shown_file, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while "] " not in shown_path.read_text() and watcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # a step reported: heartbeats come
+        watcher.send_signal(signal.SIGSTOP)
+        time.sleep(GONE_AFTER_S + 3)
+        watcher.send_signal(signal.SIGCONT)
+        time.sleep(3)
+        watching = watcher.poll() is None
+    finally:  # the job ends on request whatever happened
+        watcher.send_signal(signal.SIGCONT)
+        stop = subprocess.run([*MPISCALE, "control", "t14", "stop", "--broker", broker.address, "--timeout", "60"],
+                              capture_output=True, text=True, timeout=90)  # fmt: skip
+        done = finish(job, "memstore watched by a suspended watch", 120)
+    _, errors = watcher.communicate(timeout=60)
+    assert watching and watcher.returncode == 0, shown_path.read_text()[-2000:] + errors
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert_ok(done)
 
 
 def test_a_dead_rank_is_named_by_a_failure_event(broker, subscriber, tmp_path):
