@@ -215,11 +215,13 @@ def test_a_sigterm_sent_to_the_ranks_stops_the_job_and_is_not_requeued(slurm, tm
 
 
 def test_a_time_limit_signal_as_early_as_the_start_is_not_requeued(slurm, tmp_path):
-    """The template's lead (--signal=B:USR1@120) with --time=1: Slurm signals at its first check (within about a
-    minute; here by hand as soon as a checkpoint is there), and a requeued run would stop as it starts. The
-    launcher warns and the run goes on to its end (here well within its one-minute limit)."""
+    """The template's lead (--signal=B:USR1@120) with --time=4: half the limit or more, so a requeued run would
+    stop as it starts. Signalled by hand as soon as a checkpoint is there, the launcher warns and the run goes on
+    to its end. Slurm's own signal comes 120 s after the start, when (left >= ran) it is warned of alike. With
+    --time=1 it came within the first minute, and a run slowed by two busy loops beside it was still going then
+    (at step 5,459 of 6,000): a second signal, past half the limit, rightly requeued."""
     run = tmp_path / "run"
-    job = dictlearn(slurm, run, "--time=1")
+    job = dictlearn(slurm, run, "--time=4")
     wait_for_checkpoint(slurm, job, run, 500)
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
     finished = done(slurm, job)
