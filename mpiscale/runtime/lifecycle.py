@@ -128,7 +128,7 @@ class Lifecycle:
         lost = self.node_watch.ended()
         if lost is not None:  # the launcher ends the job because a node was lost: that is what to report
             self.stop_asked_at = now
-            asyncio.get_running_loop().create_task(self.node_lost(lost), name="a node was lost")
+            self.node_lost(lost)
             return
         if self.stop_asked_at == -math.inf:
             self.stop_asked_at = now
@@ -181,20 +181,40 @@ class Lifecycle:
         )
         await self._end_for_death(f"a SIGTERM came, and {detail}", detail, min(dead))
 
-    async def node_lost(self, lost: LostNode) -> None:
-        """The node watch found a host of the job gone: the job ends at once, naming it."""
+    def node_lost(self, lost: LostNode) -> None:
+        """The node watch found a host of the job gone: the line at once, in this turn of the loop (a rank held next,
+        in a parallel HDF5 call, has said it; its sentry speaks only for a rank that has not), then telemetry hears of
+        it and the job ends."""
         detail = lost.describe()
-        await self._end_for_death(detail, detail, min(lost.ranks, default=0))
+        ending = self._say(detail)
+        rank = min(lost.ranks, default=0)
+        asyncio.get_running_loop().create_task(self._tell_and_end(detail, rank, ending), name="a node was lost")
 
     async def _end_for_death(self, report: str, detail: str, rank: int) -> None:
-        """Tell the job's telemetry that ``rank`` died, then end every rank with ``report`` (one line; none when
-        empty: the dead rank said why itself)."""
+        """One line, ``report`` (none when empty: the dead rank said why itself), then telemetry hears that ``rank``
+        died, then every rank ends."""
+        await self._tell_and_end(detail, rank, self._say(report))
+
+    def _say(self, report: str) -> bool:
+        """This rank's one line for a death, before anything else (the launcher kills the ranks a second after it
+        learns of the death itself), unless it has reported a failure already: whether this rank ends the job."""
+        system = self.system
+        if system.failing:  # one line, not a second report: a rank that failed has printed its own
+            return False
+        system.failing = True
+        if report:
+            sys.stdout.flush()
+            sys.stderr.write(f"mpiscale: rank {system.rank}: {report}\n")
+            sys.stderr.flush()
+        return True
+
+    async def _tell_and_end(self, detail: str, rank: int, ending: bool) -> None:
         system = self.system
         for reporter in system.death_reporters:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reporter(detail, rank), 1.0)
-        if not system.failing:  # one line, not a second report: a rank that failed has printed its own
-            system.abort(f"mpiscale: rank {system.rank}: {report}\n" if report else "", 1)
+        if ending:
+            system.abort("", 1)
 
     def stop_at_start(self) -> None:
         """A stop signal came while this rank started (``mpiscale.early_stop``): a job that begins to steer soon stops

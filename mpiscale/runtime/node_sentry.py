@@ -7,10 +7,11 @@ that is gone, and no other thread of the rank runs, its event loop included.
 A node watch on that loop saw nothing until the launcher killed the rank. So
 the first rank of each host starts a small process, the sentry, that holds its
 part of the ring (:mod:`.node_watch`) and tells the rank when a node is lost;
-the rank reports it as before (one line, telemetry's failure event). A rank
-that does not answer within ``HANDLED_S`` is held: the sentry prints the line
-in its place, leaves the rank's last words (telemetry's failure event, see
-``leave_last_words``), and kills it, so that the launcher ends the job at once.
+the rank says its one line as it takes the message, and only then answers
+(telemetry's failure event follows). A rank that has not answered within
+``HANDLED_S`` is held: the sentry prints the line in its place, leaves the
+rank's last words (telemetry's failure event, see ``leave_last_words``), and
+kills it, so that the launcher ends the job at once.
 
 The sentry ignores the launcher's signals (they are the rank's to handle) and
 ends when its link to the rank does: at the rank's end, or its death.
@@ -31,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 
 from ..ranks import Comm
 from .node_watch import Address, LostNode, NodeWatch, listening_socket, own_addresses
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 HANDLED_S = 0.25  # a rank that has not taken a lost node's report within this is held: the sentry speaks for it
 _LAST_WORDS_S = 1.0  # the longest the sentry waits for the rank's last words before it kills the rank
 _ASKED_S = 0.5  # the longest a rank waits for the sentry's answer to "has a connection ended?"
+_WATCHING_S = 30.0  # the longest a rank's main waits for its sentry to watch the next host
 Neighbour = tuple[LostNode, Address]
 
 
@@ -64,8 +66,9 @@ class NodeSentry:
         self._process, self._link = process, link
         self._quiet = False
         self._buffer = b""
-        self._on_lost: Callable[[LostNode], Coroutine[object, object, None]] | None = None
+        self._on_lost: Callable[[LostNode], None] | None = None
         self._answer: list[LostNode | None] = []  # the sentry's answer to ``ended``
+        self._watching = False  # the sentry watches the next host (or found it lost)
 
     @classmethod
     def gather(cls, world: Comm, hosts: list[str]) -> NodeSentry:
@@ -110,12 +113,22 @@ class NodeSentry:
         ours.setblocking(False)
         return cls(process, ours)
 
-    def start(self, on_lost: Callable[[LostNode], Coroutine[object, object, None]]) -> None:
-        """``on_lost`` on this rank's loop when the sentry finds a neighbour lost."""
+    def start(self, on_lost: Callable[[LostNode], None]) -> None:
+        """``on_lost`` on this rank's loop when the sentry finds a neighbour lost: it says the line before it returns
+        (only then is the sentry told the rank has spoken)."""
         if self._link is None:
             return
         self._on_lost = on_lost
-        asyncio.get_running_loop().add_reader(self._link.fileno(), self._read)
+        # main begins once the next host is watched: a node lost in the job's first moments is named too (the
+        # sentry's process starts in a fraction of a second, seconds on a loaded host)
+        deadline = time.monotonic() + _WATCHING_S
+        while not self._watching and self._link is not None and (left := deadline - time.monotonic()) > 0:
+            if select.select([self._link], [], [], left)[0]:
+                self._read()
+        if not self._watching and self._link is not None:  # (a sentry that ended has been warned of)
+            log.warning("node watch: not watching after %g s; a node lost now may go unnamed", _WATCHING_S)
+        if self._link is not None:
+            asyncio.get_running_loop().add_reader(self._link.fileno(), self._read)
 
     def leave_last_words(self, module: str, spec: dict) -> None:
         """What the sentry says for this rank if it must speak in its place: ``await module.speak(spec, detail,
@@ -179,17 +192,21 @@ class NodeSentry:
                 log.warning("node watch: its process (pid %s) ended while the job ran; a lost node is no longer "
                             "named", self._process.pid if self._process else "?")  # fmt: skip
             self._answer.append(None)
+            self._link.close()
+            self._link = None
             return
         self._buffer += data
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
             message = json.loads(line)
-            if "ended" in message:
+            if "watching" in message:
+                self._watching = True
+            elif "ended" in message:
                 self._answer.append(None if message["ended"] is None else LostNode(*message["ended"]))
             elif "lost" in message:
-                _send(self._link, {"handled": True})  # the rank speaks: the sentry need not
                 if not self._quiet and self._on_lost is not None:
-                    asyncio.get_running_loop().create_task(self._on_lost(LostNode(*message["lost"])), name="node lost")
+                    self._on_lost(LostNode(*message["lost"]))  # says the line before it returns
+                _send(self._link, {"handled": True})  # the rank has spoken: the sentry need not
 
 
 class _Sentry:
@@ -213,6 +230,8 @@ class _Sentry:
         self.rank = setup["rank"]
         self.watch = NodeWatch(self.listener, _neighbour(setup["following"]), _neighbour(setup["preceding"]))
         self.watch.start(self.lost)
+        await self.watch.connected()
+        self.writer.write(b'{"watching": true}\n')
         try:
             while line := await reader.readline():
                 self.take(json.loads(line))

@@ -92,15 +92,23 @@ class NodeWatch:
         self._open: set[socket.socket] = set()  # every connection held now (the neighbours', and probes)
         self._parting: set[socket.socket] = set()  # those whose other end said farewell
         self._ending: LostNode | None = None  # a neighbour whose connection ended, being asked again
+        self._connected = asyncio.Event()  # the next host was connected to, or found lost (or there is none)
 
     def start(self, on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
         """Accept connections (the previous host's), connect to the next host; ``on_lost`` when one ends early."""
+        if self._listener is None or self._following is None:
+            self._connected.set()
         if self._listener is None:
             return
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._accept(on_lost), name="node watch: accept"))
         if self._following is not None:
             self._tasks.append(loop.create_task(self._watch(self._following, on_lost), name="node watch: next"))
+
+    async def connected(self) -> None:
+        """Once the next host is watched: connected to, or found lost (its listener was up before the job began, so
+        a first connection that fails is a loss too)."""
+        await self._connected.wait()
 
     def ended(self) -> LostNode | None:
         """A neighbour whose connection has ended by now, looked at without waiting (a SIGTERM that comes as a node
@@ -161,8 +169,8 @@ class NodeWatch:
 
     async def _watch(self, neighbour: tuple[LostNode, Address], on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
         connection = await _connect(neighbour[1])
-        if connection is not None:
-            await self._until_lost(connection, neighbour, on_lost)
+        self._connected.set()
+        await self._until_lost(connection, neighbour, on_lost)
 
     async def _hold(self, connection: socket.socket) -> bool:
         """Keep a connection open until it ends (a farewell is all that is ever sent on it): whether the other end
@@ -182,16 +190,18 @@ class NodeWatch:
             connection.close()
         return said
 
-    async def _until_lost(self, connection: socket.socket, neighbour: tuple[LostNode, Address],
+    async def _until_lost(self, connection: socket.socket | None, neighbour: tuple[LostNode, Address],
                           on_lost: Callable[[LostNode], Awaitable[None]]) -> None:  # fmt: skip
-        """Wait for ``connection`` to end; then, while the job still runs, ask the neighbour's listener again: a
-        neighbour that answers is alive (watched on the new connection), one that does not is lost."""
+        """Wait for ``connection`` to end (None: none was made); then, while the job still runs, ask the neighbour's
+        listener again: a neighbour that answers is alive (watched on the new connection), one that does not is
+        lost."""
         while True:
-            self._watched[connection] = neighbour[0]
-            farewell = await self._hold(connection)
-            del self._watched[connection]
-            if self._over or farewell:
-                return
+            if connection is not None:
+                self._watched[connection] = neighbour[0]
+                farewell = await self._hold(connection)
+                del self._watched[connection]
+                if self._over or farewell:
+                    return
             self._ending = neighbour[0]
             await asyncio.sleep(GRACE_S)
             if self._over:
@@ -202,8 +212,9 @@ class NodeWatch:
                     await on_lost(neighbour[0])
                 return
             self._ending = None
-            log.warning("node watch: the connection to node %s ended, but its first rank answers again: it is "
-                        "watched on a new connection", neighbour[0].host)  # fmt: skip
+            if connection is not None:
+                log.warning("node watch: the connection to node %s ended, but its first rank answers again: it is "
+                            "watched on a new connection", neighbour[0].host)  # fmt: skip
             connection = answer
 
 

@@ -23,7 +23,7 @@ async def main():
                             {"job": "j1", "command": "test", "ranks": 4, "rank": 0, "file": telemetry})
     found = asyncio.Event()
 
-    async def on_lost(node):
+    def on_lost(node):
         print(f"the rank reports {node.host}", flush=True)
         found.set()
 

@@ -85,3 +85,27 @@ def test_a_neighbour_that_said_farewell_is_no_loss_and_the_watch_says_it_when_it
     assert asyncio.run(asyncio.wait_for(_parting(says_farewell=False), 20))[0] == [LostNode("node2", [2, 3])]
     lost, read = asyncio.run(asyncio.wait_for(_parting(says_farewell=True), 20))
     assert lost == [] and read == b"F"
+
+
+async def _gone_before_the_first_connection() -> list[LostNode]:
+    """The next host's listener was up when the job began (its port is known) but is gone before the watch first
+    connects: a node lost in the job's first moments."""
+    gone = _peer()
+    port = gone.getsockname()[1]
+    gone.close()
+    lost: list[LostNode] = []
+
+    async def on_lost(node: LostNode) -> None:
+        lost.append(node)
+
+    watch = NodeWatch(_peer(), following=(LostNode("node2", [2, 3]), (["127.0.0.1"], port)))
+    watch.start(on_lost)
+    await asyncio.wait_for(watch.connected(), 5)
+    await _until(lambda: bool(lost))
+    watch.close()
+    return lost
+
+
+def test_a_neighbour_gone_before_the_first_connection_is_lost():
+    """Before, a first connection that failed was left alone: the node went unnamed."""
+    assert asyncio.run(asyncio.wait_for(_gone_before_the_first_connection(), 20)) == [LostNode("node2", [2, 3])]
