@@ -53,7 +53,8 @@ class Controller:
 
     # ------------------------------------------------------------------- use
     def run(self, command: list[str], check: bool = True, **options) -> subprocess.CompletedProcess:
-        return subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=60, check=check, **options)
+        options.setdefault("timeout", 60)
+        return subprocess.run(command, env=self.env, capture_output=True, text=True, check=check, **options)
 
     def submit(self, script: Path, *options: str, cwd: Path, env: dict | None = None) -> str:
         """``sbatch --parsable`` from ``cwd``; returns the job id."""
@@ -65,12 +66,21 @@ class Controller:
         return done.stdout.strip().split(";")[0]
 
     def job(self, job_id: str) -> Job:
-        """The job's state; a query slurmctld fails while busy (its RPC timed out under load, exit 1) is asked again
-        for up to 30 s, then fails with what scontrol said."""
-        deadline = time.monotonic() + 30
-        while (shown := self.run(["scontrol", "show", "job", "-o", job_id], check=False)).returncode != 0:
+        """The job's state; a query slurmctld fails while busy (its RPC timed out under load, exit 1, or scontrol
+        itself hung on a connection slurmctld dropped) is asked again for up to 90 s, then fails with what scontrol
+        said and the daemons' logs."""
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                shown = self.run(["scontrol", "show", "job", "-o", job_id], check=False, timeout=30)
+            except subprocess.TimeoutExpired as hung:
+                said = f"no answer in 30 s: {(hung.stderr or b'').decode(errors='replace').strip()}"
+            else:
+                if shown.returncode == 0:
+                    break
+                said = shown.stderr.strip()
             if time.monotonic() > deadline:
-                pytest.fail(f"scontrol show job {job_id} failed for 30 s: {shown.stderr.strip()}")
+                pytest.fail(f"scontrol show job {job_id} failed for 90 s: {said}{self._logs()}")
             time.sleep(0.5)
         fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
         return Job(job_id, fields)
