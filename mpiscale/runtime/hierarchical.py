@@ -85,7 +85,7 @@ from .pair_reduce import exchanged, room, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
-_GATE_SLEEP_S = 500e-6  # the longest sleep between its polls: a call starts at most this late
+_GATE_SLEEP_S = 2e-3  # the longest sleep between its polls, as the engine's: a long wait wakes 500 times a second
 _MOVE_SPIN_S = 2e-3  # how long the stages' messages are polled without sleeping (a small buffer arrives by then)
 _MOVE_SLEEP_S = 100e-6  # the longest sleep between those polls: the transfer stalls at most this long
 #: An awaited call of at most this many bytes runs on the event loop (non-blocking, its requests settled there) when
@@ -264,13 +264,13 @@ class HierarchicalAllreduce:
         return out
 
     def _until_done(self, requests: list, spin_s: float, longest_sleep_s: float) -> None:
-        """Return once ``requests`` are complete: polled for ``spin_s``, then with sleeps doubling from 20 µs to
-        ``longest_sleep_s`` between polls (Open MPI moves the data while it is polled)."""
-        pause, started = 20e-6, time.perf_counter()
+        """Return once ``requests`` are complete: polled for ``spin_s``, then with sleeps of a quarter of the wait so
+        far, 20 µs to ``longest_sleep_s`` (Open MPI moves data only while polled; a wait grows a quarter at most)."""
+        started = time.perf_counter()
         while not self._MPI.Request.Testall(requests):
-            if time.perf_counter() - started > spin_s:
-                time.sleep(pause)
-                pause = min(2 * pause, longest_sleep_s)
+            waited = time.perf_counter() - started
+            if waited > spin_s:
+                time.sleep(min(max(waited / 4, 20e-6), longest_sleep_s))
             else:
                 os.sched_yield()
 
