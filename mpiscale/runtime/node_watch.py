@@ -168,8 +168,12 @@ class NodeWatch:
             first = False
 
     async def _watch(self, neighbour: tuple[LostNode, Address], on_lost: Callable[[LostNode], Awaitable[None]]) -> None:
-        connection = await _connect(neighbour[1])
+        connection, refused = await _connect(neighbour[1])
         self._connected.set()
+        if connection is None and not refused:  # no word from its host at all: no loss can be told from that
+            log.warning("node watch: node %s did not answer at the start (no route to it, or a firewall between the "
+                        "nodes): it is not watched", neighbour[0].host)  # fmt: skip
+            return
         await self._until_lost(connection, neighbour, on_lost)
 
     async def _hold(self, connection: socket.socket) -> bool:
@@ -206,7 +210,7 @@ class NodeWatch:
             await asyncio.sleep(GRACE_S)
             if self._over:
                 return
-            answer = await _connect(neighbour[1])
+            answer, _ = await _connect(neighbour[1])
             if answer is None:
                 if not self._over:
                     await on_lost(neighbour[0])
@@ -218,18 +222,21 @@ class NodeWatch:
             connection = answer
 
 
-async def _connect(address: Address) -> socket.socket | None:
-    """A connection to a first rank's listener, or None if none of its addresses answers."""
+async def _connect(address: Address) -> tuple[socket.socket | None, bool]:
+    """A connection to a first rank's listener (None if none of its addresses answers), and whether one refused it:
+    its host is up and nothing listens there (the rank's processes are gone)."""
     loop = asyncio.get_running_loop()
     addresses, port = address
+    refused = False
     for host_address in addresses:
         connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         connection.setblocking(False)
         try:
             await asyncio.wait_for(loop.sock_connect(connection, (host_address, port)), _CONNECT_TIMEOUT_S)
-        except (OSError, TimeoutError):
+        except (OSError, TimeoutError) as error:
+            refused |= isinstance(error, ConnectionRefusedError)
             connection.close()
             continue
         _keep_alive(connection)
-        return connection
-    return None
+        return connection, False
+    return None, refused

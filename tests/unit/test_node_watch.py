@@ -109,3 +109,33 @@ async def _gone_before_the_first_connection() -> list[LostNode]:
 def test_a_neighbour_gone_before_the_first_connection_is_lost():
     """Before, a first connection that failed was left alone: the node went unnamed."""
     assert asyncio.run(asyncio.wait_for(_gone_before_the_first_connection(), 20)) == [LostNode("node2", [2, 3])]
+
+
+async def _silent_at_the_start() -> list[LostNode]:
+    """The next host answers nothing (as behind a firewall that drops): a listener whose queue of connections is
+    full drops new ones unanswered, and the watch's connection times out."""
+    full = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    queued = socket.create_connection(full.getsockname(), timeout=5)  # the one connection its queue holds
+    lost: list[LostNode] = []
+
+    async def on_lost(node: LostNode) -> None:
+        lost.append(node)
+
+    watch = NodeWatch(_peer(), following=(LostNode("node2", [2, 3]), (["127.0.0.1"], full.getsockname()[1])))
+    watch.start(on_lost)
+    await asyncio.wait_for(watch.connected(), 10)
+    await asyncio.sleep(2.5)  # a probe of it would have ended by now (its 2-s timeout), and called it lost
+    watch.close()
+    queued.close()
+    full.close()
+    return lost
+
+
+def test_a_neighbour_that_never_answered_is_not_watched_and_not_called_lost(caplog):
+    """A first connection that nothing answers (a firewall between the nodes, say) tells no loss: a warning, and the
+    job runs on, as before the first connection's failure counted."""
+    caplog.set_level(logging.WARNING, logger="mpiscale.runtime.node_watch")
+    assert asyncio.run(asyncio.wait_for(_silent_at_the_start(), 20)) == []
+    assert "node node2 did not answer at the start" in caplog.text
