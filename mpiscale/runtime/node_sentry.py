@@ -121,10 +121,7 @@ class NodeSentry:
         self._on_lost = on_lost
         # main begins once the next host is watched: a node lost in the job's first moments is named too (the
         # sentry's process starts in a fraction of a second, seconds on a loaded host)
-        deadline = time.monotonic() + _WATCHING_S
-        while not self._watching and self._link is not None and (left := deadline - time.monotonic()) > 0:
-            if select.select([self._link], [], [], left)[0]:
-                self._read()
+        self._read_until(lambda: self._watching, _WATCHING_S)
         if not self._watching and self._link is not None:  # (a sentry that ended has been warned of)
             log.warning("node watch: not watching after %g s; a node lost now may go unnamed", _WATCHING_S)
         if self._link is not None:
@@ -143,10 +140,7 @@ class NodeSentry:
             return None
         self._answer.clear()
         _send(self._link, {"ended": True})
-        deadline = time.monotonic() + _ASKED_S
-        while not self._answer and (left := deadline - time.monotonic()) > 0:
-            if select.select([self._link], [], [], left)[0]:
-                self._read()
+        self._read_until(lambda: bool(self._answer), _ASKED_S)
         return self._answer[0] if self._answer else None
 
     def quiet(self) -> None:
@@ -176,6 +170,13 @@ class NodeSentry:
         assert self._process is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._process.wait(1.0)
+
+    def _read_until(self, done: Callable[[], bool], seconds: float) -> None:
+        """Take the sentry's messages, blocking, until ``done()``, for ``seconds`` at most (less if it ends)."""
+        deadline = time.monotonic() + seconds
+        while not done() and self._link is not None and (left := deadline - time.monotonic()) > 0:
+            if select.select([self._link], [], [], left)[0]:
+                self._read()
 
     def _read(self) -> None:
         assert self._link is not None

@@ -106,8 +106,8 @@ class NodeWatch:
             self._tasks.append(loop.create_task(self._watch(self._following, on_lost), name="node watch: next"))
 
     async def connected(self) -> None:
-        """Once the next host is watched: connected to, or found lost (its listener was up before the job began, so
-        a first connection that fails is a loss too)."""
+        """Once the next host is watched: connected to, found lost (its listener was up before the job began, so a
+        first connection its host refuses is a loss too), or left unwatched (nothing answered)."""
         await self._connected.wait()
 
     def ended(self) -> LostNode | None:
