@@ -80,7 +80,7 @@ class Controller:
                     break
                 said = shown.stderr.strip()
             if time.monotonic() > deadline:
-                pytest.fail(f"scontrol show job {job_id} failed for 90 s: {said}{self._logs()}")
+                pytest.fail(f"scontrol show job {job_id} failed for 90 s: {said}{self.logs()}")
             time.sleep(0.5)
         fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
         return Job(job_id, fields)
@@ -96,7 +96,7 @@ class Controller:
         if until is None and job.state not in FINAL_STATES or until is not None and not until(job):
             output = self._stacks_and_output(job) if job.state == "RUNNING" else ""
             self.run(["scancel", job_id], check=False)
-            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self._logs()}"
+            pytest.fail(f"HUNG: Slurm job {job_id} still {job.state} after {timeout}s: {job.fields}{self.logs()}"
                         f"{output}")  # fmt: skip
         return job
 
@@ -110,7 +110,8 @@ class Controller:
             return ""
         return f"\n--- {path.name}, the ranks' stacks at the end ---\n{path.read_text()[-12000:]}"
 
-    def _logs(self) -> str:
+    def logs(self) -> str:
+        """The end of each Slurm daemon's log, for a failure's report."""
         return "".join(
             f"\n--- {path.name} ---\n{path.read_text()[-3000:]}" for path in sorted((self.directory / "log").glob("*"))
         )
@@ -141,7 +142,7 @@ class Cluster(Controller):
             if shown.stdout.strip() == "idle":
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the Slurm node never became idle: {shown.stdout}{shown.stderr}{self._logs()}")
+        raise RuntimeError(f"the Slurm node never became idle: {shown.stdout}{shown.stderr}{self.logs()}")
 
     def _start_munge(self) -> None:
         if _alive(MUNGE_PID):

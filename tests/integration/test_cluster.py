@@ -494,7 +494,7 @@ def test_the_time_limit_signal_reaches_every_nodes_ranks_and_the_job_resumes(sch
     finished = scheduler.wait(job, 150)
     text = _output(run, job)
     # the output as text, whole (a tuple's repr is cut short in the report: L4's failure showed one line of it)
-    assert finished.state == "COMPLETED" and finished.restarts == 1, f"{finished.fields}\n{text[-6000:]}"
+    assert finished.state == "COMPLETED" and finished.restarts == 1, f"{finished.fields}\n{text}{scheduler.logs()}"
     for rank in range(4):
         assert f"mpiscale: rank {rank}: SIGTERM received, stopping after the current step with a checkpoint" in text
     stops = re.findall(r"stopped on request \(a stop command or SIGTERM\) after iteration (\d+);", text)
