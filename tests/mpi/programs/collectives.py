@@ -92,6 +92,21 @@ async def main(system):
         assert "rank 0: allreduce(float64(3,) sum)" in str(error), error
     else:
         raise AssertionError("mismatch not detected")
+    # On two ranks a checked allreduce sends its data before the check: after a mismatch no call reads what the other
+    # rank sent (a whole small array, half of a large one; one rank in a barrier), and the next calls are exact.
+    pairs = [(np.ones(3), np.ones(4)), (np.ones(1 << 17), np.ones(3 << 16)), (np.ones(5), np.ones(5, np.float16))]
+    for reduce, calls in [(r, c) for r in (world.allreduce, h.allreduce) for c in pairs] + [
+        (world.allreduce, (np.ones(1 << 17), None))
+    ]:
+        call = calls[rank % 2]
+        try:
+            await (world.barrier() if call is None else reduce(call))
+        except CollectiveMismatch as error:
+            assert "different arguments" in str(error), error
+        else:
+            raise AssertionError(f"mismatch of {calls} by {reduce} not detected")
+        for length in (4, 1 << 17):
+            assert (await reduce(np.full(length, rank + 1.0)) == sum(range(1, size + 1))).all()
 
     # An out that cannot hold the result is refused with one message before any MPI call (MPI's own refusal would come
     # after the check, with the other ranks already in the reduction). The next call is whole.
