@@ -21,7 +21,7 @@ from . import transport
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import TAG, UFUNCS, exchanged, room, rounds, send_first
+from .pair_reduce import UFUNCS, exchanged, room, rounds
 from .progress import ProgressEngine
 
 
@@ -184,26 +184,22 @@ class Communicator:
         if self._config.check_collectives and self.size > 1:
             await self._exchange(what, signature)
 
-    async def _exchange(self, what: str, signature: str, mine: int = 0, ahead: int = 0) -> np.ndarray:
+    async def _exchange(self, what: str, signature: str, mine: int = 0) -> np.ndarray:
         """Every rank's integer ``mine``, gathered in the exchange that begins every collective (and so is a
         barrier); with ``check_collectives`` on it carries a digest of the collective's name and arguments too.
 
-        Whatever two ranks called, their first collective MPI calls are this
-        same allgather, so they match: a mismatch is found here, and every
-        rank's call is gathered into one ``CollectiveMismatch`` report, never
-        bytes of one collective read as another's. A collective that needs one
-        number from every rank anyway (a message's length) gets it in the same
-        round. ``ahead``: the bytes this rank sent the other on ``TAG`` before
-        the check (a two-rank allreduce's first round), which the other rank
-        takes off the wire if the calls do not match.
+        Whatever two ranks called, their first MPI calls are this same
+        allgather, so they match: a mismatch is found here, and every rank's
+        call is gathered into one ``CollectiveMismatch`` report, never bytes of
+        one collective read as another's. A collective that needs one number
+        from every rank anyway (a message's length) gets it in the same round.
         """
         check = self._config.check_collectives
         called = f"{what}({signature})"
-        sent = np.array([signature_digest(called), mine, ahead] if check else [mine], np.int64)
+        sent = np.array([signature_digest(called), mine] if check else [mine], np.int64)
         every = np.empty((self.size, len(sent)), np.int64)
         await self._wait(self.comm.Iallgather(sent, every), f"{what} check" if check else what, keep=sent)
         if check and len({row[0] for row in every.tolist()}) > 1:  # (Python's set: numpy's compare costs µs)
-            await self._drain(every[:, 2])
             site = f" at {self.log.last[2]}" if self.log.last else ""
             calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
             error = CollectiveMismatch(
@@ -212,15 +208,7 @@ class Communicator:
             )
             error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
             raise error
-        return every[:, 1 if check else 0]
-
-    async def _drain(self, ahead: np.ndarray) -> None:
-        """Receive what each other rank sent this one ahead of a check that failed (``ahead``: their byte counts),
-        so that no later call reads it as its own."""
-        for source, size in enumerate(ahead.tolist()):
-            if size > 0 and source != self.rank:
-                unread = np.empty(size, np.uint8)
-                await self._wait(self.comm.Irecv([unread, self._MPI.BYTE], source, TAG), "the mismatched call's data")
+        return every[:, -1]
 
     async def _texts(self, text: str | None, what: str, lengths: np.ndarray | None = None) -> list[str | None]:
         """Every rank's ``text`` (None stays None), in rank order; ``lengths``: their lengths in bytes (-1 for None),
@@ -274,12 +262,11 @@ class Communicator:
             out_of_size(data, out, "allreduce")
             if out.dtype != data.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
+        await self._check("allreduce", described(data.dtype, data.shape, str(op)))
         mpi_op = self._op(op)
-        signature = described(data.dtype, data.shape, str(op))
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
         if ufunc is not None:  # two ranks: one exchange (see pair_reduce)
-            return await self._pair_allreduce(ufunc, data, array if out is array and data is array else out, signature)
-        await self._check("allreduce", signature)
+            return await self._pair_allreduce(ufunc, data, array if out is array and data is array else out)
         if out is array and data is array:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array
@@ -287,26 +274,14 @@ class Communicator:
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
 
-    async def _pair_allreduce(
-        self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None, signature: str
-    ) -> np.ndarray:
-        """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array. Checked,
-        its first send is posted before the check and travels meanwhile: one round of latency for both."""
-        first = None
-        if self._config.check_collectives:
-            first, ahead = send_first(self.comm, data)
-            self._posted += 1
-            try:
-                await self._exchange("allreduce", signature, ahead=ahead)
-            except BaseException:  # the other rank takes it off the wire (a mismatch), or the job ends
-                self._engine.track(first, f"allreduce on {self.name}", data)
-                raise
+    async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""
         theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
         if theirs is None or theirs.nbytes < room(data):
             theirs = np.empty(room(data), np.uint8)
         result = np.empty_like(data) if out is None else out.reshape(data.shape)
-        for requests in rounds(self.comm, ufunc, data, result, theirs, first):  # its sends too: the caller may
-            await self._wait_all(requests, "allreduce", keep=(data, theirs, result))  # change its buffer on return
+        for requests in rounds(self.comm, ufunc, data, result, theirs):  # its sends too: the caller may change
+            await self._wait_all(requests, "allreduce", keep=(data, theirs, result))  # its buffer on return
         self._spare = theirs  # kept for the next call: fresh pages cost page faults
         return result if out is None else out
 

@@ -77,9 +77,10 @@ from typing import Any
 
 import numpy as np
 
-from ..ranks import Comm, block_rows
-from .allreduce_gate import Gate, Opened
+from ..ranks import Comm, block_rows, by_ranks
+from .collectives import described
 from .config import RuntimeConfig
+from .errors import CollectiveMismatch, signature_digest
 from .pair_reduce import exchanged, room, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
@@ -97,14 +98,15 @@ class HierarchicalAllreduce:
     """The three-stage allreduce over one world's nodes (built collectively, once)."""
 
     def __init__(self, MPI: ModuleType, node: Comm, world: Comm, node_index: int, config: RuntimeConfig) -> None:
-        self._MPI, self._min_bytes = MPI, config.hierarchical_min_bytes
+        self._MPI, self._check, self._min_bytes = MPI, config.check_collectives, config.hierarchical_min_bytes
         self._piece_bytes = config.allreduce_piece_bytes
         self._node, self._world = node.Dup(), world.Dup()
+        self._gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
+        # the job's rank of the first one here: it reports a mismatch every rank raises
+        self._reporter = MPI.Group.Translate_ranks(world.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.blocks = world.allreduce(self.local_size, op=MPI.MAX)
         self.nodes = world.allreduce(1 if self.local_rank == 0 else 0)
-        one_pair = self.nodes == 1 and self.local_size == 2
-        self.gate = Gate(MPI, world, config.check_collectives, self._node if one_pair else None)
         self.owned = [b for b in range(self.blocks) if b % self.local_size == self.local_rank]
         self._by_owner = [
             b for rank in range(self.local_size) for b in range(self.blocks) if b % self.local_size == rank
@@ -133,10 +135,10 @@ class HierarchicalAllreduce:
         return self._worker.submit(self._run_queued, array, op, op_name, out, call)
 
     def claim_inline(self) -> bool:
-        """Whether the caller may run the next call itself, on the event loop (:meth:`open_gate`, the gate's
-        ``passed``, a non-blocking Allreduce on :meth:`direct_comm`, then :meth:`release_inline`): only when no call
-        is queued or running in the worker, and calls begun meanwhile wait for it. Every rank's calls then still meet
-        on the same communicators in the same order, whichever thread runs them."""
+        """Whether the caller may run the next call itself, on the event loop (:meth:`post_gate`, :meth:`passed`, a
+        non-blocking Allreduce on :meth:`direct_comm`, then :meth:`release_inline`): only when no call is queued or
+        running in the worker, and calls begun meanwhile wait for it. Every rank's calls then still meet on the same
+        communicators in the same order, whichever thread runs them."""
         with self._order:
             if self._queued or self._inline_busy:
                 return False
@@ -168,25 +170,25 @@ class HierarchicalAllreduce:
     def _run(
         self, array: np.ndarray, op: Any, op_name: str, out: np.ndarray | None, call: tuple[str, str]
     ) -> np.ndarray:
+        gate, digests, signature = self.post_gate(array, op_name)
+        self._until_done([gate], _GATE_SPIN_S, _GATE_SLEEP_S)
+        self.passed(digests, signature, call)
         comm = self.direct_comm(array, op) if isinstance(op, self._MPI.Op) else None
-        opened = self.open_gate(array, op_name, comm, op)
-        self._until_done([opened.request], _GATE_SPIN_S, _GATE_SLEEP_S)
-        self.gate.passed(opened, call)
         if comm is not None:  # as the event loop runs such a call on other ranks
-            steps, result = self.start_direct(comm, array, op, out, opened.first)
+            steps, result = self.start_direct(comm, array, op, out)
             for requests in steps:
                 self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
             return result()
         return self.reduce_now(array, op, out)
 
     def start_direct(
-        self, comm: Comm, data: np.ndarray, op: Any, out: np.ndarray | None, first: Any = None
+        self, comm: Comm, data: np.ndarray, op: Any, out: np.ndarray | None
     ) -> tuple[Iterator[list], Callable[[], np.ndarray]]:
         """A call on ``comm`` (its :meth:`direct_comm`) in one piece, non-blocking: (its rounds, each the requests to
         wait for before the next; what returns the caller's result after the last: ``out`` filled, else a new array
         shaped as ``data``). Between two ranks it is the exchange of :mod:`.pair_reduce`, else MPI's
-        ``Iallreduce``; ``first``: the exchange's first send, if the gate posted it. The event loop and the worker
-        run such a call alike (a blocking collective would not match a non-blocking one on another rank)."""
+        ``Iallreduce``. The event loop and the worker run such a call alike (a blocking collective would not match a
+        non-blocking one on another rank)."""
         ufunc = exchanged(comm.Get_size(), data.dtype, self._ufunc(op))
         # the exchange may reduce into the caller's buffer, even in place; MPI's call takes a buffer of its own
         fits = ufunc is not None and out is not None and out.dtype == data.dtype and out.flags.c_contiguous
@@ -202,13 +204,28 @@ class HierarchicalAllreduce:
         if ufunc is None:
             return iter([[comm.Iallreduce(data, result, op)]]), caller_result
         theirs = self._kept_copies(room(data))  # the worker and the loop never run calls at once: one buffer
-        return rounds(comm, ufunc, data, result, theirs, first), caller_result
+        return rounds(comm, ufunc, data, result, theirs), caller_result
 
-    def open_gate(self, array: np.ndarray, op_name: str, comm: Comm | None, op: Any) -> Opened:
-        """Start the gate of a call (:class:`.Gate`); one that is the exchange on the gate's pair (``comm``, its
-        :meth:`direct_comm`) sends ahead."""
-        ahead = comm is not None and comm is self.gate.pair and array.flags.c_contiguous
-        return self.gate.open(array, op_name, ahead and exchanged(2, array.dtype, self._ufunc(op)) is not None)
+    def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
+        """Start the exchange that waits until every rank has reached this call (so a rank ahead of the others
+        leaves its core to compute threads meanwhile); with checks on it carries a digest of the call's arguments.
+        Returns (its request, where the digests arrive (None without checks), the arguments as text)."""
+        signature = described(array.dtype, array.shape, op_name)
+        if not self._check:
+            return self._gate.Ibarrier(), None, signature
+        digests = np.empty(self._gate.Get_size(), np.int64)
+        mine = np.array([signature_digest(signature)], np.int64)
+        return self._gate.Iallgather(mine, digests), digests, signature
+
+    def passed(self, digests: np.ndarray | None, signature: str, call: tuple[str, str]) -> None:
+        """After the exchange: a mismatch of the ranks' arguments is one :class:`CollectiveMismatch` naming every
+        rank's arguments and call site (raised on every rank; the lowest one reports it)."""
+        if digests is not None and len(set(digests.tolist())) > 1:
+            calls = self._gate.allgather(f"allreduce({signature}) at {call[1]}")
+            error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
+                                       f"must pass the same: {by_ranks(calls)}")  # fmt: skip
+            error.reporter = self._reporter
+            raise error
 
     def direct_comm(self, array: np.ndarray, op: Any) -> Comm | None:
         """The communicator on which a call of ``array`` by MPI operation ``op`` is one non-blocking call

@@ -67,15 +67,10 @@ class Hierarchy:
         number, call = self._begin()
         what = f"allreduce on {self.log.name}"
         try:
-            opened = self.reducer.open_gate(data, op, comm, mpi_op)
-            try:
-                await settle(self.engine, opened.request, what, opened, self.world._spin_s)
-                self.reducer.gate.passed(opened, call)
-            except BaseException:  # the job ends: a first send posted ahead is left to the engine, with its data
-                if opened.first is not None:
-                    self.engine.track(opened.first, what, data)
-                raise
-            steps, result = self.reducer.start_direct(comm, data, mpi_op, out, opened.first)
+            gate, digests, signature = self.reducer.post_gate(data, op)
+            await settle(self.engine, gate, what, digests, self.world._spin_s)
+            self.reducer.passed(digests, signature, call)
+            steps, result = self.reducer.start_direct(comm, data, mpi_op, out)
             for requests in steps:
                 await settle_all(self.engine, requests, what, (data, out, steps), self.world._spin_s)
             return result()

@@ -21,7 +21,6 @@ the very same bits, signed zeros and NaN payloads included.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
@@ -30,8 +29,7 @@ from ..ranks import Comm
 #: numpy's twin of each reduction MPI names, by the name the collectives take.
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 _KINDS = {np.add: "iufc", np.multiply: "iufc", np.minimum: "iuf", np.maximum: "iuf"}  # the dtypes MPI reduces alike
-#: The exchange's messages, on a communicator that carries no other point-to-point traffic on this tag.
-TAG = 29
+_TAG = 29  # the exchange's messages, on a communicator that carries no other point-to-point traffic on this tag
 
 
 def exchanged(comm_size: int, dtype: np.dtype, ufunc: np.ufunc | None) -> np.ufunc | None:
@@ -54,49 +52,25 @@ def room(data: np.ndarray) -> int:
     return (data.size - data.size // 2) * data.itemsize
 
 
-def first_part(comm: Comm, data: np.ndarray) -> np.ndarray:
-    """What this rank sends in the exchange's first round: all of C-contiguous ``data``, or from
-    :data:`HALVES_FROM_BYTES` the half that the other rank reduces."""
-    if data.nbytes < HALVES_FROM_BYTES:
-        return data
-    return data.reshape(-1)[_halves(data.size)[1 - comm.Get_rank()]]
-
-
-def send_first(comm: Comm, data: np.ndarray) -> tuple[Any, int]:
-    """Post the first round's send of :func:`rounds` ahead of them (a checked call's data then travels while the
-    ranks compare their calls): (its request, for :func:`rounds` as ``first``; the bytes sent)."""
-    part = first_part(comm, data)
-    return comm.Isend(part, 1 - comm.Get_rank(), TAG), part.nbytes
-
-
-def rounds(
-    comm: Comm, ufunc: np.ufunc, data: np.ndarray, result: np.ndarray, theirs: np.ndarray, first: Any = None
-) -> Iterator[list]:
+def rounds(comm: Comm, ufunc: np.ufunc, data: np.ndarray, result: np.ndarray, theirs: np.ndarray) -> Iterator[list]:
     """The allreduce of C-contiguous ``data`` on a two-rank ``comm`` into ``result`` (which may be ``data``), as
     rounds: it yields each round's requests, and the caller waits for all of them (the event loop settles them,
-    a thread polls them) before it resumes. ``theirs``: at least :func:`room` bytes for the other rank's values;
-    ``first``: the first round's send, if :func:`send_first` posted it."""
+    a thread polls them) before it resumes. ``theirs``: at least :func:`room` bytes for the other rank's values."""
     rank, other = comm.Get_rank(), 1 - comm.Get_rank()
     scratch = theirs.reshape(-1).view(np.uint8)[: room(data)].view(data.dtype)
     if data.nbytes < HALVES_FROM_BYTES:
         received = scratch.reshape(data.shape)
-        receive = comm.Irecv(received, other, TAG)  # (posted before the send: no wait for it)
-        yield [receive, first if first is not None else comm.Isend(data, other, TAG)]
+        yield [comm.Irecv(received, other, _TAG), comm.Isend(data, other, _TAG)]  # (posted first: no wait for it)
         _in_rank_order(ufunc, rank, data, received, result)
         return
     sent, into = data.reshape(-1), result.reshape(-1)
-    mine, its = _halves(sent.size)[rank], _halves(sent.size)[other]
+    halves = (slice(0, sent.size // 2), slice(sent.size // 2, None))
+    mine, its = halves[rank], halves[other]
     received = scratch[: into[mine].size]
-    receive = comm.Irecv(received, other, TAG)
-    yield [receive, first if first is not None else comm.Isend(sent[its], other, TAG)]
+    yield [comm.Irecv(received, other, _TAG), comm.Isend(sent[its], other, _TAG)]
     _in_rank_order(ufunc, rank, sent[mine], received, into[mine])
     # in place, ``into[its]`` is the half just sent: the round above has ended, so it may be overwritten now
-    yield [comm.Irecv(into[its], other, TAG), comm.Isend(into[mine], other, TAG)]
-
-
-def _halves(size: int) -> tuple[slice, slice]:
-    """The two halves of ``size`` elements: rank 0 reduces the first, rank 1 the second."""
-    return slice(0, size // 2), slice(size // 2, None)
+    yield [comm.Irecv(into[its], other, _TAG), comm.Isend(into[mine], other, _TAG)]
 
 
 def _in_rank_order(ufunc: np.ufunc, rank: int, mine: np.ndarray, theirs: np.ndarray, out: np.ndarray) -> None:
