@@ -92,8 +92,8 @@ async def main(system):
         assert "rank 0: allreduce(float64(3,) sum)" in str(error), error
     else:
         raise AssertionError("mismatch not detected")
-    # On two ranks a checked allreduce sends its data before the check: after a mismatch no call reads what the other
-    # rank sent (a whole small array, half of a large one; one rank in a barrier), and the next calls are exact.
+    # Every kind of mismatch (shapes, sizes past 512 KiB where two ranks swap halves, dtypes, a barrier against an
+    # allreduce) leaves nothing of the mismatched calls behind: the next calls, small and large, are exact.
     pairs = [(np.ones(3), np.ones(4)), (np.ones(1 << 17), np.ones(3 << 16)), (np.ones(5), np.ones(5, np.float16))]
     for reduce, calls in [(r, c) for r in (world.allreduce, h.allreduce) for c in pairs] + [
         (world.allreduce, (np.ones(1 << 17), None))
