@@ -1,6 +1,7 @@
 """Awaitable collectives, checked against numpy, while actors keep exchanging messages."""
 
 import asyncio
+import itertools
 import os
 
 import numpy as np
@@ -95,9 +96,8 @@ async def main(system):
     # Every kind of mismatch (shapes, sizes past 512 KiB where two ranks swap halves, dtypes, a barrier against an
     # allreduce) leaves nothing of the mismatched calls behind: the next calls, small and large, are exact.
     pairs = [(np.ones(3), np.ones(4)), (np.ones(1 << 17), np.ones(3 << 16)), (np.ones(5), np.ones(5, np.float16))]
-    for reduce, calls in [(r, c) for r in (world.allreduce, h.allreduce) for c in pairs] + [
-        (world.allreduce, (np.ones(1 << 17), None))
-    ]:
+    cases = [*itertools.product((world.allreduce, h.allreduce), pairs), (world.allreduce, (np.ones(1 << 17), None))]
+    for reduce, calls in cases:
         call = calls[rank % 2]
         try:
             await (world.barrier() if call is None else reduce(call))
