@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..kernels.devices import resolve_device
 from ..kernels.lasso import lasso_cd_gram
-from ..kernels.omp import batch_omp_gram, batch_omp_signals
+from ..kernels.omp import batch_omp_gram, batch_omp_signals, chunk_rows
 
 
 def gram_matrix(dictionary: np.ndarray) -> np.ndarray:
@@ -127,7 +128,8 @@ def omp_rows_gram(
         batch_omp_gram_cuda(gram, correlations, int(n_nonzero), codes)
         return _rows_of(codes, int(n_nonzero))
     rows = _empty_rows(signals, atoms, n_nonzero)
-    batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, rows.values, rows.atoms, rows.counts)
+    chunk = chunk_rows(signals, numba.get_num_threads())
+    batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, rows.values, rows.atoms, rows.counts, chunk)
     return rows
 
 

@@ -31,6 +31,7 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
     ) from missing
 
 from ..io import epoch_plan
+from ..kernels.threads import blas_beside_numba
 from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
@@ -175,12 +176,13 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
     def _iterate(self, iteration: Iteration, data: _Rows, ids: np.ndarray, done: int) -> None:
         """One iteration over the signals of the global ``ids`` this rank holds."""
         mine = data.mine(ids)
-        iteration.fill(data.rank, mine, data.signals[mine - data.offset])
-        if data.comm is not None:
-            from mpi4py import MPI
+        with blas_beside_numba():
+            iteration.fill(data.rank, mine, data.signals[mine - data.offset])
+            if data.comm is not None:
+                from mpi4py import MPI
 
-            data.comm.Allreduce(MPI.IN_PLACE, iteration.stats.buffer, op=MPI.SUM)
-        iteration.apply(done)
+                data.comm.Allreduce(MPI.IN_PLACE, iteration.stats.buffer, op=MPI.SUM)
+            iteration.apply(done)
         self.components_ = iteration.state.dictionary
         self.n_iter_ = done + 1
         self.error_ = iteration.stats.metrics(iteration.rule.penalty)["error"]

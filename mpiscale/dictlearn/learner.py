@@ -39,7 +39,7 @@ from ..jobs import (
     state_arrays,
     write_results,
 )
-from ..kernels.threads import share_cores
+from ..kernels.threads import blas_beside_numba, share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..words import counted
@@ -269,46 +269,47 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
         batches = online_batches(reader, info.name, start)
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
     clock = time.perf_counter()
-    try:
-        for iteration in range(start, config.iterations):
-            began = time.perf_counter()
+    with blas_beside_numba():  # the coding on several threads, the products beside it on one
+        try:
+            for iteration in range(start, config.iterations):
+                began = time.perf_counter()
+                if reader is not None:
+                    ids, signals = await anext(batches)
+                else:
+                    assert block is not None  # "mod" keeps the whole data resident
+                    ids, signals = block
+                read = time.perf_counter()
+                step.fill(rank, ids, signals)
+                coded = time.perf_counter()
+                await system.world.allreduce(step.stats.buffer, out=step.stats.buffer)
+                reduced = time.perf_counter()
+                replaced = step.apply(iteration)
+                updated = time.perf_counter()
+                full_error = recovered = math.nan
+                if config.eval_every and (iteration + 1) % config.eval_every == 0:
+                    full_error = await _whole_data_error(system, step, block)
+                    if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
+                        recovered = recovery_rate(job.planted, step.state.dictionary)
+                row = step.stats.metrics(step.rule.penalty) | {
+                    "replaced": float(replaced),
+                    "read_s": read - began,
+                    "compute_s": coded - read,
+                    "comm_s": reduced - coded,
+                    "update_s": updated - reduced,
+                    "time_s": previous_time + (updated - clock),
+                    "full_error": full_error,
+                    "recovered": recovered,
+                }
+                history.record(row, step.stats.usage)
+                phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
+                          "update": row["update_s"]}  # fmt: skip
+                reached = "target_error" if config.target_error and full_error <= config.target_error else None
+                yield Step(_progress_text(row), step.stats.sum("signals"), phases, reached)
+                clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
+        finally:
             if reader is not None:
-                ids, signals = await anext(batches)
-            else:
-                assert block is not None  # "mod" keeps the whole data resident
-                ids, signals = block
-            read = time.perf_counter()
-            step.fill(rank, ids, signals)
-            coded = time.perf_counter()
-            await system.world.allreduce(step.stats.buffer, out=step.stats.buffer)
-            reduced = time.perf_counter()
-            replaced = step.apply(iteration)
-            updated = time.perf_counter()
-            full_error = recovered = math.nan
-            if config.eval_every and (iteration + 1) % config.eval_every == 0:
-                full_error = await _whole_data_error(system, step, block)
-                if job.planted is not None:  # the same on every rank: the ranks agreed on the dictionary
-                    recovered = recovery_rate(job.planted, step.state.dictionary)
-            row = step.stats.metrics(step.rule.penalty) | {
-                "replaced": float(replaced),
-                "read_s": read - began,
-                "compute_s": coded - read,
-                "comm_s": reduced - coded,
-                "update_s": updated - reduced,
-                "time_s": previous_time + (updated - clock),
-                "full_error": full_error,
-                "recovered": recovered,
-            }
-            history.record(row, step.stats.usage)
-            phases = {"read": row["read_s"], "coding": row["compute_s"], "allreduce": row["comm_s"],
-                      "update": row["update_s"]}  # fmt: skip
-            reached = "target_error" if config.target_error and full_error <= config.target_error else None
-            yield Step(_progress_text(row), step.stats.sum("signals"), phases, reached)
-            clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
-    finally:
-        if reader is not None:
-            await batches.aclose()
-            reader.close()
+                await batches.aclose()
+                reader.close()
 
 
 def _progress_text(row: dict) -> str:

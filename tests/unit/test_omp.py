@@ -1,10 +1,13 @@
 """Batch-OMP kernel against scikit-learn's orthogonal_mp_gram, exact recovery, and bad input."""
 
+import numba
 import numpy as np
 import pytest
 from sklearn.linear_model import orthogonal_mp_gram
 
 from mpiscale.dictlearn import omp_encode, omp_encode_gram
+from mpiscale.dictlearn.coding import correlations_of, gram_matrix
+from mpiscale.kernels.omp import chunk_rows
 
 
 def dictionary(atoms: int, features: int, seed: int = 0) -> np.ndarray:
@@ -20,6 +23,30 @@ def test_same_codes_as_scikit_learn(atoms, features, nonzero):
     reference = orthogonal_mp_gram(d @ d.T, (signals @ d.T).T, n_nonzero_coefs=nonzero).T
     assert np.allclose(ours, reference, atol=1e-9, rtol=1e-9)
     assert (np.count_nonzero(ours, axis=1) <= nonzero).all()
+
+
+@pytest.mark.parametrize(("count", "threads", "rows"), [(256, 16, 16), (256, 2, 128), (10_000, 16, 128), (3, 16, 1)])
+def test_every_thread_gets_a_chunk(count, threads, rows):
+    assert chunk_rows(count, threads) == rows
+
+
+@pytest.mark.parametrize("count", [1, 3, 129, 700])
+def test_the_same_codes_on_any_number_of_threads(count):
+    d = dictionary(64, 16)
+    signals = np.random.default_rng(6).standard_normal((count, 16))
+    before = numba.get_num_threads()
+    by_threads = []  # (from the signals, from the correlations): a row's products in the two may round differently
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            by_threads.append(
+                (omp_encode(signals, d, 5), omp_encode_gram(gram_matrix(d), correlations_of(signals, d), 5))
+            )
+    finally:
+        numba.set_num_threads(before)
+    for codes in zip(*by_threads):
+        assert all(np.array_equal(codes[0], other) for other in codes[1:])
+        assert (np.count_nonzero(codes[0], axis=1) > 0).all()  # every signal coded, none left out of a chunk
 
 
 def test_unnormalised_atoms_match_too():
