@@ -151,6 +151,7 @@ def checks() -> list[Check]:
         *_numba_checks(),
         *_gpu_checks(),
         _module("aiomqtt", "aiomqtt", SETUP, required=True),
+        _module("scipy (Numba's BLAS)", "scipy", SETUP, required=True),
         *_job_extras(),
         _module("estimator (sklearn)", "sklearn", "pip install 'mpiscale[sklearn]'", False),
         _module("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)", False),

@@ -302,11 +302,10 @@ class _Compression(HeldOutputs):
 
 
 def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
-    import scipy.linalg  # noqa: F401  (its own BLAS, loaded now so that share_cores limits its threads too)
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    share_cores(ranks_sharing_cores(comm))  # BLAS threads: this rank's share of the host's cores
+    share_cores(ranks_sharing_cores(comm))  # BLAS threads (scipy's too): this rank's share of the host's cores
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
     kept = kept_name(config.out)

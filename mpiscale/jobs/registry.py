@@ -121,7 +121,7 @@ JOBS: dict[str, JobEntry] = {
             "hpc/slurm/compress-adapters.sbatch",
             steers=True,
             plots=True,
-            needs=("torch", "safetensors", "scipy"),
+            needs=("torch", "safetensors"),
             extra="adapters,torch",
         ),
         JobEntry(

@@ -27,6 +27,7 @@ def share_cores(ranks_sharing: int) -> int:
     """
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // ranks_sharing)
+    _load_numbas_blas()
     if not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ):
         threadpool_limits(threads, user_api="blas")
     if "numba" not in sys.modules:  # a job without kernels does not pay numba's import: it reads this when imported
@@ -38,6 +39,12 @@ def share_cores(ranks_sharing: int) -> int:
         return numba.get_num_threads()
     numba.set_num_threads(min(numba.config.NUMBA_NUM_THREADS, threads))
     return numba.get_num_threads()
+
+
+def _load_numbas_blas() -> None:
+    """Load scipy's BLAS, the one Numba's ``np.dot`` calls, so that a limit on BLAS threads reaches it: a BLAS
+    loaded after the limit starts a thread per core."""
+    import scipy.linalg  # noqa: F401
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,4 +66,5 @@ def blas_beside_numba() -> AbstractContextManager:
 
     if numba.get_num_threads() <= 1:
         return nullcontext()
+    _load_numbas_blas()
     return _pools(len(sys.modules)).limit(limits=1, user_api="blas")

@@ -75,6 +75,17 @@ def test_pip_install_builds_the_message_path_and_doctor_names_only_what_the_site
     assert "launch/setup.sh" not in doctor.stdout.split("[ok  ] numba")[0]  # no checkout's file in the fixes above
 
 
+def test_the_install_codes_new_data(venv):
+    """Coding new data runs Numba's ``np.dot``, which needs scipy's BLAS: a plain install lacked scipy, and
+    ``omp_encode`` (``mpiscale encode``, ``transform``) failed with "scipy 0.16+ is required for linear algebra"."""
+    script = ("import numpy as np; from mpiscale.dictlearn import omp_encode; rng = np.random.default_rng(0); "
+              "d = rng.standard_normal((8, 5)); d /= np.linalg.norm(d, axis=1, keepdims=True); "
+              "codes = omp_encode(d[:3] * 2.0, d, 2); assert np.allclose(codes[:, :3], 2.0 * np.eye(3)); "
+              "print('coded')")  # fmt: skip
+    done = _run(venv / "bin" / "python", "-c", script, timeout=300)
+    assert done.returncode == 0 and "coded" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
 def test_a_two_rank_job_runs_on_the_compiled_path_and_one_needing_parallel_hdf5_is_refused(venv, tmp_path):
     mpiscale = str(venv / "bin" / "mpiscale")
     demo = finish(launch(2, [mpiscale, "demo"], cold=True, cwd=tmp_path), "demo from the venv", 180)
