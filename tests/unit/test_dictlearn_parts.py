@@ -64,6 +64,31 @@ def test_block_coordinate_update_keeps_the_minimiser_and_returns_to_it():
     assert np.abs(moved - planted).max() < 1e-6
 
 
+def sweep_atom_by_atom(dictionary, a, b, min_weight):
+    """The sweep as Mairal et al. write it: each atom in turn, from the atoms before it as already moved."""
+    for j in range(len(dictionary)):
+        if a[j, j] > min_weight:
+            value = dictionary[j] + (b[j] - a[j] @ dictionary) / a[j, j]
+            dictionary[j] = value / np.linalg.norm(value)
+
+
+@pytest.mark.parametrize(("atoms", "features"), [(100, 7), (32, 5), (33, 40), (2, 3)])
+def test_the_blocked_sweep_is_the_atom_by_atom_one(atoms, features):
+    rng = np.random.default_rng(atoms)
+    codes = rng.standard_normal((5 * atoms, atoms)) * (rng.random((5 * atoms, atoms)) < 0.2)
+    codes[:, ::9] = 0.0  # atoms no signal used: weight 0, left as they are
+    signals = rng.standard_normal((len(codes), features))
+    a, b = codes.T @ codes, codes.T @ signals
+    start = rng.standard_normal((atoms, features))
+    start /= np.linalg.norm(start, axis=1, keepdims=True)
+    ours, reference = start.copy(), start.copy()
+    for _ in range(3):
+        block_coordinate_update(ours, a, b, 1e-12)
+        sweep_atom_by_atom(reference, a, b, 1e-12)
+    assert np.allclose(ours, reference, rtol=0, atol=1e-12)
+    assert np.array_equal(ours[::9], start[::9]) and not np.allclose(ours, start)
+
+
 def test_mod_update_solves_for_the_dictionary():
     planted, x, codes = exact_problem()
     stats = BatchStatistics(30, 16, 1, 2)
