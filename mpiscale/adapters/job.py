@@ -305,7 +305,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    share_cores(ranks_sharing_cores(comm))  # BLAS threads (scipy's too): this rank's share of the host's cores
+    share_cores(ranks_sharing_cores(comm), scipy_blas=True)  # BLAS threads: this rank's share of the host's cores
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
     kept = kept_name(config.out)

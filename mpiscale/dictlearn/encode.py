@@ -218,7 +218,7 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    share_cores(ranks_sharing_cores(comm))
+    share_cores(ranks_sharing_cores(comm), scipy_blas=True)
     if not config.dictionary or not config.data:
         raise ValueError("give --dictionary RESULTS.h5 (a dictlearn results file, or FILE.h5:/atoms) and --data "
                          "FILE.h5:/dataset")  # fmt: skip

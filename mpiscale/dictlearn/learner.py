@@ -218,7 +218,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     comm = MPI.COMM_WORLD  # blocking I/O and checks; the iterations' allreduce goes through system.world
     label = choose_numba_device(config.device if config.coder == "omp" else "cpu", comm)
     device = label.split(":")[0]
-    threads = share_cores(ranks_sharing_cores(comm))
+    threads = share_cores(ranks_sharing_cores(comm), scipy_blas=True)
     # the checkpoints are always open: a stop checkpoints without periodic ones too
     results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
     checkpoints = None

@@ -19,15 +19,19 @@ from contextlib import AbstractContextManager, nullcontext
 from threadpoolctl import ThreadpoolController, threadpool_limits
 
 
-def share_cores(ranks_sharing: int) -> int:
+def share_cores(ranks_sharing: int, scipy_blas: bool = False) -> int:
     """Set Numba and BLAS threads to this rank's cores / the ranks that may run on them; returns Numba's.
 
     ``ranks_sharing`` comes from ``mpiscale.ranks.ranks_sharing_cores``: 1
     for a rank bound to cores of its own, the host's ranks for unbound ones.
+    ``scipy_blas``: load scipy's BLAS first, so that the limit reaches it too,
+    for a job whose kernels call Numba's ``np.dot`` or scipy's solvers (a
+    quarter of a second of start-up the other jobs do not pay).
     """
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // ranks_sharing)
-    _load_numbas_blas()
+    if scipy_blas:
+        _load_numbas_blas()
     if not {"OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ):
         threadpool_limits(threads, user_api="blas")
     if "numba" not in sys.modules:  # a job without kernels does not pay numba's import: it reads this when imported
