@@ -14,6 +14,11 @@ In one run, on the same planted data set (written through ``mpiscale.io``):
    iteration, the training time at which its whole-data error (evaluated every
    few iterations, outside the clock) first reached each baseline's error, and
    the shares of reading and of the allreduce.
+
+``--data patches`` runs the same on real signals instead: 8x8 patches of the
+photos scikit-learn ships (``sample_image_patches``), against SPAMS on one
+thread (scikit-learn's learner, 40x slower per batch on the planted set, is
+left out), ours stopping once its whole-data error reaches SPAMS's.
 """
 
 from __future__ import annotations
@@ -23,23 +28,43 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..dictlearn.coding import omp_encode
 from ..dictlearn.config import DictLearnConfig
+from ..dictlearn.image_patches import sample_image_patches
 from ..dictlearn.learner import learn
 from ..dictlearn.synthetic import SIGNALS, write_planted_dataset
-from ..io import read_dataset
+from ..io import rank_rows, read_dataset, write_dataset
 from ..runtime import ActorSystem, run
 from .omp import OMP_HEADERS, measure_omp, omp_row
 from .report import table, write_json
 
 FULL = {"atoms": 256, "features": 64, "sparsity": 8, "samples": 10_000, "epochs": 5}
 QUICK = {"atoms": 64, "features": 32, "sparsity": 4, "samples": 2_000, "epochs": 2}
-BATCH, SNR_DB, EVAL_EVERY, SEED = 256, 20.0, 5, 0
-ITERATIONS = {"full": 200, "quick": 40}  # mini-batches of SPAMS, and of ours
+BATCH, SNR_DB, SEED = 256, 20.0, 0
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """How the bench runs on one data set."""
+
+    sizes: dict[str, dict]  # full and quick settings
+    iterations: dict[str, int]  # the mini-batches SPAMS runs, full and quick (ours runs as many at most)
+    spams_threads: int  # 0: every core
+    eval_every: int  # ours evaluates its whole-data error this often (outside its clock)
+    stop_at_spams: bool  # ours stops once its error reaches SPAMS's
+
+
+DATA = {
+    "planted": DataPlan({"full": FULL, "quick": QUICK}, {"full": 200, "quick": 40}, 0, 5, False),
+    "patches": DataPlan({"full": {"atoms": 256, "features": 64, "sparsity": 8, "samples": 200_000},
+                         "quick": {"atoms": 64, "features": 64, "sparsity": 4, "samples": 10_000}},
+                        {"full": 1000, "quick": 100}, 1, 10, True),
+}  # fmt: skip
 
 
 def _relative_error(signals: np.ndarray, dictionary: np.ndarray, sparsity: int) -> float:
@@ -96,8 +121,9 @@ print(json.dumps({"seconds": seconds}))
 """
 
 
-def _spams(path: str, setting: dict, iterations: int, workdir: Path) -> dict | None:
-    """SPAMS trainDL (OMP coding, mode 3) for ``iterations`` mini-batches on all cores; None if not installed.
+def _spams(path: str, setting: dict, iterations: int, threads: int, workdir: Path) -> dict | None:
+    """SPAMS trainDL (OMP coding, mode 3) for ``iterations`` mini-batches on ``threads`` threads (0: every core);
+    None if not installed.
 
     It runs in a fresh child process whose affinity covers every core: mpirun binds a rank to one core,
     and SPAMS's OpenMP and OpenBLAS threads, started inside a bound rank, ran 2.5-4x slower (measured).
@@ -109,7 +135,7 @@ def _spams(path: str, setting: dict, iterations: int, workdir: Path) -> dict | N
 
     if find_spec("spams") is None:
         return None
-    cores = len(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    cores = threads or len(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
     out = workdir / "spams-dictionary.npy"
     arguments = [path, SIGNALS, setting["atoms"], setting["sparsity"], iterations, BATCH, cores, out]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "OPAL_", "ORTE_"))}
@@ -144,35 +170,57 @@ async def planted_data(system: ActorSystem, directory: Path, name: str, setting:
     return data
 
 
-async def run_dictlearn_bench(system: ActorSystem, json_path: str, workdir: str, quick: bool = False) -> dict | None:
-    """Run the three parts (collective); rank 0 prints the tables and writes JSON."""
-    setting = QUICK if quick else FULL
-    directory = Path(workdir)
-    data = await planted_data(system, directory, "bench-dictlearn-data.h5", setting)
-    omp = baseline = reference = None
+async def patch_data(system: ActorSystem, directory: Path, name: str, setting: dict) -> str:
+    """Write ``setting["samples"]`` 8x8 patches of the sample photos as ``directory/name`` (collective)."""
     if system.rank == 0:
-        name = f"planted {setting['features']}x{setting['atoms']}"
+        directory.mkdir(parents=True, exist_ok=True)
+    await system.world.barrier()
+    data = str(directory / name)
+    rows = sample_image_patches(8, setting["samples"] // 2, SEED)  # the same patches on every rank
+    start, stop = rank_rows(len(rows), system.size, system.rank)
+    write_dataset(data, {SIGNALS: rows[start:stop]}, system.world, config={"patch_shape": [8, 8]})
+    return data
+
+
+async def run_dictlearn_bench(
+    system: ActorSystem, json_path: str, workdir: str, quick: bool = False, data_set: str = "planted"
+) -> dict | None:
+    """Run the parts (collective) on the planted data or on image patches; rank 0 prints the tables and writes JSON."""
+    plan, size = DATA[data_set], "quick" if quick else "full"
+    setting, iterations = plan.sizes[size], plan.iterations[size]
+    directory = Path(workdir)
+    write = planted_data if data_set == "planted" else patch_data
+    data = await write(system, directory, f"bench-dictlearn-{data_set}.h5", setting)
+    omp = reference = None
+    baselines: dict = {"sklearn": "left out on image patches (the planted set has it)", "spams": None}
+    if system.rank == 0:
+        name = f"{data_set} {setting['features']}x{setting['atoms']}"
         omp = measure_omp(name, setting["atoms"], setting["features"], setting["sparsity"], 10_000, 1 if quick else 3)
-        baseline = _scikit_learn(data, setting)
-        reference = _spams(data, setting, ITERATIONS["quick" if quick else "full"], directory)
-    await system.world.barrier()  # the other ranks sleep (not spin) while rank 0 runs the baselines
+        if data_set == "planted":
+            baselines["sklearn"] = _scikit_learn(data, setting)
+        reference = baselines["spams"] = _spams(data, setting, iterations, plan.spams_threads, directory)
+    # the other ranks sleep (not spin) while rank 0 runs the baselines
+    target = await system.world.bcast(float(reference["error"]) if reference and plan.stop_at_spams else 0.0)
+    assert isinstance(target, float)
     config = DictLearnConfig(
         data=f"{data}:/{SIGNALS}",
         atoms=setting["atoms"],
         sparsity=setting["sparsity"],
         batch_size=BATCH,
-        iterations=ITERATIONS["quick" if quick else "full"],
+        iterations=iterations,
         seed=SEED,
         out=str(directory / "bench-dictlearn-results.h5"),
         progress_every=0,
-        eval_every=EVAL_EVERY,
+        eval_every=plan.eval_every,
+        target_error=target,
     )
     started = time.perf_counter()
     await learn(system, config)
     wall = time.perf_counter() - started
     if system.rank != 0:
         return None
-    return _report(json_path, system.size, setting, omp, {"sklearn": baseline, "spams": reference}, config, wall)
+    setting = setting | {"data": data_set, "spams_threads": reference["cores"] if reference else None}
+    return _report(json_path, system.size, setting, omp, baselines, config, wall)
 
 
 def _time_to(metrics: dict, error: float) -> float | None:
@@ -203,8 +251,8 @@ def _report(json_path, ranks, setting, omp, baselines, config, wall) -> dict:
     headers = ["baseline", "its s", "its s/iter", "its error", "ours s to reach", "speedup", "ours s/iter", "ratio"]
     rows = []
     for name, baseline in baselines.items():
-        if baseline is None:
-            print(f"\n{name}: not installed (pip install spams-bin), so not measured")
+        if not isinstance(baseline, dict):
+            print(f"\n{name}: {baseline or 'not installed (pip install spams-bin)'}, so not measured")
             continue
         reach = _time_to(metrics, baseline["error"])
         baseline["ours_seconds_to_reach"] = reach
@@ -215,20 +263,20 @@ def _report(json_path, ranks, setting, omp, baselines, config, wall) -> dict:
             [name, baseline["seconds"], per_iteration or "-", baseline["error"], reach or "not reached"]
             + [baseline["speedup"] or "-", ours["per_iteration"], baseline["per_iteration_ratio"] or "-"]
         )
-    print(f"\nsetting: {setting} (batch {BATCH}, {SNR_DB:g} dB noise); errors: whole data set, OMP at L non-zeros")
+    noise = f", {SNR_DB:g} dB noise" if setting["data"] == "planted" else ""
+    print(f"\nsetting: {setting} (batch {BATCH}{noise}); errors: whole data set, OMP at L non-zeros")
     shares = f"communication {ours['communication_share']:.1%}, reading {ours['reading_share']:.1%}"
     print(f"ours on {ranks} ranks: {iterations} iterations in {seconds:.3g} s to error {ours['final_error']:.4f}; "
           f"{shares}; wall {wall:.3g} s")  # fmt: skip
     print(table(headers, rows))
+    what = {"sklearn": "sklearn MiniBatchDictionaryLearning, all cores (BLAS threads)",
+            "spams": f"SPAMS trainDL mode=3 (OMP), {setting['spams_threads']} threads"}  # fmt: skip
+    run_settings = {"batch_size": BATCH, "snr_db": SNR_DB, "eval_every": config.eval_every,
+                    "target_error": config.target_error}  # fmt: skip
     results = {
-        "setting": setting | {"batch_size": BATCH, "snr_db": SNR_DB, "eval_every": EVAL_EVERY},
+        "setting": setting | run_settings,
         "omp": omp,
-        "baselines": {
-            "sklearn": {"what": "sklearn MiniBatchDictionaryLearning, all cores (BLAS threads)"} | baselines["sklearn"],
-            "spams": {"what": "SPAMS trainDL mode=3 (OMP), all cores"} | baselines["spams"]
-            if baselines["spams"]
-            else None,
-        },
+        "baselines": {name: {"what": what[name]} | b if isinstance(b, dict) else None for name, b in baselines.items()},
         "ours": ours,
     }
     path = write_json(json_path, "dictlearn", ranks, results)
@@ -240,5 +288,5 @@ def _report(json_path, ranks, setting, omp, baselines, config, wall) -> dict:
 
 def command(args: argparse.Namespace) -> int:
     """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
-    run(lambda system: run_dictlearn_bench(system, args.json, args.dir, quick=args.quick))
+    run(lambda system: run_dictlearn_bench(system, args.json, args.dir, args.quick, args.data))
     return 0

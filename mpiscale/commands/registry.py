@@ -305,7 +305,10 @@ _BENCHMARKS = [
     _bench("encode", "coding new data by sparsity and to an error target vs scikit-learn's sparse_encode and SPAMS's "
            "omp, all cores each (one process, no mpirun)"),
     _bench("dictlearn", "time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, "
-           "time per iteration, OMP throughput (any ranks)", _SCRATCH),
+           "time per iteration, OMP throughput (any ranks)", _SCRATCH,
+           arg("--data", choices=("planted", "patches"), default="planted",
+               help="planted: a planted dictionary plus noise; patches: 8x8 patches of scikit-learn's sample photos "
+               "against SPAMS on one thread, ours stopping at its error (default: %(default)s)")),
     _bench("reader", "read bandwidth vs np.fromfile, and reading's share of dictlearn training, in memory and "
            "streamed", _SCRATCH),
     _bench("batching", "ragged samples within a memory budget: sequential, round-robin, memory and adaptive "

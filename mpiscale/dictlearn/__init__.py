@@ -29,6 +29,8 @@ _PUBLIC = {
     "CodeRows": "coding",
     "omp_rows": "coding",
     "omp_rows_gram": "coding",
+    "SAMPLE_IMAGES": "image_patches",
+    "sample_image_patches": "image_patches",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -98,6 +98,24 @@ def test_bench_omp_writes_json(tmp_path):
     assert all(s["baseline_signals_per_s"] > 0 and s["ours_signals_per_s_1_thread"] > 0 for s in record["settings"])
 
 
+def test_bench_dictlearn_on_image_patches_stops_at_spams_error(tmp_path):
+    """Real signals (patches of scikit-learn's photos) against SPAMS on one thread: ours stops at SPAMS's error."""
+    out = tmp_path / "dictlearn.json"
+    job = mpiscale(2, "bench", "dictlearn", "--data", "patches", "--quick", "--dir", str(tmp_path), "--json",
+                   str(out), timeout=300)  # fmt: skip
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    setting, spams, ours = record["setting"], record["baselines"]["spams"], record["ours"]
+    assert setting["data"] == "patches" and setting["samples"] == 10_000 and setting["spams_threads"] == 1
+    assert record["baselines"]["sklearn"] is None and "sklearn: left out on image patches" in job.stdout
+    assert setting["target_error"] == spams["error"] and 0 < spams["error"] < 1, record
+    if spams["ours_seconds_to_reach"] is not None:  # reached: the job stopped at its first evaluation there
+        assert ours["final_error"] <= spams["error"] and ours["iterations"] % setting["eval_every"] == 0
+    else:
+        assert ours["iterations"] == spams["iterations"] and ours["final_error"] > spams["error"]
+    assert [p.name for p in tmp_path.iterdir()] == ["dictlearn.json"]  # the data and results files are removed
+
+
 def test_bad_settings_are_said_once_per_job_and_name_the_config_file(tmp_path, ranks):
     config = tmp_path / "job.toml"
     config.write_text('atoms = "many"\n')
