@@ -254,6 +254,27 @@ def test_reconstruction_error_no_worse_than_scikit_learn(tmp_path, signals_file)
     assert ours <= reference
 
 
+def test_whole_data_error_in_chunks_is_the_error_of_every_signal(tmp_path):
+    """--eval-every codes a rank's rows a chunk at a time (each rank holds more than one chunk, the last one short):
+    the error it records is the one of all signals coded at once, from a user's .npy file."""
+    from mpiscale.dictlearn import omp_encode
+    from mpiscale.dictlearn.learner import EVAL_ROWS
+
+    rng = np.random.default_rng(5)
+    atoms = rng.standard_normal((40, 16))
+    codes = rng.standard_normal((2 * EVAL_ROWS + 3003, 40)) * (rng.random((2 * EVAL_ROWS + 3003, 40)) < 0.08)
+    signals = codes @ atoms + 0.05 * rng.standard_normal((len(codes), 16))
+    np.save(tmp_path / "signals.npy", signals)
+    out = tmp_path / "r.h5"
+    options = ["--data", str(tmp_path / "signals.npy"), "--atoms", "40", "--sparsity", "4", "--iterations", "6"]
+    assert_ok(dictlearn(2, out, *options, "--eval-every", "3"))
+    with h5py.File(out, "r") as file:
+        recorded = file["metrics"]["full_error"][()]
+    dictionary = learned(out)
+    direct = np.linalg.norm(signals - omp_encode(signals, dictionary, 4) @ dictionary) / np.linalg.norm(signals)
+    assert np.isnan(recorded[0]) and recorded[-1] == pytest.approx(direct, rel=1e-12), (recorded, direct)
+
+
 def test_cuda_device_learns_the_cpu_dictionary_on_the_simulator(tmp_path):
     """--device cuda end to end (GPU choice per rank, kernel, provenance), on Numba's CUDA simulator: its one GPU
     refused to two ranks in one line, then shared on purpose."""
