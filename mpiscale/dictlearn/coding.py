@@ -95,6 +95,10 @@ class CodeRows:
         np.cumsum(self.counts, out=starts[1:])
         return self.values[used], self.atoms[used].astype(np.int32), starts
 
+    def l1(self) -> float:
+        """The sum of the codes' absolute values (the Lasso penalty's)."""
+        return float(np.abs(self.values[self._used()]).sum())
+
     def rebuilt(self, dictionary: np.ndarray) -> np.ndarray:
         """The signals the codes make: ``codes @ dictionary``, without the dense codes."""
         used = self._used()  # the slots past a row's count hold whatever the kernel's buffers held
@@ -126,7 +130,7 @@ def omp_rows_gram(
 
         codes = np.empty(correlations.shape)
         batch_omp_gram_cuda(gram, correlations, int(n_nonzero), codes)
-        return _rows_of(codes, int(n_nonzero))
+        return rows_of_dense(codes, int(n_nonzero))
     rows = _empty_rows(signals, atoms, n_nonzero)
     chunk = chunk_rows(signals, numba.get_num_threads())
     batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, rows.values, rows.atoms, rows.counts, chunk)
@@ -155,8 +159,8 @@ def _empty_rows(signals: int, atoms: int, n_nonzero: int) -> CodeRows:
                     np.empty(signals, np.int64), atoms)  # fmt: skip
 
 
-def _rows_of(codes: np.ndarray, n_nonzero: int) -> CodeRows:
-    """``CodeRows`` of dense codes with at most ``n_nonzero`` non-zeros a row (the GPU kernel's)."""
+def rows_of_dense(codes: np.ndarray, n_nonzero: int) -> CodeRows:
+    """``CodeRows`` of dense codes with at most ``n_nonzero`` non-zeros a row (the GPU kernel's, the Lasso's)."""
     signals, atoms = codes.shape
     values, chosen = np.zeros((signals, n_nonzero)), np.zeros((signals, n_nonzero), np.int64)
     rows, columns = np.nonzero(codes)

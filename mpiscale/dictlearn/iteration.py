@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_encode_gram, squared_norms
+from .coding import (
+    CodeRows,
+    correlations_of,
+    gram_matrix,
+    lasso_encode_gram,
+    omp_rows_gram,
+    rows_of_dense,
+    squared_norms,
+)
 from .update import BatchStatistics, DictionaryState, atoms_to_replace, mod_update, online_update, replace_atoms
 
 
@@ -49,16 +57,16 @@ class Iteration:
         """The signals as the learner sees them: each one's mean removed when the rule says so."""
         return without_means(signals) if self.rule.remove_mean else signals
 
-    def code(self, signals: np.ndarray) -> np.ndarray:
-        """Codes of prepared ``signals`` (rows) with the current dictionary."""
+    def code(self, signals: np.ndarray) -> CodeRows:
+        """Codes of prepared ``signals`` (rows) with the current dictionary, kept sparse."""
         correlations = correlations_of(signals, self.state.dictionary)
         rule = self.rule
         if rule.coder == "lasso":
-            return lasso_encode_gram(self.gram, correlations, rule.alpha)
+            return rows_of_dense(lasso_encode_gram(self.gram, correlations, rule.alpha), len(self.gram))
         if rule.max_residual:
-            return omp_encode_gram(self.gram, correlations, rule.sparsity, "cpu", rule.max_residual,
-                                   squared_norms(signals))  # fmt: skip
-        return omp_encode_gram(self.gram, correlations, rule.sparsity, self.device)
+            return omp_rows_gram(self.gram, correlations, rule.sparsity, "cpu", rule.max_residual,
+                                 squared_norms(signals))  # fmt: skip
+        return omp_rows_gram(self.gram, correlations, rule.sparsity, self.device)
 
     def fill(self, rank: int, ids: np.ndarray, signals: np.ndarray) -> None:
         """This rank's part of the statistics (``stats.buffer``), from its signals and their global sample ids."""

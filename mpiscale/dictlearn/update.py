@@ -18,6 +18,7 @@ import numpy as np
 
 from ..kernels.code_statistics import accumulate_statistics, fold_packed
 from ..kernels.dict_update import block_coordinate_update, near_duplicates
+from .coding import CodeRows
 
 _UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
 
@@ -54,16 +55,17 @@ class BatchStatistics:
             offset += count
 
     def fill(
-        self, rank: int, ids: np.ndarray, signals: np.ndarray, codes: np.ndarray, dictionary: np.ndarray, alpha: float
+        self, rank: int, ids: np.ndarray, signals: np.ndarray, codes: CodeRows, dictionary: np.ndarray, alpha: float
     ) -> None:
-        """This rank's contribution from its signals and their codes."""
+        """This rank's contribution from its signals and their codes (kept sparse, as the coders give them)."""
         self.buffer[:] = 0.0
         residual = np.empty_like(signals)
-        accumulate_statistics(codes, signals, dictionary, self.a_upper, self.b, self.usage, residual)
+        accumulate_statistics(codes.values, codes.atoms, codes.counts, signals, dictionary, self.a_upper, self.b,
+                              self.usage, residual)  # fmt: skip
         energy = np.einsum("sf,sf->s", residual, residual)
         self.sums[:] = (len(signals), np.einsum("sf,sf->", signals, signals), energy.sum(), self.usage.sum(), 0.0)
         if alpha:
-            self.sums[4] = np.abs(codes).sum()
+            self.sums[4] = codes.l1()
         worst = np.lexsort((ids, -energy))[: self.candidates.shape[1]]
         slot = self.candidates[rank]
         slot[:, 0] = -1.0  # empty slots lose to any real signal

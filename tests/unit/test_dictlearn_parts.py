@@ -7,6 +7,7 @@ import pytest
 from sklearn.decomposition import sparse_encode
 
 from mpiscale.dictlearn import lasso_encode
+from mpiscale.dictlearn.coding import rows_of_dense
 from mpiscale.dictlearn.config import DictLearnConfig, load_config
 from mpiscale.dictlearn.history import METRICS, History
 from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
@@ -18,6 +19,7 @@ from mpiscale.dictlearn.update import (
     mod_update,
     replace_atoms,
 )
+from mpiscale.kernels.code_statistics import fold_packed
 from mpiscale.kernels.dict_update import block_coordinate_update
 
 
@@ -92,7 +94,7 @@ def test_the_blocked_sweep_is_the_atom_by_atom_one(atoms, features):
 def test_mod_update_solves_for_the_dictionary():
     planted, x, codes = exact_problem()
     stats = BatchStatistics(30, 16, 1, 2)
-    stats.fill(0, np.arange(len(x)), x, codes, planted, 0.0)
+    stats.fill(0, np.arange(len(x)), x, rows_of_dense(codes, 30), planted, 0.0)
     stats.unpack()
     state = DictionaryState.start(np.eye(30, 16))
     mod_update(state, stats)
@@ -112,13 +114,13 @@ def test_statistics_and_worst_signals_do_not_depend_on_the_split():
     )
     ids = np.arange(len(x))
     whole = BatchStatistics(30, 16, 1, 4)
-    whole.fill(0, ids, x, codes, planted, 0.0)
+    whole.fill(0, ids, x, rows_of_dense(codes, 30), planted, 0.0)
     whole.unpack()
     assert np.allclose(whole.a, codes.T @ codes) and np.allclose(whole.b, codes.T @ x)  # the sparse kernel
     assert (whole.usage == np.count_nonzero(codes, axis=0)).all()
     parts = [BatchStatistics(30, 16, 3, 4) for _ in range(3)]
     for rank, chunk in enumerate(np.array_split(ids, 3)):
-        parts[rank].fill(rank, chunk, x[chunk], codes[chunk], planted, 0.0)
+        parts[rank].fill(rank, chunk, x[chunk], rows_of_dense(codes[chunk], 30), planted, 0.0)
     summed = BatchStatistics(30, 16, 3, 4)
     summed.buffer[:] = sum(p.buffer for p in parts)
     summed.unpack()
@@ -129,6 +131,41 @@ def test_statistics_and_worst_signals_do_not_depend_on_the_split():
     residual = ((x - codes @ planted) ** 2).sum(axis=1)
     worst = np.argsort(-residual)[:4]
     assert np.allclose(whole.worst_signals(), (x - codes @ planted)[worst])
+
+
+@pytest.mark.parametrize("atoms", [1, 31, 32, 33, 70])
+def test_folding_the_packed_sum_into_the_statistics_is_exact_and_symmetric(atoms):
+    """The decayed ``a`` (tiled mirror of the upper triangle) is, value for value, beta a + A / count."""
+    rng = np.random.default_rng(atoms)
+    packed = rng.standard_normal(atoms * (atoms + 1) // 2)
+    full = np.zeros((atoms, atoms))
+    full[np.triu_indices(atoms)] = packed
+    full = np.triu(full) + np.triu(full, 1).T
+    old = rng.standard_normal((atoms, atoms))
+    old = old + old.T
+    folded = old.copy()
+    fold_packed(folded, packed, 0.9, 7.0)
+    assert np.array_equal(folded, 0.9 * old + full / 7.0) and np.array_equal(folded, folded.T)
+    unpacked = np.full((atoms, atoms), np.nan)  # beta 0 reads nothing of the old values
+    fold_packed(unpacked, packed, 0.0, 1.0)
+    assert np.array_equal(unpacked, full)
+
+
+def test_statistics_of_code_rows_skip_zero_weights_as_dense_codes_do():
+    """A coder's rows may hold a weight of exactly zero (a signal of zeros, or an atom solved to 0): that is no use of
+    the atom, as in the dense codes, and the L1 sum (Lasso's objective) is the dense codes' one."""
+    planted, x, _ = exact_problem()
+    rng = np.random.default_rng(6)
+    codes = rng.standard_normal((len(x), 30)) * (rng.random((len(x), 30)) < 0.1)
+    rows = rows_of_dense(codes, 30)
+    rows.values[0, : rows.counts[0]] = 0.0  # a first signal coded by zero weights
+    codes[0] = 0.0
+    stats = BatchStatistics(30, 16, 1, 4)
+    stats.fill(0, np.arange(len(x)), x, rows, planted, 0.5)
+    stats.unpack()
+    assert (stats.usage == np.count_nonzero(codes, axis=0)).all()
+    assert np.allclose(stats.a, codes.T @ codes, rtol=0, atol=1e-12) and np.allclose(stats.b, codes.T @ x)
+    assert stats.sum("l1") == pytest.approx(np.abs(codes).sum(), rel=1e-14)
 
 
 def test_idle_and_duplicate_atoms_are_replaced_by_the_worst_residuals():
