@@ -10,11 +10,12 @@ In one run, on the same planted data set (written through ``mpiscale.io``):
    ``mode=3``), when the optional ``spams-bin`` package is installed: a fixed
    number of mini-batches on all cores, its time per iteration and its error
    by the same scorer;
-4. our job on all ranks for as many mini-batches as SPAMS: the time per
-   iteration after the first (whose first read and coding load the compiled
-   kernels, about 0.2 s: reported apart), the training time at which its whole-data error (evaluated every
-   few iterations, outside the clock) first reached each baseline's error, and
-   the shares of reading and of the allreduce.
+4. our job on all ranks for as many mini-batches as SPAMS, twice: without
+   evaluations, for the time per iteration after the first (whose first read
+   and coding may load the compiled kernels: reported apart); then evaluating
+   its whole-data error every few iterations (outside the clock), for the
+   training time at which it first reached each baseline's error, and the
+   shares of reading and of the allreduce.
 
 ``--data patches`` runs the same on real signals instead: 8x8 patches of the
 photos scikit-learn ships (``sample_image_patches``), against SPAMS on one

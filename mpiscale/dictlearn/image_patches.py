@@ -16,7 +16,7 @@ SAMPLE_IMAGES = ("china.jpg", "flower.jpg")
 def sample_image_patches(side: int = 8, per_image: int = 20_000, seed: int = 0) -> np.ndarray:
     """Mean-removed ``side`` x ``side`` patches of each sample photo, one per row (``per_image`` of each).
 
-    Needs scikit-learn and pillow (the ``examples`` extra), which read the photos.
+    Needs scikit-learn and pillow, which read the photos (both in the ``test`` and ``bench`` extras).
     """
     from sklearn.datasets import load_sample_image
     from sklearn.feature_extraction.image import extract_patches_2d
