@@ -253,8 +253,10 @@ def test_a_stuck_rank_is_named_every_rank_dumps_and_the_job_ends(tmp_path):
     blocked) while the others wait in a collective. Rank 3's reports go through rank 2, so they stop too: rank 3
     is listed behind rank 2, never named as hung itself. The job ends by the abort, long before rank 2's 120 s
     would (a job that waited for the hang to end would take more than 120 s). The hang came in iteration 1,000
-    with a bound of 60 s, and a loaded run took 63 s: 4 ranks under load took most of a minute to get there."""
-    env = {"MPISCALE_JOB_ID": "t6", "MPISCALE_HANG_AFTER_S": "2", "MPISCALE_HANG_ACTION": "abort",
+    with a bound of 60 s, and a loaded run took 63 s: 4 ranks under load took most of a minute to get there. The
+    watch waits 8 s: at 2 s it named rank 2 at step 0, still starting beside another test's ranks on the 2 cores,
+    while the others already waited (the watch's rule, not the rehearsed hang; 2026-12-01)."""
+    env = {"MPISCALE_JOB_ID": "t6", "MPISCALE_HANG_AFTER_S": "8", "MPISCALE_HANG_ACTION": "abort",
            "MPISCALE_RANKS_PER_NODE": "2", "MPISCALE_TELEMETRY_INTERVAL_S": "0.5",
            "MPISCALE_REHEARSE_FAILURE": "rank=2,iteration=300,hang=120"}  # fmt: skip
     started = time.monotonic()
