@@ -62,7 +62,8 @@ class Iteration:
         correlations = correlations_of(signals, self.state.dictionary)
         rule = self.rule
         if rule.coder == "lasso":
-            return rows_of_dense(lasso_encode_gram(self.gram, correlations, rule.alpha), len(self.gram))
+            codes = lasso_encode_gram(self.gram, correlations, rule.alpha)
+            return rows_of_dense(codes, int(np.count_nonzero(codes, axis=1).max(initial=0)))  # rows as wide as needed
         if rule.max_residual:
             return omp_rows_gram(self.gram, correlations, rule.sparsity, "cpu", rule.max_residual,
                                  squared_norms(signals))  # fmt: skip

@@ -72,7 +72,7 @@ async def _whole_data_error(system: ActorSystem, step: Iteration, block) -> floa
     signals = block[1]
     for start in range(0, len(signals), EVAL_ROWS):
         rows = step.prepared(signals[start : start + EVAL_ROWS])
-        residual = rows - step.code(rows).rebuilt(step.state.dictionary)
+        residual = rows - step.code(rows).dense() @ step.state.dictionary  # rebuilt() gathers rows x L x features
         sums += (np.einsum("sf,sf->", residual, residual), np.einsum("sf,sf->", rows, rows))
     await system.world.allreduce(sums, out=sums)
     return math.sqrt(sums[0] / sums[1]) if sums[1] > 0 else 0.0
