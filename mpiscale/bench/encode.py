@@ -34,7 +34,7 @@ NOISE = 0.1  # of each value, against atoms of unit norm and codes of unit varia
 DENOISING_GAIN = 1.15  # eps = gain * noise * sqrt(features) (Elad and Aharon 2006)
 
 
-def _problem(atoms: int, features: int, nonzero: int, signals: int) -> tuple[np.ndarray, np.ndarray, float]:
+def planted_problem(atoms: int, features: int, nonzero: int, signals: int) -> tuple[np.ndarray, np.ndarray, float]:
     """(dictionary, signals, eps): planted sparse combinations plus Gaussian noise."""
     rng = np.random.default_rng(0)
     dictionary = rng.standard_normal((atoms, features))
@@ -67,7 +67,7 @@ def measure(name: str, atoms: int, features: int, nonzero: int, signals: int, re
     """
     from sklearn.decomposition import sparse_encode
 
-    dictionary, data, eps = _problem(atoms, features, nonzero, signals)
+    dictionary, data, eps = planted_problem(atoms, features, nonzero, signals)
     omp_encode(data[:10], dictionary, nonzero)  # compile outside the timing
     spams = find_spec("spams") is not None
     records = []

@@ -304,6 +304,8 @@ _BENCHMARKS = [
     _bench("omp", "Batch-OMP sparse coding vs scikit-learn's orthogonal_mp_gram (one process, no mpirun)"),
     _bench("encode", "coding new data by sparsity and to an error target vs scikit-learn's sparse_encode and SPAMS's "
            "omp, all cores each (one process, no mpirun)"),
+    _bench("lasso", "Lasso coding vs SPAMS's lasso and scikit-learn's sparse_encode (lasso_lars), one core each, "
+           "on random atoms and atoms from photos (one process, no mpirun)"),
     _bench("dictlearn", "time to reach the errors of scikit-learn MiniBatchDictionaryLearning and SPAMS trainDL, "
            "time per iteration, OMP throughput (any ranks)", _SCRATCH,
            arg("--data", choices=("planted", "patches"), default="planted",

@@ -15,7 +15,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..kernels.devices import resolve_device
-from ..kernels.lasso import lasso_cd_gram
+from ..kernels.lasso import lasso_gram
 from ..kernels.omp import batch_omp_gram, batch_omp_signals, chunk_rows
 
 
@@ -232,12 +232,14 @@ def squared_norms(signals: np.ndarray) -> np.ndarray:
 def lasso_encode_gram(
     gram: np.ndarray, correlations: np.ndarray, alpha: float, max_sweeps: int = 1000, tol: float = 1e-8
 ) -> np.ndarray:
-    """Codes minimising ``0.5 ||x - c D||^2 + alpha ||c||_1`` per signal, by coordinate descent."""
+    """Codes minimising ``0.5 ||x - c D||^2 + alpha ||c||_1`` per signal: the exact homotopy path (LARS), or
+    coordinate descent (at most ``max_sweeps`` sweeps, to ``tol``) for a signal whose path meets linearly dependent
+    atoms (``mpiscale.kernels.lasso``)."""
     gram, correlations = _checked_gram(gram, correlations)
     if not alpha > 0 or not np.isfinite(alpha):
         raise ValueError(f"the Lasso penalty alpha must be a positive number, got {alpha}")
     codes = np.empty(correlations.shape)
-    lasso_cd_gram(gram, correlations, float(alpha), int(max_sweeps), float(tol), codes)
+    lasso_gram(gram, correlations, float(alpha), int(max_sweeps), float(tol), codes)
     return codes
 
 

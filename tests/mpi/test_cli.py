@@ -226,6 +226,25 @@ def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(t
     assert job.stderr.count("usage: mpiscale") == 1 and not (tmp_path / "d.h5").exists()
 
 
+def test_bench_lasso_checks_every_objective_against_spams_and_scikit_learn(tmp_path):
+    """One core each, both dictionaries, three penalties: the same convex problem, so our objective must equal
+    SPAMS's and scikit-learn's to rounding on every signal before any speed counts; random atoms take no signal to
+    descent."""
+    out = tmp_path / "lasso.json"
+    job = run_alone("bench", "lasso", "--quick", "--json", out, timeout=300)
+    assert_ok(job)
+    records = json.loads(out.read_text())["settings"]
+    assert [(r["setting"], r["alpha"]) for r in records] == [
+        ("random atoms", 0.5), ("random atoms", 0.1), ("random atoms", 0.02),
+        ("atoms from photos", 0.05), ("atoms from photos", 0.01), ("atoms from photos", 0.002)]  # fmt: skip
+    assert all(r["spams_objective_excess"] < 1e-9 and r["sklearn_objective_excess"] < 1e-9 for r in records), records
+    assert all(r["ours_signals_per_s"] > 0 and r["ratio_to_spams"] > 0 for r in records)
+    assert all(r["signals_by_descent"] == 0 for r in records if r["setting"] == "random atoms")
+    counts = [r["nonzeros_per_signal"] for r in records]
+    assert counts[0] < counts[1] < counts[2] and counts[3] < counts[4] < counts[5]  # a lower penalty, more atoms
+    assert job.stdout.index("atoms from photos (1,000 signals) measured") < job.stdout.index("ours/SPAMS")
+
+
 def test_bench_encode_compares_codes_first_then_speed(tmp_path):
     """One process, both settings, by sparsity and to an error target: our codes must be scikit-learn's before any
     speed counts; progress shows before the table."""

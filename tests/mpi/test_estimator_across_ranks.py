@@ -58,7 +58,9 @@ def test_in_one_process_and_inside_the_runtime_with_other_coders_mean_removal_an
     assert np.abs(alone.components_ - job).max() < 1e-12
     lasso = job_dictionary(2, signals, tmp_path / "lasso.h5", "--coder", "lasso", "--alpha", "0.05")
     ours = estimator_dictionary(2, signals, tmp_path / "lasso.npy", "runtime", fit_algorithm="lasso", alpha=0.05)
-    assert np.abs(ours - lasso).max() < 1e-12
+    # (exact Lasso codes move with their inputs' rounding times the inverse of the used atoms' Gram matrix: 4e-12
+    # here after 300 steps, where the descent's codes, stopped at its tolerance, hid it)
+    assert np.abs(ours - lasso).max() < 1e-10
     target = job_dictionary(2, signals, tmp_path / "target.h5", "--max-residual", "0.05", "--remove-mean")
     ours = estimator_dictionary(2, signals, tmp_path / "target.npy", max_residual=0.05, remove_mean=True)
     assert np.abs(ours - target).max() < 1e-12 and np.abs(target - lasso).max() > 0.1

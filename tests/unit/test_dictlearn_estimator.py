@@ -56,8 +56,9 @@ def test_omp_to_an_error_target_equals_scikit_learns():
 
 
 def test_lasso_codes_equal_scikit_learns_where_both_converge():
-    """Orthonormal atoms: both coordinate descents reach the exact minimiser (soft thresholding); on coherent atoms
-    scikit-learn stops at its own tolerance (tests/unit/test_dictlearn_parts.py compares objectives there)."""
+    """Orthonormal atoms: scikit-learn's coordinate descent reaches the exact minimiser (soft thresholding), where our
+    path ends; on coherent atoms it stops at its own tolerance (tests/unit/test_dictlearn_parts.py compares
+    objectives there)."""
     rng = np.random.default_rng(2)
     atoms = np.linalg.qr(rng.standard_normal((16, 16)))[0][:10]
     estimator = DictionaryLearning(10, n_iter=5, transform_algorithm="lasso_cd", transform_alpha=0.2)

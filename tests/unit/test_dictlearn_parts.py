@@ -21,6 +21,7 @@ from mpiscale.dictlearn.update import (
 )
 from mpiscale.kernels.code_statistics import fold_packed
 from mpiscale.kernels.dict_update import block_coordinate_update
+from mpiscale.kernels.lasso import lasso_gram
 
 
 def test_lasso_matches_scikit_learn():
@@ -35,6 +36,54 @@ def test_lasso_matches_scikit_learn():
     assert objective(ours) <= objective(theirs) * (1 + 1e-9)
     assert np.abs(ours - theirs).max() < 2e-3  # scikit-learn stops at its own tolerance
     assert 1 < np.count_nonzero(ours) / len(x) < 50
+
+
+def random_walk_atoms(atoms: int, features: int, seed: int) -> np.ndarray:
+    """Unit atoms that are random walks less their means: they overlap (cosines up to 0.98 here) as learned ones
+    do, unlike independent random atoms."""
+    walks = np.cumsum(np.random.default_rng(seed).standard_normal((atoms, features)), axis=1)
+    walks -= walks.mean(axis=1, keepdims=True)
+    return walks / np.linalg.norm(walks, axis=1, keepdims=True)
+
+
+def optimality_gap(x, d, codes, alpha):
+    """How far ``codes`` are from the Lasso minimiser's conditions, relative to alpha: the correlation of each used
+    atom with the residual must be alpha times its weight's sign, of every other atom at most alpha."""
+    correlations = (x - codes @ d) @ d.T
+    used = codes != 0
+    on_used = np.abs(correlations - alpha * np.sign(codes))[used]
+    past_alpha = np.abs(correlations[~used]) - alpha
+    return max(on_used.max(initial=0.0), past_alpha.max(initial=0.0)) / alpha
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.05, 0.005])
+def test_lasso_path_ends_at_the_minimiser_on_overlapping_atoms(alpha):
+    d = random_walk_atoms(96, 24, 3)
+    x = np.random.default_rng(4).standard_normal((100, 24))
+    codes = np.empty((100, 96))
+    assert lasso_gram(d @ d.T, x @ d.T, alpha, 1, 0.0, codes) == 0  # no signal left to descent (1 sweep: useless)
+    assert optimality_gap(x, d, codes, alpha) < 1e-8
+
+    theirs = sparse_encode(x, d, algorithm="lasso_lars", alpha=alpha)  # the same path, scikit-learn's
+
+    def objective(c):
+        return 0.5 * ((x - c @ d) ** 2).sum(axis=1) + alpha * np.abs(c).sum(axis=1)
+
+    assert (objective(codes) <= objective(theirs) * (1 + 1e-12)).all()
+    assert 2 < np.count_nonzero(codes) / len(x) < 24
+
+
+def test_lasso_codes_by_descent_where_the_path_meets_dependent_atoms():
+    d = planted_dictionary(6, 8, 5)
+    both = d[0] + d[1]
+    d = np.vstack([d, both / np.linalg.norm(both)])  # an atom in the span of two others
+    rng = np.random.default_rng(7)
+    x = np.vstack([3 * both + 0.01 * rng.standard_normal((50, 8)), rng.standard_normal((50, 8))])
+    codes = np.empty((100, 7))
+    descended = lasso_gram(d @ d.T, x @ d.T, 1e-3, 100_000, 1e-12, codes)
+    assert 0 < descended < 100
+    assert optimality_gap(x, d, codes, 1e-3) < 1e-6
+    assert np.abs(lasso_encode(x, d, 1e-3, max_sweeps=100_000, tol=1e-12) - codes).max() < 1e-12
 
 
 def test_lasso_refuses_a_bad_penalty():
