@@ -125,7 +125,9 @@ def test_a_dead_rank_is_named_by_a_failure_event(broker, subscriber, tmp_path):
                         r"iteration 3000\); the job cannot go on", failure["detail"]), failure  # fmt: skip
     status = subscriber.wait_for(lambda p: p["kind"] == "status" and p["state"] != "running", timeout=20)
     assert status["state"] == "failed", status
-    said = [line for line in finished.stderr.splitlines() if line.strip()]
+    # (telemetry's straggler warning is no line about the failure: it is true, and may come, where another test's
+    # ranks share the cores and slow rank 1 down; a quiet suite run saw it once)
+    said = [line for line in finished.stderr.splitlines() if line.strip() and "telemetry: straggler:" not in line]
     assert len(said) == 1 and said[0].startswith("mpiscale: rehearsal: rank 1 is killed in iteration 3000"), said
 
 
