@@ -23,6 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ..dictlearn import correlations_of, gram_matrix, lasso_encode, sample_image_patches
+from ..dictlearn.coding import DESCENT_SWEEPS, DESCENT_TOL
 from ..kernels.lasso import lasso_gram
 from .encode import planted_problem
 from .report import Progress, best_of, table, write_json
@@ -60,13 +61,13 @@ def measure(name: str, signals: int, alphas: tuple[float, ...], repeats: int, sk
     from sklearn.decomposition import sparse_encode
 
     dictionary, data = problem(name, signals)
+    gram, correlations = gram_matrix(dictionary), correlations_of(data, dictionary)  # lasso_encode's own
     spams = find_spec("spams") is not None
     records = []
     for alpha in alphas:
         ours = partial(lasso_encode, data, dictionary, alpha)
-        codes = ours()
-        descended = lasso_gram(gram_matrix(dictionary), correlations_of(data, dictionary), alpha, 1000, 1e-8,
-                               np.empty_like(codes))  # fmt: skip
+        codes = np.empty(correlations.shape)  # lasso_encode's codes, with how many signals the descent coded
+        descended = lasso_gram(gram, correlations, alpha, DESCENT_SWEEPS, DESCENT_TOL, codes)
         objective = _objectives(data, dictionary, codes, alpha)
         record: dict = {"setting": name, "atoms": ATOMS, "features": FEATURES, "signals": signals, "alpha": alpha,
                         "nonzeros_per_signal": float(np.count_nonzero(codes) / signals),

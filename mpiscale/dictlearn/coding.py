@@ -229,8 +229,17 @@ def squared_norms(signals: np.ndarray) -> np.ndarray:
     return np.einsum("sf,sf->s", signals, signals)
 
 
+#: The limits of the coordinate descent that codes a Lasso signal whose path meets dependent atoms: sweeps, and
+#: the change relative to the largest weight at which it stops.
+DESCENT_SWEEPS, DESCENT_TOL = 1000, 1e-8
+
+
 def lasso_encode_gram(
-    gram: np.ndarray, correlations: np.ndarray, alpha: float, max_sweeps: int = 1000, tol: float = 1e-8
+    gram: np.ndarray,
+    correlations: np.ndarray,
+    alpha: float,
+    max_sweeps: int = DESCENT_SWEEPS,
+    tol: float = DESCENT_TOL,
 ) -> np.ndarray:
     """Codes minimising ``0.5 ||x - c D||^2 + alpha ||c||_1`` per signal: the exact homotopy path (LARS), or
     coordinate descent (at most ``max_sweeps`` sweeps, to ``tol``) for a signal whose path meets linearly dependent
@@ -244,7 +253,11 @@ def lasso_encode_gram(
 
 
 def lasso_encode(
-    signals: np.ndarray, dictionary: np.ndarray, alpha: float, max_sweeps: int = 1000, tol: float = 1e-8
+    signals: np.ndarray,
+    dictionary: np.ndarray,
+    alpha: float,
+    max_sweeps: int = DESCENT_SWEEPS,
+    tol: float = DESCENT_TOL,
 ) -> np.ndarray:
     """Lasso codes (signals x atoms); the same minimiser as scikit-learn's ``sparse_encode(..., 'lasso_cd')``."""
     return lasso_encode_gram(*_checked_signals(signals, dictionary), alpha, max_sweeps, tol)
