@@ -108,7 +108,7 @@ class Watchdog:
             waiting_itself = rank in waiters and now - report["time"] < fresh_s
             if still >= hang_after and not waiting_itself and any(r != rank for r in long_waiters):
                 stuck[rank] = still
-        behind = {r: leader for r in reports if (leader := self._silent_leader(reports, r, now)) is not None}
+        behind = {r: lead for r in reports if (lead := self._silent_leader(reports, r, now, hang_after)) is not None}
         found = []
         for rank in sorted(stuck.keys() - behind.keys()):
             report, others = reports[rank], sorted(r for r in long_waiters if r != rank)
@@ -122,20 +122,22 @@ class Watchdog:
             )))  # fmt: skip
         return found
 
-    def _silent_leader(self, reports: dict[int, dict], rank: int, now: float) -> int | None:
+    def _silent_leader(self, reports: dict[int, dict], rank: int, now: float, hang_after: float) -> int | None:
         """The node leader ``rank`` reports through, if that leader fell silent when ``rank`` did (None: not so).
 
         Only a silent rank can be behind a silent leader: a rank whose reports still arrive (its event loop runs,
-        in an ``await`` that never ends, say) is named itself. The leader forwards its own report with its node's,
-        so while it runs its reports stay an interval or more ahead of a silent rank's; a leader silent since about
-        the rank's last report explains the rank's silence.
+        in an ``await`` that never ends, say) is named itself, and so is a rank whose leader still reports. The
+        leader forwards its node's latest reports on its own tick, up to an interval old (more on a loaded node),
+        so a rank's last report comes some time before its leader's last. Only a rank already silent for
+        ``hang_after`` when its leader fell silent showed a hang of its own; any later silence may be the leader's.
         """
         leader = reports[rank].get("via", rank)
         if leader == rank or leader not in reports:
             return None
-        if now - reports[rank]["time"] < 2.5 * self.report_interval_s:  # its reports still come
+        quiet_after = 2.5 * self.report_interval_s
+        if now - reports[rank]["time"] < quiet_after or now - reports[leader]["time"] < quiet_after:
             return None
-        return leader if reports[leader]["time"] < reports[rank]["time"] + 1.5 * self.report_interval_s else None
+        return leader if reports[leader]["time"] - reports[rank]["time"] < hang_after else None
 
     def _stragglers(self, reports: dict[int, dict]) -> list[Finding]:
         for rank, report in reports.items():

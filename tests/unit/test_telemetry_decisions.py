@@ -79,6 +79,29 @@ def test_the_ranks_behind_a_stuck_node_leader_are_not_named_but_listed_with_it()
     assert [(f.kind, f.rank) for f in watchdog.look(alive_leader, 12.0)] == [("hang", 3)]
 
 
+def test_a_rank_whose_last_report_its_stuck_leader_forwarded_was_late_is_still_behind_it():
+    """The leader forwards its node's reports on its own tick: under load, rank 3's last forwarded report was 1.1 s
+    (over two intervals of 0.5 s) older than rank 2's own last one. Rank 3 fell silent with its leader, so it is listed
+    behind rank 2, not named (a CI run named rank 2 alone, its follower neither listed nor named; 2026-12-01). A rank
+    that fell silent a hang's length before its leader did is named itself."""
+
+    def watched(follower_last: float, leader_last: float, now: float) -> list:
+        watchdog = Watchdog(WatchdogSettings(hang_after_s=8), report_interval_s=0.5)
+        watchdog.look({r: {**report(r, 300, 0), "via": r - r % 2} for r in range(4)}, 0.0)
+        waiting = ("allgather check on world", now - leader_last)
+        return watchdog.look({
+            0: report(0, 300, now, waiting_in=waiting), 1: {**report(1, 300, now, waiting_in=waiting), "via": 0},
+            2: {**report(2, 300, leader_last), "via": 2},
+            3: {**report(3, 300, follower_last, waiting_in=("bcast on node", 0.1)), "via": 2},
+        }, now)  # fmt: skip
+
+    found = watched(follower_last=0.9, leader_last=2.0, now=10.5)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 2)], found
+    assert found[0].detail.endswith("; ranks [3] report through it and are unseen since"), found[0].detail
+    found = watched(follower_last=0.9, leader_last=9.0, now=17.5)
+    assert sorted((f.kind, f.rank) for f in found) == [("hang", 2), ("hang", 3)], found
+
+
 def test_a_rank_stuck_in_an_await_whose_reports_still_come_through_its_waiting_leader_is_named():
     """Rank 1 awaits forever, its event loop running: its reports arrive an interval late through rank 0, its node
     leader, which waits in the collective. Reports that still come are no silence, so rank 1 is named itself."""
