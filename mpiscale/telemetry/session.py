@@ -120,6 +120,7 @@ class Telemetry:
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
         session.group = await system.spawn_group(Collector, session, name=name, over=comm)
         session._leader = system.node.world_ranks[0]  # the node's first rank
+        leaders = await comm.allgather(np.array([session._leader]))  # whom a rank never seen reports through
         if system.rank == 0:
             session._open_sink(out)
             restarts = restart_count()
@@ -129,7 +130,7 @@ class Telemetry:
                       flush=True)  # fmt: skip
             if settings.prometheus_port is not None:
                 session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
-            session.watchdog = Watchdog(watching, settings.interval_s)
+            session.watchdog = Watchdog(watching, settings.interval_s, tuple(leaders[:, 0].tolist()))
             session._busy_beat = BusyBeat(settings.interval_s, session._beat_while_busy)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip
@@ -142,6 +143,7 @@ class Telemetry:
         said = last_words.spec(session.job, command, system.size, system.rank, session._file_path(out))
         system.leave_last_words(last_words.__name__, said)  # a held rank's node watch says it in its place
         session._task = asyncio.get_running_loop().create_task(session._tick(), name="mpiscale-telemetry")
+        session._task.add_done_callback(session._tick_ended)
         return session
 
     def _open_sink(self, out: str | None) -> None:
@@ -274,6 +276,13 @@ class Telemetry:
             else:
                 self.group[self._leader].tell("report", [mine])
             await asyncio.sleep(self.settings.interval_s)
+
+    def _tick_ended(self, task: asyncio.Task) -> None:
+        """The reports' task ends only when cancelled: an error in it (a defect of ours) would leave the job without
+        its reports and its hang watch, unsaid, so it ends the job with its traceback instead."""
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            self.system.fail(error, "telemetry (its reports and hang watch)")
 
     # ------------------------------------------------------------------ rank 0
     def emit(self, payload: dict, retain: bool = False) -> None:

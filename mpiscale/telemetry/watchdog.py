@@ -18,7 +18,9 @@ least a fifth of theirs: everyone else waits for it, every step.
 
 A rank's reports reach rank 0 through its node's first rank (``via``): when
 that leader is stuck, its node's other ranks fall silent with it though they
-only wait for it, so the leader alone is named, with the ranks behind it.
+only wait for it, so the leader alone is named, with the ranks behind it. A
+rank whose first report had not yet passed its leader when the leader stuck is
+behind it too: rank 0 knows every rank's leader from the start (``leaders``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Finding:
 class Watchdog:
     settings: WatchdogSettings
     report_interval_s: float = 2.0  # how often ranks report (MPISCALE_TELEMETRY_INTERVAL_S)
+    leaders: tuple[int, ...] = ()  # rank -> the rank its reports go through (its node's first)
     _advanced: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (its step, since when)
     _pace: dict[int, float] = field(default_factory=dict)  # rank -> its seconds per step between its last reports
     _moved: set[int] = field(default_factory=set)  # ranks seen advancing once (their start-up behind them)
@@ -109,6 +112,9 @@ class Watchdog:
             if still >= hang_after and not waiting_itself and any(r != rank for r in long_waiters):
                 stuck[rank] = still
         behind = {r: lead for r in reports if (lead := self._silent_leader(reports, r, now, hang_after)) is not None}
+        quiet_after = 2.5 * self.report_interval_s
+        behind |= {r: lead for r, lead in enumerate(self.leaders)  # never seen, their leader silent since
+                   if r not in reports and lead in reports and now - reports[lead]["time"] >= quiet_after}  # fmt: skip
         found = []
         for rank in sorted(stuck.keys() - behind.keys()):
             report, others = reports[rank], sorted(r for r in long_waiters if r != rank)

@@ -296,6 +296,19 @@ def test_a_users_own_job_on_the_runtime_is_watched_like_the_projects_jobs(tmp_pa
     assert records[-1] == {**records[-1], "kind": "status", "state": "finished"}
 
 
+def test_a_defect_in_the_hang_watch_ends_the_job_with_its_traceback(tmp_path):
+    """An error inside rank 0's reports task (a defect of ours: it once took a list for a rank) ended that task
+    alone, unsaid: the job ran on with no reports and no hang watch, and a hang in it was never named (2026-12-02).
+    It ends the job instead, with the error's traceback, naming telemetry."""
+    env = {"MPISCALE_TELEMETRY": "1", "MPISCALE_JOB_ID": "t16", "MPISCALE_TELEMETRY_INTERVAL_S": "0.2"}
+    done = finish(start_mpi("telemetry_fault.py", 2, "3000", env=env, cwd=tmp_path), "a defective hang watch", 120)
+    assert done.returncode == 1 and "user job done" not in done.stdout, done.output[-4000:]
+    assert (
+        "mpiscale: job failed on rank 0 of 2" in done.stderr and "telemetry (its reports and hang watch)" in done.stderr
+    )
+    assert "RuntimeError: a defect planted in the hang watch" in done.stderr, done.stderr[-4000:]
+
+
 def test_the_heartbeat_goes_on_while_rank_0s_loop_is_held(tmp_path):
     """Rank 0 holds its event loop for 5 s (as Numba compiling does on a first run): its heartbeats go on from a
     thread, so a watcher of the file sees a live job, and the job finishes."""

@@ -102,6 +102,19 @@ def test_a_rank_whose_last_report_its_stuck_leader_forwarded_was_late_is_still_b
     assert sorted((f.kind, f.rank) for f in found) == [("hang", 2), ("hang", 3)], found
 
 
+def test_a_rank_never_seen_because_its_leader_stuck_first_is_listed_behind_the_leader():
+    """Warm ranks reach the rehearsed hang within one interval: rank 2 forwarded its own first report before rank 3's
+    reached it, then stuck, so rank 3 was never seen and the hang named rank 2 with no one behind it (2026-12-02)."""
+    watchdog = Watchdog(WatchdogSettings(hang_after_s=8), report_interval_s=0.5, leaders=(0, 0, 2, 2))
+    watchdog.look({0: report(0, 0, 0), 1: {**report(1, 0, 0), "via": 0}, 2: {**report(2, 0, 0), "via": 2}}, 0.0)
+    waiting = ("allgather check on world", 8.0)
+    reports = {0: report(0, 300, 9, waiting_in=waiting), 1: {**report(1, 300, 9, waiting_in=waiting), "via": 0},
+               2: {**report(2, 0, 0.4), "via": 2}}  # fmt: skip
+    found = watchdog.look(reports, 9.0)
+    assert [(f.kind, f.rank) for f in found] == [("hang", 2)], found
+    assert found[0].detail.endswith("; ranks [3] report through it and are unseen since"), found[0].detail
+
+
 def test_a_rank_stuck_in_an_await_whose_reports_still_come_through_its_waiting_leader_is_named():
     """Rank 1 awaits forever, its event loop running: its reports arrive an interval late through rank 0, its node
     leader, which waits in the collective. Reports that still come are no silence, so rank 1 is named itself."""
