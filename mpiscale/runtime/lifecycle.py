@@ -4,7 +4,8 @@ Signals: SIGTERM (or SIGUSR2) asks a steering job to stop after its current
 step with its state saved, and any other job to drain; a second one drains at
 once. SIGINT drains. SIGUSR1 writes the rank's diagnostics. A SIGTERM that
 finds a rank of this host gone (the launcher ends a job whose rank died) ends
-the job with one line naming that rank.
+the job; the host's death watch (:mod:`.death_watch`) has named that rank the
+moment it died.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .. import early_stop, run_dir
 from ..errors import MpiscaleError
 from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
+from .death_watch import ENDED, DeathWatch, Noted
 from .errors import JobRefused
 from .eventloop import new_event_loop
 from .node_sentry import NodeSentry
@@ -57,9 +59,12 @@ class Lifecycle:
         self.local_peers = LocalPeers.of(placement, system.rank)
         system.hosts = [host for host, _ in placement]
         self.node_watch = NodeSentry.gather(world, system.hosts)
+        self.death_watch = DeathWatch.gather(world, placement, system.rank)
+        system.roles = Noted(self.death_watch.role)
+        system.planned_deaths = Noted(self.death_watch.planned)
         system.leave_last_words = self.node_watch.leave_last_words
         self.peer_reported = False  # a rank of this host printed a report and aborts the job (REPORTED_SIGNAL)
-        system.before_abort.extend((self.tell_peers_reported, self.node_watch.farewell))
+        system.before_abort.extend((self.tell_peers_reported, self.node_watch.farewell, self.death_watch.over))
         signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)  # until the loop takes it (its default action ends a process)
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
@@ -80,7 +85,7 @@ class Lifecycle:
         self.node_watch.start(self.node_lost)
         try:
             self.main_task = loop.create_task(_exit_as_exception(main(system)), name="main")
-            self.main_task.add_done_callback(lambda _: self.node_watch.quiet())
+            self.main_task.add_done_callback(lambda _: self.quiet())
             if early_stop.take() is not None:
                 self.stop_at_start()
             refused: JobRefused | None = None
@@ -111,10 +116,16 @@ class Lifecycle:
             return result
         finally:
             self.node_watch.close()
+            self.death_watch.close()
             faulthandler.unregister(signal.SIGUSR1)
             for handled in signals:
                 loop.remove_signal_handler(handled)
             signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)
+
+    def quiet(self) -> None:
+        """``main`` ended, or a stop began: the ranks' ends from now on are no loss (safe in a signal handler)."""
+        self.node_watch.quiet()
+        self.death_watch.done()
 
     def on_terminate(self) -> None:
         """SIGTERM or SIGUSR2 from outside; a repeat within ``_SAME_STOP_S`` of the first is the same request."""
@@ -170,16 +181,15 @@ class Lifecycle:
             return
         named = ", ".join(f"rank {rank} (pid {pid}{', ' + system.roles[rank] if rank in system.roles else ''})"
                           for rank, pid in sorted(dead.items()))  # fmt: skip
+        # the host's death watch named it as it died (this rank may not run again before the launcher's SIGKILL)
+        said = self.death_watch.active
         planned = {system.planned_deaths.get(rank) for rank in dead}
         if None not in planned:  # every dead rank died as planned, and said so itself
             detail = f"{named} on host {system.host} ended as planned ({'; '.join(sorted(planned))})"  # type: ignore[arg-type]
             await self._end_for_death("", f"{detail}; the job cannot go on", min(dead))
             return
-        detail = (
-            f"{named} on host {system.host} ended while the job ran (killed by a signal, such as the "
-            "out-of-memory killer's, or failed: the job's output says which); the job cannot go on"
-        )
-        await self._end_for_death(f"a SIGTERM came, and {detail}", detail, min(dead))
+        detail = f"{named} on host {system.host} {ENDED}"
+        await self._end_for_death("" if said else f"a SIGTERM came, and {detail}", detail, min(dead))
 
     def node_lost(self, lost: LostNode) -> None:
         """The node watch found a host of the job gone: the line at once, in this turn of the loop (a rank held next,
@@ -202,6 +212,7 @@ class Lifecycle:
         if system.failing:  # one line, not a second report: a rank that failed has printed its own
             return False
         system.failing = True
+        self.death_watch.over()
         if report:
             sys.stdout.flush()
             sys.stderr.write(f"mpiscale: rank {system.rank}: {report}\n")
@@ -235,7 +246,7 @@ class Lifecycle:
     def note_stop(self, signum: int, frame: object) -> None:
         """SIGTERM's Python-level handler: a steering job's stop request, noted between two bytecodes of a step."""
         system = self.system
-        self.node_watch.quiet()  # a signal from the launcher comes first: the connections that close next are no loss
+        self.quiet()  # a signal from the launcher comes first: the connections that close next are no loss
         if system.steering.active and system.stop_signal is None and not system.stopping:
             system.steering.request("stop")
             self.stop_noted = True
@@ -256,7 +267,7 @@ class Lifecycle:
                 system.steering.request("stop")
                 asyncio.get_running_loop().call_later(grace, self.stop_overdue, signum)
             return
-        self.node_watch.quiet()  # the ranks end now: connections that close are no loss
+        self.quiet()  # the ranks end now: connections that close are no loss
         if system.stopping:
             sys.stderr.write(f"mpiscale: rank {system.rank}: second {name}, exiting now\n")
             self.node_watch.farewell()
@@ -281,6 +292,7 @@ class Lifecycle:
         system = self.system
         drained = await system.drain(time.monotonic() + system.config.shutdown_timeout_s)
         self.node_watch.farewell()  # this rank exits now, whatever the others do: its neighbours lose nothing
+        self.death_watch.done()
         sys.stderr.write(
             f"mpiscale: rank {system.rank}: shutdown {'drained' if drained else 'timed out'}; "
             f"{system.refused_tells} incoming tells refused; exit status {code}\n"

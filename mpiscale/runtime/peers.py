@@ -14,9 +14,9 @@ process namespace per rank (some containers) never looks like a death.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
+
+from .death_watch import alive
 
 
 @dataclass(frozen=True)
@@ -34,18 +34,3 @@ class LocalPeers:
     def gone(self) -> dict[int, int]:
         """rank -> pid of the watched ranks whose process has ended."""
         return {rank: pid for rank, pid in self.pids.items() if not alive(pid)}
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, ended but not yet collected by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): the signal's answer stands
-    return state not in ("Z", "X")

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from helpers import assert_ok, finish, run_mpi, start_mpi
+from helpers import MPIRUN_GRACE, assert_ok, finish, run_mpi, start_mpi
 
 
 def test_remote_errors_deadlines_supervision(ranks):
@@ -49,6 +49,19 @@ def test_a_rank_that_crashes_is_named_with_its_signal_and_a_likely_cause(tmp_pat
     assert job.returncode == 139, job.output[-3000:]
     assert "a rank was killed by SIGSEGV (status 139): a crash in native code" in job.stderr, job.stderr
     assert "out-of-memory" not in job.stderr.split("mpiscale-run:", 1)[1], job.stderr
+
+
+def test_a_killed_rank_is_named_even_when_no_other_rank_of_its_host_can_run(tmp_path):
+    """Rank 1 SIGKILLed while rank 0's Python is held (native code keeping the GIL): rank 0 never runs again before
+    mpirun kills it 2 s later, and the job used to end with no word of which rank died (a loaded suite run, where
+    the survivor was held or starved through mpirun's one second of grace; 2026-12-01). The host's death watch, a
+    process of its own, names rank 1 the moment it dies."""
+    job = run_mpi("failures.py", 2, "killed-beside-a-held-rank", str(tmp_path / "rows.h5"), timeout=60,
+                  env=MPIRUN_GRACE)  # fmt: skip
+    assert job.returncode == 137 and "rank 1 kills itself" in job.stdout, job.output[-3000:]
+    assert job.stderr.count("ended while the job ran") == 1, job.stderr
+    assert re.search(r"^mpiscale: rank 1 \(pid \d+\) on host \S+ ended while the job ran \(killed by a signal",
+                     job.stderr, re.M), job.stderr  # fmt: skip
 
 
 CHECK_S = 1.0  # MPISCALE_COLLECTIVE_CHECK_S in these runs: a report within about twice that

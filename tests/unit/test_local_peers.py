@@ -5,7 +5,8 @@ import signal
 import subprocess
 import sys
 
-from mpiscale.runtime.peers import LocalPeers, alive
+from mpiscale.runtime.death_watch import alive
+from mpiscale.runtime.peers import LocalPeers
 
 
 def test_a_killed_child_is_gone_before_and_after_it_is_reaped():

@@ -1,6 +1,9 @@
 """Jobs that must end with a non-zero status and one report, never hang."""
 
 import asyncio
+import os
+import re
+import signal
 import sys
 
 import mpiscale
@@ -61,6 +64,14 @@ async def main(system):
             await asyncio.sleep(0.2)
             ctypes.string_at(0)
         await asyncio.sleep(3600)
+    elif scenario == "killed-beside-a-held-rank":
+        # rank 1 is killed while rank 0's Python is held in native code that keeps the GIL (as h5py does through a
+        # parallel write's collective): rank 0 can say nothing before the launcher kills it too
+        if system.rank == 1:
+            await asyncio.sleep(0.5)
+            print("rank 1 kills itself", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        re.match(r"(a+)+$", "a" * 64 + "b")  # backtracks for ages, the GIL held, signals left pending
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 

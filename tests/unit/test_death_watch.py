@@ -1,0 +1,112 @@
+"""The host's death watch, on real processes: it names a process that ends unannounced, once, and nothing else."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpiscale.runtime import death_watch
+from mpiscale.runtime.death_watch import DeathWatch, alive, spawn_watch
+
+# a stand-in rank: says what its argument says to the watch (through the rank's own side), then waits to be ended
+RANK = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("death_watch", sys.argv[5])  # standard library only: no package import
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+DeathWatch = module.DeathWatch
+rank, address, pid, word = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+watch = DeathWatch(rank, chr(0) + address, pid)  # an abstract name: no null byte in a command line
+if word == "role":
+    watch.role(rank, "pipeline stage 1 of 2")
+elif word == "planned":
+    watch.planned(rank, "killed by a rehearsal")
+elif word != "nothing":
+    getattr(watch, word)()
+print("told", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def ranks():
+    """Start stand-in ranks, each with its word to the watch, under one watch (its stderr the test's); kill what is
+    left at the end."""
+    started = []
+
+    def start(*words: str) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+        sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in words]
+        started.extend(sleepers)
+        address, pid, watch = spawn_watch({rank: p.pid for rank, p in enumerate(sleepers)}, "h1")
+        started.append(watch)
+        told = []
+        for rank, (word, sleeper) in enumerate(zip(words, sleepers)):
+            command = [sys.executable, "-c", RANK, str(rank), address[1:], str(pid), word, death_watch.__file__]
+            teller = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+            started.append(teller)
+            assert teller.stdout.readline() == "told\n"
+            told.append(sleeper)
+        return watch, told
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def ended(watch: subprocess.Popen | None, *sleepers: subprocess.Popen) -> None:
+    """Kill ``sleepers``; then wait for ``watch``, which ends once every process it watches has."""
+    for sleeper in sleepers:
+        sleeper.kill()
+        sleeper.wait()
+    if watch is not None:
+        watch.wait(10)
+
+
+def test_a_process_that_ends_unannounced_is_named_once_with_its_role(ranks, capfd):
+    """Ranks 1 and 2 die unannounced, then rank 0, which said its end was no death: one line, naming the first
+    deaths (the watch once closed fds numbered as the ranks that died, its stderr among them, and said nothing)."""
+    watch, (first, second, third) = ranks("done", "role", "nothing")
+    ended(watch, second, third, first)
+    said = capfd.readouterr().err.splitlines()
+    assert said == [
+        f"mpiscale: rank 1 (pid {second.pid}, pipeline stage 1 of 2) on host h1 ended while the job ran (killed by "
+        "a signal, or failed: the job's output says which); the job cannot go on"
+    ] or said == [  # both unannounced deaths seen in one look
+        f"mpiscale: rank 1 (pid {second.pid}, pipeline stage 1 of 2), rank 2 (pid {third.pid}) on host h1 ended "
+        "while the job ran (killed by a signal, or failed: the job's output says which); the job cannot go on"
+    ], said
+
+
+@pytest.mark.parametrize("word", ["done", "close", "over", "planned"])
+def test_a_process_that_said_its_end_is_no_death_is_not_named(ranks, capfd, word):
+    """``done`` (its main ended, a stop began), ``close`` (its run ended), ``over`` (the job ends for a reason
+    said already) and a planned death (the dying rank says so itself) leave the watch silent."""
+    watch, (only, other) = ranks(word, "done")
+    ended(watch, only, other)
+    assert watch.returncode == 0 and capfd.readouterr().err == ""
+
+
+def test_the_watch_ignores_the_launchers_signals_and_outlives_none_of_its_ranks(ranks, capfd):
+    watch, (first, second) = ranks("done", "done")
+    time.sleep(0.5)  # its first moments, before it ignores them, are the rank's start-up (early_stop holds them)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        watch.send_signal(signum)
+    time.sleep(0.3)
+    assert watch.poll() is None
+    ended(None, first)
+    time.sleep(0.3)
+    assert watch.poll() is None  # one rank still runs
+    ended(watch, second)
+    assert watch.returncode == 0 and capfd.readouterr().err == ""
+
+
+def test_a_rank_without_a_watch_tells_nothing_and_is_not_active():
+    watch = DeathWatch(3)
+    watch.done()
+    watch.over()
+    assert not watch.active and alive(os.getpid())
