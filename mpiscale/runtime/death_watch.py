@@ -78,6 +78,10 @@ class DeathWatch:
         return cls(rank, *ours) if ours is not None else cls(rank)
 
     @property
+    def address(self) -> str | None:
+        return self._address
+
+    @property
     def active(self) -> bool:
         """Whether a watch speaks for this host's dead ranks (its process still runs: it outlives its ranks)."""
         return self._pid is not None and alive(self._pid)

@@ -58,8 +58,8 @@ class Lifecycle:
         placement = world.allgather((system.host, os.getpid()))  # every rank's, once, for both watches
         self.local_peers = LocalPeers.of(placement, system.rank)
         system.hosts = [host for host, _ in placement]
-        self.node_watch = NodeSentry.gather(world, system.hosts)
         self.death_watch = DeathWatch.gather(world, placement, system.rank)
+        self.node_watch = NodeSentry.gather(world, system.hosts, self.death_watch.address)
         system.roles = Noted(self.death_watch.role)
         system.planned_deaths = Noted(self.death_watch.planned)
         system.leave_last_words = self.node_watch.leave_last_words

@@ -10,8 +10,9 @@ part of the ring (:mod:`.node_watch`) and tells the rank when a node is lost;
 the rank says its one line as it takes the message, and only then answers
 (telemetry's failure event follows). A rank that has not answered within
 ``HANDLED_S`` is held: the sentry prints the line in its place, leaves the
-rank's last words (telemetry's failure event, see ``leave_last_words``), and
-kills it, so that the launcher ends the job at once.
+rank's last words (telemetry's failure event, see ``leave_last_words``), tells
+the host's death watch that the ends that follow are said for, and kills the
+rank, so that the launcher ends the job at once.
 
 The sentry ignores the launcher's signals (they are the rank's to handle) and
 ends when its link to the rank does: at the rank's end, or its death.
@@ -35,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from ..ranks import Comm
+from .death_watch import DeathWatch
 from .node_watch import Address, LostNode, NodeWatch, listening_socket, own_addresses
 
 log = logging.getLogger(__name__)
@@ -71,9 +73,10 @@ class NodeSentry:
         self._watching = False  # the sentry watches the next host (or found it lost)
 
     @classmethod
-    def gather(cls, world: Comm, hosts: list[str]) -> NodeSentry:
+    def gather(cls, world: Comm, hosts: list[str], death_watch: str | None = None) -> NodeSentry:
         """Collective over ``world`` at start-up, given every rank's host: each host's first rank listens, learns
-        its neighbours' listeners, and starts its sentry (nothing, and no communication, on a single host)."""
+        its neighbours' listeners, and starts its sentry (nothing, and no communication, on a single host), which
+        tells the host's ``death_watch`` (its address) when it kills a held rank."""
         first_of = {h: hosts.index(h) for h in dict.fromkeys(hosts)}
         if len(first_of) == 1:
             return cls()
@@ -93,12 +96,14 @@ class NodeSentry:
         following, preceding = [
             [h, [r for r, where in enumerate(hosts) if where == h], *everyone[first_of[h]]] for h in neighbours
         ]
-        return cls.spawn(listener, rank, following, preceding)
+        return cls.spawn(listener, rank, following, preceding, death_watch)
 
     @classmethod
-    def spawn(cls, listener: socket.socket, rank: int, following: list | None, preceding: list | None) -> NodeSentry:
+    def spawn(
+        cls, listener: socket.socket, rank: int, following: list | None, preceding: list | None, death_watch: str | None
+    ) -> NodeSentry:
         """Start the sentry of ``rank`` on ``listener`` with its neighbours (``[host, ranks, addresses, port]``:
-        watched where it has addresses)."""
+        watched where it has addresses) and its host's ``death_watch``."""
         ours, theirs = socket.socketpair()
         # -c, not -m: the package imports this module first, and runpy warns of that on the rank's stderr
         start = f"import sys; from {__name__} import main; main(sys.argv)"
@@ -109,7 +114,7 @@ class NodeSentry:
         listener.close()
         theirs.close()
         watched = [n if n is not None and n[2] else None for n in (following, preceding)]
-        _send(ours, {"rank": rank, "following": watched[0], "preceding": watched[1]})
+        _send(ours, {"rank": rank, "following": watched[0], "preceding": watched[1], "death_watch": death_watch})
         ours.setblocking(False)
         return cls(process, ours)
 
@@ -222,6 +227,7 @@ class _Sentry:
         self.reported = False
         self.last_words: tuple[object, dict] | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.death_watch = DeathWatch(0)
 
     async def serve(self) -> None:
         reader, self.writer = await asyncio.open_unix_connection(sock=self.link)
@@ -229,6 +235,7 @@ class _Sentry:
         if not setup:
             return
         self.rank = setup["rank"]
+        self.death_watch = DeathWatch(self.rank, setup["death_watch"])
         self.watch = NodeWatch(self.listener, _neighbour(setup["following"]), _neighbour(setup["preceding"]))
         self.watch.start(self.lost)
         await self.watch.connected()
@@ -279,6 +286,7 @@ class _Sentry:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(module.speak(spec, detail, min(node.ranks, default=0)), _LAST_WORDS_S)  # type: ignore[attr-defined]
         saying.join(_LAST_WORDS_S)
+        self.death_watch.over()  # the rank's end, and the job's, are said for
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.rank_pid, signal.SIGKILL)  # the launcher ends the job: this rank cannot
 

@@ -222,7 +222,8 @@ def test_a_node_lost_while_the_ranks_that_remain_are_held_in_hdf5_is_still_one_l
     """node1's ranks wait in a parallel HDF5 open for node2's, which never come, and node2 is killed. h5py keeps the
     GIL there: no Python of theirs runs, the event loop's node watch included. Before, the job ended after
     mpirun's grace with no line of the ranks' and no telemetry event (1 run in 5 of the memory store above, killed
-    during a background checkpoint's open); now rank 0's node sentry names node2 in its place."""
+    during a background checkpoint's open); now rank 0's node sentry names node2 in its place, and its kill of the
+    held rank is no death for node1's death watch to name."""
     program = [sys.executable, str(PROGRAMS / "held_in_hdf5.py"), str(tmp_path / "never.h5")]
     environment = SESSION_ENVIRONMENT | MPIRUN_GRACE | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "1"}
     log = tmp_path / "out.log"
@@ -244,6 +245,7 @@ def test_a_node_lost_while_the_ranks_that_remain_are_held_in_hdf5_is_still_one_l
     named = [line for line in ended.stderr.splitlines() if "node2" in line]
     assert len(named) == 1 and named[0].startswith("mpiscale: rank 0: node node2 (ranks 2, 3) was lost"), ended.stderr
     assert named[0].endswith("(said by its node watch: the rank was held)"), named
+    assert "ended while the job ran" not in ended.stderr, ended.stderr  # the sentry's kill of rank 0 is no death
     records = [json.loads(line) for line in (tmp_path / "held.telemetry.jsonl").read_text().splitlines()]
     failures = [r for r in records if r["kind"] == "event" and r["event"] == "failure"]
     assert len(failures) == 1 and "node node2 (ranks 2, 3)" in failures[0]["detail"], failures

@@ -18,7 +18,7 @@ port, mode, telemetry = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
 
 async def main():
-    sentry = NodeSentry.spawn(listening_socket(), 0, ["node2", [2, 3], ["127.0.0.1"], port], None)
+    sentry = NodeSentry.spawn(listening_socket(), 0, ["node2", [2, 3], ["127.0.0.1"], port], None, None)
     sentry.leave_last_words("mpiscale.telemetry.last_words",
                             {"job": "j1", "command": "test", "ranks": 4, "rank": 0, "file": telemetry})
     found = asyncio.Event()
