@@ -35,7 +35,10 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # run as a script, it imports nothing of the package
+    from ..ranks import Comm
 
 _POLL_S = 0.2  # how often the watch looks at its ranks where the kernel has no pidfds
 #: What a rank that died unannounced did, as far as another process can tell (its exit status is its parent's).
@@ -65,7 +68,7 @@ class DeathWatch:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if address else None
 
     @classmethod
-    def gather(cls, world: Any, placement: list[tuple[str, int]], rank: int) -> DeathWatch:
+    def gather(cls, world: Comm, placement: list[tuple[str, int]], rank: int) -> DeathWatch:
         """Collective over ``world`` at start-up, given every rank's (host, pid): each host's first rank starts the
         watch of its host's ranks that it can see, and every rank learns its host's watch."""
         host = placement[rank][0]
