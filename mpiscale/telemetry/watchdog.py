@@ -104,7 +104,7 @@ class Watchdog:
         hang_after = max(self.settings.hang_after_s, PATIENCE_STEPS * max(self._pace.values(), default=0.0))
         waiters = {r: rep["waiting_in"] for r, rep in reports.items() if rep.get("waiting_in")}
         long_waiters = {r: w for r, w in waiters.items() if w[1] >= hang_after / 2}
-        fresh_s = max(hang_after / 2, 2.5 * self.report_interval_s)
+        fresh_s = max(hang_after / 2, self._quiet_after_s)
         stuck = {}  # rank -> seconds without advancing, for the ranks others wait for
         for rank, report in reports.items():
             still = now - self._advanced[rank][1]
@@ -112,9 +112,8 @@ class Watchdog:
             if still >= hang_after and not waiting_itself and any(r != rank for r in long_waiters):
                 stuck[rank] = still
         behind = {r: lead for r in reports if (lead := self._silent_leader(reports, r, now, hang_after)) is not None}
-        quiet_after = 2.5 * self.report_interval_s
-        behind |= {r: lead for r, lead in enumerate(self.leaders)  # never seen, their leader silent since
-                   if r not in reports and lead in reports and now - reports[lead]["time"] >= quiet_after}  # fmt: skip
+        silent = {r for r, report in reports.items() if now - report["time"] >= self._quiet_after_s}
+        behind |= {r: lead for r, lead in enumerate(self.leaders) if r not in reports and lead in silent}  # never seen
         found = []
         for rank in sorted(stuck.keys() - behind.keys()):
             report, others = reports[rank], sorted(r for r in long_waiters if r != rank)
@@ -128,6 +127,11 @@ class Watchdog:
             )))  # fmt: skip
         return found
 
+    @property
+    def _quiet_after_s(self) -> float:
+        """How old a rank's latest report may be while its reports still come (one travels up to an interval)."""
+        return 2.5 * self.report_interval_s
+
     def _silent_leader(self, reports: dict[int, dict], rank: int, now: float, hang_after: float) -> int | None:
         """The node leader ``rank`` reports through, if that leader fell silent when ``rank`` did (None: not so).
 
@@ -140,7 +144,7 @@ class Watchdog:
         leader = reports[rank].get("via", rank)
         if leader == rank or leader not in reports:
             return None
-        quiet_after = 2.5 * self.report_interval_s
+        quiet_after = self._quiet_after_s
         if now - reports[rank]["time"] < quiet_after or now - reports[leader]["time"] < quiet_after:
             return None
         return leader if reports[leader]["time"] - reports[rank]["time"] < hang_after else None
