@@ -162,8 +162,9 @@ def rendezvous(comm: Comm) -> tuple[str, int]:
     return comm.bcast((address, port), 0)
 
 
-def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
-    """Split ``comm`` by node (collective): returns (node communicator, node index, node count).
+def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int, tuple[int, ...]]:
+    """Split ``comm`` by node (collective): returns (node communicator, node index, node count, each rank's node's
+    lowest rank).
 
     Nodes are the shared-memory domains, or blocks of ``ranks_per_node``
     consecutive world ranks when that is set (to simulate several nodes on one
@@ -178,8 +179,9 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int]:
     else:
         node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, rank)
     first = node_comm.bcast(rank, 0)  # the node's lowest rank (node ranks follow world order)
-    firsts = sorted(set(comm.allgather(first)))
-    return node_comm, firsts.index(first), len(firsts)
+    every = tuple(comm.allgather(first))
+    firsts = sorted(set(every))
+    return node_comm, firsts.index(first), len(firsts), every
 
 
 T = TypeVar("T")

@@ -27,6 +27,7 @@ class Hierarchy:
     leaders: Communicator | None  # None on ranks that do not lead their node
     node_index: int
     node_count: int
+    node_leaders: tuple[int, ...]  # each rank's node's first rank (whom its telemetry reports go through)
     reducer: HierarchicalAllreduce
     #: The hierarchical allreduces this rank started, and those still pending.
     log: CollectiveLog
@@ -114,7 +115,7 @@ def build_hierarchy(
 ) -> Hierarchy:
     """Create the communicators (collective over ``world_comm``; the runtime's at start-up, a :class:`Group`'s when
     it is made). ``name`` names its ``world`` communicator; the node communicators are named after it."""
-    node_comm, index, count = split_nodes(world_comm, config.ranks_per_node)
+    node_comm, index, count, node_leaders = split_nodes(world_comm, config.ranks_per_node)
     is_leader = node_comm.Get_rank() == 0
     leader_comm = world_comm.Split(0 if is_leader else MPI.UNDEFINED, world_comm.Get_rank())
     prefix = "" if name == "world" else f"{name}."
@@ -127,6 +128,7 @@ def build_hierarchy(
         leaders=leaders,
         node_index=index,
         node_count=count,
+        node_leaders=node_leaders,
         log=CollectiveLog(f"{name} (hierarchical)", world.log.members),
         engine=engine,
     )

@@ -120,7 +120,6 @@ class Telemetry:
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
         session.group = await system.spawn_group(Collector, session, name=name, over=comm)
         session._leader = system.node.world_ranks[0]  # the node's first rank
-        leaders = await comm.allgather(np.array([session._leader]))  # whom a rank never seen reports through
         if system.rank == 0:
             session._open_sink(out)
             restarts = restart_count()
@@ -130,7 +129,7 @@ class Telemetry:
                       flush=True)  # fmt: skip
             if settings.prometheus_port is not None:
                 session.endpoint = open_endpoint(session.job, settings.prometheus_port, settings.prometheus_addr)
-            session.watchdog = Watchdog(watching, settings.interval_s, tuple(leaders[:, 0].tolist()))
+            session.watchdog = Watchdog(watching, settings.interval_s, system.hierarchy.node_leaders)
             session._busy_beat = BusyBeat(settings.interval_s, session._beat_while_busy)
             session.emit(record("status", session.job, state="running", command=command, ranks=system.size,
                                 host=socket.gethostname()), retain=True)  # fmt: skip

@@ -76,7 +76,7 @@ class Checkpointer:
             ranks_per_node = settings.ranks_per_node
         self.when_full = when_full
         self.timeout_s = settings.io_timeout_s if timeout_s is None else timeout_s
-        node_comm, self.node, self.nodes = split_nodes(self._front, ranks_per_node)
+        node_comm, self.node, self.nodes, _ = split_nodes(self._front, ranks_per_node)
         self._node_leader = node_comm.Get_rank() == 0
         placement = self._front.allgather((self.node, node_comm.Get_rank()))
         self._ranks_on_node = node_comm.Get_size()
