@@ -5,11 +5,18 @@ the median over repeats of the slowest rank's time. Bus bandwidth is
 ``algbw * 2(p-1)/p``, what the links carry in a ring allreduce, so it can be
 compared across rank counts. Run at 2 and 4 ranks, flat and with simulated
 nodes (``launch/mpiscale-run --ranks-per-node 2``).
+
+The "floor" column is what any Python caller that never blocks in MPI pays for
+the messages ours sends: on two ranks the same exchange (``pair_reduce.rounds``),
+elsewhere ``Iallreduce``, each tested in a bare loop, with no check, log or event
+loop around it. ``ours/floor`` is then the runtime's own cost, and ``floor/MPI``
+what no Python caller of non-blocking MPI can gain on MPI's blocking call.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from functools import partial
 
@@ -17,6 +24,7 @@ import numpy as np
 
 from ..ranks import Comm, rendezvous
 from ..runtime import ActorSystem, run
+from ..runtime.pair_reduce import UFUNCS, exchanged, room, rounds
 from . import plots
 from .report import median_slowest, median_slowest_async, table, write_json
 
@@ -56,6 +64,7 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
         repeats = _repeats(nbytes, quick)
         seconds = {
             "mpi": median_slowest(comm, partial(comm.Allreduce, data, out), repeats),
+            "floor": median_slowest(comm, partial(_nonblocking_floor, comm, data, out), repeats),
             "ours": await median_slowest_async(system, partial(system.hierarchy.allreduce, data, out=out), repeats),
             "world": await median_slowest_async(system, partial(system.world.allreduce, data, out=out), repeats),
         }
@@ -68,6 +77,8 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
             record[f"{name}_busbw_gbs"] = nbytes / value * bus / 1e9
         record["ours_vs_mpi"] = seconds["mpi"] / seconds["ours"]
         record["world_vs_mpi"] = seconds["mpi"] / seconds["world"]
+        record["floor_vs_mpi"] = seconds["mpi"] / seconds["floor"]
+        record["ours_vs_floor"] = seconds["floor"] / seconds["ours"]
         if "gloo" in seconds:
             record["ours_vs_gloo"] = seconds["gloo"] / seconds["ours"]
         records.append(record)
@@ -76,10 +87,11 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     comm.Free()
     if system.rank != 0:
         return None
-    headers = ["bytes", "MPI GB/s", "ours GB/s", "ours/MPI", "world/MPI", "gloo GB/s", "ours/gloo"]
+    headers = ["bytes", "MPI GB/s", "ours GB/s", "ours/MPI", "world/MPI", "floor/MPI", "ours/floor", "gloo GB/s",
+               "ours/gloo"]  # fmt: skip
     rows = [
         [_size(int(r["bytes"])), r["mpi_busbw_gbs"], r["ours_busbw_gbs"], r["ours_vs_mpi"], r["world_vs_mpi"],
-         r.get("gloo_busbw_gbs", "-"), r.get("ours_vs_gloo", "-")]
+         r["floor_vs_mpi"], r["ours_vs_floor"], r.get("gloo_busbw_gbs", "-"), r.get("ours_vs_gloo", "-")]
         for r in records
     ]  # fmt: skip
     nodes = system.hierarchy.node_count
@@ -88,6 +100,26 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "sizes": records}
     print(f"wrote {write_json(json_path, 'allreduce', ranks, results)}")
     return results
+
+
+def _nonblocking_floor(comm: Comm, data: np.ndarray, out: np.ndarray) -> None:
+    """The allreduce's messages as ours sends them (the floor column), tested in a bare loop."""
+    from mpi4py import MPI
+
+    ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS["sum"])
+    if ufunc is None:
+        rounds_ = iter([[comm.Iallreduce(data, out, MPI.SUM)]])
+    else:
+        rounds_ = rounds(comm, ufunc, data, out, _floor_scratch(room(data)))
+    for requests in rounds_:
+        while not MPI.Request.Testall(requests):
+            pass
+
+
+@functools.lru_cache(maxsize=1)
+def _floor_scratch(nbytes: int) -> np.ndarray:
+    """The floor's buffer for the other rank's values, made once per size (as ours keeps its own)."""
+    return np.empty(nbytes, np.uint8)
 
 
 def _size(nbytes: int) -> str:

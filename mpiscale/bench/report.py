@@ -112,17 +112,19 @@ def median_slowest(comm: Comm, action: Callable[[], object], repeats: int) -> fl
     return statistics.median([timed(comm, action) for _ in range(repeats + 1)][1:])
 
 
-async def median_slowest_async(system: ActorSystem, action: Callable[[], Awaitable[object]], repeats: int) -> float:
-    """``median_slowest`` for an awaitable action, with the event loop running (an awaitable barrier)."""
+async def timed_async(system: ActorSystem, action: Callable[[], Awaitable[object]]) -> float:
+    """``timed`` for an awaitable action, with the event loop running (an awaitable barrier)."""
     from mpi4py import MPI
 
-    times = []
-    for _ in range(repeats + 1):
-        await system.world.barrier()
-        start = time.perf_counter()
-        await action()
-        times.append(system.world.comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times[1:])
+    await system.world.barrier()
+    start = time.perf_counter()
+    await action()
+    return system.world.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+
+
+async def median_slowest_async(system: ActorSystem, action: Callable[[], Awaitable[object]], repeats: int) -> float:
+    """``median_slowest`` for an awaitable action, with the event loop running."""
+    return statistics.median([await timed_async(system, action) for _ in range(repeats + 1)][1:])
 
 
 def drop_page_cache() -> bool:
