@@ -1,7 +1,8 @@
 """Allreduce bandwidth: the hierarchical allreduce and the world's against plain ``MPI.Allreduce`` and torch (gloo).
 
 Every column reduces the same float32 buffer in the same run; each figure is
-the median over repeats of the slowest rank's time. Bus bandwidth is
+the median over repeats of the slowest rank's time (under 256 KiB, of calls
+back to back that reduce 256 KiB in all, over their count). Bus bandwidth is
 ``algbw * 2(p-1)/p``, what the links carry in a ring allreduce, so it can be
 compared across rank counts. Run at 2 and 4 ranks, flat and with simulated
 nodes (``launch/mpiscale-run --ranks-per-node 2``).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-from functools import partial
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 
@@ -61,17 +62,20 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     for nbytes in QUICK_SIZES if quick else SIZES:
         data = np.random.default_rng(system.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(data)
-        repeats = _repeats(nbytes, quick)
+        repeats, calls = _repeats(nbytes, quick), _calls_per_sample(nbytes)
         seconds = {
-            "mpi": median_slowest(comm, partial(comm.Allreduce, data, out), repeats),
-            "floor": median_slowest(comm, partial(_nonblocking_floor, comm, data, out), repeats),
-            "ours": await median_slowest_async(system, partial(system.hierarchy.allreduce, data, out=out), repeats),
-            "world": await median_slowest_async(system, partial(system.world.allreduce, data, out=out), repeats),
-        }
+            "mpi": median_slowest(comm, _calls(calls, comm.Allreduce, data, out), repeats) / calls,
+            "floor": median_slowest(comm, _calls(calls, _nonblocking_floor, comm, data, out), repeats) / calls,
+            "ours": await median_slowest_async(system, _awaited_calls(calls, system.hierarchy.allreduce, data, out=out),
+                                               repeats) / calls,
+            "world": await median_slowest_async(system, _awaited_calls(calls, system.world.allreduce, data, out=out),
+                                                repeats) / calls,
+        }  # fmt: skip
         if gloo is not None:
             torch, dist = gloo
-            seconds["gloo"] = median_slowest(comm, partial(dist.all_reduce, torch.from_numpy(data.copy())), repeats)
-        record: dict[str, float] = {"bytes": nbytes, "repeats": repeats}
+            reduced = _calls(calls, dist.all_reduce, torch.from_numpy(data.copy()))
+            seconds["gloo"] = median_slowest(comm, reduced, repeats) / calls
+        record: dict[str, float] = {"bytes": nbytes, "repeats": repeats, "calls_per_sample": calls}
         for name, value in seconds.items():
             record[f"{name}_s"] = value
             record[f"{name}_busbw_gbs"] = nbytes / value * bus / 1e9
@@ -100,6 +104,38 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "sizes": records}
     print(f"wrote {write_json(json_path, 'allreduce', ranks, results)}")
     return results
+
+
+#: A sample of a small size times back-to-back calls that reduce at least this many bytes in all: one call after a
+#: barrier took the barrier's uneven exit with it (a few µs, as long as a 4 KiB call), and the ratios at 4 KiB came
+#: out 0.26-0.61 in three runs of the same code.
+_SAMPLE_BYTES = 256 << 10
+
+
+def _calls_per_sample(nbytes: int) -> int:
+    return max(1, _SAMPLE_BYTES // nbytes)
+
+
+def _calls(count: int, call: Callable[..., object], *args: object) -> Callable[[], None]:
+    """``call(*args)`` ``count`` times in a row, as one action to time."""
+
+    def action() -> None:
+        for _ in range(count):
+            call(*args)
+
+    return action
+
+
+def _awaited_calls(
+    count: int, call: Callable[..., Awaitable[object]], *args: object, **kwargs: object
+) -> Callable[[], Awaitable[None]]:
+    """``await call(*args, **kwargs)`` ``count`` times in a row, as one awaitable action to time."""
+
+    async def action() -> None:
+        for _ in range(count):
+            await call(*args, **kwargs)
+
+    return action
 
 
 def _nonblocking_floor(comm: Comm, data: np.ndarray, out: np.ndarray) -> None:

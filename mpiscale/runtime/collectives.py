@@ -61,8 +61,18 @@ async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, 
 
 
 async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: object, spin_s: float) -> None:
-    """:func:`settle` each of ``requests`` in turn. If a wait fails (the job ends, the call is abandoned), the engine
-    still holds ``keep`` until the ones not yet settled complete: MPI may still read or write those buffers."""
+    """Wait for all of ``requests``: tested together in the caller's stack first (one MPI call a test: an
+    exchange's send and receive end together), as :func:`settle` tests one, then each settled in turn. If a wait
+    fails (the job ends, the call is abandoned), the engine still holds ``keep`` until the ones not yet settled
+    complete: MPI may still read or write those buffers."""
+    if not engine.others_ready():
+        test_all, clock = type(requests[0]).Testall, time.perf_counter  # (``MPI.Request.Testall``)
+        end = clock() + _INLINE_TEST_S
+        while not test_all(requests):
+            if clock() > end:
+                break
+        else:
+            return
     for settled, request in enumerate(requests):
         try:
             await settle(engine, request, what, keep, spin_s)
@@ -123,6 +133,9 @@ def world_ranks(MPI: ModuleType, comm: Comm) -> tuple[int, ...]:
         world.Free()
 
 
+#: How many calls' rows (:meth:`Communicator._row`) a communicator keeps: more than a program's distinct calls.
+_KEPT_ROWS = 1024
+
 #: A reduction applied outside MPI: the contributions stacked in rank order (rows) -> the reduced row.
 Reduction = Callable[[np.ndarray], np.ndarray]
 
@@ -145,6 +158,7 @@ class Communicator:
         self._spin_s = config.value_spin_us * 1e-6
         self._one_at_a_time = asyncio.Lock()  # see _collective
         self._spare: np.ndarray | None = None  # the receive buffer of two-rank allreduces, kept: its largest call's
+        self._rows: dict[str, np.ndarray] = {}  # see _row
 
     def __repr__(self) -> str:
         return f"Communicator({self.name!r}, rank {self.rank} of {self.size})"
@@ -196,10 +210,11 @@ class Communicator:
         """
         check = self._config.check_collectives
         called = f"{what}({signature})"
-        sent = np.array([signature_digest(called), mine] if check else [mine], np.int64)
+        sent = self._row(called, mine)
         every = np.empty((self.size, len(sent)), np.int64)
         await self._wait(self.comm.Iallgather(sent, every), f"{what} check" if check else what, keep=sent)
-        if check and len({row[0] for row in every.tolist()}) > 1:  # (Python's set: numpy's compare costs µs)
+        digests = every[:, 0].tolist()  # (compared in Python: numpy's compare costs µs)
+        if check and digests.count(digests[0]) != self.size:
             site = f" at {self.log.last[2]}" if self.log.last else ""
             calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
             error = CollectiveMismatch(
@@ -209,6 +224,18 @@ class Communicator:
             error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
             raise error
         return every[:, -1]
+
+    def _row(self, called: str, mine: int) -> np.ndarray:
+        """This rank's row of a collective's first exchange: the digest of ``called`` (the call and its arguments)
+        with checks on, then ``mine``. The row of a call that adds no number of its own is kept, read-only (MPI only
+        reads it), so a loop of the same call builds it once."""
+        row = self._rows.get(called) if mine == 0 else None
+        if row is None:
+            row = np.array([signature_digest(called), mine] if self._config.check_collectives else [mine], np.int64)
+            if mine == 0 and len(self._rows) < _KEPT_ROWS:
+                row.flags.writeable = False
+                self._rows[called] = row
+        return row
 
     async def _texts(self, text: str | None, what: str, lengths: np.ndarray | None = None) -> list[str | None]:
         """Every rank's ``text`` (None stays None), in rank order; ``lengths``: their lengths in bytes (-1 for None),
