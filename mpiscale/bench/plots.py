@@ -44,13 +44,15 @@ def round_trips(result: dict, image: str) -> None:
 
 
 def bus_bandwidth(result: dict, image: str) -> None:
-    """allreduce: the bus bandwidth of ours (hierarchical and world), MPI's and gloo's against the buffer's size."""
+    """allreduce: the bus bandwidth of ours (hierarchical and world), MPI's, the non-blocking floor's and gloo's
+    against the buffer's size."""
     records = result["sizes"]
     sizes = np.array([record["bytes"] for record in records])
 
     def draw(axis) -> None:
         for key, label in (("ours", "mpiscale (hierarchical)"), ("world", "mpiscale (world)"),
-                           ("mpi", "MPI.Allreduce"), ("gloo", "torch gloo")):  # fmt: skip
+                           ("mpi", "MPI.Allreduce"), ("floor", "the same messages, bare non-blocking MPI"),
+                           ("gloo", "torch gloo")):  # fmt: skip
             if f"{key}_busbw_gbs" in records[0]:
                 axis.semilogx(sizes, [record[f"{key}_busbw_gbs"] for record in records], "o-", label=label)
         axis.set_xlabel("buffer (bytes of float32)")
