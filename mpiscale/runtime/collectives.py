@@ -65,7 +65,7 @@ async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: ob
     exchange's send and receive end together), as :func:`settle` tests one, then each settled in turn. If a wait
     fails (the job ends, the call is abandoned), the engine still holds ``keep`` until the ones not yet settled
     complete: MPI may still read or write those buffers."""
-    if not engine.others_ready():
+    if requests and not engine.others_ready():
         test_all, clock = type(requests[0]).Testall, time.perf_counter  # (``MPI.Request.Testall``)
         end = clock() + _INLINE_TEST_S
         while not test_all(requests):
