@@ -278,13 +278,15 @@ _CIRCUITS = [
 
 _BENCHMARKS = [
     _bench("pingpong", "actor ask/tell vs raw mpi4py (2 ranks)", _PLOT),
-    _bench("allreduce", "the hierarchical allreduce's bus bandwidth vs MPI.Allreduce and torch.distributed gloo "
-           "(any ranks)", _PLOT),  # fmt: skip
+    _bench("allreduce", "the hierarchical allreduce's bus bandwidth vs MPI.Allreduce, the same messages in a bare "
+           "non-blocking loop (the floor of a Python caller), and torch.distributed gloo (any ranks)",
+           _PLOT),  # fmt: skip
     _bench("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo, or NCCL with --device cuda "
            "(any ranks)", arg("--device", choices=("cpu", "cuda"), default="cpu",
                               help="where the models train (default: cpu; cuda: one rank per GPU)")),  # fmt: skip
     _bench("pipeline", "a pipeline training step (1F1B, GPipe) vs one process, the ideal pipeline, the same "
-           "pipeline by hand in raw mpi4py, and torch.distributed.pipelining on gloo (2+ ranks, one stage each)",
+           "pipeline by hand in raw mpi4py (its steps in turns with ours), and torch.distributed.pipelining on gloo "
+           "(2+ ranks, one stage each)",
            _PLOT),  # fmt: skip
     _bench("memstore", "memory store: decay vs numpy and a memory copy; full iterations at 1M and 10M records "
            "(any ranks)"),  # fmt: skip
