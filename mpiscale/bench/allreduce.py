@@ -17,7 +17,6 @@ what no Python caller of non-blocking MPI can gain on MPI's blocking call.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 from collections.abc import Awaitable, Callable
 
@@ -65,7 +64,7 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
         repeats, calls = _repeats(nbytes, quick), _calls_per_sample(nbytes)
         seconds = {
             "mpi": median_slowest(comm, _calls(calls, comm.Allreduce, data, out), repeats) / calls,
-            "floor": median_slowest(comm, _calls(calls, _nonblocking_floor, comm, data, out), repeats) / calls,
+            "floor": median_slowest(comm, _calls(calls, _nonblocking_floor(comm, data, out)), repeats) / calls,
             "ours": await median_slowest_async(system, _awaited_calls(calls, system.hierarchy.allreduce, data, out=out),
                                                repeats) / calls,
             "world": await median_slowest_async(system, _awaited_calls(calls, system.world.allreduce, data, out=out),
@@ -138,24 +137,25 @@ def _awaited_calls(
     return action
 
 
-def _nonblocking_floor(comm: Comm, data: np.ndarray, out: np.ndarray) -> None:
-    """The allreduce's messages as ours sends them (the floor column), tested in a bare loop."""
+def _nonblocking_floor(comm: Comm, data: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+    """One call of the floor column: the allreduce of ``data`` into ``out`` by the messages ours sends, tested in
+    a bare loop. Its choice of messages and its buffer for the other rank's values are made here, once (ours keeps
+    its buffer between calls too), so the timed calls hold nothing else."""
     from mpi4py import MPI
 
     ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS["sum"])
-    if ufunc is None:
-        rounds_ = iter([[comm.Iallreduce(data, out, MPI.SUM)]])
-    else:
-        rounds_ = rounds(comm, ufunc, data, out, _floor_scratch(room(data)))
-    for requests in rounds_:
-        while not MPI.Request.Testall(requests):
-            pass
+    theirs, test_all = np.empty(room(data), np.uint8), MPI.Request.Testall
 
+    def call() -> None:
+        if ufunc is None:
+            steps = iter([[comm.Iallreduce(data, out, MPI.SUM)]])
+        else:
+            steps = rounds(comm, ufunc, data, out, theirs)
+        for requests in steps:
+            while not test_all(requests):
+                pass
 
-@functools.lru_cache(maxsize=1)
-def _floor_scratch(nbytes: int) -> np.ndarray:
-    """The floor's buffer for the other rank's values, made once per size (as ours keeps its own)."""
-    return np.empty(nbytes, np.uint8)
+    return call
 
 
 def _size(nbytes: int) -> str:

@@ -50,14 +50,20 @@ async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, 
     if engine.others_ready():
         await engine.wait(request, what, keep)
         return
+    if not _ends_in_place(request.Test):
+        done = engine.wait(request, what, keep)
+        engine.poll_until(done, spin_s)
+        await done
+
+
+def _ends_in_place(test: Callable[[], bool]) -> bool:
+    """Whether ``test()`` comes true within ``_INLINE_TEST_S``, tested in the caller's stack."""
     clock = time.perf_counter
     end = clock() + _INLINE_TEST_S
-    while not request.Test():
+    while not test():
         if clock() > end:
-            done = engine.wait(request, what, keep)
-            engine.poll_until(done, spin_s)
-            await done
-            return
+            return False
+    return True
 
 
 async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: object, spin_s: float) -> None:
@@ -66,12 +72,7 @@ async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: ob
     fails (the job ends, the call is abandoned), the engine still holds ``keep`` until the ones not yet settled
     complete: MPI may still read or write those buffers."""
     if requests and not engine.others_ready():
-        test_all, clock = type(requests[0]).Testall, time.perf_counter  # (``MPI.Request.Testall``)
-        end = clock() + _INLINE_TEST_S
-        while not test_all(requests):
-            if clock() > end:
-                break
-        else:
+        if _ends_in_place(functools.partial(type(requests[0]).Testall, requests)):  # (``MPI.Request.Testall``)
             return
     for settled, request in enumerate(requests):
         try:
