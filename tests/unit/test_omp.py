@@ -7,7 +7,7 @@ from sklearn.linear_model import orthogonal_mp_gram
 
 from mpiscale.dictlearn import omp_encode, omp_encode_gram
 from mpiscale.dictlearn.coding import correlations_of, gram_matrix
-from mpiscale.kernels.omp import chunk_rows
+from mpiscale.kernels.omp import _most_correlated, chunk_rows
 
 
 def dictionary(atoms: int, features: int, seed: int = 0) -> np.ndarray:
@@ -23,6 +23,34 @@ def test_same_codes_as_scikit_learn(atoms, features, nonzero):
     reference = orthogonal_mp_gram(d @ d.T, (signals @ d.T).T, n_nonzero_coefs=nonzero).T
     assert np.allclose(ours, reference, atol=1e-9, rtol=1e-9)
     assert (np.count_nonzero(ours, axis=1) <= nonzero).all()
+
+
+@pytest.mark.parametrize("atoms", [1, 3, 4, 5, 9, 256])
+def test_the_next_atom_is_the_first_of_largest_magnitude(atoms):
+    """The kernel's choice of the next atom (four running maxima) is numpy's argmax of |alpha|: ties to the lowest
+    index, whichever position modulo 4 it holds; -1 when every correlation is 0."""
+    rng = np.random.default_rng(atoms)
+    cases = [rng.standard_normal(atoms), np.zeros(atoms), np.ones(atoms), -np.ones(atoms)]
+    for place in range(atoms):  # the largest tied at each place and at the last one, in every lane
+        tied = rng.uniform(-1, 1, atoms)
+        tied[place], tied[-1] = 2.0, -2.0
+        cases.append(tied)
+    for alpha in cases:
+        expected = int(np.argmax(np.abs(alpha))) if np.abs(alpha).max() > 0 else -1
+        assert _most_correlated(alpha) == expected, alpha
+
+
+def test_the_gram_matrix_is_the_product_for_every_shape_and_dtype():
+    """BLAS's symmetric product mirrored by the kernel: the same values as ``D @ D.T`` (the same bits in float64),
+    exactly symmetric, C-contiguous; a dictionary without atoms or features takes the general product."""
+    for shape in [(256, 64), (70, 9), (1, 1), (3, 0), (0, 3)]:
+        for dtype in (np.float64, np.float32):
+            d = np.random.default_rng(0).standard_normal(shape).astype(dtype)
+            gram, product = gram_matrix(d), d @ np.ascontiguousarray(d.T)
+            assert gram.dtype == dtype and gram.flags.c_contiguous and np.array_equal(gram, gram.T)
+            if dtype == np.float64:
+                assert np.array_equal(gram, product)
+            assert np.allclose(gram, product, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("count", "threads", "rows"), [(256, 16, 16), (256, 2, 128), (10_000, 16, 128), (3, 16, 1)])
