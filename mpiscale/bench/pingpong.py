@@ -7,6 +7,8 @@ avoid), persistent requests, mpi4py's pickle-based ``send``/``recv``, a bare
 asyncio loop, and ``mpi4py.futures``; the ask is timed plain and with its reply
 into the array sent (``reply_into``). Each round trip is timed on its own, so
 the tables give medians (p50) and p99; the ratio ours / raw is what to quote.
+The ways take turns, a batch of round trips each, in rounds: a ratio is the
+median over the rounds of the two ways' medians in each.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SIZES = [8, 64, 512, 4096, 32768, 262144, 2 << 20, 16 << 20]
 SMALL_TARGET = 5.0  # 8-byte ask round trip within 5x of raw
 SMALL_PICKLE_TARGET = 0.5  # ... and within half of mpi4py's pickled send/recv round trip
 LARGE_TARGET = 1.10  # 16 MiB ask within 1.10x of raw
+APART_TARGET = 1.05  # ... and within 1.05x of raw with an ask's buffers (the reply apart)
 TELL_TARGET = 1.0  # tells at least the raw Isend stream's rate
 ECHO = "bench.echo"
 MANY_ACTORS = 100  # echo actors per rank for the many-actors case
@@ -61,12 +64,14 @@ def _percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _time_round_trips(comm: Comm, repeats: int, batches: int, round_trip: Callable[[], None]) -> list[float]:
-    """Seconds of each ``round_trip()`` after a warm-up batch; every batch starts with a barrier. Each peer below
-    goes through this same harness (one Python call per round trip, some 50 ns)."""
+def _time_round_trips(
+    comm: Comm, repeats: int, batches: int, round_trip: Callable[[], None], warm_up: bool = True
+) -> list[float]:
+    """Seconds of each ``round_trip()`` after a warm-up batch (``warm_up``); every batch starts with a barrier. Each
+    peer below goes through this same harness (one Python call per round trip, some 50 ns)."""
     clock = time.perf_counter
     samples: list[float] = []
-    for batch in range(batches + 1):  # batch 0 warms up
+    for batch in range(1 - warm_up, batches + 1):  # batch 0 warms up
         comm.Barrier()
         for _ in range(repeats):
             start = clock()
@@ -76,7 +81,7 @@ def _time_round_trips(comm: Comm, repeats: int, batches: int, round_trip: Callab
     return samples
 
 
-def _raw_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
+def _raw_round_trip(comm: Comm, size: int, repeats: int, batches: int, warm_up: bool = True) -> list[float]:
     """Round trips of blocking Send/Recv of the payload's buffer."""
     buffer = np.zeros(size, dtype=np.uint8)
     peer = 1 - comm.Get_rank()
@@ -89,10 +94,10 @@ def _raw_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[f
         comm.Recv(buffer, peer, 7)
         comm.Send(buffer, peer, 7)
 
-    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong)
+    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong, warm_up)
 
 
-def _raw_reply_apart_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
+def _raw_reply_apart_round_trip(comm: Comm, size: int, repeats: int, batches: int, warm_up: bool = True) -> list[float]:
     """Round trips of blocking Send/Recv with an ask's buffers: the asker receives the reply into a second buffer
     and sends from it next (an ask's reply is a new array while the caller holds its request's), the echo rank
     uses one. What raw MPI pays for that pattern: the floor of an ask of large arrays on this machine."""
@@ -109,10 +114,10 @@ def _raw_reply_apart_round_trip(comm: Comm, size: int, repeats: int, batches: in
         comm.Recv(buffers[0], peer, 13)
         comm.Send(buffers[0], peer, 13)
 
-    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong)
+    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong, warm_up)
 
 
-def _persistent_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
+def _persistent_round_trip(comm: Comm, size: int, repeats: int, batches: int, warm_up: bool = True) -> list[float]:
     """Round trips of persistent requests (``Send_init``/``Recv_init``, then Start and Wait): MPI's cheapest path."""
     buffer = np.zeros(size, dtype=np.uint8)
     peer = 1 - comm.Get_rank()
@@ -124,13 +129,13 @@ def _persistent_round_trip(comm: Comm, size: int, repeats: int, batches: int) ->
             request.Start()
             request.Wait()
 
-    samples = _time_round_trips(comm, repeats, batches, round_trip)
+    samples = _time_round_trips(comm, repeats, batches, round_trip, warm_up)
     send.Free()
     receive.Free()
     return samples
 
 
-def _pickled_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
+def _pickled_round_trip(comm: Comm, size: int, repeats: int, batches: int, warm_up: bool = True) -> list[float]:
     """Round trips of mpi4py's pickle-based ``send``/``recv`` of the numpy payload: what a plain mpi4py program
     that sends Python objects pays."""
     payload = np.zeros(size, dtype=np.uint8)
@@ -143,10 +148,12 @@ def _pickled_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> li
     def pong() -> None:
         comm.send(comm.recv(source=peer, tag=12), peer, 12)
 
-    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong)
+    return _time_round_trips(comm, repeats, batches, ping if comm.Get_rank() == 0 else pong, warm_up)
 
 
-async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: int) -> list[float]:
+async def _loop_floor_round_trip(
+    comm: Comm, size: int, repeats: int, batches: int, warm_up: bool = True
+) -> list[float]:
     """Round trips of a bare asyncio loop doing Isend/Improbe/Irecv: no pickling, no actors.
 
     The cost of driving MPI from an event loop task by task (a yield to the loop between polls).
@@ -169,7 +176,7 @@ async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: i
 
     clock = time.perf_counter
     samples: list[float] = []
-    for batch in range(batches + 1):
+    for batch in range(1 - warm_up, batches + 1):
         comm.Barrier()
         for _ in range(repeats):
             start = clock()
@@ -185,7 +192,7 @@ async def _loop_floor_round_trip(comm: Comm, size: int, repeats: int, batches: i
 
 
 async def _ask_round_trip(
-    system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1, into: str = ""
+    system: ActorSystem, size: int, repeats: int, batches: int, actors: int = 1, into: str = "", warm_up: bool = True
 ) -> list[float]:
     """Round trips of ``ask`` from rank 0 to an echo actor on rank 1 (one of ``actors``, chosen at random). The
     reply into the array sent: ``into="lend"`` lends it (``reply_into``), ``into="copy"`` copies the reply there."""
@@ -194,7 +201,7 @@ async def _ask_round_trip(
     pick = np.random.default_rng(0).integers(0, actors, repeats)
     clock = time.perf_counter
     samples: list[float] = []
-    for batch in range(batches + 1):
+    for batch in range(1 - warm_up, batches + 1):
         await system.world.barrier()
         if system.rank == 0:
             for i in range(repeats):
@@ -272,6 +279,31 @@ async def _tell_stream(system: ActorSystem, count: int) -> float:
     return rate
 
 
+#: The ratios the tables quote, each ours over a peer: (ours, the peer) by the names of ``_one_round``.
+RATIOS = {"ratio": ("ask", "raw"), "ratio_to_reply_apart": ("ask", "apart"), "ask_into_ratio": ("into", "raw")}
+
+
+async def _one_round(system: ActorSystem, comm: Comm, size: int, repeats: int, warm_up: bool) -> dict[str, list]:
+    """One batch of round trips of each way, one way after the other (collective; the asks' samples on rank 0)."""
+    return {
+        "raw": _raw_round_trip(comm, size, repeats, 1, warm_up),
+        "apart": _raw_reply_apart_round_trip(comm, size, repeats, 1, warm_up),
+        "persistent": _persistent_round_trip(comm, size, repeats, 1, warm_up),
+        "pickled": _pickled_round_trip(comm, size, repeats, 1, warm_up),
+        "floor": await _loop_floor_round_trip(comm, size, repeats, 1, warm_up),
+        "ask": await _ask_round_trip(system, size, repeats, 1, warm_up=warm_up),
+        "into": await _ask_round_trip(system, size, repeats, 1, into="lend", warm_up=warm_up),
+        "copy": await _ask_round_trip(system, size, repeats, 1, into="copy", warm_up=warm_up),
+    }
+
+
+def _median_ratio(rounds: list[dict[str, list]], ours: str, peer: str) -> float:
+    """The median over the rounds of each round's median ``ours`` / median ``peer``: the two measured one shortly
+    after the other, as the machine's speed drifts (a 16 MiB raw round trip took 1.5 ms in one run, 2.7 in
+    another)."""
+    return statistics.median(statistics.median(one[ours]) / statistics.median(one[peer]) for one in rounds)
+
+
 async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """The whole benchmark; rank 0 prints the tables and writes JSON, returns the record."""
     if system.size != 2:
@@ -289,40 +321,32 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
     said = Progress(system.rank == 0)
     for size in SIZES:
         repeats = _repeats(size, quick)
-        raw = _raw_round_trip(comm, size, repeats, batches)
-        apart = _raw_reply_apart_round_trip(comm, size, repeats, batches)
-        persistent = _persistent_round_trip(comm, size, repeats, batches)
-        pickled = _pickled_round_trip(comm, size, repeats, batches)
-        floor = await _loop_floor_round_trip(comm, size, repeats, batches)
-        ours = await _ask_round_trip(system, size, repeats, batches)
-        into = await _ask_round_trip(system, size, repeats, batches, into="lend")
-        copy = await _ask_round_trip(system, size, repeats, batches, into="copy")
+        rounds = [await _one_round(system, comm, size, repeats, warm_up=not turn) for turn in range(batches)]
         if system.rank == 0:
-            measured = {"raw": raw, "apart": apart, "persistent": persistent, "pickled": pickled, "floor": floor,
-                        "ask": ours, "into": into, "copy": copy}  # fmt: skip
+            measured = {name: [sample for one in rounds for sample in one[name]] for name in rounds[0]}
+            ours = measured["ask"]
             p50 = {name: statistics.median(samples) for name, samples in measured.items()}
             ask_p99 = _percentile(ours, 0.99)
+            in_turns = {ratio: _median_ratio(rounds, *names) for ratio, names in RATIOS.items()}
             records.append(
                 {
                     "bytes": size,
                     "raw_rtt_s": p50["raw"],
-                    "raw_p99_s": _percentile(raw, 0.99),
+                    "raw_p99_s": _percentile(measured["raw"], 0.99),
                     "raw_reply_apart_rtt_s": p50["apart"],
                     "persistent_rtt_s": p50["persistent"],
                     "mpi4py_pickle_rtt_s": p50["pickled"],
                     "asyncio_floor_rtt_s": p50["floor"],
                     "ask_rtt_s": p50["ask"],
                     "ask_p99_s": ask_p99,
-                    "ratio": p50["ask"] / p50["raw"],
-                    "ratio_to_reply_apart": p50["ask"] / p50["apart"],
                     "ask_into_rtt_s": p50["into"],
-                    "ask_into_ratio": p50["into"] / p50["raw"],
                     "ask_then_copy_rtt_s": p50["copy"],
                 }
+                | in_turns
             )
             rows.append([size] + [p50[k] * 1e6 for k in ("raw", "apart", "persistent", "pickled", "floor", "ask")]
-                        + [ask_p99 * 1e6, p50["ask"] / p50["raw"], p50["ask"] / p50["apart"],
-                           ask_p99 / p50["ask"], p50["into"] * 1e6, p50["into"] / p50["raw"],
+                        + [ask_p99 * 1e6, in_turns["ratio"], in_turns["ratio_to_reply_apart"],
+                           ask_p99 / p50["ask"], p50["into"] * 1e6, in_turns["ask_into_ratio"],
                            p50["copy"] * 1e6])  # fmt: skip
             said(f"round trips of {size:,} B: ask {p50['ask'] * 1e6:.3g} µs, raw {p50['raw'] * 1e6:.3g} µs "
                  f"({len(records)} of {len(SIZES)} sizes)")  # fmt: skip
@@ -343,6 +367,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         <= SMALL_PICKLE_TARGET * small["mpi4py_pickle_rtt_s"],
         "small_ask_p99_within_3x_of_p50": small["ask_p99_s"] <= 3 * small["ask_rtt_s"],
         "16MiB_ask_within_1.10x_of_raw": large["ratio"] <= LARGE_TARGET,
+        "16MiB_ask_within_1.05x_of_reply_apart": large["ratio_to_reply_apart"] <= APART_TARGET,
         "16MiB_ask_into_within_1.10x_of_raw": large["ask_into_ratio"] <= LARGE_TARGET,
         "tell_rate_at_least_raw": tell_rate >= TELL_TARGET * raw_rate,
     }
