@@ -119,7 +119,7 @@ class Telemetry:
             return session
         name = f"{COLLECTOR}-{next(_sessions)}"  # every rank starts the same sessions in the same order
         session.group = await system.spawn_group(Collector, session, name=name, over=comm)
-        session._leader = system.node.world_ranks[0]  # the node's first rank
+        session._leader = system.hierarchy.node_leaders[system.rank]  # the node's first rank (the watchdog's too)
         if system.rank == 0:
             session._open_sink(out)
             restarts = restart_count()
