@@ -98,7 +98,7 @@ def _most_correlated(alpha):
             best0, value0 = rest, abs(alpha[rest])
     best, value = best0, value0
     for lane_best, lane_value in ((best1, value1), (best2, value2), (best3, value3)):
-        if lane_value > value or (lane_value == value and lane_best >= 0 and lane_best < best):
+        if lane_value > value or (lane_value == value and lane_best < best):  # (all 0: every best is -1)
             best, value = lane_best, lane_value
     return best
 
