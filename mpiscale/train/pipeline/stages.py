@@ -177,8 +177,8 @@ class Pipeline:
             await _average_gradients(self.group, self.module)
             run.reduce_s = time.perf_counter() - began
         sizes = [len(part) for part in run.inputs] if run.inputs is not None else []
-        return StepStats(run.loss if self.last else None, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes,
-                         run.reduce_s)  # fmt: skip
+        loss = _total(run.losses) if self.last else None
+        return StepStats(loss, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes, run.reduce_s)
 
     async def evaluate(self, inputs: Any, targets: Any, metric: Callable[[Any, Any], Any]) -> Any:
         """Forward passes only, without gradients (collective over the stages, like :meth:`step`): ``inputs`` on
@@ -212,11 +212,11 @@ class Pipeline:
         out = self.module(x)
         if run.targets is not None:
             out = self.loss_fn(out, run.targets[m])
-            run.loss += float(out.detach())
-        else:
-            self._send(FORWARD, run.step, m, out, out.requires_grad)
+            run.losses.append(out.detach())  # read once the step is done: reading it here would wait for a GPU
         run.compute_s += time.perf_counter() - began
         run.idle_s += began - waited
+        if run.targets is None:
+            self._send(FORWARD, run.step, m, out, out.requires_grad)
         size = _nbytes(x) + (0 if run.targets is not None else out.nbytes)
         run.held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out, size)
         run.held_bytes += size
@@ -301,13 +301,26 @@ class _StepRun:
     inputs: list | None  # the micro-batches' inputs (first stage) and targets (last stage)
     targets: list | None
     held: dict[int, tuple[torch.Tensor | None, torch.Tensor, int]] = field(default_factory=dict)  # input, output, bytes
-    loss: float = 0.0
+    losses: list[torch.Tensor] = field(default_factory=list)  # the last stage's micro-batch losses, detached
     compute_s: float = 0.0
     idle_s: float = 0.0
     reduce_s: float = 0.0
     held_bytes: int = 0
     peak: int = 0
     peak_bytes: int = 0
+
+
+def _total(losses: list[torch.Tensor]) -> float:
+    """The sum of the micro-batches' losses, each one number, added in order as Python floats: read once a step, so
+    a stage on a GPU waits for it once, not after every micro-batch's forward."""
+    if not losses:
+        return 0.0
+    values = (
+        torch.stack(losses) if len({loss.shape for loss in losses}) == 1 else torch.cat([v.reshape(-1) for v in losses])
+    )
+    if values.numel() != len(losses):
+        raise ValueError(f"the loss of a micro-batch must be one number, got shapes {[tuple(v.shape) for v in losses]}")
+    return sum(values.reshape(-1).tolist())
 
 
 def _nbytes(value: Any) -> int:
