@@ -40,6 +40,9 @@ def assert_follows(one_process, out) -> None:
         assert file.attrs["format"] == "mpiscale.train-results/1"
         np.testing.assert_allclose(file["curves/step/loss"][()], loss, rtol=1e-5)
         assert len(file["curves/epoch/validation_accuracy"][()]) == 2
+        accuracy = file["curves/step/accuracy"][()]
+    with h5py.File(one_process[2].with_suffix(".h5"), "r") as file:  # the same hits: no prediction is a near tie
+        np.testing.assert_array_equal(accuracy, file["curves/step/accuracy"][()])
 
 
 @pytest.mark.parametrize(

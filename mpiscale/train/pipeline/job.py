@@ -94,7 +94,9 @@ class _PipelineTraining(HeldOutputs):
     schedule: TrainingSteps
     device: torch.device  # where this rank's stage computes
     pipeline: Pipeline | None = None
-    sums: np.ndarray = field(default_factory=lambda: np.zeros(3))  # this step's loss, hits and rows (last stage)
+    #: The running step's micro-batches on the last stage: their summed losses and hits (tensors on its device, read
+    #: once the step is done: reading each at once would wait for a GPU twice a micro-batch), and their rows.
+    parts: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = field(default_factory=lambda: ([], [], []))
     step_samples: int = 1  # samples of the running step over all replicas
 
     async def restore(self) -> int:
@@ -109,8 +111,22 @@ class _PipelineTraining(HeldOutputs):
         """A micro-batch's cross-entropy, scaled as data-parallel training scales it (the global batch's mean once
         the replicas average); its sums and hits are kept for the step's curves."""
         loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
-        self.sums += (loss.item(), (logits.argmax(dim=1) == labels).sum().item(), len(labels))
+        losses, hits, rows = self.parts
+        losses.append(loss.detach())
+        hits.append((logits.argmax(dim=1) == labels).sum())
+        rows.append(len(labels))
         return loss * (self.replicas / self.step_samples)
+
+    def step_sums(self) -> np.ndarray:
+        """This rank's loss, hits and rows of the step just run (zeros but on the last stage), as one process adds
+        them: the losses in order as Python floats; the step's parts are then cleared."""
+        losses, hits, rows = self.parts
+        sums = np.zeros(3)
+        if rows:
+            sums[:] = sum(torch.stack(losses).tolist()), int(torch.stack(hits).sum()), sum(rows)
+        for part in self.parts:
+            part.clear()
+        return sums
 
     def save(self, done: int) -> None:
         assert self.checkpoints is not None
@@ -237,13 +253,12 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
             async for at, batch in _batches(reader, epoch, skip, job.schedule.per_epoch[epoch]):
                 inputs, labels = as_tensors(batch, data, dtype) if batch is not None else (None, None)
                 job.step_samples = step_samples(reader, config, epoch, at) if reader is not None else 1
-                job.sums[:] = 0.0
                 began = time.perf_counter()
                 job.stage.zero_grad()
                 stats = await pipeline.step(inputs, labels)
                 if optimizer is not None:
                     optimizer.step()
-                await system.world.allreduce(job.sums, out=totals)
+                await system.world.allreduce(job.step_sums(), out=totals)
                 step += 1
                 now = time.perf_counter()
                 curves.record_step(loss=totals[0] / totals[2], accuracy=totals[1] / totals[2], time_s=now - clock,
