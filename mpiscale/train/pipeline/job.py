@@ -94,8 +94,8 @@ class _PipelineTraining(HeldOutputs):
     schedule: TrainingSteps
     device: torch.device  # where this rank's stage computes
     pipeline: Pipeline | None = None
-    #: The running step's micro-batches on the last stage: their summed losses and hits (tensors on its device, read
-    #: once the step is done: reading each at once would wait for a GPU twice a micro-batch), and their rows.
+    #: The running step's micro-batches on the last stage: each one's summed loss and hits (tensors on its device, read
+    #: once the step is done: reading each at once would wait for a GPU twice a micro-batch), and its rows.
     parts: tuple[list[torch.Tensor], list[torch.Tensor], list[int]] = field(default_factory=lambda: ([], [], []))
     step_samples: int = 1  # samples of the running step over all replicas
 
