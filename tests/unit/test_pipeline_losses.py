@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from mpiscale.train.pipeline.stages import _total
+from mpiscale.train.pipeline.stages import sum_in_order
 
 
 def test_the_losses_add_in_order_as_python_floats():
@@ -17,12 +17,12 @@ def test_the_losses_add_in_order_as_python_floats():
     expected = 0.0
     for loss in losses:
         expected += float(loss)
-    assert _total(losses) == expected  # the same bits as a float added per micro-batch
-    assert _total([]) == 0.0
+    assert sum_in_order(losses) == expected  # the same bits as a float added per micro-batch
+    assert sum_in_order([]) == 0.0
 
 
 def test_one_number_losses_of_other_shapes_and_dtypes_count_and_anything_more_is_refused():
     mixed = [torch.tensor(1.5), torch.tensor([2.25]), torch.tensor([[0.125]], dtype=torch.float64)]
-    assert _total(mixed) == 3.875
+    assert sum_in_order(mixed) == 3.875
     with pytest.raises(ValueError, match=r"must be one number, got shapes \[\(\), \(2,\)\]"):
-        _total([torch.tensor(1.0), torch.tensor([1.0, 2.0])])
+        sum_in_order([torch.tensor(1.0), torch.tensor([1.0, 2.0])])

@@ -58,7 +58,7 @@ from ..preparation import (
 )
 from ..state import load_model_arrays
 from .split import split_sequential
-from .stages import Pipeline, stage_of
+from .stages import Pipeline, stage_of, sum_in_order
 from .state import INDEX, StageState, restore_rows
 
 
@@ -121,9 +121,7 @@ class _PipelineTraining(HeldOutputs):
         """This rank's loss, hits and rows of the step just run (zeros but on the last stage), as one process adds
         them: the losses in order as Python floats; the step's parts are then cleared."""
         losses, hits, rows = self.parts
-        sums = np.zeros(3)
-        if rows:
-            sums[:] = sum(torch.stack(losses).tolist()), int(torch.stack(hits).sum()), sum(rows)
+        sums = np.array([sum_in_order(losses), sum_in_order(hits, "hits"), sum(rows)], np.float64)
         for part in self.parts:
             part.clear()
         return sums

@@ -177,7 +177,7 @@ class Pipeline:
             await _average_gradients(self.group, self.module)
             run.reduce_s = time.perf_counter() - began
         sizes = [len(part) for part in run.inputs] if run.inputs is not None else []
-        loss = _total(run.losses) if self.last else None
+        loss = sum_in_order(run.losses) if self.last else None
         return StepStats(loss, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes, run.reduce_s)
 
     async def evaluate(self, inputs: Any, targets: Any, metric: Callable[[Any, Any], Any]) -> Any:
@@ -310,16 +310,15 @@ class _StepRun:
     peak_bytes: int = 0
 
 
-def _total(losses: list[torch.Tensor]) -> float:
-    """The sum of the micro-batches' losses, each one number, added in order as Python floats: read once a step, so
-    a stage on a GPU waits for it once, not after every micro-batch's forward."""
-    if not losses:
+def sum_in_order(parts: list[torch.Tensor], what: str = "loss") -> float:
+    """The sum of the micro-batches' ``what`` (their losses, their hits), each one number, added in order as Python
+    numbers: read once a step, so a stage on a GPU waits for its device once, not after every micro-batch's forward."""
+    if not parts:
         return 0.0
-    values = (
-        torch.stack(losses) if len({loss.shape for loss in losses}) == 1 else torch.cat([v.reshape(-1) for v in losses])
-    )
-    if values.numel() != len(losses):
-        raise ValueError(f"the loss of a micro-batch must be one number, got shapes {[tuple(v.shape) for v in losses]}")
+    values = torch.stack(parts) if len({v.shape for v in parts}) == 1 else torch.cat([v.reshape(-1) for v in parts])
+    if values.numel() != len(parts):
+        shapes = [tuple(v.shape) for v in parts]
+        raise ValueError(f"the {what} of a micro-batch must be one number, got shapes {shapes}")
     return sum(values.reshape(-1).tolist())
 
 
