@@ -15,17 +15,19 @@ import torch
 BFLOAT16 = 1 << 1
 
 
-def channel_array(tensor: torch.Tensor, what: str) -> tuple[np.ndarray, int]:
-    """``tensor`` (detached, on the host, contiguous) as a numpy array, and the flag bits that restore its dtype."""
+def channel_array(tensor: torch.Tensor) -> tuple[np.ndarray, int]:
+    """``tensor`` (detached, on the host, contiguous) as a numpy array, and the flag bits that restore its dtype. A
+    refusal's message says what the value is ("is a tuple, not a tensor"): the caller names the value before it (no
+    message is built for a send that goes through)."""
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} is a {type(tensor).__name__}, not a tensor")
+        raise TypeError(f"is a {type(tensor).__name__}, not a tensor")
     host = tensor.detach().cpu().contiguous()
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy(), BFLOAT16
     try:
         return host.numpy(), 0
     except TypeError as error:
-        raise TypeError(f"{what}: a tensor of {host.dtype} cannot travel ({error})") from None
+        raise TypeError(f"is a tensor of {host.dtype}, which cannot travel ({error})") from None
 
 
 def channel_tensor(array: np.ndarray, flags: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_tensor_travels_as_an_array_and_comes_back_with_its_dtype(dtype):
     tensor = (torch.arange(24).reshape(2, 3, 4) % 5).to(dtype)
-    array, flags = channel_array(tensor.t() if tensor.ndim == 2 else tensor.transpose(0, 2), "the output")
+    array, flags = channel_array(tensor.t() if tensor.ndim == 2 else tensor.transpose(0, 2))
     back = channel_tensor(array.copy(), flags)
     assert array.flags.c_contiguous and back.dtype == dtype and torch.equal(back, tensor.transpose(0, 2))
 
@@ -70,13 +70,22 @@ def test_a_tensor_travels_as_an_array_and_comes_back_with_its_dtype(dtype):
 def test_an_output_in_autograd_travels_as_a_view_of_its_memory():
     """A stage's output requires a gradient; what travels is its memory, detached, without a copy."""
     out = torch.ones(4, 8, requires_grad=True) * 3
-    array, flags = channel_array(out, "the output")
+    array, flags = channel_array(out)
     assert flags == 0 and np.shares_memory(array, out.detach().numpy()) and (array == 3).all()
 
 
-def test_what_is_not_a_tensor_is_refused_with_what_it_was():
-    with pytest.raises(TypeError, match="pipeline stage 1: the output of micro-batch 2 is a tuple, not a tensor"):
-        channel_array((torch.ones(2),), "pipeline stage 1: the output of micro-batch 2")
+def test_what_cannot_travel_is_refused_naming_stage_micro_batch_and_what_it_was():
+    from types import SimpleNamespace
+
+    from mpiscale.train.pipeline.schedule import BACKWARD, FORWARD
+    from mpiscale.train.pipeline.stages import Pipeline
+
+    stage = SimpleNamespace(stage=1)
+    with pytest.raises(TypeError, match="^pipeline stage 1: the output of micro-batch 2 is a tuple, not a tensor$"):
+        Pipeline._send(stage, FORWARD, 0, 2, (torch.ones(2),), False)
+    with pytest.raises(TypeError, match="^pipeline stage 1: the input gradient of micro-batch 3 is a tensor of "
+                       "torch.complex32, which cannot travel"):  # fmt: skip
+        Pipeline._send(stage, BACKWARD, 0, 3, torch.ones(2, dtype=torch.complex32), False)
 
 
 def test_a_gradient_of_another_shape_than_its_output_is_refused_naming_stage_and_micro_batch():

@@ -56,7 +56,7 @@ from .schedule import BACKWARD, FORWARD, Action, build
 Key = tuple[str, int, int]  # (FORWARD for an activation or BACKWARD for a gradient, step, micro-batch)
 
 
-_LANES = {FORWARD: 0, BACKWARD: 1}  # the channel lane of activations and of gradients
+_FORWARD_LANE, _BACKWARD_LANE = 0, 1  # the channel lanes of activations and of gradients
 _NEEDS_GRAD = 1  # a key's flag bit: the activation requires a gradient
 
 
@@ -100,6 +100,7 @@ class Pipeline:
         self.system, self.module, self.loss_fn = system, module, loss_fn
         #: Where the stage computes: its parameters' device. Messages travel from host memory.
         self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
+        self._on_host = self.device.type == "cpu"  # what arrives is where the stage computes
         self.replicas, self.stages = replicas, system.size // replicas
         self.stage, self.replica = divmod(system.rank, replicas)
         self.micro_batches, self.schedule = micro_batches, schedule
@@ -217,19 +218,25 @@ class Pipeline:
         run.idle_s += began - waited
         if run.targets is None:
             self._send(FORWARD, run.step, m, out, out.requires_grad)
-        size = _nbytes(x) + (0 if run.targets is not None else out.nbytes)
-        run.held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out, size)
+            size = _nbytes(x) + out.nbytes
+        else:
+            size = _nbytes(x)
+        held = run.held
+        held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out, size)
         run.held_bytes += size
-        run.peak, run.peak_bytes = max(run.peak, len(run.held)), max(run.peak_bytes, run.held_bytes)
+        if len(held) > run.peak:
+            run.peak = len(held)
+        if run.held_bytes > run.peak_bytes:
+            run.peak_bytes = run.held_bytes
 
     async def _backward(self, run: _StepRun, m: int) -> None:
         x, out, size = run.held.pop(m)
         run.held_bytes -= size
         if out.requires_grad:
             waited = time.perf_counter()
-            grad = None
-            if not self.last:
-                grad = self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
+            grad = (
+                None if self.last else self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
+            )
             began = time.perf_counter()
             out.backward(grad)
             run.compute_s += time.perf_counter() - began
@@ -239,17 +246,26 @@ class Pipeline:
 
     def _send(self, kind: str, step: int, m: int, tensor: torch.Tensor, needs_grad: bool) -> None:
         """An activation to the stage after, or a gradient to the stage before, as raw bytes from host memory."""
-        what = "output" if kind == FORWARD else "input gradient"
-        array, flags = channel_array(tensor, f"pipeline stage {self.stage}: the {what} of micro-batch {m}")
-        dest = self._after if kind == FORWARD else self._before
+        try:
+            array, flags = channel_array(tensor)
+        except TypeError as error:
+            what = "output" if kind == FORWARD else "input gradient"
+            raise TypeError(f"pipeline stage {self.stage}: the {what} of micro-batch {m} {error}") from None
         assert self._channel is not None, "make a pipeline with Pipeline.start"
-        self._channel.send(dest, _LANES[kind], (step, m, flags | (_NEEDS_GRAD if needs_grad else 0)), array)
+        if kind == FORWARD:
+            self._channel.send(
+                self._after, _FORWARD_LANE, (step, m, (flags | _NEEDS_GRAD) if needs_grad else flags), array
+            )
+        else:
+            self._channel.send(self._before, _BACKWARD_LANE, (step, m, flags), array)
 
     def _arrived(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
         """A neighbour's activation or gradient, kept until the schedule takes it."""
         step, m, flags = key
-        kind = FORWARD if lane == _LANES[FORWARD] else BACKWARD
-        self._arrivals.put((kind, step, m), channel_tensor(array, flags).requires_grad_(bool(flags & _NEEDS_GRAD)))
+        tensor = channel_tensor(array, flags)
+        if flags & _NEEDS_GRAD:
+            tensor.requires_grad_()
+        self._arrivals.put((FORWARD if lane == _FORWARD_LANE else BACKWARD, step, m), tensor)
 
     def _gradient_for(self, out: torch.Tensor, grad: torch.Tensor, step: int, m: int) -> torch.Tensor:
         """``grad``, refused unless it has the shape and dtype of the output it is the gradient of."""
@@ -262,11 +278,15 @@ class Pipeline:
     async def _take(self, key: Key) -> torch.Tensor:
         """The activation or gradient of ``key``, on this stage's device; a wait for it counts as waiting on the
         neighbour that owes it."""
-        if key not in self._arrivals.arrived:
+        arrived = self._arrivals.arrived
+        value = arrived.pop(key, None)
+        if value is None:
             assert self._channel is not None, "make a pipeline with Pipeline.start"
             self._channel.poll()  # one that has landed is delivered now: taken without a wait
-        value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
-        if value.device == self.device:
+            value = arrived.pop(key, None)
+            if value is None:
+                value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
+        if self._on_host:
             return value
         return value.detach().to(self.device).requires_grad_(value.requires_grad)  # a leaf here: its .grad is kept
 
