@@ -234,9 +234,9 @@ class Pipeline:
         run.held_bytes -= size
         if out.requires_grad:
             waited = time.perf_counter()
-            grad = (
-                None if self.last else self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
-            )
+            grad = None
+            if not self.last:
+                grad = self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
             began = time.perf_counter()
             out.backward(grad)
             run.compute_s += time.perf_counter() - began
