@@ -216,11 +216,10 @@ class Pipeline:
             run.losses.append(out.detach())  # read once the step is done: reading it here would wait for a GPU
         run.compute_s += time.perf_counter() - began
         run.idle_s += began - waited
+        size = _nbytes(x)
         if run.targets is None:
             self._send(FORWARD, run.step, m, out, out.requires_grad)
-            size = _nbytes(x) + out.nbytes
-        else:
-            size = _nbytes(x)
+            size += out.nbytes
         held = run.held
         held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out, size)
         run.held_bytes += size
@@ -253,11 +252,10 @@ class Pipeline:
             raise TypeError(f"pipeline stage {self.stage}: the {what} of micro-batch {m} {error}") from None
         assert self._channel is not None, "make a pipeline with Pipeline.start"
         if kind == FORWARD:
-            self._channel.send(
-                self._after, _FORWARD_LANE, (step, m, (flags | _NEEDS_GRAD) if needs_grad else flags), array
-            )
+            dest, lane, flags = self._after, _FORWARD_LANE, (flags | _NEEDS_GRAD) if needs_grad else flags
         else:
-            self._channel.send(self._before, _BACKWARD_LANE, (step, m, flags), array)
+            dest, lane = self._before, _BACKWARD_LANE
+        self._channel.send(dest, lane, (step, m, flags), array)
 
     def _arrived(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
         """A neighbour's activation or gradient, kept until the schedule takes it."""
