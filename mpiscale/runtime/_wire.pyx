@@ -1,10 +1,11 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The message path compiled: the frame header, the compact codec, the frames' MPI calls, the send queue, the
-routing of arrived envelopes, and a channel's two ends.
+routing of arrived envelopes, a channel's two ends, and the messages of a small two-rank allreduce.
 
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
 ``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``load``/
-``load_batch``, ``wire.Endpoint``, ``outbox.Outbox``, ``dispatch.Dispatch``, ``channel_send.Sender`` and ``channel_receive.Receiver``; a frame it does not read where
+``load_batch``, ``wire.Endpoint``, ``outbox.Outbox``, ``dispatch.Dispatch``, ``channel_send.Sender``,
+``channel_receive.Receiver`` and ``pair_reduce.PairExchange``; a frame it does not read where
 it arrives (a pickled one, a compact one queued behind others from its source, a malformed one) is read by
 ``transport.decode_frame``.
 ``wire`` picks this module where it is built and current, the twins elsewhere (``launch/setup.sh`` builds it;
@@ -24,11 +25,11 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.string cimport memcpy
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 from mpi4py.libmpi cimport (
-    MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Get_count, MPI_Improbe, MPI_Imrecv, MPI_Irecv, MPI_Isend, MPI_Message,
-    MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_STATUSES_IGNORE, MPI_SUCCESS, MPI_Test, MPI_Testsome,
-    MPI_UNDEFINED,
+    MPI_ANY_SOURCE, MPI_BYTE, MPI_Comm, MPI_Datatype, MPI_Get_count, MPI_Iallgather, MPI_Improbe, MPI_Imrecv,
+    MPI_Irecv, MPI_Isend, MPI_Message, MPI_Request, MPI_Status, MPI_STATUS_IGNORE, MPI_STATUSES_IGNORE, MPI_SUCCESS,
+    MPI_Test, MPI_Testall, MPI_Testsome, MPI_UNDEFINED,
 )
-from mpi4py.MPI cimport Comm, Request
+from mpi4py.MPI cimport Comm, Datatype, Request
 
 cimport numpy as cnp
 from cpython.ref cimport PyObject, Py_INCREF
@@ -40,7 +41,7 @@ from mpi4py import MPI
 
 from . import actor as _actor, channel_format as _channel_format, channel_receive as _channel_receive
 from . import channel_send as _channel_send, compact, dispatch as _dispatch, errors as _errors, outbox as _outbox
-from . import transport
+from . import pair_reduce as _pair_reduce, transport
 
 cnp.import_array()
 
@@ -1299,3 +1300,101 @@ cdef class ChannelReceiver:
         counts = self.counts
         counts.messages_received += 1
         counts.bytes_received += nbytes
+
+
+# ------------------------------------------------------------------ a small two-rank allreduce (pair_reduce.py)
+cdef int _PAIR_TAG = _pair_reduce._TAG
+cdef object _PAIR_DONE = (_pair_reduce.DONE, ())
+cdef object _PAIR_MISMATCH = (_pair_reduce.MISMATCH, ())
+cdef object _PAIR_CHECKING = _pair_reduce.CHECKING, _PAIR_SWAPPING = _pair_reduce.SWAPPING
+
+
+cdef bint _ends_in_place(int count, MPI_Request *handles, double seconds) except -1:
+    """``waits.ends_in_place`` of ``MPI_Testall`` on ``handles``: tested at least once."""
+    cdef int done = 0
+    cdef double end = _now() + seconds
+    while True:
+        _check(MPI_Testall(count, handles, &done, MPI_STATUSES_IGNORE))
+        if done:
+            return True
+        if _now() > end:
+            return False
+
+
+cdef inline void *_start_of(cnp.ndarray array, str what) except NULL:
+    """Where C-contiguous ``array``'s elements start (any address for none: MPI reads no byte of it)."""
+    if not cnp.PyArray_IS_C_CONTIGUOUS(array) or cnp.PyArray_SIZE(array) > INT_MAX:
+        raise ValueError(f"PairExchange: {what} must be C-contiguous, of at most MPI's int count of elements")
+    return <void *>cnp.PyArray_DATA(array) if cnp.PyArray_SIZE(array) else <void *>&_PAIR_TAG
+
+
+cdef class PairExchange:
+    """``pair_reduce.PairExchange``: the same messages, as mpi4py posts them for the same arrays (an int64 row, the
+    values by their MPI type), posted and tested in C."""
+
+    cdef MPI_Comm check_comm, swap_comm
+    cdef object owners  # the Comms whose handles these are, kept alive with them
+    cdef object MPI_module
+    cdef int other
+    cdef dict types  # numpy dtype -> mpi4py's Datatype of it
+
+    def __cinit__(self, object MPI_module, Comm check_comm, Comm swap_comm):
+        self.check_comm, self.swap_comm = check_comm.ob_mpi, swap_comm.ob_mpi
+        self.owners, self.MPI_module, self.other = (check_comm, swap_comm), MPI_module, 1 - swap_comm.Get_rank()
+        self.types = {}
+
+    cdef MPI_Datatype _type(self, cnp.dtype dtype) except *:
+        """MPI's type of ``dtype``'s elements, as mpi4py picks it for a native-order array (by its type character)."""
+        found = self.types.get(dtype)
+        if found is None:
+            if not dtype.isnative:
+                raise ValueError(f"PairExchange: {dtype} is not in the machine's byte order")
+            found = self.types[dtype] = self.MPI_module._typedict[dtype.char]
+        return (<Datatype>found).ob_mpi
+
+    def start(self, object row, object every, cnp.ndarray data, cnp.ndarray received, double inline_s):
+        """``PairExchange.start``."""
+        cdef MPI_Request handle
+        cdef cnp.ndarray words, gathered
+        cdef MPI_Datatype word
+        cdef Py_ssize_t count
+        if row is None or every is None:
+            return self.swap(None, data, received, inline_s)
+        words, gathered = <cnp.ndarray?>row, <cnp.ndarray?>every
+        count = cnp.PyArray_SIZE(words)
+        if cnp.PyArray_TYPE(words) != cnp.NPY_INT64 or cnp.PyArray_TYPE(gathered) != cnp.NPY_INT64 or \
+                cnp.PyArray_SIZE(gathered) != 2 * count or count == 0:
+            raise ValueError("PairExchange: the check takes an int64 row and room for two")
+        word = self._type(words.dtype)
+        _check(MPI_Iallgather(_start_of(words, "row"), <int>count, word, _start_of(gathered, "every"), <int>count,
+                              word, self.check_comm, &handle))
+        if not _ends_in_place(1, &handle, inline_s):
+            return _PAIR_CHECKING, [_pending(handle, (words, gathered))]
+        return self.swap(gathered, data, received, inline_s)
+
+    def swap(self, object every, cnp.ndarray data, cnp.ndarray received, double inline_s):
+        """``PairExchange.swap``."""
+        cdef MPI_Request handles[2]
+        cdef cnp.ndarray gathered
+        cdef const long long *words
+        cdef Py_ssize_t count = cnp.PyArray_SIZE(data)
+        cdef MPI_Datatype kind
+        cdef void *sent
+        if every is not None:
+            gathered = <cnp.ndarray?>every
+            if cnp.PyArray_TYPE(gathered) != cnp.NPY_INT64 or not cnp.PyArray_IS_C_CONTIGUOUS(gathered) or \
+                    cnp.PyArray_SIZE(gathered) < 2:
+                raise ValueError("PairExchange: the check's rows are C-contiguous int64")
+            words = <const long long *>cnp.PyArray_DATA(gathered)
+            if words[0] != words[cnp.PyArray_SIZE(gathered) // 2]:
+                return _PAIR_MISMATCH
+        if cnp.PyArray_TYPE(received) != cnp.PyArray_TYPE(data) or cnp.PyArray_SIZE(received) != count:
+            raise ValueError("PairExchange: received must be of data's dtype and size")
+        kind = self._type(data.dtype)
+        sent = _start_of(data, "data")
+        _check(MPI_Irecv(_start_of(received, "received"), <int>count, kind, self.other, _PAIR_TAG, self.swap_comm,
+                         &handles[0]))
+        _check(MPI_Isend(sent, <int>count, kind, self.other, _PAIR_TAG, self.swap_comm, &handles[1]))
+        if _ends_in_place(2, handles, inline_s):
+            return _PAIR_DONE
+        return _PAIR_SWAPPING, [_pending(handles[0], received), _pending(handles[1], data)]

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Awaitable, Callable
 from types import ModuleType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, NoReturn, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed
-from . import transport
+from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import UFUNCS, exchanged, room, rounds
+from .pair_reduce import HALVES_FROM_BYTES, UFUNCS, exchanged, in_rank_order, room, rounds
 from .progress import ProgressEngine
+from .settling import settle, settle_all, swap_pair
 
 
 @functools.lru_cache(maxsize=1024)
@@ -35,52 +35,6 @@ def described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-
-
-#: How long a collective's request is tested in the caller's stack before the engine takes it over (seconds): MPI
-#: ends a small one among ranks that are all there in 1-3 µs (2 ranks of a host).
-_INLINE_TEST_S = 20e-6
-
-
-async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, spin_s: float) -> None:
-    """Wait for a collective's ``request``. One the other ranks are in already ends within microseconds: it is
-    tested in the caller's stack first (for ``_INLINE_TEST_S``), with no future and no task switch; then the engine
-    polls for it in the caller's stack (for ``spin_s``); then it is awaited. While another task is ready to run, it
-    is awaited at once: a loop of collectives that all end in place must not keep the event loop from the others."""
-    if engine.others_ready():
-        await engine.wait(request, what, keep)
-        return
-    if not _ends_in_place(request.Test):
-        done = engine.wait(request, what, keep)
-        engine.poll_until(done, spin_s)
-        await done
-
-
-def _ends_in_place(test: Callable[[], bool]) -> bool:
-    """Whether ``test()`` comes true within ``_INLINE_TEST_S``, tested in the caller's stack."""
-    clock = time.perf_counter
-    end = clock() + _INLINE_TEST_S
-    while not test():
-        if clock() > end:
-            return False
-    return True
-
-
-async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: object, spin_s: float) -> None:
-    """Wait for all of ``requests``: tested together in the caller's stack first (one MPI call a test: an
-    exchange's send and receive end together), as :func:`settle` tests one, then each settled in turn. If a wait
-    fails (the job ends, the call is abandoned), the engine still holds ``keep`` until the ones not yet settled
-    complete: MPI may still read or write those buffers."""
-    if requests and not engine.others_ready():
-        if _ends_in_place(functools.partial(type(requests[0]).Testall, requests)):  # (``MPI.Request.Testall``)
-            return
-    for settled, request in enumerate(requests):
-        try:
-            await settle(engine, request, what, keep, spin_s)
-        except BaseException:
-            for rest in requests[settled + 1 :]:
-                engine.track(rest, what, keep)
-            raise
 
 
 def out_of_size(data: np.ndarray, out: object, what: str) -> None:
@@ -159,6 +113,7 @@ class Communicator:
         self._spin_s = config.value_spin_us * 1e-6
         self._one_at_a_time = asyncio.Lock()  # see _collective
         self._spare: np.ndarray | None = None  # the receive buffer of two-rank allreduces, kept: its largest call's
+        self._pair = wire.chosen()[0].PairExchange(MPI, comm, comm) if self.size == 2 else None
         self._rows: dict[str, np.ndarray] = {}  # see _row
 
     def __repr__(self) -> str:
@@ -216,15 +171,20 @@ class Communicator:
         await self._wait(self.comm.Iallgather(sent, every), f"{what} check" if check else what, keep=sent)
         digests = every[:, 0].tolist()  # (compared in Python: numpy's compare costs µs)
         if check and digests.count(digests[0]) != self.size:
-            site = f" at {self.log.last[2]}" if self.log.last else ""
-            calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
-            error = CollectiveMismatch(
-                f"collective #{self.log.started} on {self.name}: the ranks called different collectives, or passed "
-                f"different arguments (shape, dtype, op, root), where all must call the same: {by_ranks(calls)}"
-            )
-            error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
-            raise error
+            await self._mismatched(what, called)
         return every[:, -1]
+
+    async def _mismatched(self, what: str, called: str) -> NoReturn:
+        """Raise the one report of a check whose digests differ, naming every rank's call (every rank of the check
+        finds the difference, and gathers the calls with the others)."""
+        site = f" at {self.log.last[2]}" if self.log.last else ""
+        calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
+        error = CollectiveMismatch(
+            f"collective #{self.log.started} on {self.name}: the ranks called different collectives, or passed "
+            f"different arguments (shape, dtype, op, root), where all must call the same: {by_ranks(calls)}"
+        )
+        error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
+        raise error
 
     def _row(self, called: str, mine: int) -> np.ndarray:
         """This rank's row of a collective's first exchange: the digest of ``called`` (the call and its arguments)
@@ -290,10 +250,13 @@ class Communicator:
             out_of_size(data, out, "allreduce")
             if out.dtype != data.dtype or not out.flags.c_contiguous:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
-        await self._check("allreduce", described(data.dtype, data.shape, str(op)))
-        mpi_op = self._op(op)
+        signature = described(data.dtype, data.shape, str(op))
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
-        if ufunc is not None:  # two ranks: one exchange (see pair_reduce)
+        if ufunc is not None and data.nbytes < HALVES_FROM_BYTES and data.dtype.isnative:  # one swap (pair_reduce)
+            return await self._pair_swap(ufunc, data, array if out is array and data is array else out, signature)
+        await self._check("allreduce", signature)
+        mpi_op = self._op(op)
+        if ufunc is not None:  # two ranks: halves reduced and swapped (see pair_reduce)
             return await self._pair_allreduce(ufunc, data, array if out is array and data is array else out)
         if out is array and data is array:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
@@ -301,6 +264,24 @@ class Communicator:
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
+
+    async def _pair_swap(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None, signature: str) -> np.ndarray:
+        """The two-rank allreduce under ``HALVES_FROM_BYTES``: its check and its swap (``swap_pair``), then the pair
+        reduced in rank order into ``out`` (``data`` itself when in place) or a new array."""
+        theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
+        if theirs is None or theirs.nbytes < data.nbytes:
+            theirs = np.empty(data.nbytes, np.uint8)
+        received = theirs[: data.nbytes].view(data.dtype)
+        result = np.empty_like(data) if out is None else out.reshape(data.shape)
+        called = f"allreduce({signature})"
+        row = self._row(called, 0) if self._config.check_collectives else None
+        self._posted += 1
+        what, keep = f"allreduce on {self.name}", (data, theirs, result)
+        if await swap_pair(self._engine, self._pair, row, data, received, what, keep, self._spin_s) is not None:
+            await self._mismatched("allreduce", called)
+        in_rank_order(ufunc, self.rank, data, received.reshape(data.shape), result)
+        self._spare = theirs  # kept for the next call: fresh pages cost page faults
+        return result if out is None else out
 
     async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""

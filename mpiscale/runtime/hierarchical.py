@@ -81,7 +81,7 @@ from ..ranks import Comm, block_rows, by_ranks
 from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import exchanged, room, rounds
+from .pair_reduce import direct_result, exchanged, room, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
@@ -98,10 +98,10 @@ class HierarchicalAllreduce:
     """The three-stage allreduce over one world's nodes (built collectively, once)."""
 
     def __init__(self, MPI: ModuleType, node: Comm, world: Comm, node_index: int, config: RuntimeConfig) -> None:
-        self._MPI, self._check, self._min_bytes = MPI, config.check_collectives, config.hierarchical_min_bytes
+        self._MPI, self.check, self._min_bytes = MPI, config.check_collectives, config.hierarchical_min_bytes
         self._piece_bytes = config.allreduce_piece_bytes
         self._node, self._world = node.Dup(), world.Dup()
-        self._gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
+        self.gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
         # the job's rank of the first one here: it reports a mismatch every rank raises
         self._reporter = MPI.Group.Translate_ranks(world.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
@@ -190,20 +190,10 @@ class HierarchicalAllreduce:
         ``Iallreduce``. The event loop and the worker run such a call alike (a blocking collective would not match a
         non-blocking one on another rank)."""
         ufunc = exchanged(comm.Get_size(), data.dtype, self._ufunc(op))
-        # the exchange may reduce into the caller's buffer, even in place; MPI's call takes a buffer of its own
-        fits = ufunc is not None and out is not None and out.dtype == data.dtype and out.flags.c_contiguous
-        result = out.reshape(data.shape) if fits and out is not None else np.empty_like(data)
-
-        def caller_result() -> np.ndarray:
-            if out is None:
-                return result
-            if not np.may_share_memory(result, out):
-                np.copyto(out, result.reshape(out.shape), casting="unsafe")
-            return out
-
+        result, caller_result = direct_result(data, out, by_exchange=ufunc is not None)
         if ufunc is None:
             return iter([[comm.Iallreduce(data, result, op)]]), caller_result
-        theirs = self._kept_copies(room(data))  # the worker and the loop never run calls at once: one buffer
+        theirs = self.kept_copies(room(data))  # the worker and the loop never run calls at once: one buffer
         return rounds(comm, ufunc, data, result, theirs), caller_result
 
     def post_gate(self, array: np.ndarray, op_name: str) -> tuple[Any, np.ndarray | None, str]:
@@ -211,17 +201,17 @@ class HierarchicalAllreduce:
         leaves its core to compute threads meanwhile); with checks on it carries a digest of the call's arguments.
         Returns (its request, where the digests arrive (None without checks), the arguments as text)."""
         signature = described(array.dtype, array.shape, op_name)
-        if not self._check:
-            return self._gate.Ibarrier(), None, signature
-        digests = np.empty(self._gate.Get_size(), np.int64)
+        if not self.check:
+            return self.gate.Ibarrier(), None, signature
+        digests = np.empty(self.gate.Get_size(), np.int64)
         mine = np.array([signature_digest(signature)], np.int64)
-        return self._gate.Iallgather(mine, digests), digests, signature
+        return self.gate.Iallgather(mine, digests), digests, signature
 
     def passed(self, digests: np.ndarray | None, signature: str, call: tuple[str, str]) -> None:
         """After the exchange: a mismatch of the ranks' arguments is one :class:`CollectiveMismatch` naming every
         rank's arguments and call site (raised on every rank; the lowest one reports it)."""
         if digests is not None and len(set(digests.tolist())) > 1:
-            calls = self._gate.allgather(f"allreduce({signature}) at {call[1]}")
+            calls = self.gate.allgather(f"allreduce({signature}) at {call[1]}")
             error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
                                        f"must pass the same: {by_ranks(calls)}")  # fmt: skip
             error.reporter = self._reporter
@@ -326,14 +316,14 @@ class HierarchicalAllreduce:
         left unset; where each local rank's blocks start in ``grouped``), this rank's copies of theirs sent."""
         me, ranks = self.local_rank, self.local_size
         nbytes = ranks * counts[me] * grouped.dtype.itemsize
-        copies = self._kept_copies(nbytes).view(grouped.dtype).reshape(ranks, counts[me])
+        copies = self.kept_copies(nbytes).view(grouped.dtype).reshape(ranks, counts[me])
         starts = _bounds(counts)
         others = [r for r in range(ranks) if r != me]
         sends = [(grouped[starts[r] : starts[r + 1]], r) for r in others]
         self._move(self._node, sends, [(copies[r], r) for r in others])
         return copies, starts
 
-    def _kept_copies(self, nbytes: int) -> np.ndarray:
+    def kept_copies(self, nbytes: int) -> np.ndarray:
         if self._copies_buffer.nbytes < nbytes:
             self._copies_buffer = np.empty(nbytes, np.uint8)
         return self._copies_buffer[:nbytes]
@@ -402,7 +392,7 @@ class HierarchicalAllreduce:
         for block in self.owned:
             piece, cross = mine[offset : offset + sizes[block]], cross_comms[block]
             if cross.Get_size() == 2 and ufunc is not None:  # exchanged, and reduced in node order on both nodes
-                for requests in rounds(cross, ufunc, piece, piece, self._kept_copies(room(piece))):
+                for requests in rounds(cross, ufunc, piece, piece, self.kept_copies(room(piece))):
                     self._until_done(requests, _MOVE_SPIN_S, _MOVE_SLEEP_S)
             elif cross.Get_size() == 2:  # a + b == b + a bit for bit: both ends of an allreduce agree
                 cross.Allreduce(self._MPI.IN_PLACE, piece, op)

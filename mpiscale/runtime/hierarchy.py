@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from ..ranks import Comm, split_nodes
+from . import wire
 from .abandoned import CollectiveLog
-from .collectives import Communicator, Reduction, out_of_size, settle, settle_all
+from .collectives import Communicator, Reduction, described, out_of_size
 from .config import RuntimeConfig
+from .errors import signature_digest
 from .hierarchical import HierarchicalAllreduce
+from .pair_reduce import HALVES_FROM_BYTES, UFUNCS, direct_result, exchanged, in_rank_order
 from .progress import ProgressEngine
+from .settling import settle, settle_all, swap_pair
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Hierarchy:
     #: The hierarchical allreduces this rank started, and those still pending.
     log: CollectiveLog
     engine: ProgressEngine  # counts the time a rank waits for a call's end (telemetry, the hang watch)
+    pairs: dict[int, Any] = field(default_factory=dict)  # PairExchange of each direct communicator, by its id
 
     async def allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
@@ -68,6 +74,9 @@ class Hierarchy:
         number, call = self._begin()
         what = f"allreduce on {self.log.name}"
         try:
+            ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS.get(op))
+            if ufunc is not None and self.reducer.check and data.nbytes < HALVES_FROM_BYTES and data.dtype.isnative:
+                return await self._pair_allreduce(comm, ufunc, data, op, out, call)
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, what, digests, self.world._spin_s)
             self.reducer.passed(digests, signature, call)
@@ -77,6 +86,25 @@ class Hierarchy:
             return result()
         finally:
             self.log.end(number)
+
+    async def _pair_allreduce(
+        self, comm: Comm, ufunc: np.ufunc, data: np.ndarray, op: str, out: np.ndarray | None, call: tuple[str, str]
+    ) -> np.ndarray:
+        """A small checked call between two ranks: the gate's check and the swap on ``comm`` by ``PairExchange``, in
+        the caller's stack (the very messages the worker sends for it, should the other rank's worker run it)."""
+        pair = self.pairs.get(id(comm))
+        if pair is None:
+            pair = self.pairs[id(comm)] = wire.chosen()[0].PairExchange(self.world._MPI, self.reducer.gate, comm)
+        signature = described(data.dtype, data.shape, op)
+        row = np.array([signature_digest(signature)], np.int64)  # as the worker's gate sends it
+        theirs = self.reducer.kept_copies(data.nbytes).view(data.dtype)
+        result, caller_result = direct_result(data, out, by_exchange=True)
+        what, keep = f"allreduce on {self.log.name}", (data, theirs, result)
+        rows = await swap_pair(self.engine, pair, row, data, theirs, what, keep, self.world._spin_s)
+        if rows is not None:
+            self.reducer.passed(rows, signature, call)
+        in_rank_order(ufunc, self.world.rank, data, theirs.reshape(data.shape), result)
+        return caller_result()
 
     def _begin(self) -> tuple[int, tuple[str, str]]:
         """A call entered in the log: its number, and what and where it is (named in a mismatch's report)."""

@@ -16,15 +16,25 @@ the arithmetic, which is what costs at large sizes (1.16x at 1 MiB, 1.39x at
 
 Both ranks reduce in rank order (``op(rank 0's, rank 1's)``), so they end with
 the very same bits, signed zeros and NaN payloads included.
+
+Under :data:`HALVES_FROM_BYTES` a call's check (the allgather of its signature
+that begins every collective) and its swap are posted and tested in the
+caller's stack by :class:`PairExchange`, whose compiled twin
+(``_wire.PairExchange``) makes no Python object per MPI call: in Python those
+steps cost 2-3x the messages they send (2026-12-02).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from ..ranks import Comm
+from .waits import ends_in_place
 
 #: numpy's twin of each reduction MPI names, by the name the collectives take.
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
@@ -61,19 +71,78 @@ def rounds(comm: Comm, ufunc: np.ufunc, data: np.ndarray, result: np.ndarray, th
     if data.nbytes < HALVES_FROM_BYTES:
         received = scratch.reshape(data.shape)
         yield [comm.Irecv(received, other, _TAG), comm.Isend(data, other, _TAG)]  # (posted first: no wait for it)
-        _in_rank_order(ufunc, rank, data, received, result)
+        in_rank_order(ufunc, rank, data, received, result)
         return
     sent, into = data.reshape(-1), result.reshape(-1)
     halves = (slice(0, sent.size // 2), slice(sent.size // 2, None))
     mine, its = halves[rank], halves[other]
     received = scratch[: into[mine].size]
     yield [comm.Irecv(received, other, _TAG), comm.Isend(sent[its], other, _TAG)]
-    _in_rank_order(ufunc, rank, sent[mine], received, into[mine])
+    in_rank_order(ufunc, rank, sent[mine], received, into[mine])
     # in place, ``into[its]`` is the half just sent: the round above has ended, so it may be overwritten now
     yield [comm.Irecv(into[its], other, _TAG), comm.Isend(into[mine], other, _TAG)]
 
 
-def _in_rank_order(ufunc: np.ufunc, rank: int, mine: np.ndarray, theirs: np.ndarray, out: np.ndarray) -> None:
+def direct_result(
+    data: np.ndarray, out: np.ndarray | None, by_exchange: bool
+) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
+    """Where a direct call of ``data`` reduces into (the caller's ``out`` where the exchange can, even in place;
+    MPI's call takes a buffer of its own), and what returns the caller's result once it has: ``out`` filled, else
+    that new array."""
+    fits = by_exchange and out is not None and out.dtype == data.dtype and out.flags.c_contiguous
+    result = out.reshape(data.shape) if fits and out is not None else np.empty_like(data)
+
+    def caller_result() -> np.ndarray:
+        if out is None:
+            return result
+        if not np.may_share_memory(result, out):
+            np.copyto(out, result.reshape(out.shape), casting="unsafe")
+        return out
+
+    return result, caller_result
+
+
+def in_rank_order(ufunc: np.ufunc, rank: int, mine: np.ndarray, theirs: np.ndarray, out: np.ndarray) -> None:
     """``out`` = the pair reduced in rank order (``out`` may be ``mine``: element-wise, in place)."""
     first, second = (mine, theirs) if rank == 0 else (theirs, mine)
     ufunc(first, second, out=out)
+
+
+#: Where :class:`PairExchange` left a call: done; its check's request pending; its ranks' signatures differ; its
+#: swap's requests pending.
+DONE, CHECKING, MISMATCH, SWAPPING = 0, 1, 2, 3
+
+
+class PairExchange:
+    """The messages of a two-rank allreduce under :data:`HALVES_FROM_BYTES`, posted and tested in the caller's
+    stack: the check's allgather of the ranks' signature rows on ``check_comm``, then the swap of their values on
+    ``swap_comm`` (the very messages of :func:`rounds`). Each step returns (where the call is, the requests still
+    pending); the caller waits for those and goes on."""
+
+    def __init__(self, MPI: ModuleType, check_comm: Comm, swap_comm: Comm) -> None:
+        self._check_comm, self._swap_comm, self._other = check_comm, swap_comm, 1 - swap_comm.Get_rank()
+
+    def start(self, row: np.ndarray | None, every: np.ndarray | None, data: np.ndarray, received: np.ndarray,
+              inline_s: float) -> tuple[int, Any]:  # fmt: skip
+        """Post the check, the allgather of this rank's int64 ``row`` into ``every`` (None: no check), test it for
+        ``inline_s``, and once it has ended go on with :meth:`swap`."""
+        if row is None or every is None:
+            return self.swap(None, data, received, inline_s)
+        request = self._check_comm.Iallgather(row, every)
+        if not ends_in_place(request.Test, inline_s):
+            return CHECKING, [request]
+        return self.swap(every, data, received, inline_s)
+
+    def swap(
+        self, every: np.ndarray | None, data: np.ndarray, received: np.ndarray, inline_s: float
+    ) -> tuple[int, Any]:
+        """Unless the two halves of ``every`` (the ranks' rows) differ in their first word (the signature's digest),
+        send ``data`` to the other rank and receive its values into ``received`` (C-contiguous, of the same dtype
+        and size), tested for ``inline_s``."""
+        if every is not None and every.flat[0] != every.flat[every.size // 2]:
+            return MISMATCH, ()
+        comm, other = self._swap_comm, self._other
+        requests = [comm.Irecv(received, other, _TAG), comm.Isend(data, other, _TAG)]
+        if ends_in_place(functools.partial(type(requests[0]).Testall, requests), inline_s):
+            return DONE, ()
+        return SWAPPING, requests

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 
 class WaitClock:
@@ -47,3 +48,13 @@ class WaitClock:
             return None
         what, started = min(self._open.values(), key=lambda entry: entry[1])
         return what, time.monotonic() - started
+
+
+def ends_in_place(test: Callable[[], bool], seconds: float) -> bool:
+    """Whether ``test()`` comes true within ``seconds``, tested in the caller's stack (at least once)."""
+    clock = time.perf_counter
+    end = clock() + seconds
+    while not test():
+        if clock() > end:
+            return False
+    return True

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from . import channel_receive, channel_send, compact, dispatch, outbox, polling, transport
+from . import channel_receive, channel_send, compact, dispatch, outbox, pair_reduce, polling, transport
 from .channel_format import channel_header
 from .errors import MessageRefused, TransportError
 
@@ -118,6 +118,7 @@ PURE = SimpleNamespace(
     ChannelSender=channel_send.Sender,
     testsome=testsome,
     Poller=polling.Poller,
+    PairExchange=pair_reduce.PairExchange,
 )
 
 

@@ -6,7 +6,7 @@ output. A failing program ends its world with its report, which every test of th
 """
 
 import pytest
-from helpers import Worlds
+from helpers import Worlds, assert_ok, run_mpi
 
 COMPRESSIONS = [
     "fp16",
@@ -86,7 +86,15 @@ def test_collectives_started_together_each_get_their_own_result_with_a_rank_late
 def test_two_ranks_reduce_by_exchange_exactly_and_alike(per_node):
     """Sums, products, minima and maxima of six dtypes, whole buffers and halves, on one node and on two: numpy's
     reduction of the pair in rank order, bit for bit on both ranks (programs/pair_allreduce.py)."""
-    assert "pair allreduce ok: 78 cases on two paths" in _out(2, per_node)
+    assert "pair allreduce ok: 78 cases on two paths (compiled,compiled)" in _out(2, per_node)
+
+
+def test_two_ranks_reduce_by_exchange_alike_on_either_message_path():
+    """Rank 0 compiled, rank 1 on the pure-Python reference: the check and the swap of a small call are the same
+    messages on both (``pair_reduce.PairExchange`` and its compiled twin)."""
+    job = run_mpi("pair_allreduce.py", 2, "mixed")
+    assert_ok(job)
+    assert "pair allreduce ok: 78 cases on two paths (compiled,pure-Python)" in job.stdout, job.stdout
 
 
 @pytest.mark.parametrize(("ranks", "per_node"), [(2, 0), (4, 2)])

@@ -1,12 +1,16 @@
 """Two ranks' allreduce by exchange (runtime/pair_reduce.py), on the world and the hierarchical paths: exactly
 numpy's reduction of the pair in rank order, the same bits on both ranks, in place or not, whole buffers swapped
-or halves, and a buffer the caller changes right after the call does not reach the other rank."""
+or halves, and a buffer the caller changes right after the call does not reach the other rank. With "mixed", rank 1
+runs the pure-Python reference and rank 0 the compiled path: the two talk to each other."""
 
 import hashlib
+import os
+import sys
 
 import numpy as np
 
 import mpiscale
+from mpiscale.runtime import wire
 from mpiscale.runtime.pair_reduce import HALVES_FROM_BYTES
 
 #: Elements: empty, one, odd, just under and over the size from which halves are swapped (float64), and 3 MiB.
@@ -63,6 +67,11 @@ async def main(system) -> None:
     assert (await hierarchy.finish(started)).tobytes() == np.add(
         contribution(0, 3 << 17, np.float64), contribution(1, 3 << 17, np.float64)
     ).tobytes()
+    # One rank's worker and the other's event loop run the same small call: the same messages.
+    small = contribution(rank, 1001, np.float64)
+    started = hierarchy.start_allreduce(small) if rank == 0 else None
+    result = await (hierarchy.finish(started) if started is not None else hierarchy.allreduce(small))
+    assert result.tobytes() == np.add(contribution(0, 1001, np.float64), contribution(1, 1001, np.float64)).tobytes()
     # A caller may change its buffer as soon as the call returns: it has left for the other rank by then.
     for reduce in (world.allreduce, hierarchy.allreduce):
         for count in (1000, 3 << 17):
@@ -70,8 +79,13 @@ async def main(system) -> None:
             result = await reduce(buffer)
             buffer[:] = np.nan
             assert (result == 3.0).all()
+    path = wire.chosen()[1].split()[0]
+    paths = await world.allgather(np.frombuffer(path.ljust(12).encode(), np.uint8))
     if rank == 0:
-        print(f"pair allreduce ok: {sum(map(len, KINDS.values())) * len(COUNTS)} cases on two paths")
+        names = ",".join(bytes(row).decode().strip() for row in paths)
+        print(f"pair allreduce ok: {sum(map(len, KINDS.values())) * len(COUNTS)} cases on two paths ({names})")
 
 
+if "mixed" in sys.argv[1:]:  # read once the runtime starts
+    os.environ[wire.PURE_ENV] = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
 mpiscale.run(main)
