@@ -89,10 +89,11 @@ def test_two_ranks_reduce_by_exchange_exactly_and_alike(per_node):
     assert "pair allreduce ok: 78 cases on two paths (compiled,compiled)" in _out(2, per_node)
 
 
-def test_two_ranks_reduce_by_exchange_alike_on_either_message_path():
+@pytest.mark.parametrize("checked", ["1", "0"])
+def test_two_ranks_reduce_by_exchange_alike_on_either_message_path(checked):
     """Rank 0 compiled, rank 1 on the pure-Python reference: the check and the swap of a small call are the same
-    messages on both (``pair_reduce.PairExchange`` and its compiled twin)."""
-    job = run_mpi("pair_allreduce.py", 2, "mixed")
+    messages on both (``pair_reduce.PairExchange`` and its compiled twin), and the swap alone without checks."""
+    job = run_mpi("pair_allreduce.py", 2, "mixed", env={"MPISCALE_CHECK_COLLECTIVES": checked})
     assert_ok(job)
     assert "pair allreduce ok: 78 cases on two paths (compiled,pure-Python)" in job.stdout, job.stdout
 
