@@ -72,6 +72,16 @@ async def main(system):
             print("rank 1 kills itself", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         re.match(r"(a+)+$", "a" * 64 + "b")  # backtracks for ages, the GIL held, signals left pending
+    elif scenario == "killed-in-small-allreduces":
+        # rank 1 dies between two of the small calls whose check and swap the compiled path posts and tests in place
+        import numpy as np
+
+        values = np.ones(1024, np.float32)
+        for call in range(100_000):
+            if system.rank == 1 and call == 2000:
+                print("rank 1 kills itself", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            await (system.world if call % 2 else system.hierarchy).allreduce(values, out=np.empty_like(values))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
 
