@@ -140,13 +140,16 @@ class Communicator:
 
     @staticmethod
     def _array(array: np.ndarray, what: str) -> np.ndarray:
+        """``array`` as MPI takes it: C-contiguous, in the machine's byte order (the same values), its shape kept."""
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{what} takes a numpy array, got {type(array).__name__}")
         if array.dtype.hasobject:
             raise TypeError(f"{what} cannot reduce object arrays")
         if array.size > COUNT_LIMIT:
             raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {COUNT_LIMIT}; split the array")
-        return np.ascontiguousarray(array)
+        if not array.dtype.isnative:  # (mpi4py refuses it)
+            array = array.astype(array.dtype.newbyteorder("="))
+        return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes a 0-d array 1-d)
 
     async def _check(self, what: str, signature: str) -> None:
         """Fail identically on every rank if the ranks are not in the same collective with matching arguments (when
@@ -244,7 +247,8 @@ class Communicator:
 
     @_collective
     async def allreduce(self, array: np.ndarray, op: str = "sum", out: np.ndarray | None = None) -> np.ndarray:
-        """Element-wise reduction over all ranks; ``out=array`` reduces in place."""
+        """Element-wise reduction over all ranks; ``out=array`` reduces in place. The result has the array's shape
+        (0-d included) and dtype, in the machine's byte order."""
         data = self._array(array, "allreduce")
         if out is not None:  # refused before any MPI call: the others wait in the check, where the watch finds it
             out_of_size(data, out, "allreduce")
@@ -252,7 +256,7 @@ class Communicator:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
         signature = described(data.dtype, data.shape, str(op))
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
-        if ufunc is not None and data.nbytes < HALVES_FROM_BYTES and data.dtype.isnative:  # one swap (pair_reduce)
+        if ufunc is not None and data.nbytes < HALVES_FROM_BYTES:  # two ranks: one swap, checked (see pair_reduce)
             return await self._pair_swap(ufunc, data, array if out is array and data is array else out, signature)
         await self._check("allreduce", signature)
         mpi_op = self._op(op)

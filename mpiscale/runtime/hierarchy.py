@@ -75,7 +75,7 @@ class Hierarchy:
         what = f"allreduce on {self.log.name}"
         try:
             ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS.get(op))
-            if ufunc is not None and self.reducer.check and data.nbytes < HALVES_FROM_BYTES and data.dtype.isnative:
+            if ufunc is not None and self.reducer.check and data.nbytes < HALVES_FROM_BYTES:
                 return await self._pair_allreduce(comm, ufunc, data, op, out, call)
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, what, digests, self.world._spin_s)

@@ -52,6 +52,9 @@ async def main(system):
         assert await world.allreduce(inplace, out=inplace) is inplace
         assert np.allclose(inplace, sum(everyone))
         assert np.array_equal(await world.allgather(mine), np.stack(everyone))
+        scalar = await world.allreduce(np.array(float(rank)))  # a 0-d array keeps its shape
+        assert scalar.shape == () and float(scalar) == sum(range(size)), scalar
+        assert np.array_equal(await world.allgather(mine.astype(">f8")), np.stack(everyone))  # by value, any order
         gathered = await world.gather(mine, root=size - 1)
         assert (gathered is None) == (rank != size - 1)
         if gathered is not None:

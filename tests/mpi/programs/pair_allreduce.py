@@ -1,7 +1,8 @@
 """Two ranks' allreduce by exchange (runtime/pair_reduce.py), on the world and the hierarchical paths: exactly
 numpy's reduction of the pair in rank order, the same bits on both ranks, in place or not, whole buffers swapped
-or halves, and a buffer the caller changes right after the call does not reach the other rank. With "mixed", rank 1
-runs the pure-Python reference and rank 0 the compiled path: the two talk to each other."""
+or halves, and a buffer the caller changes right after the call does not reach the other rank; a 0-d array, one
+in the other byte order, an out overlapping the array. With "mixed", rank 1 runs the pure-Python reference and
+rank 0 the compiled path: the two talk to each other."""
 
 import hashlib
 import os
@@ -67,6 +68,14 @@ async def main(system) -> None:
     assert (await hierarchy.finish(started)).tobytes() == np.add(
         contribution(0, 3 << 17, np.float64), contribution(1, 3 << 17, np.float64)
     ).tobytes()
+    # A 0-d array keeps its shape, a big-endian one is reduced by value, an out overlapping the array gets the sum.
+    for name, reduce in [("world", world.allreduce), ("hierarchy", hierarchy.allreduce)]:
+        scalar = await reduce(np.array(2.0 + rank))
+        assert scalar.shape == () and float(scalar) == 5.0, f"{name}: {scalar!r}"
+        swapped = await reduce(np.arange(5, dtype=">i8") * (rank + 1))
+        assert swapped.tolist() == [0, 3, 6, 9, 12], f"{name}: {swapped!r}"
+        buffer = np.arange(2001, dtype=np.float64)
+        assert (await reduce(buffer[:2000], out=buffer[1:])).tolist() == [2.0 * v for v in range(2000)], name
     # One rank's worker and the other's event loop run the same small call: the same messages.
     small = contribution(rank, 1001, np.float64)
     started = hierarchy.start_allreduce(small) if rank == 0 else None
