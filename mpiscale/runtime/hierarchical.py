@@ -67,6 +67,7 @@ and only then starts the stages, which all ranks now run together.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -92,6 +93,14 @@ _MOVE_SLEEP_S = 100e-6  # the longest sleep between those polls: the transfer st
 #: the worker is idle; larger ones run in the worker.
 INLINE_ALLREDUCE_BYTES = 1 << 20
 _STAGE_TAG = 7  # the stages' point-to-point messages, on communicators of their own
+
+
+@functools.lru_cache(maxsize=1024)
+def gate_row(signature: str) -> np.ndarray:
+    """What a rank sends in a call's gate with checks on: the digest of its arguments (kept, read-only)."""
+    row = np.array([signature_digest(signature)], np.int64)
+    row.flags.writeable = False  # (MPI only reads it)
+    return row
 
 
 class HierarchicalAllreduce:
@@ -204,8 +213,7 @@ class HierarchicalAllreduce:
         if not self.check:
             return self.gate.Ibarrier(), None, signature
         digests = np.empty(self.gate.Get_size(), np.int64)
-        mine = np.array([signature_digest(signature)], np.int64)
-        return self.gate.Iallgather(mine, digests), digests, signature
+        return self.gate.Iallgather(gate_row(signature), digests), digests, signature
 
     def passed(self, digests: np.ndarray | None, signature: str, call: tuple[str, str]) -> None:
         """After the exchange: a mismatch of the ranks' arguments is one :class:`CollectiveMismatch` naming every

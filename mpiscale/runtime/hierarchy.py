@@ -16,8 +16,7 @@ from . import wire
 from .abandoned import CollectiveLog
 from .collectives import Communicator, Reduction, described, out_of_size
 from .config import RuntimeConfig
-from .errors import signature_digest
-from .hierarchical import HierarchicalAllreduce
+from .hierarchical import HierarchicalAllreduce, gate_row
 from .pair_reduce import HALVES_FROM_BYTES, UFUNCS, direct_result, exchanged, in_rank_order
 from .progress import ProgressEngine
 from .settling import settle, settle_all, swap_pair
@@ -96,7 +95,7 @@ class Hierarchy:
         if pair is None:
             pair = self.pairs[id(comm)] = wire.chosen()[0].PairExchange(self.world._MPI, self.reducer.gate, comm)
         signature = described(data.dtype, data.shape, op)
-        row = np.array([signature_digest(signature)], np.int64)  # as the worker's gate sends it
+        row = gate_row(signature)  # as the worker's gate sends it
         theirs = self.reducer.kept_copies(data.nbytes).view(data.dtype)
         result, caller_result = direct_result(data, out, by_exchange=True)
         what, keep = f"allreduce on {self.log.name}", (data, theirs, result)
