@@ -148,7 +148,7 @@ class Communicator:
         if array.size > COUNT_LIMIT:
             raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {COUNT_LIMIT}; split the array")
         if not array.dtype.isnative:  # (mpi4py refuses it)
-            array = array.astype(array.dtype.newbyteorder("="))
+            return array.astype(array.dtype.newbyteorder("="), order="C")
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes a 0-d array 1-d)
 
     async def _check(self, what: str, signature: str) -> None:
@@ -256,25 +256,30 @@ class Communicator:
                 raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
         signature = described(data.dtype, data.shape, str(op))
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
+        in_place = out is array and data is array
         if ufunc is not None and data.nbytes < HALVES_FROM_BYTES:  # two ranks: one swap, checked (see pair_reduce)
-            return await self._pair_swap(ufunc, data, array if out is array and data is array else out, signature)
+            return await self._pair_swap(ufunc, data, array if in_place else out, signature)
         await self._check("allreduce", signature)
         mpi_op = self._op(op)
         if ufunc is not None:  # two ranks: halves reduced and swapped (see pair_reduce)
-            return await self._pair_allreduce(ufunc, data, array if out is array and data is array else out)
-        if out is array and data is array:
+            return await self._pair_allreduce(ufunc, data, array if in_place else out)
+        if in_place:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
 
+    def _take_spare(self, nbytes: int) -> np.ndarray:
+        """The kept receive buffer of two-rank allreduces, at least ``nbytes``; the caller puts it back once its
+        call has ended (never after a failed wait: MPI may still write into it)."""
+        theirs, self._spare = self._spare, None
+        return theirs if theirs is not None and theirs.nbytes >= nbytes else np.empty(nbytes, np.uint8)
+
     async def _pair_swap(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None, signature: str) -> np.ndarray:
         """The two-rank allreduce under ``HALVES_FROM_BYTES``: its check and its swap (``swap_pair``), then the pair
         reduced in rank order into ``out`` (``data`` itself when in place) or a new array."""
-        theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
-        if theirs is None or theirs.nbytes < data.nbytes:
-            theirs = np.empty(data.nbytes, np.uint8)
+        theirs = self._take_spare(data.nbytes)
         received = theirs[: data.nbytes].view(data.dtype)
         result = np.empty_like(data) if out is None else out.reshape(data.shape)
         called = f"allreduce({signature})"
@@ -289,9 +294,7 @@ class Communicator:
 
     async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""
-        theirs, self._spare = self._spare, None  # not put back after a failed wait: MPI may still write into it
-        if theirs is None or theirs.nbytes < room(data):
-            theirs = np.empty(room(data), np.uint8)
+        theirs = self._take_spare(room(data))
         result = np.empty_like(data) if out is None else out.reshape(data.shape)
         for requests in rounds(self.comm, ufunc, data, result, theirs):  # its sends too: the caller may change
             await self._wait_all(requests, "allreduce", keep=(data, theirs, result))  # its buffer on return

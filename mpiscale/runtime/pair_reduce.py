@@ -117,7 +117,8 @@ class PairExchange:
     """The messages of a two-rank allreduce under :data:`HALVES_FROM_BYTES`, posted and tested in the caller's
     stack: the check's allgather of the ranks' signature rows on ``check_comm``, then the swap of their values on
     ``swap_comm`` (the very messages of :func:`rounds`). Each step returns (where the call is, the requests still
-    pending); the caller waits for those and goes on."""
+    pending); the caller waits for those and goes on. ``MPI`` is taken as the compiled twin takes it (it reads MPI's
+    types there); mpi4py picks them here."""
 
     def __init__(self, MPI: ModuleType, check_comm: Comm, swap_comm: Comm) -> None:
         self._check_comm, self._swap_comm, self._other = check_comm, swap_comm, 1 - swap_comm.Get_rank()
