@@ -1377,7 +1377,6 @@ cdef class PairExchange:
         cdef MPI_Request handles[2]
         cdef cnp.ndarray gathered
         cdef const long long *words
-        cdef Py_ssize_t count = cnp.PyArray_SIZE(data)
         cdef MPI_Datatype kind
         cdef void *sent
         if every is not None:
@@ -1388,13 +1387,13 @@ cdef class PairExchange:
             words = <const long long *>cnp.PyArray_DATA(gathered)
             if words[0] != words[cnp.PyArray_SIZE(gathered) // 2]:
                 return _PAIR_MISMATCH
-        if cnp.PyArray_TYPE(received) != cnp.PyArray_TYPE(data) or cnp.PyArray_SIZE(received) != count:
-            raise ValueError("PairExchange: received must be of data's dtype and size")
+        if cnp.PyArray_TYPE(received) != cnp.PyArray_TYPE(data):
+            raise ValueError("PairExchange: received must be of data's dtype")
         kind = self._type(data.dtype)
-        sent = _start_of(data, "data")
-        _check(MPI_Irecv(_start_of(received, "received"), <int>count, kind, self.other, _PAIR_TAG, self.swap_comm,
-                         &handles[0]))
-        _check(MPI_Isend(sent, <int>count, kind, self.other, _PAIR_TAG, self.swap_comm, &handles[1]))
+        sent = _start_of(data, "data")  # (each at most MPI's int count of elements: it says so)
+        _check(MPI_Irecv(_start_of(received, "received"), <int>cnp.PyArray_SIZE(received), kind, self.other,
+                         _PAIR_TAG, self.swap_comm, &handles[0]))
+        _check(MPI_Isend(sent, <int>cnp.PyArray_SIZE(data), kind, self.other, _PAIR_TAG, self.swap_comm, &handles[1]))
         if _ends_in_place(2, handles, inline_s):
             return _PAIR_DONE
         return _PAIR_SWAPPING, [_pending(handles[0], received), _pending(handles[1], data)]

@@ -20,9 +20,9 @@ from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import HALVES_FROM_BYTES, UFUNCS, exchanged, in_rank_order, room, rounds
+from .pair_reduce import UFUNCS, exchanged, room
 from .progress import ProgressEngine
-from .settling import settle, settle_all, swap_pair
+from .settling import reduce_pair, settle
 
 
 @functools.lru_cache(maxsize=1024)
@@ -127,10 +127,6 @@ class Communicator:
     async def _wait(self, request, what: str, keep: object = None) -> None:
         self._posted += 1
         await settle(self._engine, request, f"{what} on {self.name}", keep, self._spin_s)
-
-    async def _wait_all(self, requests: list, what: str, keep: object) -> None:
-        self._posted += 1
-        await settle_all(self._engine, requests, f"{what} on {self.name}", keep, self._spin_s)
 
     def _op(self, op: str):
         try:
@@ -257,12 +253,10 @@ class Communicator:
         signature = described(data.dtype, data.shape, str(op))
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
         in_place = out is array and data is array
-        if ufunc is not None and data.nbytes < HALVES_FROM_BYTES:  # two ranks: one swap, checked (see pair_reduce)
-            return await self._pair_swap(ufunc, data, array if in_place else out, signature)
+        if ufunc is not None:  # two ranks: swapped and reduced, checked on the way (see pair_reduce)
+            return await self._pair_allreduce(ufunc, data, array if in_place else out, signature)
         await self._check("allreduce", signature)
         mpi_op = self._op(op)
-        if ufunc is not None:  # two ranks: halves reduced and swapped (see pair_reduce)
-            return await self._pair_allreduce(ufunc, data, array if in_place else out)
         if in_place:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
             return array
@@ -276,28 +270,20 @@ class Communicator:
         theirs, self._spare = self._spare, None
         return theirs if theirs is not None and theirs.nbytes >= nbytes else np.empty(nbytes, np.uint8)
 
-    async def _pair_swap(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None, signature: str) -> np.ndarray:
-        """The two-rank allreduce under ``HALVES_FROM_BYTES``: its check and its swap (``swap_pair``), then the pair
-        reduced in rank order into ``out`` (``data`` itself when in place) or a new array."""
-        theirs = self._take_spare(data.nbytes)
-        received = theirs[: data.nbytes].view(data.dtype)
+    async def _pair_allreduce(
+        self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None, signature: str
+    ) -> np.ndarray:
+        """The two-rank allreduce by exchange (``reduce_pair``: its check and its swaps), into ``out`` (``data``
+        itself when in place) or a new array."""
+        theirs = self._take_spare(room(data))
         result = np.empty_like(data) if out is None else out.reshape(data.shape)
         called = f"allreduce({signature})"
         row = self._row(called, 0) if self._config.check_collectives else None
         self._posted += 1
-        what, keep = f"allreduce on {self.name}", (data, theirs, result)
-        if await swap_pair(self._engine, self._pair, row, data, received, what, keep, self._spin_s) is not None:
+        what = f"allreduce on {self.name}"
+        if await reduce_pair(self._engine, self._pair, row, ufunc, self.rank, data, result, theirs, what,
+                             self._spin_s) is not None:  # fmt: skip
             await self._mismatched("allreduce", called)
-        in_rank_order(ufunc, self.rank, data, received.reshape(data.shape), result)
-        self._spare = theirs  # kept for the next call: fresh pages cost page faults
-        return result if out is None else out
-
-    async def _pair_allreduce(self, ufunc: np.ufunc, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        """The two-rank allreduce by exchange, into ``out`` (``data`` itself when in place) or a new array."""
-        theirs = self._take_spare(room(data))
-        result = np.empty_like(data) if out is None else out.reshape(data.shape)
-        for requests in rounds(self.comm, ufunc, data, result, theirs):  # its sends too: the caller may change
-            await self._wait_all(requests, "allreduce", keep=(data, theirs, result))  # its buffer on return
         self._spare = theirs  # kept for the next call: fresh pages cost page faults
         return result if out is None else out
 

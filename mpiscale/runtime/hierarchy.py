@@ -17,9 +17,9 @@ from .abandoned import CollectiveLog
 from .collectives import Communicator, Reduction, described, out_of_size
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
-from .pair_reduce import HALVES_FROM_BYTES, UFUNCS, direct_result, exchanged, in_rank_order
+from .pair_reduce import UFUNCS, direct_result, exchanged, room
 from .progress import ProgressEngine
-from .settling import settle, settle_all, swap_pair
+from .settling import reduce_pair, settle, settle_all
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Hierarchy:
         what = f"allreduce on {self.log.name}"
         try:
             ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS.get(op))
-            if ufunc is not None and self.reducer.check and data.nbytes < HALVES_FROM_BYTES:
+            if ufunc is not None and self.reducer.check:
                 return await self._pair_allreduce(comm, ufunc, data, op, out, call)
             gate, digests, signature = self.reducer.post_gate(data, op)
             await settle(self.engine, gate, what, digests, self.world._spin_s)
@@ -89,20 +89,20 @@ class Hierarchy:
     async def _pair_allreduce(
         self, comm: Comm, ufunc: np.ufunc, data: np.ndarray, op: str, out: np.ndarray | None, call: tuple[str, str]
     ) -> np.ndarray:
-        """A small checked call between two ranks: the gate's check and the swap on ``comm`` by ``PairExchange``, in
-        the caller's stack (the very messages the worker sends for it, should the other rank's worker run it)."""
+        """A checked call between two ranks: the gate's check, then the swaps on ``comm`` (``reduce_pair``), in the
+        caller's stack (the very messages the worker sends for it, should the other rank's worker run it)."""
         pair = self.pairs.get(id(comm))
         if pair is None:
             pair = self.pairs[id(comm)] = wire.chosen()[0].PairExchange(self.world._MPI, self.reducer.gate, comm)
         signature = described(data.dtype, data.shape, op)
         row = gate_row(signature)  # as the worker's gate sends it
-        theirs = self.reducer.kept_copies(data.nbytes).view(data.dtype)
+        theirs = self.reducer.kept_copies(room(data))
         result, caller_result = direct_result(data, out, by_exchange=True)
-        what, keep = f"allreduce on {self.log.name}", (data, theirs, result)
-        rows = await swap_pair(self.engine, pair, row, data, theirs, what, keep, self.world._spin_s)
+        what = f"allreduce on {self.log.name}"
+        rows = await reduce_pair(self.engine, pair, row, ufunc, self.world.rank, data, result, theirs, what,
+                                 self.world._spin_s)  # fmt: skip
         if rows is not None:
             self.reducer.passed(rows, signature, call)
-        in_rank_order(ufunc, self.world.rank, data, theirs.reshape(data.shape), result)
         return caller_result()
 
     def _begin(self) -> tuple[int, tuple[str, str]]:

@@ -17,11 +17,11 @@ the arithmetic, which is what costs at large sizes (1.16x at 1 MiB, 1.39x at
 Both ranks reduce in rank order (``op(rank 0's, rank 1's)``), so they end with
 the very same bits, signed zeros and NaN payloads included.
 
-Under :data:`HALVES_FROM_BYTES` a call's check (the allgather of its signature
-that begins every collective) and its swap are posted and tested in the
-caller's stack by :class:`PairExchange`, whose compiled twin
-(``_wire.PairExchange``) makes no Python object per MPI call: in Python those
-steps cost 2-3x the messages they send (2026-12-02).
+On the event loop a call's check (the allgather of its signature that begins
+every collective) and each of its swaps are posted and tested in the caller's
+stack by :class:`PairExchange`, whose compiled twin (``_wire.PairExchange``)
+makes no Python object per MPI call: in Python those steps cost 2-3x the
+messages they send (2026-12-02).
 """
 
 from __future__ import annotations
@@ -74,13 +74,18 @@ def rounds(comm: Comm, ufunc: np.ufunc, data: np.ndarray, result: np.ndarray, th
         in_rank_order(ufunc, rank, data, received, result)
         return
     sent, into = data.reshape(-1), result.reshape(-1)
-    halves = (slice(0, sent.size // 2), slice(sent.size // 2, None))
-    mine, its = halves[rank], halves[other]
+    mine, its = halves(sent.size, rank)
     received = scratch[: into[mine].size]
     yield [comm.Irecv(received, other, _TAG), comm.Isend(sent[its], other, _TAG)]
     in_rank_order(ufunc, rank, sent[mine], received, into[mine])
     # in place, ``into[its]`` is the half just sent: the round above has ended, so it may be overwritten now
     yield [comm.Irecv(into[its], other, _TAG), comm.Isend(into[mine], other, _TAG)]
+
+
+def halves(size: int, rank: int) -> tuple[slice, slice]:
+    """From :data:`HALVES_FROM_BYTES`, the half of ``size`` elements that ``rank`` reduces, and the other rank's."""
+    parts = (slice(0, size // 2), slice(size // 2, None))
+    return parts[rank], parts[1 - rank]
 
 
 def direct_result(
@@ -114,9 +119,9 @@ DONE, CHECKING, MISMATCH, SWAPPING = 0, 1, 2, 3
 
 
 class PairExchange:
-    """The messages of a two-rank allreduce under :data:`HALVES_FROM_BYTES`, posted and tested in the caller's
-    stack: the check's allgather of the ranks' signature rows on ``check_comm``, then the swap of their values on
-    ``swap_comm`` (the very messages of :func:`rounds`). Each step returns (where the call is, the requests still
+    """The messages of a two-rank allreduce, posted and tested in the caller's stack: the check's allgather of the
+    ranks' signature rows on ``check_comm``, then a swap of values on ``swap_comm`` (the very messages of a round of
+    :func:`rounds`). Each step returns (where the call is, the requests still
     pending); the caller waits for those and goes on. ``MPI`` is taken as the compiled twin takes it (it reads MPI's
     types there); mpi4py picks them here."""
 
@@ -138,8 +143,8 @@ class PairExchange:
         self, every: np.ndarray | None, data: np.ndarray, received: np.ndarray, inline_s: float
     ) -> tuple[int, Any]:
         """Unless the two halves of ``every`` (the ranks' rows) differ in their first word (the signature's digest),
-        send ``data`` to the other rank and receive its values into ``received`` (C-contiguous, of the same dtype
-        and size), tested for ``inline_s``."""
+        send ``data`` to the other rank and receive its values into ``received`` (C-contiguous, of the same dtype;
+        the other rank sends as many), tested for ``inline_s``."""
         if every is not None and every.flat[0] != every.flat[every.size // 2]:
             return MISMATCH, ()
         comm, other = self._swap_comm, self._other

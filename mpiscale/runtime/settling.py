@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .pair_reduce import CHECKING, MISMATCH
+from .pair_reduce import CHECKING, HALVES_FROM_BYTES, MISMATCH, halves, in_rank_order
 from .progress import ProgressEngine
 from .waits import ends_in_place
 
@@ -49,19 +49,39 @@ async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: ob
             raise
 
 
-async def swap_pair(engine: ProgressEngine, pair: Any, row: np.ndarray | None, data: np.ndarray,
-                    received: np.ndarray, what: str, keep: object, spin_s: float) -> np.ndarray | None:  # fmt: skip
-    """A small two-rank allreduce's check and swap by ``pair``'s steps (a ``pair_reduce.PairExchange``, or its
-    compiled twin), each tested in place for ``INLINE_TEST_S`` and then settled: the check of this rank's int64
-    ``row`` (None: no check), then the swap of ``data`` into ``received``. None once both have ended; the two
+async def reduce_pair(engine: ProgressEngine, pair: Any, row: np.ndarray | None, ufunc: np.ufunc, rank: int,
+                      data: np.ndarray, result: np.ndarray, theirs: np.ndarray, what: str,
+                      spin_s: float) -> np.ndarray | None:  # fmt: skip
+    """A two-rank allreduce of C-contiguous ``data`` into ``result`` (which may be ``data``) by ``pair``'s steps (a
+    ``pair_reduce.PairExchange``, or its compiled twin), the very messages of ``pair_reduce.rounds``, each tested in
+    place for ``INLINE_TEST_S`` and then settled: the check of this rank's int64 ``row`` (None: no check), then the
+    swap. Under ``HALVES_FROM_BYTES`` the whole buffers are swapped and each rank reduces the pair; from there each
+    reduces its half and the reduced halves are swapped. ``theirs``: a 1-d uint8 array of ``room(data)`` bytes at
+    least, for the other rank's values. None once done (its sends too: the caller may change its buffer); the two
     ranks' rows when their signatures differ (the caller reports it; nothing was swapped)."""
+    whole = data.nbytes < HALVES_FROM_BYTES
+    if whole:
+        sent, received = data, theirs[: data.nbytes].view(data.dtype)
+    else:
+        flat, into = data.reshape(-1), result.reshape(-1)
+        mine, its = halves(flat.size, rank)
+        sent, received = flat[its], theirs[: into[mine].nbytes].view(data.dtype)
     every = None if row is None else np.empty(2 * row.size, np.int64)
-    step, pending = pair.start(row, every, data, received, 0.0 if engine.others_ready() else INLINE_TEST_S)
+    keep = (data, theirs, result)
+    step, pending = pair.start(row, every, sent, received, 0.0 if engine.others_ready() else INLINE_TEST_S)
     if step == CHECKING:
         await settle(engine, pending[0], f"{what} check", (row, every), spin_s)
-        step, pending = pair.swap(every, data, received, 0.0 if engine.others_ready() else INLINE_TEST_S)
+        step, pending = pair.swap(every, sent, received, 0.0 if engine.others_ready() else INLINE_TEST_S)
     if step == MISMATCH:
         return every
-    if pending:  # its send too: the caller may change its buffer on return
+    if pending:
+        await settle_all(engine, pending, what, keep, spin_s)
+    if whole:
+        in_rank_order(ufunc, rank, data, received.reshape(data.shape), result)
+        return None
+    in_rank_order(ufunc, rank, flat[mine], received, into[mine])
+    # in place, ``into[its]`` is the half just sent: that swap has ended, so it may be overwritten now
+    step, pending = pair.swap(None, into[mine], into[its], 0.0 if engine.others_ready() else INLINE_TEST_S)
+    if pending:
         await settle_all(engine, pending, what, keep, spin_s)
     return None

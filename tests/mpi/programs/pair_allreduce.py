@@ -76,11 +76,13 @@ async def main(system) -> None:
         assert swapped.tolist() == [0, 3, 6, 9, 12], f"{name}: {swapped!r}"
         buffer = np.arange(2001, dtype=np.float64)
         assert (await reduce(buffer[:2000], out=buffer[1:])).tolist() == [2.0 * v for v in range(2000)], name
-    # One rank's worker and the other's event loop run the same small call: the same messages.
-    small = contribution(rank, 1001, np.float64)
-    started = hierarchy.start_allreduce(small) if rank == 0 else None
-    result = await (hierarchy.finish(started) if started is not None else hierarchy.allreduce(small))
-    assert result.tobytes() == np.add(contribution(0, 1001, np.float64), contribution(1, 1001, np.float64)).tobytes()
+    # One rank's worker and the other's event loop run the same call, whole buffers or halves: the same messages.
+    for count in (1001, HALVES_FROM_BYTES // 8 + 1):
+        values = contribution(rank, count, np.float64)
+        started = hierarchy.start_allreduce(values) if rank == 0 else None
+        result = await (hierarchy.finish(started) if started is not None else hierarchy.allreduce(values))
+        expected = np.add(contribution(0, count, np.float64), contribution(1, count, np.float64))
+        assert result.tobytes() == expected.tobytes(), count
     # A caller may change its buffer as soon as the call returns: it has left for the other rank by then.
     for reduce in (world.allreduce, hierarchy.allreduce):
         for count in (1000, 3 << 17):
