@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The message path compiled: the frame header, the compact codec, the frames' MPI calls, the send queue, the
-routing of arrived envelopes, a channel's two ends, and the messages of a small two-rank allreduce.
+routing of arrived envelopes, a channel's two ends, and the messages of a two-rank allreduce.
 
 Each function here has a pure-Python twin that is the reference the tests hold it to, bit for bit on the wire:
 ``compact.encode``/``decode``, ``transport.compact_body``/``encode_compact``/``encode_batch``/``load``/
@@ -1302,7 +1302,7 @@ cdef class ChannelReceiver:
         counts.bytes_received += nbytes
 
 
-# ------------------------------------------------------------------ a small two-rank allreduce (pair_reduce.py)
+# ------------------------------------------------------------------ a two-rank allreduce (pair_reduce.py)
 cdef int _PAIR_TAG = _pair_reduce._TAG
 cdef object _PAIR_DONE = (_pair_reduce.DONE, ())
 cdef object _PAIR_MISMATCH = (_pair_reduce.MISMATCH, ())

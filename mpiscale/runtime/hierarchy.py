@@ -64,9 +64,10 @@ class Hierarchy:
     async def _inline_allreduce(
         self, comm: Comm, array: np.ndarray, op: str, mpi_op: object, out: np.ndarray | None
     ) -> np.ndarray:
-        """A small call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
-        about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call on ``comm``, both settled
-        as the world's collectives are. Nothing blocks the loop: a rank that died meanwhile is still reported."""
+        """A direct call (``reducer.direct_comm``) on the event loop, not in the reducer's thread (the hand-offs to
+        the thread and back cost about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call
+        on ``comm``, both settled as the world's collectives are. Nothing blocks the loop: a rank that died meanwhile
+        is still reported."""
         data = self.world._array(array, "hierarchical allreduce")
         if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
             out_of_size(data, out, "hierarchical allreduce")
