@@ -8,6 +8,7 @@ import sys
 from importlib import import_module
 from typing import NoReturn
 
+from . import run_dir
 from ._version import __version__
 from .commands import COMMANDS, GROUPS, Command, children
 from .jobs import add_options
@@ -79,7 +80,19 @@ def _add_arguments(made: argparse.ArgumentParser, command: Command) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (the process's arguments by default) and run the command's handler; its exit status."""
+    """Parse ``argv`` (the process's arguments by default) and run the command's handler; its exit status, noted for
+    the launcher too (:mod:`mpiscale.run_dir`: a refusal's 2 then survives an mpirun that dies as the job ends)."""
+    try:
+        status = _command(argv)
+    except SystemExit as leaving:  # argparse's refusals, a refused job
+        code = leaving.code
+        run_dir.note("status", str(code if isinstance(code, int) else 0 if code is None else 1))
+        raise
+    run_dir.note("status", str(status))
+    return status
+
+
+def _command(argv: list[str] | None) -> int:
     top = parser()
     args = top.parse_args(argv)
     for name in _AT_LEAST_ONE:
