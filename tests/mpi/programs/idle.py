@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 import mpiscale
 
@@ -58,24 +59,35 @@ async def _stalled_transfer(system, last) -> float:
     """The share of a core an ask with 16 MiB to the last rank takes, beyond the same ask's CPU time when that rank
     is free, while that rank's loop is blocked for 2 s (a long computation in ``main``): the message's parts wait for
     it there. The transfer's own work (a loaded machine stretches it) is not waiting, so the prompt ask's CPU time,
-    measured just before, is taken off. The last rank reports 0."""
-    data = np.ones(2 << 20)
+    measured just before, is taken off. The last rank reports 0.
 
-    async def weighed() -> None:
-        assert await last.ask("weigh", data) == data.size
+    The askers start only once the last rank tells them, on a communicator of the test's own, that it is blocked:
+    after a barrier alone, the last rank may notice the barrier's end only after the asks have come, serve them, and
+    block afterwards (CI saw an ask answered in 10 ms, so 6 ms of CPU read as 34% of a core)."""
+    data = np.ones(2 << 20)
+    comm = MPI.COMM_WORLD.Dup()
+    asking = range(system.size - 1)
 
     async def cpu_and_wall(busy: bool) -> tuple[float, float]:
         await system.world.barrier()
         if system.rank == system.size - 1:
             if busy:
+                for rank in asking:  # eager: these leave at once, and the loop is blocked right after
+                    comm.Send(np.ones(1), rank)
                 time.sleep(2.0)
             return 0.0, 1.0
+        if busy:
+            told = comm.Irecv(np.empty(1), system.size - 1)
+            while not told.Test():
+                await asyncio.sleep(1e-3)
         cpu, wall = time.process_time(), time.monotonic()
-        await weighed()
+        assert await last.ask("weigh", data) == data.size
         return time.process_time() - cpu, time.monotonic() - wall
 
     prompt_cpu, _ = await cpu_and_wall(busy=False)
     stalled_cpu, stalled_wall = await cpu_and_wall(busy=True)
+    assert stalled_wall > 1.0 or system.rank == system.size - 1, f"the ask was not stalled: {stalled_wall:.3f} s"
+    comm.Free()
     return max(stalled_cpu - prompt_cpu, 0.0) / stalled_wall
 
 
