@@ -36,6 +36,7 @@ ends the job. The two ends are :mod:`.channel_send` and :mod:`.channel_receive`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -64,12 +65,11 @@ class Channel:
         self._receiver = frames.ChannelReceiver(MPI, comm, engine, name, self.lanes, config.chunk_bytes, deliver)
         self.poll = self._receiver.poll
         engine.pollers.append(self.poll)
+        #: ``send(dest, lane, key, array)``: send ``array`` (C-contiguous, of plain numbers) to rank ``dest`` on
+        #: ``lane`` with ``key`` (three integers); it is kept alive until MPI is done with it, and must not be changed
+        #: before then. The sender's own call (a pipeline stage sends twice a micro-batch: no wrapper in between).
+        self.send: Callable[[int, int, tuple[int, int, int], np.ndarray], None] = self._sender.send
         self.closed = False
-
-    def send(self, dest: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
-        """Send ``array`` (C-contiguous, of plain numbers) to rank ``dest`` on ``lane`` with ``key``; it is kept
-        alive until MPI is done with it, and must not be changed before then."""
-        self._sender.send(dest, lane, key, array)
 
     def close(self) -> None:
         """Cancel the receives posted ahead (at the job's end, when every sent array has arrived) and free the

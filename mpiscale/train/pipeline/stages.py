@@ -40,9 +40,9 @@ the replicas' gradient averages, are moved likewise.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -109,6 +109,8 @@ class Pipeline:
         self._arrivals: Arrivals[Key, torch.Tensor] = Arrivals("pipeline message")
         self._before, self._after = system.rank - replicas, system.rank + replicas
         self._channel: Channel | None = None
+        self._send_to: Callable[..., None] = _not_started  # the channel's send and poll, bound (twice a micro-batch)
+        self._poll: Callable[[], object] = _not_started
         self._step = 0
         #: The ranks holding this stage, which average their gradients (None with one replica).
         self.group: Group | None = None
@@ -133,7 +135,8 @@ class Pipeline:
             stage, replica = divmod(rank, replicas)
             copy = f", replica {replica} of {replicas}" if replicas > 1 else ""
             system.roles[rank] = f"{name}: pipeline stage {stage} of {pipeline.stages}{copy}"
-        pipeline._channel = await system.channel(f"{name}.tensors", pipeline._arrived)
+        pipeline._channel = channel = await system.channel(f"{name}.tensors", pipeline._arrived)
+        pipeline._send_to, pipeline._poll = channel.send, channel.poll
         if replicas > 1:
             pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
             await broadcast_module(pipeline.group.world, module)
@@ -165,21 +168,32 @@ class Pipeline:
         self._step += 1
         for action in self.actions:
             try:  # (no context manager: this runs twice a micro-batch)
+                m = action.micro_batch  # (taken in line, no coroutine a take: they run twice a micro-batch)
                 if action.kind == FORWARD:
-                    await self._forward(run, action.micro_batch)
+                    if run.inputs is not None:
+                        value = run.inputs[m]
+                    elif (value := self._ready((FORWARD, run.step, m))) is None:
+                        value = await self._wait_for((FORWARD, run.step, m), run)
+                    self._forward(run, m, value)
                 else:
-                    await self._backward(run, action.micro_batch)
+                    x, out = run.held.pop(m)
+                    value = None  # the last stage starts from its loss; an output without a gradient gets none
+                    if out.requires_grad and not self.last:
+                        if (value := self._ready((BACKWARD, run.step, m))) is None:
+                            value = await self._wait_for((BACKWARD, run.step, m), run)
+                    self._backward(run, m, x, out, value)
             except Exception as error:
                 self._note(error, action, run.step)
                 raise
         self._check_drained(run.step)
         if self.group is not None:
-            began = time.perf_counter()
+            began = perf_counter()
             await _average_gradients(self.group, self.module)
-            run.reduce_s = time.perf_counter() - began
+            run.reduce_s = perf_counter() - began
         sizes = [len(part) for part in run.inputs] if run.inputs is not None else []
         loss = sum_in_order(run.losses) if self.last else None
-        return StepStats(loss, run.compute_s, run.idle_s, run.peak, run.peak_bytes, sizes, run.reduce_s)
+        peak, peak_bytes = _peaks(self.actions, run.sizes)
+        return StepStats(loss, run.compute_s, run.idle_s, peak, peak_bytes, sizes, run.reduce_s)
 
     async def evaluate(self, inputs: Any, targets: Any, metric: Callable[[Any, Any], Any]) -> Any:
         """Forward passes only, without gradients (collective over the stages, like :meth:`step`): ``inputs`` on
@@ -193,7 +207,9 @@ class Pipeline:
         with torch.no_grad():
             for m in range(self.micro_batches):
                 try:
-                    x = xs[m] if xs is not None else await self._take((FORWARD, step, m))
+                    x = xs[m] if xs is not None else self._ready((FORWARD, step, m))
+                    if x is None:
+                        x = await self._wait_for((FORWARD, step, m), None)
                     out = self.module(x)
                     if ts is not None:
                         value = metric(out, ts[m])
@@ -206,42 +222,31 @@ class Pipeline:
         self._check_drained(step)
         return total
 
-    async def _forward(self, run: _StepRun, m: int) -> None:
-        waited = time.perf_counter()
-        x = run.inputs[m] if run.inputs is not None else await self._take((FORWARD, run.step, m))
-        began = time.perf_counter()
+    def _forward(self, run: _StepRun, m: int, x: Any) -> None:
+        began = perf_counter()
         out = self.module(x)
         if run.targets is not None:
             out = self.loss_fn(out, run.targets[m])
             run.losses.append(out.detach())  # read once the step is done: reading it here would wait for a GPU
-        run.compute_s += time.perf_counter() - began
-        run.idle_s += began - waited
-        size = _nbytes(x)
+        run.compute_s += perf_counter() - began
+        size = x.nbytes if isinstance(x, torch.Tensor) else 0
         if run.targets is None:
             self._send(FORWARD, run.step, m, out, out.requires_grad)
             size += out.nbytes
-        held = run.held
-        held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out, size)
-        run.held_bytes += size
-        if len(held) > run.peak:
-            run.peak = len(held)
-        if run.held_bytes > run.peak_bytes:
-            run.peak_bytes = run.held_bytes
+        run.held[m] = (x if isinstance(x, torch.Tensor) and x.requires_grad else None, out)
+        run.sizes[m] = size
 
-    async def _backward(self, run: _StepRun, m: int) -> None:
-        x, out, size = run.held.pop(m)
-        run.held_bytes -= size
+    def _backward(self, run: _StepRun, m: int, x: torch.Tensor | None, out: torch.Tensor,
+                  grad: torch.Tensor | None) -> None:  # fmt: skip
         if out.requires_grad:
-            waited = time.perf_counter()
-            grad = None
-            if not self.last:
-                grad = self._gradient_for(out, await self._take((BACKWARD, run.step, m)), run.step, m)
-            began = time.perf_counter()
+            if grad is not None:
+                self._check_gradient(out, grad, run.step, m)
+            began = perf_counter()
             out.backward(grad)
-            run.compute_s += time.perf_counter() - began
-            run.idle_s += began - waited
+            run.compute_s += perf_counter() - began
         if x is not None:
-            self._send(BACKWARD, run.step, m, x.grad if x.grad is not None else torch.zeros_like(x), False)
+            grad = x.grad
+            self._send(BACKWARD, run.step, m, grad if grad is not None else torch.zeros_like(x), False)
 
     def _send(self, kind: str, step: int, m: int, tensor: torch.Tensor, needs_grad: bool) -> None:
         """An activation to the stage after, or a gradient to the stage before, as raw bytes from host memory."""
@@ -250,12 +255,10 @@ class Pipeline:
         except TypeError as error:
             what = "output" if kind == FORWARD else "input gradient"
             raise TypeError(f"pipeline stage {self.stage}: the {what} of micro-batch {m} {error}") from None
-        assert self._channel is not None, "make a pipeline with Pipeline.start"
         if kind == FORWARD:
-            dest, lane, flags = self._after, _FORWARD_LANE, (flags | _NEEDS_GRAD) if needs_grad else flags
+            self._send_to(self._after, _FORWARD_LANE, (step, m, (flags | _NEEDS_GRAD) if needs_grad else flags), array)
         else:
-            dest, lane = self._before, _BACKWARD_LANE
-        self._channel.send(dest, lane, (step, m, flags), array)
+            self._send_to(self._before, _BACKWARD_LANE, (step, m, flags), array)
 
     def _arrived(self, source: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
         """A neighbour's activation or gradient, kept until the schedule takes it."""
@@ -265,27 +268,33 @@ class Pipeline:
             tensor.requires_grad_()
         self._arrivals.put((FORWARD if lane == _FORWARD_LANE else BACKWARD, step, m), tensor)
 
-    def _gradient_for(self, out: torch.Tensor, grad: torch.Tensor, step: int, m: int) -> torch.Tensor:
-        """``grad``, refused unless it has the shape and dtype of the output it is the gradient of."""
+    def _check_gradient(self, out: torch.Tensor, grad: torch.Tensor, step: int, m: int) -> None:
+        """Refuse ``grad`` unless it has the shape and dtype of the output it is the gradient of."""
         if grad.shape != out.shape or grad.dtype != out.dtype:
             raise ValueError(f"pipeline stage {self.stage}: the gradient of micro-batch {m} (step {step}) from stage "
                              f"{self.stage + 1} is {tuple(grad.shape)} {grad.dtype}, but its output was "
                              f"{tuple(out.shape)} {out.dtype}")  # fmt: skip
-        return grad
 
-    async def _take(self, key: Key) -> torch.Tensor:
-        """The activation or gradient of ``key``, on this stage's device; a wait for it counts as waiting on the
-        neighbour that owes it."""
-        arrived = self._arrivals.arrived
-        value = arrived.pop(key, None)
+    def _ready(self, key: Key) -> torch.Tensor | None:
+        """The activation or gradient of ``key`` on this stage's device if it has arrived (polled once), else None."""
+        value = self._arrivals.arrived.pop(key, None)
         if value is None:
-            assert self._channel is not None, "make a pipeline with Pipeline.start"
-            self._channel.poll()  # one that has landed is delivered now: taken without a wait
-            value = arrived.pop(key, None)
+            self._poll()  # one that has landed is delivered now: taken without a wait
+            value = self._arrivals.arrived.pop(key, None)
             if value is None:
-                value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
-        if self._on_host:
-            return value
+                return None
+        return value if self._on_host else self._onto_device(value)
+
+    async def _wait_for(self, key: Key, run: _StepRun | None) -> torch.Tensor:
+        """The activation or gradient of ``key``, awaited: the wait counts as waiting on the neighbour that owes it,
+        and as idle time of the step ``run`` (if any)."""
+        waited = perf_counter()
+        value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
+        if run is not None:
+            run.idle_s += perf_counter() - waited
+        return value if self._on_host else self._onto_device(value)
+
+    def _onto_device(self, value: torch.Tensor) -> torch.Tensor:
         return value.detach().to(self.device).requires_grad_(value.requires_grad)  # a leaf here: its .grad is kept
 
     def _here(self, value: Any) -> Any:
@@ -318,14 +327,12 @@ class _StepRun:
     step: int
     inputs: list | None  # the micro-batches' inputs (first stage) and targets (last stage)
     targets: list | None
-    held: dict[int, tuple[torch.Tensor | None, torch.Tensor, int]] = field(default_factory=dict)  # input, output, bytes
+    held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)  # input, output
+    sizes: dict[int, int] = field(default_factory=dict)  # each micro-batch's bytes held from forward to backward
     losses: list[torch.Tensor] = field(default_factory=list)  # the last stage's micro-batch losses, detached
     compute_s: float = 0.0
     idle_s: float = 0.0
     reduce_s: float = 0.0
-    held_bytes: int = 0
-    peak: int = 0
-    peak_bytes: int = 0
 
 
 def sum_in_order(parts: list[torch.Tensor], what: str = "loss") -> float:
@@ -340,8 +347,24 @@ def sum_in_order(parts: list[torch.Tensor], what: str = "loss") -> float:
     return sum(values.reshape(-1).tolist())
 
 
-def _nbytes(value: Any) -> int:
-    return value.nbytes if isinstance(value, torch.Tensor) else 0
+def _peaks(actions: list[Action], sizes: dict[int, int]) -> tuple[int, int]:
+    """The most micro-batches held at once over a step's ``actions``, and the most bytes (``sizes``: each one's),
+    counted once the step is done: a forward holds its micro-batch until its backward (reckoned here, not in the
+    loop that runs twice a micro-batch)."""
+    held = held_bytes = peak = peak_bytes = 0
+    for action in actions:
+        if action.kind == FORWARD:
+            held += 1
+            held_bytes += sizes[action.micro_batch]
+            peak, peak_bytes = max(peak, held), max(peak_bytes, held_bytes)
+        else:
+            held -= 1
+            held_bytes -= sizes[action.micro_batch]
+    return peak, peak_bytes
+
+
+def _not_started(*_: object) -> None:
+    raise RuntimeError("make a pipeline with Pipeline.start")
 
 
 async def _average_gradients(group: Group, module: torch.nn.Module) -> None:

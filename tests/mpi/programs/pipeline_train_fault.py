@@ -17,14 +17,14 @@ FAULT, RANK, AT = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 _forward = Pipeline._forward
 
 
-async def forward_with_fault(self, run, m):
+def forward_with_fault(self, run, m, x):
     if self.system.rank == RANK and run.step == AT and m == 1:
         if FAULT == "kill":
             print(f"rank {RANK} kills itself at step {AT} at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         print(f"rank {RANK} blocks at step {AT} at {time.time():.3f}", flush=True)
         time.sleep(120)
-    await _forward(self, run, m)
+    _forward(self, run, m, x)
 
 
 Pipeline._forward = forward_with_fault
