@@ -53,9 +53,6 @@ _MIN_SLEEP_S = 20e-6
 #: engine polls for them without sleeping. Memory and fabrics move bytes 5-50x faster, so a transfer rarely outlasts
 #: its allowance, and one stalled on a busy peer spins no longer than that allowance before the rank sleeps.
 _TRANSFER_BYTES_PER_S = 1e9
-#: A caller polling in its own stack lets the event loop turn at least this often (``others_ready``): sockets are read
-#: only in the loop's turns, and nothing else says they have data.
-_IO_TURN_S = 0.02
 
 
 @dataclass
@@ -95,7 +92,7 @@ class ProgressEngine:
         self._stopped = False
         self._yielded = False  # the engine waits for its next turn in the loop's ready queue (spinning, or woken)
         self._turn_at = time.monotonic()  # when the engine's task last ran
-        self._wake_at: asyncio.TimerHandle | None = None  # the timer that ends the engine's sleep
+        self._longest_turn_s = config.max_sleep_us * 1e-6
         self._messages_sent = 0  # and the outbox's
         self._bytes_sent = 0
         self.messages_received = 0
@@ -175,22 +172,17 @@ class ProgressEngine:
             self._quiet_s = 0.0
 
     def others_ready(self) -> bool:
-        """Whether another task or callback is ready to run in the event loop, or a timer of the loop's is due: a
-        caller that would poll or test in its own stack must then await instead, and let them run (a loop of calls
-        that all end at once in the caller's stack would otherwise never give the loop a turn: telemetry's reports
-        and the deadlines are timers, served asks and the user's other tasks are callbacks). True where the loop's
-        queues cannot be read, and once the engine has gone without a turn for ``_IO_TURN_S``: sockets (the
-        telemetry broker's) are read only in a turn of the loop. The engine's own next turn, ready or due, is not
-        counted: a caller's poll stands for it. (A pipeline stage computes for milliseconds between its takes, and
-        each take, the engine's sleep timer long due, then went through the loop instead of polling.)"""
-        loop = asyncio.get_running_loop()
-        ready, timers = getattr(loop, "_ready", None), getattr(loop, "_scheduled", None)  # (a deque, a heap)
-        if ready is None or timers is None or ready and not (self._yielded and len(ready) == 1):
+        """Whether another task or callback is ready to run in the event loop: a caller that would poll or test in
+        its own stack must then await instead, and let them run (a loop of calls that all end at once in the
+        caller's stack would otherwise never give the loop a turn: telemetry, served asks, the user's other tasks).
+        True where the loop's run queue cannot be read, and once the engine has gone without a turn for longer than
+        it sleeps at most: timers fall due unseen in the run queue (telemetry's reports, deadlines), and only a turn
+        of the loop runs them."""
+        if time.monotonic() > self._turn_at + self._longest_turn_s:
             return True
-        now = time.monotonic()  # (the clock of asyncio's loop)
-        if now > self._turn_at + _IO_TURN_S:
-            return True
-        return bool(timers) and _timer_due(timers, now, self._wake_at)
+        ready = getattr(asyncio.get_running_loop(), "_ready", None)  # asyncio's run queue (a deque)
+        # (the one ready callback of a yielded or woken engine is its next turn, which a caller's poll stands for)
+        return ready is None or bool(ready) and not (self._yielded and len(ready) == 1)
 
     def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
         """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
@@ -265,10 +257,9 @@ class ProgressEngine:
             delay = min(max(self._quiet_s * _SLEEP_FRACTION, _MIN_SLEEP_S), max_sleep)
             self._quiet_s += delay
             self._sleeper = loop.create_future()
-            handle = self._wake_at = loop.call_later(delay, self._wake)
+            handle = loop.call_later(delay, self._wake)
             await self._sleeper
             handle.cancel()
-            self._wake_at = None
             self._sleeper = None
             self._yielded = False
 
@@ -328,15 +319,6 @@ class ProgressEngine:
     def _watch(self, request: Any, on_done: Callable[[], None], what: str, due: float) -> None:
         """Test ``request`` with the others, and call ``on_done`` once it completes."""
         self._pending.append(_Pending(request, on_done, what, due=due))
-
-
-def _timer_due(timers: list[asyncio.TimerHandle], now: float, own: asyncio.TimerHandle | None) -> bool:
-    """Whether a timer of the loop's heap ``timers`` is due at ``now``, ``own`` left out (then the next two in the
-    heap's order are looked at: one of them is the earliest after it; a cancelled one counts, its turn drops it)."""
-    first = timers[0]
-    if first.when() > now:
-        return False
-    return first is not own or any(timer.when() <= now for timer in timers[1:3])
 
 
 def _nothing() -> None:
