@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...runtime import ActorSystem, Arrivals, Channel, Group
+from ...runtime import ActorSystem, Arrivals, Group
 from ..data_parallel import broadcast_module
 from ..tensor_channel import channel_array, channel_tensor
 from .schedule import BACKWARD, FORWARD, Action, build
@@ -108,7 +108,6 @@ class Pipeline:
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self._arrivals: Arrivals[Key, torch.Tensor] = Arrivals("pipeline message")
         self._before, self._after = system.rank - replicas, system.rank + replicas
-        self._channel: Channel | None = None
         self._send_to: Callable[..., None] = _not_started  # the channel's send and poll, bound (twice a micro-batch)
         self._poll: Callable[[], object] = _not_started
         self._step = 0
@@ -135,7 +134,7 @@ class Pipeline:
             stage, replica = divmod(rank, replicas)
             copy = f", replica {replica} of {replicas}" if replicas > 1 else ""
             system.roles[rank] = f"{name}: pipeline stage {stage} of {pipeline.stages}{copy}"
-        pipeline._channel = channel = await system.channel(f"{name}.tensors", pipeline._arrived)
+        channel = await system.channel(f"{name}.tensors", pipeline._arrived)
         pipeline._send_to, pipeline._poll = channel.send, channel.poll
         if replicas > 1:
             pipeline.group = system.split(pipeline.stage, f"{name}.stage{pipeline.stage}")
@@ -168,7 +167,7 @@ class Pipeline:
         self._step += 1
         for action in self.actions:
             try:  # (no context manager: this runs twice a micro-batch)
-                m = action.micro_batch  # (taken in line, no coroutine a take: they run twice a micro-batch)
+                m = action.micro_batch  # (takes in line, no coroutine for each: this runs twice a micro-batch)
                 if action.kind == FORWARD:
                     if run.inputs is not None:
                         value = run.inputs[m]
