@@ -19,7 +19,9 @@ _AT_LEAST_ONE = ("tokens", "laps", "samples", "top_inputs", "atoms")
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with options spelled out (``--atom`` is no ``--atoms``, as a TOML file's key is not) and, under a
-    launcher, a mistake said once: by rank 0, the other ranks leaving with the same status and no words."""
+    launcher, a mistake said once: by rank 0, whose status 2 becomes the job's. Every rank parses the same command
+    line, so the others leave with no words and status 0, as ``run_job`` does for bad settings: mpirun kills the
+    job a moment after a rank exits non-zero, before a slow rank 0 has spoken."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
@@ -27,7 +29,7 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if launched_rank() != 0:
-            sys.exit(2)
+            sys.exit(0)
         super().error(message)
 
 

@@ -14,8 +14,14 @@ from helpers import LAUNCHER, assert_ok, finish, launch, run_alone
 MPISCALE = [sys.executable, "-m", "mpiscale.cli"]
 
 
-def mpiscale(ranks: int, *args: str, timeout: float = 120):
-    process = launch(ranks, [*MPISCALE, *args])
+def mpiscale(ranks: int, *args: str, timeout: float = 120, rank_0_late_s: float = 0):
+    """``mpiscale ARGS`` on ``ranks`` ranks; ``rank_0_late_s`` starts rank 0 that much later than the others, as a
+    rank on a node with a slow file system starts."""
+    command = [*MPISCALE, *args]
+    if rank_0_late_s:
+        late = f'[ "$OMPI_COMM_WORLD_RANK" = 0 ] && sleep {rank_0_late_s}; exec "$@"'
+        command = ["sh", "-c", late, "sh", *command]
+    process = launch(ranks, command)
     return finish(process, f"mpiscale {' '.join(args)} on {ranks} ranks", timeout)
 
 
@@ -148,7 +154,7 @@ def test_bad_settings_are_said_once_per_job_and_name_the_config_file(tmp_path, r
     job = mpiscale(ranks, "dictlearn", "--config", str(config), "--out", str(tmp_path / "r.h5"))
     assert job.returncode == 2 and job.stdout == "", job.output
     assert job.stderr == f"mpiscale dictlearn: config file {config}: atoms must be int, got 'many'\n", job.stderr
-    job = mpiscale(ranks, "dictlearn", "--atoms", "0", "--out", str(tmp_path / "r.h5"))
+    job = mpiscale(ranks, "dictlearn", "--atoms", "0", "--out", str(tmp_path / "r.h5"), rank_0_late_s=4)
     assert job.returncode == 2 and job.stderr.count("atoms must be at least 1") == 1, job.stderr
 
 
@@ -244,14 +250,15 @@ def test_bench_telemetry_writes_json(tmp_path):
 
 
 def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(tmp_path):
-    """--atom is not --atoms (a TOML file refuses the same typo), and 2 ranks print one usage and one error."""
+    """--atom is not --atoms (a TOML file refuses the same typo), and 2 ranks print one usage and one error, even
+    when rank 0 starts seconds after rank 1 (mpirun kills a job about 2 s after a rank exits non-zero)."""
     from mpiscale.cli import parser
 
     with pytest.raises(SystemExit) as refused:
         parser().parse_args(["dictlearn", "--atom", "7", "--iteration", "5"])
     assert refused.value.code == 2
     assert parser().parse_args(["dictlearn", "--atoms", "7"]).atoms == 7
-    job = mpiscale(2, "dictlearn", "--atomz", "7", "--out", str(tmp_path / "d.h5"))
+    job = mpiscale(2, "dictlearn", "--atomz", "7", "--out", str(tmp_path / "d.h5"), rank_0_late_s=4)
     assert job.returncode == 2 and job.stderr.count("error: unrecognized arguments: --atomz 7") == 1, job.stderr
     assert job.stderr.count("usage: mpiscale") == 1 and not (tmp_path / "d.h5").exists()
 
