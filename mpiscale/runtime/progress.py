@@ -184,10 +184,14 @@ class ProgressEngine:
         # (the one ready callback of a yielded or woken engine is its next turn, which a caller's poll stands for)
         return ready is None or bool(ready) and not (self._yielded and len(ready) == 1)
 
-    def wait(self, request: Any, what: str, keep: object = None) -> asyncio.Future:
-        """An awaitable for one MPI request (collectives use this); its waiting time is counted."""
+    def wait(self, request: Any, what: str, keep: object = None, spin_s: float = 0.0) -> asyncio.Future:
+        """An awaitable for one MPI request (collectives use this), polled for in the caller's stack for up to
+        ``spin_s`` first (``poll_until``); its waiting time is counted. The count begins after the spin: a wait
+        still open gets a done callback, and one queued by a wait that ended in the spin would make the next
+        caller's ``others_ready`` true (the second swap of a 4 MiB allreduce then went through the event loop: 0.78x
+        its messages' floor, against 1.0x with no callback queued)."""
+        began = time.monotonic()
         future = asyncio.get_running_loop().create_future()
-        self.waits.count(future, what)
 
         def resolve() -> None:
             if not future.done():
@@ -195,6 +199,9 @@ class ProgressEngine:
 
         self._pending.append(_Pending(request, resolve, what, keep=keep))
         self.kick()
+        if spin_s:
+            self.poll_until(future, spin_s)
+        self.waits.count(future, what, began)
         return future
 
     def track(self, request: Any, what: str, keep: object) -> None:

@@ -26,9 +26,7 @@ async def settle(engine: ProgressEngine, request: Any, what: str, keep: object, 
         await engine.wait(request, what, keep)
         return
     if not ends_in_place(request.Test, INLINE_TEST_S):
-        done = engine.wait(request, what, keep)
-        engine.poll_until(done, spin_s)
-        await done
+        await engine.wait(request, what, keep, spin_s)
 
 
 async def settle_all(engine: ProgressEngine, requests: list, what: str, keep: object, spin_s: float) -> None:
