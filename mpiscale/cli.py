@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 from importlib import import_module
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from . import run_dir
 from ._version import __version__
@@ -14,18 +14,27 @@ from .commands import COMMANDS, GROUPS, Command, children
 from .jobs import add_options
 from .ranks import launched_rank
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
 _AT_LEAST_ONE = ("tokens", "laps", "samples", "top_inputs", "atoms")
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with options spelled out (``--atom`` is no ``--atoms``, as a TOML file's key is not) and, under a
-    launcher, a mistake said once: by rank 0, whose status 2 becomes the job's. Every rank parses the same command
-    line, so the others leave with no words and status 0, as ``run_job`` does for bad settings: mpirun kills the
-    job a moment after a rank exits non-zero, before a slow rank 0 has spoken."""
+    launcher, help, the version and a mistake said once: by rank 0, whose status 2 becomes the job's. Every rank
+    parses the same command line, so the others leave with no words and status 0, as ``run_job`` does for bad
+    settings: mpirun kills the job a moment after a rank exits non-zero, before a slow rank 0 has spoken."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+
+    def _print_message(self, message: str, file: SupportsWrite[str] | None = None) -> None:
+        """Help, usage, the version and errors, printed by rank 0 alone under a launcher (argparse prints them all
+        here)."""
+        if launched_rank() == 0:
+            super()._print_message(message, file)
 
     def error(self, message: str) -> NoReturn:
         if launched_rank() != 0:

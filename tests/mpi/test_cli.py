@@ -251,7 +251,8 @@ def test_bench_telemetry_writes_json(tmp_path):
 
 def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(tmp_path):
     """--atom is not --atoms (a TOML file refuses the same typo), and 2 ranks print one usage and one error, even
-    when rank 0 starts seconds after rank 1 (mpirun kills a job about 2 s after a rank exits non-zero)."""
+    when rank 0 starts seconds after rank 1 (mpirun kills a job about 2 s after a rank exits non-zero); one help and
+    one version too."""
     from mpiscale.cli import parser
 
     with pytest.raises(SystemExit) as refused:
@@ -261,6 +262,9 @@ def test_options_are_spelled_out_and_a_mistake_under_the_launcher_is_said_once(t
     job = mpiscale(2, "dictlearn", "--atomz", "7", "--out", str(tmp_path / "d.h5"), rank_0_late_s=4)
     assert job.returncode == 2 and job.stderr.count("error: unrecognized arguments: --atomz 7") == 1, job.stderr
     assert job.stderr.count("usage: mpiscale") == 1 and not (tmp_path / "d.h5").exists()
+    helped, told = mpiscale(2, "dictlearn", "--help"), mpiscale(2, "--version")
+    assert helped.returncode == 0 and helped.stdout.count("show this help message") == 1, helped.output
+    assert told.returncode == 0 and told.stdout.count("mpiscale ") == 1, told.output
 
 
 def test_bench_lasso_checks_every_objective_against_spams_and_scikit_learn(tmp_path):
