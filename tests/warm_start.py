@@ -113,12 +113,17 @@ def _preload() -> None:
     """What a rank of this suite imports before it does anything, but MPI and HDF5: HDF5 must start after MPI, as
     in a rank that imports mpi4py first, to close its files when MPI finalizes rather than after."""
     import numba
+    import numba.cuda  # noqa: F401  (the module, not the driver: every kernel job asks whether a GPU is there)
     import numpy  # noqa: F401
+    import scipy.linalg  # noqa: F401  (the BLAS Numba's np.dot calls: 0.3-0.6 s of every kernel job's rank)
     import torch
     import torch.nn
     import torch.optim  # noqa: F401
 
-    numba.core.registry.cpu_target.target_context.codegen()  # the CPU target: 0.4 s of every Numba rank
+    cpu = numba.core.registry.cpu_target
+    cpu.target_context.codegen()  # the CPU target: 0.4 s of every Numba rank
+    cpu.target_context.refresh()  # its typing and lowering registries: 0.5 s of the first kernel a rank loads
+    cpu.typing_context.refresh()
     gc.freeze()  # what is loaded stays out of the workers' collections, which would copy every page they touch
 
 
