@@ -46,6 +46,8 @@ api: setup
 # after another. On 2026-12-02 a clean clone's pytest took 24:09 (2,866 s of the workers' time for 1,450 s of wall: they
 # ran side by side to the end); process accounting over the dictlearn and circuits files found the two cores 87% busy,
 # 84% of it in warm-started ranks' own work, and the runtime's spins cost nothing there (all spins off: 204 s, 207 on).
+# On 2026-12-03, with the project's bytecode and more preloaded in the warm ranks, a clean clone's pytest took 21:41
+# (2,621 s of the workers' time; the cores 85% busy); the cold-started cluster file was the largest, 371 s.
 TEST_WORKERS ?= 2
 
 # The suite runs on the compiled message path (launch/setup.sh builds it; tests/unit/test_wire.py fails where it is
