@@ -47,7 +47,8 @@ api: setup
 # ran side by side to the end); process accounting over the dictlearn and circuits files found the two cores 87% busy,
 # 84% of it in warm-started ranks' own work, and the runtime's spins cost nothing there (all spins off: 204 s, 207 on).
 # On 2026-12-03, with the project's bytecode and more preloaded in the warm ranks, a clean clone's pytest took 21:41
-# (2,621 s of the workers' time; the cores 85% busy); the cold-started cluster file was the largest, 371 s.
+# on a fast hour of the VM and 33:08 on a slow one (2,621 s of the workers' time in the fast run; the cores 85% busy
+# over its whole .ci/run); the cold-started cluster file was the largest, 371 s.
 TEST_WORKERS ?= 2
 
 # The suite runs on the compiled message path (launch/setup.sh builds it; tests/unit/test_wire.py fails where it is
