@@ -14,8 +14,12 @@ Two roles, one file:
   first ``mpi4py`` import initialises MPI from the launcher's environment as a cold rank does) and relays between
   it and the stand-in: signals one way, the exit status the other; it kills the worker when the stand-in dies.
 - ``SOCKET python-arguments...`` is the *stand-in*, the process mpirun (or a test) starts: stdlib only, about
-  30 ms of CPU. It sends its arguments, environment, directory and streams 0-2, forwards the signals it gets, and exits
-  as the worker did (its exit status, or the same signal).
+  30 ms of CPU. It sends its arguments, environment, directory, streams 0-2 and namespaces, forwards the signals it
+  gets, and exits as the worker did (its exit status, or the same signal).
+
+A stand-in that mpirun starts on a node of the local cluster (``hpc/cluster``: a network, UTS and mount namespace)
+has a worker that joins those namespaces before anything else: the rank has the node's hostname, address and
+node-local disk, as a cold one would, and ``cluster.sh kill`` (every process of the node's network) takes it too.
 
 Tests that check start-up itself (a stop while a rank imports, what ``--help`` imports, the first compile) start
 cold: ``helpers.launch(..., cold=True)``, and ``MPISCALE_TESTS_COLD=1`` starts every process of the suite cold.
@@ -24,6 +28,7 @@ cold: ``helpers.launch(..., cold=True)``, and ``MPISCALE_TESTS_COLD=1`` starts e
 from __future__ import annotations
 
 import array
+import ctypes
 import gc
 import json
 import os
@@ -41,6 +46,7 @@ LIMITS = ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS", "RLIMIT_D
 # interpreter's own): a request whose values differ from the preloaded process's starts cold, in the worker's place.
 READ_AT_IMPORT = ("NUMBA_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "PYTHON",
                   "LD_", "HDF5_", "MALLOC_")  # fmt: skip
+NAMESPACES = ("net", "uts", "mnt")  # what a node of the local cluster is made of (hpc/cluster/cluster.sh)
 _LENGTH = struct.Struct("!I")
 _EVENT = struct.Struct("!ii")  # (kind, number): kind 0 exit status, 1 killed by signal, 2 a signal to forward
 
@@ -54,10 +60,13 @@ def stand_in(path: str, arguments: list[str]) -> None:
         "cpus": sorted(os.sched_getaffinity(0)),  # mpirun's binding, where it binds
         "limits": {name: resource.getrlimit(getattr(resource, name)) for name in LIMITS},
     }).encode()  # fmt: skip
+    namespaces = [os.open(f"/proc/self/ns/{kind}", os.O_RDONLY) for kind in NAMESPACES]
     connection.sendmsg(
         [_LENGTH.pack(len(request)), request],
-        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))],
+        [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2, *namespaces]))],
     )
+    for descriptor in namespaces:
+        os.close(descriptor)
 
     def forward(signum, _frame):
         try:
@@ -139,19 +148,20 @@ def _reap() -> None:
 
 def _keep(connection: socket.socket) -> None:
     """The keeper: fork the worker, relay signals to it and its end to the stand-in; never returns."""
-    header, descriptors, _, _ = connection.recvmsg(_LENGTH.size, socket.CMSG_SPACE(3 * array.array("i").itemsize))
+    passed = 3 + len(NAMESPACES)  # streams 0-2, then the namespaces
+    header, descriptors, _, _ = connection.recvmsg(_LENGTH.size, socket.CMSG_SPACE(passed * array.array("i").itemsize))
     (size,) = _LENGTH.unpack(header + connection.recv(_LENGTH.size - len(header), socket.MSG_WAITALL))
     message = connection.recv(size, socket.MSG_WAITALL)
-    streams = array.array("i")
+    received = array.array("i")
     for _level, _type, data in descriptors:
-        streams.frombytes(data[: len(data) - len(data) % streams.itemsize])
+        received.frombytes(data[: len(data) - len(data) % received.itemsize])
     request = json.loads(message)
     worker = os.fork()
     if worker == 0:
         connection.close()
-        _become(request, list(streams))
+        _become(request, list(received[:3]), list(received[3:]))
         sys.exit(0)  # the program returned: the interpreter ends as it would have (its exit handlers, MPI's end)
-    for descriptor in streams:
+    for descriptor in received:
         os.close(descriptor)
     watch = os.pidfd_open(worker)
     while True:
@@ -171,8 +181,9 @@ def _keep(connection: socket.socket) -> None:
         os.kill(worker, _EVENT.unpack(data)[1])
 
 
-def _become(request: dict, streams: list[int]) -> None:
-    """The worker: take the stand-in's streams, environment, directory and arguments, and run its program."""
+def _become(request: dict, streams: list[int], namespaces: list[int]) -> None:
+    """The worker: take the stand-in's streams, namespaces, environment, directory and arguments, and run its
+    program."""
     import io
     import runpy
 
@@ -187,7 +198,8 @@ def _become(request: dict, streams: list[int]) -> None:
     for target, descriptor in enumerate(streams):
         os.dup2(descriptor, target)
         os.close(descriptor)
-    os.chdir(request["cwd"])
+    _enter(namespaces)
+    os.chdir(request["cwd"])  # after the namespaces: joining a mount namespace moves a process to its root
     os.umask(request["umask"])
     os.sched_setaffinity(0, request["cpus"])
     for name, limits in request["limits"].items():
@@ -214,6 +226,18 @@ def _become(request: dict, streams: list[int]) -> None:
         sys.argv = list(arguments)
         sys.path[0] = os.path.dirname(os.path.abspath(arguments[0]))
         runpy.run_path(arguments[0], run_name="__main__")
+
+
+def _enter(namespaces: list[int]) -> None:
+    """Join the stand-in's namespaces where they are not this process's (it is single-threaded, as joining a mount
+    namespace requires: a child just forked)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, descriptor in zip(NAMESPACES, namespaces, strict=True):
+        theirs, ours = os.fstat(descriptor), os.stat(f"/proc/self/ns/{kind}")
+        if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino) and libc.setns(descriptor, 0) != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"the warm start cannot join its stand-in's {kind} namespace: {os.strerror(number)}")
+        os.close(descriptor)
 
 
 def _read_at_import(environment) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, assert_ok, finish
+from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, Preloaded, assert_ok, finish
 from memstore_files import assert_same, results
 from slurm_cluster import Controller
 
@@ -47,12 +47,17 @@ def nodes():
     cluster("down")
 
 
+def mpirun(ranks: int, command: list[str]) -> list[str]:
+    """The launch line of ``command`` on ``ranks`` ranks over the cluster's nodes, 2 per node; a ``python`` command
+    starts warm, each rank inside its node's namespaces (``tests/warm_start.py``)."""
+    return [str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *Preloaded.command(command)]
+
+
 def across(ranks: int, command: list[str], what: str, timeout: float = 120, env: dict | None = None) -> Job:
-    """``command`` on ``ranks`` ranks over the cluster's nodes, 2 per node, with a hard timeout."""
+    """``command`` on ``ranks`` ranks over the cluster's nodes, with a hard timeout."""
     environment = SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "0"} | (env or {})
-    process = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *command], env=environment,
-                               cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(mpirun(ranks, command), env=environment, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
     return finish(process, what, timeout)
 
 
@@ -61,13 +66,15 @@ def on_node(node: str, command: str) -> subprocess.CompletedProcess:
 
 
 PLACEMENT = """
+import os
 import socket
 import mpiscale
 
 async def main(system):
     h = system.hierarchy
+    spaces = tuple(os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "uts", "mnt"))
     rows = system.world.comm.allgather((system.rank, socket.gethostname(), h.node_index, h.node_count, h.node.rank,
-                                        h.leaders is not None))
+                                        h.leaders is not None, *spaces))
     if system.rank == 0:
         for row in rows:
             print("placed", *row)
@@ -90,15 +97,23 @@ def test_the_cluster_starts_within_its_goal_and_every_node_is_its_own_host(nodes
     assert again.returncode == 0 and "already up" in again.stdout
 
 
-def test_ranks_run_on_separate_hosts_and_the_node_communicators_follow_them(nodes):
+@pytest.mark.parametrize("start", ["warm", "cold"])
+def test_ranks_run_on_separate_hosts_and_the_node_communicators_follow_them(nodes, tmp_path, start):
     """6 ranks, 2 per node: each node's ranks see their own hostname; the runtime finds 3 nodes of 2 from the
-    hosts themselves (no MPISCALE_RANKS_PER_NODE), with the first rank of each leading it."""
-    job = across(6, [sys.executable, "-c", PLACEMENT], "placement on 3 nodes")
+    hosts themselves (no MPISCALE_RANKS_PER_NODE), with the first rank of each leading it. Each rank is in its
+    node's network, UTS and mount namespaces, started cold or warm (forked on the machine, then joining them)."""
+    program = tmp_path / "placement.py"
+    program.write_text(PLACEMENT)
+    command = [sys.executable, str(program)]
+    job = across(6, command if start == "warm" else [sys.executable, "-c", PLACEMENT], f"placement on 3 nodes, {start}")
     assert_ok(job)
     rows = [line.split()[1:] for line in job.stdout.splitlines() if line.startswith("placed")]
-    assert [(r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
+    assert [tuple(r[1:6]) for r in rows] == [
         (f"node{k // 2 + 1}", str(k // 2), "3", str(k % 2), str(k % 2 == 0)) for k in range(6)
     ], job.stdout
+    for row in rows:
+        holder = Path(f"/run/mpiscale-cluster/{row[1]}.pid").read_text().strip()
+        assert row[6:] == [os.readlink(f"/proc/{holder}/ns/{kind}") for kind in ("net", "uts", "mnt")], row
 
 
 @pytest.mark.parametrize("ranks", [4, 6])
@@ -140,8 +155,8 @@ def _killed_mid_run(
     """``command`` on ``ranks`` ranks over the cluster (its output in ``log``; its stderr there too, or kept in the
     job), with node ``lost`` killed at its iteration 40: the job as it ended, and when the node was killed."""
     with open(log, "w") as output:
-        job = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", str(ranks), "--", *command], env=environment, cwd=REPO,
-                               text=True, stdout=output, stderr=stderr, start_new_session=True)  # fmt: skip
+        job = subprocess.Popen(mpirun(ranks, command), env=environment, cwd=REPO, text=True, stdout=output,
+                               stderr=stderr, start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and job.poll() is None and _iterations(log) < 40:
             time.sleep(0.05)
@@ -229,9 +244,8 @@ def test_a_node_lost_while_the_ranks_that_remain_are_held_in_hdf5_is_still_one_l
     log = tmp_path / "out.log"
     try:
         with open(log, "w") as output:
-            job = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *program], env=environment,
-                                   cwd=tmp_path, text=True, stdout=output, stderr=subprocess.PIPE,
-                                   start_new_session=True)  # fmt: skip
+            job = subprocess.Popen(mpirun(4, program), env=environment, cwd=tmp_path, text=True, stdout=output,
+                                   stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and job.poll() is None and log.read_text().count(" holds") < 2:
                 time.sleep(0.05)
@@ -286,9 +300,8 @@ def test_a_job_with_node_local_checkpoints_loses_a_node_and_resumes_from_partner
                str(every), "--local-dir", LOCAL, "--shared-every", "0", "--resume"]  # fmt: skip
     environment = SESSION_ENVIRONMENT | {"PYTHONUNBUFFERED": "1", "MPISCALE_TELEMETRY": "0"}
     try:
-        first = subprocess.Popen([str(CLUSTER / "mpirun"), "-n", "4", "--", *durable], env=environment, cwd=REPO,
-                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 start_new_session=True)  # fmt: skip
+        first = subprocess.Popen(mpirun(4, durable), env=environment, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and first.poll() is None and _checkpointed(checkpoints) < every:
             time.sleep(0.05)

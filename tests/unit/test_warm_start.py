@@ -4,6 +4,7 @@ death by a signal, signals delivered, the program's own environment, and nothing
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -26,17 +27,20 @@ if action == "raise":
     raise ValueError("raised by the probe")
 if action == "wait":
     time.sleep(60)
+if action == "node":
+    import socket
+    print(socket.gethostname(), open(os.path.join(sys.argv[2], "mark")).read(), flush=True)
 """
 
 
-def start(tmp_path, *arguments, env: dict | None = None) -> subprocess.Popen:
+def start(tmp_path, *arguments, env: dict | None = None, prefix: tuple = ()) -> subprocess.Popen:
     if Preloaded.cold:
         pytest.skip("MPISCALE_TESTS_COLD=1: no preloaded process")
     program = tmp_path / "probe.py"
     program.write_text(PROBE)
     command = Preloaded.command([sys.executable, str(program), *arguments])
     assert command[0] == sys.executable and "warm_start.py" in command[3]
-    return subprocess.Popen(command, env=WARM_ENVIRONMENT | (env or {}), cwd=tmp_path, text=True,
+    return subprocess.Popen([*prefix, *command], env=WARM_ENVIRONMENT | (env or {}), cwd=tmp_path, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
 
 
@@ -80,6 +84,20 @@ def test_a_setting_the_preloaded_libraries_read_as_they_load_starts_the_program_
     process = start(tmp_path, "exit", "0", env={"NUMBA_NUM_THREADS": "1"})
     stdout, _ = process.communicate(timeout=60)
     assert process.returncode == 0 and stdout.split()[0] == "False"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="new UTS and mount namespaces need root")
+def test_a_stand_in_in_other_namespaces_has_its_program_run_in_them(tmp_path):
+    """As on a node of the local cluster: the program has the stand-in's hostname and sees its mounts."""
+    private = tmp_path / "node-disk"
+    private.mkdir()
+    prepare = f"hostname warm-probe-node && mount -t tmpfs node-disk {private} && echo node-only > {private}/mark"
+    node = ("unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", f'{prepare} && exec "$@"', "node")
+    process = start(tmp_path, "node", str(private), prefix=node)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr
+    assert stdout.split()[-2:] == ["warm-probe-node", "node-only"]
+    assert not (private / "mark").exists(), "the mount leaked out of the stand-in's namespace"
 
 
 def _alive(pid: int) -> bool:
