@@ -48,7 +48,9 @@ api: setup
 # 84% of it in warm-started ranks' own work, and the runtime's spins cost nothing there (all spins off: 204 s, 207 on).
 # On 2026-12-03, with the project's bytecode and more preloaded in the warm ranks, a clean clone's pytest took 21:41
 # on a fast hour of the VM and 33:08 on a slow one (2,621 s of the workers' time in the fast run; the cores 85% busy
-# over its whole .ci/run); the cold-started cluster file was the largest, 371 s.
+# over its whole .ci/run); the cold-started cluster file was the largest, 371 s. On 2026-12-04, its ranks warm too,
+# a clean clone's pytest took 20:00 (2,416 s of the workers' time; the cluster file 303 s; other files ran 5-20%
+# faster too that hour, so part of it is the VM's speed).
 TEST_WORKERS ?= 2
 
 # The suite runs on the compiled message path (launch/setup.sh builds it; tests/unit/test_wire.py fails where it is
