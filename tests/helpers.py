@@ -8,6 +8,7 @@ fixtures.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -146,13 +147,46 @@ def finish(process: subprocess.Popen, what: str, timeout: float) -> Job:
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGUSR1)  # mpirun forwards it: every rank dumps its state
         time.sleep(2)
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+        # the launcher runs mpirun in a session of its own, out of the launcher's process group: each process under
+        # it is killed too (a warm rank's worker then goes with its stand-in), else they kept the job's pipes open
+        # and the wait for its output hung until pytest's own timeout, with no diagnostics (2026-12-04)
+        for pid in [process.pid, *descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired as held:
+            stdout = _text(held.stdout)
+            stderr = "(the job's output stayed open after it was killed)\n" + _text(held.stderr)
         pytest.fail(
             f"HUNG: {what} did not finish within {timeout}s; rank diagnostics follow\n"
             f"--- stdout ---\n{(stdout or '')[-6000:]}\n--- stderr ---\n{(stderr or '')[-12000:]}"
         )
     return Job(process.returncode, stdout or "", LIBEVENT_WARNING.sub("", stderr or ""), time.monotonic() - start)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (its children, theirs, ...), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def _text(output: str | bytes | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 def run_mpi(program: str, ranks: int, *args: str, timeout: float = 90, env: dict | None = None) -> Job:
