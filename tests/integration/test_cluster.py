@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, Preloaded, assert_ok, finish
+from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, Preloaded, assert_ok, finish, running
 from memstore_files import assert_same, results
 from slurm_cluster import Controller
 
@@ -102,10 +102,13 @@ def test_ranks_run_on_separate_hosts_and_the_node_communicators_follow_them(node
     """6 ranks, 2 per node: each node's ranks see their own hostname; the runtime finds 3 nodes of 2 from the
     hosts themselves (no MPISCALE_RANKS_PER_NODE), with the first rank of each leading it. Each rank is in its
     node's network, UTS and mount namespaces, started cold or warm (forked on the machine, then joining them)."""
-    program = tmp_path / "placement.py"
-    program.write_text(PLACEMENT)
-    command = [sys.executable, str(program)]
-    job = across(6, command if start == "warm" else [sys.executable, "-c", PLACEMENT], f"placement on 3 nodes, {start}")
+    if start == "warm":  # a program file starts warm (helpers.Preloaded), ``-c`` cold
+        program = tmp_path / "placement.py"
+        program.write_text(PLACEMENT)
+        command = [sys.executable, str(program)]
+    else:
+        command = [sys.executable, "-c", PLACEMENT]
+    job = across(6, command, f"placement on 3 nodes, {start}")
     assert_ok(job)
     rows = [line.split()[1:] for line in job.stdout.splitlines() if line.startswith("placed")]
     assert [tuple(r[1:6]) for r in rows] == [
@@ -604,19 +607,11 @@ def test_the_cluster_is_refused_without_root_and_tears_down_leaving_nothing(node
     assert subprocess.run(["ip", "link", "show", "mpiscale-br0"], capture_output=True).returncode != 0
     assert "mpiscale-cluster" not in Path("/etc/hosts").read_text()
     assert not Path("/run/mpiscale-cluster").exists()
-    assert not [pid for pid in holders if _running(pid)], holders
+    assert not [pid for pid in holders if running(pid)], holders
     daemons = [line for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
                .splitlines() if "/run/mpiscale-cluster/" in line]  # fmt: skip
     assert not daemons, f"Slurm's daemons of the cluster outlived it: {daemons}"
     assert cluster("status").returncode == 1 and cluster("down").returncode == 0
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 def _iterations(log: Path) -> int:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_ok, finish, run_mpi, start_mpi
+from helpers import assert_ok, ended_within, finish, run_mpi, start_mpi
 
 
 def test_idle_rank_does_not_spin(ranks):
@@ -26,12 +26,7 @@ def test_a_job_past_its_timeout_is_reported_hung_with_every_ranks_diagnostics_an
     assert "HUNG: signals.py usr1" in str(failed.value) and "mpiscale diagnostics: rank 1 of 2" in str(failed.value)
     for rank in range(2):
         pid = int((tmp_path / f"rank{rank}.pid").read_text())
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1], (
-            f"rank {rank} (pid {pid}) outlived its killed job"
-        )
+        assert ended_within(pid, 30), f"rank {rank} (pid {pid}) outlived its killed job"
 
 
 def test_run_returns_after_in_flight_messages_are_handled(ranks):

@@ -8,10 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
-from helpers import WARM_ENVIRONMENT, Preloaded
+from helpers import WARM_ENVIRONMENT, Preloaded, ended_within
 
 PROBE = """
 import os, signal, sys, time
@@ -74,10 +73,7 @@ def test_signals_reach_the_program_and_a_killed_stand_in_takes_it_along(tmp_path
     worker = int(process.stdout.readline().split()[3])
     process.kill()
     process.communicate(timeout=60)
-    deadline = time.monotonic() + 10
-    while _alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(worker), "the program outlived its killed stand-in"
+    assert ended_within(worker, 10), "the program outlived its killed stand-in"
 
 
 def test_a_setting_the_preloaded_libraries_read_as_they_load_starts_the_program_cold(tmp_path):
@@ -98,11 +94,3 @@ def test_a_stand_in_in_other_namespaces_has_its_program_run_in_them(tmp_path):
     assert process.returncode == 0, stderr
     assert stdout.split()[-2:] == ["warm-probe-node", "node-only"]
     assert not (private / "mark").exists(), "the mount leaked out of the stand-in's namespace"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as status:
-            return status.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
