@@ -18,13 +18,13 @@ culprit; the question is asked again, less and less often.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 from ..words import counted
@@ -40,17 +40,26 @@ _NO_COLLECTIVES: dict[str, Any] = {
 }  # the log of a communicator a rank never used
 
 
+#: The call sites found so far, by (the id of a code object, an instruction's offset in it): that code object, kept
+#: so that no other takes its id while the entry stands, and the site. A frame's line number is worked out by walking
+#: its code's line table from the function's first line: a collective called 300 lines into a function spent 1.9 µs
+#: on it, against 0.4 µs for its site found here (2026-12-04).
+_SITES: dict[tuple[int, int], tuple[CodeType, str]] = {}
+_KEPT_SITES = 4096  # more than a program's distinct lines that start collectives
+
+
 def call_site() -> str:
     """``file:line`` of the nearest caller outside the runtime package (where user code started a collective)."""
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_RUNTIME_DIR):
         frame = frame.f_back
-    return _site(frame.f_code.co_filename, frame.f_lineno)
-
-
-@functools.lru_cache(maxsize=1024)
-def _site(filename: str, line: int) -> str:
-    return f"{os.path.basename(filename)}:{line}"
+    code, offset = frame.f_code, frame.f_lasti
+    found = _SITES.get((id(code), offset))
+    if found is None:
+        found = (code, f"{os.path.basename(code.co_filename)}:{frame.f_lineno}")
+        if len(_SITES) < _KEPT_SITES:
+            _SITES[(id(code), offset)] = found
+    return found[1]
 
 
 @dataclass

@@ -1,5 +1,7 @@
 """The decision behind the report of a collective some rank will never enter (a pure function of the ranks' answers)."""
 
+import sys
+
 from mpiscale.runtime.abandoned import CollectiveLog, diagnose
 
 
@@ -58,3 +60,23 @@ def test_a_call_refused_before_mpi_does_not_count():
     log.end(log.begin("allreduce"))
     log.cancel(log.begin("allreduce"))  # e.g. an object array, refused on this rank only
     assert log.started == 1 and not log.pending and log.oldest() is None
+
+
+def test_each_call_is_logged_at_the_line_that_made_it_however_often_it_runs():
+    log = CollectiveLog("world", (0, 1))
+    for _ in range(3):  # a site is found once and then recalled: the same line gives the same site, others their own
+        first = log.begin("allreduce"), sys._getframe().f_lineno
+        second = log.begin("allreduce"), sys._getframe().f_lineno
+        assert log.pending[first[0]][1] == f"test_abandoned_collectives.py:{first[1]}"
+        assert log.pending[second[0]][1] == f"test_abandoned_collectives.py:{second[1]}"
+
+
+def test_functions_made_and_dropped_one_after_another_each_get_their_own_sites():
+    """A site is recalled by its code object's id: one that is dropped keeps its entry (and so its id) from a new
+    function's code, which would otherwise be taken for it."""
+    log = CollectiveLog("world", (0, 1))
+    for padding in range(1, 40):
+        scope: dict = {}
+        exec(compile("\n" * padding + "def job(log):\n    return log.begin('barrier')\n", "job.py", "exec"), scope)
+        number = scope.pop("job")(log)
+        assert log.pending[number][1] == f"job.py:{padding + 2}"
