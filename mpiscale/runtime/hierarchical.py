@@ -201,7 +201,8 @@ class HierarchicalAllreduce:
         ufunc = exchanged(comm.Get_size(), data.dtype, self._ufunc(op))
         result, caller_result = direct_result(data, out, by_exchange=ufunc is not None)
         if ufunc is None:
-            return iter([[comm.Iallreduce(data, result, op)]]), caller_result
+            sent = self._MPI.IN_PLACE if np.may_share_memory(result, data) else data  # (``out`` is ``data``)
+            return iter([[comm.Iallreduce(sent, result, op)]]), caller_result
         theirs = self.kept_copies(room(data))  # the worker and the loop never run calls at once: one buffer
         return rounds(comm, ufunc, data, result, theirs), caller_result
 

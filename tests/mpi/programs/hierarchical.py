@@ -33,6 +33,19 @@ async def main(system) -> None:
         assert await h.allreduce(matrix, out=matrix) is matrix and (matrix == ranks * (ranks + 1) / 2).all()
         row = np.arange(float(shape[0] * shape[1]))
         assert (await h.allreduce(row * rank, op="max") == row * (ranks - 1)).all()
+    # ``out`` apart from the array, overlapping it, of another dtype: the sum lands in it each time (MPI's own call
+    # reduces straight into an ``out`` apart, through a buffer of its own where they overlap or differ)
+    values = np.arange(12.0) + rank
+    total = sum(np.arange(12.0) + r for r in range(ranks))
+    into = np.empty(12)
+    assert await h.allreduce(values, out=into) is into and (into == total).all()
+    assert (values == np.arange(12.0) + rank).all(), "the array changed"
+    both = np.zeros(24)
+    both[:12] = values
+    overlapping = both[6:18]
+    assert await h.allreduce(both[:12], out=overlapping) is overlapping and (overlapping == total).all()
+    narrow = np.empty(12, np.float32)
+    assert await h.allreduce(values, out=narrow) is narrow and (narrow == total.astype(np.float32)).all()
     # A small call runs on the event loop where the reducer's thread is idle, and queues behind the thread's calls
     # where it is not: rank 0 makes it with its 4 MiB call still in flight, the others after theirs ended. Every
     # rank's calls still meet in the same order.
