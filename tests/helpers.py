@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from mpiscale.runtime.death_watch import alive
+
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / "launch" / "mpiscale-run"
 PROGRAMS = REPO / "tests" / "mpi" / "programs"
@@ -185,20 +187,12 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def ended_within(pid: int, seconds: float) -> bool:
     """Whether process ``pid`` has ended (or is a zombie) within ``seconds``."""
     deadline = time.monotonic() + seconds
-    while running(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not running(pid)
+    return not alive(pid)
 
 
 def _text(output: str | bytes | None) -> str:

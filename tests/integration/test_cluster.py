@@ -19,9 +19,11 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, Preloaded, assert_ok, finish, running
+from helpers import MPIRUN_GRACE, PROGRAMS, REPO, SESSION_ENVIRONMENT, Job, Preloaded, assert_ok, finish
 from memstore_files import assert_same, results
 from slurm_cluster import Controller
+
+from mpiscale.runtime.death_watch import alive
 
 CLUSTER = REPO / "hpc" / "cluster"
 NODES = 3
@@ -607,7 +609,7 @@ def test_the_cluster_is_refused_without_root_and_tears_down_leaving_nothing(node
     assert subprocess.run(["ip", "link", "show", "mpiscale-br0"], capture_output=True).returncode != 0
     assert "mpiscale-cluster" not in Path("/etc/hosts").read_text()
     assert not Path("/run/mpiscale-cluster").exists()
-    assert not [pid for pid in holders if running(pid)], holders
+    assert not [pid for pid in holders if alive(pid)], holders
     daemons = [line for line in subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
                .splitlines() if "/run/mpiscale-cluster/" in line]  # fmt: skip
     assert not daemons, f"Slurm's daemons of the cluster outlived it: {daemons}"
