@@ -96,9 +96,12 @@ def direct_result(
     C-contiguous: for the exchange even in place; for MPI's call when it is ``data`` itself (the result is then
     ``data``'s memory: reduce with ``MPI.IN_PLACE``) or of its size and apart from it. Else a new array, copied
     into ``out`` after the call (a 1 MiB allreduce of 4 ranks once took a new buffer and a copy every call)."""
-    fits = out is not None and out.dtype == data.dtype and out.flags.c_contiguous
-    if out is not None and fits and not by_exchange:
-        fits = out is data or (out.size == data.size and not np.may_share_memory(out, data))
+    fits = (
+        out is not None
+        and out.dtype == data.dtype
+        and out.flags.c_contiguous
+        and (by_exchange or out is data or (out.size == data.size and not np.may_share_memory(out, data)))
+    )
     result = out.reshape(data.shape) if fits and out is not None else np.empty_like(data)
 
     def caller_result() -> np.ndarray:
