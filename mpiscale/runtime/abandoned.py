@@ -49,8 +49,10 @@ _KEPT_SITES = 4096  # more than a program's distinct lines that start collective
 
 
 def call_site() -> str:
-    """``file:line`` of the nearest caller outside the runtime package (where user code started a collective)."""
-    frame = sys._getframe(1)
+    """``file:line`` of the nearest caller outside the runtime package (where user code started a collective), for
+    :meth:`CollectiveLog.begin`: the walk starts at begin's caller (``sys._getframe`` makes a frame object only for
+    the frame it returns; each ``f_back`` makes one more)."""
+    frame = sys._getframe(2)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_RUNTIME_DIR):
         frame = frame.f_back
     code, offset = frame.f_code, frame.f_lasti
@@ -84,6 +86,11 @@ class CollectiveLog:
             self.last = (operation, self.started, site)
             self.pending[self.started] = (operation, site, time.monotonic())
             return self.started
+
+    def site(self, number: int) -> str:
+        """Where the pending collective ``number`` was called."""
+        with self._lock:
+            return self.pending[number][1]
 
     def end(self, number: int) -> None:
         """The collective ``number`` completed (or failed) on this rank."""

@@ -66,8 +66,11 @@ def _collective(
     async def logged(self: Communicator, *args: P.args, **kwargs: P.kwargs) -> R:
         number, posted = self.log.begin(operation), self._posted
         try:
-            async with self._one_at_a_time:  # FIFO: the calls start in call order, the same on every rank
+            await self._one_at_a_time.acquire()  # FIFO: the calls start in call order, the same on every rank
+            try:
                 return await method(self, *args, **kwargs)
+            finally:
+                self._one_at_a_time.release()
         except BaseException:
             if self._posted == posted:  # refused before any MPI call: the other ranks need not match it
                 self.log.cancel(number)

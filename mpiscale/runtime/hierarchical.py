@@ -82,7 +82,7 @@ from ..ranks import Comm, block_rows, by_ranks
 from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .pair_reduce import direct_result, exchanged, room, rounds
+from .pair_reduce import delivered, direct_result, exchanged, room, rounds
 
 _WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
@@ -199,7 +199,8 @@ class HierarchicalAllreduce:
         ``Iallreduce``. The event loop and the worker run such a call alike (a blocking collective would not match a
         non-blocking one on another rank)."""
         ufunc = exchanged(comm.Get_size(), data.dtype, self._ufunc(op))
-        result, caller_result = direct_result(data, out, by_exchange=ufunc is not None)
+        result, in_out = direct_result(data, out, by_exchange=ufunc is not None)
+        caller_result = functools.partial(delivered, result, out, in_out)
         if ufunc is None:
             sent = self._MPI.IN_PLACE if np.may_share_memory(result, data) else data  # (``out`` is ``data``)
             return iter([[comm.Iallreduce(sent, result, op)]]), caller_result

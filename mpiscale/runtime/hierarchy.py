@@ -17,9 +17,28 @@ from .abandoned import CollectiveLog
 from .collectives import Communicator, Reduction, described, out_of_size
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
-from .pair_reduce import UFUNCS, direct_result, exchanged, room
+from .pair_reduce import UFUNCS, delivered, direct_result, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle, settle_all
+
+
+@dataclass(frozen=True)
+class DirectCall:
+    """What the event loop runs for a direct call (``reducer.direct_comm``) of one dtype, shape and operation,
+    decided at its first call. Deciding it on every call took about 2.5 µs of Python, an eighth of a 64 KiB call
+    between two ranks of a host (2026-12-04)."""
+
+    comm: Comm
+    mpi_op: Any
+    op: str
+    signature: str  # the arguments, as the check compares and a mismatch's report names them
+    ufunc: np.ufunc | None  # between two ranks with checks on, the exchange's reduction (``pair_reduce``), else None
+    pair: Any  # then its ``PairExchange`` (gate's check, swaps on ``comm``), else None
+    row: np.ndarray  # what this rank sends in the gate's check
+
+
+#: How many calls' decisions (:class:`DirectCall`) a hierarchy keeps: more than a program's distinct calls.
+_KEPT_DIRECT_CALLS = 1024
 
 
 @dataclass
@@ -37,6 +56,7 @@ class Hierarchy:
     log: CollectiveLog
     engine: ProgressEngine  # counts the time a rank waits for a call's end (telemetry, the hang watch)
     pairs: dict[int, Any] = field(default_factory=dict)  # PairExchange of each direct communicator, by its id
+    direct_calls: dict[tuple[np.dtype, tuple[int, ...], str], DirectCall | None] = field(default_factory=dict)
 
     async def allreduce(
         self, array: np.ndarray, op: str | Reduction = "sum", out: np.ndarray | None = None
@@ -51,66 +71,76 @@ class Hierarchy:
         types MPI cannot add, such as 16-bit floats held as uint16). Several
         calls may be in flight.
         """
+        data = self.world._array(array, "hierarchical allreduce")
         if isinstance(op, str):
-            mpi_op = self.world._op(op)
-            comm = self.reducer.direct_comm(array, mpi_op)
-            if comm is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
+            call = self._direct_call(data, op)
+            if call is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
-                    return await self._inline_allreduce(comm, array, op, mpi_op, out)
+                    return await self._inline_allreduce(call, data, out)
                 finally:
                     self.reducer.release_inline()
-        return await self.finish(self.start_allreduce(array, op, out))
+        return await self.finish(self.start_allreduce(data, op, out))
 
-    async def _inline_allreduce(
-        self, comm: Comm, array: np.ndarray, op: str, mpi_op: object, out: np.ndarray | None
-    ) -> np.ndarray:
-        """A direct call (``reducer.direct_comm``) on the event loop, not in the reducer's thread (the hand-offs to
-        the thread and back cost about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call
-        on ``comm``, both settled as the world's collectives are. Nothing blocks the loop: a rank that died meanwhile
-        is still reported."""
-        data = self.world._array(array, "hierarchical allreduce")
-        if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
-            out_of_size(data, out, "hierarchical allreduce")
-        number, call = self._begin()
-        what = f"allreduce on {self.log.name}"
+    def _direct_call(self, data: np.ndarray, op: str) -> DirectCall | None:
+        """What the event loop runs for a call of ``data`` by ``op``, None where the reducer's thread runs it (see
+        :class:`DirectCall`). Kept by dtype, shape and operation: nothing else decides it."""
+        key = (data.dtype, data.shape, op)
         try:
-            ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS.get(op))
-            if ufunc is not None and self.reducer.check:
-                return await self._pair_allreduce(comm, ufunc, data, op, out, call)
-            gate, digests, signature = self.reducer.post_gate(data, op)
-            await settle(self.engine, gate, what, digests, self.world._spin_s)
-            self.reducer.passed(digests, signature, call)
-            steps, result = self.reducer.start_direct(comm, data, mpi_op, out)
-            for requests in steps:
-                await settle_all(self.engine, requests, what, (data, out, steps), self.world._spin_s)
-            return result()
-        finally:
-            self.log.end(number)
+            return self.direct_calls[key]
+        except KeyError:
+            pass
+        mpi_op = self.world._op(op)
+        comm = self.reducer.direct_comm(data, mpi_op)
+        if comm is None:
+            call = None
+        else:
+            ufunc = exchanged(comm.Get_size(), data.dtype, UFUNCS.get(op)) if self.reducer.check else None
+            signature = described(data.dtype, data.shape, op)
+            pair = self._pair_of(comm) if ufunc is not None else None
+            call = DirectCall(comm, mpi_op, op, signature, ufunc, pair, gate_row(signature))
+        if len(self.direct_calls) < _KEPT_DIRECT_CALLS:
+            self.direct_calls[key] = call
+        return call
 
-    async def _pair_allreduce(
-        self, comm: Comm, ufunc: np.ufunc, data: np.ndarray, op: str, out: np.ndarray | None, call: tuple[str, str]
-    ) -> np.ndarray:
-        """A checked call between two ranks: the gate's check, then the swaps on ``comm`` (``reduce_pair``), in the
-        caller's stack (the very messages the worker sends for it, should the other rank's worker run it)."""
+    def _pair_of(self, comm: Comm) -> Any:
+        """The ``PairExchange`` of two-rank calls on ``comm`` (checked on the reducer's gate): one a communicator."""
         pair = self.pairs.get(id(comm))
         if pair is None:
             pair = self.pairs[id(comm)] = wire.chosen()[0].PairExchange(self.world._MPI, self.reducer.gate, comm)
-        signature = described(data.dtype, data.shape, op)
-        row = gate_row(signature)  # as the worker's gate sends it
-        theirs = self.reducer.kept_copies(room(data))
-        result, caller_result = direct_result(data, out, by_exchange=True)
-        what = f"allreduce on {self.log.name}"
-        rows = await reduce_pair(self.engine, pair, row, ufunc, self.world.rank, data, result, theirs, what,
-                                 self.world._spin_s)  # fmt: skip
-        if rows is not None:
-            self.reducer.passed(rows, signature, call)
-        return caller_result()
+        return pair
 
-    def _begin(self) -> tuple[int, tuple[str, str]]:
-        """A call entered in the log: its number, and what and where it is (named in a mismatch's report)."""
+    async def _inline_allreduce(self, call: DirectCall, data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        """A direct call on the event loop, not in the reducer's thread (the hand-offs to the thread and back cost
+        about 0.1 ms): the same exchange first, then the reducer's non-blocking direct call on ``call.comm``, both
+        settled as the world's collectives are; between two ranks with checks on, the gate's check and the swaps
+        on ``call.comm`` (``reduce_pair``), in the caller's stack: the very messages the worker sends for it, should
+        the other rank's worker run it. Nothing blocks the loop: a rank that died meanwhile is still reported."""
+        if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
+            out_of_size(data, out, "hierarchical allreduce")
         number = self.log.begin("allreduce")
-        assert self.log.last is not None  # set by begin
-        return number, (f"allreduce #{number} on {self.log.name}", self.log.last[2])
+        what = f"allreduce on {self.log.name}"
+        try:
+            if call.ufunc is not None:  # (and so its ``pair``)
+                theirs = self.reducer.kept_copies(room(data))
+                result, in_out = direct_result(data, out, by_exchange=True)
+                rows = await reduce_pair(self.engine, call.pair, call.row, call.ufunc, self.world.rank, data, result,
+                                         theirs, what, self.world._spin_s)  # fmt: skip
+                if rows is not None:
+                    self.reducer.passed(rows, call.signature, self._named(number))
+                return delivered(result, out, in_out)
+            gate, digests, signature = self.reducer.post_gate(data, call.op)
+            await settle(self.engine, gate, what, digests, self.world._spin_s)
+            self.reducer.passed(digests, signature, self._named(number))
+            steps, caller_result = self.reducer.start_direct(call.comm, data, call.mpi_op, out)
+            for requests in steps:
+                await settle_all(self.engine, requests, what, (data, out, steps), self.world._spin_s)
+            return caller_result()
+        finally:
+            self.log.end(number)
+
+    def _named(self, number: int) -> tuple[str, str]:
+        """What and where the logged call ``number`` is, as a mismatch's report names it (read only then)."""
+        return f"allreduce #{number} on {self.log.name}", self.log.site(number)
 
     async def finish(self, started: concurrent.futures.Future) -> np.ndarray:
         """The result of a call ``start_allreduce`` began; the time awaited counts as waiting in a collective (what
@@ -129,7 +159,8 @@ class Hierarchy:
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
-        number, call = self._begin()
+        number = self.log.begin("allreduce")
+        call = self._named(number)
         if isinstance(op, str):
             future = self.reducer.start(data, self.world._op(op), op, out, call)
         else:

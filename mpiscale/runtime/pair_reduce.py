@@ -27,7 +27,7 @@ messages they send (2026-12-02).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -45,7 +45,7 @@ _TAG = 29  # the exchange's messages, on a communicator that carries no other po
 def exchanged(comm_size: int, dtype: np.dtype, ufunc: np.ufunc | None) -> np.ufunc | None:
     """``ufunc`` when an allreduce of ``dtype`` over ``comm_size`` ranks by it is done by exchange, else None (MPI's
     own call). The choice depends on nothing else, so every rank of a call makes the same one."""
-    if comm_size != 2 or ufunc not in _KINDS or dtype.kind not in _KINDS[ufunc] or dtype == np.float16:
+    if comm_size != 2 or ufunc not in _KINDS or dtype.kind not in _KINDS[ufunc] or dtype.char == "e":  # float16
         return None
     return ufunc
 
@@ -88,30 +88,30 @@ def halves(size: int, rank: int) -> tuple[slice, slice]:
     return parts[rank], parts[1 - rank]
 
 
-def direct_result(
-    data: np.ndarray, out: np.ndarray | None, by_exchange: bool
-) -> tuple[np.ndarray, Callable[[], np.ndarray]]:
-    """Where a direct call of ``data`` reduces into, and what returns the caller's result once it has: ``out``
-    filled, else a new array. The caller's ``out`` takes the result where it is of ``data``'s dtype and
-    C-contiguous: for the exchange even in place; for MPI's call when it is ``data`` itself (the result is then
-    ``data``'s memory: reduce with ``MPI.IN_PLACE``) or of its size and apart from it. Else a new array, copied
-    into ``out`` after the call (a 1 MiB allreduce of 4 ranks once took a new buffer and a copy every call)."""
-    fits = (
+def direct_result(data: np.ndarray, out: np.ndarray | None, by_exchange: bool) -> tuple[np.ndarray, bool]:
+    """Where a direct call of ``data`` reduces into, and whether that is ``out``'s memory (else :func:`delivered`
+    copies it there). The caller's ``out`` takes the result where it is of ``data``'s dtype and C-contiguous: for
+    the exchange even in place; for MPI's call when it is ``data`` itself (the result is then ``data``'s memory:
+    reduce with ``MPI.IN_PLACE``) or of its size and apart from it. Else a new array (a 1 MiB allreduce of 4 ranks
+    once took a new buffer and a copy every call)."""
+    if (
         out is not None
         and out.dtype == data.dtype
         and out.flags.c_contiguous
         and (by_exchange or out is data or (out.size == data.size and not np.may_share_memory(out, data)))
-    )
-    result = out.reshape(data.shape) if fits and out is not None else np.empty_like(data)
+    ):
+        return out.reshape(data.shape), True
+    return np.empty_like(data), False
 
-    def caller_result() -> np.ndarray:
-        if out is None:
-            return result
-        if not np.may_share_memory(result, out):
-            np.copyto(out, result.reshape(out.shape), casting="unsafe")
-        return out
 
-    return result, caller_result
+def delivered(result: np.ndarray, out: np.ndarray | None, in_out: bool) -> np.ndarray:
+    """The caller's result of a direct call that reduced into ``result`` (:func:`direct_result`): ``out`` filled,
+    else ``result``."""
+    if out is None:
+        return result
+    if not in_out:
+        np.copyto(out, result.reshape(out.shape), casting="unsafe")
+    return out
 
 
 def in_rank_order(ufunc: np.ufunc, rank: int, mine: np.ndarray, theirs: np.ndarray, out: np.ndarray) -> None:
