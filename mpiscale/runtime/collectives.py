@@ -45,6 +45,30 @@ def out_of_size(data: np.ndarray, out: object, what: str) -> None:
         raise ValueError(f"{what}: out holds {out.size} elements, the array {data.size}")
 
 
+def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
+    """Refuse an ``out`` that MPI cannot reduce ``data`` into: of another size, dtype or layout (refused before any
+    MPI call: the other ranks wait in the check, where the watch finds it)."""
+    if out is not None:
+        out_of_size(data, out, what)
+        if out.dtype != data.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{what}: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
+
+
+def _words(array: np.ndarray) -> np.ndarray:
+    """``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers MPI_ERR_TYPE), as its
+    16-bit words; any other dtype as it is."""
+    return array.view(np.uint16) if array.dtype.char == "e" else array
+
+
+def _narrowed(wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """A float16 reduction's float32 result (see :func:`_words`: reduced in float32, as the hierarchical allreduce
+    reduces it), rounded into ``out`` or a new float16 array."""
+    if out is None:
+        return wide.astype(np.float16)
+    np.copyto(out, wide.reshape(out.shape))
+    return out
+
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -249,20 +273,22 @@ class Communicator:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place. The result has the array's shape
         (0-d included) and dtype, in the machine's byte order."""
         data = self._array(array, "allreduce")
-        if out is not None:  # refused before any MPI call: the others wait in the check, where the watch finds it
-            out_of_size(data, out, "allreduce")
-            if out.dtype != data.dtype or not out.flags.c_contiguous:
-                raise ValueError(f"allreduce: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
+        out_for_mpi(data, out, "allreduce")
         signature = described(data.dtype, data.shape, str(op))
+        if data.dtype.char == "e":  # float16 (see _words)
+            return _narrowed(await self._allreduce(data.astype(np.float32), op, None, signature), out)
+        return await self._allreduce(data, op, out, signature)  # (``out`` is ``data`` only as the caller's array)
+
+    async def _allreduce(self, data: np.ndarray, op: str, out: np.ndarray | None, signature: str) -> np.ndarray:
+        """The allreduce of MPI-ready ``data`` into ``out`` (``data`` itself: in place) or a new array."""
         ufunc = exchanged(self.size, data.dtype, UFUNCS.get(op))
-        in_place = out is array and data is array
         if ufunc is not None:  # two ranks: swapped and reduced, checked on the way (see pair_reduce)
-            return await self._pair_allreduce(ufunc, data, array if in_place else out, signature)
+            return await self._pair_allreduce(ufunc, data, out, signature)
         await self._check("allreduce", signature)
         mpi_op = self._op(op)
-        if in_place:
-            await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, array, mpi_op), "allreduce")
-            return array
+        if out is data:
+            await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, data, mpi_op), "allreduce")
+            return data
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Iallreduce(data, result, mpi_op), "allreduce", keep=data)
         return result
@@ -296,14 +322,17 @@ class Communicator:
     ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         data = self._array(array, "reduce")
+        out_for_mpi(data, out, "reduce")
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
+        narrow = data.dtype.char == "e"  # float16 (see _words)
+        sent = data.astype(np.float32) if narrow else data
         if self.rank != root:
-            await self._wait(self.comm.Ireduce(data, None, mpi_op, root), "reduce", keep=data)
+            await self._wait(self.comm.Ireduce(sent, None, mpi_op, root), "reduce", keep=sent)
             return None
-        if out is array and data is array:
-            await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, array, mpi_op, root), "reduce")
-            return array
+        if narrow or out is data:  # in place: float16's float32 copy, or the caller's array
+            await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, sent, mpi_op, root), "reduce")
+            return _narrowed(sent, out) if narrow else data
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
         return result
@@ -314,7 +343,7 @@ class Communicator:
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
         await self._check("bcast_array", described(array.dtype, array.shape, f"root={root}"))
-        await self._wait(self.comm.Ibcast(array, root), "bcast")
+        await self._wait(self.comm.Ibcast(_words(array), root), "bcast")
         return array
 
     @_collective
@@ -345,7 +374,7 @@ class Communicator:
         data = self._array(array, "allgather")
         await self._check("allgather", described(data.dtype, data.shape, ""))
         result = np.empty((self.size, *data.shape), dtype=data.dtype)
-        await self._wait(self.comm.Iallgather(data, result), "allgather", keep=data)
+        await self._wait(self.comm.Iallgather(_words(data), _words(result)), "allgather", keep=data)
         return result
 
     @_collective
@@ -354,7 +383,8 @@ class Communicator:
         data = self._array(array, "gather")
         await self._check("gather", described(data.dtype, data.shape, f"root={root}"))
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
-        await self._wait(self.comm.Igather(data, result, root), "gather", keep=data)
+        await self._wait(self.comm.Igather(_words(data), None if result is None else _words(result), root), "gather",
+                         keep=data)  # fmt: skip
         return result
 
     @_collective
@@ -373,8 +403,8 @@ class Communicator:
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
         row = int(np.prod(data.shape[1:], dtype=np.int64))
         result = np.empty((int(received_counts.sum()), *data.shape[1:]), dtype=data.dtype)
-        send = [data, (sent * row, _offsets(sent) * row)]
-        receive = [result, (received_counts * row, _offsets(received_counts) * row)]
+        send = [_words(data), (sent * row, _offsets(sent) * row)]
+        receive = [_words(result), (received_counts * row, _offsets(received_counts) * row)]
         await self._wait(self.comm.Ialltoallv(send, receive), "alltoallv", keep=data)
         return result, received_counts
 
@@ -388,7 +418,9 @@ class Communicator:
         rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]
-        result = np.empty((rows[self.rank], *data.shape[1:]), dtype=data.dtype)
-        request = self.comm.Ireduce_scatter(data, result, counts, self._op(op))
-        await self._wait(request, "reduce_scatter", keep=data)
-        return result
+        narrow = data.dtype.char == "e"  # float16 (see _words)
+        sent = data.astype(np.float32) if narrow else data
+        result = np.empty((rows[self.rank], *data.shape[1:]), dtype=sent.dtype)
+        request = self.comm.Ireduce_scatter(sent, result, counts, self._op(op))
+        await self._wait(request, "reduce_scatter", keep=sent)
+        return _narrowed(result, None) if narrow else result
