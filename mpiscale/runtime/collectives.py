@@ -54,10 +54,32 @@ def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
             raise ValueError(f"{what}: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
 
 
+#: Kinds of dtype that mpi4py cannot type (bytes, strings, records, dates): moved as their bytes.
+_AS_BYTES = "SUVMm"
+
+
 def _words(array: np.ndarray) -> np.ndarray:
-    """``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers MPI_ERR_TYPE), as its
-    16-bit words; any other dtype as it is."""
-    return array.view(np.uint16) if array.dtype.char == "e" else array
+    """C-contiguous ``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers
+    MPI_ERR_TYPE), as its 16-bit words; bytes, strings, records and dates as their bytes, flat (mpi4py refused them);
+    any other dtype as it is."""
+    if array.dtype.char == "e":
+        return array.view(np.uint16)
+    if array.dtype.kind in _AS_BYTES:
+        return array.reshape(-1).view(np.uint8)
+    return array
+
+
+def _words_each(dtype: np.dtype) -> int:
+    """How many of :func:`_words`'s elements one element of ``dtype`` makes."""
+    return dtype.itemsize if dtype.kind in _AS_BYTES else 1
+
+
+def reducible(data: np.ndarray, what: str) -> None:
+    """Refuse, before any MPI call, an array that MPI cannot reduce: booleans (MPI adds none: MPI_ERR_OP), bytes,
+    strings, records and dates."""
+    if data.dtype.kind not in "iufc":
+        hint = " (count them in an integer type, or reduce uint8 by 'max' for any, 'min' for all)"
+        raise TypeError(f"{what} reduces numbers, not {data.dtype} arrays{hint if data.dtype.kind == 'b' else ''}")
 
 
 def _narrowed(wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -167,7 +189,9 @@ class Communicator:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"{what} takes a numpy array, got {type(array).__name__}")
         if array.dtype.hasobject:
-            raise TypeError(f"{what} cannot reduce object arrays")
+            raise TypeError(
+                f"{what} cannot take object arrays: MPI would move their pointers (bcast takes any picklable object)"
+            )
         if array.size > COUNT_LIMIT:
             raise ValueError(f"{what}: {array.size} elements exceed MPI's count limit {COUNT_LIMIT}; split the array")
         if not array.dtype.isnative:  # (mpi4py refuses it)
@@ -273,6 +297,7 @@ class Communicator:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place. The result has the array's shape
         (0-d included) and dtype, in the machine's byte order."""
         data = self._array(array, "allreduce")
+        reducible(data, "allreduce")
         out_for_mpi(data, out, "allreduce")
         signature = described(data.dtype, data.shape, str(op))
         if data.dtype.char == "e":  # float16 (see _words)
@@ -327,6 +352,7 @@ class Communicator:
     ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         data = self._array(array, "reduce")
+        reducible(data, "reduce")
         out_for_mpi(data, out, "reduce")
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
@@ -406,7 +432,7 @@ class Communicator:
         sent = np.ascontiguousarray(counts, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
-        row = int(np.prod(data.shape[1:], dtype=np.int64))
+        row = int(np.prod(data.shape[1:], dtype=np.int64)) * _words_each(data.dtype)
         result = np.empty((int(received_counts.sum()), *data.shape[1:]), dtype=data.dtype)
         send = [_words(data), (sent * row, _offsets(sent) * row)]
         receive = [_words(result), (received_counts * row, _offsets(received_counts) * row)]
@@ -417,6 +443,7 @@ class Communicator:
     async def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""
         data = self._array(array, "reduce_scatter")
+        reducible(data, "reduce_scatter")
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         await self._check("reduce_scatter", described(data.dtype, data.shape, str(op)))

@@ -14,7 +14,7 @@ import numpy as np
 from ..ranks import Comm, split_nodes
 from . import wire
 from .abandoned import CollectiveLog
-from .collectives import Communicator, Reduction, described, out_of_size
+from .collectives import Communicator, Reduction, described, out_of_size, reducible
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
 from .pair_reduce import UFUNCS, delivered, direct_result, exchanged, room
@@ -73,6 +73,7 @@ class Hierarchy:
         """
         data = self.world._array(array, "hierarchical allreduce")
         if isinstance(op, str):
+            reducible(data, "hierarchical allreduce")
             call = self._direct_call(data, op)
             if call is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
@@ -159,6 +160,8 @@ class Hierarchy:
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
         data = self.world._array(array, "hierarchical allreduce")
+        if isinstance(op, str):
+            reducible(data, "hierarchical allreduce")
         number = self.log.begin("allreduce")
         call = self._named(number)
         if isinstance(op, str):

@@ -93,6 +93,33 @@ async def main(system):
     rows, counts = await world.alltoallv(np.repeat(halves[rank][:1], size, axis=0), np.ones(size, np.int64))
     assert np.array_equal(rows, np.stack([half[0] for half in halves])) and (counts == 1).all()
 
+    # Arrays mpi4py cannot type (strings, bytes, records, dates: it raised KeyError or BufferError) move as their
+    # bytes; reductions of them, and of booleans (MPI adds none: MPI_ERR_OP), are refused before any MPI call.
+    labels = np.array([f"rank {r}" for r in range(size)])  # a unicode array, as a user's file of names gives
+    assert np.array_equal(await world.allgather(labels[rank : rank + 1]), labels[:, None])
+    stamps = np.array(["2026-12-04T12:00"], "datetime64[s]") + np.arange(size)
+    gathered_stamps = await world.gather(stamps[rank, ...], root=size - 1)  # a 0-d array
+    assert gathered_stamps is None or np.array_equal(gathered_stamps, stamps)
+    records = np.zeros(3, [("id", "i4"), ("name", "S6"), ("score", "f8")])
+    if rank == 0:
+        records[:] = [(1, b"first", 0.5), (2, b"second", 1.5), (3, b"third", 2.5)]
+    await world.bcast_array(records)
+    assert records["name"].tolist() == [b"first", b"second", b"third"] and records["score"].sum() == 4.5
+    words, came = await world.alltoallv(np.array([f"to {r} from {rank}" for r in range(size)]), np.ones(size, int))
+    assert words.tolist() == [f"to {rank} from {r}" for r in range(size)] and (came == 1).all()
+    mask = np.arange(6) % (rank + 2) == 0
+    for reduce in (world.allreduce, h_allreduce := system.hierarchy.allreduce, world.reduce, world.reduce_scatter):
+        for values in (mask, labels):
+            try:
+                await reduce(values)
+            except TypeError as error:
+                assert f"reduces numbers, not {values.dtype} arrays" in str(error), error
+                assert ("'max' for any" in str(error)) == (values.dtype == bool), error
+            else:
+                raise AssertionError(f"{reduce} took {values.dtype}")
+    assert (await h_allreduce(mask.astype(np.uint8), op="max") == np.max([np.arange(6) % (r + 2) == 0 for r in
+                                                                          range(size)], axis=0)).all()  # fmt: skip
+
     # Node-local and leader communicators, and the two-level allreduce.
     h = system.hierarchy
     per_node = int(os.environ.get("MPISCALE_RANKS_PER_NODE", "0"))
