@@ -20,6 +20,7 @@ from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
+from .mpi_arrays import narrowed, out_for_mpi, reducible, words, words_each
 from .pair_reduce import UFUNCS, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle
@@ -35,60 +36,6 @@ def described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
 def _offsets(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-
-
-def out_of_size(data: np.ndarray, out: object, what: str) -> None:
-    """Refuse an ``out`` that cannot take the result of reducing ``data``."""
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{what}: out must be a numpy array, got {type(out).__name__}")
-    if out.size != data.size:
-        raise ValueError(f"{what}: out holds {out.size} elements, the array {data.size}")
-
-
-def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
-    """Refuse an ``out`` that MPI cannot reduce ``data`` into: of another size, dtype or layout (refused before any
-    MPI call: the other ranks wait in the check, where the watch finds it)."""
-    if out is not None:
-        out_of_size(data, out, what)
-        if out.dtype != data.dtype or not out.flags.c_contiguous:
-            raise ValueError(f"{what}: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
-
-
-#: Kinds of dtype that mpi4py cannot type (bytes, strings, records, dates): moved as their bytes.
-_AS_BYTES = "SUVMm"
-
-
-def _words(array: np.ndarray) -> np.ndarray:
-    """C-contiguous ``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers
-    MPI_ERR_TYPE), as its 16-bit words; bytes, strings, records and dates as their bytes, flat (mpi4py refused them);
-    any other dtype as it is."""
-    if array.dtype.char == "e":
-        return array.view(np.uint16)
-    if array.dtype.kind in _AS_BYTES:
-        return array.reshape(-1).view(np.uint8)
-    return array
-
-
-def _words_each(dtype: np.dtype) -> int:
-    """How many of :func:`_words`'s elements one element of ``dtype`` makes."""
-    return dtype.itemsize if dtype.kind in _AS_BYTES else 1
-
-
-def reducible(data: np.ndarray, what: str) -> None:
-    """Refuse, before any MPI call, an array that MPI cannot reduce: booleans (MPI adds none: MPI_ERR_OP), bytes,
-    strings, records and dates."""
-    if data.dtype.kind not in "iufc":
-        hint = " (count them in an integer type, or reduce uint8 by 'max' for any, 'min' for all)"
-        raise TypeError(f"{what} reduces numbers, not {data.dtype} arrays{hint if data.dtype.kind == 'b' else ''}")
-
-
-def _narrowed(wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """A float16 reduction's float32 result (see :func:`_words`: reduced in float32, as the hierarchical allreduce
-    reduces it), rounded into ``out`` or a new float16 array."""
-    if out is None:
-        return wide.astype(np.float16)
-    np.copyto(out, wide.reshape(out.shape))
-    return out
 
 
 P = ParamSpec("P")
@@ -300,8 +247,8 @@ class Communicator:
         reducible(data, "allreduce")
         out_for_mpi(data, out, "allreduce")
         signature = described(data.dtype, data.shape, str(op))
-        if data.dtype.char == "e":  # float16 (see _words)
-            return _narrowed(await self._allreduce(data.astype(np.float32), op, None, signature), out)
+        if data.dtype.char == "e":  # float16 (see mpi_arrays.words)
+            return narrowed(await self._allreduce(data.astype(np.float32), op, None, signature), out)
         return await self._allreduce(data, op, out, signature)  # (``out`` is ``data`` only as the caller's array)
 
     def _allreduce(self, data: np.ndarray, op: str, out: np.ndarray | None, signature: str) -> Awaitable[np.ndarray]:
@@ -356,14 +303,14 @@ class Communicator:
         out_for_mpi(data, out, "reduce")
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
-        narrow = data.dtype.char == "e"  # float16 (see _words)
+        narrow = data.dtype.char == "e"  # float16 (see mpi_arrays.words)
         sent = data.astype(np.float32) if narrow else data
         if self.rank != root:
             await self._wait(self.comm.Ireduce(sent, None, mpi_op, root), "reduce", keep=sent)
             return None
         if narrow or out is data:  # in place: float16's float32 copy, or the caller's array
             await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, sent, mpi_op, root), "reduce")
-            return _narrowed(sent, out) if narrow else data
+            return narrowed(sent, out) if narrow else data
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
         return result
@@ -374,7 +321,7 @@ class Communicator:
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
         await self._check("bcast_array", described(array.dtype, array.shape, f"root={root}"))
-        await self._wait(self.comm.Ibcast(_words(array), root), "bcast")
+        await self._wait(self.comm.Ibcast(words(array), root), "bcast")
         return array
 
     @_collective
@@ -405,7 +352,7 @@ class Communicator:
         data = self._array(array, "allgather")
         await self._check("allgather", described(data.dtype, data.shape, ""))
         result = np.empty((self.size, *data.shape), dtype=data.dtype)
-        await self._wait(self.comm.Iallgather(_words(data), _words(result)), "allgather", keep=data)
+        await self._wait(self.comm.Iallgather(words(data), words(result)), "allgather", keep=data)
         return result
 
     @_collective
@@ -414,7 +361,7 @@ class Communicator:
         data = self._array(array, "gather")
         await self._check("gather", described(data.dtype, data.shape, f"root={root}"))
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
-        await self._wait(self.comm.Igather(_words(data), None if result is None else _words(result), root), "gather",
+        await self._wait(self.comm.Igather(words(data), None if result is None else words(result), root), "gather",
                          keep=data)  # fmt: skip
         return result
 
@@ -432,10 +379,10 @@ class Communicator:
         sent = np.ascontiguousarray(counts, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
-        row = int(np.prod(data.shape[1:], dtype=np.int64)) * _words_each(data.dtype)
+        row = int(np.prod(data.shape[1:], dtype=np.int64)) * words_each(data.dtype)
         result = np.empty((int(received_counts.sum()), *data.shape[1:]), dtype=data.dtype)
-        send = [_words(data), (sent * row, _offsets(sent) * row)]
-        receive = [_words(result), (received_counts * row, _offsets(received_counts) * row)]
+        send = [words(data), (sent * row, _offsets(sent) * row)]
+        receive = [words(result), (received_counts * row, _offsets(received_counts) * row)]
         await self._wait(self.comm.Ialltoallv(send, receive), "alltoallv", keep=data)
         return result, received_counts
 
@@ -450,9 +397,9 @@ class Communicator:
         rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]
-        narrow = data.dtype.char == "e"  # float16 (see _words)
+        narrow = data.dtype.char == "e"  # float16 (see mpi_arrays.words)
         sent = data.astype(np.float32) if narrow else data
         result = np.empty((rows[self.rank], *data.shape[1:]), dtype=sent.dtype)
         request = self.comm.Ireduce_scatter(sent, result, counts, self._op(op))
         await self._wait(request, "reduce_scatter", keep=sent)
-        return _narrowed(result, None) if narrow else result
+        return narrowed(result, None) if narrow else result

@@ -14,9 +14,10 @@ import numpy as np
 from ..ranks import Comm, split_nodes
 from . import wire
 from .abandoned import CollectiveLog
-from .collectives import Communicator, Reduction, described, out_of_size, reducible
+from .collectives import Communicator, Reduction, described
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
+from .mpi_arrays import out_of_size, reducible
 from .pair_reduce import UFUNCS, delivered, direct_result, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle, settle_all

@@ -1,0 +1,61 @@
+"""Numpy arrays as MPI takes them: an ``out`` that can hold a reduction, dtypes this MPI has no type for moved as
+words or bytes, and the arrays MPI can reduce. Every check here runs before any MPI call, so a refusal raises on
+the rank that made it and leaves the others in the collective's check, where the hang watch finds it."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def out_of_size(data: np.ndarray, out: object, what: str) -> None:
+    """Refuse an ``out`` that cannot take the result of reducing ``data``."""
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{what}: out must be a numpy array, got {type(out).__name__}")
+    if out.size != data.size:
+        raise ValueError(f"{what}: out holds {out.size} elements, the array {data.size}")
+
+
+def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
+    """Refuse an ``out`` that MPI cannot reduce ``data`` into: of another size, dtype or layout (refused before any
+    MPI call: the other ranks wait in the check, where the watch finds it)."""
+    if out is not None:
+        out_of_size(data, out, what)
+        if out.dtype != data.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"{what}: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
+
+
+#: Kinds of dtype that mpi4py cannot type (bytes, strings, records, dates): moved as their bytes.
+_AS_BYTES = "SUVMm"
+
+
+def words(array: np.ndarray) -> np.ndarray:
+    """C-contiguous ``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers
+    MPI_ERR_TYPE), as its 16-bit words; bytes, strings, records and dates as their bytes, flat (mpi4py refused them);
+    any other dtype as it is."""
+    if array.dtype.char == "e":
+        return array.view(np.uint16)
+    if array.dtype.kind in _AS_BYTES:
+        return array.reshape(-1).view(np.uint8)
+    return array
+
+
+def words_each(dtype: np.dtype) -> int:
+    """How many of :func:`words`'s elements one element of ``dtype`` makes."""
+    return dtype.itemsize if dtype.kind in _AS_BYTES else 1
+
+
+def reducible(data: np.ndarray, what: str) -> None:
+    """Refuse, before any MPI call, an array that MPI cannot reduce: booleans (MPI adds none: MPI_ERR_OP), bytes,
+    strings, records and dates."""
+    if data.dtype.kind not in "iufc":
+        hint = " (count them in an integer type, or reduce uint8 by 'max' for any, 'min' for all)"
+        raise TypeError(f"{what} reduces numbers, not {data.dtype} arrays{hint if data.dtype.kind == 'b' else ''}")
+
+
+def narrowed(wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """A float16 reduction's float32 result (see :func:`words`: reduced in float32, as the hierarchical allreduce
+    reduces it), rounded into ``out`` or a new float16 array."""
+    if out is None:
+        return wide.astype(np.float16)
+    np.copyto(out, wide.reshape(out.shape))
+    return out
