@@ -20,7 +20,7 @@ from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .mpi_arrays import narrowed, out_for_mpi, reducible, words, words_each
+from .mpi_arrays import narrowed, out_for_mpi, reducible, widened, words, words_each
 from .pair_reduce import UFUNCS, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle
@@ -247,8 +247,8 @@ class Communicator:
         reducible(data, "allreduce")
         out_for_mpi(data, out, "allreduce")
         signature = described(data.dtype, data.shape, str(op))
-        if data.dtype.char == "e":  # float16 (see mpi_arrays.words)
-            return narrowed(await self._allreduce(data.astype(np.float32), op, None, signature), out)
+        if (sent := widened(data)) is not data:  # float16, reduced in float32
+            return narrowed(await self._allreduce(sent, op, None, signature), data.dtype, out)
         return await self._allreduce(data, op, out, signature)  # (``out`` is ``data`` only as the caller's array)
 
     def _allreduce(self, data: np.ndarray, op: str, out: np.ndarray | None, signature: str) -> Awaitable[np.ndarray]:
@@ -303,14 +303,14 @@ class Communicator:
         out_for_mpi(data, out, "reduce")
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
-        narrow = data.dtype.char == "e"  # float16 (see mpi_arrays.words)
-        sent = data.astype(np.float32) if narrow else data
+        sent = widened(data)  # float16 in float32
+        narrow = sent is not data
         if self.rank != root:
             await self._wait(self.comm.Ireduce(sent, None, mpi_op, root), "reduce", keep=sent)
             return None
         if narrow or out is data:  # in place: float16's float32 copy, or the caller's array
             await self._wait(self.comm.Ireduce(self._MPI.IN_PLACE, sent, mpi_op, root), "reduce")
-            return narrowed(sent, out) if narrow else data
+            return narrowed(sent, data.dtype, out) if narrow else data
         result = np.empty_like(data) if out is None else out
         await self._wait(self.comm.Ireduce(data, result, mpi_op, root), "reduce", keep=data)
         return result
@@ -397,9 +397,8 @@ class Communicator:
         rows = block_rows(data.shape[0], self.size)
         row_elements = int(np.prod(data.shape[1:], dtype=np.int64))
         counts = [r * row_elements for r in rows]
-        narrow = data.dtype.char == "e"  # float16 (see mpi_arrays.words)
-        sent = data.astype(np.float32) if narrow else data
+        sent = widened(data)  # float16 in float32
         result = np.empty((rows[self.rank], *data.shape[1:]), dtype=sent.dtype)
         request = self.comm.Ireduce_scatter(sent, result, counts, self._op(op))
         await self._wait(request, "reduce_scatter", keep=sent)
-        return narrowed(result, None) if narrow else result
+        return result if sent is data else narrowed(result, data.dtype, None)

@@ -82,9 +82,9 @@ from ..ranks import Comm, block_rows, by_ranks
 from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
+from .mpi_arrays import WIDER
 from .pair_reduce import delivered, direct_result, exchanged, room, rounds
 
-_WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
 _GATE_SLEEP_S = 2e-3  # the longest sleep between its polls, as the engine's: a long wait wakes 500 times a second
 _MOVE_SPIN_S = 2e-3  # how long the stages' messages are polled without sleeping (a small buffer arrives by then)
@@ -231,7 +231,7 @@ class HierarchicalAllreduce:
         """The communicator on which a call of ``array`` by MPI operation ``op`` is one non-blocking call
         (:meth:`start_direct`), which the event loop may run: no widening, and :data:`INLINE_ALLREDUCE_BYTES` at
         most, or any size where it is the two-rank exchange; None: the worker runs it."""
-        if not isinstance(array, np.ndarray) or array.dtype in _WIDER:  # (not an array: refused on the way)
+        if not isinstance(array, np.ndarray) or array.dtype in WIDER:  # (not an array: refused on the way)
             return None
         nbytes = array.nbytes
         comm = self._node if self.nodes == 1 else self._world if nbytes < self._min_bytes else None
@@ -250,7 +250,7 @@ class HierarchicalAllreduce:
                 return result
             np.copyto(out, result)
             return out
-        wide = _WIDER.get(array.dtype, array.dtype)
+        wide = WIDER.get(array.dtype, array.dtype)
         flat = np.ascontiguousarray(array, dtype=wide).reshape(-1)
         if out is not None and out.dtype == wide and out.flags.c_contiguous:
             self._reduce(flat, out.reshape(-1), op)  # straight into the caller's buffer (in place if it is the array)

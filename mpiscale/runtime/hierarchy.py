@@ -81,7 +81,7 @@ class Hierarchy:
                     return await self._inline_allreduce(call, data, out)
                 finally:
                     self.reducer.release_inline()
-        return await self.finish(self.start_allreduce(data, op, out))
+        return await self.finish(self._start(data, op, out))
 
     def _direct_call(self, data: np.ndarray, op: str) -> DirectCall | None:
         """What the event loop runs for a call of ``data`` by ``op``, None where the reducer's thread runs it (see
@@ -163,6 +163,10 @@ class Hierarchy:
         data = self.world._array(array, "hierarchical allreduce")
         if isinstance(op, str):
             reducible(data, "hierarchical allreduce")
+        return self._start(data, op, out)
+
+    def _start(self, data: np.ndarray, op: str | Reduction, out: np.ndarray | None) -> concurrent.futures.Future:
+        """``start_allreduce`` of ``data`` already made MPI-ready and checked (``allreduce`` has done both)."""
         number = self.log.begin("allreduce")
         call = self._named(number)
         if isinstance(op, str):

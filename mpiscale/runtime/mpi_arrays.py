@@ -52,10 +52,19 @@ def reducible(data: np.ndarray, what: str) -> None:
         raise TypeError(f"{what} reduces numbers, not {data.dtype} arrays{hint if data.dtype.kind == 'b' else ''}")
 
 
-def narrowed(wide: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """A float16 reduction's float32 result (see :func:`words`: reduced in float32, as the hierarchical allreduce
-    reduces it), rounded into ``out`` or a new float16 array."""
+#: Dtypes MPI cannot reduce here, reduced in a wider one and rounded back once: float16 in float32.
+WIDER = {np.dtype(np.float16): np.dtype(np.float32)}
+
+
+def widened(data: np.ndarray) -> np.ndarray:
+    """``data`` as MPI reduces it: a copy in the wider dtype where :data:`WIDER` names one, else ``data`` itself."""
+    wide = WIDER.get(data.dtype)
+    return data if wide is None else data.astype(wide)
+
+
+def narrowed(wide: np.ndarray, dtype: np.dtype, out: np.ndarray | None) -> np.ndarray:
+    """A widened reduction's result (:func:`widened`), rounded into ``out`` or a new array of ``dtype``."""
     if out is None:
-        return wide.astype(np.float16)
+        return wide.astype(dtype)
     np.copyto(out, wide.reshape(out.shape))
     return out

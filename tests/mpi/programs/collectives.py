@@ -108,7 +108,7 @@ async def main(system):
     words, came = await world.alltoallv(np.array([f"to {r} from {rank}" for r in range(size)]), np.ones(size, int))
     assert words.tolist() == [f"to {rank} from {r}" for r in range(size)] and (came == 1).all()
     mask = np.arange(6) % (rank + 2) == 0
-    for reduce in (world.allreduce, h_allreduce := system.hierarchy.allreduce, world.reduce, world.reduce_scatter):
+    for reduce in (world.allreduce, system.hierarchy.allreduce, world.reduce, world.reduce_scatter):
         for values in (mask, labels):
             try:
                 await reduce(values)
@@ -117,8 +117,8 @@ async def main(system):
                 assert ("'max' for any" in str(error)) == (values.dtype == bool), error
             else:
                 raise AssertionError(f"{reduce} took {values.dtype}")
-    assert (await h_allreduce(mask.astype(np.uint8), op="max") == np.max([np.arange(6) % (r + 2) == 0 for r in
-                                                                          range(size)], axis=0)).all()  # fmt: skip
+    anyone = np.max([np.arange(6) % (r + 2) == 0 for r in range(size)], axis=0)
+    assert (await system.hierarchy.allreduce(mask.astype(np.uint8), op="max") == anyone).all()
 
     # Node-local and leader communicators, and the two-level allreduce.
     h = system.hierarchy
