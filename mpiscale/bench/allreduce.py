@@ -1,8 +1,11 @@
 """Allreduce bandwidth: the hierarchical allreduce and the world's against plain ``MPI.Allreduce`` and torch (gloo).
 
-Every column reduces the same float32 buffer in the same run; each figure is
-the median over repeats of the slowest rank's time (under 256 KiB, of calls
-back to back that reduce 256 KiB in all, over their count). Bus bandwidth is
+Every column reduces the same float32 buffer in the same run, the columns in
+turns: each round times every column once over, and a ratio is the median over
+the rounds of each round's ratio (MPI's own 64 KiB call took 20 µs in one run
+and 63 in the next on the development VM). A time is the median of the slowest
+rank's (under 256 KiB, of calls back to back that reduce 256 KiB in all, over
+their count). Bus bandwidth is
 ``algbw * 2(p-1)/p``, what the links carry in a ring allreduce, so it can be
 compared across rank counts. Run at 2 and 4 ranks, flat and with simulated
 nodes (``launch/mpiscale-run --ranks-per-node 2``).
@@ -17,7 +20,9 @@ what no Python caller of non-blocking MPI can gain on MPI's blocking call.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import statistics
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -26,7 +31,7 @@ from ..ranks import Comm, rendezvous
 from ..runtime import ActorSystem, run
 from ..runtime.pair_reduce import UFUNCS, exchanged, room, rounds
 from . import plots
-from .report import median_slowest, median_slowest_async, table, write_json
+from .report import Progress, median_ratio, table, timed, timed_async, write_json
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
@@ -52,39 +57,36 @@ def init_torch_group(comm: Comm, backend: str = "gloo"):
     return torch, dist
 
 
+#: Each size's columns take turns this many times (the ratios: the median over the rounds of each round's ratio).
+ROUNDS, QUICK_ROUNDS = 5, 3
+
+
 async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
-    """Run every size through the three allreduces; rank 0 prints the table and writes the JSON record."""
+    """Run every size through the allreduces, in turns; rank 0 prints the table and writes the JSON record."""
     comm, ranks = system.world.comm.Dup(), system.size
     gloo = init_torch_group(comm)
     bus = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+    sizes, turns = (QUICK_SIZES, QUICK_ROUNDS) if quick else (SIZES, ROUNDS)
+    said = Progress(system.rank == 0)
     records = []
-    for nbytes in QUICK_SIZES if quick else SIZES:
+    for nbytes in sizes:
         data = np.random.default_rng(system.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(data)
-        repeats, calls = _repeats(nbytes, quick), _calls_per_sample(nbytes)
-        seconds = {
-            "mpi": median_slowest(comm, _calls(calls, comm.Allreduce, data, out), repeats) / calls,
-            "floor": median_slowest(comm, _calls(calls, _nonblocking_floor(comm, data, out)), repeats) / calls,
-            "ours": await median_slowest_async(system, _awaited_calls(calls, system.hierarchy.allreduce, data, out=out),
-                                               repeats) / calls,
-            "world": await median_slowest_async(system, _awaited_calls(calls, system.world.allreduce, data, out=out),
-                                                repeats) / calls,
-        }  # fmt: skip
+        calls = _calls_per_sample(nbytes)
+        columns: dict[str, Callable[[], object]] = {
+            "mpi": _calls(calls, comm.Allreduce, data, out),
+            "floor": _calls(calls, _nonblocking_floor(comm, data, out)),
+            "ours": _awaited_calls(calls, system.hierarchy.allreduce, data, out=out),
+            "world": _awaited_calls(calls, system.world.allreduce, data, out=out),
+        }
         if gloo is not None:
             torch, dist = gloo
-            reduced = _calls(calls, dist.all_reduce, torch.from_numpy(data.copy()))
-            seconds["gloo"] = median_slowest(comm, reduced, repeats) / calls
-        record: dict[str, float] = {"bytes": nbytes, "repeats": repeats, "calls_per_sample": calls}
-        for name, value in seconds.items():
-            record[f"{name}_s"] = value
-            record[f"{name}_busbw_gbs"] = nbytes / value * bus / 1e9
-        record["ours_vs_mpi"] = seconds["mpi"] / seconds["ours"]
-        record["world_vs_mpi"] = seconds["mpi"] / seconds["world"]
-        record["floor_vs_mpi"] = seconds["mpi"] / seconds["floor"]
-        record["ours_vs_floor"] = seconds["floor"] / seconds["ours"]
-        if "gloo" in seconds:
-            record["ours_vs_gloo"] = seconds["gloo"] / seconds["ours"]
-        records.append(record)
+            columns["gloo"] = _calls(calls, dist.all_reduce, torch.from_numpy(data.copy()))
+        samples = -(-_repeats(nbytes, quick) // turns)  # each column's samples a round
+        rounds = [await _one_round(system, comm, columns, samples, warm_up=turn == 0, per=calls)
+                  for turn in range(turns)]  # fmt: skip
+        records.append(_record(nbytes, rounds, bus, samples, calls))
+        said(f"{_size(nbytes)}: ours/MPI {records[-1]['ours_vs_mpi']:.3g} ({len(records)} of {len(sizes)} sizes)")
     if gloo is not None:
         gloo[1].destroy_process_group()
     comm.Free()
@@ -99,10 +101,45 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     ]  # fmt: skip
     nodes = system.hierarchy.node_count
     print(f"allreduce of float32, {ranks} ranks on {nodes} node(s); bus bandwidth = algbw * 2(p-1)/p")
+    print(f"ratios: the median over {turns} rounds, the columns in turns in each, of the round's ratio of medians")
     print(table(headers, rows))
-    results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "sizes": records}
+    results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "rounds": turns, "sizes": records}
     print(f"wrote {write_json(json_path, 'allreduce', ranks, results)}")
     return results
+
+
+async def _one_round(system: ActorSystem, comm: Comm, columns: dict[str, Callable[[], object]], samples: int,
+                     warm_up: bool, per: int) -> dict[str, list[float]]:  # fmt: skip
+    """``samples`` timed runs of each column, one column after the other (collective): seconds a call, the slowest
+    rank's. The first round runs each column once untimed first."""
+    measured = {}
+    for name, action in columns.items():
+        if inspect.iscoroutinefunction(action):
+            times = [await timed_async(system, action) for _ in range(samples + warm_up)]
+        else:
+            times = [timed(comm, action) for _ in range(samples + warm_up)]
+        measured[name] = [seconds / per for seconds in times[warm_up:]]
+    return measured
+
+
+#: The record's ratios: its key, and the columns whose times it divides (the peer's over ours': above 1, ours wins).
+RATIOS = {"ours_vs_mpi": ("mpi", "ours"), "world_vs_mpi": ("mpi", "world"), "floor_vs_mpi": ("mpi", "floor"),
+          "ours_vs_floor": ("floor", "ours"), "ours_vs_gloo": ("gloo", "ours")}  # fmt: skip
+
+
+def _record(nbytes: int, rounds: list[dict[str, list[float]]], bus: float, samples: int, calls: int) -> dict:
+    """One size's JSON record: each column's median time a call over every round's samples, its bus bandwidth, each
+    round's median, and the ratios in turns (:func:`report.median_ratio`)."""
+    record: dict = {"bytes": nbytes, "samples_per_round": samples, "calls_per_sample": calls}
+    for name in rounds[0]:
+        seconds = statistics.median([time for one in rounds for time in one[name]])
+        record[f"{name}_s"] = seconds
+        record[f"{name}_busbw_gbs"] = nbytes / seconds * bus / 1e9
+        record[f"{name}_rounds_s"] = [statistics.median(one[name]) for one in rounds]
+    for key, (peer, ours) in RATIOS.items():
+        if peer in rounds[0]:
+            record[key] = median_ratio(rounds, peer, ours)
+    return record
 
 
 #: A sample of a small size times back-to-back calls that reduce at least this many bytes in all: one call after a

@@ -26,7 +26,7 @@ import numpy as np
 from ..ranks import Comm
 from ..runtime import Actor, ActorRef, ActorSystem, message_path, run
 from . import plots
-from .report import Progress, table, write_json
+from .report import Progress, median_ratio, table, write_json
 
 SIZES = [8, 64, 512, 4096, 32768, 262144, 2 << 20, 16 << 20]
 SMALL_TARGET = 5.0  # 8-byte ask round trip within 5x of raw
@@ -297,13 +297,6 @@ async def _one_round(system: ActorSystem, comm: Comm, size: int, repeats: int, w
     }
 
 
-def _median_ratio(rounds: list[dict[str, list]], ours: str, peer: str) -> float:
-    """The median over the rounds of each round's median ``ours`` / median ``peer``: the two measured one shortly
-    after the other, as the machine's speed drifts (a 16 MiB raw round trip took 1.5 ms in one run, 2.7 in
-    another)."""
-    return statistics.median(statistics.median(one[ours]) / statistics.median(one[peer]) for one in rounds)
-
-
 async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
     """The whole benchmark; rank 0 prints the tables and writes JSON, returns the record."""
     if system.size != 2:
@@ -327,7 +320,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
             ours = measured["ask"]
             p50 = {name: statistics.median(samples) for name, samples in measured.items()}
             ask_p99 = _percentile(ours, 0.99)
-            in_turns = {ratio: _median_ratio(rounds, *names) for ratio, names in RATIOS.items()}
+            in_turns = {ratio: median_ratio(rounds, *names) for ratio, names in RATIOS.items()}
             records.append(
                 {
                     "bytes": size,
