@@ -20,7 +20,7 @@ from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
-from .mpi_arrays import narrowed, out_for_mpi, reducible, widened, words, words_each
+from .mpi_arrays import apart, narrowed, out_for_mpi, reducible, widened, words, words_each
 from .pair_reduce import UFUNCS, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle
@@ -145,6 +145,13 @@ class Communicator:
             return array.astype(array.dtype.newbyteorder("="), order="C")
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)  # (which makes a 0-d array 1-d)
 
+    def _root(self, root: object, what: str) -> int:
+        """``root`` where it names a rank of this communicator, else refused before any MPI call (MPI_ERR_ROOT came
+        after the check; a negative root indexed the ranks from the end)."""
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{what}: root must be a rank of {self.name}, 0 to {self.size - 1}, got {root!r}")
+        return int(root)
+
     async def _check(self, what: str, signature: str) -> None:
         """Fail identically on every rank if the ranks are not in the same collective with matching arguments (when
         ``check_collectives`` is on; a collective that needs the exchange anyway calls ``_exchange`` itself)."""
@@ -246,6 +253,7 @@ class Communicator:
         data = self._array(array, "allreduce")
         reducible(data, "allreduce")
         out_for_mpi(data, out, "allreduce")
+        data = apart(data, out)
         signature = described(data.dtype, data.shape, str(op))
         if (sent := widened(data)) is not data:  # float16, reduced in float32
             return narrowed(await self._allreduce(sent, op, None, signature), data.dtype, out)
@@ -298,9 +306,11 @@ class Communicator:
         self, array: np.ndarray, op: str = "sum", root: int = 0, out: np.ndarray | None = None
     ) -> np.ndarray | None:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
+        root = self._root(root, "reduce")
         data = self._array(array, "reduce")
         reducible(data, "reduce")
         out_for_mpi(data, out, "reduce")
+        data = apart(data, out)
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
         mpi_op = self._op(op)
         sent = widened(data)  # float16 in float32
@@ -318,8 +328,11 @@ class Communicator:
     @_collective
     async def bcast_array(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         """Broadcast ``root``'s array into ``array`` on every rank (same shape everywhere)."""
+        root = self._root(root, "bcast_array")
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
+        if self.rank != root and not array.flags.writeable:  # (mpi4py refuses it after the check, the root's sent)
+            raise TypeError(f"bcast_array: rank {self.rank} receives into its array, which is read-only")
         await self._check("bcast_array", described(array.dtype, array.shape, f"root={root}"))
         await self._wait(self.comm.Ibcast(words(array), root), "bcast")
         return array
@@ -328,6 +341,7 @@ class Communicator:
     async def bcast(self, obj: object = None, root: int = 0) -> object:
         """Broadcast any picklable object (arrays travel without pickling their data)."""
         MPI = self._MPI
+        root = self._root(root, "bcast")
         length = 0
         if self.rank == root:
             encoded = transport.encode(obj, 0, self._config.inline_bytes)
@@ -358,6 +372,7 @@ class Communicator:
     @_collective
     async def gather(self, array: np.ndarray, root: int = 0) -> np.ndarray | None:
         """Stack every rank's array on ``root``; None elsewhere."""
+        root = self._root(root, "gather")
         data = self._array(array, "gather")
         await self._check("gather", described(data.dtype, data.shape, f"root={root}"))
         result = np.empty((self.size, *data.shape), dtype=data.dtype) if self.rank == root else None
@@ -373,10 +388,14 @@ class Communicator:
         from each rank). Row shapes and dtypes must agree; counts may differ.
         """
         data = self._array(rows, "alltoallv")
-        if data.ndim == 0 or len(counts) != self.size or int(np.sum(counts)) != len(data):
-            raise ValueError(f"alltoallv: {self.size} counts summing to the {len(data)} rows are needed, got {counts}")
+        sent = np.asarray(counts)
+        if (data.ndim == 0 or sent.shape != (self.size,) or sent.dtype.kind not in "iu" or (sent < 0).any()
+                or int(sent.sum()) != len(data)):  # fmt: skip
+            rows_held = "a 0-d array" if data.ndim == 0 else f"the {len(data)} rows"
+            raise ValueError(f"alltoallv: {self.size} counts, whole numbers from 0, summing to {rows_held} are "
+                             f"needed, got {counts}")  # fmt: skip
         await self._check("alltoallv", described(data.dtype, data.shape[1:], ""))
-        sent = np.ascontiguousarray(counts, dtype=np.int64)
+        sent = np.ascontiguousarray(sent, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
         row = int(np.prod(data.shape[1:], dtype=np.int64)) * words_each(data.dtype)

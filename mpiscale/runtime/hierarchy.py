@@ -17,7 +17,7 @@ from .abandoned import CollectiveLog
 from .collectives import Communicator, Reduction, described
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
-from .mpi_arrays import out_of_size, reducible
+from .mpi_arrays import apart, out_of_size, reducible
 from .pair_reduce import UFUNCS, delivered, direct_result, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle, settle_all
@@ -72,9 +72,8 @@ class Hierarchy:
         types MPI cannot add, such as 16-bit floats held as uint16). Several
         calls may be in flight.
         """
-        data = self.world._array(array, "hierarchical allreduce")
+        data = self._checked(array, op, out)
         if isinstance(op, str):
-            reducible(data, "hierarchical allreduce")
             call = self._direct_call(data, op)
             if call is not None and self.reducer.claim_inline():  # nothing queued in the reducer's thread: runs here
                 try:
@@ -117,8 +116,6 @@ class Hierarchy:
         settled as the world's collectives are; between two ranks with checks on, the gate's check and the swaps
         on ``call.comm`` (``reduce_pair``), in the caller's stack: the very messages the worker sends for it, should
         the other rank's worker run it. Nothing blocks the loop: a rank that died meanwhile is still reported."""
-        if out is not None:  # refused before any MPI call, as the world's allreduce refuses it
-            out_of_size(data, out, "hierarchical allreduce")
         number = self.log.begin("allreduce")
         what = f"allreduce on {self.log.name}"
         try:
@@ -160,10 +157,18 @@ class Hierarchy:
 
         The reduction runs while the caller goes on; ``array`` must not change until the future is done.
         """
+        return self._start(self._checked(array, op, out), op, out)
+
+    def _checked(self, array: np.ndarray, op: str | Reduction, out: np.ndarray | None) -> np.ndarray:
+        """``array`` made MPI-ready (and apart from an ``out`` that overlaps it), its call refused here, before any
+        MPI call, where ``out`` cannot take the result or MPI cannot reduce the array by a named ``op`` (as the
+        world's allreduce refuses them)."""
         data = self.world._array(array, "hierarchical allreduce")
+        if out is not None:
+            out_of_size(data, out, "hierarchical allreduce")
         if isinstance(op, str):
             reducible(data, "hierarchical allreduce")
-        return self._start(data, op, out)
+        return apart(data, out)
 
     def _start(self, data: np.ndarray, op: str | Reduction, out: np.ndarray | None) -> concurrent.futures.Future:
         """``start_allreduce`` of ``data`` already made MPI-ready and checked (``allreduce`` has done both)."""

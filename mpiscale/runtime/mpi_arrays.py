@@ -8,11 +8,14 @@ import numpy as np
 
 
 def out_of_size(data: np.ndarray, out: object, what: str) -> None:
-    """Refuse an ``out`` that cannot take the result of reducing ``data``."""
+    """Refuse an ``out`` that cannot take the result of reducing ``data``: not an array, of another size, or
+    read-only (mpi4py refuses that only when it posts the call, with the other ranks' part already under way)."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{what}: out must be a numpy array, got {type(out).__name__}")
     if out.size != data.size:
         raise ValueError(f"{what}: out holds {out.size} elements, the array {data.size}")
+    if not out.flags.writeable:
+        raise ValueError(f"{what}: out is read-only, so it cannot take the result")
 
 
 def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
@@ -24,24 +27,37 @@ def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
             raise ValueError(f"{what}: out must be a C-contiguous {data.dtype} array, got {out.dtype}")
 
 
+def apart(data: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``data``, or a copy of it where ``out`` may share its memory without being it (a view of it, or of a buffer
+    they both lie in): MPI reads a send buffer that overlaps its receive buffer as the receive buffer is written, and
+    the result came out wrong (as numpy's ufuncs do, the input is copied first)."""
+    if out is None or out is data or not np.may_share_memory(out, data):
+        return data
+    return data.copy()
+
+
 #: Kinds of dtype that mpi4py cannot type (bytes, strings, records, dates): moved as their bytes.
 _AS_BYTES = "SUVMm"
 
 
 def words(array: np.ndarray) -> np.ndarray:
     """C-contiguous ``array`` as MPI moves it: float16, for which this MPI has no type (Open MPI 4 answers
-    MPI_ERR_TYPE), as its 16-bit words; bytes, strings, records and dates as their bytes, flat (mpi4py refused them);
-    any other dtype as it is."""
+    MPI_ERR_TYPE), as its 16-bit words; bytes, strings, records, dates and arrays not in the machine's byte order as
+    their bytes, flat (mpi4py refused them); any other dtype as it is."""
     if array.dtype.char == "e":
         return array.view(np.uint16)
-    if array.dtype.kind in _AS_BYTES:
+    if _as_bytes(array.dtype):
         return array.reshape(-1).view(np.uint8)
     return array
 
 
 def words_each(dtype: np.dtype) -> int:
     """How many of :func:`words`'s elements one element of ``dtype`` makes."""
-    return dtype.itemsize if dtype.kind in _AS_BYTES else 1
+    return dtype.itemsize if _as_bytes(dtype) else 1
+
+
+def _as_bytes(dtype: np.dtype) -> bool:
+    return dtype.char != "e" and (dtype.kind in _AS_BYTES or not dtype.isnative)
 
 
 def reducible(data: np.ndarray, what: str) -> None:

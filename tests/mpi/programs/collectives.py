@@ -117,6 +117,33 @@ async def main(system):
                 assert ("'max' for any" in str(error)) == (values.dtype == bool), error
             else:
                 raise AssertionError(f"{reduce} took {values.dtype}")
+    # An array in the other byte order, as a file of another machine gives it, broadcast into itself (mpi4py refused
+    # it, BufferError, after the check): its bytes move, and its dtype stays.
+    foreign = (np.arange(5.0) * (rank + 1)).astype(">f8")
+    assert await world.bcast_array(foreign, root=size - 1) is foreign and foreign.dtype == np.dtype(">f8")
+    assert np.array_equal(foreign, np.arange(5.0) * size)
+
+    # A root that is no rank (MPI_ERR_ROOT after the check, or a negative one indexing the ranks from the end) and
+    # counts that are no row counts (MPI_ERR_COUNT on one rank, a numpy error on another) are refused before any MPI
+    # call, every rank alike; the next call is whole.
+    for root in (size, -1, 1.0):
+        for call, value in ((world.reduce, np.ones(2)), (world.gather, np.ones(2)), (world.bcast_array, np.ones(2)),
+                            (world.bcast, "x")):  # fmt: skip
+            try:
+                await call(value, root=root)
+            except ValueError as error:
+                assert f"root must be a rank of world, 0 to {size - 1}, got {root!r}" in str(error), error
+            else:
+                raise AssertionError(f"{call} took root {root!r}")
+    for counts in ([size + 1, *[-1] * (size - 1)], [size / 2] * 2 + [0] * (size - 2)):
+        try:
+            await world.alltoallv(np.ones((size, 3)), np.array(counts))
+        except ValueError as error:
+            assert f"{size} counts, whole numbers from 0, summing to the {size} rows are needed" in str(error), error
+        else:
+            raise AssertionError(f"counts {counts} taken")
+    assert (await world.reduce(np.ones(2), root=size - 1) is None) == (rank != size - 1)
+
     anyone = np.max([np.arange(6) % (r + 2) == 0 for r in range(size)], axis=0)
     assert (await system.hierarchy.allreduce(mask.astype(np.uint8), op="max") == anyone).all()
 
@@ -172,6 +199,46 @@ async def main(system):
     else:
         raise AssertionError("reduce took an out of another dtype")
     assert (await h.allreduce(np.ones(4), out=np.empty(4)) == size).all()
+
+    # An out that overlaps the array without being it (two views of one buffer) gets the right result: MPI read the
+    # array as it wrote the out, and the world's and the root's results came out wrong on 4 ranks, the hierarchical
+    # one's past 1 MiB.
+    for length in (8, 1 << 14, 1 << 18):
+        for shift in (length // 2, -(length // 2)):
+            for reduce in (world.allreduce, h.allreduce, world.reduce):
+                buffer = np.arange(2 * length, dtype=np.float64) + rank
+                data = buffer[max(0, -shift) : max(0, -shift) + length]
+                out = buffer[max(0, shift) : max(0, shift) + length]
+                expected = sum(data - rank + r for r in range(size))
+                if await reduce(data, out=out) is not None:
+                    assert np.array_equal(out, expected), (reduce, length, shift)
+
+    # A read-only out is refused the same way; mpi4py refused it only as it posted the call, after the check. And
+    # bcast_array into a read-only array off the root: refused there before any MPI call, the root waiting in the
+    # call's check, so a retry gets the root's values. Before, the root's message stayed unmatched and the next
+    # collective of those ranks read it (MPI_ERR_TRUNCATE, or a wrong answer where the sizes agreed).
+    frozen = np.ones(4)
+    frozen.flags.writeable = False
+    for reduce in (world.allreduce, world.reduce, h.allreduce, h.start_allreduce):
+        try:
+            called = reduce(np.ones(4), out=frozen)
+            await (asyncio.wrap_future(called) if reduce == h.start_allreduce else called)
+        except ValueError as error:
+            assert "out is read-only, so it cannot take the result" in str(error), error
+        else:
+            raise AssertionError(f"{reduce} took a read-only out")
+    values = np.full(6, rank + 1.0)
+    values.flags.writeable = rank == 0  # the root's array is only read: read-only is fine there
+    if rank != 0:
+        try:
+            await world.bcast_array(values, root=0)
+        except TypeError as error:
+            assert f"bcast_array: rank {rank} receives into its array, which is read-only" in str(error), error
+        else:
+            raise AssertionError("bcast_array received into a read-only array")
+        values = np.zeros(6)
+    assert (await world.bcast_array(values, root=0) == 1.0).all()
+    assert (await world.allreduce(np.ones(3)) == size).all() and (await h.allreduce(np.ones(3)) == size).all()
 
     stop.set()
     sent = await chat
