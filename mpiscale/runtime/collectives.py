@@ -251,7 +251,8 @@ class Communicator:
         """Element-wise reduction over all ranks; ``out=array`` reduces in place. The result has the array's shape
         (0-d included) and dtype, in the machine's byte order."""
         data = self._array(array, "allreduce")
-        reducible(data, "allreduce")
+        reducible(data, "allreduce", op)
+        self._op(op)  # (an unknown one refused here, before any MPI call)
         out_for_mpi(data, out, "allreduce")
         data = apart(data, out)
         signature = described(data.dtype, data.shape, str(op))
@@ -308,11 +309,11 @@ class Communicator:
         """Reduce onto ``root``; returns the result there and None elsewhere; ``out=array`` reduces in place."""
         root = self._root(root, "reduce")
         data = self._array(array, "reduce")
-        reducible(data, "reduce")
+        reducible(data, "reduce", op)
+        mpi_op = self._op(op)  # (an unknown one refused here, before any MPI call)
         out_for_mpi(data, out, "reduce")
         data = apart(data, out)
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
-        mpi_op = self._op(op)
         sent = widened(data)  # float16 in float32
         narrow = sent is not data
         if self.rank != root:
@@ -409,7 +410,8 @@ class Communicator:
     async def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
         """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""
         data = self._array(array, "reduce_scatter")
-        reducible(data, "reduce_scatter")
+        reducible(data, "reduce_scatter", op)
+        mpi_op = self._op(op)  # (an unknown one refused here, before any MPI call)
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         await self._check("reduce_scatter", described(data.dtype, data.shape, str(op)))
@@ -418,6 +420,6 @@ class Communicator:
         counts = [r * row_elements for r in rows]
         sent = widened(data)  # float16 in float32
         result = np.empty((rows[self.rank], *data.shape[1:]), dtype=sent.dtype)
-        request = self.comm.Ireduce_scatter(sent, result, counts, self._op(op))
+        request = self.comm.Ireduce_scatter(sent, result, counts, mpi_op)
         await self._wait(request, "reduce_scatter", keep=sent)
         return result if sent is data else narrowed(result, data.dtype, None)

@@ -167,7 +167,7 @@ class Hierarchy:
         if out is not None:
             out_of_size(data, out, "hierarchical allreduce")
         if isinstance(op, str):
-            reducible(data, "hierarchical allreduce")
+            reducible(data, "hierarchical allreduce", op)
         return apart(data, out)
 
     def _start(self, data: np.ndarray, op: str | Reduction, out: np.ndarray | None) -> concurrent.futures.Future:

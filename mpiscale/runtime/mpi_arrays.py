@@ -60,12 +60,15 @@ def _as_bytes(dtype: np.dtype) -> bool:
     return dtype.char != "e" and (dtype.kind in _AS_BYTES or not dtype.isnative)
 
 
-def reducible(data: np.ndarray, what: str) -> None:
-    """Refuse, before any MPI call, an array that MPI cannot reduce: booleans (MPI adds none: MPI_ERR_OP), bytes,
-    strings, records and dates."""
+def reducible(data: np.ndarray, what: str, op: str) -> None:
+    """Refuse, before any MPI call, an array that MPI cannot reduce by ``op``: booleans (MPI adds none: MPI_ERR_OP),
+    bytes, strings, records and dates; complex numbers by min or max (MPI_ERR_OP too: they have no order)."""
     if data.dtype.kind not in "iufc":
         hint = " (count them in an integer type, or reduce uint8 by 'max' for any, 'min' for all)"
         raise TypeError(f"{what} reduces numbers, not {data.dtype} arrays{hint if data.dtype.kind == 'b' else ''}")
+    if data.dtype.kind == "c" and op in ("min", "max"):
+        raise TypeError(f"{what}: {op} of {data.dtype} has no meaning, complex numbers have no order (reduce their "
+                        "magnitudes, or the real and imaginary parts apart)")  # fmt: skip
 
 
 #: Dtypes MPI cannot reduce here, reduced in a wider one and rounded back once: float16 in float32.

@@ -144,6 +144,17 @@ async def main(system):
             raise AssertionError(f"counts {counts} taken")
     assert (await world.reduce(np.ones(2), root=size - 1) is None) == (rank != size - 1)
 
+    # min and max of complex numbers (MPI_ERR_OP after the check), and a reduction of no known name (refused after the
+    # check by the world's), are refused before any MPI call.
+    for reduce in (world.allreduce, system.hierarchy.allreduce, world.reduce, world.reduce_scatter):
+        for op in ("min", "max", "mean"):
+            try:
+                await reduce(np.ones((size, 2), np.complex128 if op != "mean" else np.float64), op=op)
+            except (TypeError, ValueError) as error:
+                expected = "unknown reduction 'mean'" if op == "mean" else f"{op} of complex128 has no meaning"
+                assert expected in str(error), error
+            else:
+                raise AssertionError(f"{reduce} took op {op}")
     anyone = np.max([np.arange(6) % (r + 2) == 0 for r in range(size)], axis=0)
     assert (await system.hierarchy.allreduce(mask.astype(np.uint8), op="max") == anyone).all()
 
