@@ -17,7 +17,7 @@ from .abandoned import CollectiveLog
 from .collectives import Communicator, Reduction, described
 from .config import RuntimeConfig
 from .hierarchical import HierarchicalAllreduce, gate_row
-from .mpi_arrays import apart, out_of_size, reducible
+from .mpi_arrays import apart, out_of_kind, out_of_size, reducible
 from .pair_reduce import UFUNCS, delivered, direct_result, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle, settle_all
@@ -166,6 +166,7 @@ class Hierarchy:
         data = self.world._array(array, "hierarchical allreduce")
         if out is not None:
             out_of_size(data, out, "hierarchical allreduce")
+            out_of_kind(data, out, "hierarchical allreduce")
         if isinstance(op, str):
             reducible(data, "hierarchical allreduce", op)
         return apart(data, out)

@@ -18,6 +18,14 @@ def out_of_size(data: np.ndarray, out: object, what: str) -> None:
         raise ValueError(f"{what}: out is read-only, so it cannot take the result")
 
 
+def out_of_kind(data: np.ndarray, out: np.ndarray, what: str) -> None:
+    """Refuse an ``out`` that a reduction of ``data`` may only be cast into with loss of kind (float into int, complex
+    into float: numpy's ufuncs refuse the same), where a result that is copied into ``out`` would be cut without a
+    word."""
+    if out.dtype is not data.dtype and not np.can_cast(data.dtype, out.dtype, "same_kind"):
+        raise TypeError(f"{what}: out of {out.dtype} cannot take a result of {data.dtype} (numpy's same_kind rule)")
+
+
 def out_for_mpi(data: np.ndarray, out: np.ndarray | None, what: str) -> None:
     """Refuse an ``out`` that MPI cannot reduce ``data`` into: of another size, dtype or layout (refused before any
     MPI call: the other ranks wait in the check, where the watch finds it)."""

@@ -110,7 +110,7 @@ def delivered(result: np.ndarray, out: np.ndarray | None, in_out: bool) -> np.nd
     if out is None:
         return result
     if not in_out:
-        np.copyto(out, result.reshape(out.shape), casting="unsafe")
+        np.copyto(out, result.reshape(out.shape), casting="same_kind")
     return out
 
 

@@ -224,6 +224,20 @@ async def main(system):
                 if await reduce(data, out=out) is not None:
                     assert np.array_equal(out, expected), (reduce, length, shift)
 
+    # The hierarchical allreduce fills an out of another dtype, as numpy's same_kind rule lets a ufunc: a float32 out
+    # of a float64 sum, not an int32 one. That int32 out took the sum cut to whole numbers without a word on the
+    # loop's paths, and the reducer's thread refused it after the reduction (4 ranks, 2 MiB).
+    for length in (4, 1 << 18):
+        halves = np.full(length, 0.75 * (rank + 1))
+        narrower = np.zeros(length, np.float32)
+        assert await h.allreduce(halves, out=narrower) is narrower and (narrower == 0.375 * size * (size + 1)).all()
+        try:
+            await h.allreduce(halves, out=np.zeros(length, np.int32))
+        except TypeError as error:
+            assert "out of int32 cannot take a result of float64 (numpy's same_kind rule)" in str(error), error
+        else:
+            raise AssertionError("an int32 out took a float64 sum")
+
     # A read-only out is refused the same way; mpi4py refused it only as it posted the call, after the check. And
     # bcast_array into a read-only array off the root: refused there before any MPI call, the root waiting in the
     # call's check, so a retry gets the root's values. Before, the root's message stayed unmatched and the next
