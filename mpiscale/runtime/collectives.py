@@ -21,6 +21,7 @@ from .abandoned import CollectiveLog
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
 from .mpi_arrays import apart, narrowed, out_for_mpi, reducible, widened, words, words_each
+from .nan_ops import nan_keeping
 from .pair_reduce import UFUNCS, exchanged, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle
@@ -124,11 +125,16 @@ class Communicator:
         self._posted += 1
         await settle(self._engine, request, f"{what} on {self.name}", keep, self._spin_s)
 
-    def _op(self, op: str):
+    def _op(self, op: str, dtype: np.dtype | None = None):
+        """MPI's operation ``op``; for floating-point ``dtype`` min and max that keep NaNs, as numpy's do (see
+        ``nan_ops``)."""
         try:
-            return self._ops[op]
+            found = self._ops[op]
         except KeyError:
             raise ValueError(f"unknown reduction {op!r}; use one of {', '.join(self._ops)}") from None
+        if dtype is not None and dtype.kind == "f" and op in ("min", "max"):
+            return nan_keeping(self._MPI, op)
+        return found
 
     @staticmethod
     def _array(array: np.ndarray, what: str) -> np.ndarray:
@@ -271,7 +277,7 @@ class Communicator:
 
     async def _mpi_allreduce(self, data: np.ndarray, op: str, out: np.ndarray | None, signature: str) -> np.ndarray:
         await self._check("allreduce", signature)
-        mpi_op = self._op(op)
+        mpi_op = self._op(op, data.dtype)
         if out is data:
             await self._wait(self.comm.Iallreduce(self._MPI.IN_PLACE, data, mpi_op), "allreduce")
             return data
@@ -310,7 +316,7 @@ class Communicator:
         root = self._root(root, "reduce")
         data = self._array(array, "reduce")
         reducible(data, "reduce", op)
-        mpi_op = self._op(op)  # (an unknown one refused here, before any MPI call)
+        mpi_op = self._op(op, data.dtype)  # (an unknown one refused here, before any MPI call)
         out_for_mpi(data, out, "reduce")
         data = apart(data, out)
         await self._check("reduce", described(data.dtype, data.shape, f"{op} root={root}"))
@@ -411,7 +417,7 @@ class Communicator:
         """Reduce over ranks, then give each rank its block of rows (as ``np.array_split``)."""
         data = self._array(array, "reduce_scatter")
         reducible(data, "reduce_scatter", op)
-        mpi_op = self._op(op)  # (an unknown one refused here, before any MPI call)
+        mpi_op = self._op(op, data.dtype)  # (an unknown one refused here, before any MPI call)
         if data.ndim == 0:
             raise ValueError("reduce_scatter needs an array with at least one dimension")
         await self._check("reduce_scatter", described(data.dtype, data.shape, str(op)))

@@ -83,7 +83,7 @@ from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
 from .mpi_arrays import WIDER
-from .pair_reduce import delivered, direct_result, exchanged, room, rounds
+from .pair_reduce import delivered, direct_result, exchanged, room, rounds, ufuncs_by_handle
 
 _GATE_SPIN_S = 200e-6  # how long the barrier before a call is polled without sleeping (ranks that arrive together)
 _GATE_SLEEP_S = 2e-3  # the longest sleep between its polls, as the engine's: a long wait wakes 500 times a second
@@ -126,9 +126,7 @@ class HierarchicalAllreduce:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="mpiscale-allreduce")
         self._buffer = np.empty(0, np.uint8)  # this rank's share, kept between calls: fresh pages cost page faults
         self._copies_buffer = np.empty(0, np.uint8)  # every local rank's copy of this rank's share, kept as well
-        # numpy's twin of each operation, by its handle (MPI's operations are not hashable)
-        self._ufuncs = {op.py2f(): f for op, f in [(MPI.SUM, np.add), (MPI.PROD, np.multiply),
-                                                   (MPI.MAX, np.maximum), (MPI.MIN, np.minimum)]}  # fmt: skip
+        self._ufuncs = ufuncs_by_handle(MPI)
         self._order = threading.Lock()  # guards the three below: which thread runs the next call
         self._queued = 0  # calls given to the worker and not finished
         self._inline_busy = False  # while the event loop runs a call itself

@@ -90,7 +90,7 @@ class Hierarchy:
             return self.direct_calls[key]
         except KeyError:
             pass
-        mpi_op = self.world._op(op)
+        mpi_op = self.world._op(op, data.dtype)
         comm = self.reducer.direct_comm(data, mpi_op)
         if comm is None:
             call = None
@@ -176,7 +176,7 @@ class Hierarchy:
         number = self.log.begin("allreduce")
         call = self._named(number)
         if isinstance(op, str):
-            future = self.reducer.start(data, self.world._op(op), op, out, call)
+            future = self.reducer.start(data, self.world._op(op, data.dtype), op, out, call)
         else:
             future = self.reducer.start(data, op, getattr(op, "__name__", "a reduction function"), out, call)
         future.add_done_callback(lambda _: self.log.end(number))

@@ -34,12 +34,22 @@ from typing import Any
 import numpy as np
 
 from ..ranks import Comm
+from .nan_ops import nan_keeping
 from .waits import ends_in_place
 
 #: numpy's twin of each reduction MPI names, by the name the collectives take.
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}
 _KINDS = {np.add: "iufc", np.multiply: "iufc", np.minimum: "iuf", np.maximum: "iuf"}  # the dtypes MPI reduces alike
 _TAG = 29  # the exchange's messages, on a communicator that carries no other point-to-point traffic on this tag
+
+
+def ufuncs_by_handle(MPI: ModuleType) -> dict[int, np.ufunc]:
+    """numpy's twin of each MPI operation the collectives reduce by, NaN-keeping min and max included (``nan_ops``),
+    by its handle (MPI's operations are not hashable)."""
+    ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
+    twins: dict[int, np.ufunc] = {op.py2f(): UFUNCS[name] for name, op in ops.items()}
+    twins.update({nan_keeping(MPI, name).py2f(): UFUNCS[name] for name in ("min", "max")})
+    return twins
 
 
 def exchanged(comm_size: int, dtype: np.dtype, ufunc: np.ufunc | None) -> np.ufunc | None:
