@@ -395,12 +395,12 @@ class Communicator:
         from each rank). Row shapes and dtypes must agree; counts may differ.
         """
         data = self._array(rows, "alltoallv")
+        if data.ndim == 0:
+            raise ValueError("alltoallv sends rows: it needs an array with at least one dimension")
         sent = np.asarray(counts)
-        if (data.ndim == 0 or sent.shape != (self.size,) or sent.dtype.kind not in "iu" or (sent < 0).any()
-                or int(sent.sum()) != len(data)):  # fmt: skip
-            rows_held = "a 0-d array" if data.ndim == 0 else f"the {len(data)} rows"
-            raise ValueError(f"alltoallv: {self.size} counts, whole numbers from 0, summing to {rows_held} are "
-                             f"needed, got {counts}")  # fmt: skip
+        if sent.shape != (self.size,) or sent.dtype.kind not in "iu" or (sent < 0).any() or sent.sum() != len(data):
+            raise ValueError(f"alltoallv: {self.size} counts, whole numbers from 0, summing to the {len(data)} rows "
+                             f"are needed, got {counts}")  # fmt: skip
         await self._check("alltoallv", described(data.dtype, data.shape[1:], ""))
         sent = np.ascontiguousarray(sent, dtype=np.int64)
         received_counts = np.empty(self.size, np.int64)
