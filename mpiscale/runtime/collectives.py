@@ -22,7 +22,7 @@ from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
 from .mpi_arrays import apart, narrowed, out_for_mpi, reducible, widened, words, words_each
 from .nan_ops import nan_keeping
-from .pair_reduce import UFUNCS, exchanged, room
+from .pair_reduce import UFUNCS, exchanged, mpi_ops, room
 from .progress import ProgressEngine
 from .settling import reduce_pair, settle
 
@@ -103,7 +103,7 @@ class Communicator:
         self.name = name
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
-        self._ops = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+        self._ops = mpi_ops(MPI)
         #: The collectives this rank started here, and those still pending.
         self.log = CollectiveLog(name, world_ranks(MPI, comm))
         self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI

@@ -43,11 +43,15 @@ _KINDS = {np.add: "iufc", np.multiply: "iufc", np.minimum: "iuf", np.maximum: "i
 _TAG = 29  # the exchange's messages, on a communicator that carries no other point-to-point traffic on this tag
 
 
+def mpi_ops(MPI: ModuleType) -> dict[str, Any]:
+    """MPI's own operation of each reduction the collectives take, by the name they take it by."""
+    return {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
+
+
 def ufuncs_by_handle(MPI: ModuleType) -> dict[int, np.ufunc]:
     """numpy's twin of each MPI operation the collectives reduce by, NaN-keeping min and max included (``nan_ops``),
     by its handle (MPI's operations are not hashable)."""
-    ops = {"sum": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}
-    twins: dict[int, np.ufunc] = {op.py2f(): UFUNCS[name] for name, op in ops.items()}
+    twins: dict[int, np.ufunc] = {op.py2f(): UFUNCS[name] for name, op in mpi_ops(MPI).items()}
     twins.update({nan_keeping(MPI, name).py2f(): UFUNCS[name] for name in ("min", "max")})
     return twins
 
