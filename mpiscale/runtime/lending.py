@@ -74,7 +74,8 @@ class Lending:
         array = lendable(buffer, what)
         if offer_over is None or array.nbytes <= offer_over:
             return None
-        loan = self._offers[ask_id] = Loan(ask_id, source, memoryview(array).cast("B"), array.ctypes.data)
+        memory = memoryview(array.reshape(-1).view(np.uint8))  # its bytes (numpy exports no buffer of dates)
+        loan = self._offers[ask_id] = Loan(ask_id, source, memory, array.ctypes.data)
         return loan
 
     def claim(self, source: int, answers: int, sizes: list[int]) -> Loan | None:

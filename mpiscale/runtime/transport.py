@@ -69,7 +69,8 @@ def _reduce_array(array: np.ndarray):
         fortran = flags.f_contiguous
         if not fortran:
             array = np.ascontiguousarray(array)
-    return _rebuild_array, (pickle.PickleBuffer(array), code, array.shape, fortran)
+    data = array.view(np.int64) if array.dtype.kind in "mM" else array  # numpy exports no buffer of dates
+    return _rebuild_array, (pickle.PickleBuffer(data), code, array.shape, fortran)
 
 
 def _rebuild_tensor(array: np.ndarray, dtype_name: str, requires_grad: bool, parameter: bool):

@@ -79,8 +79,11 @@ def test_large_receive_buffers_are_mappings_of_their_own():
         np.array([(1, 2.0)], dtype=[("a", "i4"), ("b", "f8")]),
         np.array(["x", None], dtype=object),
         np.arange(6, dtype=">i4"),
+        np.arange(5).astype("datetime64[s]"),
+        np.asfortranarray(np.arange(6).reshape(2, 3).astype(">m8[ms]")),
+        np.array(7).astype("datetime64[D]"),
     ],
-    ids=["fortran", "strided", "0d", "empty", "structured", "object", "big-endian"],
+    ids=["fortran", "strided", "0d", "empty", "structured", "object", "big-endian", "dates", "durations", "0d-date"],
 )
 def test_array_kinds_round_trip(array):
     for inline in (65536, 0):

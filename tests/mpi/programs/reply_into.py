@@ -23,6 +23,9 @@ class Server(mpiscale.Actor):
     def doubled(self, values: np.ndarray) -> np.ndarray:
         return values * 2
 
+    def same(self, values: np.ndarray) -> np.ndarray:
+        return values
+
     async def slow(self, seconds: float, fill: float) -> np.ndarray:
         await asyncio.sleep(seconds)
         return np.full(N, fill)
@@ -74,6 +77,12 @@ async def main(system):
     assert await other[(rank + 1) % size].ask("slow", 0.0, 2.0, reply_into=second) is second
     assert await late is first and (first == 1.0).all() and (second == 2.0).all()
     assert system.traffic()["bytes_received_in_place"] == 7 * buffer.nbytes, system.traffic()
+
+    # Dates and durations (numpy exports no buffer of them) and the other byte order travel and land in place too.
+    for kind in ("datetime64[s]", "timedelta64[ms]", ">f8"):
+        sent, lent = np.arange(N).astype(kind), np.zeros(N).astype(kind)
+        assert await peer.ask("same", sent, reply_into=lent) is lent and (lent == sent).all(), kind
+    assert system.traffic()["bytes_received_in_place"] == 10 * buffer.nbytes, system.traffic()
 
     # Small and local replies are copied in.
     small = np.zeros(8)
