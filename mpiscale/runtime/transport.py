@@ -18,6 +18,7 @@ messages to one rank, each an inline part, delivered in order.
 
 from __future__ import annotations
 
+import copyreg
 import io
 import mmap
 import os
@@ -77,11 +78,17 @@ def _rebuild_tensor(array: np.ndarray, dtype_name: str, requires_grad: bool, par
     import torch
 
     tensor = torch.from_numpy(array)
-    if dtype_name == "bfloat16":
-        tensor = tensor.view(torch.bfloat16)
+    if str(tensor.dtype).removeprefix("torch.") != dtype_name:  # sent as integers of its element's size
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"a tensor of dtype {dtype_name!r}, which this torch does not have")
+        tensor = tensor.view(dtype)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)
+
+
+_INTEGERS_BY_SIZE: dict = {}  # element size in bytes -> the torch integer dtype of that size, once torch is in
 
 
 def _reduce_tensor(tensor):
@@ -92,14 +99,15 @@ def _reduce_tensor(tensor):
         return tensor.__reduce_ex__(5)
     if tensor.requires_grad and tensor.grad_fn is not None:
         return tensor.__reduce_ex__(5)  # torch raises its own clear error for non-leaf tensors
-    data = tensor.detach().contiguous()
+    data = tensor.detach().resolve_conj().resolve_neg().contiguous()  # the values, whatever bits are set lazily
     dtype_name = str(data.dtype).removeprefix("torch.")
-    if data.dtype == torch.bfloat16:
-        data = data.view(torch.int16)
     try:
         array = data.numpy()
-    except (TypeError, RuntimeError):
-        return tensor.__reduce_ex__(5)
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, ...): sent as integers of its size
+        try:
+            array = data.view(_INTEGERS_BY_SIZE[data.element_size()]).numpy()
+        except (KeyError, TypeError, RuntimeError):
+            return tensor.__reduce_ex__(5)
     parameter = isinstance(tensor, torch.nn.Parameter)
     return _rebuild_tensor, (array, dtype_name, tensor.requires_grad, parameter)
 
@@ -108,27 +116,37 @@ class _Serializer:
     """A reusable protocol-5 pickler: reuse saves a microsecond per small message.
 
     Its dispatch table sends numpy arrays (and CPU torch tensors, once torch is
-    imported) out of band without numpy's slower generic reduce.
+    imported) out of band without numpy's slower generic reduce. It holds what
+    ``copyreg`` holds too (torch's layouts, a user's own reducers), as it is at
+    each message: a pickler's own table replaces ``copyreg``'s.
     """
 
     def __init__(self) -> None:
         self._stream = io.BytesIO()
         self._buffers: list[pickle.PickleBuffer] = []
-        self._table: dict = {np.ndarray: _reduce_array}
+        self._ours: dict = {np.ndarray: _reduce_array}
+        self._registered: dict | None = None  # copyreg's table when ours was last made
+        self._table: dict = {}
         self._pickler = pickle.Pickler(self._stream, protocol=5, buffer_callback=self._buffers.append)
         self._pickler.dispatch_table = self._table
         self._busy = False
 
-    def _register_torch(self) -> None:
+    def _current_table(self) -> None:
         torch = sys.modules.get("torch")
-        if torch is not None and torch.Tensor not in self._table:
-            self._table[torch.Tensor] = _reduce_tensor
-            self._table[torch.nn.Parameter] = _reduce_tensor
+        if torch is not None and torch.Tensor not in self._ours:
+            _INTEGERS_BY_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
+            self._ours[torch.Tensor] = self._ours[torch.nn.Parameter] = _reduce_tensor
+            self._registered = None
+        if self._registered != copyreg.dispatch_table:
+            self._registered = dict(copyreg.dispatch_table)
+            self._table.clear()
+            self._table.update(self._registered)
+            self._table.update(self._ours)
 
     def __call__(self, obj: object) -> list:
         if self._busy:  # re-entered from a reducer: use a fresh one
             return _Serializer()(obj)
-        self._register_torch()
+        self._current_table()
         self._busy = True
         stream, buffers = self._stream, self._buffers
         try:
