@@ -20,7 +20,13 @@ from ..kernels.code_statistics import accumulate_statistics, fold_packed
 from ..kernels.dict_update import block_coordinate_update, near_duplicates
 from .coding import CodeRows
 
-_UNUSED_WEIGHT = 1e-12  # A_jj at or below this: the atom took no part
+_UNUSED_WEIGHT = 1e-12  # A_jj at or below this times the largest A_ii: the atom took no part
+
+
+def least_weight(a: np.ndarray) -> float:
+    """The weight ``A_jj`` at or below which an atom took no part: relative to the most used atom's, so the same
+    atoms move at any scale of the data (an absolute 1e-12 froze every atom of data at 1e-6)."""
+    return _UNUSED_WEIGHT * float(np.diagonal(a).max()) if len(a) else 0.0
 
 
 class BatchStatistics:
@@ -149,7 +155,7 @@ def online_update(state: DictionaryState, stats: BatchStatistics, iteration: int
     fold_packed(state.a, stats.a_upper, beta, signals)  # straight from the packed sum: no unpacked copy
     state.b *= beta
     state.b += stats.b / signals
-    block_coordinate_update(state.dictionary, state.a, state.b, _UNUSED_WEIGHT)
+    block_coordinate_update(state.dictionary, state.a, state.b, least_weight(state.a))
 
 
 def mod_update(state: DictionaryState, stats: BatchStatistics) -> None:
@@ -157,7 +163,7 @@ def mod_update(state: DictionaryState, stats: BatchStatistics) -> None:
     stats.unpack()
     state.a[:] = stats.a
     state.b[:] = stats.b
-    used = np.diag(stats.a) > _UNUSED_WEIGHT
+    used = np.diag(stats.a) > least_weight(stats.a)
     if not used.any():
         return
     a = stats.a[np.ix_(used, used)]

@@ -18,6 +18,9 @@ from numba import njit, prange
 
 _CHUNK = 128  # the most signals a thread codes with one set of work arrays (their correlations stay in cache)
 _DEPENDENT = 1e-10  # relative pivot below which a new atom is linearly dependent on the chosen ones
+#: A residual whose largest correlation is at most this times the signal's own first one is (numerically) orthogonal
+#: to every atom: relative, so a signal's code is the same at any scale (an absolute 1e-14 coded 1e-16 data as zeros)
+ORTHOGONAL = 1e-14
 
 
 def build_extend(compile_function):
@@ -113,12 +116,15 @@ def _code_one(gram, correlations, n_nonzero, energy, target, alpha, chol, suppor
         alpha[k] = correlations[k]
     size = 0
     residual = energy
+    floor = 0.0  # a signal orthogonal to every atom (or zero) takes none; then ORTHOGONAL times its first correlation
     for _ in range(n_nonzero):
         if target >= 0 and residual <= target:
             break
         best = _most_correlated(alpha)  # a chosen atom's alpha is 0 (below): no mask to test, a loop 2.5x as fast
-        if best < 0 or abs(alpha[best]) <= 1e-14:  # the residual is (numerically) orthogonal to every atom
+        if best < 0 or abs(alpha[best]) <= floor:
             break
+        if size == 0:
+            floor = ORTHOGONAL * abs(alpha[best])
         grown = _extend(gram, correlations, chol, support, gamma, work, size, best)
         if grown < 0:
             break

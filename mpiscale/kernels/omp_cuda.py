@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from .omp import build_extend
+from .omp import ORTHOGONAL, build_extend
 
 _LANES = 32  # threads per signal: one warp
 _CHUNK = 1 << 15  # signals per device round trip
@@ -35,6 +35,7 @@ def _omp_kernel(gram, correlations, n_nonzero, codes, alpha, chol, support, gamm
         chosen[signal, k] = False
         codes[signal, k] = 0.0
     size = 0
+    floor = 0.0  # as the CPU kernel's: relative to the signal's first correlation
     for _ in range(n_nonzero):
         cuda.syncthreads()
         best, best_value = -1, 0.0  # each lane: its first atom of largest |alpha|, as the CPU kernel picks
@@ -53,8 +54,10 @@ def _omp_kernel(gram, correlations, n_nonzero, codes, alpha, chol, support, gamm
             cuda.syncthreads()
             half //= 2
         best, best_value = indices[0], values[0]
-        if best < 0 or best_value <= 1e-14:
+        if best < 0 or best_value <= floor:
             break
+        if size == 0:
+            floor = ORTHOGONAL * best_value
         cuda.syncthreads()  # every thread has read the best atom before thread 0 reuses the slot
         if lane == 0:
             grown = _extend(gram, correlations[signal], chol[signal], support[signal], gamma[signal], work[signal],

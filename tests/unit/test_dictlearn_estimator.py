@@ -81,6 +81,20 @@ def test_partial_fit_over_a_stream_recovers_the_planted_atoms():
     assert np.linalg.norm(rebuilt - signals[:1000]) < 0.2 * np.linalg.norm(signals[:1000])
 
 
+@pytest.mark.parametrize("method", ["online", "mod"])
+def test_the_same_dictionary_is_learned_at_any_scale_of_the_data(method):
+    """Data in small units (1e-12, 1e-100) learns what the same data at 1 does: fixed floors on OMP's correlations and
+    on an atom's weight once left every atom where it started at 1e-12, and coded 1e-16 data as zeros."""
+    _, signals = planted(samples=2000)
+    reference = DictionaryLearning(20, method=method, n_iter=30, random_state=1).fit(signals)
+    for scale in (1e-12, 1e-100):
+        scaled = DictionaryLearning(20, method=method, n_iter=30, random_state=1).fit(signals * scale)
+        assert np.allclose(scaled.components_, reference.components_, atol=1e-9), scale
+        assert scaled.error_ == pytest.approx(reference.error_, rel=1e-9)
+        codes = scaled.transform(signals[:100] * scale) / scale
+        assert np.allclose(codes, reference.transform(signals[:100]), atol=1e-9)
+
+
 def test_what_cannot_be_learned_is_refused_with_the_parameter_named():
     _, signals = planted(samples=300)
     with pytest.raises(ValueError, match="every value is zero"):

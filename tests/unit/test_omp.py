@@ -92,6 +92,16 @@ def test_exact_recovery_with_orthonormal_atoms():
     assert np.allclose(omp_encode(codes @ basis, basis, 4), codes, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale", [1e-16, 1e-100, 1e100])
+def test_codes_scale_with_the_signals(scale):
+    """OMP picks the same atoms at any scale, the coefficients scaled: a fixed floor on the residual's correlations
+    once coded every signal of 1e-16 data as zeros, without a word."""
+    d = dictionary(40, 16)
+    signals = np.random.default_rng(5).standard_normal((100, 16))
+    codes = omp_encode(signals, d, 5)
+    assert np.allclose(omp_encode(signals * scale, d, 5) / scale, codes, rtol=1e-9, atol=1e-12)
+
+
 def test_zero_signal_and_dependent_atoms_stop_early():
     d = dictionary(6, 3)
     codes = omp_encode(np.zeros((2, 3)), d, 3)

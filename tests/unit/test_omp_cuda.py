@@ -39,6 +39,8 @@ SCRIPT = textwrap.dedent(
     x = d[:1] + 2 * d[1:2]
     assert np.count_nonzero(omp_encode(x, twins, 4, device="cuda")) == 2
     assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
+    tiny = omp_encode(x * 1e-16, d, 3, device="cuda")  # the stop is relative to the signal, as on the CPU
+    assert np.allclose(tiny / 1e-16, omp_encode(x, d, 3, device="cpu"), atol=1e-9)
     assert choose_numba_device("cuda", MPI.COMM_SELF) == "cuda:0"  # the jobs' GPU rule, by the GPUs' identity
     assert choose_numba_device("cpu", MPI.COMM_SELF) == "cpu"
     assert len(gpu_uuids()) == len(cuda.gpus) and all(uuid.startswith(("GPU-", "MIG-")) for uuid in gpu_uuids())
