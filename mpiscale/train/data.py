@@ -37,7 +37,8 @@ class LabelledData:
 
 
 def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[LabelledData, int, np.ndarray, np.ndarray]:
-    """Check ``path``'s inputs and labels (collective); returns (data, classes, feature mean, feature std).
+    """Check ``path``'s inputs and labels (collective); returns (data, classes, feature mean, feature std: 0 for
+    a feature of one value).
 
     Inputs must be numbers without NaN or infinity, labels integers >= 0, one
     per input row. Every rank raises the same ``DataFileError``: the checks
@@ -62,24 +63,28 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
         raise DataFileError(path, f"{shape[0]} inputs but {label_shape[0]} labels", labels)
     block = read_dataset(path, inputs, comm).reshape(-1, int(np.prod(shape[1:]))).astype(np.float64)
     tags = read_dataset(path, labels, comm).astype(np.int64)
-    sums = np.stack([block.sum(axis=0), (block * block).sum(axis=0)])
+    sums = block.sum(axis=0)
     comm.Allreduce(MPI.IN_PLACE, sums)
     bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
     first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]
     first_bad = comm.allreduce(first + int(bad[0]) if len(bad) else shape[0], op=MPI.MIN)
     extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)  # (lowest, -highest)
     comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
-    span = np.array([block.min(initial=np.inf), -block.max(initial=-np.inf)])  # of the inputs: (lowest, -highest)
-    comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
+    ends = np.stack([block.min(axis=0, initial=np.inf), -block.max(axis=0, initial=-np.inf)])  # each feature's
+    comm.Allreduce(MPI.IN_PLACE, ends, op=MPI.MIN)
     if first_bad < shape[0]:
         raise DataFileError(path, f"sample {first_bad} holds NaN or infinite values; clean the data first", inputs)
     if extremes[0] < 0:
         raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
     samples = shape[0]
-    mean = sums[0] / samples
-    std = np.sqrt(np.maximum(sums[1] / samples - mean * mean, 0.0))
+    mean = sums / samples
+    block -= mean  # the spread about the mean, in a second pass: E[x^2] - mean^2 cancels for a large mean
+    squares = np.einsum("sf,sf->f", block, block)
+    comm.Allreduce(MPI.IN_PLACE, squares)
+    std = np.where(ends[0] == -ends[1], 0.0, np.sqrt(squares / samples))  # 0 exactly for a constant feature
+    lowest, highest = float(ends[0].min(initial=np.inf)), float(-ends[1].min(initial=np.inf))
     checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
-                           dtype.kind in "biu", float(span[0]), float(-span[1]))  # fmt: skip
+                           dtype.kind in "biu", lowest, highest)  # fmt: skip
     return checked, int(-extremes[1]) + 1, mean, std
 
 

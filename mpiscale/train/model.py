@@ -96,11 +96,13 @@ def build_mlp(spec: dict) -> torch.nn.Sequential:
 
 
 def set_standardization(model: torch.nn.Sequential, mean: np.ndarray, std: np.ndarray) -> None:
-    """Store the training set's feature means and spreads (constant features keep scale 1)."""
+    """Store the training set's feature means and spreads: a feature of one value (``std`` 0) keeps scale 1, and
+    any other is scaled whatever its units (a floor of 1e-8 once left features of 1e-9 as they were: ignored)."""
     standardize = standardizer(model)
+    scale = np.where(std > 0, np.maximum(std, np.finfo(np.float32).tiny), 1.0)  # nonzero in float32
     with torch.no_grad():
         standardize.mean.copy_(torch.from_numpy(mean.astype(np.float32)))
-        standardize.scale.copy_(torch.from_numpy(np.where(std > 1e-8, std, 1.0).astype(np.float32)))
+        standardize.scale.copy_(torch.from_numpy(scale.astype(np.float32)))
 
 
 def standardizer(model: torch.nn.Module) -> Standardize:

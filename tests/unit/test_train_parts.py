@@ -159,3 +159,31 @@ def test_the_ddp_bench_hidden_share_is_clipped_to_what_it_can_mean():
     assert _hidden_share(step=0.8, compute=1.0, communication=1.0) == 1.0  # noise: faster than compute alone
     assert _hidden_share(step=2.5, compute=1.0, communication=1.0) == 0.0  # noise: slower than no overlap
     assert _hidden_share(step=1.0, compute=1.0, communication=0.0) == 0.0
+
+
+def test_features_are_standardised_whatever_their_units(tmp_path):
+    """A user's inputs as h5py writes them: a feature in small units (1e-9, which a fixed floor of 1e-8 once left
+    unscaled, so the model all but ignored it), one of one value (scale 1), and one of a large mean and small spread
+    (whose E[x^2] - mean^2 cancelled). Each feature's spread is numpy's, and the model divides by it."""
+    from mpi4py import MPI
+
+    from mpiscale.train.data import check_labelled
+    from mpiscale.train.model import set_standardization, standardizer
+
+    rng = np.random.default_rng(0)
+    samples = 5000
+    inputs = np.stack([1e-9 * rng.standard_normal(samples), np.full(samples, 5.0),
+                       1e6 + 0.1 * rng.standard_normal(samples), rng.standard_normal(samples)], axis=1)  # fmt: skip
+    path = tmp_path / "mine.h5"
+    with h5py.File(path, "w") as file:
+        file["x"] = inputs
+        file["y"] = rng.integers(0, 3, samples)
+    data, classes, mean, std = check_labelled(str(path), "x", "y", MPI.COMM_SELF)
+    assert classes == 3 and (data.lowest, data.highest) == (inputs.min(), inputs.max())
+    np.testing.assert_allclose(mean, inputs.mean(axis=0), rtol=1e-12)
+    assert std[1] == 0.0
+    np.testing.assert_allclose(std[[0, 2, 3]], inputs.std(axis=0)[[0, 2, 3]], rtol=1e-9)
+    model = build_mlp({"inputs": 4, "hidden": [3], "classes": 3})
+    set_standardization(model, mean, std)
+    scale = standardizer(model).scale.numpy()
+    assert scale[1] == 1.0 and np.allclose(scale[[0, 2, 3]], std[[0, 2, 3]], rtol=1e-6)
