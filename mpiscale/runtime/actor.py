@@ -12,6 +12,7 @@ import asyncio
 import dis
 import inspect
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -113,6 +114,30 @@ class ActorRef:
 
     def __str__(self) -> str:
         return f"{self.name}@{self.rank}"
+
+
+def address(ref: ActorRef, method: object, size: int) -> tuple[ActorRef, str]:
+    """``ref`` and ``method`` as the receiving rank takes them, in a job of ``size`` ranks: refused here what would
+    end the job there."""
+    if type(method) is not str or type(ref.name) is not str or type(ref.rank) is not int:
+        ref, method = _plain_call(ref, method)
+    if not 0 <= ref.rank < size:
+        raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {size} ranks")
+    return ref, method
+
+
+def _plain_call(ref: ActorRef, method: object) -> tuple[ActorRef, str]:
+    """``ref`` and ``method`` in the plain types a message carries: a str subclass (a ``StrEnum``'s member) as its
+    text, a numpy integer rank as an int; TypeError for any other type, before the message leaves."""
+    if not isinstance(method, str):
+        raise TypeError(f"{ref}: the method must be named by a str, got {type(method).__name__} {method!r}")
+    if not isinstance(ref.name, str):
+        raise TypeError(f"an actor is named by a str, got {type(ref.name).__name__} {ref.name!r}")
+    try:
+        rank = operator.index(ref.rank)
+    except TypeError:
+        raise TypeError(f"an actor's rank is an int, got {type(ref.rank).__name__} {ref.rank!r}") from None
+    return ActorRef(rank, str.__str__(ref.name)), str.__str__(method)
 
 
 @dataclass(frozen=True)

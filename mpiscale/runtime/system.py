@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from . import wire
 from .abandoned import AbandonedWatch, CollectiveLog
-from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy
+from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy, address
 from .channels import Channel, Deliver
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -194,10 +194,6 @@ class ActorSystem:
         """Where a failure on this rank happened, as its reports name it: "rank R on host H"."""
         return f"rank {self.rank} on host {self.host}"
 
-    def _check_rank(self, ref: ActorRef) -> None:
-        if not 0 <= ref.rank < self.size:
-            raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {self.size} ranks")
-
     def _post(self, rank: int, envelope: tuple, track: bool = True, answers: int = -1) -> asyncio.Future | None:
         """Send an envelope (to this rank's own actors without MPI); a future for its buffers when ``track``."""
         if rank == self.rank:
@@ -209,7 +205,7 @@ class ActorSystem:
         self, ref: ActorRef, method: str, args: tuple, kwargs: dict, timeout: float | None, reply_into: Any = None
     ) -> Any:
         """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
-        self._check_rank(ref)
+        ref, method = address(ref, method, self.size)
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
         ask_id = next(self._ask_ids)
@@ -240,7 +236,7 @@ class ActorSystem:
 
     def tell(self, ref: ActorRef, method: str, args: tuple, kwargs: dict) -> asyncio.Future:
         """Send a one-way message; see :meth:`ActorRef.tell`."""
-        self._check_rank(ref)
+        ref, method = address(ref, method, self.size)
         envelope = (MESSAGE, ref.name, method, args, kwargs, -1)
         if ref.rank != self.rank and (queued := self._engine.post(ref.rank, envelope)) is not None:
             return queued  # small: copied now, sent at the turn's end

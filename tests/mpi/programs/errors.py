@@ -1,12 +1,23 @@
 """Remote exceptions, deadlines, unknown actors and handlers, supervision restarts."""
 
 import asyncio
+import enum
 import socket
 import threading
 import time
 
+import numpy as np
+
 import mpiscale
 from mpiscale import ActorNotFound, ActorRef, AskTimeout, RemoteError, RemoteTraceback, RestartPolicy
+
+
+class Handler(enum.StrEnum):
+    PING = "ping"
+
+
+class Names(str, enum.Enum):  # noqa: UP042 - as code older than StrEnum writes it; str() is "Names.FAULTY"
+    FAULTY = "faulty"
 
 
 class DataError(ValueError):
@@ -89,6 +100,20 @@ async def main(system):
             pass
         else:
             raise AssertionError(f"{method} did not raise {expected.__name__}")
+
+    # What the receiving rank could not take is refused to the caller (it once ended the job there), and names of
+    # str subclasses (a StrEnum's members) and numpy ranks travel as plain str and int.
+    for target, method in [(peer, 5), (peer, b"ping"), (ActorRef(peer.rank, 7), "ping"), (ActorRef(1.0, "x"), "p")]:
+        for verb in ("ask", "tell"):
+            try:
+                await getattr(target, verb)(method)
+            except TypeError as error:
+                assert any(words in str(error) for words in ("named by a str", "rank is an int")), error
+            else:
+                raise AssertionError(f"{target!r}.{method!r} was sent")
+    before = await peer.ask(Handler.PING)
+    await ActorRef(np.int64(peer.rank), Names.FAULTY).tell(Handler.PING)
+    assert await ActorRef(np.int32(peer.rank), Names.FAULTY).ask(Handler.PING) == before + 2
 
     # Deadlines: an ask times out on time; the actor then goes on serving.
     start = time.monotonic()
