@@ -280,11 +280,11 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
     def transform(self, X: Any) -> np.ndarray:
         """Sparse codes of ``X`` (signals x atoms) with the learned dictionary, by ``transform_algorithm``.
 
-        Rows are coded independently, so each rank codes its own rows; no communication.
+        Rows are coded independently, so each rank codes its own rows, none on some; no communication.
         """
         check_is_fitted(self, "components_")
         self._check_settings()
-        signals = validate_data(self, X, reset=False, dtype=np.float64)
+        signals = validate_data(self, X, reset=False, dtype=np.float64, ensure_min_samples=self._least_rows())
         if self.remove_mean:
             signals = without_means(signals)
         if self.transform_algorithm == "lasso_cd":
@@ -299,10 +299,15 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         """Signals back from codes: ``codes @ components_`` (with ``remove_mean``, without the means ``transform``
         took away: add them back from the signals)."""
         check_is_fitted(self, "components_")
-        codes = check_array(X, dtype=np.float64)
+        codes = check_array(X, dtype=np.float64, ensure_min_samples=self._least_rows())
         if codes.shape[1] != len(self.components_):
             raise ValueError(f"codes have one column per atom: {len(self.components_)}, got {codes.shape[1]}")
         return codes @ self.components_
+
+    def _least_rows(self) -> int:
+        """The fewest rows a call takes: one in a single process (as scikit-learn's estimators), none on a rank of
+        several (the job's rows may leave a rank none, as ``fit`` allows)."""
+        return 1 if _resolve(self.comm) is None else 0
 
     @property
     def _n_features_out(self) -> int:

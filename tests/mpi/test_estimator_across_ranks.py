@@ -70,6 +70,15 @@ def test_in_one_process_and_inside_the_runtime_with_other_coders_mean_removal_an
     assert np.abs(ours - mod).max() < 1e-12
 
 
+def test_a_rank_with_no_rows_fits_codes_and_decodes_none(signals, tmp_path):
+    """The last rank holds no rows: fit, transform and inverse_transform take its none (a rank of several, unlike a
+    single process, may hold none; transform once refused them there alone), and the dictionary is the one the
+    other ranks' blocks, the same rows in the same order, teach."""
+    ours = estimator_dictionary(3, signals, tmp_path / "empty.npy", "empty")
+    job = job_dictionary(2, signals, tmp_path / "job.h5")
+    assert np.abs(ours - job).max() < 1e-9, np.abs(ours - job).max()
+
+
 def test_a_nan_on_one_rank_is_refused_on_every_rank(signals, tmp_path):
     job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "nan")
     assert_ok(job)

@@ -3,7 +3,8 @@
 ``estimator_fit.py DATA.h5 OUT.npy SETTINGS_JSON MODE``. MODE ``plain``: the
 estimator finds the launcher's world; ``runtime``: inside ``mpiscale.run``,
 given the system's world; ``nan``: rank 1's rows hold a NaN, and every rank
-must refuse (each prints its error). Rank 0 saves the dictionary; every rank
+must refuse (each prints its error); ``empty``: the last rank holds no rows, and fits, codes and
+decodes its none. Rank 0 saves the dictionary; every rank
 checks that all ranks hold the same bits.
 """
 
@@ -21,10 +22,14 @@ from mpiscale.ranks import rank_rows
 DATA, OUT, SETTINGS, MODE = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 
 
-def my_rows(comm) -> np.ndarray:
+def my_rows(comm, holding: int | None = None) -> np.ndarray:
+    """This rank's block of the rows split over ``holding`` ranks (all of them by default; ranks past it: none)."""
+    holding = comm.Get_size() if holding is None else holding
     with h5py.File(DATA, "r") as file:
         signals = file["signals"]
-        start, stop = rank_rows(len(signals), comm.Get_size(), comm.Get_rank())
+        if comm.Get_rank() >= holding:
+            return signals[:0]
+        start, stop = rank_rows(len(signals), holding, comm.Get_rank())
         return signals[start:stop]
 
 
@@ -32,6 +37,7 @@ def fitted(rows: np.ndarray, **extra) -> DictionaryLearning:
     estimator = DictionaryLearning(**SETTINGS, **extra).fit(rows)
     codes = estimator.transform(rows)  # each rank its own rows, no communication
     assert codes.shape == (len(rows), estimator.n_components) and estimator.n_iter_ == SETTINGS["n_iter"]
+    assert estimator.inverse_transform(codes).shape == rows.shape
     return estimator
 
 
@@ -59,5 +65,7 @@ elif MODE == "nan":
     except ValueError as error:
         print(f"rank {MPI.COMM_WORLD.Get_rank()} refused: {error}", flush=True)
     MPI.COMM_WORLD.Barrier()  # every rank got here: none waits in a collective the others left
+elif MODE == "empty":
+    check_and_save(MPI.COMM_WORLD, fitted(my_rows(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size() - 1)).components_)
 else:
     check_and_save(MPI.COMM_WORLD, fitted(my_rows(MPI.COMM_WORLD)).components_)
