@@ -1087,7 +1087,8 @@ cdef class ChannelSender:
         cdef long long nbytes, mode
         cdef int tag
         state = self.sending.get((dest, lane))
-        if state is None or type(array) is not _ndarray or self.closed or type(key) is not tuple or len(key) != 3:
+        if state is None or type(array) is not _ndarray or self.closed or type(key) is not tuple or len(key) != 3 \
+                or type(key[0]) is not int or type(key[1]) is not int or type(key[2]) is not int:
             return self.reference.send(dest, lane, key, array)
         code = self.codes.get((<cnp.ndarray>array).dtype)
         nbytes = cnp.PyArray_NBYTES(<cnp.ndarray>array)
@@ -1104,7 +1105,10 @@ cdef class ChannelSender:
         tags = <tuple>state.tags
         tag = tags[0] if mode == _CH_FIT else tags[1]
         fields[0], fields[1], fields[2], fields[3] = _CHANNEL_MAGIC, lane, mode, nbytes
-        fields[4], fields[5], fields[6], fields[7] = key[0], key[1], key[2], code
+        try:
+            fields[4], fields[5], fields[6], fields[7] = key[0], key[1], key[2], code
+        except OverflowError:  # a key past 64 bits: the reference says so
+            return self.reference.send(dest, lane, key, array)
         traffic = self.traffic
         for request in _send_array(self.comm, dest, _CH_HEADER_TAG, tag, fields, _CH_FIELDS, <cnp.ndarray>array,
                                    mode == _CH_INLINE):

@@ -8,6 +8,7 @@ anything refused) to the reference it holds.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Protocol
 
 import numpy as np
@@ -50,6 +51,7 @@ class Sender:
 
     def send(self, dest: int, lane: int, key: tuple[int, int, int], array: np.ndarray) -> None:
         """``Channel.send``."""
+        key = self._key(key)
         state = self.sending.get((dest, lane))
         if state is None:
             state = self.sending[(dest, lane)] = self._lane(dest, lane)
@@ -83,9 +85,24 @@ class Sender:
         self.closed = True
 
     def _lane(self, dest: int, lane: int) -> Lane:
-        if not (isinstance(lane, int) and 0 <= lane < self.lanes):
+        if not isinstance(lane, int | np.integer):
+            raise TypeError(f"channel {self.name!r}: a lane is an integer, got {type(lane).__name__} {lane!r}")
+        if not 0 <= lane < self.lanes:
             raise ValueError(f"channel {self.name!r}: lane {lane!r} is outside 0..{self.lanes - 1}")
+        if not isinstance(dest, int | np.integer) or not 0 <= dest < self.comm.Get_size():
+            raise ValueError(f"channel {self.name!r}: rank {dest!r} is no rank of this job of {self.comm.Get_size()}")
         return Lane(dest, lane, data_tags(lane), what=f"channel {self.name!r} lane {lane} to rank {dest}")
+
+    def _key(self, key: object) -> tuple[int, int, int]:
+        """``key`` as three ints (numpy's integers too); TypeError for anything else, which would go out as a header
+        the receiver cannot read (it ends the job)."""
+        try:
+            parts = tuple(operator.index(part) for part in key)  # type: ignore[attr-defined]
+        except TypeError:
+            parts = ()
+        if len(parts) != 3 or not all(-(2**63) <= part < 2**63 for part in parts):
+            raise TypeError(f"channel {self.name!r}: a key is three integers of 64 bits, got {key!r}")
+        return parts
 
     def _refuse(self, array: object) -> None:
         """Say why ``array`` cannot be sent."""

@@ -73,6 +73,17 @@ async def main(system: mpiscale.ActorSystem) -> None:
             assert "channel 'test.channel'" in str(error), error
         else:
             raise AssertionError(f"{name} was sent")
+    peer = (system.rank + 1) % system.size
+    for name, dest, lane, key in [("a key of two", peer, 0, (1, 2)), ("a float in a key", peer, 0, (1.5, 0, 0)),
+                                  ("a key past 64 bits", peer, 0, (2**64, 0, 0)), ("a key of text", peer, 0, "abc"),
+                                  ("a new lane's key of one", peer, 3, (1,)), ("no rank", system.size, 0, (0, 0, 0)),
+                                  ("a float lane", peer, 0.5, (0, 0, 0))]:  # fmt: skip
+        try:  # each once went out as a header the receiver could not read, and ended the job there
+            channel.send(dest, lane, key, np.ones(3))
+        except (TypeError, ValueError) as error:
+            assert "channel 'test.channel'" in str(error), error
+        else:
+            raise AssertionError(f"{name} was sent")
     print(
         f"rank {system.rank}: channel ok, {in_place} of {len(arrived) * ROUNDS} arrays in place; the last "
         f"{ROUNDS // 2} of a stream let go of took {buffers} buffers",
