@@ -21,7 +21,7 @@ from ..kernels.topk import NO_ID, empty_top_k, merge_top_k
 from ..ranks import Comm, rank_rows
 from .catalogue import Catalogue, Space
 from .filters import Filter, matching
-from .store import CatalogueError
+from .store import CatalogueError, row_norms
 
 BLOCK_ROWS = 65536
 
@@ -42,7 +42,7 @@ def unit_queries(queries: np.ndarray, where: str) -> np.ndarray:
         raise ValueError(f"{where}: queries must be a vector or a matrix (one query a row), got shape {queries.shape}")
     if not np.isfinite(queries).all():
         raise ValueError(f"{where}: a query holds NaN or infinite values")
-    norms = np.linalg.norm(queries, axis=1)
+    norms = row_norms(queries)
     if (norms == 0).any():
         raise ValueError(f"{where}: query {int(np.flatnonzero(norms == 0)[0])} is all zeros: it has no direction")
     return (queries / norms[:, None]).astype(np.float32)

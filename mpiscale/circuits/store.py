@@ -133,6 +133,7 @@ def check_batch(batch: NewCircuits) -> None:
             raise CatalogueError(where, f"names two circuits {name!r}: names must be unique")
         seen.add(name)
     _check_matrix(where, "atoms", batch.atoms, count)
+    _check_float32(where, batch.atoms)
     if batch.embeddings is not None:
         _check_matrix(where, "embeddings", batch.embeddings, count)
     for tag in batch.tags:
@@ -145,6 +146,34 @@ def check_batch(batch: NewCircuits) -> None:
         if len(values) != count:
             raise CatalogueError(where, f"field {key!r} has {len(values)} values for {count} circuits")
         _field_kind(where, key, values)
+
+
+def _check_float32(where: str, atoms: np.ndarray) -> None:
+    """Refuse atoms float32, as the catalogue keeps them, cannot hold: past its largest value (they became
+    infinite) or so small that a row became zeros."""
+    with np.errstate(over="ignore"):
+        stored = atoms.astype(np.float32)
+    over = np.flatnonzero(~np.isfinite(stored).all(axis=1))
+    kept = "the catalogue keeps atoms as float32"
+    if len(over):
+        largest = np.finfo(np.float32).max
+        raise CatalogueError(
+            where, f"atoms row {int(over[0])} holds values past float32's largest, {largest:.3g}: {kept}"
+        )
+    flat = np.flatnonzero(~np.any(stored != 0, axis=1))
+    if len(flat):
+        largest = np.abs(atoms[flat[0]]).max()
+        raise CatalogueError(
+            where, f"atoms row {int(flat[0])} is zeros in float32 (its largest value is {largest:.3g}): {kept}"
+        )
+
+
+def row_norms(matrix: np.ndarray) -> np.ndarray:
+    """Each row's Euclidean norm (float64), with no overflow or underflow of the squares at any scale float64 holds:
+    a row of 1e160 had an infinite norm (and a unit vector of zeros), one of 1e-170 a norm of 0."""
+    peaks = np.abs(matrix).max(axis=1, initial=0.0)
+    scaled = matrix / np.where(peaks > 0, peaks, 1.0)[:, None]
+    return peaks * np.linalg.norm(scaled, axis=1)
 
 
 def _check_matrix(where: str, what: str, matrix: np.ndarray, count: int) -> None:
@@ -233,7 +262,7 @@ def _append(file: h5py.File, batch: NewCircuits) -> int:
     prefix_start = _extend(file[prefix], "atoms", batch.atoms.astype(np.float32))
     _extend(file[prefix], "circuit", circuit_rows)
     embeddings = (batch.embeddings if batch.embeddings is not None else batch.atoms).astype(np.float64)
-    norms = np.linalg.norm(embeddings, axis=1)
+    norms = row_norms(embeddings)
     space = _find_space(file, batch.space_name()) or _new_group(file, space_group(len(file.get("spaces", {}))),
                                                                 name=batch.space_name(),
                                                                 dimension=embeddings.shape[1])  # fmt: skip

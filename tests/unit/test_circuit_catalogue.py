@@ -8,6 +8,7 @@ import pytest
 
 from mpiscale.circuits.catalogue import Catalogue
 from mpiscale.circuits.filters import Filter, check_filters, matching, parse_filters
+from mpiscale.circuits.layout import space_group
 from mpiscale.circuits.store import CatalogueError, ModelRef, NewCircuits, add_circuits
 from mpiscale.io import LockedError, OutputLock
 from mpiscale.kernels.topk import NO_ID, empty_top_k, merge_top_k
@@ -77,6 +78,33 @@ def test_batches_append_and_fields_widen_and_refusals_leave_the_file_as_it_was(t
         with pytest.raises(CatalogueError, match=message):
             add_circuits(path, bad)
     assert open(path, "rb").read() == before and not os.path.exists(f"{path}.tmp")
+
+
+def test_directions_are_kept_at_any_scale_float64_holds(tmp_path):
+    """Embeddings and queries of 1e160 and 1e-170 have the directions of the same values at 1: their norms' squares
+    once overflowed (unit vectors of zeros: every cosine 0) or underflowed (a norm of 0: vectors of NaN, or a query
+    refused as all zeros). Atoms float32 cannot hold (they are kept as float32) are refused: they were stored as
+    infinities or zeros."""
+    from mpiscale.circuits.similar import unit_queries
+
+    rows = np.random.default_rng(3).standard_normal((3, 4))
+    path = str(tmp_path / "c.h5")
+    for scale, name in ((1.0, "unit"), (1e160, "huge"), (1e-170, "tiny")):
+        add_circuits(path, NewCircuits(MODEL, "", [f"{name}{i}" for i in range(3)], rows, "test", space=name,
+                                       embeddings=rows * scale))  # fmt: skip
+    with Catalogue(path) as catalogue, h5py.File(path, "r") as file:
+        unit, _ = catalogue.vectors(0, 0, 3)
+        for space, scale in ((1, 1e160), (2, 1e-170)):
+            np.testing.assert_array_equal(catalogue.vectors(space, 0, 3)[0], unit)
+            norms = file[space_group(space)]["norm"][()]
+            np.testing.assert_allclose(norms / scale, np.linalg.norm(rows, axis=1), rtol=1e-14)
+    for scale in (1e160, 1e-170):
+        np.testing.assert_array_equal(unit_queries(rows * scale, "test"), unit_queries(rows, "test"))
+    before = open(path, "rb").read()
+    for scale, message in ((1e39, "past float32's largest"), (1e-50, "is zeros in float32")):
+        with pytest.raises(CatalogueError, match=message):
+            add_circuits(path, NewCircuits(MODEL, "", ["x"], rows[:1] * scale, "test"))
+    assert open(path, "rb").read() == before
 
 
 def test_a_second_writer_is_refused_while_one_adds(tmp_path):
