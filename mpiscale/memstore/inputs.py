@@ -38,10 +38,13 @@ def finite(values: np.ndarray, name: str, count: int) -> np.ndarray:
         raise ValueError(f"{name}: one value per id, got an array of shape {given.shape}")
     if given.dtype.kind not in "biuf":
         raise TypeError(f"{name}: values must be numbers, got {given.dtype}")
-    array = given.astype(np.float32)
-    if len(array) != count:
-        raise ValueError(f"{name}: {len(array)} values for {count} ids")
+    if len(given) != count:
+        raise ValueError(f"{name}: {len(given)} values for {count} ids")
+    with np.errstate(over="ignore"):
+        array = given.astype(np.float32)
     bad = np.flatnonzero(~np.isfinite(array))
     if len(bad):
-        raise ValueError(f"{name}: value {bad[0]} is {array[bad[0]]}; values must be finite")
+        value = given[bad[0]]
+        past = ", past float32's largest (the store keeps float32)" if np.isfinite(value) else ""
+        raise ValueError(f"{name}: value {bad[0]} is {value}{past}; values must be finite")
     return array

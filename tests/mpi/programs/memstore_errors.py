@@ -26,6 +26,11 @@ async def main(system) -> None:
     before = snapshot()
     cases = {
         "non-finite delta": (ids[:3], np.array([0.1, np.nan if last else 0.1, 0.1]), "deltas: value 1 is nan"),
+        "a delta float32 cannot hold": (
+            ids[:2],
+            np.array([0.1, 1e39 if last else 0.1]),
+            "deltas: value 1 is 1e+39, past float32's largest",
+        ),
         "unknown id": (np.array([10**12]) if last else ids[:1], np.array([0.1]), "ids are not stored"),
         "id beyond int64": (np.array([2**63], np.uint64) if last else ids[:1], np.array([0.1]), "must fit in int64"),
         "float ids": (np.array([1.5]) if last else ids[:1], np.array([0.1]), "ids must be integers"),
