@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import numbers
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -206,8 +207,9 @@ class ActorSystem:
     ) -> Any:
         """Send an ask and await the reply; see :meth:`ActorRef.ask`."""
         ref, method = address(ref, method, self.size)
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
+        if timeout is not None and not (isinstance(timeout, numbers.Real) and timeout >= 0):
+            kind = ValueError if isinstance(timeout, numbers.Real) else TypeError
+            raise kind(f"ask({method!r}) to {ref}: timeout must be >= 0 seconds or None, got {timeout!r}")
         ask_id = next(self._ask_ids)
         loan = None  # of the buffer for the reply, while the ask is out (see lending.py)
         if reply_into is not None:

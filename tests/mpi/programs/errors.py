@@ -126,10 +126,10 @@ async def main(system):
     else:
         raise AssertionError("no timeout")
     assert isinstance(await peer.ask("ping", timeout=30), int)
-    for bad in (-1.0, float("nan")):  # refused before anything is sent
+    for bad in (-1.0, float("nan"), "5"):  # refused before anything is sent
         try:
             await peer.ask("ping", timeout=bad)
-        except ValueError as error:
+        except (ValueError, TypeError) as error:
             assert "timeout must be >= 0 seconds or None" in str(error), error
         else:
             raise AssertionError(f"timeout={bad} accepted")
