@@ -28,9 +28,11 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 def split_spec(spec: str) -> tuple[str, str]:
-    """(files, dataset name) of a data spec; the name is empty when none follows a colon."""
+    """(files, dataset name) of a data spec; the name is empty when none follows a colon. A path that holds a colon
+    itself (a directory named by a time, ``run-12:30/acts.h5``) and names no data set is that path, when it exists
+    and the part before its last colon does not."""
     files, colon, name = spec.rpartition(":")
-    if not colon:
+    if not colon or (not os.path.exists(files) and os.path.exists(spec)):
         return spec, ""
     return files, name.strip("/")
 

@@ -51,6 +51,23 @@ def test_glob_reads_numbered_files_in_numeric_order(tmp_path):
         assert [f.rsplit("/", 1)[1] for f in data.files] == ["run-1.h5", "run-2.h5", "run-10.h5"]
 
 
+def test_a_directory_named_by_a_time_is_a_path_not_a_data_set(tmp_path):
+    """``run-12:30/X.npy`` (a colon in a directory's name, as runs named by the time have): with no data set named,
+    the whole spec is the path. It was cut at its last colon, and the job said 'run-12: no such file'."""
+    from mpiscale.io import split_spec
+
+    run = tmp_path / "run-2026-12-04T12:30"
+    run.mkdir()
+    np.save(run / "X.npy", X)
+    with h5py.File(run / "user.h5", "w") as file:
+        file["deep/X"] = X
+    assert split_spec(str(run / "X.npy")) == (str(run / "X.npy"), "")
+    assert np.array_equal(read_dataset(*split_spec(str(run / "X.npy"))), X)
+    assert split_spec(f"{run}/user.h5:/deep/X") == (str(run / "user.h5"), "deep/X")
+    assert np.array_equal(read_dataset(*split_spec(f"{run}/user.h5:/deep/X")), X)
+    assert split_spec("no/such:dir/file.h5") == ("no/such", "dir/file.h5")  # nothing exists: read as written
+
+
 def test_list_file_with_relative_paths_and_comments(tmp_path):
     (tmp_path / "data").mkdir()
     np.save(tmp_path / "data" / "b.npy", X[100:])
