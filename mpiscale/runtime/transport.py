@@ -88,9 +88,6 @@ def _rebuild_tensor(array: np.ndarray, dtype_name: str, requires_grad: bool, par
     return tensor.requires_grad_(requires_grad)
 
 
-_INTEGERS_BY_SIZE: dict = {}  # element size in bytes -> the torch integer dtype of that size, once torch is in
-
-
 def _reduce_tensor(tensor):
     """Send a CPU tensor as a numpy view, so its storage goes out of band."""
     import torch
@@ -105,7 +102,8 @@ def _reduce_tensor(tensor):
         array = data.numpy()
     except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8, ...): sent as integers of its size
         try:
-            array = data.view(_INTEGERS_BY_SIZE[data.element_size()]).numpy()
+            integers = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            array = data.view(integers[data.element_size()]).numpy()
         except (KeyError, TypeError, RuntimeError):
             return tensor.__reduce_ex__(5)
     parameter = isinstance(tensor, torch.nn.Parameter)
@@ -134,7 +132,6 @@ class _Serializer:
     def _current_table(self) -> None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.Tensor not in self._ours:
-            _INTEGERS_BY_SIZE.update({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64})
             self._ours[torch.Tensor] = self._ours[torch.nn.Parameter] = _reduce_tensor
             self._registered = None
         if self._registered != copyreg.dispatch_table:
