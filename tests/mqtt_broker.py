@@ -18,9 +18,9 @@ import paho.mqtt.client as mqtt
 import pytest
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
         return probe.getsockname()[1]
 
 
@@ -30,6 +30,7 @@ class Broker:
 
     port: int
     config: str
+    host: str = "127.0.0.1"
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -39,7 +40,7 @@ class Broker:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                socket.create_connection((self.host, self.port), timeout=0.2).close()
                 return
             except OSError:
                 time.sleep(0.05)
@@ -53,7 +54,7 @@ class Broker:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Subscriber:
     """Everything published under ``topic`` while it listens (it reconnects and subscribes again by itself)."""
 
     port: int
+    host: str = "127.0.0.1"
     topic: str = "mpiscale/#"
     messages: list[tuple[str, dict, bool]] = field(default_factory=list)
 
@@ -70,7 +72,7 @@ class Subscriber:
         self.client.on_connect = lambda client, *_: client.subscribe(self.topic, qos=1)
         self.client.on_message = self._heard
         self.client.reconnect_delay_set(0.1, 0.5)
-        self.client.connect_async("127.0.0.1", self.port)
+        self.client.connect_async(self.host, self.port)
         self.client.loop_start()
 
     def _heard(self, client, userdata, message) -> None:
@@ -97,16 +99,16 @@ class Subscriber:
         self.client.disconnect()
 
 
-def start_broker(directory, security: str = "allow_anonymous true\n") -> Broker:
-    """A mosquitto on a free loopback port, its configuration in ``directory``; ``security`` holds the lines of
-    its access settings (files it names are read as root: mosquitto keeps the user that started it)."""
+def start_broker(directory, security: str = "allow_anonymous true\n", host: str = "127.0.0.1") -> Broker:
+    """A mosquitto on a free port of ``host`` (loopback), its configuration in ``directory``; ``security`` holds the
+    lines of its access settings (files it names are read as root: mosquitto keeps the user that started it)."""
     if shutil.which("mosquitto") is None:
         pytest.skip("mosquitto is not installed (launch/setup.sh installs it)")
-    port = free_port()
+    port = free_port(host)
     config = directory / "mosquitto.conf"
     user = "user root\n" if os.geteuid() == 0 else ""
-    config.write_text(f"listener {port} 127.0.0.1\n{security}persistence false\n{user}")
-    running = Broker(port, str(config))
+    config.write_text(f"listener {port} {host}\n{security}persistence false\n{user}")
+    running = Broker(port, str(config), host)
     running.start()
     return running
 

@@ -55,7 +55,7 @@ def watch(args: argparse.Namespace) -> int:
             print(f"mpiscale watch: job {args.job} did not end within {args.timeout} s", file=sys.stderr)
             return 1
         except Exception as error:  # aiomqtt's errors: say which broker and why, no traceback
-            print(f"mpiscale watch: broker {settings.broker[0]}:{settings.broker[1]}: {error}", file=sys.stderr)
+            print(f"mpiscale watch: broker {settings.broker_shown}: {error}", file=sys.stderr)
             return 1
     state = view.latest.get("status", {}).get("state")
     now = time.time()
@@ -85,7 +85,7 @@ def control(args: argparse.Namespace) -> int:
     if settings is None:
         return 2
     command = Command(new_id(), args.command_name, args.level.upper() if args.level else None)
-    where = f"{settings.broker[0]}:{settings.broker[1]}"
+    where = settings.broker_shown
     try:
         done = asyncio.run(send_command(settings, args.job, command, args.timeout))
     except JobEnded as error:

@@ -155,7 +155,7 @@ class Telemetry:
             except OSError as error:
                 kept = f"; no control: the token cannot be written ({error})"
             self.sink = MqttSink(self.settings, self.job, lost, on_control=self.on_control)
-            where = f"mqtt://{self.settings.broker[0]}:{self.settings.broker[1]}/mpiscale/{self.job}/{kept}"
+            where = f"mqtt://{self.settings.broker_shown}/mpiscale/{self.job}/{kept}"
         else:  # opened once the job's input is accepted: a refused job writes nothing
             self.sink = FileSink(self._file_path(out))
             return

@@ -25,17 +25,19 @@ class TelemetrySettings:
     prometheus_port: int | None = None  # MPISCALE_PROMETHEUS_PORT: serve /metrics on rank 0 (0: any free port)
     prometheus_addr: str = "0.0.0.0"  # MPISCALE_PROMETHEUS_ADDR: the interface it listens on
 
+    @property
+    def broker_shown(self) -> str:
+        """The broker's address as a user writes it: ``HOST:PORT``, or ``[IPv6]:PORT``; empty with no broker."""
+        if self.broker is None:
+            return ""
+        host, port = self.broker
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TelemetrySettings:
         env = os.environ if environ is None else environ
-        broker = None
         text = env.get("MPISCALE_BROKER", "").strip()
-        if text:
-            host, _, port = text.rpartition(":") if ":" in text else (text, "", "1883")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"MPISCALE_BROKER={text!r}: expected HOST:PORT, or HOST for port 1883")
-            check_host(host.strip("[]"), "MPISCALE_BROKER")
-            broker = (host, int(port))
+        broker = parse_broker(text) if text else None
         try:
             interval = float(env.get("MPISCALE_TELEMETRY_INTERVAL_S", "2"))
             buffer = int(env.get("MPISCALE_TELEMETRY_BUFFER", "1000"))
@@ -62,14 +64,37 @@ class TelemetrySettings:
         )
 
 
+def parse_broker(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``HOST`` (port 1883), ``[IPv6]:PORT``, ``[IPv6]`` or a bare IPv6 address (port 1883) as the
+    host a socket connects to (no brackets) and the port."""
+    host, port = text, "1883"
+    if text.startswith("["):
+        host, bracket, after = text[1:].partition("]")
+        port = after.removeprefix(":") if after else port
+        if not bracket or (after and not after.startswith(":")) or not _is_ip_address(host):
+            host = ""  # refused below
+    elif ":" in text and not _is_ip_address(text):
+        host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        why = "expected HOST:PORT, or HOST for port 1883 (an IPv6 address in brackets when a port follows: [::1]:1883)"
+        raise ValueError(f"MPISCALE_BROKER={text!r}: {why}")
+    check_host(host, "MPISCALE_BROKER")
+    return host, int(port)
+
+
+def _is_ip_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_host(host: str, variable: str) -> None:
     """Refuse a host name no resolver takes (a part over 63 characters, an empty part): said at the start, not as an
     error of a background task."""
-    try:
-        ipaddress.ip_address(host)
+    if _is_ip_address(host):
         return
-    except ValueError:
-        pass
     try:
         host.encode("idna")
     except UnicodeError:

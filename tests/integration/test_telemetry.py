@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 from helpers import MPIRUN_GRACE, assert_ok, ended_after, finish, launch, start_mpi
-from mqtt_broker import Subscriber, free_port
+from mqtt_broker import Subscriber, free_port, start_broker
 
 from mpiscale.telemetry import TelemetrySettings, problems, record, sinks
 from mpiscale.telemetry.sinks import MqttSink, lost_status
@@ -57,6 +57,26 @@ def test_a_job_publishes_records_that_follow_the_schema(broker, subscriber, tmp_
         assert status["state"] == "finished" and late.messages[0][2]
     finally:
         late.close()
+
+
+def test_a_broker_on_an_ipv6_address_is_reached_by_the_job_and_its_watcher(tmp_path):
+    try:
+        free_port("::1")
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    broker = start_broker(tmp_path, host="::1")
+    listening = Subscriber(broker.port, host="::1")
+    try:
+        watcher = subprocess.Popen([*MPISCALE, "watch", "t6", "--broker", broker.address, "--timeout", "120"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = {"MPISCALE_BROKER": broker.address, "MPISCALE_JOB_ID": "t6"}  # [::1]:PORT, as a user writes it
+        assert_ok(finish(memstore(2, tmp_path / "m.h5", "--iterations", 50, env=env), "memstore to [::1]", 120))
+        listening.wait_for(lambda p: p["kind"] == "status" and p["state"] == "finished")
+        shown, errors = watcher.communicate(timeout=60)
+        assert watcher.returncode == 0 and "finished" in shown, errors
+    finally:
+        listening.close()
+        broker.stop()
 
 
 def test_a_killed_job_shows_as_lost(broker, subscriber, tmp_path):

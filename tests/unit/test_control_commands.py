@@ -103,6 +103,27 @@ def test_settings_that_would_never_report_are_refused(variable, value, message):
         (WatchdogSettings if "HANG" in variable else TelemetrySettings).from_env({variable: value})
 
 
+@pytest.mark.parametrize(
+    ("given", "address", "shown"),
+    [
+        ("::1", ("::1", 1883), "[::1]:1883"),  # was host ':', port 1
+        ("[::1]", ("::1", 1883), "[::1]:1883"),
+        ("[fd00::5]:8883", ("fd00::5", 8883), "[fd00::5]:8883"),  # was host '[fd00::5]', which no resolver takes
+        ("10.0.0.7:1884", ("10.0.0.7", 1884), "10.0.0.7:1884"),
+        ("broker.example.org:1884", ("broker.example.org", 1884), "broker.example.org:1884"),
+    ],
+)
+def test_a_broker_is_named_by_host_ipv4_or_ipv6_address_with_or_without_a_port(given, address, shown):
+    settings = TelemetrySettings.from_env({"MPISCALE_BROKER": given})
+    assert settings.broker == address and settings.broker_shown == shown
+
+
+@pytest.mark.parametrize("given", ["[::1]:", "[::1]x", "[::1", "[broker.example.org]:1883", "[]:1883", "[::1]:0"])
+def test_a_bracketed_broker_address_that_is_not_ipv6_with_a_port_is_refused(given):
+    with pytest.raises(ValueError, match=r"an IPv6 address in brackets when a port follows: \[::1\]:1883"):
+        TelemetrySettings.from_env({"MPISCALE_BROKER": given})
+
+
 def test_a_broker_named_without_a_port_is_port_1883_as_the_docs_say():
     from mpiscale.telemetry import WatchdogSettings
 
