@@ -91,5 +91,6 @@ def open_endpoint(job: str, port: int, addr: str) -> PrometheusEndpoint | None:
     except OSError as error:
         log.warning("telemetry: no Prometheus endpoint on %s:%d (%s)", addr, port, error)
         return None
-    print(f"telemetry: Prometheus metrics at http://{addr}:{endpoint.port}/metrics", flush=True)
+    host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL is bracketed
+    print(f"telemetry: Prometheus metrics at http://{host}:{endpoint.port}/metrics", flush=True)
     return endpoint

@@ -465,6 +465,23 @@ def test_rank_0_serves_prometheus_metrics_while_the_job_runs(tmp_path):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
 
+def test_the_prometheus_endpoint_on_an_ipv6_address_prints_a_url_that_serves_it(capfd):
+    from mpiscale.telemetry.prometheus import open_endpoint
+
+    try:
+        free_port("::1")
+    except OSError:
+        pytest.skip("this machine has no IPv6 loopback")
+    endpoint = open_endpoint("t11", 0, "::1")
+    assert endpoint is not None
+    try:
+        url = re.search(r"Prometheus metrics at (\S+)", capfd.readouterr().out).group(1)
+        assert url == f"http://[::1]:{endpoint.port}/metrics"  # was http://::1:PORT/metrics, which no client takes
+        assert urllib.request.urlopen(url, timeout=5).status == 200
+    finally:
+        endpoint.close()
+
+
 def test_a_stuck_pipeline_stage_is_named_by_the_hang_watch(tmp_path):
     """Stage 1 of 3 blocks in a forward pass: its neighbours wait for its messages (no collective), and that wait
     counts as waiting on others, so the watch names rank 1 and what stage 0 waits for from it. The threshold is
