@@ -22,6 +22,7 @@ from ..ranks import Comm
 from .config import TrainConfig
 from .data import LabelledData
 from .encoder import PAD
+from .model import model_rows
 
 Reader = BatchReader | SampleReader
 
@@ -98,7 +99,7 @@ def as_tensors(batch, data: LabelledData, dtype: np.dtype) -> tuple[torch.Tensor
         if isinstance(rows, Ragged):
             inputs = torch.from_numpy(rows.padded(PAD).astype(dtype, copy=False))
         else:
-            inputs = torch.from_numpy(np.asarray(rows, dtype).reshape(len(batch.ids), -1))
+            inputs = torch.from_numpy(model_rows(np.asarray(rows), dtype).reshape(len(batch.ids), -1))
     if data.labels in batch.data:
         labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
     return inputs, labels

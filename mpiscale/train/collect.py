@@ -39,7 +39,7 @@ from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agree
 from ..runtime import ActorSystem
 from .config import CollectConfig
 from .encoder import PAD
-from .model import first_bad_row, input_layout, layer_outputs, module_names, rows_refused
+from .model import first_bad_row, input_layout, layer_outputs, model_rows, module_names, rows_refused
 from .results import load_trained
 
 ACTIVATIONS_FORMAT = "mpiscale.activations/1"
@@ -206,7 +206,7 @@ def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> 
     """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences packed)."""
     if isinstance(data, RaggedDataset):
         return data.read(np.arange(lo, hi))
-    return np.asarray(data.read_collective(lo, hi), job.dtype).reshape(hi - lo, job.features)
+    return model_rows(np.asarray(data.read_collective(lo, hi)), job.dtype).reshape(hi - lo, job.features)
 
 
 def _check_rows(job: _Job, rows: np.ndarray | Ragged, first: int) -> None:

@@ -24,6 +24,7 @@ from ..ranks import Comm, rank_rows
 from .config import TrainConfig
 from .data import LabelledData
 from .encoder import PAD
+from .model import model_rows
 
 
 def batch_budget(config: TrainConfig, replicas: int, length: int) -> tuple[int, int]:
@@ -83,7 +84,7 @@ class HeldOut:
             with RaggedDataset(data.path, data.inputs, data.offsets, comm) as ragged:
                 inputs = ragged.read(np.arange(start, stop))
         else:
-            inputs = read_dataset(data.path, data.inputs, comm).reshape(-1, data.features).astype(dtype)
+            inputs = model_rows(read_dataset(data.path, data.inputs, comm).reshape(-1, data.features), dtype)
         return cls(scoring_batches(data, budget, replicas, replica), dtype, start, inputs, labels)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor | None, torch.Tensor | None]]:

@@ -21,18 +21,21 @@ from .encoder import PAD, build_encoder
 
 
 class Standardize(torch.nn.Module):
-    """``(x - mean) / scale``, with the statistics as buffers (saved and broadcast with the weights)."""
+    """``(x - mean) / scale`` as float32, with the statistics as float64 buffers (saved and broadcast with the
+    weights). Float64 rows are standardised in float64: a feature of a large mean and a small spread (a reading of
+    1e4 +- 1e-3) keeps its digits, where a cast to float32 first would leave it a few levels."""
 
     mean: torch.Tensor
     scale: torch.Tensor
 
     def __init__(self, features: int) -> None:
         super().__init__()
-        self.register_buffer("mean", torch.zeros(features))
-        self.register_buffer("scale", torch.ones(features))
+        self.register_buffer("mean", torch.zeros(features, dtype=torch.float64))
+        self.register_buffer("scale", torch.ones(features, dtype=torch.float64))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.scale
+        standardized = (x - self.mean.to(x.dtype)) / self.scale.to(x.dtype)
+        return standardized.to(torch.float32)
 
 
 TRANSFORMER = "transformer"
@@ -48,6 +51,13 @@ def input_layout(spec: dict) -> tuple[int, np.dtype]:
     if spec.get("kind") == TRANSFORMER:
         return spec["length"], np.dtype(np.int64)
     return spec["inputs"], np.dtype(np.float32)
+
+
+def model_rows(rows: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``rows`` as the type ``dtype`` a model takes them as (``input_layout``), but kept float64 where float32 would
+    round them (float64 data, integers past 2**24): the MLP standardises them before anything rounds them."""
+    kept = dtype == np.float32 and not np.can_cast(rows.dtype, np.float32)
+    return np.asarray(rows, np.float64 if kept else dtype)
 
 
 def rows_refused(inputs: int, wanted: np.dtype, width: int, dtype: np.dtype) -> str | None:
@@ -101,8 +111,8 @@ def set_standardization(model: torch.nn.Sequential, mean: np.ndarray, std: np.nd
     standardize = standardizer(model)
     scale = np.where(std > 0, np.maximum(std, np.finfo(np.float32).tiny), 1.0)  # nonzero in float32
     with torch.no_grad():
-        standardize.mean.copy_(torch.from_numpy(mean.astype(np.float32)))
-        standardize.scale.copy_(torch.from_numpy(scale.astype(np.float32)))
+        standardize.mean.copy_(torch.from_numpy(np.asarray(mean, np.float64)))
+        standardize.scale.copy_(torch.from_numpy(np.asarray(scale, np.float64)))
 
 
 def standardizer(model: torch.nn.Module) -> Standardize:

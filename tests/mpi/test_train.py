@@ -243,6 +243,37 @@ def test_users_own_file(tmp_path):
         assert file["relu1"].shape == (600, 128) and file.attrs["labels"] == ""
 
 
+def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path):
+    """A sensor's float64 readings of 1e4 +- 1e-3 and int64 Unix seconds +- 30 carry the class. Cast to float32
+    before the standardisation, each was left a few levels (float32 steps by 128 at 1.7e9): held-out accuracy
+    stayed at 43% of four classes. Standardised in float64 first, as training and collect now do, the model learns
+    them, and collect's rows are the float64 model's."""
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(4000), rng.standard_normal(4000)
+    stamps = 1_700_000_000 + np.round(30 * b).astype(np.int64)
+    data = tmp_path / "sensors.h5"
+    with h5py.File(data, "w") as file:
+        file["readings"] = np.stack([1e4 + 1e-3 * a, stamps.astype(np.float64)], axis=1)
+        file["labels"] = 2 * (a > 0) + (stamps > 1_700_000_000)
+    out = tmp_path / "model.h5"
+    job = mpiscale(2, "train", "--data", data, "--inputs", "readings", "--validation", data, "--epochs", 4,
+                   "--hidden", 32, "--out", out, "--progress-every", 0)  # fmt: skip
+    assert_ok(job)
+    with h5py.File(out, "r") as file:
+        assert file["curves/epoch/validation_accuracy"][-1] > 0.9, file["curves/epoch/validation_accuracy"][()]
+    acts = tmp_path / "acts.h5"
+    assert_ok(mpiscale(2, "collect", "--model", out, "--data", f"{data}:/readings", "--out", acts, "--batch-size", 500,
+                            "--layers", "hidden1"))  # fmt: skip
+    from mpiscale.train.results import load_trained
+
+    net, _ = load_trained(str(out))
+    with h5py.File(data, "r") as file, torch.no_grad():
+        expected = net[:2](torch.from_numpy(file["readings"][()])).numpy()  # standardize (float64), hidden1
+    with h5py.File(acts, "r") as file:
+        np.testing.assert_allclose(file["hidden1"][()], expected, rtol=1e-5, atol=1e-5)
+        assert len(np.unique(file["hidden1"][:, 0])) > 1000  # thousands of values, not a few levels
+
+
 @pytest.mark.parametrize(
     "problem, expected",
     [

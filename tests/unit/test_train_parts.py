@@ -187,3 +187,27 @@ def test_features_are_standardised_whatever_their_units(tmp_path):
     set_standardization(model, mean, std)
     scale = standardizer(model).scale.numpy()
     assert scale[1] == 1.0 and np.allclose(scale[[0, 2, 3]], std[[0, 2, 3]], rtol=1e-6)
+
+
+def test_rows_float32_would_round_reach_the_model_in_float64_and_the_rest_as_before():
+    """float64 data and integers past 2**24 are standardised in float64 (the model's buffers are float64); rows
+    float32 holds exactly go in as float32, standardised with the float32 statistics as before."""
+    from mpiscale.train.model import input_layout, model_rows, set_standardization, standardizer
+
+    spec = {"inputs": 2, "hidden": [3], "classes": 2}
+    wanted = input_layout(spec)[1]
+    for dtype, kept in [(np.float64, np.float64), (np.int64, np.float64), (np.int32, np.float64),
+                        (np.float32, np.float32), (np.float16, np.float32), (np.uint8, np.float32)]:  # fmt: skip
+        assert model_rows(np.zeros((1, 2), dtype), wanted).dtype == kept, dtype
+    model = build_mlp(spec)
+    mean, std = np.array([1e4, 1_700_000_000.0]), np.array([1e-3, 30.0])
+    set_standardization(model, mean, std)
+    rows = np.array([[1e4 + 1e-3, 1_700_000_017.0], [1e4 - 2e-3, 1_699_999_990.0]])
+    standardized = standardizer(model)(torch.from_numpy(model_rows(rows, wanted)))
+    assert standardized.dtype == torch.float32
+    np.testing.assert_allclose(standardized.numpy(), (rows - mean) / std, rtol=1e-6)  # via float32: both seconds 0
+    small = np.array([[3.5, 250.0]], np.float32)
+    old_way = (torch.from_numpy(small) - torch.from_numpy(mean.astype(np.float32))) / torch.from_numpy(
+        std.astype(np.float32)
+    )
+    assert torch.equal(standardizer(model)(torch.from_numpy(model_rows(small, wanted))), old_way)
