@@ -74,6 +74,26 @@ def _no_zero_atoms(gram: np.ndarray) -> None:
         raise ValueError(f"atoms {np.flatnonzero(np.diag(gram) <= 0).tolist()} are zero")
 
 
+#: How far an atom's squared norm may be from 1 for OMP to take it as a unit atom.
+UNIT_SQUARED_NORM = 2e-6
+
+
+def _atom_norms(gram: np.ndarray) -> np.ndarray | None:
+    """The atoms' norms where any is not of unit norm, else None. OMP picks the atom most correlated with the
+    residual; for atoms of other norms that pick is made on unit atoms, and the codes scaled back, so that an
+    atom's scale changes its weight alone, never which atoms a signal is coded with."""
+    squared = np.diag(gram)
+    return None if (np.abs(squared - 1.0) <= UNIT_SQUARED_NORM).all() else np.sqrt(squared)
+
+
+def _for_atoms_of_norms(rows: CodeRows, norms: np.ndarray | None) -> CodeRows:
+    """``rows`` coded on unit atoms, as the weights of atoms of ``norms`` (None: unit atoms, as they are)."""
+    if norms is not None:
+        used = np.arange(rows.values.shape[1]) < rows.counts[:, None]
+        rows.values[used] /= norms[rows.atoms[used]]
+    return rows
+
+
 def _checked_pair(signals: np.ndarray, dictionary: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Signals and dictionary as finite float64 arrays of matching shapes (signals x features, atoms x features)."""
     signals = _finite("signals", signals)
@@ -146,16 +166,19 @@ def omp_rows_gram(
     gram, correlations = _checked_gram(gram, correlations)
     signals, atoms = correlations.shape
     target, squared, device = _omp_checks(atoms, signals, n_nonzero, device, max_residual, energies)
+    norms = _atom_norms(gram)
+    if norms is not None:  # coded on unit atoms (see _atom_norms)
+        gram, correlations = gram / np.outer(norms, norms), correlations / norms
     if resolve_device(device) == "cuda":
         from ..kernels.omp_cuda import batch_omp_gram_cuda
 
         codes = np.empty(correlations.shape)
         batch_omp_gram_cuda(gram, correlations, int(n_nonzero), codes)
-        return rows_of_dense(codes, int(n_nonzero))
+        return _for_atoms_of_norms(rows_of_dense(codes, int(n_nonzero)), norms)
     rows = _empty_rows(signals, atoms, n_nonzero)
     chunk = chunk_rows(signals, numba.get_num_threads())
     batch_omp_gram(gram, correlations, int(n_nonzero), squared, target, rows.values, rows.atoms, rows.counts, chunk)
-    return rows
+    return _for_atoms_of_norms(rows, norms)
 
 
 def _omp_checks(
@@ -226,10 +249,13 @@ def omp_rows(
         _no_zero_atoms(gram)
         if resolve_device(device) == "cuda":
             return omp_rows_gram(gram, correlations_of(signals, dictionary), n_nonzero, "cuda")
+        norms = _atom_norms(gram)
+        if norms is not None:  # coded on unit atoms (see _atom_norms)
+            gram, dictionary = gram / np.outer(norms, norms), dictionary / norms[:, None]
         rows = _empty_rows(count, atoms, n_nonzero)
         batch_omp_signals(signals, np.ascontiguousarray(dictionary.T), gram, int(n_nonzero), squared, target,
                           rows.values, rows.atoms, rows.counts)  # fmt: skip
-    return rows
+    return _for_atoms_of_norms(rows, norms)
 
 
 def omp_encode(

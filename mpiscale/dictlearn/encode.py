@@ -50,7 +50,6 @@ from .results import RESULTS_FORMAT
 
 #: Settings a resumed run must share with the run whose rows it keeps.
 _KEPT_SETTINGS = ("dictionary", "data", "coder", "max_residual", "alpha")
-_UNIT_NORM = 1e-6  # how far an atom's norm may be from 1
 
 
 async def encode(system: ActorSystem, config: EncodeConfig) -> dict:
@@ -229,7 +228,7 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
         hint = " (a SPAMS dictionary is features x atoms: transpose it)" if atoms == info.features else ""
         raise DataFileError(info.path, f"signals of {info.features} values cannot be coded with atoms of {features} "
                                        f"(the dictionary is atoms x features{hint})", info.name)  # fmt: skip
-    _unit_rows(learned.atoms, config.dictionary)
+    _no_zero_rows(learned.atoms, config.dictionary)
     sparsity = config.sparsity or min(learned.sparsity, atoms)
     if sparsity > min(atoms, features):
         raise ValueError(f"sparsity {sparsity} exceeds the {atoms} atoms or the {features} features of a signal")
@@ -265,13 +264,12 @@ def _load_atoms(spec: str) -> _Atoms:
     return _Atoms(atoms, sparsity, remove_mean)
 
 
-def _unit_rows(atoms: np.ndarray, spec: str) -> None:
-    """Refuse atoms that are not of unit norm: OMP picks atoms by their correlations, which then mean nothing."""
-    norms = np.linalg.norm(atoms, axis=1)
-    off = np.flatnonzero(np.abs(norms - 1) > _UNIT_NORM)
-    if len(off):
-        raise DataFileError(spec, f"atoms are rows of unit norm; row {off[0]} has norm {norms[off[0]]:.6g} "
-                                  f"({len(off)} rows are off): divide each row by its norm")  # fmt: skip
+def _no_zero_rows(atoms: np.ndarray, spec: str) -> None:
+    """Refuse an atom of zeros (it codes nothing); atoms of any other norm are taken as they are (OMP picks among
+    them as among unit atoms, and the codes weigh the atoms given)."""
+    zero = np.flatnonzero(~atoms.any(axis=1))
+    if len(zero):
+        raise DataFileError(spec, f"atom {zero[0]} is all zeros ({len(zero)} atoms are): drop it, or replace it")
 
 
 def _earlier_run(config: EncodeConfig, samples: int, sparsity: int, remove_mean: bool) -> tuple[str | None, int, int]:

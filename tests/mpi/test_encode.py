@@ -83,6 +83,13 @@ def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
     expected = omp_encode(centred, atoms, 12, max_residual=0.3)
     codes = load_codes(str(target))
     assert np.abs(codes.to_scipy().toarray() - expected).max() < 1e-12 and (codes.residual_norm <= 0.3 + 1e-9).all()
+    scales = np.random.default_rng(3).uniform(0.1, 10, (32, 1))  # atoms of other norms (NMF's, say) were refused
+    np.save(tmp_path / "scaled.npy", atoms * scales)
+    scaled = tmp_path / "scaled.h5"
+    assert_ok(run_cli(2, "encode", "--dictionary", tmp_path / "scaled.npy", "--data", data, "--sparsity", "4",
+                      "--out", scaled))  # fmt: skip
+    unit = omp_encode(signals, atoms, 4)
+    assert np.abs(load_codes(str(scaled)).to_scipy().toarray() * scales[:, 0] - unit).max() < 1e-9
     lasso = tmp_path / "lasso.h5"
     assert_ok(run_cli(2, "encode", "--dictionary", tmp_path / "atoms.npy", "--data", data, "--coder", "lasso",
                       "--alpha", "0.2", "--out", lasso))  # fmt: skip
@@ -130,12 +137,12 @@ def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):
     folder, signals, atoms = learned
     data = f"{folder / 'signals.h5'}:/X"
     np.save(tmp_path / "transposed.npy", atoms.T)  # SPAMS keeps its atoms as columns
-    np.save(tmp_path / "scaled.npy", 2 * atoms)
+    np.save(tmp_path / "zero.npy", np.where(np.arange(32)[:, None] == 5, 0.0, atoms))
     with h5py.File(tmp_path / "nan.h5", "w") as file:
         file["X"] = np.where(np.arange(16) == 3, np.nan, signals[:50])
     cases = [
         (["--dictionary", tmp_path / "transposed.npy", "--data", data], "a SPAMS dictionary is features x atoms"),
-        (["--dictionary", tmp_path / "scaled.npy", "--data", data], "row 0 has norm 2"),
+        (["--dictionary", tmp_path / "zero.npy", "--data", data], "atom 5 is all zeros"),
         (["--dictionary", folder / "dictionary.h5", "--data", f"{tmp_path / 'nan.h5'}:/X"], "signal 0 holds NaN"),
         (["--dictionary", folder / "dictionary.h5", "--data", data, "--sparsity", "40"], "sparsity 40 exceeds"),
         (["--dictionary", folder / "dictionary.h5"], "give --dictionary"),

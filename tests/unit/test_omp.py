@@ -76,10 +76,14 @@ def test_the_same_codes_on_any_number_of_threads(count):
         assert (np.count_nonzero(codes[0], axis=1) > 0).all()  # every signal coded, none left out of a chunk
 
 
-def test_unnormalised_atoms_match_too():
-    d = dictionary(40, 16) * np.linspace(0.5, 3.0, 40)[:, None]
+def test_unnormalised_atoms_are_coded_as_scikit_learn_codes_their_unit_atoms():
+    """scikit-learn assumes unit atoms (and picks long ones first when they are not); ours picks as on the unit
+    atoms, and weighs the atoms as given."""
+    norms = np.linspace(0.5, 3.0, 40)
+    unit = dictionary(40, 16)
+    d = unit * norms[:, None]
     signals = np.random.default_rng(2).standard_normal((300, 16))
-    reference = orthogonal_mp_gram(d @ d.T, (signals @ d.T).T, n_nonzero_coefs=5).T
+    reference = orthogonal_mp_gram(unit @ unit.T, (signals @ unit.T).T, n_nonzero_coefs=5).T / norms
     assert np.allclose(omp_encode(signals, d, 5), reference, atol=1e-9)
 
 
@@ -127,3 +131,23 @@ def test_bad_input(call, message):
     d, x = dictionary(8, 5), np.random.default_rng(5).standard_normal((10, 5)) * 3
     with pytest.raises(ValueError, match=message):
         call(d, x)
+
+
+@pytest.mark.parametrize("path", ["signals", "gram", "error target"])
+def test_an_atoms_scale_changes_its_weight_never_the_atoms_chosen(path):
+    """Atoms of other norms (NMF's components, a user's exemplars) are picked as unit atoms would be: OMP by the raw
+    correlation picked long atoms first, and most signals' supports differed from the unit atoms'."""
+    rng = np.random.default_rng(0)
+    unit = rng.standard_normal((30, 10))
+    unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+    signals = rng.standard_normal((200, 10))
+    scales = rng.uniform(0.1, 10, 30)
+    scaled = unit * scales[:, None]
+    if path == "gram":
+        codes = omp_encode_gram(gram_matrix(scaled), correlations_of(signals, scaled), 3)
+        expected = omp_encode_gram(gram_matrix(unit), correlations_of(signals, unit), 3)
+    else:
+        target = 0.5 if path == "error target" else None
+        codes, expected = (omp_encode(signals, atoms, 5, max_residual=target) for atoms in (scaled, unit))
+    np.testing.assert_array_equal(codes != 0, expected != 0)
+    np.testing.assert_allclose(codes * scales, expected, atol=1e-12)

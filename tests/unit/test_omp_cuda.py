@@ -41,6 +41,10 @@ SCRIPT = textwrap.dedent(
     assert not omp_encode(np.zeros((3, 5)), d, 2, device="cuda").any()
     tiny = omp_encode(x * 1e-16, d, 3, device="cuda")  # the stop is relative to the signal, as on the CPU
     assert np.allclose(tiny / 1e-16, omp_encode(x, d, 3, device="cpu"), atol=1e-9)
+    scales = np.linspace(0.1, 10, len(d))  # atoms of other norms: picked as the unit atoms are, on both
+    x = rng.standard_normal((2 * many, d.shape[1]))
+    scaled = omp_encode(x, d * scales[:, None], 3, device="cuda")
+    assert np.allclose(scaled * scales, omp_encode(x, d, 3, device="cpu"), atol=1e-12)
     assert choose_numba_device("cuda", MPI.COMM_SELF) == "cuda:0"  # the jobs' GPU rule, by the GPUs' identity
     assert choose_numba_device("cpu", MPI.COMM_SELF) == "cpu"
     assert len(gpu_uuids()) == len(cuda.gpus) and all(uuid.startswith(("GPU-", "MIG-")) for uuid in gpu_uuids())
