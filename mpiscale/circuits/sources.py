@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dictlearn import RESULTS_FORMAT as DICTLEARN_FORMAT
 from ..dictlearn import top_inputs
-from ..io import DataFileError, locate, open_file, split_spec
+from ..io import DataFileError, check_virtual_sources, locate, open_file, split_spec
 from ..train import RESULTS_FORMAT as TRAIN_FORMAT
 from ..train import input_layout
 from .prefix import ModelRunner, detect_module, one_line
@@ -100,6 +100,8 @@ def read_matrix(spec: str) -> np.ndarray:
     with open_file(path) as file:
         if name not in file or not isinstance(file[name], h5py.Dataset):
             raise DataFileError(path, "no such data set", name)
+        if file[name].is_virtual:
+            check_virtual_sources(file[name])
         values = file[name][()]
     if values.dtype.kind not in "biuf":
         raise DataFileError(path, f"holds {values.dtype}, not numbers", name)

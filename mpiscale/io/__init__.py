@@ -5,7 +5,17 @@ from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
-from .h5file import PARALLEL_H5PY, fixed_strings, leading_rows, open_file, publish, stamp, utc_timestamp, write_file
+from .h5file import (
+    PARALLEL_H5PY,
+    check_virtual_sources,
+    fixed_strings,
+    leading_rows,
+    open_file,
+    publish,
+    stamp,
+    utc_timestamp,
+    write_file,
+)
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, epoch_order, epoch_plan
@@ -54,6 +64,7 @@ __all__ = [
     "natural_key",
     "open_arrays",
     "open_file",
+    "check_virtual_sources",
     "publish",
     "rank_rows",
     "read_dataset",

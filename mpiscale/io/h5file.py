@@ -161,6 +161,27 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
     return node
 
 
+def check_virtual_sources(data: h5py.Dataset) -> None:
+    """Refuse a virtual data set whose rows come from a file or data set that is not there: HDF5 reads the fill
+    value (0 unless set) in their place, without a word. Source files named relative to the virtual data set's
+    file are looked up beside it, as HDF5 does; patterns (``%b``) are left to HDF5."""
+    base = os.path.dirname(os.path.abspath(data.file.filename))
+    for mapping in data.virtual_sources():
+        name = mapping.file_name
+        if name == "." or "%" in name:  # this same file; the files of an unlimited mapping
+            continue
+        found = next((p for p in (os.path.join(base, name), name) if os.path.isfile(p)), None)
+        why = f"maps rows to {name}, which is not there" if found is None else None
+        if found is not None:
+            with h5py.File(found, "r") as source:
+                if mapping.dset_name.strip("/") not in source:
+                    why = f"maps rows to {name}:{mapping.dset_name}, a data set that file does not hold"
+        if why is not None:
+            raise DataFileError(data.file.filename, f"is a virtual data set that {why}: HDF5 would give its fill "
+                                                    "value for those rows; restore the file, or map only what "
+                                                    "exists", data.name)  # fmt: skip
+
+
 def datasets_in(group: h5py.Group) -> list[str]:
     """Paths of every dataset under ``group`` (visiting nested groups), in HDF5's name order."""
     found: list[str] = []

@@ -25,6 +25,7 @@ from .errors import DataFileError
 from .h5file import (
     INDEX_FORMAT,
     check_array,
+    check_virtual_sources,
     dataset,
     datasets_in,
     file_format,
@@ -236,9 +237,19 @@ class ShardedDataset:
         return sources
 
     def _h5_source(self, file: h5py.File) -> H5Source:
-        """This data set of an open file, kept for ``close`` (the file is closed if the data set is unusable)."""
+        """This data set of an open file, kept for ``close`` (the file is closed if the data set is unusable).
+
+        A virtual data set (a user's, joining files) is read by each rank alone: HDF5 reads none through MPI-IO."""
         try:
-            source = H5Source(file, dataset(file, self.name))
+            found = dataset(file, self.name)
+            if found.is_virtual:
+                check_virtual_sources(found)
+                if file.driver == "mpio":
+                    path = file.filename
+                    file.close()  # (collective: every rank opens the same files in the same order)
+                    file = open_file(path)
+                    found = dataset(file, self.name)
+            source = H5Source(file, found)
         except BaseException:
             file.close()
             raise

@@ -143,6 +143,8 @@ class H5Source:
         self.dtype: np.dtype = dataset.dtype
         create = dataset.id.get_create_plist()
         self.filtered = create.get_nfilters() > 0
+        # read by each rank alone: filtered data sets (below) and files opened without MPI-IO (a virtual data set's)
+        self._independent = self.filtered or file.driver != "mpio"
         self._offset = None
         if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered:
             self._offset = dataset.id.get_offset()  # None until the data set's storage is allocated
@@ -155,7 +157,7 @@ class H5Source:
             if out is None:
                 out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
             return self._pread(start, stop, out)
-        rows = read_rows(self.dataset, start, stop, None if self.filtered else comm)
+        rows = read_rows(self.dataset, start, stop, None if self._independent else comm)
         if out is None:
             return rows
         out[...] = rows

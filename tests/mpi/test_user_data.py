@@ -43,6 +43,13 @@ WRITER = textwrap.dedent(
             f["sim/X"] = X[lo:hi]
     with open(f"{out}/parts.txt", "w") as f:
         f.write("# the same parts, listed\\nrun-2.h5\\nrun-9.h5\\nrun-10.h5\\n")
+    # the same parts joined by a virtual data set, as h5py's docs show (sources named beside the file)
+    for name, parts in [("joined", [2, 9, 10]), ("broken", [2, 9, "gone"])]:
+        layout = h5py.VirtualLayout(shape=(1200, 16), dtype="f8")
+        for part, (lo, hi) in zip(parts, [(0, 100), (100, 700), (700, 1200)]):
+            layout[lo:hi] = h5py.VirtualSource(f"run-{part}.h5", "sim/X", shape=(hi - lo, 16))
+        with h5py.File(f"{out}/{name}.h5", "w") as f:
+            f.create_virtual_dataset("X", layout)
     """
 )
 
@@ -123,6 +130,8 @@ def reference(user_files, tmp_path_factory):
         (4, "run-*.h5:/sim/X", []),
         (2, "parts.txt:/sim/X", ["--in-memory", "no"]),
         (2, "index.h5:/sim/X", []),
+        (2, "joined.h5:/X", []),  # HDF5 reads no virtual data set through MPI-IO: it ended the job
+        (4, "joined.h5:/X", ["--in-memory", "no"]),
         (2, "from_c.h5:/instrument/run1/X", []),
     ],
 )
@@ -163,6 +172,7 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
         (2, "WRITER.c:/X", "no such file"),
+        (2, "broken.h5:/X", "maps rows to run-gone.h5, which is not there: HDF5 would give its fill value"),
     ],
 )
 def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):
