@@ -39,6 +39,17 @@ class JobRefused(MpiscaleError):
         self.status = status
 
 
+class MainNotAsync(MpiscaleError, TypeError):
+    """``run(main)`` was given a ``main`` whose call gives no awaitable (a plain ``def``, not an ``async def``)."""
+
+    def __init__(self, main: object, result: object) -> None:
+        name = getattr(main, "__qualname__", repr(main))
+        super().__init__(
+            f"run(main) awaits main(system), but {name}(system) returned {type(result).__name__}, not an awaitable: "
+            f"define it as `async def {name}(system)`, so its awaits let the ranks' messages through"
+        )
+
+
 class AskTimeout(MpiscaleError, TimeoutError):
     """An ``ask`` got no reply within its deadline."""
 

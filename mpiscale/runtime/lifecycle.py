@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import inspect
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ from ..errors import MpiscaleError
 from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
 from .death_watch import ENDED, DeathWatch, Noted
-from .errors import JobRefused
+from .errors import JobRefused, MainNotAsync
 from .eventloop import new_event_loop
 from .node_sentry import NodeSentry
 from .node_watch import LostNode
@@ -84,7 +85,7 @@ class Lifecycle:
         engine_task, watch = system.start()
         self.node_watch.start(self.node_lost)
         try:
-            self.main_task = loop.create_task(_exit_as_exception(main(system)), name="main")
+            self.main_task = loop.create_task(_exit_as_exception(main, system), name="main")
             self.main_task.add_done_callback(lambda _: self.quiet())
             if early_stop.take() is not None:
                 self.stop_at_start()
@@ -308,9 +309,12 @@ class _MainExit(MpiscaleError):
         self.exit = exit_request
 
 
-async def _exit_as_exception(coroutine: Awaitable[T]) -> T:
+async def _exit_as_exception(main: Callable[[ActorSystem], Awaitable[T]], system: ActorSystem) -> T:
     try:
-        return await coroutine
+        started = main(system)
+        if not inspect.isawaitable(started):
+            raise MainNotAsync(main, started)
+        return await started
     except SystemExit as exit_request:
         raise _MainExit(exit_request) from None
 

@@ -10,12 +10,13 @@ left at 0.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..runtime import ActorSystem, RuntimeConfig
+from ..runtime import ActorSystem, MainNotAsync, RuntimeConfig
 from ..runtime import run as run_bare
 from .session import Telemetry, current, set_current
 
@@ -50,7 +51,10 @@ async def _watched(system: ActorSystem, command: str, main: Callable[[ActorSyste
     system.at_end(session.close)
     set_current(session)
     try:
-        return await main(system)
+        started = main(system)
+        if not inspect.isawaitable(started):
+            raise MainNotAsync(main, started)
+        return await started
     except BaseException as error:
         detail = _failure(error)
         if detail is not None:

@@ -44,6 +44,17 @@ def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, 
     assert "killed by a signal" not in job.stderr, job.stderr  # the others knew the failing rank reported
 
 
+@pytest.mark.parametrize("scenario", ["plain-def-main", "plain-def-main-bare"])
+def test_a_main_that_is_a_plain_def_is_named_with_the_fix(ranks, scenario):
+    """A plain ``def main`` ran, then the runtime awaited its int: "object int can't be used in 'await'
+    expression", which said nothing of main."""
+    job = run_mpi("failures.py", ranks, scenario, timeout=60)
+    assert job.returncode != 0 and job.elapsed < 30, job.stderr
+    said = "MainNotAsync: run(main) awaits main(system), but plain_main(system) returned int, not an awaitable"
+    assert said in job.stderr and "define it as `async def plain_main(system)`" in job.stderr, job.stderr
+    assert "can't be used in 'await' expression" not in job.stderr, job.stderr
+
+
 def test_a_rank_that_crashes_is_named_with_its_signal_and_a_likely_cause(tmp_path):
     job = run_mpi("failures.py", 2, "segfault", str(tmp_path / "rows.h5"), timeout=60)
     assert job.returncode == 139, job.output[-3000:]

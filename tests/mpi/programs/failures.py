@@ -86,4 +86,13 @@ async def main(system):
         raise SystemExit(f"unknown scenario {scenario}")
 
 
-mpiscale.run(main)
+def plain_main(system):  # a plain def where run wants an async one: it runs, and returns no awaitable
+    return system.rank
+
+
+if sys.argv[1] == "plain-def-main":
+    mpiscale.run(plain_main)
+elif sys.argv[1] == "plain-def-main-bare":
+    mpiscale.runtime.run(plain_main)
+else:
+    mpiscale.run(main)
