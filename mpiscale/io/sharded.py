@@ -48,8 +48,17 @@ def write_dataset(
     """
     path, comm = os.fspath(path), as_mpi(comm)
     size, rank = size_and_rank(comm)
-    layout = {name: (len(array), array.shape[1:], np.asarray(array).dtype.str) for name, array in arrays.items()}
-    every = comm.allgather(layout) if comm is not None else [layout]
+    arrays = {name: np.asarray(array) for name, array in arrays.items()}
+    single = sorted(name for name, array in arrays.items() if array.ndim == 0)  # no rows: refused by every rank
+    layout = {
+        name: (len(array) if array.ndim else 0, array.shape[1:], array.dtype.str) for name, array in arrays.items()
+    }
+    gathered = comm.allgather((layout, single)) if comm is not None else [(layout, single)]
+    for other_rank, (_, values) in enumerate(gathered):
+        if values:
+            raise ValueError(f"write_dataset {path}: rank {other_rank} passes {values[0]} as a single value; arrays "
+                             "hold rows on their first axis (np.atleast_1d makes one row of it)")  # fmt: skip
+    every = [other for other, _ in gathered]
     for other_rank, other in enumerate(every):
         if {k: v[1:] for k, v in other.items()} != {k: v[1:] for k, v in layout.items()}:
             raise ValueError(

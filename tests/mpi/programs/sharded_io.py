@@ -99,6 +99,21 @@ async def main(system):
         assert "must agree" in str(error), error
     else:
         raise AssertionError("mismatched dtypes were accepted")
+    # A single value on the last rank alone, and values HDF5 has no type for: every rank refuses, nothing is left.
+    for name, values, said in [
+        ("scalar.h5", np.float64(3.0) if rank == size - 1 else np.zeros(2), f"rank {size - 1} passes x as a single"),
+        ("text.h5", np.array(["ab", "c"]), "x is <U2, which HDF5 cannot store; store bytes (.astype('S'))"),
+        ("dates.h5", np.array(["2026-12-04"], "M8[D]"), "x is datetime64[D], which HDF5 cannot store"),
+        ("objects.h5", np.array([1, "x"], object), "x is object, which HDF5 cannot store"),
+    ]:
+        try:
+            write_dataset(directory / name, {"x": values}, comm)
+        except (TypeError, ValueError) as error:  # (was h5py's TypeError, leaving NAME.tmp; a hang for the scalar)
+            assert said in str(error), error
+        else:
+            raise AssertionError(f"{name}: {values!r} was written")
+        comm.Barrier()
+        assert not list(directory.glob(f"{name}*")), list(directory.glob(f"{name}*"))
     if rank == 0:
         print(f"sharded io ok on {size} ranks")
 
