@@ -161,6 +161,18 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
     return node
 
 
+def unstorable(dtype: np.dtype) -> str | None:
+    """Why HDF5 cannot store ``dtype`` (unicode strings, dates and durations, Python objects), with what to store
+    instead; None when it can."""
+    try:
+        h5py.h5t.py_create(dtype, logical=True)
+    except TypeError:
+        counts = "int64 counts of its unit"
+        instead = {"U": "bytes (.astype('S'))", "M": counts, "m": counts}.get(dtype.kind, "numbers, bool or bytes")
+        return f"which HDF5 cannot store; store {instead}"
+    return None
+
+
 def check_virtual_sources(data: h5py.Dataset) -> None:
     """Refuse a virtual data set whose rows come from a file or data set that is not there: HDF5 reads the fill
     value (0 unless set) in their place, without a word. Source files named relative to the virtual data set's

@@ -22,22 +22,9 @@ import numpy as np
 
 from ..ranks import AgreedError, AnyComm, agree, as_mpi, size_and_rank
 from .errors import WriteError
-from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp
+from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import write_rows
 from .space import space_problem
-
-
-def _check_storable(path: str, name: str, dtype: np.dtype) -> None:
-    """Refuse a dtype HDF5 has no type for (unicode strings, dates and durations, Python objects), saying what to
-    store instead."""
-    try:
-        h5py.h5t.py_create(dtype, logical=True)
-    except TypeError:
-        counts = "int64 counts of its unit"
-        instead = {"U": "bytes (.astype('S'))", "M": counts, "m": counts}.get(
-            dtype.kind, "numbers, bool, fixed-length bytes or records"
-        )
-        raise TypeError(f"writing {path}: {name} is {dtype}, which HDF5 cannot store; store {instead}") from None
 
 
 class RowWriter:
@@ -66,7 +53,9 @@ class RowWriter:
         self.size, self.rank = size_and_rank(self.comm)
         self.temporary = f"{self.path}.tmp"
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
-            _check_storable(self.path, name, np.dtype(dtype))
+            problem = unstorable(np.dtype(dtype))
+            if problem is not None:
+                raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
         total = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         room = space_problem(directory, total, "the file") if self.rank == 0 else None
         agree(self.comm, room, f"writing {self.path}", WriteError)

@@ -31,11 +31,16 @@ def test_nothing_to_load_is_none_but_a_missing_step_is_an_error(checkpoints):
         ({"sharded": {"a/b": np.zeros(2)}}, "without '/'"),
         ({"sharded": {"x": np.zeros(2)}, "replicated": {"x": np.zeros(2)}}, "both sharded and replicated"),
         ({"meta": {"when": object()}}, "meta is not JSON-serializable"),
+        # these failed in the write itself, leaving step-00000001.h5.tmp: refused now before any file is made
+        ({"sharded": {"x": np.array(["ab", "c"])}}, r"'x' is <U2, which HDF5 cannot store; store bytes"),
+        ({"replicated": {"t": np.array(["2026-12-04"], "M8[D]")}}, "'t' is datetime64.D., which HDF5 cannot"),
+        ({"replicated": {"r": np.zeros(2, [("a", "f8"), ("b", "i2")])}}, "'r' is an array of records"),
     ],
 )
-def test_bad_arguments_are_refused(checkpoints, arguments, message):
+def test_bad_arguments_are_refused(checkpoints, arguments, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         checkpoints.save(1, **arguments)
+    assert not list((tmp_path / "ckpt").glob("step-*"))
 
 
 def test_round_trip_retention_and_step_order(checkpoints, tmp_path):

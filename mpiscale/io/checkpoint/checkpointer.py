@@ -21,7 +21,7 @@ from ... import telemetry
 from ...ranks import AnyComm, agree, as_mpi, on_rank_0, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
 from ..errors import CheckpointError, LockedError
-from ..h5file import settle_background_io, track_background_io
+from ..h5file import settle_background_io, track_background_io, unstorable
 from ..lock import OutputLock
 from ..space import space_problem
 from .files import Layout, write_atomically, write_shard, write_shared
@@ -217,6 +217,11 @@ class Checkpointer:
                 return f"{name!r} is a {type(array).__name__}, not a numpy array (convert tensors with .numpy())"
             if array.dtype.hasobject:
                 return f"{name!r} holds Python objects; only plain numeric arrays can be checkpointed"
+            if array.dtype.names:
+                return f"{name!r} is an array of records ({array.dtype}); save each field as an array of its own"
+            problem = unstorable(array.dtype)
+            if problem is not None:
+                return f"{name!r} is {array.dtype}, {problem}"
         for name, array in sharded.items():
             if array.ndim == 0:
                 return f"sharded array {name!r} needs at least one dimension (rows)"
