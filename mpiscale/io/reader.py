@@ -168,8 +168,15 @@ class BatchReader:
         in_memory: bool | None = None,
     ) -> None:
         comm = as_mpi(comm)
+        if isinstance(names, str):  # (read as its letters: "xy" batched data sets x and y)
+            raise TypeError(f"names is a list of data set names, got the str {names!r}: give [{names!r}]")
+        if not names:
+            raise ValueError("names is empty: name the data sets to batch")
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if shuffle_window is not None and shuffle_window < 1:  # (once taken as the batch size without a word)
+            raise ValueError(f"shuffle_window is a number of rows, at least 1 (None: {DEFAULT_WINDOW_BYTES >> 20} "
+                             f"MiB of rows), got {shuffle_window}")  # fmt: skip
         if prefetch < 0:
             raise ValueError(f"prefetch must be 0 or more, got {prefetch}")
         self.size, self.rank = size_and_rank(comm)

@@ -80,3 +80,20 @@ def test_index_refuses_mismatched_shards(tmp_path, good):
     write_dataset(odd, {"x": np.zeros((2, 3), np.float32), "y": np.arange(2)})
     with pytest.raises(DataFileError, match=r"odd.h5:x: rows of float32\(3,\) differ from the first shard's"):
         write_index(tmp_path / "index.h5", [good, odd])
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"names": "xy"}, TypeError, r"names is a list of data set names, got the str 'xy': give \['xy'\]"),
+        ({"names": []}, ValueError, "names is empty"),
+        ({"shuffle_window": 0}, ValueError, "shuffle_window is a number of rows, at least 1"),
+        ({"shuffle_window": -3}, ValueError, "shuffle_window is a number of rows, at least 1"),
+    ],
+)
+def test_a_batch_reader_refuses_names_and_windows_that_mean_nothing(tmp_path, arguments, error, message):
+    """A str of names was read as its letters (``"xy"`` batched x and y); a window of 0 or -3 rows became the batch
+    size without a word."""
+    write_dataset(tmp_path / "xy.h5", {"x": np.zeros((4, 2)), "y": np.arange(4), "xy": np.ones(4)})
+    with pytest.raises(error, match=message):
+        BatchReader(tmp_path / "xy.h5", **{"names": ["x"], "batch_size": 2, "shuffle": True} | arguments)
