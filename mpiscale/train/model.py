@@ -130,6 +130,12 @@ def layer_outputs(model: torch.nn.Module, layers: list[str], inputs: torch.Tenso
     """The named modules' outputs for ``inputs`` (float32 host copies, one row per input, on whichever device the
     model and ``inputs`` are). Forward hooks capture them, and the pass stops once the last of them has run: the
     modules after it are never computed."""
+    if isinstance(layers, str):  # (read as its letters, each looked up as a module)
+        raise TypeError(f"layers is a list of module names, got the str {layers!r}: give [{layers!r}]")
+    known = dict(model.named_modules())
+    unknown = [name for name in layers if name not in known or not name]
+    if unknown:
+        raise ValueError(f"the model has no module {unknown[0]!r}; its modules: {', '.join(module_names(model))}")
     captured: dict[str, np.ndarray] = {}
     hooks = []
     for name in layers:

@@ -211,3 +211,18 @@ def test_rows_float32_would_round_reach_the_model_in_float64_and_the_rest_as_bef
         std.astype(np.float32)
     )
     assert torch.equal(standardizer(model)(torch.from_numpy(model_rows(small, wanted))), old_way)
+
+
+def test_layer_outputs_refuses_unknown_names_before_it_hooks_the_model():
+    """A bad second name once left the first one's hook on the model (a host copy of that layer's output at every
+    forward pass after), with torch's AttributeError; a str was read as its letters."""
+    from mpiscale.train.model import layer_outputs
+
+    model = build_mlp({"inputs": 3, "hidden": [4], "classes": 2})
+    rows = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="no module 'nope'; its modules: standardize, hidden1, relu1, output"):
+        layer_outputs(model, ["relu1", "nope"], rows)
+    with pytest.raises(TypeError, match=r"got the str 'output': give \['output'\]"):
+        layer_outputs(model, "output", rows)
+    assert not any(module._forward_hooks for module in model.modules())  # no hook left behind
+    assert layer_outputs(model, ["relu1"], rows)["relu1"].shape == (2, 4)
