@@ -114,7 +114,17 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
             values[name] = float(value)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ValueError(f"{origin[name]}{name} must be {expected.__name__}, got {value!r}")
+        if name in _SHARED_RULES and not _SHARED_RULES[name][0](values[name]):
+            raise ValueError(f"{origin[name]}{name} must be {_SHARED_RULES[name][1]}, got {value!r}")
     return kind(**values)
+
+
+#: Settings several jobs share, checked where they are read: (holds, what a value must be). A seed of -1 ended a
+#: job with a traceback from deep in its random streams; a progress interval of NaN or -1 was taken.
+_SHARED_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "seed": (lambda seed: 0 <= seed < 2**64, "an integer from 0 to 2**64 - 1"),
+    "progress_every": (lambda seconds: seconds >= 0, "a number of seconds >= 0 (0: only the last line)"),
+}
 
 
 def _list_setting(kind: type, name: str, default: tuple, value: Any, origin: str) -> tuple:

@@ -109,3 +109,23 @@ def test_doctor_names_a_jobs_missing_extra_and_requires_aiomqtt(monkeypatch):
     line = next(line for line in text.splitlines() if "mpiscale compress-adapters" in line)
     assert line.startswith("[warn]") and "missing safetensors" in line
     assert "pip install '.[adapters,torch]'" in text
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_a_seed_or_progress_interval_no_job_can_use_is_refused_where_settings_are_read(name, tmp_path):
+    """A seed of -1 ended train and memstore with a traceback and MPI_Abort from deep in their random streams; a
+    progress interval of NaN or -1 was taken."""
+    from mpiscale.jobs import load_settings
+
+    settings = JOBS[name].load("settings")
+    known = {field.name for field in fields(settings)}
+    cases = [("seed", -1), ("seed", 2**64), ("progress_every", float("nan")), ("progress_every", -1.0)]
+    for setting, value in [(setting, value) for setting, value in cases if setting in known]:
+        with pytest.raises(ValueError, match=f"{setting} must be "):
+            load_settings(settings, name, None, {setting: value})
+        config = tmp_path / f"{setting}.toml"
+        config.write_text(f"{setting} = {value if value == value else 'nan'}\n")
+        with pytest.raises(ValueError, match=f"config file {config}: {setting} must be "):
+            load_settings(settings, name, str(config), {})
+    if "seed" in known:
+        assert load_settings(settings, name, None, {"seed": 2**64 - 1}).seed == 2**64 - 1
