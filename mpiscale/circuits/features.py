@@ -79,7 +79,7 @@ def all_features_work(system: ActorSystem, config: CircuitsRunConfig, path: str,
     if taken is not None:
         raise DataFileError(path, f"the circuits' models take rows of {taken}, the data set holds {dtype} rows of "
                                   f"{width}", name)  # fmt: skip
-    return AllFeatures(system, selection, inputs, np.dtype(wanted))
+    return AllFeatures(system, selection, inputs)
 
 
 class AllFeatures:
@@ -87,8 +87,8 @@ class AllFeatures:
 
     sha256 = ""
 
-    def __init__(self, system: ActorSystem, selection: Selection, width: int, dtype: np.dtype) -> None:
-        self.system, self.selection, self.width, self.dtype = system, selection, width, dtype
+    def __init__(self, system: ActorSystem, selection: Selection, width: int) -> None:
+        self.system, self.selection, self.width = system, selection, width
         self.per_step = system.size
         self.models = [runner.model.path for runner, _ in selection.models]
 
@@ -107,7 +107,7 @@ class AllFeatures:
     async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
         rank = self.system.rank
         lo, hi = inputs.bounds(batches[rank] if rank < len(batches) else None)
-        rows = np.asarray(data.read_collective(lo, hi), self.dtype).reshape(hi - lo, self.width)
+        rows = np.asarray(data.read_collective(lo, hi)).reshape(hi - lo, self.width)  # each model takes its type
         features, failure = np.empty((0, len(self.selection.names)), np.float32), None
         try:
             values = self.selection.features(rows)

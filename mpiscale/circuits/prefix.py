@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..io import DataFileError
-from ..train import layer_outputs
+from ..train import layer_outputs, model_rows
 from .store import ModelRef, file_sha256
 
 
@@ -39,10 +39,14 @@ class ModelRunner:
                 raise DataFileError(model.path, f"has no module {', '.join(missing)} (the catalogue names it)")
 
     def __call__(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """Each layer's output for ``rows`` (float32, one row per input), in host memory."""
-        inputs = torch.from_numpy(np.ascontiguousarray(rows, self.model.input_dtype)).to(self.device)
+        """Each layer's output for ``rows`` (float32, one row per input), in host memory. A train model takes
+        float64 rows as they are, as in training and collect (it standardises them before any rounding); a
+        user's module takes the type it was added with."""
+        wanted = np.dtype(self.model.input_dtype)
         if self.model.kind == "train":
+            inputs = torch.from_numpy(np.ascontiguousarray(model_rows(np.asarray(rows), wanted))).to(self.device)
             return layer_outputs(self.module, self.layers, inputs)
+        inputs = torch.from_numpy(np.ascontiguousarray(rows, wanted)).to(self.device)
         with torch.no_grad():
             output = self.module(inputs)
         return {"": output.reshape(len(rows), -1).cpu().numpy().astype(np.float32, copy=False)}

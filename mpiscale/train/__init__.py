@@ -17,6 +17,7 @@ _PUBLIC = {
     "load_trained": "results",
     "input_layout": "model",
     "layer_outputs": "model",
+    "model_rows": "model",
     "rows_refused": "model",
     "ScheduleError": "pipeline.schedule",
 }

@@ -330,6 +330,33 @@ def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path
         np.testing.assert_allclose(file["features"][()], expected[:, rows], rtol=1e-4, atol=1e-4)
 
 
+def test_circuits_of_a_model_trained_on_float64_readings_see_their_digits_as_collect_does(tmp_path):
+    """Readings of 1e4 +- 1e-3 (float64): the model standardises them before any rounding in training and collect,
+    and so in circuits run, whose features equal the float64 model's. Cast to float32 first, as circuits run did,
+    every reading was one of a few levels."""
+    rng = np.random.default_rng(0)
+    readings = 1e4 + 1e-3 * rng.standard_normal((2000, 2))
+    with h5py.File(tmp_path / "sensors.h5", "w") as file:
+        file["inputs"] = readings
+        file["labels"] = (readings[:, 0] > 1e4).astype(np.int64)
+    model, acts, learned, catalogue = (tmp_path / name for name in ("model.h5", "acts.h5", "d.h5", "c.h5"))
+    assert_ok(run_alone("train", "--data", tmp_path / "sensors.h5", "--epochs", 1, "--hidden", 8, "--out", model,
+                        "--progress-every", 0))  # fmt: skip
+    assert_ok(run_alone("collect", "--model", model, "--layers", "hidden1", "--out", acts))
+    assert_ok(run_alone("dictlearn", "--data", f"{acts}:/hidden1", "--atoms", 4, "--sparsity", 1, "--iterations",
+                        20, "--out", learned, "--progress-every", 0))  # fmt: skip
+    assert_ok(run_alone("circuits", "add", catalogue, "--dictlearn", learned))
+    out = tmp_path / "f.h5"
+    assert_ok(run_cli(2, "circuits", "run", "--catalogue", catalogue, "--data", f"{tmp_path / 'sensors.h5'}:/inputs",
+                      "--out", out, "--all-features", timeout=120))  # fmt: skip
+    net, _ = load_trained(str(model))
+    with torch.no_grad(), h5py.File(learned, "r") as file:
+        expected = net[:2](torch.from_numpy(readings)).numpy() @ file["dictionary"][()].T
+    with h5py.File(out, "r") as file:
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=1e-4)
+        assert len(np.unique(file["features"][:, 0])) > 1000  # not a few levels
+
+
 def test_circuits_run_on_a_real_gpu_gives_the_cpus_features(pipeline, built, tmp_path):
     """--all-features with --device cuda on one rank, and on 2 ranks sharing the GPU on purpose: the columns this
     process computes on the CPU (skipped without a GPU; make gpu-check runs it)."""
