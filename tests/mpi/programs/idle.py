@@ -96,8 +96,15 @@ async def _late_value(system) -> None:
     arrivals = mpiscale.Arrivals("value")
     channel = await system.channel("idle.values", lambda source, lane, key, array: arrivals.put(key, array))
     await system.world.barrier()
-    sending = asyncio.create_task(asyncio.sleep(2.0))
-    sending.add_done_callback(lambda _: channel.send((system.rank + 1) % system.size, 0, (1, 2, 3), np.ones(8)))
+
+    async def send_late() -> None:
+        # sent in the task itself: from a done callback, the send could come after this coroutine had seen the task
+        # done and gone on to block in MPI_Comm_dup, so the other rank never got its value (5 hangs in 32 runs, four
+        # jobs at once on 2 cores)
+        await asyncio.sleep(2.0)
+        channel.send((system.rank + 1) % system.size, 0, (1, 2, 3), np.ones(8))
+
+    sending = asyncio.create_task(send_late())
     value = await arrivals.take((1, 2, 3), lambda future: system.expect(future, "a late value"))
     assert (value == 1).all()
     await sending
