@@ -185,9 +185,12 @@ def check_virtual_sources(data: h5py.Dataset) -> None:
         found = next((p for p in (os.path.join(base, name), name) if os.path.isfile(p)), None)
         why = f"maps rows to {name}, which is not there" if found is None else None
         if found is not None:
-            with h5py.File(found, "r") as source:
-                if mapping.dset_name.strip("/") not in source:
-                    why = f"maps rows to {name}:{mapping.dset_name}, a data set that file does not hold"
+            try:
+                with h5py.File(found, "r") as source:
+                    if mapping.dset_name.strip("/") not in source:
+                        why = f"maps rows to {name}:{mapping.dset_name}, a data set that file does not hold"
+            except OSError:
+                why = f"maps rows to {name}, which is no readable HDF5 file"
         if why is not None:
             raise DataFileError(data.file.filename, f"is a virtual data set that {why}: HDF5 would give its fill "
                                                     "value for those rows; restore the file, or map only what "

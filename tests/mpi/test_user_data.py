@@ -44,10 +44,12 @@ WRITER = textwrap.dedent(
     with open(f"{out}/parts.txt", "w") as f:
         f.write("# the same parts, listed\\nrun-2.h5\\nrun-9.h5\\nrun-10.h5\\n")
     # the same parts joined by a virtual data set, as h5py's docs show (sources named beside the file)
-    for name, parts in [("joined", [2, 9, 10]), ("broken", [2, 9, "gone"])]:
+    with open(f"{out}/run-10.h5", "rb") as whole, open(f"{out}/cut-10.h5", "wb") as cut:
+        cut.write(whole.read(500))  # a copy cut short
+    for name, last in [("joined", "run-10.h5"), ("broken", "gone-10.h5"), ("damaged", "cut-10.h5")]:
         layout = h5py.VirtualLayout(shape=(1200, 16), dtype="f8")
-        for part, (lo, hi) in zip(parts, [(0, 100), (100, 700), (700, 1200)]):
-            layout[lo:hi] = h5py.VirtualSource(f"run-{part}.h5", "sim/X", shape=(hi - lo, 16))
+        for part, (lo, hi) in zip(["run-2.h5", "run-9.h5", last], [(0, 100), (100, 700), (700, 1200)]):
+            layout[lo:hi] = h5py.VirtualSource(part, "sim/X", shape=(hi - lo, 16))
         with h5py.File(f"{out}/{name}.h5", "w") as f:
             f.create_virtual_dataset("X", layout)
     """
@@ -172,7 +174,8 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
         (2, "WRITER.c:/X", "no such file"),
-        (2, "broken.h5:/X", "maps rows to run-gone.h5, which is not there: HDF5 would give its fill value"),
+        (2, "broken.h5:/X", "maps rows to gone-10.h5, which is not there: HDF5 would give its fill value"),
+        (2, "damaged.h5:/X", "maps rows to cut-10.h5, which is no readable HDF5 file"),
     ],
 )
 def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):

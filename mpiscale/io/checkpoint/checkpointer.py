@@ -21,10 +21,10 @@ from ... import telemetry
 from ...ranks import AnyComm, agree, as_mpi, on_rank_0, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
 from ..errors import CheckpointError, LockedError
-from ..h5file import settle_background_io, track_background_io, unstorable
+from ..h5file import settle_background_io, track_background_io
 from ..lock import OutputLock
 from ..space import space_problem
-from .files import Layout, write_atomically, write_shard, write_shared
+from .files import Layout, array_problem, write_atomically, write_shard, write_shared
 from .levels import save_levels, space_needed
 from .manifest import SaveJob, build_manifest, nbytes
 from .partners import choose_partners, copy_to_partner
@@ -211,20 +211,9 @@ class Checkpointer:
         if set(sharded) & set(replicated):
             return f"names used both sharded and replicated: {sorted(set(sharded) & set(replicated))}"
         for name, array in [*sharded.items(), *replicated.items()]:
-            if not isinstance(name, str) or not name or "/" in name:
-                return f"array names must be non-empty strings without '/', got {name!r}"
-            if not isinstance(array, np.ndarray):
-                return f"{name!r} is a {type(array).__name__}, not a numpy array (convert tensors with .numpy())"
-            if array.dtype.hasobject:
-                return f"{name!r} holds Python objects; only plain numeric arrays can be checkpointed"
-            if array.dtype.names:
-                return f"{name!r} is an array of records ({array.dtype}); save each field as an array of its own"
-            problem = unstorable(array.dtype)
+            problem = array_problem(name, array, rows=name in sharded)
             if problem is not None:
-                return f"{name!r} is {array.dtype}, {problem}"
-        for name, array in sharded.items():
-            if array.ndim == 0:
-                return f"sharded array {name!r} needs at least one dimension (rows)"
+                return problem
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as error:

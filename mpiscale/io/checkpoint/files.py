@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 
 from ...ranks import Comm
-from ..h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp
+from ..h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp, unstorable
 from ..rows import read_rows, write_rows
 
 #: Data sets of the level-3 file start on 1 MiB boundaries, and each rank writes its own contiguous
@@ -43,6 +43,25 @@ _SHARD = re.compile(r"^(rank|copy-of-rank)-(\d+)\.h5$")
 #: in hardware (about 6x zlib's CRC-32 here); checkpoints whose entries name none used zlib's CRC-32.
 CHECKSUMS = {"crc32c": crc32c.crc32c, "crc32": zlib.crc32}
 CHECKSUM = "crc32c"
+
+
+def array_problem(name: object, array: object, rows: bool) -> str | None:
+    """Why ``array`` cannot be checkpointed under ``name`` (``rows``: a sharded array, which needs them); None when
+    it can. Said before any file is made: unicode, dates and records failed in the write, and left its .tmp."""
+    if not isinstance(name, str) or not name or "/" in name:
+        return f"array names must be non-empty strings without '/', got {name!r}"
+    if not isinstance(array, np.ndarray):
+        return f"{name!r} is a {type(array).__name__}, not a numpy array (convert tensors with .numpy())"
+    if array.dtype.hasobject:
+        return f"{name!r} holds Python objects; only plain numeric arrays can be checkpointed"
+    if array.dtype.names:
+        return f"{name!r} is an array of records ({array.dtype}); save each field as an array of its own"
+    problem = unstorable(array.dtype)
+    if problem is not None:
+        return f"{name!r} is {array.dtype}, {problem}"
+    if rows and array.ndim == 0:
+        return f"sharded array {name!r} needs at least one dimension (rows)"
+    return None
 
 
 def checksum(array: np.ndarray, algorithm: str = CHECKSUM) -> int:
