@@ -43,6 +43,11 @@ def inspect(args: argparse.Namespace) -> int:
         return _refused("inspect", "--top-inputs needs a dictlearn results file")
     if args.plot and not job.plots:
         return _refused("inspect", f"--plot draws {jobs_with('plots', 'and')} results, not {job.name}'s")
+    if args.plot:
+        try:
+            args.plot = _plot_path(args.plot, args.results)
+        except (ValueError, ImportError) as error:
+            return _refused("inspect", error)
     report = import_module(job.report)
     try:
         print(report.summarize(args.results))
@@ -61,6 +66,26 @@ def inspect(args: argparse.Namespace) -> int:
     except KeyError as error:  # a data set or attribute the format has: the file is damaged, or still being written
         return _refused("inspect", f"{args.results}: not a whole {job.name} file (damaged?): {error.args[0]}")
     return 0
+
+
+def _plot_path(plot: str, results: str) -> str:
+    """Where ``--plot`` draws: ``plot``, or ``plot.png`` where it has no suffix (as matplotlib writes it). A format
+    matplotlib does not draw (``--plot out.h5`` ended in its traceback) and the results file itself are refused."""
+    import os
+
+    from matplotlib.figure import Figure
+
+    from ..io import same_file
+
+    suffix = os.path.splitext(plot)[1][1:].lower()
+    if not suffix:
+        plot, suffix = f"{plot}.png", "png"
+    drawn = Figure().canvas.get_supported_filetypes()
+    if suffix not in drawn:
+        raise ValueError(f"--plot {plot}: matplotlib draws {', '.join(sorted(drawn))}, not {suffix}")
+    if same_file(plot, results):
+        raise ValueError(f"--plot {plot} is the results file itself: name the image another file")
+    return plot
 
 
 def _refused(command: str, problem: object) -> int:

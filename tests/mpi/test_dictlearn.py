@@ -11,7 +11,18 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import REPO, SESSION_ENVIRONMENT, assert_ok, finish, gpu_ranks, launch, on_a_gpu, real_gpu, run_mpi
+from helpers import (
+    REPO,
+    SESSION_ENVIRONMENT,
+    assert_ok,
+    finish,
+    gpu_ranks,
+    launch,
+    on_a_gpu,
+    real_gpu,
+    run_alone,
+    run_mpi,
+)
 
 KSVD = ["--atoms", "50", "--sparsity", "3", "--samples", "1500", "--features", "20"]
 
@@ -230,6 +241,17 @@ def test_inspect_prints_a_summary_and_plots(tmp_path):
     assert "50 atoms of 20 features" in job.stdout and "planted atoms recovered" in job.stdout
     assert "whole-data error" in job.stdout and "communication" in job.stdout
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a name without a suffix is drawn as PNG, and said as the file it is; a format matplotlib does not draw, or the
+    # results file itself, is refused in one line (--plot results.h5 ended in matplotlib's traceback)
+    bare = run_alone("inspect", out, "--plot", tmp_path / "bare")
+    assert_ok(bare)
+    assert f"wrote {tmp_path / 'bare.png'}" in bare.stdout and (tmp_path / "bare.png").is_file()
+    (tmp_path / "same.png").symlink_to(out)
+    for plot, said in [(out, "matplotlib draws"), (tmp_path / "same.png", "is the results file itself")]:
+        refused = run_alone("inspect", out, "--plot", plot)
+        assert refused.returncode == 2 and said in refused.stderr and "Traceback" not in refused.stderr, refused
+    with h5py.File(out, "r") as file:
+        assert file.attrs["format"] == "mpiscale.dictlearn-results/1"  # the results file is left as it was
 
 
 def test_reconstruction_error_no_worse_than_scikit_learn(tmp_path, signals_file):
