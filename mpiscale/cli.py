@@ -109,6 +109,7 @@ def _command(argv: list[str] | None) -> int:
     for name in _AT_LEAST_ONE:
         if (getattr(args, name, 1) or 1) < 1:
             top.error(f"--{name.replace('_', '-')} must be at least 1")
+    _check_written_files(top, args)
     module, function = args.handler.split(":")
     status = 0
     try:
@@ -117,6 +118,26 @@ def _command(argv: list[str] | None) -> int:
     except BrokenPipeError:  # the reader left (a pipe into head, a launcher ending the job): nobody to tell
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return status
+
+
+def _check_written_files(top: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ``--json`` or ``--plot`` file that cannot be written before the work: a bench ran to its end and
+    then failed writing into a directory that is not there, its record lost."""
+    from .commands.files import plot_path
+    from .jobs import check_outputs
+
+    for option in ("json", "plot"):
+        path = getattr(args, option, None)
+        if not isinstance(path, str) or not path:
+            continue
+        try:
+            if option == "plot":
+                path = args.plot = plot_path(path)
+            check_outputs(path, None, "the file")
+        except ValueError as error:
+            top.error(f"--{option} {path}: {error}")
+        except ImportError as error:
+            top.error(f"--{option} needs matplotlib ({error})")
 
 
 if __name__ == "__main__":

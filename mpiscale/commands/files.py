@@ -28,7 +28,7 @@ def inspect(args: argparse.Namespace) -> int:
     from importlib import import_module
 
     from ..errors import MpiscaleError
-    from ..io import DataFileError, open_file
+    from ..io import DataFileError, open_file, same_file
     from ..jobs import job_of_results, jobs_with
 
     try:
@@ -43,11 +43,8 @@ def inspect(args: argparse.Namespace) -> int:
         return _refused("inspect", "--top-inputs needs a dictlearn results file")
     if args.plot and not job.plots:
         return _refused("inspect", f"--plot draws {jobs_with('plots', 'and')} results, not {job.name}'s")
-    if args.plot:
-        try:
-            args.plot = _plot_path(args.plot, args.results)
-        except (ValueError, ImportError) as error:
-            return _refused("inspect", error)
+    if args.plot and same_file(args.plot, args.results):
+        return _refused("inspect", f"--plot {args.plot} is the results file itself: name the image another file")
     report = import_module(job.report)
     try:
         print(report.summarize(args.results))
@@ -68,23 +65,19 @@ def inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_path(plot: str, results: str) -> str:
-    """Where ``--plot`` draws: ``plot``, or ``plot.png`` where it has no suffix (as matplotlib writes it). A format
-    matplotlib does not draw (``--plot out.h5`` ended in its traceback) and the results file itself are refused."""
+def plot_path(plot: str) -> str:
+    """Where ``--plot`` draws: ``plot``, or ``plot.png`` where it has no suffix (as matplotlib writes it); a
+    ValueError for a format matplotlib does not draw (``--plot out.h5`` ended in its traceback, after the work)."""
     import os
 
     from matplotlib.figure import Figure
-
-    from ..io import same_file
 
     suffix = os.path.splitext(plot)[1][1:].lower()
     if not suffix:
         plot, suffix = f"{plot}.png", "png"
     drawn = Figure().canvas.get_supported_filetypes()
     if suffix not in drawn:
-        raise ValueError(f"--plot {plot}: matplotlib draws {', '.join(sorted(drawn))}, not {suffix}")
-    if same_file(plot, results):
-        raise ValueError(f"--plot {plot} is the results file itself: name the image another file")
+        raise ValueError(f"matplotlib draws {', '.join(sorted(drawn))}, not {suffix}")
     return plot
 
 

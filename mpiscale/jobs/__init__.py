@@ -14,6 +14,7 @@ from .device import (
 )
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
+    check_outputs,
     checkpoint_level_problems,
     claim_outputs,
     close_checkpointer,
@@ -60,6 +61,7 @@ __all__ = [
     "announce",
     "add_options",
     "checkpoint_level_problems",
+    "check_outputs",
     "claim_outputs",
     "close_checkpointer",
     "duration",

@@ -113,19 +113,19 @@ def claim_outputs(out: str, checkpoints: str | None, inputs: Iterable[str], comm
     return lock_results(out, comm)
 
 
-def check_outputs(out: str, checkpoints: str | None) -> None:
-    """Raise ValueError if ``out`` or the checkpoint directory (None: not used) cannot be written."""
+def check_outputs(out: str, checkpoints: str | None, what: str = "the results file") -> None:
+    """Raise ValueError if ``out`` (``what`` it is) or the checkpoint directory (None: not used) cannot be written."""
     if os.path.isdir(out):
-        example = os.path.join(out, "results.h5")
-        raise ValueError(f"the results file {out} is a directory: name a file (in it, say: {example})")
+        example = os.path.join(out, "results" + (os.path.splitext(out)[1] or ".h5"))
+        raise ValueError(f"{what} {out} is a directory: name a file (in it, say: {example})")
     directory = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(directory):
         blocking = next((part for part in [Path(directory), *Path(directory).parents] if part.exists()), None)
         if blocking is not None and not blocking.is_dir():
-            raise ValueError(f"the results file {out} cannot be written: {blocking} is a file, not a directory")
-        raise ValueError(f"the results file's directory {directory} does not exist")
+            raise ValueError(f"{what} {out} cannot be written: {blocking} is a file, not a directory")
+        raise ValueError(f"{what}'s directory {directory} does not exist")
     if not os.access(directory, os.W_OK):
-        raise ValueError(f"the results file's directory {directory} is not writable")
+        raise ValueError(f"{what}'s directory {directory} is not writable")
     if checkpoints is None:
         return
     path = Path(checkpoints)

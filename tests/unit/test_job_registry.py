@@ -129,3 +129,23 @@ def test_a_seed_or_progress_interval_no_job_can_use_is_refused_where_settings_ar
             load_settings(settings, name, str(config), {})
     if "seed" in known:
         assert load_settings(settings, name, None, {"seed": 2**64 - 1}).seed == 2**64 - 1
+
+
+@pytest.mark.parametrize(
+    ("words", "said"),
+    [
+        (
+            ["bench", "random", "--quick", "--json", "{tmp}/gone/r.json"],
+            "the file's directory {tmp}/gone does not exist",
+        ),
+        (["bench", "random", "--quick", "--json", "{tmp}"], "the file {tmp} is a directory"),
+        (["bench", "allreduce", "--quick", "--plot", "{tmp}/p.h5"], "matplotlib draws"),
+        (["bench", "allreduce", "--quick", "--plot", "{tmp}/gone/p.png"], "the file's directory {tmp}/gone does not"),
+    ],
+)
+def test_a_bench_refuses_a_record_or_plot_it_could_not_write_before_it_runs(words, said, tmp_path, capsys):
+    """A bench ran to its end, then failed writing its JSON into a directory that is not there: the record was lost
+    after minutes of work, with a traceback."""
+    with pytest.raises(SystemExit) as refused:
+        main([word.format(tmp=tmp_path) for word in words])
+    assert refused.value.code == 2 and said.format(tmp=tmp_path) in capsys.readouterr().err
