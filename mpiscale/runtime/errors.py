@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import MpiscaleError
 
@@ -48,6 +50,14 @@ class MainNotAsync(MpiscaleError, TypeError):
             f"run(main) awaits main(system), but {name}(system) returned {type(result).__name__}, not an awaitable: "
             f"define it as `async def {name}(system)`, so its awaits let the ranks' messages through"
         )
+
+    @classmethod
+    def started(cls, main: Callable[[Any], Any], system: Any) -> Awaitable[Any]:
+        """``main(system)``, refused with this error where it is no awaitable (both ways of running a main)."""
+        result = main(system)
+        if not inspect.isawaitable(result):
+            raise cls(main, result)
+        return result
 
 
 class AskTimeout(MpiscaleError, TimeoutError):

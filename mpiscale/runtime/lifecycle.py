@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
-import inspect
 import logging
 import math
 import os
@@ -311,10 +310,7 @@ class _MainExit(MpiscaleError):
 
 async def _exit_as_exception(main: Callable[[ActorSystem], Awaitable[T]], system: ActorSystem) -> T:
     try:
-        started = main(system)
-        if not inspect.isawaitable(started):
-            raise MainNotAsync(main, started)
-        return await started
+        return await MainNotAsync.started(main, system)
     except SystemExit as exit_request:
         raise _MainExit(exit_request) from None
 

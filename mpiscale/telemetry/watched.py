@@ -10,7 +10,6 @@ left at 0.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -51,10 +50,7 @@ async def _watched(system: ActorSystem, command: str, main: Callable[[ActorSyste
     system.at_end(session.close)
     set_current(session)
     try:
-        started = main(system)
-        if not inspect.isawaitable(started):
-            raise MainNotAsync(main, started)
-        return await started
+        return await MainNotAsync.started(main, system)
     except BaseException as error:
         detail = _failure(error)
         if detail is not None:
