@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+from .settings import bracketed
+
 log = logging.getLogger(__name__)
 
 _PROGRESS = {
@@ -91,6 +93,5 @@ def open_endpoint(job: str, port: int, addr: str) -> PrometheusEndpoint | None:
     except OSError as error:
         log.warning("telemetry: no Prometheus endpoint on %s:%d (%s)", addr, port, error)
         return None
-    host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address in a URL is bracketed
-    print(f"telemetry: Prometheus metrics at http://{host}:{endpoint.port}/metrics", flush=True)
+    print(f"telemetry: Prometheus metrics at http://{bracketed(addr)}:{endpoint.port}/metrics", flush=True)
     return endpoint

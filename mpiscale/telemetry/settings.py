@@ -31,7 +31,7 @@ class TelemetrySettings:
         if self.broker is None:
             return ""
         host, port = self.broker
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return f"{bracketed(host)}:{port}"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> TelemetrySettings:
@@ -62,6 +62,11 @@ class TelemetrySettings:
             prometheus_port=scrape,
             prometheus_addr=env.get("MPISCALE_PROMETHEUS_ADDR") or "0.0.0.0",
         )
+
+
+def bracketed(host: str) -> str:
+    """``host`` as it is written before ``:PORT`` (in a URL too): an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def parse_broker(text: str) -> tuple[str, int]:

@@ -185,7 +185,6 @@ class MqttSink:
         if settings.broker is None:
             raise ValueError("an MQTT sink needs a broker (MPISCALE_BROKER)")
         self.settings, self.job, self.on_control = settings, job, on_control
-        self._where = settings.broker_shown
         self.dropped = 0
         self.refused = 0  # publishes the broker acknowledged with a refusal (its ACL)
         self._heard_of: set[str] = set()  # topics whose first publish was sent acknowledged
@@ -253,8 +252,8 @@ class MqttSink:
                 if not self._ever_connected and not self._said_unreachable:
                     self._said_unreachable = True  # once: a wrong password or CA must not pass silently
                     reason = str(error) or type(error).__name__
-                    log.warning("telemetry: cannot connect to the broker %s (%s); the job runs on, and its "
-                                "telemetry is tried again in the background", self._where, reason)  # fmt: skip
+                    log.warning("telemetry: cannot connect to the broker %s (%s); the job runs on, and its telemetry "
+                                "is tried again in the background", self.settings.broker_shown, reason)  # fmt: skip
                 if self._closing.is_set():  # the job's end: retry at once, for CLOSE_UNCONNECTED_S at most
                     # bounded here, not only by close()'s cancel: aiomqtt may turn a cancel in connect into MqttError
                     retry_until = retry_until or time.monotonic() + CLOSE_UNCONNECTED_S
@@ -265,7 +264,7 @@ class MqttSink:
                 failures += 1
                 if failures >= BREAKER_FAILURES:
                     log.warning("telemetry: broker %s unreachable %d times (%s); pausing %.0f s",
-                                self._where, failures, error, BREAKER_PAUSE_S)  # fmt: skip
+                                self.settings.broker_shown, failures, error, BREAKER_PAUSE_S)  # fmt: skip
                     paused_until, failures = time.monotonic() + BREAKER_PAUSE_S, 0
                     continue
                 delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (failures - 1)) * random.uniform(0.5, 1.5)
@@ -280,7 +279,7 @@ class MqttSink:
             log.warning("telemetry: the broker %s refuses this job's publishes under mpiscale/%s/ (%s): its ACL "
                         "does not let user %s write there, so watchers see nothing of this job; with the documented "
                         "ACL, give the job an id under the user's name (MPISCALE_JOB_ID=%s/<id>)",
-                        self._where, self.job, reason, user, user)  # fmt: skip
+                        self.settings.broker_shown, self.job, reason, user, user)  # fmt: skip
 
     async def _connected(self, client) -> None:
         """Send, and receive control messages, until closing or until the connection fails (raised)."""
@@ -348,7 +347,9 @@ class MqttSink:
             )
             if unconnected_too_long or now - began >= CLOSE_TIMEOUT_S:
                 self._in_sink_loop(self._task.cancel)
-                log.warning("telemetry: %d records not sent to %s at the end", len(self._queue), self._where)
+                log.warning(
+                    "telemetry: %d records not sent to %s at the end", len(self._queue), self.settings.broker_shown
+                )
                 return
             await asyncio.sleep(0.02)
 
