@@ -20,6 +20,13 @@ the dying rank announces itself). The watch names one death, once, then stays
 silent; it ends when every rank it watches has. It ignores the launcher's
 signals, which are the ranks' to take.
 
+The job cannot go on after such a death: a rank of the host ends it once its
+launcher's SIGTERM comes, and says ``over`` as it does. A rank that has neither
+said so nor ended ``HELD_S`` after the death is held (that parallel HDF5 call
+keeps its Python from running, and srun kills it only ``KillWait`` later, 30 s
+by default) or was never told (``srun`` without ``--kill-on-bad-exit``): the
+watch names it and kills it, so that the launcher ends the job.
+
 Run as a script (``python -I -S death_watch.py ...``): standard library only.
 """
 
@@ -27,12 +34,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import select
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +50,7 @@ if TYPE_CHECKING:  # run as a script, it imports nothing of the package
     from ..ranks import Comm
 
 _POLL_S = 0.2  # how often the watch looks at its ranks where the kernel has no pidfds
+HELD_S = 5.0  # a rank of the host that neither ends nor ends the job within this of a death is held: it is killed
 #: What a rank that died unannounced did, as far as another process can tell (its exit status is its parent's).
 ENDED = "ended while the job ran (killed by a signal, or failed: the job's output says which); the job cannot go on"
 
@@ -163,6 +173,8 @@ class _Watch:
         self.roles: dict[int, str] = {}
         self.planned: dict[int, str] = {}
         self.silent = False
+        self.taken: set[int] = set()  # the ranks that said ``over``: they end the job themselves
+        self.held_at: float | None = None  # the monotonic time from which a rank still running is held
         self.pidfds: dict[int, int] = {}  # fd -> rank
         for rank, pid in watched.items():
             with contextlib.suppress(OSError, AttributeError):  # no pidfds (old kernel): the watch polls
@@ -175,7 +187,10 @@ class _Watch:
             poller.register(fd, select.POLLIN)
         every_rank_has_a_pidfd = len(self.pidfds) == len(self.watched)
         while self.watched:
-            poller.poll(None if every_rank_has_a_pidfd else _POLL_S * 1000)
+            wait_s = None if every_rank_has_a_pidfd else _POLL_S
+            if self.held_at is not None:
+                wait_s = max(0.0, min(wait_s or math.inf, self.held_at - time.monotonic()))
+            poller.poll(None if wait_s is None else math.ceil(wait_s * 1000))
             self.take_messages()  # first: a rank's word was queued before its process could end
             gone = {rank: pid for rank, pid in self.watched.items() if not alive(pid)}
             for rank in gone:
@@ -188,6 +203,10 @@ class _Watch:
             if unannounced and not self.silent:
                 self.silent = True  # one death named; what follows is the job's teardown
                 self.say(unannounced)
+                self.held_at = time.monotonic() + HELD_S
+            if self.held_at is not None and time.monotonic() >= self.held_at:
+                self.held_at = None
+                self.end_held()
 
     def take_messages(self) -> None:
         while True:
@@ -201,6 +220,7 @@ class _Watch:
                 self.done.add(message["done"])
             elif "over" in message:
                 self.silent = True
+                self.taken.add(message["over"])
             elif "role" in message:
                 self.roles[message["role"][0]] = message["role"][1]
             elif "planned" in message:
@@ -214,6 +234,20 @@ class _Watch:
                           for rank, pid in sorted(dead.items()))  # fmt: skip
         with contextlib.suppress(OSError):
             os.write(2, f"mpiscale: {named} on host {self.host} {ENDED}\n".encode())
+
+    def end_held(self) -> None:
+        """``HELD_S`` after a death: kill the ranks still running, naming those that never took it."""
+        running = {rank: pid for rank, pid in self.watched.items() if alive(pid)}
+        held = {rank: pid for rank, pid in running.items() if rank not in self.taken}
+        if held:
+            named = ", ".join(f"rank {rank} (pid {pid})" for rank, pid in sorted(held.items()))
+            with contextlib.suppress(OSError):
+                os.write(2, f"mpiscale: {named} on host {self.host} still ran {HELD_S:g} s after that death, held "
+                         "(native code such as a parallel HDF5 call that waits for the dead rank keeps its Python "
+                         "from running) or never told to end by its launcher: killed\n".encode())  # fmt: skip
+        for pid in running.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def main(argv: list[str]) -> None:

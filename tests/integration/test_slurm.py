@@ -4,7 +4,9 @@ an oversized request refused. Results are compared with an uninterrupted run of 
 
 import json
 import os
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 import torch
-from helpers import REPO
+from helpers import PROGRAMS, REPO
 from slurm_cluster import SubmitError
 
 from mpiscale.adapters.planted import write_planted
@@ -135,7 +137,8 @@ def test_the_time_limit_signal_checkpoints_requeues_and_the_job_resumes(slurm, u
 
 def test_a_killed_rank_ends_the_run_at_once_and_the_requeued_job_resumes(slurm, uninterrupted, tmp_path):
     """srun ends the step of a rank killed by SIGKILL with SIGTERM to the other, then SIGKILL only KillWait (30 s,
-    Slurm's default here) later: the other sees the dead rank of its host and ends the run within seconds."""
+    Slurm's default here) later: the other sees the dead rank of its host and ends the run within seconds, or, held
+    in its background checkpoint's parallel HDF5 open that waits for the dead rank, the death watch kills it."""
     run = tmp_path / "run"
     job = dictlearn(slurm, run)
     wait_for_checkpoint(slurm, job, run, 1000)
@@ -149,10 +152,34 @@ def test_a_killed_rank_ends_the_run_at_once_and_the_requeued_job_resumes(slurm, 
     finished = done(slurm, job)
     text = output(run, job)
     assert f" (pid {max(ranks)}) on host " in text and "ended while the job ran (killed by a signal" in text, text
-    assert f"the job failed (status 1): requeueing job {job} (requeue 1 of 5)" in text
+    held = "still ran 5 s after that death, held" in text  # then srun's status is the held rank's SIGKILL
+    assert f"the job failed (status {137 if held else 1}): requeueing job {job} (requeue 1 of 5)" in text, text
     assert "resumed from the checkpoint of iteration " in text and finished.restarts == 1
     dictionary, attrs = learned(run)
     assert attrs["iterations"] == ITERATIONS and np.abs(dictionary - uninterrupted[2]).max() < 1e-9
+
+
+def test_a_rank_killed_beside_a_rank_held_in_native_code_ends_the_step_long_before_killwait(slurm, tmp_path):
+    """Rank 1 is SIGKILLed while rank 0's Python is held in native code that keeps the GIL, as h5py does in a
+    background checkpoint's parallel HDF5 open that waits for the dead rank: srun's SIGTERM cannot reach its Python,
+    and the step ended only KillWait (30 s) later (the killed-rank test above, 1 CI run in about 30; 1 kill in 8 of
+    a run that checkpoints every 40 iterations). The host's death watch names rank 1, then kills rank 0 HELD_S
+    after the death."""
+    script = tmp_path / "held.sbatch"
+    program = f"{sys.executable} {PROGRAMS / 'failures.py'} killed-beside-a-held-rank {tmp_path / 'rows.h5'}"
+    script.write_text(f'#!/bin/bash\nexec "$MPISCALE_HOME/launch/mpiscale-run" -n 2 -- {program}\n')
+    environment = {"MPISCALE_HOME": str(REPO), "MPISCALE_LAUNCHER": "srun", "MPISCALE_TELEMETRY": "0"}
+    job = slurm.submit(script, "--ntasks=2", "--no-requeue", cwd=tmp_path, env=environment)
+    log = tmp_path / f"slurm-{job}.out"
+    slurm.wait(job, 120, until=lambda j: log.exists() and "rank 1 kills itself" in log.read_text())
+    killed = time.monotonic()
+    ended = slurm.wait(job, 60)
+    assert time.monotonic() - killed < 20, "the held rank outlived the killed one"  # KillWait is 30 s
+    assert ended.state == "FAILED", ended.fields
+    text = log.read_text()
+    for line in (r"rank 1 \(pid \d+\) on host \S+ ended while the job ran",
+                 r"rank 0 \(pid \d+\) on host \S+ still ran 5 s after that death, held"):  # fmt: skip
+        assert re.search(f"^mpiscale: {line}", text, re.M), text
 
 
 def test_a_plain_scancel_under_mpirun_stops_with_a_checkpoint_and_resumes(slurm, uninterrupted, tmp_path):

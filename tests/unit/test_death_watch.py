@@ -33,11 +33,11 @@ time.sleep(60)
 
 @pytest.fixture
 def ranks():
-    """Start stand-in ranks, each with its word to the watch, under one watch (its stderr the test's); kill what is
-    left at the end."""
+    """Start stand-in ranks, each with its word to the watch, under one watch (its stderr the test's): the watch, the
+    ranks, and the last rank's side of the watch; kill what is left at the end."""
     started = []
 
-    def start(*words: str) -> tuple[subprocess.Popen, list[subprocess.Popen]]:
+    def start(*words: str) -> tuple[subprocess.Popen, list[subprocess.Popen], DeathWatch]:
         sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in words]
         started.extend(sleepers)
         address, pid, watch = spawn_watch({rank: p.pid for rank, p in enumerate(sleepers)}, "h1")
@@ -49,7 +49,7 @@ def ranks():
             started.append(teller)
             assert teller.stdout.readline() == "told\n"
             told.append(sleeper)
-        return watch, told
+        return watch, told, DeathWatch(len(words) - 1, address, pid)  # the last rank's side, for a word later
 
     yield start
     for process in started:
@@ -70,7 +70,7 @@ def ended(watch: subprocess.Popen | None, *sleepers: subprocess.Popen) -> None:
 def test_a_process_that_ends_unannounced_is_named_once_with_its_role(ranks, capfd):
     """Ranks 1 and 2 die unannounced, then rank 0, which said its end was no death: one line, naming the first
     deaths (the watch once closed fds numbered as the ranks that died, its stderr among them, and said nothing)."""
-    watch, (first, second, third) = ranks("done", "role", "nothing")
+    watch, (first, second, third), _ = ranks("done", "role", "nothing")
     ended(watch, second, third, first)
     said = capfd.readouterr().err.splitlines()
     assert said == [
@@ -86,13 +86,13 @@ def test_a_process_that_ends_unannounced_is_named_once_with_its_role(ranks, capf
 def test_a_process_that_said_its_end_is_no_death_is_not_named(ranks, capfd, word):
     """``done`` (its main ended, a stop began), ``close`` (its run ended), ``over`` (the job ends for a reason
     said already) and a planned death (the dying rank says so itself) leave the watch silent."""
-    watch, (only, other) = ranks(word, "done")
+    watch, (only, other), _ = ranks(word, "done")
     ended(watch, only, other)
     assert watch.returncode == 0 and capfd.readouterr().err == ""
 
 
 def test_the_watch_ignores_the_launchers_signals_and_outlives_none_of_its_ranks(ranks, capfd):
-    watch, (first, second) = ranks("done", "done")
+    watch, (first, second), _ = ranks("done", "done")
     time.sleep(0.5)  # its first moments, before it ignores them, are the rank's start-up (early_stop holds them)
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         watch.send_signal(signum)
@@ -110,3 +110,39 @@ def test_a_rank_without_a_watch_tells_nothing_and_is_not_active():
     watch.done()
     watch.over()
     assert not watch.active and alive(os.getpid())
+
+
+def test_a_rank_still_running_after_a_death_is_named_as_held_and_killed(ranks, capfd):
+    """Rank 0 dies unannounced; rank 1 neither ends nor ends the job (its Python held by a parallel HDF5 call that
+    waits for rank 0, where srun kills it only KillWait, 30 s, later; or its launcher never ends the job): HELD_S
+    after the death the watch names it and kills it."""
+    watch, (first, second), _ = ranks("nothing", "nothing")
+    ended(None, first)
+    died = time.monotonic()
+    assert second.wait(death_watch.HELD_S + 10) == -signal.SIGKILL
+    assert death_watch.HELD_S - 0.5 < time.monotonic() - died < death_watch.HELD_S + 3
+    watch.wait(10)
+    assert capfd.readouterr().err.splitlines() == [
+        f"mpiscale: rank 0 (pid {first.pid}) on host h1 ended while the job ran (killed by a signal, or failed: the "
+        "job's output says which); the job cannot go on",
+        f"mpiscale: rank 1 (pid {second.pid}) on host h1 still ran 5 s after that death, held (native code such as a "
+        "parallel HDF5 call that waits for the dead rank keeps its Python from running) or never told to end by its "
+        "launcher: killed",
+    ]
+
+
+def test_a_rank_that_took_the_death_is_not_named_as_held_but_ends_all_the_same(ranks, capfd):
+    """Rank 1 took rank 0's death (``over``: it ends the job, its telemetry told) but is still there HELD_S later:
+    killed without a line of its own. A rank whose watch says nothing of a death, its end no death, is left to end."""
+    watch, (first, second), last = ranks("nothing", "nothing")
+    ended(None, first)
+    time.sleep(0.2)  # the death seen first
+    last.over()
+    assert second.wait(death_watch.HELD_S + 10) == -signal.SIGKILL
+    watch.wait(10)
+    assert capfd.readouterr().err.count("mpiscale: ") == 1
+    quiet, (dying, staying), _ = ranks("done", "nothing")
+    ended(None, dying)
+    time.sleep(death_watch.HELD_S + 1)
+    assert staying.poll() is None and quiet.poll() is None and capfd.readouterr().err == ""
+    ended(quiet, staying)
