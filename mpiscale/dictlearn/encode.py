@@ -236,7 +236,9 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
     label = choose_numba_device(config.device if config.coder == "omp" and not config.max_residual else "cpu", comm)
     lock = claim_outputs(config.out, None, [config.data, config.dictionary], comm)
     try:
-        kept, first_row, nonzeros = on_rank_0(comm, lambda: _earlier_run(config, info.samples, sparsity, remove_mean))
+        kept, first_row, nonzeros = on_rank_0(
+            comm, lambda: _earlier_run(config, info.samples, sparsity, remove_mean, learned.atoms)
+        )
     except BaseException:
         give_back(lock)
         raise
@@ -272,8 +274,12 @@ def _no_zero_rows(atoms: np.ndarray, spec: str) -> None:
         raise DataFileError(spec, f"atom {zero[0]} is all zeros ({len(zero)} atoms are): drop it, or replace it")
 
 
-def _earlier_run(config: EncodeConfig, samples: int, sparsity: int, remove_mean: bool) -> tuple[str | None, int, int]:
-    """(the earlier run's file or None, its rows coded, their non-zeros); refuses what cannot be resumed."""
+def _earlier_run(
+    config: EncodeConfig, samples: int, sparsity: int, remove_mean: bool, atoms: np.ndarray
+) -> tuple[str | None, int, int]:
+    """(the earlier run's file or None, its rows coded, their non-zeros); refuses what cannot be resumed: other
+    settings, or other atoms behind the same dictionary's name (learned again since), which would code the rest of
+    the signals with atoms other than those the file holds."""
     stopped, killed = kept_name(config.out), f"{config.out}.tmp"
     kept = stopped if os.path.exists(stopped) else killed if os.path.exists(killed) else None
     if kept is None:
@@ -286,6 +292,7 @@ def _earlier_run(config: EncodeConfig, samples: int, sparsity: int, remove_mean:
             marks = int(file.attrs["rows_done"]), int(file.attrs["nnz_done"])
             then = {"sparsity": int(file.attrs["sparsity"]), "remove_mean": bool(file.attrs["remove_mean"])}
             rows = file["residual_norm"].shape[0]
+            coded_with = file["dictionary"][()]
     except (OSError, KeyError, ValueError):
         raise DataFileError(kept, "cannot be resumed: it was cut off before it was complete enough; remove it and "
                                   "run again") from None  # fmt: skip
@@ -296,6 +303,8 @@ def _earlier_run(config: EncodeConfig, samples: int, sparsity: int, remove_mean:
     changed += setting_differences(then, {"sparsity": sparsity, "remove_mean": remove_mean}, "stopped run")
     if rows != samples:
         changed.append(f"the data's rows: {rows} then, {samples} now")
+    if not np.array_equal(coded_with, atoms):
+        changed.append(f"the dictionary's atoms: other values in {config.dictionary} now (learned again, or replaced)")
     if changed:
         raise ValueError(f"{kept} cannot be resumed with other settings ({'; '.join(changed)}): run it as it was, "
                          "or remove it to start over")  # fmt: skip
