@@ -20,6 +20,7 @@ the index; a variable-length data set is scanned once, each rank a block.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -33,7 +34,7 @@ from ..ranks import AnyComm, Comm, as_mpi, on_rank_0, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import dataset, open_file
 from .sharded import ShardedDataset
-from .sources import is_npy, only_dataset, resolve_files, split_spec
+from .sources import in_native_order, is_npy, only_dataset, resolve_files, split_spec
 
 MAPPED_FROM = 1 << 20  # arrays of at least this many bytes get a mapping of their own
 READ_TASKS = 32  # groups of runs of one batch read as separate tasks
@@ -191,10 +192,10 @@ class RaggedDataset:
             self.name = name
             self._vlen.append((first, data))
             first += len(data)
-        self.dtype = np.dtype(h5py.check_vlen_dtype(self._vlen[0][1].dtype))
+        self.dtype = _element_dtype(self._vlen[0][1])
         self.row_shape = ()
         for _, data in self._vlen[1:]:
-            if np.dtype(h5py.check_vlen_dtype(data.dtype)) != self.dtype:
+            if _element_dtype(data) != self.dtype:
                 raise DataFileError(data.file.filename, f"rows of {data.dtype}, the first file's {self.dtype}", name)
 
     def __len__(self) -> int:
@@ -223,8 +224,9 @@ class RaggedDataset:
             lo, hi = max(start, first), min(stop, first + len(data))
             if lo < hi:
                 rows = data[lo - first : hi - first]
+                swapped = _read_unswapped(data)
                 for row in rows:
-                    out[filled : filled + len(row)] = row
+                    out[filled : filled + len(row)] = row.byteswap() if swapped else row
                     filled += len(row)
 
     def close(self) -> None:
@@ -240,6 +242,27 @@ class RaggedDataset:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _element_dtype(data: h5py.Dataset) -> np.dtype:
+    """The numbers' dtype of a variable-length data set, in this machine's byte order (HDF5 reads either so)."""
+    return in_native_order(np.dtype(h5py.check_vlen_dtype(data.dtype)))
+
+
+def _read_unswapped(data: h5py.Dataset) -> bool:
+    """Whether h5py hands this variable-length data set's rows with the file's bytes under this machine's dtype: so
+    it does (h5py 3.16) for numbers stored in the other byte order, which a big-endian tool's file holds."""
+    return not np.dtype(h5py.check_vlen_dtype(data.dtype)).isnative and _h5py_leaves_vlen_bytes_unswapped()
+
+
+@functools.cache
+def _h5py_leaves_vlen_bytes_unswapped() -> bool:
+    """The h5py at hand, asked once, on a file in memory: a row of 1 stored big-endian, read back as 1 or not."""
+    other = np.dtype(np.int32).newbyteorder("S")
+    with h5py.File("probe", "w", driver="core", backing_store=False) as probe:
+        rows = probe.create_dataset("rows", (1,), dtype=h5py.vlen_dtype(other))
+        rows[0] = np.array([1], other)
+        return int(rows[0][0]) != 1
 
 
 def is_variable_length(path: str, name: str) -> bool:

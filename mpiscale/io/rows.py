@@ -55,7 +55,7 @@ def _transfer(
     """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
     rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
     plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None
-    placeholder = np.empty((1, *dset.shape[1:]), dtype=dset.dtype)
+    placeholder = np.empty((1, *dset.shape[1:]), dtype=buffer.dtype)
     move = dset.id.write if write else dset.id.read
     for round_index in range(rounds):
         lo = min(round_index * per_round, len(buffer))
@@ -72,9 +72,15 @@ def write_rows(
 
 
 def read_rows(
-    dset: h5py.Dataset, start: int, stop: int, comm: Comm | None = None, max_bytes: int = MAX_TRANSFER_BYTES
+    dset: h5py.Dataset,
+    start: int,
+    stop: int,
+    comm: Comm | None = None,
+    max_bytes: int = MAX_TRANSFER_BYTES,
+    dtype: np.dtype | None = None,
 ) -> np.ndarray:
-    """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call)."""
-    out = np.empty((max(stop - start, 0), *dset.shape[1:]), dtype=dset.dtype)
+    """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call); as ``dtype`` when given
+    (HDF5 converts: a big-endian data set read in this machine's order)."""
+    out = np.empty((max(stop - start, 0), *dset.shape[1:]), dtype=dset.dtype if dtype is None else dtype)
     _transfer(dset, start, out, comm, max_bytes, write=False)
     return out

@@ -34,7 +34,7 @@ from .h5file import (
     settle_background_io,
     stamp,
 )
-from .sources import H5Source, NpySource, is_npy, only_dataset, resolve_files, same_file
+from .sources import H5Source, NpySource, in_native_order, is_npy, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
 
@@ -123,7 +123,7 @@ def write_index(
                 data = dataset(file, name)
                 if not data.shape:
                     raise DataFileError(shard, f"is a scalar {data.dtype}, not rows", name)
-                layout[name] = (data.shape, data.dtype)
+                layout[name] = (data.shape, in_native_order(data.dtype))  # HDF5 reads either order as this
             layouts.append(layout)
             entries.append({"path": os.path.relpath(os.path.abspath(shard), base)})
     first = layouts[0]

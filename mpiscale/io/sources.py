@@ -102,11 +102,11 @@ class NpySource:
         if self._array.ndim == 0:
             raise DataFileError(path, "holds a single value, not rows")
         self.shape: tuple[int, ...] = self._array.shape
-        self.dtype: np.dtype = self._array.dtype
+        self.dtype: np.dtype = in_native_order(self._array.dtype)
 
     def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
         if out is None:
-            return np.array(self._array[start:stop], order="C")
+            return np.array(self._array[start:stop], dtype=self.dtype, order="C")
         out[...] = self._array[start:stop]
         return out
 
@@ -140,7 +140,8 @@ class H5Source:
                 "samples are read by RaggedDataset, and taken by mpiscale train and collect (sequences of tokens)"
             ), dataset.name)  # fmt: skip
         self.shape: tuple[int, ...] = dataset.shape
-        self.dtype: np.dtype = dataset.dtype
+        self.dtype: np.dtype = in_native_order(dataset.dtype)
+        self._swapped = self.dtype != dataset.dtype  # stored in the other byte order: read rows are swapped
         create = dataset.id.get_create_plist()
         self.filtered = create.get_nfilters() > 0
         # read by each rank alone: filtered data sets (below) and files opened without MPI-IO (a virtual data set's)
@@ -156,8 +157,11 @@ class H5Source:
         if comm is None and self._offset is not None:
             if out is None:
                 out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
-            return self._pread(start, stop, out)
-        rows = read_rows(self.dataset, start, stop, None if self._independent else comm)
+            self._pread(start, stop, out)
+            if self._swapped:
+                out.byteswap(inplace=True)
+            return out
+        rows = read_rows(self.dataset, start, stop, None if self._independent else comm, dtype=self.dtype)
         if out is None:
             return rows
         out[...] = rows
@@ -180,6 +184,12 @@ class H5Source:
             os.close(self._descriptor)
             self._descriptor = None
         self.file.close()
+
+
+def in_native_order(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order: rows are read so (kernels, MPI and torch take no other), and files
+    stored in either order are one data set."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def only_dataset(path: str, file: h5py.File) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -79,6 +80,34 @@ def test_npy_pairs_and_several_files_with_their_own_offsets(tmp_path):
     np.save(tmp_path / "offsets.npy", np.concatenate([[0], np.cumsum([len(r) for r in rows])]))
     with RaggedDataset(tmp_path / "values.npy", offsets=str(tmp_path / "offsets.npy")) as data:
         assert np.array_equal(data.read(np.array([SAMPLES - 1])).row(0), rows[-1])
+
+
+def test_sequences_stored_big_endian_read_as_written_beside_little_endian_ones(tmp_path):
+    """Token sequences from a big-endian tool: h5py hands a variable-length row of ``>i4`` numbers with the file's
+    bytes under a native dtype, so a token 1 read as 16,777,216 (the same from a file a C program wrote), and a
+    second file in this machine's order was refused as of another dtype. Values with their offsets in either order
+    (and a .npy) read as written too."""
+    rows = _sequences(40)
+    other = np.dtype(np.int32).newbyteorder("S")
+    with h5py.File(tmp_path / "a.h5", "w") as file:
+        vlen = file.create_dataset("tokens", (20,), dtype=h5py.vlen_dtype(other))
+        for index, row in enumerate(rows[:20]):
+            vlen[index] = row.astype(other)
+        file["values"] = np.concatenate(rows[:20]).astype(other)
+        file["starts"] = np.concatenate([[0], np.cumsum([len(r) for r in rows[:19]])]).astype(">i8")
+    with h5py.File(tmp_path / "b.h5", "w") as file:
+        vlen = file.create_dataset("tokens", (20,), dtype=h5py.vlen_dtype(np.int32))
+        for index, row in enumerate(rows[20:]):
+            vlen[index] = row
+        file["values"] = np.concatenate(rows[20:])
+        file["starts"] = np.concatenate([[0], np.cumsum([len(r) for r in rows[20:39]])])
+    for files, (name, offsets) in itertools.product(["a.h5", "*.h5"], [("tokens", ""), ("values", "starts")]):
+        with RaggedDataset(str(tmp_path / files), name, offsets) as data:
+            batch = data.read(np.arange(len(data)))
+            assert data.dtype == np.int32 and data.dtype.isnative and batch.values.dtype.isnative
+            assert np.array_equal(data.lengths, list(map(len, rows[: len(data)])))
+            for sample in range(len(data)):
+                assert np.array_equal(batch.row(sample), rows[sample]), (files, name, sample, batch.row(sample)[:3])
 
 
 def test_bad_indexes_and_layouts_are_refused_naming_the_problem(tmp_path):

@@ -82,6 +82,30 @@ def test_index_refuses_mismatched_shards(tmp_path, good):
         write_index(tmp_path / "index.h5", [good, odd])
 
 
+def test_files_of_either_byte_order_are_one_data_set_read_in_this_machines_order(tmp_path):
+    """A big-endian tool's HDF5 and .npy beside little-endian files: they were refused as rows of different dtypes
+    (``>f4`` against ``float32``), by a glob, an index and a dtype asked for. Now every read, by byte range or
+    through HDF5, gives this machine's order (kernels, MPI and torch take no other), and plain h5py reads the index."""
+    values = np.arange(30, dtype=np.float32).reshape(10, 3) / 7
+    with h5py.File(tmp_path / "a-big.h5", "w") as file:
+        file["x"] = values[:4].astype(">f4")
+    with h5py.File(tmp_path / "b-little.h5", "w") as file:
+        file["x"] = values[4:8]
+    np.save(tmp_path / "c-big.npy", values[8:].astype(">f4"))
+    listed = tmp_path / "files.txt"
+    listed.write_text("".join(f"{tmp_path / name}\n" for name in ("a-big.h5", "b-little.h5", "c-big.npy")))
+    with ShardedDataset(listed, "x", dtype=np.float32) as data:
+        assert data.dtype == np.float32 and data.dtype.isnative
+        assert np.array_equal(data.read(0, 10), values) and np.array_equal(data.read(2, 9), values[2:9])
+    assert np.array_equal(read_dataset(tmp_path / "a-big.h5", "x", dtype=np.float32), values[:4])
+    index = tmp_path / "index.h5"
+    write_index(index, [tmp_path / "a-big.h5", tmp_path / "b-little.h5"])
+    with h5py.File(index, "r") as plain:
+        assert plain["x"].dtype == np.float32 and np.array_equal(plain["x"][()], values[:8])
+    with ShardedDataset(index, "x") as data:
+        assert np.array_equal(data.read(1, 7), values[1:7])
+
+
 @pytest.mark.parametrize(
     ("arguments", "error", "message"),
     [

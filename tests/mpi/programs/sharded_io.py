@@ -114,6 +114,20 @@ async def main(system):
             raise AssertionError(f"{name}: {values!r} was written")
         comm.Barrier()
         assert not list(directory.glob(f"{name}*")), list(directory.glob(f"{name}*"))
+    # A big-endian tool's HDF5 beside a little-endian .npy: one data set, read in this machine's order collectively
+    # (HDF5 converts) and by byte range (swapped after the read); they were refused as of different dtypes.
+    values = np.arange(24, dtype=np.float64).reshape(12, 2) / 7
+    if rank == 0:
+        with h5py.File(directory / "big.h5", "w") as plain:
+            plain["v"] = values[:7].astype(">f8")
+        np.save(directory / "little.npy", values[7:])
+        (directory / "mixed.txt").write_text(f"{directory / 'big.h5'}\n{directory / 'little.npy'}\n")
+    comm.Barrier()
+    mixed = np.concatenate(comm.allgather(read_dataset(directory / "mixed.txt", "v", comm)))
+    assert mixed.dtype.isnative and np.array_equal(mixed, values), mixed
+    with BatchReader(directory / "mixed.txt", ["v"], 4, comm, True, 3, in_memory=False) as reader:
+        for batch in reader.epoch(0):
+            assert np.array_equal(batch.data["v"], values[batch.ids]), batch.ids
     if rank == 0:
         print(f"sharded io ok on {size} ranks")
 
