@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
+from ..errors import refuse_a_str
 from ..io import open_file
 from .layout import CATALOGUE_FORMAT, NUMBER_COLUMNS, TEXT_COLUMNS, prefix_group, space_group
 from .store import CatalogueError, ModelRef
@@ -158,6 +159,7 @@ class Catalogue:
     def rows_named(self, names: list[str] | tuple[str, ...]) -> dict[str, int]:
         """The table row of each of ``names`` the catalogue holds (one read of the names; the others are left
         out)."""
+        refuse_a_str(names, "names", "circuit names")  # (its letters were looked up as names)
         wanted = set(names)
         return {str(name): row for row, name in enumerate(self.column("name")) if name in wanted}
 

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import refuse_a_str
 from ..ranks import AnyComm, Comm, as_mpi, host_placement, rank_rows, size_and_rank
 from .sample_random import SampleRandom
 from .sharded import ShardedDataset
@@ -168,8 +169,7 @@ class BatchReader:
         in_memory: bool | None = None,
     ) -> None:
         comm = as_mpi(comm)
-        if isinstance(names, str):  # (read as its letters: "xy" batched data sets x and y)
-            raise TypeError(f"names is a list of data set names, got the str {names!r}: give [{names!r}]")
+        refuse_a_str(names, "names", "data set names")  # ("xy" batched data sets x and y)
         if not names:
             raise ValueError("names is empty: name the data sets to batch")
         if batch_size < 1:

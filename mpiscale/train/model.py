@@ -16,7 +16,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ..errors import MpiscaleError
+from ..errors import MpiscaleError, refuse_a_str
 from .encoder import PAD, build_encoder
 
 
@@ -130,8 +130,7 @@ def layer_outputs(model: torch.nn.Module, layers: list[str], inputs: torch.Tenso
     """The named modules' outputs for ``inputs`` (float32 host copies, one row per input, on whichever device the
     model and ``inputs`` are). Forward hooks capture them, and the pass stops once the last of them has run: the
     modules after it are never computed."""
-    if isinstance(layers, str):  # (read as its letters, each looked up as a module)
-        raise TypeError(f"layers is a list of module names, got the str {layers!r}: give [{layers!r}]")
+    refuse_a_str(layers, "layers", "module names")
     known = dict(model.named_modules())
     unknown = [name for name in layers if name not in known or not name]
     if unknown:

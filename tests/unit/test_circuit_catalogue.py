@@ -63,6 +63,9 @@ def test_batches_append_and_fields_widen_and_refusals_leave_the_file_as_it_was(t
         assert np.isnan(catalogue.column("n")[2]) and list(catalogue.column("who")) == ["", "", "me"]
         assert [s.name for s in catalogue.spaces] == ["model:output", "s2"] and len(catalogue.prefixes) == 1
         assert catalogue.atoms(0).shape == (3, 3)
+        assert catalogue.find(["c", "a"]) == [2, 0]
+        with pytest.raises(TypeError, match=r"names is a list of circuit names, got the str 'ab': give \['ab'\]"):
+            catalogue.find("ab")  # (its letters were looked up: circuits a and b, found)
     before = open(path, "rb").read()
     refusals = [
         (batch(["a"]), "holds a circuit named 'a' already"),
