@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import (
@@ -107,6 +108,8 @@ def write_index(
     directory can move. Returns the global shape of every array.
     """
     path = os.fspath(path)
+    refuse_a_str(shards, "shards", "files")
+    refuse_a_str(names or [], "names", "data set names")
     if not shards:
         raise ValueError(f"write_index {path}: no shard files given")
     _check_index_path(path, shards)

@@ -80,6 +80,11 @@ def test_index_refuses_mismatched_shards(tmp_path, good):
     write_dataset(odd, {"x": np.zeros((2, 3), np.float32), "y": np.arange(2)})
     with pytest.raises(DataFileError, match=r"odd.h5:x: rows of float32\(3,\) differ from the first shard's"):
         write_index(tmp_path / "index.h5", [good, odd])
+    # a str for a list: its letters were taken as files ("g: no such file") and as data sets
+    with pytest.raises(TypeError, match=r"shards is a list of files, got the str '.*good.h5': give \["):
+        write_index(tmp_path / "index.h5", str(good))
+    with pytest.raises(TypeError, match=r"names is a list of data set names, got the str 'x': give \['x'\]"):
+        write_index(tmp_path / "index.h5", [good], "x")
 
 
 def test_files_of_either_byte_order_are_one_data_set_read_in_this_machines_order(tmp_path):
