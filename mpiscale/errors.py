@@ -10,14 +10,12 @@ their layer: ``mpiscale.runtime.errors`` and ``mpiscale.io.errors``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 
 class MpiscaleError(Exception):
     """Base class of every exception mpiscale defines."""
 
 
-def refuse_a_str(names: Iterable[str], argument: str, what: str) -> None:
+def refuse_a_str(names: object, argument: str, what: str) -> None:
     """Refuse a str where a list of names is wanted: iterated, it is its letters, each taken as a name."""
     if isinstance(names, str):
         raise TypeError(f"{argument} is a list of {what}, got the str {names!r}: give [{names!r}]")
