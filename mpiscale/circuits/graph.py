@@ -36,6 +36,7 @@ import numpy as np
 
 from ..ranks import balanced_starts
 from ..runtime import Actor, ActorGroup, ActorSystem, Arrivals, Channel
+from ..words import counted
 from . import ops
 from .catalogue import Catalogue, LayerCircuits
 from .edges import Assembler, as_parts
@@ -232,7 +233,7 @@ def _finite_float32(matrix: np.ndarray, what: str) -> np.ndarray:
 
 def place(graph: Graph, size: int, where: str) -> dict[str, int]:
     """Each node's rank: the one its plan names, or its part of the cost-balanced cut of the others."""
-    problems = [f"node {n.name!r} is placed on rank {n.rank}, but the job has {size} ranks"
+    problems = [f"node {n.name!r} is placed on rank {n.rank}, but the job has {counted(size, 'rank')}"
                 for n in graph.nodes.values() if n.rank is not None and n.rank >= size]  # fmt: skip
     if problems:
         raise PlanError(where, cannot_run(problems))

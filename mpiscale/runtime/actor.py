@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from ..words import counted
 from .errors import ActorStopped, Failure
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def address(ref: ActorRef, method: object, size: int) -> tuple[ActorRef, str]:
     if type(method) is not str or type(ref.name) is not str or type(ref.rank) is not int:
         ref, method = _plain_call(ref, method)
     if not 0 <= ref.rank < size:
-        raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {size} ranks")
+        raise ValueError(f"{ref}: rank {ref.rank} is outside this job of {counted(size, 'rank')}")
     return ref, method
 
 

@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
+from ..words import counted
 from .errors import MessageRefused
 
 
@@ -67,7 +68,7 @@ def failure_report(rank: int, size: int, host: str, context: str, error: BaseExc
     bar = "=" * 72
     return (
         f"\n{bar}\nmpiscale: job failed on rank {rank} of {size} (host {host}, pid {os.getpid()})\n{context}\n\n"
-        f"{text}{bar}\nmpiscale: aborting all {size} ranks\n"
+        f"{text}{bar}\nmpiscale: aborting all {counted(size, 'rank')}\n"
     )
 
 
@@ -76,5 +77,5 @@ def refusal_report(rank: int, size: int, host: str, sender_host: str, refusal: M
     receiver's stack says nothing about the sender)."""
     return (
         f"mpiscale: job failed on rank {rank} of {size} (host {host}, pid {os.getpid()}): it refused a message from "
-        f"rank {refusal.source} (host {sender_host}): {refusal}\nmpiscale: aborting all {size} ranks\n"
+        f"rank {refusal.source} (host {sender_host}): {refusal}\nmpiscale: aborting all {counted(size, 'rank')}\n"
     )

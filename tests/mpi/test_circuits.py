@@ -520,7 +520,7 @@ def test_a_plan_runs_compiled_over_3_ranks_as_it_means_and_refuses_what_cannot_r
     cases["factor"] = (PLAN.replace('op = "sigmoid"', 'op = "scale"\nfactor = 1e39'),
                        ["node 'gate': factor must be a finite number within float32's range"])  # fmt: skip
     cases["nan"] = (PLAN.replace('"head.h5:/W"', '"nan.npy"'), ["node 'head': weights hold nan at (2, 3)"])
-    cases["pinned"] = (PLAN, ["node 'user' is placed on rank 2, but the job has 1 ranks"])
+    cases["pinned"] = (PLAN, ["node 'user' is placed on rank 2, but the job has 1 rank"])
     for name, (text, messages) in cases.items():
         (tmp_path / f"{name}.toml").write_text(text)
         refused = run_alone("circuits", "run", "--catalogue", built, "--data", data, "--plan",

@@ -27,7 +27,7 @@ def test_single_rank_job_runs_and_returns_main_result(tmp_path, monkeypatch):
             system.spawn_local(Counter, 0, name="counter")
         with pytest.raises(TypeError, match="subclass of mpiscale.Actor"):
             system.spawn_local(dict)
-        with pytest.raises(ValueError, match="outside this job of 1 ranks"):
+        with pytest.raises(ValueError, match="outside this job of 1 rank$"):
             await mpiscale.ActorRef(3, "counter").ask("add", 1)
         payload = np.arange(5)
         results = [await ref.ask("add", 1) for _ in range(3)]

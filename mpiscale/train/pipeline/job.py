@@ -40,6 +40,7 @@ from ...jobs import (
 )
 from ...ranks import Comm
 from ...runtime import ActorSystem
+from ...words import counted
 from ..batches import Reader, TrainingSteps, as_tensors, open_reader, step_samples
 from ..config import TrainConfig
 from ..curves import Curves
@@ -200,7 +201,7 @@ def _too_few_for_micro_batches(config: TrainConfig, replicas: int, smallest: int
 def _replicas(size: int, config: TrainConfig) -> int:
     if size % config.stages:
         raise ValueError(
-            f"{size} ranks cannot hold {config.stages} stages: run on a multiple of {config.stages} ranks "
+            f"{counted(size, 'rank')} cannot hold {config.stages} stages: run on a multiple of {config.stages} ranks "
             "(stages x replicas)"
         )
     return size // config.stages
