@@ -323,7 +323,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
     algebra = _algebra(config, comm)
     # the last collective: the checks below may fail on one rank alone
-    lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm)
+    lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm, ADAPTERS_FORMAT)
     try:
         earlier = Earlier.open(config.add_to) if config.add_to else None
         if earlier is not None:

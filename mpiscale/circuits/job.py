@@ -186,7 +186,9 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         work: Work = plan_work(system, config, width, dtype, device)
     else:
         work = all_features_work(system, config, path, name, width, dtype, device)
-    lock = claim_outputs(config.out, None, [config.catalogue, config.data, config.plan, *work.models], comm)
+    lock = claim_outputs(
+        config.out, None, [config.catalogue, config.data, config.plan, *work.models], comm, FEATURES_FORMAT
+    )
     inputs = Inputs(path, name, shape[0], config.batch_size)
     try:
         batches = -(-shape[0] // config.batch_size)

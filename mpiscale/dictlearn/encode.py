@@ -234,7 +234,7 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
         raise ValueError(f"sparsity {sparsity} exceeds the {atoms} atoms or the {features} features of a signal")
     remove_mean = {"auto": learned.remove_mean, "yes": True, "no": False}[config.remove_mean]
     label = choose_numba_device(config.device if config.coder == "omp" and not config.max_residual else "cpu", comm)
-    lock = claim_outputs(config.out, None, [config.data, config.dictionary], comm)
+    lock = claim_outputs(config.out, None, [config.data, config.dictionary], comm, CODES_FORMAT)
     try:
         kept, first_row, nonzeros = on_rank_0(
             comm, lambda: _earlier_run(config, info.samples, sparsity, remove_mean, learned.atoms)

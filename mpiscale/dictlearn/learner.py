@@ -21,12 +21,13 @@ from functools import partial
 
 import numpy as np
 
-from ..io import BatchReader, Checkpointer, CheckpointError, OutputLock
+from ..io import DATASET_FORMAT, BatchReader, Checkpointer, CheckpointError, OutputLock
 from ..jobs import (
     Ended,
     HeldOutputs,
     Plan,
     Step,
+    check_replaceable,
     choose_numba_device,
     claim_outputs,
     give_back,
@@ -47,7 +48,7 @@ from .config import DictLearnConfig
 from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block, size_problems
 from .history import History
 from .iteration import Iteration, Rule
-from .results import JobResults, results_bytes, write
+from .results import RESULTS_FORMAT, JobResults, results_bytes, write
 from .synthetic import recovery_rate, write_planted_dataset
 from .update import DictionaryState, close_pairs
 
@@ -88,6 +89,7 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> DataInfo:
     problems = size_problems(config.atoms, config.sparsity, batch_size, config.samples, config.features)
     if problems:
         raise ValueError(f"the synthetic data set: {problems}")
+    check_replaceable(path, DATASET_FORMAT, comm, "the synthetic data set's file")  # (it sits beside --out)
     return DataInfo(path, name, config.samples, config.features)
 
 
@@ -228,7 +230,7 @@ def _prepare(system: ActorSystem, config: DictLearnConfig) -> _Learning:
     device = label.split(":")[0]
     threads = share_cores(ranks_sharing_cores(comm), scipy_blas=True)
     # the checkpoints are always open: a stop checkpoints without periodic ones too
-    results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm)
+    results_lock = claim_outputs(config.out, config.checkpoints, [config.data], comm, RESULTS_FORMAT)
     checkpoints = None
     try:
         info = _prepare_data(config, comm)

@@ -6,8 +6,10 @@ from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
 from .h5file import (
+    DATASET_FORMAT,
     PARALLEL_H5PY,
     check_virtual_sources,
+    file_format,
     fixed_strings,
     leading_rows,
     open_file,
@@ -28,6 +30,7 @@ from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
+    "DATASET_FORMAT",
     "PARALLEL_H5PY",
     "STRATEGIES",
     "Batch",
@@ -56,6 +59,7 @@ __all__ = [
     "encode_record",
     "epoch_order",
     "epoch_plan",
+    "file_format",
     "fixed_strings",
     "is_variable_length",
     "is_list_file",

@@ -15,6 +15,7 @@ from .device import (
 from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
     check_outputs,
+    check_replaceable,
     checkpoint_level_problems,
     claim_outputs,
     close_checkpointer,
@@ -62,6 +63,7 @@ __all__ = [
     "add_options",
     "checkpoint_level_problems",
     "check_outputs",
+    "check_replaceable",
     "claim_outputs",
     "close_checkpointer",
     "duration",

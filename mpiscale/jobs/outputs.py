@@ -17,6 +17,7 @@ from ..io import (
     LockedError,
     OutputLock,
     WriteError,
+    file_format,
     resolve_files,
     same_file,
     split_spec,
@@ -25,6 +26,7 @@ from ..io import (
 from ..ranks import Comm, agree
 from ..runtime import ActorSystem, JobRefused
 from ..telemetry import current
+from .registry import job_of_results
 from .settings import option
 
 Job = TypeVar("Job")
@@ -100,17 +102,49 @@ async def run_without_steps(
             job.lock.release()
 
 
-def claim_outputs(out: str, checkpoints: str | None, inputs: Iterable[str], comm: Comm) -> OutputLock | None:
+def claim_outputs(out: str, checkpoints: str | None, inputs: Iterable[str], comm: Comm, kind: str) -> OutputLock | None:
     """The job's outputs checked and claimed before anything is written (collective): ``out`` and the checkpoint
-    directory (None: not used) writable, ``out`` none of the data specs ``inputs`` (empty ones are skipped), and
-    ``out``'s lock taken so that a second job on the same outputs stops here.
+    directory (None: not used) writable, ``out`` none of the data specs ``inputs`` (empty ones are skipped) and no
+    file but an earlier results file of the job (``kind``: its format), and ``out``'s lock taken so that a second
+    job on the same outputs stops here.
 
     Returns the lock on rank 0 (release it when the job ends), None elsewhere. Raises ValueError (or
     LockedError) on every rank.
     """
     check_outputs(out, checkpoints)  # every rank sees the same file system, and so the same answer
     check_not_an_input(out, [spec for spec in inputs if spec], comm)
+    check_replaceable(out, kind, comm)
     return lock_results(out, comm)
+
+
+def check_replaceable(path: str, kind: str, comm: Comm, what: str = "the results file") -> None:
+    """Raise ValueError on every rank if ``path`` exists and is not a file of ``kind`` (an mpiscale format, any
+    version) (collective; rank 0 looks): a user's data or another job's results, which writing there would replace
+    without a word. An earlier run's results are replaced, as a rerun means."""
+    problem = _replaced(path, kind) if comm.Get_rank() == 0 else None
+    problem = comm.bcast(problem, 0)
+    if problem is not None:
+        raise ValueError(f"{what} {path} exists and is {problem}: writing there would replace it; name another "
+                         "file, or remove it first")  # fmt: skip
+
+
+def _replaced(path: str, kind: str) -> str | None:
+    """What the existing file at ``path`` is, in words, unless it is a file of ``kind`` (None)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        if not h5py.is_hdf5(path):
+            return "not an HDF5 file"
+        with h5py.File(path, "r") as file:
+            found = file_format(file)
+    except OSError as error:
+        return f"not a readable HDF5 file ({error})"
+    if found is None:
+        return "an HDF5 file from elsewhere (no mpiscale format)"
+    if found.split("/")[0] == kind.split("/")[0]:
+        return None
+    job = job_of_results(found)
+    return f"the results of mpiscale {job.name} ({found})" if job is not None else f"an mpiscale file ({found})"
 
 
 def check_outputs(out: str, checkpoints: str | None, what: str = "the results file") -> None:

@@ -100,7 +100,7 @@ JOBS: dict[str, JobEntry] = {
             "memstore",
             "the partitioned memory store on a synthetic workload (run under launch/mpiscale-run -n N)",
             "Reinforce, decay, aggregate and rank --records records for --iterations iterations; the results hold "
-            "every iteration's aggregate and top-k, and OUT.records.h5 the final records.",
+            "every iteration's aggregate and top-k, and NAME.records.h5 beside it (--out NAME.h5) the records.",
             "mpiscale.memstore.config:MemstoreConfig",
             "mpiscale.memstore.job:run_memstore",
             "mpiscale.memstore-results/1",

@@ -20,7 +20,10 @@ class MemstoreConfig:
     top: int = option(100, "size of the global top-k by quality")
     bins: int = option(32, "histogram bins of the quality over [0, 1)")
     seed: int = option(0, "seed of the workload (the same workload on any number of ranks)")
-    out: str = option("memstore.h5", "results: per-iteration aggregates and top-k; the records go to OUT.records.h5")
+    out: str = option(
+        "memstore.h5",
+        "results: per-iteration aggregates and top-k; the records go beside it, NAME.records.h5 for NAME.h5",
+    )
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
     device: str = option(
         "auto", "iterate on cpu, cuda, or auto (a CUDA GPU when present; partitions >= 65,536 records)"

@@ -20,6 +20,7 @@ import h5py
 import numpy as np
 
 from ..io import (
+    DATASET_FORMAT,
     CheckpointError,
     DataFileError,
     OutputLock,
@@ -29,7 +30,17 @@ from ..io import (
     stamp,
     write_dataset,
 )
-from ..jobs import Ended, Plan, Step, announce, claim_outputs, give_back, run_lifecycle, write_results
+from ..jobs import (
+    Ended,
+    Plan,
+    Step,
+    announce,
+    check_replaceable,
+    claim_outputs,
+    give_back,
+    run_lifecycle,
+    write_results,
+)
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
@@ -62,7 +73,12 @@ def _prepare(system: ActorSystem, config: MemstoreConfig) -> _Memstore:
     failure = planted_failure()  # a malformed rehearsal setting is bad input
     if failure is not None and failure.kills:  # the rank says why as it dies: one line for the whole failure
         system.planned_deaths[failure.rank] = f"killed by {VARIABLE} in iteration {failure.iteration}"
-    lock = claim_outputs(config.out, config.checkpoint_dir or None, [], MPI.COMM_WORLD)
+    lock = claim_outputs(config.out, config.checkpoint_dir or None, [], MPI.COMM_WORLD, RESULTS_FORMAT)
+    try:
+        check_replaceable(config.records_path, DATASET_FORMAT, MPI.COMM_WORLD, "the records file")
+    except ValueError:
+        give_back(lock)
+        raise
     durable = Durability(config.checkpoint_dir, config.local_dir or None) if config.checkpoint_dir else None
     try:
         store = MemoryStore(system, histogram_bins=config.bins, durable=durable, device=config.device)
@@ -146,7 +162,7 @@ class _Memstore:
             raise JobRefused(f"mpiscale memstore: {error}", status=1) from None
         write = partial(_write_results, config=config, ranks=system.size, history=self.history,
                         nbytes=store.partition.nbytes(), recovery=self.recovery)  # fmt: skip
-        done = f"wrote {config.out} and {config.records_path}: {config.records} records, {system.size} ranks"
+        done = f"wrote {config.out} and {config.records_path}: {config.records} records, {counted(system.size, 'rank')}"
         failed = f"mpiscale memstore: could not write {config.out}: {{}}".format
         await write_results(system, config.out, write, done, failed)
         last = self.history.last

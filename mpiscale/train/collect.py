@@ -114,7 +114,7 @@ def _prepare(config: CollectConfig) -> _Job:
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
     attrs["device"] = recorded_devices(device, comm)
-    lock = claim_outputs(config.out, None, [config.model, path], comm)
+    lock = claim_outputs(config.out, None, [config.model, path], comm, ACTIVATIONS_FORMAT)
     widths = _widths(model, config.layer_names, inputs, model_dtype, device)
     return _Job(comm, model, device, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets,
                 tokens)  # fmt: skip

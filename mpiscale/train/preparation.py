@@ -29,7 +29,7 @@ from .held_out import check_scoring_budget
 from .model import TRANSFORMER, build_model, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
 from .pipeline.state import NO_ROWS
-from .results import TrainResults, write
+from .results import RESULTS_FORMAT, TrainResults, write
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ def claim_training_outputs(config: TrainConfig, comm: Comm) -> tuple[int, Output
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
     # the checkpoints are always open: a stop checkpoints without periodic ones too
-    return threads, claim_outputs(config.out, config.checkpoints, [config.data, config.validation], comm)
+    return threads, claim_outputs(
+        config.out, config.checkpoints, [config.data, config.validation], comm, RESULTS_FORMAT
+    )
 
 
 def checked_steps(config: TrainConfig, data: LabelledData, comm: Comm, replicas: int) -> TrainingSteps:

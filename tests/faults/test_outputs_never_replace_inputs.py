@@ -1,4 +1,5 @@
-"""A results file that is one of the job's inputs is refused before any work, whatever its spelling.
+"""A results file that is one of the job's inputs is refused before any work, whatever its spelling; so is one
+that exists and is not an earlier run's results of the same job.
 
 The inputs are written the way a user writes them (plain h5py, a list file),
 and named again as ``--out`` directly, through a symlink, a ``./`` spelling, a
@@ -96,3 +97,46 @@ def test_an_output_that_is_an_input_is_refused_and_the_input_kept(inputs, tmp_pa
     after = {name: digest(inputs / name) for name in before}  # a refused job's telemetry file may join them
     assert after == before
     assert not list(inputs.glob("*.lock")) and not list(tmp_path.glob("*.lock"))
+
+
+EXISTING = {  # name: (job, its options with {folder}, --out with {folder}, the file refused, what it is said to be)
+    "a users file": ("dictlearn", ["--atoms", "4"], "{folder}/held_out.h5", "held_out.h5",
+                     "an HDF5 file from elsewhere (no mpiscale format)"),
+    "another jobs results": ("dictlearn", ["--atoms", "4"], "{folder}/model.h5", "model.h5",
+                             "the results of mpiscale train (mpiscale.train-results/1)"),
+    "a text file": ("memstore", ["--records", "100"], "{folder}/files.txt", "files.txt", "not an HDF5 file"),
+    "memstores records file": ("memstore", ["--records", "100"], "{folder}/held_out", "held_out.records.h5",
+                               "an HDF5 file from elsewhere"),
+    "dictlearns synthetic set": ("dictlearn", ["--atoms", "4"], "{folder}/fresh.h5", "fresh.synthetic.h5",
+                                 "an HDF5 file from elsewhere"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(EXISTING))
+def test_an_existing_file_that_is_not_the_jobs_earlier_results_is_refused_and_kept(inputs, tmp_path, case):
+    """Every job's --out (and memstore's records, dictlearn's planted set beside it) replaced whatever was there: a
+    user's data, another job's results, a text file. Now only an earlier run's results of the same job are."""
+    job, options, out, refused_file, said = EXISTING[case]
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for path in inputs.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    for name in ("held_out.records.h5", "fresh.synthetic.h5"):  # a user's files where the job writes beside --out
+        (folder / name).write_bytes((inputs / "held_out.h5").read_bytes())
+    before = {path.name: digest(path) for path in folder.iterdir()}
+    refused = run_cli(2, job, *options, "--iterations", 2, "--progress-every", 0, "--out", out.format(folder=folder),
+                      timeout=60)  # fmt: skip
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert f"{folder / refused_file} exists and is {said}" in refused.stderr, refused.stderr
+    assert "name another file, or remove it first" in refused.stderr and "Traceback" not in refused.stderr
+    assert {path.name: digest(path) for path in folder.iterdir() if path.name in before} == before
+    assert not list(folder.glob("*.lock")) and not list(folder.glob("*.tmp"))
+
+
+def test_a_rerun_replaces_its_own_earlier_results(inputs, tmp_path):
+    out = tmp_path / "model.h5"
+    out.write_bytes((inputs / "model.h5").read_bytes())  # train's results, of an earlier run
+    rerun = run_cli(1, "train", "--data", inputs / "train.h5", "--epochs", 1, "--hidden", 8, "--batch-size", 50,
+                    "--seed", 3, "--progress-every", 0, "--out", out)  # fmt: skip
+    assert_ok(rerun)
+    assert digest(out) != digest(inputs / "model.h5")

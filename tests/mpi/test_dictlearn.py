@@ -192,13 +192,15 @@ def signals_file(tmp_path_factory):
 def test_bad_input_is_refused_before_anything_is_written(tmp_path, signals_file, options, message):
     data, broken = signals_file
     out = tmp_path / "results.h5"
-    out.write_bytes(b"an older result")
+    with h5py.File(out, "w") as older:  # an earlier run's results, which a rerun may replace, a refused one not
+        older.attrs["format"] = "mpiscale.dictlearn-results/1"
+    before = out.read_bytes()
     options = [o.format(data=data, nan=broken) for o in options]
     job = dictlearn(2, out, *options, "--checkpoint-every", "5")
     assert job.returncode != 0
     assert message in job.stderr, job.stderr[-3000:]
     assert "Traceback" not in job.stderr
-    assert out.read_bytes() == b"an older result"
+    assert out.read_bytes() == before
     assert not (tmp_path / "results.checkpoints").exists() or not any((tmp_path / "results.checkpoints").glob("step-*"))
 
 
