@@ -100,12 +100,14 @@ def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
 
 
 def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_counts(learned, tmp_path):
-    """Each resumed run's codes equal one process's; a resume after the dictionary was learned again under the same
-    name is refused (it went on without a word, coding the rest with other atoms than the file holds)."""
+    """Each resumed run's codes equal one process's; a resume after the dictionary was learned again, or the data
+    written again, under the same name is refused (it went on without a word, coding the rest with other atoms than
+    the file holds, or other signals)."""
     folder, signals, atoms = learned
-    dictionary = tmp_path / "dictionary.h5"
+    dictionary, data = tmp_path / "dictionary.h5", tmp_path / "signals.h5"
     shutil.copyfile(folder / "dictionary.h5", dictionary)
-    common = ["encode", "--dictionary", str(dictionary), "--data", f"{folder / 'signals.h5'}:/X",
+    shutil.copyfile(folder / "signals.h5", data)
+    common = ["encode", "--dictionary", str(dictionary), "--data", f"{data}:/X",
               "--batch-size", "10", "--progress-every", "0.001"]  # fmt: skip
     whole = tmp_path / "whole.h5"
     assert_ok(run_cli(1, *common, "--out", whole))
@@ -131,13 +133,13 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         taken_over = way == "killed" and "taking over the lock" in said[0]  # the killed run left its lock
         assert len(said) == 1 or (taken_over and len(said) == 2), plain.stderr
         if way == "stopped":
-            with h5py.File(dictionary, "r+") as file:
-                file["dictionary"][0] *= -1
-            refused = run_cli(2, *common, "--out", out, "--resume")
-            assert refused.returncode == 2 and f"the dictionary's atoms: other values in {dictionary} now" in (
-                refused.stderr
-            ), refused.stderr
-            shutil.copyfile(folder / "dictionary.h5", dictionary)
+            for changed, name, said in [(dictionary, "dictionary", "the dictionary's atoms: other values in "),
+                                        (data, "X", "the data's first or last signal: other values in ")]:  # fmt: skip
+                with h5py.File(changed, "r+") as file:
+                    file[name][-1] *= -1
+                refused = run_cli(2, *common, "--out", out, "--resume")
+                assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+                shutil.copyfile(folder / changed.name, changed)
         resumed = run_cli(then, *common, "--out", out, "--resume")
         assert_ok(resumed)
         assert f"resumed from {kept}: {done:,} of 2,003 signals were coded" in resumed.stdout, resumed.stdout
