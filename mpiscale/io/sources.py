@@ -139,6 +139,9 @@ class H5Source:
                 "holds variable-length rows (samples of varying length), and this reads rows of one size: ragged "
                 "samples are read by RaggedDataset, and taken by mpiscale train and collect (sequences of tokens)"
             ), dataset.name)  # fmt: skip
+        unwritten = _unwritten(dataset)
+        if unwritten:
+            raise DataFileError(self.path, unwritten, dataset.name)
         self.shape: tuple[int, ...] = dataset.shape
         self.dtype: np.dtype = in_native_order(dataset.dtype)
         self._swapped = self.dtype != dataset.dtype  # stored in the other byte order: read rows are swapped
@@ -184,6 +187,25 @@ class H5Source:
             os.close(self._descriptor)
             self._descriptor = None
         self.file.close()
+
+
+def _unwritten(dataset: h5py.Dataset) -> str | None:
+    """Why some of ``dataset``'s rows were never written, or None. HDF5 reads its fill value for storage no writer
+    reached (a script that stopped early but closed its file), without a word; a chunk is stored once written, and
+    contiguous storage at the first write."""
+    create = dataset.id.get_create_plist()
+    if not dataset.shape[0] or create.get_external_count():
+        return None
+    fill = f"its fill value, {np.asarray(dataset.fillvalue).tolist()}"
+    if create.get_layout() == h5py.h5d.CHUNKED:
+        expected = math.prod(math.ceil(size / chunk) for size, chunk in zip(dataset.shape, dataset.chunks))
+        missing = expected - dataset.id.get_num_chunks()
+        if missing > 0:
+            return (f"{missing} of its {expected} chunks were never written ({fill}, would stand for their rows): "
+                    "write them, or keep only the rows written")  # fmt: skip
+    elif create.get_layout() == h5py.h5d.CONTIGUOUS and dataset.id.get_storage_size() == 0:
+        return f"was never written ({fill}, would stand for every row): write it first"
+    return None
 
 
 def in_native_order(dtype: np.dtype) -> np.dtype:

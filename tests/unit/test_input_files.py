@@ -36,6 +36,24 @@ def test_any_layout_reads_as_written(tmp_path, layout):
     assert np.array_equal(read_dataset(tmp_path / "user.h5"), values)  # the only data set needs no name
 
 
+def test_rows_a_writer_never_reached_are_refused_not_read_as_its_fill_value(tmp_path):
+    """A user's script that stopped half-way but closed its file (an exception inside ``with h5py.File``): HDF5
+    reads the fill value (0) for the chunks never written, and a job learned from rows of zeros without a word."""
+    values = np.arange(1000 * 20, dtype=np.float64).reshape(1000, 20) + 1
+    with h5py.File(tmp_path / "user.h5", "w") as file:
+        half = file.create_dataset("half", (1000, 20), "f8", chunks=(100, 20), fillvalue=-1.0)
+        half[:450] = values[:450]  # chunks 0-4 written (the fifth in part), 5-9 never
+        file.create_dataset("never", (1000, 20), "f8")  # contiguous, no write at all
+        zeros = file.create_dataset("zeros", (1000, 20), "f8", chunks=(100, 20))
+        zeros[:] = 0.0  # written, as zeros: taken
+    with pytest.raises(DataFileError, match=r"user.h5:/half: 5 of its 10 chunks were never written \(its fill "
+                                            r"value, -1.0, would stand for their rows\)"):  # fmt: skip
+        ShardedDataset(tmp_path / "user.h5", "half")
+    with pytest.raises(DataFileError, match=r"user.h5:/never: was never written \(its fill value, 0.0, would"):
+        read_dataset(tmp_path / "user.h5", "never")
+    assert not read_dataset(tmp_path / "user.h5", "zeros").any()
+
+
 def test_rows_may_be_arrays(tmp_path):
     patches = np.arange(5 * 4 * 4, dtype=np.uint8).reshape(5, 4, 4)
     np.save(tmp_path / "patches.npy", patches)
