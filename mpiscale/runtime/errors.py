@@ -41,8 +41,11 @@ class JobRefused(MpiscaleError):
         self.status = status
 
 
-class MainNotAsync(MpiscaleError, TypeError):
-    """``run(main)`` was given a ``main`` whose call gives no awaitable (a plain ``def``, not an ``async def``)."""
+class MainNotAsync(JobRefused, TypeError):
+    """``run(main)`` was given a ``main`` whose call gives no awaitable (a plain ``def``, not an ``async def``).
+
+    Every rank runs the same ``main``, so every rank finds it: a refusal of the job, one message from rank 0 and
+    exit status 2 (it was a failure report and traceback from each rank)."""
 
     def __init__(self, main: object, result: object) -> None:
         name = getattr(main, "__qualname__", repr(main))
