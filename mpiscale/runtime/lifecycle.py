@@ -64,7 +64,9 @@ class Lifecycle:
         system.planned_deaths = Noted(self.death_watch.planned)
         system.leave_last_words = self.node_watch.leave_last_words
         self.peer_reported = False  # a rank of this host printed a report and aborts the job (REPORTED_SIGNAL)
-        system.before_abort.extend((self.tell_peers_reported, self.node_watch.farewell, self.death_watch.over))
+        # the death watch hears first that the deaths which follow are the abort's: the signal to the host's other
+        # ranks ends one still starting, or past its run (its default action), and the watch would name that death
+        system.before_abort.extend((self.death_watch.over, self.tell_peers_reported, self.node_watch.farewell))
         signal.signal(REPORTED_SIGNAL, signal.SIG_IGN)  # until the loop takes it (its default action ends a process)
 
     async def run_main(self, main: Callable[[ActorSystem], Awaitable[T]]) -> T | None:
