@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, DataFileError, ShardedDataset, rank_rows, read_dataset
+from ..io import BatchReader, DataFileError, Fingerprint, ShardedDataset, rank_rows, read_dataset
 from ..ranks import Comm
 
 _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
@@ -25,6 +25,7 @@ class DataInfo:
     samples: int
     features: int
     patch_shape: list[int] | None = None  # image patches: the rows' 2-D shape, for plots
+    fingerprint: str = ""  # the digest of every value (``io.Fingerprint``; "" for a synthetic set, made by its seed)
 
     @property
     def spec(self) -> str:
@@ -34,7 +35,8 @@ class DataInfo:
 
 def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int | None, comm: Comm) -> DataInfo:
     """Open the signals (collective), check shape and sizes, and scan every value for NaN or infinity, and the data
-    for a scale it can be learned at (not all zero, squares neither underflowing nor overflowing).
+    for a scale it can be learned at (not all zero, squares neither underflowing nor overflowing); the same scan
+    takes the values' fingerprint, which a resumed run compares with its checkpoint's.
 
     ``batch_size``: the global mini-batch, which may not exceed the signals; None where the method takes the
     whole data set at once (mod) and reads no mini-batches.
@@ -64,10 +66,12 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
         rows_per_read = max(1, _SCAN_BYTES // (features * data.dtype.itemsize))
         rounds = -(-largest_block // rows_per_read)  # the same on every rank: each read is collective
         first_bad, largest = samples, 0.0
+        fingerprint = Fingerprint()
         for part in range(rounds):
             lo = min(stop, start + part * rows_per_read)
             hi = min(stop, lo + rows_per_read)
             rows = data.read_collective(lo, hi).reshape(hi - lo, features)
+            fingerprint.add(lo, rows)
             bad = np.empty(0, np.int64)
             if rows.size and data.dtype.kind == "f":
                 bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
@@ -76,6 +80,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
             elif rows.size:
                 largest = max(largest, float(np.abs(rows).max()))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
+    digest = fingerprint.digest(comm, samples, features)
     if first_bad < samples:
         raise DataFileError(path, f"signal {first_bad} holds NaN or infinite values; clean the data first", name)
     problem = scale_problem(comm.allreduce(largest, op=MPI.MAX))
@@ -84,7 +89,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
     problems = size_problems(atoms, sparsity, batch_size, samples, features)
     if problems:
         raise DataFileError(path, problems, name)
-    return DataInfo(path, name, samples, features, patch_shape)
+    return DataInfo(path, name, samples, features, patch_shape, digest)
 
 
 def size_problems(atoms: int, sparsity: int, batch_size: int | None, samples: int, features: int) -> str:

@@ -12,7 +12,6 @@ what followed its last mark and goes on, on any number of ranks.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -82,7 +81,6 @@ class _Encoding(HeldOutputs):
     nonzeros: int  # their non-zeros
     results_lock: OutputLock | None
     plan: Plan
-    data_ends: str  # the digest of the data's first and last signals (``_data_ends``)
     checkpoints: None = None  # the output file is the job's only state
     writer: RowWriter | None = field(default=None, repr=False)
 
@@ -114,7 +112,8 @@ class _Encoding(HeldOutputs):
             attrs: dict = recorded("data", self.info.spec, config.out)
             attrs |= recorded("dictionary_file", config.dictionary, config.out)
             attrs |= {"shape": [samples, atoms], "sparsity": self.sparsity, "remove_mean": int(self.remove_mean),
-                      "device": self.device, "rows_done": 0, "nnz_done": 0, "data_ends": self.data_ends}  # fmt: skip
+                      "device": self.device, "rows_done": 0, "nnz_done": 0,
+                      "data_fingerprint": self.info.fingerprint}  # fmt: skip
             self.writer = RowWriter(config.out, layout, self.comm, config.to_dict(), attrs, CODES_FORMAT,
                                     growing=("codes/data", "codes/indices"))  # fmt: skip
             self.writer.write_replicated({"dictionary": self.atoms, "codes/indptr": np.zeros(1, np.int64)})
@@ -238,9 +237,8 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
     label = choose_numba_device(config.device if config.coder == "omp" and not config.max_residual else "cpu", comm)
     lock = claim_outputs(config.out, None, [config.data, config.dictionary], comm, CODES_FORMAT)
     try:
-        ends = on_rank_0(comm, lambda: _data_ends(info))
         kept, first_row, nonzeros = on_rank_0(
-            comm, lambda: _earlier_run(config, info.samples, sparsity, remove_mean, learned.atoms, ends)
+            comm, lambda: _earlier_run(config, info, sparsity, remove_mean, learned.atoms)
         )
     except BaseException:
         give_back(lock)
@@ -248,7 +246,7 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
     rounds = math.ceil((info.samples - first_row) / (config.batch_size * system.size))
     plan = Plan("round", "signals", rounds, config.progress_every, saves=True)
     return _Encoding(system, config, comm, info, learned.atoms, sparsity, remove_mean, label.split(":")[0], kept,
-                     first_row, nonzeros, lock, plan, ends)  # fmt: skip
+                     first_row, nonzeros, lock, plan)  # fmt: skip
 
 
 def _load_atoms(spec: str) -> _Atoms:
@@ -277,16 +275,8 @@ def _no_zero_rows(atoms: np.ndarray, spec: str) -> None:
         raise DataFileError(spec, f"atom {zero[0]} is all zeros ({len(zero)} atoms are): drop it, or replace it")
 
 
-def _data_ends(info: DataInfo) -> str:
-    """A digest of the data's first and last signals (as float64): a file written again under the same name, with
-    as many rows, is told from the one a stopped run coded without reading it all."""
-    with ShardedDataset(info.path, info.name) as data:
-        ends = np.concatenate([data.read(0, 1), data.read(len(data) - 1, len(data))])
-    return hashlib.blake2b(np.ascontiguousarray(ends, np.float64).tobytes(), digest_size=16).hexdigest()
-
-
 def _earlier_run(
-    config: EncodeConfig, samples: int, sparsity: int, remove_mean: bool, atoms: np.ndarray, ends: str
+    config: EncodeConfig, info: DataInfo, sparsity: int, remove_mean: bool, atoms: np.ndarray
 ) -> tuple[str | None, int, int]:
     """(the earlier run's file or None, its rows coded, their non-zeros); refuses what cannot be resumed: other
     settings, other atoms behind the same dictionary's name (learned again since), which would code the rest of
@@ -304,7 +294,7 @@ def _earlier_run(
             then = {"sparsity": int(file.attrs["sparsity"]), "remove_mean": bool(file.attrs["remove_mean"])}
             rows = file["residual_norm"].shape[0]
             coded_with = file["dictionary"][()]
-            ends_then = file.attrs.get("data_ends")  # (None in a file of an earlier version)
+            fingerprint_then = file.attrs.get("data_fingerprint")  # (None in a file of an earlier version)
     except (OSError, KeyError, ValueError):
         raise DataFileError(kept, "cannot be resumed: it was cut off before it was complete enough; remove it and "
                                   "run again") from None  # fmt: skip
@@ -313,13 +303,12 @@ def _earlier_run(
                          "any number of ranks), or remove it to start over")  # fmt: skip
     changed = setting_differences(stored, {key: getattr(config, key) for key in _KEPT_SETTINGS}, "stopped run")
     changed += setting_differences(then, {"sparsity": sparsity, "remove_mean": remove_mean}, "stopped run")
-    if rows != samples:
-        changed.append(f"the data's rows: {rows} then, {samples} now")
+    if rows != info.samples:
+        changed.append(f"the data's rows: {rows} then, {info.samples} now")
     if not np.array_equal(coded_with, atoms):
         changed.append(f"the dictionary's atoms: other values in {config.dictionary} now (learned again, or replaced)")
-    if ends_then is not None and ends_then != ends:
-        changed.append(f"the data's first or last signal: other values in {config.data} now (written again, or "
-                       "replaced)")  # fmt: skip
+    if fingerprint_then is not None and fingerprint_then != info.fingerprint:
+        changed.append(f"the data's values: other values in {config.data} now (written again, or replaced)")
     if changed:
         raise ValueError(f"{kept} cannot be resumed with other settings ({'; '.join(changed)}): run it as it was, "
                          "or remove it to start over")  # fmt: skip

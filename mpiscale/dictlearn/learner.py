@@ -61,6 +61,9 @@ _COMPATIBLE = (
 )  # fmt: skip
 #: Settings added after checkpoints were first written, as a checkpoint that does not name them was saved.
 _ADDED = {"max_residual": 0.0, "remove_mean": False}
+#: Why a resumed run refuses data other than its checkpoint's (``DataInfo.fingerprint``).
+_OTHER_DATA = ("the data's values differ from those the checkpoint learned from: written again, or replaced; resume "
+               "on the data it learned from, or start afresh with another --checkpoint-dir")  # fmt: skip
 #: Rows coded at once by the whole-data error: 8,192 rows of 256 atoms are 16 MiB of codes and correlations.
 EVAL_ROWS = 8192
 
@@ -103,7 +106,9 @@ def _planted(config: DictLearnConfig, comm: Comm) -> np.ndarray | None:
     )
 
 
-def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer, state: DictionaryState, history: History) -> int:
+def _restore(
+    config: DictLearnConfig, info: DataInfo, checkpoints: Checkpointer, state: DictionaryState, history: History
+) -> int:
     """The iterations of the checkpoint a resumed run continues, its state loaded into ``state`` and ``history``."""
 
     def within_iterations(restored) -> None:
@@ -120,7 +125,8 @@ def _restore(config: DictLearnConfig, info, checkpoints: Checkpointer, state: Di
         _compatibility(config, info),
         "iteration",
         within_iterations,
-        added=_ADDED,
+        why={"data": _OTHER_DATA},
+        added=_ADDED | {"data": info.fingerprint},  # a checkpoint of an earlier version kept no fingerprint
     )
     if restored is None:
         return 0
@@ -333,6 +339,6 @@ def rule_of(config: DictLearnConfig) -> Rule:
                 config.max_replace, config.duplicate_cosine, config.max_residual, config.remove_mean)  # fmt: skip
 
 
-def _compatibility(config: DictLearnConfig, info) -> dict:
+def _compatibility(config: DictLearnConfig, info: DataInfo) -> dict:
     values = {name: getattr(config, name) for name in _COMPATIBLE}
-    return values | {"features": info.features, "samples": info.samples}
+    return values | {"features": info.features, "samples": info.samples, "data": info.fingerprint}

@@ -5,6 +5,7 @@ from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
 from .errors import CheckpointError, DataFileError, LockedError, WriteError
+from .fingerprint import Fingerprint
 from .h5file import (
     DATASET_FORMAT,
     PARALLEL_H5PY,
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataFileError",
+    "Fingerprint",
     "leading_rows",
     "LockedError",
     "OutputLock",

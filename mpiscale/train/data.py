@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..io import DataFileError, RaggedDataset, ShardedDataset, is_variable_length, read_dataset
+from ..io import DataFileError, Fingerprint, RaggedDataset, ShardedDataset, is_variable_length, read_dataset
 from ..ranks import Comm, rank_rows
 
 SCAN_SAMPLES = 4096  # ragged inputs' samples checked at once
@@ -29,6 +30,7 @@ class LabelledData:
     ragged: bool = False  # sequences of varying length (features: the longest)
     offsets: str = ""  # their index of starts in the flat inputs ("" for a variable-length data set)
     lengths: np.ndarray | None = field(default=None, repr=False, compare=False)  # ragged: each sequence's
+    fingerprint: str = ""  # of every input and label (``io.Fingerprint``): a resumed run refuses other data
 
     @property
     def spec(self) -> str:
@@ -63,10 +65,13 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
         raise DataFileError(path, f"{shape[0]} inputs but {label_shape[0]} labels", labels)
     block = read_dataset(path, inputs, comm).reshape(-1, int(np.prod(shape[1:]))).astype(np.float64)
     tags = read_dataset(path, labels, comm).astype(np.int64)
+    first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]
+    fingerprint = Fingerprint()
+    fingerprint.add(first, block)
+    digest = _digest(comm, fingerprint, first, tags, shape)
     sums = block.sum(axis=0)
     comm.Allreduce(MPI.IN_PLACE, sums)
     bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
-    first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]
     first_bad = comm.allreduce(first + int(bad[0]) if len(bad) else shape[0], op=MPI.MIN)
     extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)  # (lowest, -highest)
     comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
@@ -84,7 +89,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     std = np.where(ends[0] == -ends[1], 0.0, np.sqrt(squares / samples))  # 0 exactly for a constant feature
     lowest, highest = float(ends[0].min(initial=np.inf)), float(-ends[1].min(initial=np.inf))
     checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
-                           dtype.kind in "biu", lowest, highest)  # fmt: skip
+                           dtype.kind in "biu", lowest, highest, fingerprint=digest)  # fmt: skip
     return checked, int(-extremes[1]) + 1, mean, std
 
 
@@ -110,9 +115,12 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
                 f"{data.row_shape}"
             ), name)  # fmt: skip
         start, stop = rank_rows(len(data), comm.Get_size(), comm.Get_rank())
+        starts = np.concatenate([[0], np.cumsum(lengths)])  # each sequence's first token among all tokens
         span = np.array([np.inf, np.inf])  # (lowest, -highest)
+        fingerprint = Fingerprint()
         for at in range(start, stop, SCAN_SAMPLES):
             values = data.read(np.arange(at, min(stop, at + SCAN_SAMPLES))).values
+            fingerprint.add(int(starts[at]), values.reshape(-1, 1))
             if len(values):
                 span = np.minimum(span, [values.min(), -values.max()])
     comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
@@ -134,9 +142,19 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
     if extremes[0] < 0:
         raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
+    lengths_digest = hashlib.blake2b(lengths.astype(np.int64).tobytes(), digest_size=12).hexdigest()
+    digest = _digest(comm, fingerprint, start, tags, lengths_digest)
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
-                           float(span[0]), float(-span[1]), True, offsets, lengths)  # fmt: skip
+                           float(span[0]), float(-span[1]), True, offsets, lengths, digest)  # fmt: skip
     return checked, int(-extremes[1]) + 1
+
+
+def _digest(comm: Comm, inputs: Fingerprint, first_label: int, labels: np.ndarray, shape: object) -> str:
+    """The digest of the inputs (this rank's rows, already added), of the labels (this rank's, from row
+    ``first_label`` on) and of ``shape`` (collective)."""
+    tags = Fingerprint()
+    tags.add(first_label, labels.reshape(-1, 1))
+    return inputs.digest(comm, tags.digest(comm), shape)
 
 
 def check_classes(data: LabelledData, classes: int) -> None:

@@ -34,7 +34,6 @@ from .results import RESULTS_FORMAT, TrainResults, write
 log = logging.getLogger(__name__)
 
 #: Settings a checkpoint must share with the run that resumes it.
-#: Settings a checkpoint must share with the run that resumes it.
 COMPATIBLE = ("hidden", "batch_size", "seed", "learning_rate", "weight_decay")
 
 
@@ -204,10 +203,12 @@ def _vocabulary(data: LabelledData, validation: LabelledData | None) -> int:
 
 
 def compatibility(config: TrainConfig, data: LabelledData, spec: dict, schedule: TrainingSteps) -> dict:
-    """The settings a checkpoint must share with the run that resumes it: the batching too where it is not the
-    fixed rows' sequential one (so checkpoints of earlier versions still match), and with memory batching the
-    replicas (a step is one batch per replica: on other replicas, step N is elsewhere in the data)."""
+    """The settings a checkpoint must share with the run that resumes it, the data's fingerprint among them: the
+    batching too where it is not the fixed rows' sequential one (so checkpoints of earlier versions still match),
+    and with memory batching the replicas (a step is one batch per replica: on other replicas, step N is elsewhere
+    in the data)."""
     settings = {name: getattr(config, name) for name in COMPATIBLE} | {"samples": data.samples, "spec": spec}
+    settings["data"] = data.fingerprint
     settings["hidden"] = ",".join(map(str, config.hidden))  # as checkpoints of earlier versions hold it
     if uses_samples(config, data):
         settings |= {"batching": config.batching, "batch_tokens": config.batch_tokens}
@@ -243,12 +244,18 @@ def restored_training(
 
     expected = compatibility(config, data, spec, schedule)
     rows = NO_ROWS if pipelined else None  # a pipeline rank's range comes from the checkpoint's index
-    why = {"replicas": (
+    why = {"data": (
+        "the inputs or labels differ from those the checkpoint trained on: written again, or replaced; resume on "
+        "the data it trained on, or start afresh with another --checkpoint-dir"
+    ), "replicas": (
         "with --batching memory a step is one batch per data-parallel replica, so on another number of replicas "
         "the checkpoint's step lies elsewhere in the data: resume on the replicas it was saved with (ranks, or "
         "ranks / --stages), or start afresh with another --checkpoint-dir"
     )}  # fmt: skip
-    restored = restore_compatible(checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows, why)
+    earlier = {"data": data.fingerprint}  # a checkpoint of an earlier version kept no fingerprint: taken as it was
+    restored = restore_compatible(
+        checkpoints, config.resume, config.checkpoints, expected, "step", usable, rows, why, added=earlier
+    )
     if restored is None and config.resume and checkpoints.rank == 0:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
     return restored

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,7 +206,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path, signals_file,
 
 
 def test_incompatible_or_unasked_checkpoints_are_refused(tmp_path, signals_file):
-    data, _ = signals_file
+    """Other settings, data written again under the same name (one value's last bit, in the middle: a resume went
+    on learning from it without a word), and checkpoints a run did not ask to resume are refused."""
+    data = tmp_path / "signals.h5"
+    shutil.copyfile(signals_file[0], data)
     out = tmp_path / "results.h5"
     base = ["--data", f"{data}:/signals", "--iterations", "20", "--checkpoint-every", "10"]
     assert_ok(dictlearn(2, out, *base))
@@ -213,6 +217,11 @@ def test_incompatible_or_unasked_checkpoints_are_refused(tmp_path, signals_file)
     job = dictlearn(2, out, *base, "--atoms", "40", "--resume")
     assert job.returncode != 0 and "belongs to another job (atoms: checkpoint 50, now 40)" in job.stderr
     assert "restored checkpoint" not in job.output, job.output  # it was said before the refusal
+    with h5py.File(data, "r+") as file:
+        file["signals"][1000, 3] = np.nextafter(file["signals"][1000, 3], np.inf)
+    job = dictlearn(3, out, *base, "--iterations", "30", "--resume")
+    assert job.returncode == 2 and "the data's values differ from those the checkpoint learned from" in job.stderr
+    assert "belongs to another job (data: checkpoint '" in job.stderr, job.stderr
     job = dictlearn(2, out, *base)
     assert job.returncode != 0 and "pass --resume" in job.stderr
     assert out.read_bytes() == before

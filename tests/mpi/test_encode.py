@@ -102,7 +102,7 @@ def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
 def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_counts(learned, tmp_path):
     """Each resumed run's codes equal one process's; a resume after the dictionary was learned again, or the data
     written again, under the same name is refused (it went on without a word, coding the rest with other atoms than
-    the file holds, or other signals)."""
+    the file holds, or other signals), down to one value's last bit in the data's middle."""
     folder, signals, atoms = learned
     dictionary, data = tmp_path / "dictionary.h5", tmp_path / "signals.h5"
     shutil.copyfile(folder / "dictionary.h5", dictionary)
@@ -133,10 +133,10 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         taken_over = way == "killed" and "taking over the lock" in said[0]  # the killed run left its lock
         assert len(said) == 1 or (taken_over and len(said) == 2), plain.stderr
         if way == "stopped":
-            for changed, name, said in [(dictionary, "dictionary", "the dictionary's atoms: other values in "),
-                                        (data, "X", "the data's first or last signal: other values in ")]:  # fmt: skip
-                with h5py.File(changed, "r+") as file:
-                    file[name][-1] *= -1
+            for changed, name, row, said in [(dictionary, "dictionary", -1, "the dictionary's atoms: other values in "),
+                                             (data, "X", 1000, "the data's values: other values in ")]:  # fmt: skip
+                with h5py.File(changed, "r+") as file:  # (one value of one signal in the data's middle)
+                    file[name][row, 3] = np.nextafter(file[name][row, 3], np.inf)
                 refused = run_cli(2, *common, "--out", out, "--resume")
                 assert refused.returncode == 2 and said in refused.stderr, refused.stderr
                 shutil.copyfile(folder / changed.name, changed)

@@ -10,6 +10,7 @@ the padding of its batch.
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -96,6 +97,14 @@ def test_memory_batches_train_the_same_as_a_pipeline_and_collect_reads_one_row_p
         in resumed.stderr
         and "resume on the replicas it was saved with" in resumed.stderr
     )
+    changed = tmp_path / "tokens.h5"  # one token of a sequence in the middle written again
+    shutil.copyfile(folder / "tokens.h5", changed)
+    with h5py.File(changed, "r+") as file:
+        middle = int(file["starts"][SEQUENCES // 2]) + 1
+        file["values"][middle] = (file["values"][middle] + 1) % 50
+    resumed = run_alone("train", *SETTINGS, *memory, "--data", changed, "--inputs", "values", "--offsets", "starts",
+                        "--checkpoint-dir", tmp_path / "one.checkpoints", "--resume", "--out", tmp_path / "again.h5")  # fmt: skip
+    assert resumed.returncode == 2 and "belongs to another job (data: checkpoint '" in resumed.stderr, resumed.stderr
 
 
 def json_spec(file) -> dict:

@@ -243,6 +243,29 @@ def test_users_own_file(tmp_path):
         assert file["relu1"].shape == (600, 128) and file.attrs["labels"] == ""
 
 
+def test_a_resume_on_inputs_or_labels_written_again_is_refused(tmp_path):
+    """One label, or one input value, changed in the middle of a user's file after a run stopped: its resume went on
+    training on them without a word; it is refused now, on any number of ranks, and the same values resume."""
+    rng = np.random.default_rng(1)
+    data = user_file(tmp_path / "mine.h5", (rng.random((300, 4, 4)) * 255).astype(np.uint8), rng.integers(0, 3, 300))
+    common = ["train", "--data", data, "--inputs", "images", "--labels", "target", "--hidden", 8, "--progress-every",
+              0, "--checkpoint-every", 4, "--out", tmp_path / "model.h5"]  # fmt: skip
+    assert_ok(mpiscale(2, *common, "--epochs", 1))
+    for name, value in (("target", lambda old: (old + 1) % 3), ("images", lambda old: old ^ 1)):
+        with h5py.File(data, "r+") as file:
+            before = file[name][150]
+            file[name][150] = value(before)
+        refused = mpiscale(3, *common, "--epochs", 2, "--resume")
+        assert refused.returncode == 2, refused.output[-3000:]
+        assert "belongs to another job (data: checkpoint '" in refused.stderr, refused.stderr
+        assert "the inputs or labels differ from those the checkpoint trained on" in refused.stderr
+        with h5py.File(data, "r+") as file:
+            file[name][150] = before
+    resumed = mpiscale(3, *common, "--epochs", 2, "--resume")
+    assert_ok(resumed)
+    assert "resumed from the checkpoint of step" in resumed.stdout
+
+
 def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path):
     """A sensor's float64 readings of 1e4 +- 1e-3 and int64 Unix seconds +- 30 carry the class. Cast to float32
     before the standardisation, each was left a few levels (float32 steps by 128 at 1.7e9): held-out accuracy
