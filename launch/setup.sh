@@ -46,7 +46,7 @@ else
             "${PIP[@]}" --no-binary=h5py --no-build-isolation h5py
     fi
     "${PIP[@]}" "torch==2.13.0"
-    "${PIP[@]}" --no-build-isolation -e "$REPO[torch,test,bench,adapters]"
+    "${PIP[@]}" --no-build-isolation -e "$REPO[torch,test,bench,adapters,filters]"
     echo "$want" > "$stamp"
 fi
 

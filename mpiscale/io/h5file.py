@@ -23,6 +23,7 @@ from numpy.typing import DTypeLike
 from .._version import __version__
 from ..ranks import Comm
 from .errors import DataFileError
+from .filters import undecodable
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -144,7 +145,8 @@ def file_format(file: h5py.File) -> str | None:
 
 
 def dataset(file: h5py.File, name: str) -> h5py.Dataset:
-    """The dataset ``name`` of ``file`` (a path such as ``/run/3/X``), or a DataFileError naming both."""
+    """The dataset ``name`` of ``file`` (a path such as ``/run/3/X``), or a DataFileError naming both; one
+    compressed with a filter that cannot be loaded is refused here, before its first read."""
     name = name.strip("/") or "/"
     try:
         node = file[name]
@@ -158,6 +160,9 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
     if not isinstance(node, h5py.Dataset):
         inside = describe_datasets(node)
         raise DataFileError(file.filename, f"is a group, not a dataset (datasets in it: {inside})", name)
+    problem = undecodable(node)
+    if problem:
+        raise DataFileError(file.filename, problem, name)
     return node
 
 

@@ -18,7 +18,7 @@ SETTINGS = ["--atoms", "24", "--sparsity", "3", "--iterations", "40", "--batch-s
 WRITER = textwrap.dedent(
     """
     import sys
-    import h5py, numpy as np
+    import h5py, hdf5plugin, numpy as np
     out = sys.argv[1]
     i, j = np.meshgrid(np.arange(1200), np.arange(16), indexing="ij")
     X = np.sin(0.37 * i + 1.3 * j) * np.cos(0.011 * i * (j % 5 + 1)) + 0.1 * np.cos(2.1 * i * j)
@@ -28,6 +28,8 @@ WRITER = textwrap.dedent(
         f.create_dataset("chunked/X", data=X, chunks=(100, 16))
         f.create_dataset("gzip/X", data=X, chunks=(64, 8), compression="gzip", shuffle=True)
         f.create_dataset("lzf/X", data=X, chunks=(50, 16), compression="lzf")
+        f.create_dataset("plugins/blosc/X", data=X, chunks=(100, 16), **hdf5plugin.Blosc("zstd", 5, 2))  # bitshuffle
+        f.create_dataset("plugins/lz4/X", data=X, chunks=(300, 8), **hdf5plugin.LZ4())
         f.create_dataset("big/endian/X", data=X.astype(">f8"))
         f.create_dataset("float32/X", data=X.astype(np.float32))
         f.create_dataset("int16/X", data=np.round(X * 1000).astype(np.int16))
@@ -61,6 +63,10 @@ C_WRITER = textwrap.dedent(
     #include <hdf5.h>
     #include <math.h>
     static double x[1200][16];
+    static size_t same(unsigned flags, size_t n, const unsigned values[], size_t bytes, size_t *size, void **buffer) {
+        return bytes;
+    }
+    static const H5Z_class2_t codec = {H5Z_CLASS_T_VERS, (H5Z_filter_t)40000, 1, 1, "lab-codec", NULL, NULL, same};
     int main(int argc, char **argv) {
         hsize_t dims[2] = {1200, 16}, chunk[2] = {128, 16};
         for (int i = 0; i < 1200; i++)
@@ -75,6 +81,12 @@ C_WRITER = textwrap.dedent(
         H5Pset_shuffle(create);
         H5Pset_deflate(create, 4);
         hid_t data = H5Dcreate2(file, "/instrument/run1/X", H5T_IEEE_F64BE, space, links, create, H5P_DEFAULT);
+        H5Dwrite(data, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, x);
+        H5Dclose(data);
+        /* a lab's own codec (here it passes the bytes through), registered only in the writer */
+        H5Zregister(&codec);
+        H5Pset_filter(create, 40000, H5Z_FLAG_OPTIONAL, 0, NULL);
+        data = H5Dcreate2(file, "/instrument/run1/coded", H5T_IEEE_F64LE, space, links, create, H5P_DEFAULT);
         H5Dwrite(data, H5T_NATIVE_DOUBLE, H5S_ALL, H5S_ALL, H5P_DEFAULT, x);
         H5Dclose(data); H5Pclose(create); H5Sclose(space); H5Pclose(links); H5Fclose(file);
         return 0;
@@ -126,6 +138,8 @@ def reference(user_files, tmp_path_factory):
         (2, "layouts.h5:/chunked/X", []),
         (2, "layouts.h5:/gzip/X", []),
         (4, "layouts.h5:/lzf/X", []),
+        (2, "layouts.h5:/plugins/blosc/X", []),  # hdf5plugin's filters (a traceback naming a plugin directory)
+        (4, "layouts.h5:/plugins/lz4/X", ["--in-memory", "no"]),
         (2, "layouts.h5:/big/endian/X", ["--in-memory", "no"]),
         (2, "layouts.h5:/patches/X", []),
         (2, "X.npy", []),
@@ -169,7 +183,7 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
         (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
-        (2, "layouts.h5", "holds 12 data sets; name one as"),
+        (2, "layouts.h5", "holds 14 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
@@ -186,3 +200,34 @@ def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_
     for noise in ("Traceback", "MPI_ABORT", "ORTE_ERROR_LOG", "SIGTERM", "non-zero", "-----"):
         assert noise not in job.output, job.output[-3000:]
     assert not (tmp_path / "results.h5").exists()
+
+
+# A fresh process in which hdf5plugin is not installed (an import of it fails, as where nobody installed it).
+WITHOUT_PLUGINS = textwrap.dedent(
+    """
+    import sys
+    sys.modules["hdf5plugin"] = None
+    from mpiscale.io import DataFileError, ShardedDataset
+    try:
+        ShardedDataset(sys.argv[1], "plugins/blosc/X")
+    except DataFileError as error:
+        print(error)
+    """
+)
+
+
+def test_a_filter_nothing_here_decodes_is_refused_before_any_read(tmp_path, user_files):
+    """Compressed data HDF5 cannot decode ended every rank in a traceback naming a plugin directory, at the first
+    read. Without hdf5plugin a Blosc file is refused, naming the filter and the fix; a lab's own codec (HDF5's C
+    library, the filter registered in the writer only), which hdf5plugin does not decode either, on 2 ranks."""
+    hidden = subprocess.run([sys.executable, "-c", WITHOUT_PLUGINS, f"{user_files}/layouts.h5"], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert "plugins/blosc/X: is compressed with HDF5 filter 32001 (blosc), which this HDF5 cannot decode: pip " \
+        "install hdf5plugin" in hidden.stdout, hidden  # fmt: skip
+    if not (user_files / "from_c.h5").exists():
+        pytest.skip("h5pcc (HDF5's compiler wrapper) is not installed")
+    job = dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/from_c.h5:/instrument/run1/coded")
+    assert job.returncode == 2 and job.stderr.count("mpiscale dictlearn:") == 1, job.output[-3000:]
+    assert "is compressed with HDF5 filter 40000 (lab-codec), which neither this HDF5 nor hdf5plugin decodes: set " \
+        "HDF5_PLUGIN_PATH" in job.stderr, job.stderr  # fmt: skip
+    assert "Traceback" not in job.output and not (tmp_path / "results.h5").exists()
