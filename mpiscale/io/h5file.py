@@ -180,7 +180,8 @@ def unstorable(dtype: np.dtype) -> str | None:
 
 def check_virtual_sources(data: h5py.Dataset) -> None:
     """Refuse a virtual data set whose rows come from a file or data set that is not there: HDF5 reads the fill
-    value (0 unless set) in their place, without a word. Source files named relative to the virtual data set's
+    value (0 unless set) in their place, without a word; and one whose sources need a filter nothing here decodes
+    (``undecodable``, which loads hdf5plugin's where needed). Source files named relative to the virtual data set's
     file are looked up beside it, as HDF5 does; patterns (``%b``) are left to HDF5."""
     base = os.path.dirname(os.path.abspath(data.file.filename))
     for mapping in data.virtual_sources():
@@ -189,13 +190,19 @@ def check_virtual_sources(data: h5py.Dataset) -> None:
             continue
         found = next((p for p in (os.path.join(base, name), name) if os.path.isfile(p)), None)
         why = f"maps rows to {name}, which is not there" if found is None else None
+        compressed = None
         if found is not None:
             try:
                 with h5py.File(found, "r") as source:
                     if mapping.dset_name.strip("/") not in source:
                         why = f"maps rows to {name}:{mapping.dset_name}, a data set that file does not hold"
+                    else:
+                        compressed = undecodable(source[mapping.dset_name])
             except OSError:
                 why = f"maps rows to {name}, which is no readable HDF5 file"
+        if compressed is not None:
+            raise DataFileError(data.file.filename, f"is a virtual data set of {name}:{mapping.dset_name}, which "
+                                                    f"{compressed}", data.name)  # fmt: skip
         if why is not None:
             raise DataFileError(data.file.filename, f"is a virtual data set that {why}: HDF5 would give its fill "
                                                     "value for those rows; restore the file, or map only what "

@@ -48,6 +48,14 @@ WRITER = textwrap.dedent(
     # the same parts joined by a virtual data set, as h5py's docs show (sources named beside the file)
     with open(f"{out}/run-10.h5", "rb") as whole, open(f"{out}/cut-10.h5", "wb") as cut:
         cut.write(whole.read(500))  # a copy cut short
+    for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):  # the parts compressed with Zstd
+        with h5py.File(f"{out}/zrun-{[2, 9, 10][part]}.h5", "w") as f:
+            f.create_dataset("sim/X", data=X[lo:hi], chunks=(50, 16), **hdf5plugin.Zstd())
+    layout = h5py.VirtualLayout(shape=(1200, 16), dtype="f8")
+    for part, (lo, hi) in zip(["zrun-2.h5", "zrun-9.h5", "zrun-10.h5"], [(0, 100), (100, 700), (700, 1200)]):
+        layout[lo:hi] = h5py.VirtualSource(part, "sim/X", shape=(hi - lo, 16))
+    with h5py.File(f"{out}/zjoined.h5", "w") as f:
+        f.create_virtual_dataset("X", layout)
     for name, last in [("joined", "run-10.h5"), ("broken", "gone-10.h5"), ("damaged", "cut-10.h5")]:
         layout = h5py.VirtualLayout(shape=(1200, 16), dtype="f8")
         for part, (lo, hi) in zip(["run-2.h5", "run-9.h5", last], [(0, 100), (100, 700), (700, 1200)]):
@@ -147,6 +155,7 @@ def reference(user_files, tmp_path_factory):
         (2, "parts.txt:/sim/X", ["--in-memory", "no"]),
         (2, "index.h5:/sim/X", []),
         (2, "joined.h5:/X", []),  # HDF5 reads no virtual data set through MPI-IO: it ended the job
+        (2, "zjoined.h5:/X", ["--in-memory", "no"]),  # (its sources need hdf5plugin's Zstd)
         (4, "joined.h5:/X", ["--in-memory", "no"]),
         (2, "from_c.h5:/instrument/run1/X", []),
     ],
