@@ -51,20 +51,12 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
 
     with ShardedDataset(path, inputs, comm) as data:
         shape, dtype, image_shape = data.shape, data.dtype, data.image_shape()
-    with ShardedDataset(path, labels, comm) as data:
-        label_shape, label_dtype = data.shape, data.dtype
     if dtype.kind not in "biuf" or len(shape) < 2:
         raise DataFileError(path, f"inputs must be numbers, one sample per row; got {dtype} of shape {shape}", inputs)
-    if label_dtype.kind not in "iu" or len(label_shape) != 1:
-        raise DataFileError(
-            path, f"labels must be integers, one per sample; got {label_dtype} of shape {label_shape}", labels
-        )
     if not shape[0]:
         raise DataFileError(path, "holds no samples", inputs)
-    if label_shape[0] != shape[0]:
-        raise DataFileError(path, f"{shape[0]} inputs but {label_shape[0]} labels", labels)
+    tags = _class_numbers(path, labels, shape[0], "inputs", comm)
     block = read_dataset(path, inputs, comm).reshape(-1, int(np.prod(shape[1:]))).astype(np.float64)
-    tags = read_dataset(path, labels, comm).astype(np.int64)
     first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]
     fingerprint = Fingerprint()
     fingerprint.add(first, block)
@@ -73,14 +65,11 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     comm.Allreduce(MPI.IN_PLACE, sums)
     bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
     first_bad = comm.allreduce(first + int(bad[0]) if len(bad) else shape[0], op=MPI.MIN)
-    extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)  # (lowest, -highest)
-    comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
+    highest_label = comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX)
     ends = np.stack([block.min(axis=0, initial=np.inf), -block.max(axis=0, initial=-np.inf)])  # each feature's
     comm.Allreduce(MPI.IN_PLACE, ends, op=MPI.MIN)
     if first_bad < shape[0]:
         raise DataFileError(path, f"sample {first_bad} holds NaN or infinite values; clean the data first", inputs)
-    if extremes[0] < 0:
-        raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
     samples = shape[0]
     mean = sums / samples
     block -= mean  # the spread about the mean, in a second pass: E[x^2] - mean^2 cancels for a large mean
@@ -90,7 +79,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     lowest, highest = float(ends[0].min(initial=np.inf)), float(-ends[1].min(initial=np.inf))
     checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
                            dtype.kind in "biu", lowest, highest, fingerprint=digest)  # fmt: skip
-    return checked, int(-extremes[1]) + 1, mean, std
+    return checked, highest_label + 1, mean, std
 
 
 def is_ragged(path: str, inputs: str, offsets: str) -> bool:
@@ -124,29 +113,41 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
             if len(values):
                 span = np.minimum(span, [values.min(), -values.max()])
     comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
-    with ShardedDataset(path, labels, comm) as label_data:
-        label_shape, label_dtype = label_data.shape, label_data.dtype
-    if label_dtype.kind not in "iu" or len(label_shape) != 1:
-        raise DataFileError(
-            path, f"labels must be integers, one per sample; got {label_dtype} of shape {label_shape}", labels
-        )
     if not len(lengths):
         raise DataFileError(path, "holds no sequences", name)
-    if label_shape[0] != len(lengths):
-        raise DataFileError(path, f"{len(lengths)} sequences but {label_shape[0]} labels", labels)
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
         raise DataFileError(path, f"sequence {empty[0]} is empty ({len(empty)} are): drop empty samples", name)
-    tags = read_dataset(path, labels, comm).astype(np.int64)
-    extremes = np.array([tags.min(initial=2**62), -tags.max(initial=-1)], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, extremes, op=MPI.MIN)
-    if extremes[0] < 0:
-        raise DataFileError(path, f"labels must be 0 or more (class numbers), found {extremes[0]}", labels)
+    tags = _class_numbers(path, labels, len(lengths), "sequences", comm)
     lengths_digest = hashlib.blake2b(lengths.astype(np.int64).tobytes(), digest_size=12).hexdigest()
     digest = _digest(comm, fingerprint, start, tags, lengths_digest)
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
                            float(span[0]), float(-span[1]), True, offsets, lengths, digest)  # fmt: skip
-    return checked, int(-extremes[1]) + 1
+    return checked, comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX) + 1
+
+
+def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) -> np.ndarray:
+    """This rank's block of the labels as int64 (collective): one per sample, whole numbers 0 or more. Floats of
+    whole numbers are taken (MATLAB, R and pandas store labels so); any other value is refused, naming the first."""
+    with ShardedDataset(path, labels, comm) as data:
+        shape, dtype = data.shape, data.dtype
+    if dtype.kind not in "biuf" or len(shape) != 1:
+        raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}", labels)
+    if shape[0] != samples:
+        raise DataFileError(path, f"{samples} {what} but {shape[0]} labels", labels)
+    values = read_dataset(path, labels, comm)
+    wrong = values < 0
+    if dtype.kind == "f":  # (not finite, a fraction, or past float64's whole numbers)
+        wrong |= ~np.isfinite(values) | (values != np.round(values)) | (values >= 2**53)
+    first = rank_rows(samples, comm.Get_size(), comm.Get_rank())[0]
+    found = np.flatnonzero(wrong)
+    index, value = min(comm.allgather((first + int(found[0]), values[found[0]].item()) if len(found) else (samples, 0)))
+    if index < samples:
+        fix = "renumber them, e.g. with numpy.unique(labels, return_inverse=True)"
+        raise DataFileError(
+            path, f"label {index} is {value}: labels are class numbers, whole numbers 0 or more ({fix})", labels
+        )
+    return values.astype(np.int64)
 
 
 def _digest(comm: Comm, inputs: Fingerprint, first_label: int, labels: np.ndarray, shape: object) -> str:

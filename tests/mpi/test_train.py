@@ -243,6 +243,22 @@ def test_users_own_file(tmp_path):
         assert file["relu1"].shape == (600, 128) and file.attrs["labels"] == ""
 
 
+def test_labels_stored_as_floats_of_whole_numbers_train_as_integers(tmp_path):
+    """MATLAB, R and pandas store class numbers as float64: they were refused ("labels must be integers"); they now
+    train to the very weights of the same labels stored as integers."""
+    rng = np.random.default_rng(2)
+    images, labels = (rng.random((300, 4, 4)) * 255).astype(np.uint8), rng.integers(0, 3, 300)
+    runs = []
+    for kind in (np.int32, np.float64):
+        data = user_file(tmp_path / f"{kind.__name__}.h5", images, labels.astype(kind))
+        out = tmp_path / f"{kind.__name__}-model.h5"
+        assert_ok(mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", "--hidden", 8,
+                           "--epochs", 1, "--progress-every", 0, "--out", out))  # fmt: skip
+        runs.append(weights(out))
+    for name, values in runs[0].items():
+        np.testing.assert_array_equal(runs[1][name], values, err_msg=name)
+
+
 def test_a_resume_on_inputs_or_labels_written_again_is_refused(tmp_path):
     """One label, or one input value, changed in the middle of a user's file after a run stopped: its resume went on
     training on them without a word; it is refused now, on any number of ranks, and the same values resume."""
@@ -301,9 +317,11 @@ def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path)
     "problem, expected",
     [
         ("nan", "sample 317 holds NaN or infinite values"),
-        ("float labels", "labels must be integers"),
+        ("fractional labels", "label 7 is 0.5: labels are class numbers, whole numbers 0 or more"),
+        ("nan label", "label 9 is nan: labels are class numbers"),
+        ("2-D labels", "labels must be class numbers, one per sample; got int64 of shape (600, 1)"),
         ("short labels", "600 inputs but 599 labels"),
-        ("negative labels", "labels must be 0 or more"),
+        ("negative labels", "label 5 is -1: labels are class numbers, whole numbers 0 or more"),
         ("huge label", "labels go up to 100000, but there are only 600 training samples"),
         ("label 2**40", f"labels go up to {2**40}, but there are only 600 training samples"),
         ("batch", "batch size 1000 exceeds the 600 training samples"),
@@ -316,8 +334,11 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
     args = ["--batch-size", 1000 if problem == "batch" else 50, "--hidden", "8x8" if problem == "hidden" else "8"]
     if problem == "nan":
         inputs[317, 2] = np.nan
-    if problem == "float labels":
-        labels = labels.astype(np.float32)
+    if problem in ("fractional labels", "nan label"):
+        labels = labels.astype(np.float64)
+        labels[7 if problem == "fractional labels" else 9] = 0.5 if problem == "fractional labels" else np.nan
+    if problem == "2-D labels":
+        labels = labels[:, None]
     if problem == "short labels":
         labels = labels[:-1]
     if problem == "negative labels":
