@@ -16,6 +16,8 @@ from ..jobs import checkpoint_level_problems, load_settings, local_dir_option, o
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
 IN_MEMORY = ("auto", "yes", "no")
+#: The noisiest synthetic set (noise of 10**10 times the signal's power): below it, no planted atom can be found.
+LOWEST_SNR_DB = -100.0
 
 
 def coder_problems(coder: str, alpha: float, max_residual: float, device: str) -> list[str]:
@@ -109,11 +111,16 @@ class DictLearnConfig:
             problems.append(f"forgetting must be a number >= 0, got {self.forgetting}")
         if not 0 < self.duplicate_cosine <= 1:
             problems.append(f"duplicate_cosine must be in (0, 1], got {self.duplicate_cosine}")
-        if self.target_error and not self.eval_every:
+        if not self.target_error >= 0:  # (NaN too: never reached, the whole run would pass without a word)
+            problems.append(f"target_error must be a number >= 0 (0: none), got {self.target_error}")
+        elif self.target_error and not self.eval_every:
             problems.append("target_error needs eval_every > 0 (the whole-data error is what it is compared with)")
         if not self.data:
             if self.features < 1 or self.samples < 1:
                 problems.append("the synthetic data set needs samples and features of at least 1")
+            if not self.snr_db >= LOWEST_SNR_DB:
+                problems.append(f"synthetic: snr_db must be a number of dB >= {LOWEST_SNR_DB:g} (inf: no noise), got "
+                                f"{self.snr_db}")  # fmt: skip
             if self.sparsity > self.planted:
                 problems.append(f"synthetic: {self.sparsity} non-zeros need at least as many planted atoms")
         if problems:

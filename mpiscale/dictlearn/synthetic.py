@@ -9,7 +9,6 @@ whatever the number of ranks that generate it.
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
@@ -20,6 +19,8 @@ from ..ranks import Comm, rank_rows, size_and_rank
 SIGNALS = "signals"
 PLANTED = "planted_dictionary"
 _SUPPORT, _COEFFICIENTS, _NOISE = 0, 1, 2  # SampleRandom streams
+#: Signal-to-noise ratios from which on the noise is no noise: 10**(dB/10) overflows float64 past 3,080 dB.
+_NOISELESS_DB = 3000.0
 
 
 def planted_dictionary(atoms: int, features: int, seed: int) -> np.ndarray:
@@ -38,7 +39,7 @@ def planted_signals(
     support = np.argpartition(keys, nonzeros - 1, axis=1)[:, :nonzeros]
     coefficients = random.normal(0, sample_ids, nonzeros, stream=_COEFFICIENTS)
     signals = np.einsum("sn,snf->sf", coefficients, dictionary[support])
-    if math.isfinite(snr_db):
+    if snr_db < _NOISELESS_DB:  # (inf too)
         power = np.mean(signals**2, axis=1, keepdims=True)
         noise = random.normal(0, sample_ids, features, stream=_NOISE)
         signals += noise * np.sqrt(power / 10 ** (snr_db / 10))

@@ -10,7 +10,7 @@ from mpiscale.dictlearn import lasso_encode
 from mpiscale.dictlearn.coding import rows_of_dense
 from mpiscale.dictlearn.config import DictLearnConfig, load_config
 from mpiscale.dictlearn.history import METRICS, History
-from mpiscale.dictlearn.synthetic import planted_dictionary, recovery_rate
+from mpiscale.dictlearn.synthetic import planted_dictionary, planted_signals, recovery_rate
 from mpiscale.dictlearn.update import (
     BatchStatistics,
     DictionaryState,
@@ -232,6 +232,15 @@ def test_idle_and_duplicate_atoms_are_replaced_by_the_worst_residuals():
     assert state.a[2].sum() == 0 and state.idle[2] == 0
 
 
+def test_a_ratio_past_float64s_range_plants_signals_without_noise():
+    """--snr-db 1e6 ended the job in an OverflowError (10**(dB/10) past float64); it is no noise, as inf is."""
+    dictionary = planted_dictionary(12, 8, 0)
+    ids = np.arange(50)
+    clean = planted_signals(dictionary, ids, 3, math.inf, 0)
+    np.testing.assert_array_equal(planted_signals(dictionary, ids, 3, 1e6, 0), clean)
+    assert not np.array_equal(planted_signals(dictionary, ids, 3, 20.0, 0), clean)
+
+
 def test_recovery_rate():
     planted = planted_dictionary(10, 8, 0)
     assert recovery_rate(planted, -planted[::-1]) == 1.0
@@ -259,9 +268,14 @@ def test_config_from_toml_with_overrides(tmp_path):
         ({"method": "ksvd"}, "method must be one of"),
         ({"target_error": 0.1}, "target_error needs eval_every"),
         ({"batch_size": 0}, "batch_size must be at least 1"),
+        ({"target_error": math.nan, "eval_every": 1}, "target_error must be a number >= 0 .0: none., got nan"),
+        ({"target_error": -0.5, "eval_every": 1}, "target_error must be a number >= 0"),
+        ({"snr_db": math.nan}, "synthetic: snr_db must be a number of dB >= -100 .inf: no noise., got nan"),
+        ({"snr_db": -1e6}, "synthetic: snr_db must be a number of dB >= -100"),
     ],
 )
 def test_config_errors(values, message):
+    """Settings that make no sense are refused; NaN was taken as no noise, or as a target never reached."""
     with pytest.raises(ValueError, match=message):
         DictLearnConfig(**values)
 
