@@ -9,6 +9,7 @@ many batches against one dictionary compute once.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numba
@@ -76,6 +77,8 @@ def _no_zero_atoms(gram: np.ndarray) -> None:
 
 #: How far an atom's squared norm may be from 1 for OMP to take it as a unit atom.
 UNIT_SQUARED_NORM = 2e-6
+#: Error targets from which on the squared target is past float64 (and every residual is within it).
+_SQUARES_OVERFLOW = math.sqrt(np.finfo(np.float64).max)
 
 
 def _atom_norms(gram: np.ndarray) -> np.ndarray | None:
@@ -195,7 +198,8 @@ def _omp_checks(
         raise ValueError("OMP to an error target runs on the CPU: give device 'cpu' or 'auto'")
     if energies is None or np.shape(energies) != (signals,):
         raise ValueError(f"an error target needs the {signals} signals' squared norms (energies)")
-    return float(max_residual) ** 2, _finite("energies", energies), "cpu"
+    squared = float(max_residual) ** 2 if max_residual < _SQUARES_OVERFLOW else math.inf  # (inf: codes empty)
+    return squared, _finite("energies", energies), "cpu"
 
 
 def _empty_rows(signals: int, atoms: int, n_nonzero: int) -> CodeRows:

@@ -116,6 +116,15 @@ def test_zero_signal_and_dependent_atoms_stop_early():
     assert np.count_nonzero(codes) == 2 and np.allclose(codes @ duplicated, x)
 
 
+def test_an_error_target_past_float64s_squares_codes_nothing():
+    """A target of 1e300 (every residual is within it) ended in an OverflowError squaring it; it codes nothing, as
+    any target above the signals' norms does."""
+    d, x = dictionary(8, 5), np.random.default_rng(6).standard_normal((10, 5))
+    for target in (1e300, 1e154, 1e3):
+        assert not omp_encode(x, d, 3, max_residual=target).any(), target
+    assert omp_encode(x, d, 3, max_residual=1e-3).any()
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
