@@ -55,6 +55,7 @@ from .preparation import (
     finish_training,
     prepare_data,
     progress_text,
+    refuse_divergence,
     restored_training,
     training_plan,
 )
@@ -219,6 +220,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
                 totals[:] = loss.item(), (logits.argmax(dim=1) == y).sum().item()
                 await system.world.allreduce(totals, out=totals)
                 step += 1
+                refuse_divergence(totals[0] / samples, step, epoch, config, job.checkpoints)
                 now = time.perf_counter()
                 curves.record_step(
                     loss=totals[0] / samples, accuracy=totals[1] / samples, time_s=now - clock, comm_wait_s=waited

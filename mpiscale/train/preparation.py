@@ -8,6 +8,7 @@ own steps on these; neither imports the other.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from functools import partial
 
@@ -18,7 +19,7 @@ from ..io import Checkpointer, CheckpointError, DataFileError, OutputLock, Resto
 from ..jobs import Ended, Plan, claim_outputs, restore_compatible, write_results
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, JobRefused
 from ..words import counted
 from .batches import TrainingSteps, training_steps, uses_samples
 from .bundled import write_digits, write_sequences
@@ -259,6 +260,22 @@ def restored_training(
     if restored is None and config.resume and checkpoints.rank == 0:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
     return restored
+
+
+def refuse_divergence(
+    loss: float, step: int, epoch: int, config: TrainConfig, checkpoints: Checkpointer | None
+) -> None:
+    """End the job at the first step whose mean loss (every rank holds it alike, after the step's allreduce) is not
+    finite: the weights are lost from that step on, and the job went on to write a model of NaN with status 0.
+    Collective where it ends the job (it lists the checkpoints saved, to say what blocks a fresh start)."""
+    if math.isfinite(loss):
+        return
+    saved = checkpoints is not None and checkpoints.steps()
+    kept = (f" with another --checkpoint-dir, or remove {config.checkpoints} (its checkpoints keep this rate, and a "
+            "resume must keep it)" if saved else "")  # fmt: skip
+    raise JobRefused(f"mpiscale train: the loss is {loss} at step {step} (epoch {epoch + 1}): training diverged, and "
+                     f"its weights are lost; no results were written. Lower --learning-rate ({config.learning_rate:g} "
+                     f"now) and start again{kept}", status=1)  # fmt: skip
 
 
 def progress_text(epoch: int, curves: Curves) -> str:

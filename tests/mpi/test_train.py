@@ -6,6 +6,7 @@ model run in this process, and the feature catalogue with the digits' labels.
 """
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,21 @@ def test_users_own_file(tmp_path):
     assert_ok(mpiscale(3, "collect", "--model", out, "--data", f"{data}:/images", "--out", acts, "--batch-size", 64))
     with h5py.File(acts, "r") as file:
         assert file["relu1"].shape == (600, 128) and file.attrs["labels"] == ""
+
+
+@pytest.mark.parametrize("pipeline", [[], ["--stages", 2, "--micro-batches", 2]], ids=["data-parallel", "pipeline"])
+def test_a_diverging_run_ends_at_its_first_loss_that_is_not_finite(tmp_path, pipeline):
+    """A learning rate of 1e30 made the loss NaN from step 2 on; the job went on and wrote a model of NaN weights with
+    status 0. It ends there now, with one message and status 1, and writes no results."""
+    out = tmp_path / "model.h5"
+    job = mpiscale(2, "train", "--learning-rate", 1e30, "--epochs", 2, "--hidden", 16, "--progress-every", 0,
+                   "--checkpoint-every", 1, "--out", out, *pipeline)  # fmt: skip
+    assert job.returncode == 1, job.output[-3000:]
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale train:")]
+    assert len(said) == 1 and "training diverged" in said[0] and "Lower --learning-rate (1e+30 now)" in said[0], said
+    assert re.search(r"the loss is (nan|inf) at step \d+ \(epoch 1\)", said[0]), said
+    assert f"remove {tmp_path / 'model.checkpoints'} (its checkpoints keep this rate" in said[0], said
+    assert "Traceback" not in job.output and not out.exists()
 
 
 def test_labels_stored_as_floats_of_whole_numbers_train_as_integers(tmp_path):

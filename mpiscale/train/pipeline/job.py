@@ -54,6 +54,7 @@ from ..preparation import (
     finish_training,
     prepare_data,
     progress_text,
+    refuse_divergence,
     restored_training,
     training_plan,
 )
@@ -259,6 +260,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
                     optimizer.step()
                 await system.world.allreduce(job.step_sums(), out=totals)
                 step += 1
+                refuse_divergence(totals[0] / totals[2], step, epoch, config, job.checkpoints)
                 now = time.perf_counter()
                 curves.record_step(loss=totals[0] / totals[2], accuracy=totals[1] / totals[2], time_s=now - clock,
                                    comm_wait_s=stats.idle_s + stats.reduce_s)  # fmt: skip
