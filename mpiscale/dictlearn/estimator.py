@@ -50,6 +50,9 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
     Parameters follow ``mpiscale dictlearn``'s options (``n_components`` is
     ``--atoms``, ``n_nonzero_coefs`` ``--sparsity``, ``fit_algorithm``
     ``--coder``, ``n_iter`` ``--iterations``, ``random_state`` ``--seed``;
+    ``max_iter``, as scikit-learn's, counts passes over the data instead:
+    given, ``fit`` runs that many epochs of mini-batches, and ``n_iter`` is
+    not read;
     ``max_residual`` None is ``--max-residual 0``, no error target);
     ``transform_*`` choose how ``transform`` codes new data, as in
     scikit-learn's ``MiniBatchDictionaryLearning`` (``transform_max_residual``
@@ -75,6 +78,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         method: str = "online",
         batch_size: int = 256,
         n_iter: int = 400,
+        max_iter: int | None = None,
         forgetting: float = 10.0,
         replace_after: int = 3,
         max_replace: int = 4,
@@ -98,6 +102,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         self.method = method
         self.batch_size = batch_size
         self.n_iter = n_iter
+        self.max_iter = max_iter
         self.forgetting = forgetting
         self.replace_after = replace_after
         self.max_replace = max_replace
@@ -144,9 +149,11 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         iteration = self._start(comm, data, seed)
         batch = min(self.batch_size, data.samples)
         steps = data.samples // batch  # the job's reader drops the last partial batch of an epoch
+        per_pass = 1 if self.method == "mod" else steps  # (mod takes the whole data set each iteration)
+        iterations = self.n_iter if self.max_iter is None else self.max_iter * per_pass
         window = max(max(1, int(self.shuffle_window_mib * 2**20) // (8 * data.features)), batch)
         plan_epoch, order = -1, np.empty(0, np.int64)
-        for done in range(self.n_iter):
+        for done in range(iterations):
             if self.method == "mod":
                 ids = data.global_ids()
             else:
@@ -260,6 +267,10 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
                               ("device", ("cpu", "cuda", "auto"))):  # fmt: skip
             if getattr(self, name) not in allowed:
                 problems.append(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.max_iter is not None and not (
+            isinstance(self.max_iter, (int, np.integer)) and not isinstance(self.max_iter, bool) and self.max_iter >= 1
+        ):
+            problems.append(f"max_iter must be None or an integer of at least 1, got {self.max_iter!r}")
         if self.transform_n_nonzero_coefs is not None and not (
             isinstance(self.transform_n_nonzero_coefs, (int, np.integer)) and self.transform_n_nonzero_coefs >= 1
         ):

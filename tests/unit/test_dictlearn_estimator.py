@@ -95,6 +95,20 @@ def test_the_same_dictionary_is_learned_at_any_scale_of_the_data(method):
         assert np.allclose(codes, reference.transform(signals[:100]), atol=1e-9)
 
 
+@pytest.mark.parametrize("method", ["online", "mod"])
+def test_max_iter_counts_passes_over_the_data_as_scikit_learn_does(method):
+    """scikit-learn's ``max_iter`` (epochs) was an unknown keyword; it runs that many passes of mini-batches (of
+    whole-data iterations with mod), the very iterations ``n_iter`` names one by one."""
+    _, signals = planted(samples=300)
+    per_pass = 300 // 50 if method == "online" else 1
+    by_passes = DictionaryLearning(8, method=method, batch_size=50, max_iter=3, n_iter=1).fit(signals)
+    by_steps = DictionaryLearning(8, method=method, batch_size=50, n_iter=3 * per_pass).fit(signals)
+    assert by_passes.n_iter_ == 3 * per_pass
+    np.testing.assert_array_equal(by_passes.components_, by_steps.components_)
+    with pytest.raises(ValueError, match="max_iter must be None or an integer of at least 1, got 0"):
+        DictionaryLearning(8, max_iter=0).fit(signals)
+
+
 def test_what_cannot_be_learned_is_refused_with_the_parameter_named():
     _, signals = planted(samples=300)
     with pytest.raises(ValueError, match="every value is zero"):
