@@ -155,7 +155,7 @@ def checks() -> list[Check]:
         *_job_extras(),
         _module("estimator (sklearn)", "sklearn", "pip install 'mpiscale[sklearn]'", False),
         _module("inspect --plot (matplotlib)", "matplotlib", "pip install matplotlib (the test extra has it)", False),
-        _module("Blosc, Zstd, LZ4 data (hdf5plugin)", "hdf5plugin", "pip install 'mpiscale[filters]'", False),
+        _module("Blosc/Zstd/LZ4 (hdf5plugin)", "hdf5plugin", "pip install 'mpiscale[filters]'", False),
         _program("mpirun", "apt-get install openmpi-bin (launch/setup.sh does it)", required=True),
         _program("mosquitto", "apt-get install mosquitto (launch/setup.sh does it)", required=False),
         _program("srun", "only needed on a Slurm cluster", required=False),
