@@ -152,7 +152,15 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
         node = file[name]
     except KeyError:
         parent, _, _ = name.rpartition("/")
-        if parent and parent not in file:
+        link = file.get(name, getlink=True) if not parent or parent in file else None
+        if isinstance(link, h5py.ExternalLink):
+            beside = os.path.join(os.path.dirname(file.filename), link.filename)  # where HDF5 looks, as here
+            there = os.path.isfile(beside) or os.path.isfile(link.filename)
+            message = (f"is a link to {link.filename}:{link.path}, "
+                       + ("a data set that file does not hold" if there else "a file that is not there"))  # fmt: skip
+        elif isinstance(link, h5py.SoftLink):
+            message = f"is a link to {link.path}, which is not there"
+        elif parent and parent not in file:
             message = f"no group {parent!r}"
         else:
             message = f"no dataset {name!r}"

@@ -39,6 +39,12 @@ WRITER = textwrap.dedent(
         f.create_dataset("bad/compound", data=np.zeros((40, 3), dtype=[("a", "f8"), ("b", "i4")]))
         f.create_dataset("bad/empty", shape=(0, 16), dtype="f8")
         f.create_dataset("bad/nan", data=np.where(i == 700, np.nan, X))
+    with h5py.File(f"{out}/links.h5", "w") as f:  # links, as users join files without copying them
+        f["soft"] = h5py.SoftLink("/data/X")
+        f["data/X"] = X
+        f["outside"] = h5py.ExternalLink("plain.h5", "/X")
+        f["dangling"] = h5py.ExternalLink("gone.h5", "/X")
+        f["elsewhere"] = h5py.ExternalLink("plain.h5", "/nope")
     np.save(f"{out}/X.npy", X)
     for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):
         with h5py.File(f"{out}/run-{[2, 9, 10][part]}.h5", "w") as f:
@@ -158,6 +164,8 @@ def reference(user_files, tmp_path_factory):
         (2, "zjoined.h5:/X", ["--in-memory", "no"]),  # (its sources need hdf5plugin's Zstd)
         (4, "joined.h5:/X", ["--in-memory", "no"]),
         (2, "from_c.h5:/instrument/run1/X", []),
+        (2, "links.h5:/soft", []),
+        (2, "links.h5:/outside", ["--in-memory", "no"]),
     ],
 )
 def test_the_same_values_learn_the_same_dictionary_whatever_the_file(
@@ -199,6 +207,8 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "WRITER.c:/X", "no such file"),
         (2, "broken.h5:/X", "maps rows to gone-10.h5, which is not there: HDF5 would give its fill value"),
         (2, "damaged.h5:/X", "maps rows to cut-10.h5, which is no readable HDF5 file"),
+        (2, "links.h5:/dangling", "is a link to gone.h5:/X, a file that is not there"),  # it said "no dataset"
+        (2, "links.h5:/elsewhere", "is a link to plain.h5:/nope, a data set that file does not hold"),
     ],
 )
 def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):
