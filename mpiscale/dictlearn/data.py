@@ -67,10 +67,17 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
         rounds = -(-largest_block // rows_per_read)  # the same on every rank: each read is collective
         first_bad, largest = samples, 0.0
         fingerprint = Fingerprint()
+        unreadable: tuple[int, DataFileError] | None = None  # this rank's first rows that cannot be read
         for part in range(rounds):
             lo = min(stop, start + part * rows_per_read)
             hi = min(stop, lo + rows_per_read)
-            rows = data.read_collective(lo, hi).reshape(hi - lo, features)
+            try:
+                rows = data.read_collective(lo, hi).reshape(hi - lo, features)
+            except DataFileError as error:  # (a damaged chunk: refused below on every rank, as a NaN is)
+                if not data.reads_independently:
+                    raise
+                unreadable = unreadable or (lo, error)
+                continue
             fingerprint.add(lo, rows)
             bad = np.empty(0, np.int64)
             if rows.size and data.dtype.kind == "f":
@@ -80,6 +87,9 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
             elif rows.size:
                 largest = max(largest, float(np.abs(rows).max()))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
+    damaged = [found for found in comm.allgather(unreadable) if found is not None]
+    if damaged:
+        raise min(damaged, key=lambda found: found[0])[1]
     digest = fingerprint.digest(comm, samples, features)
     if first_bad < samples:
         raise DataFileError(path, f"signal {first_bad} holds NaN or infinite values; clean the data first", name)

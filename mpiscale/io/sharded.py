@@ -311,6 +311,12 @@ class ShardedDataset:
                 s.source.read(lo - s.start, hi - s.start, out=out[lo - start : hi - start])
         return out
 
+    @property
+    def reads_independently(self) -> bool:
+        """Whether ``read_collective`` takes no collective call (every file compressed, ``.npy`` or virtual): a
+        rank whose read failed may go on to the next without leaving the others in a collective."""
+        return all(segment.source.independent for segment in self._segments)
+
     def read_collective(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` with collective I/O: every rank of ``comm`` calls, with any ranges."""
         self._check(start, stop)

@@ -89,6 +89,8 @@ def is_npy(path: str) -> bool:
 class NpySource:
     """Rows of a NumPy ``.npy`` file, memory-mapped (reads are copies of row ranges)."""
 
+    independent = True  # (reads take no collective call)
+
     def __init__(self, path: str) -> None:
         self.path = path
         if os.path.isdir(path):
@@ -148,7 +150,7 @@ class H5Source:
         create = dataset.id.get_create_plist()
         self.filtered = create.get_nfilters() > 0
         # read by each rank alone: filtered data sets (below) and files opened without MPI-IO (a virtual data set's)
-        self._independent = self.filtered or file.driver != "mpio"
+        self.independent = self.filtered or file.driver != "mpio"
         self._offset = None
         if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered:
             self._offset = dataset.id.get_offset()  # None until the data set's storage is allocated
@@ -156,15 +158,21 @@ class H5Source:
         self._descriptor: int | None = None
 
     def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``start:stop``; collective over ``comm`` when given; into ``out`` (C-contiguous) when given."""
-        if comm is None and self._offset is not None:
-            if out is None:
-                out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
-            self._pread(start, stop, out)
-            if self._swapped:
-                out.byteswap(inplace=True)
-            return out
-        rows = read_rows(self.dataset, start, stop, None if self._independent else comm, dtype=self.dtype)
+        """Rows ``start:stop``; collective over ``comm`` when given; into ``out`` (C-contiguous) when given. Rows
+        that cannot be read (a chunk whose checksum or compressed bytes are damaged, a disk's I/O error) are a
+        DataFileError naming the file, the data set and the rows (it was HDF5's bare OSError)."""
+        try:
+            if comm is None and self._offset is not None:
+                if out is None:
+                    out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+                self._pread(start, stop, out)
+                if self._swapped:
+                    out.byteswap(inplace=True)
+                return out
+            rows = read_rows(self.dataset, start, stop, None if self.independent else comm, dtype=self.dtype)
+        except OSError as error:
+            why = f"rows {start}..{stop - 1} cannot be read ({error}): the file is damaged there, or its disk failed"
+            raise DataFileError(self.path, f"{why}; copy it again from its source", self.dataset.name) from None
         if out is None:
             return rows
         out[...] = rows

@@ -1,6 +1,7 @@
 """`mpiscale dictlearn` on data as users bring it: files written by plain h5py (in another process), by
 HDF5's C library, as .npy, as many files; and bad input refused with one message and status 2."""
 
+import re
 import shutil
 import subprocess
 import sys
@@ -45,6 +46,14 @@ WRITER = textwrap.dedent(
         f["outside"] = h5py.ExternalLink("plain.h5", "/X")
         f["dangling"] = h5py.ExternalLink("gone.h5", "/X")
         f["elsewhere"] = h5py.ExternalLink("plain.h5", "/nope")
+    with h5py.File(f"{out}/checksummed.h5", "w") as f:  # a chunk of it damaged afterwards (a bit flipped on disk)
+        f.create_dataset("X", data=X, chunks=(100, 16), fletcher32=True)
+        damaged = f["X"].id.get_chunk_info(9).byte_offset + 10
+    with open(f"{out}/checksummed.h5", "r+b") as f:
+        f.seek(damaged)
+        byte = f.read(1)[0]
+        f.seek(damaged)
+        f.write(bytes([byte ^ 0x10]))
     np.save(f"{out}/X.npy", X)
     for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):
         with h5py.File(f"{out}/run-{[2, 9, 10][part]}.h5", "w") as f:
@@ -250,3 +259,15 @@ def test_a_filter_nothing_here_decodes_is_refused_before_any_read(tmp_path, user
     assert "is compressed with HDF5 filter 40000 (lab-codec), which neither this HDF5 nor hdf5plugin decodes: set " \
         "HDF5_PLUGIN_PATH" in job.stderr, job.stderr  # fmt: skip
     assert "Traceback" not in job.output and not (tmp_path / "results.h5").exists()
+
+
+def test_a_damaged_chunk_ends_the_job_naming_the_file_and_its_rows(tmp_path, user_files):
+    """A bit flipped in a checksummed chunk ended the job with HDF5's bare OSError ("Can't read data (data error
+    detected by Fletcher32 checksum)") in a traceback, naming neither the file nor the rows. The scan before any work
+    finds it, and every rank refuses the job with one line naming both."""
+    job = dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/checksummed.h5:/X")
+    assert job.returncode == 2 and job.stderr.count("mpiscale dictlearn:") == 1, job.output[-3000:]
+    assert "Traceback" not in job.output
+    said = r"checksummed.h5:/?X: rows \d+\.\.\d+ cannot be read \(Can't read data \(data error detected by Fletcher32"
+    assert re.search(said + r" checksum\)\): the file is damaged there", job.stderr), job.stderr[-3000:]
+    assert not (tmp_path / "results.h5").exists()
