@@ -285,13 +285,18 @@ def _square(features: int) -> tuple[int, int] | None:
 
 
 def _grid(dictionary: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Atoms as tiles (each scaled to its own range) with a one-pixel border."""
-    height, width = shape[0], shape[1]
+    """Atoms as tiles (each scaled to its own range) with a one-pixel border: grey, or colour for atoms of
+    (H, W, C) or (C, H, W) with 3 or 4 channels (shown as RGB; where both read, 3 channels before 4, last before
+    first)."""
+    channels_first = len(shape) == 3 and (shape[0] == 3 and shape[2] != 3 or shape[0] == 4 and shape[2] not in (3, 4))
+    height, width = (shape[1], shape[2]) if channels_first else (shape[0], shape[1])
+    colour = (3,) if len(shape) == 3 else ()
     columns = math.ceil(math.sqrt(len(dictionary)))
     rows = math.ceil(len(dictionary) / columns)
-    canvas = np.ones((rows * (height + 1) + 1, columns * (width + 1) + 1))
+    canvas = np.ones((rows * (height + 1) + 1, columns * (width + 1) + 1, *colour))
     for index, atom in enumerate(dictionary):
-        tile = atom[: height * width].reshape(height, width)
+        tile = atom[: math.prod(shape)].reshape(shape)
+        tile = (np.moveaxis(tile, 0, -1) if channels_first else tile)[..., :3] if colour else tile
         span = tile.max() - tile.min()
         tile = (tile - tile.min()) / span if span > 0 else np.zeros_like(tile)
         r, c = divmod(index, columns)

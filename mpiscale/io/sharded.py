@@ -38,6 +38,9 @@ from .h5file import (
 from .sources import H5Source, NpySource, in_native_order, is_npy, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
+#: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
+COLOURS = {3, 4}
+
 
 def write_dataset(
     path: str | os.PathLike, arrays: dict[str, np.ndarray], comm: AnyComm | None = None, config: dict | None = None
@@ -286,8 +289,9 @@ class ShardedDataset:
         return dict(first.file.attrs) if isinstance(first, H5Source) else {}
 
     def image_shape(self) -> list[int] | None:
-        """The 2-D shape of a row when rows are images: a 3-D data set, or a ``patch_shape`` in the file's config."""
-        if len(self.shape) == 3:
+        """The shape of a row when rows are images: a 3-D data set (grey images), a 4-D one with 3 or 4 colour
+        channels last or first (RGB patches), or a ``patch_shape`` in the file's config."""
+        if len(self.shape) == 3 or (len(self.shape) == 4 and COLOURS & {self.shape[1], self.shape[3]}):
             return [int(v) for v in self.shape[1:]]
         config = self.attrs().get("config")
         try:

@@ -484,6 +484,13 @@ def test_the_plots_show_the_final_recovery_the_worst_atoms_and_one_unit_per_axis
     _, usage, grid, replaced = figure(str(real)).axes
     assert usage.get_ylabel() == "% of the atoms unused by the batch"
     assert replaced.get_ylabel() == "atoms replaced so far" and grid.get_title() == "the 12 learned atoms"
+    rgb = np.random.default_rng(1).random((600, 4, 4, 3))  # colour patches, channels last and first: no grid before
+    for layout, patches in (("last", rgb), ("first", rgb.transpose(0, 3, 1, 2))):
+        np.save(tmp_path / f"{layout}.npy", patches)
+        out = tmp_path / f"colour-{layout}.h5"
+        assert_ok(dictlearn(2, out, "--data", str(tmp_path / f"{layout}.npy"), "--atoms", "9", "--iterations", "5"))
+        grid = figure(str(out)).axes[2]
+        assert grid.get_title() == "the 9 learned atoms" and grid.get_images()[0].get_array().shape == (16, 16, 3)
 
 
 def test_a_refused_run_leaves_the_earlier_runs_synthetic_set_as_it_was(tmp_path):
