@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
 from ..io import epoch_plan
 from ..kernels.threads import blas_beside_numba
 from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi
+from ..runtime import RuntimeConfig
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
 from .data import initial_ids, scale_problem, unit_atoms
@@ -144,6 +146,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
     def fit(self, X: Any, y: Any = None) -> DictionaryLearning:
         """Learn a dictionary from ``X`` (signals x features; each rank its own rows); returns self."""
         comm = _resolve(self.comm)
+        _together(comm, "fit")
         signals, seed = self._checked(comm, X, reset=True)
         data = _Rows(signals, comm)
         iteration = self._start(comm, data, seed)
@@ -168,6 +171,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         """One online iteration with ``X`` as the mini-batch (each rank its part); the first call starts the
         dictionary from ``X``'s rows. Returns self."""
         comm = _resolve(self.comm)
+        _together(comm, "partial_fit")
         first = not hasattr(self, "components_")
         signals, seed = self._checked(comm, X, reset=first)
         if self.method != "online":
@@ -355,6 +359,25 @@ def _resolve(comm: AnyComm | None) -> Comm | None:
     from mpi4py import MPI
 
     return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
+def _together(comm: Comm | None, call: str) -> None:
+    """Wait until every rank of ``comm`` has come to ``call`` (a barrier polled with short sleeps: a waiting rank
+    spins no core). MPI's collectives cannot time out, so a rank that never calls it leaves the others waiting
+    without a word; after ``MPISCALE_COLLECTIVE_CHECK_S`` this rank says once what it waits for. A rank that is
+    only late (reading its rows) is waited for."""
+    if comm is None:
+        return
+    request, began, pause, said = comm.Ibarrier(), time.monotonic(), 1e-5, False
+    check_s = RuntimeConfig.from_env().collective_check_s
+    while not request.Test():
+        if not said and check_s and time.monotonic() - began > check_s:
+            print(f"{_WHAT}.{call}: rank {comm.Get_rank()} has waited {check_s:g} s for the other ranks of its "
+                  f"communicator to call {call} too: each rank must call it (one without rows passes an empty "
+                  "array), or this wait never ends", file=sys.stderr, flush=True)  # fmt: skip
+            said = True
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
 
 
 def _agreed(comm: Comm | None, action: Callable[[], None]) -> None:

@@ -79,6 +79,21 @@ def test_a_rank_with_no_rows_fits_codes_and_decodes_none(signals, tmp_path):
     assert np.abs(ours - job).max() < 1e-9, np.abs(ours - job).max()
 
 
+def test_the_ranks_waiting_for_a_late_one_say_what_they_wait_for(signals, tmp_path):
+    """MPI's collectives cannot time out: a rank that never calls fit or partial_fit (a branch only some ranks take)
+    left the others waiting without a word. After MPISCALE_COLLECTIVE_CHECK_S the waiting ranks say which call they
+    wait in; a rank that is only late is waited for, and the dictionary is the one of ranks that came together."""
+    late = run_mpi("estimator_fit.py", 3, str(signals), str(tmp_path / "late.npy"), json.dumps(SETTINGS), "late",
+                   env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert_ok(late)
+    said = "s for the other ranks of its communicator to call fit too: each rank must call it (one without rows"
+    for rank in (0, 1):
+        assert f"DictionaryLearning.fit: rank {rank} has waited 1 {said}" in late.stderr, late.stderr
+    assert "rank 2 has waited" not in late.stderr
+    plain = estimator_dictionary(3, signals, tmp_path / "plain.npy")
+    assert np.array_equal(np.load(tmp_path / "late.npy"), plain)
+
+
 def test_a_nan_on_one_rank_is_refused_on_every_rank(signals, tmp_path):
     job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "nan")
     assert_ok(job)

@@ -4,12 +4,13 @@
 estimator finds the launcher's world; ``runtime``: inside ``mpiscale.run``,
 given the system's world; ``nan``: rank 1's rows hold a NaN, and every rank
 must refuse (each prints its error); ``empty``: the last rank holds no rows, and fits, codes and
-decodes its none. Rank 0 saves the dictionary; every rank
-checks that all ranks hold the same bits.
+decodes its none; ``late``: the last rank comes to ``fit`` 3 s after the others (reading its rows, say). Rank 0
+saves the dictionary; every rank checks that all ranks hold the same bits.
 """
 
 import json
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -65,6 +66,11 @@ elif MODE == "nan":
     except ValueError as error:
         print(f"rank {MPI.COMM_WORLD.Get_rank()} refused: {error}", flush=True)
     MPI.COMM_WORLD.Barrier()  # every rank got here: none waits in a collective the others left
+elif MODE == "late":
+    rows = my_rows(MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
+        time.sleep(3)
+    check_and_save(MPI.COMM_WORLD, fitted(rows).components_)
 elif MODE == "empty":
     check_and_save(MPI.COMM_WORLD, fitted(my_rows(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_size() - 1)).components_)
 else:
