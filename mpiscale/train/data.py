@@ -139,6 +139,8 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
     wrong = values < 0
     if dtype.kind == "f":  # (not finite, a fraction, or past float64's whole numbers)
         wrong |= ~np.isfinite(values) | (values != np.round(values)) | (values >= 2**53)
+    elif dtype.kind == "u":  # (past int64, where they would turn negative)
+        wrong |= values > np.iinfo(np.int64).max
     first = rank_rows(samples, comm.Get_size(), comm.Get_rank())[0]
     found = np.flatnonzero(wrong)
     index, value = min(comm.allgather((first + int(found[0]), values[found[0]].item()) if len(found) else (samples, 0)))
