@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, Comm, as_mpi, host_placement, rank_rows, size_and_rank
 from .sample_random import SampleRandom
-from .sharded import ShardedDataset
+from .sharded import ShardedDataset, leave_open
 
 SHUFFLE_STREAM = 255  # SampleRandom stream reserved for the row order
 BLOCK_STREAM = 254  # ... and for the block order of windowed shuffles
@@ -337,6 +337,17 @@ class BatchReader:
         for ds in self._datasets.values():
             ds.close()
         self._datasets.clear()
+        self._resident = None
+
+    def abandon(self) -> None:
+        """After an error that may be this rank's alone: stop the reader threads without waiting for them and leave
+        the files open (``leave_open``): their close is collective, and the other ranks may wait in a collective
+        of the step."""
+        for pool in (self._pool, self._assembler):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        leave_open(self._datasets)
+        self._datasets = {}
         self._resident = None
 
     def __enter__(self) -> BatchReader:

@@ -37,7 +37,7 @@ from ..ranks import AnyComm, as_mpi, size_and_rank
 from .batching import Batching, EpochBatches, MiB, SampleSizes, check_budget
 from .ragged import Ragged, RaggedDataset, mapped, read_in_runs
 from .read_ahead import Budget, ReaderStats, SampleBatch, Serving, Tuner
-from .sharded import ShardedDataset
+from .sharded import ShardedDataset, leave_open
 
 DEFAULT_WINDOW_BYTES = 64 << 20  # shuffle window, as the fixed-row reader's
 READ_THREADS = 8  # reads of a batch in flight at once (on this VM's disk 8 random reads match one in-order reader)
@@ -236,6 +236,14 @@ class SampleReader:
                 pool.shutdown(wait=True)
         for array in self.arrays.values():
             array.close()
+
+    def abandon(self) -> None:
+        """After an error that may be this rank's alone: as ``BatchReader.abandon``, the threads stopped without
+        waiting and the files left open."""
+        for pool in (getattr(self, "_waiter", None), getattr(self, "_readers", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        leave_open(self.arrays)
 
     def __enter__(self) -> SampleReader:
         return self

@@ -38,6 +38,18 @@ from .h5file import (
 from .sources import H5Source, NpySource, in_native_order, is_npy, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
+#: What ``leave_open`` keeps for the rest of the process.
+_LEFT_OPEN: list[object] = []
+
+
+def leave_open(*held: object) -> None:
+    """Keep ``held`` (data sets, or what holds them) unclosed for the rest of the process, after an error that may
+    be this rank's alone: closing a file opened with MPI-IO is collective, and the other ranks may wait in a
+    collective of their own, so the close would wait forever and the error never be reported. The error ends the
+    job (the runtime aborts every rank); meanwhile nothing closes them, the garbage collector included."""
+    _LEFT_OPEN.extend(held)
+
+
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
 COLOURS = {3, 4}
 

@@ -51,6 +51,7 @@ from .model import input_layout
 from .preparation import (
     checked_steps,
     claim_training_outputs,
+    close_reader,
     compatibility,
     finish_training,
     prepare_data,
@@ -196,6 +197,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
     step = start
     clock = time.perf_counter() - curves.elapsed
     finished_epochs, within = job.schedule.locate(start)
+    failure: BaseException | None = None
     try:
         if held_out is not None and len(curves.epochs["epoch"]) < finished_epochs:
             # the checkpoint was taken at the last step of an epoch, before that epoch was scored: score it now
@@ -230,8 +232,11 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
             if held_out is not None:
                 loss_value, accuracy = await _score(system, model, held_out, job.device)
                 curves.record_epoch(epoch=epoch + 1, validation_loss=loss_value, validation_accuracy=accuracy)
+    except BaseException as error:
+        failure = error
+        raise
     finally:
-        reader.close()
+        close_reader(reader, failure)
 
 
 async def _score(

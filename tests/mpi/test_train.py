@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -245,6 +246,22 @@ def test_users_own_file(tmp_path):
 
 
 @pytest.mark.parametrize("pipeline", [[], ["--stages", 2, "--micro-batches", 2]], ids=["data-parallel", "pipeline"])
+def test_an_error_in_one_ranks_step_ends_the_job_with_its_report(tmp_path, pipeline):
+    """Rank 1's loss raises in its third step (as a GPU out of memory on one rank does): the step's loop closed its
+    reader as the error left it, and that close (collective with MPI-IO) waited for the other rank, which waited in
+    the step's allreduce: the job hung with the error unsaid until killed. It ends now with rank 1's report."""
+    rng = np.random.default_rng(3)
+    data = user_file(tmp_path / "mine.h5", rng.random((600, 5)), rng.integers(0, 2, 600))
+    started = time.monotonic()
+    job = run_mpi("train_step_fails.py", 2, "train", "--data", data, "--inputs", "images", "--labels", "target",
+                  "--hidden", "8", "--batch-size", "50", "--progress-every", "0", "--out", str(tmp_path / "m.h5"),
+                  *map(str, pipeline), timeout=120)  # fmt: skip
+    assert job.returncode != 0 and time.monotonic() - started < 60, job.output[-3000:]
+    assert "job failed on rank 1 of 2" in job.stderr and "CUDA out of memory (planted on rank 1" in job.stderr
+    assert not (tmp_path / "m.h5").exists()
+
+
+@pytest.mark.parametrize("pipeline", [[], ["--stages", 2, "--micro-batches", 2]], ids=["data-parallel", "pipeline"])
 def test_a_diverging_run_ends_at_its_first_loss_that_is_not_finite(tmp_path, pipeline):
     """A learning rate of 1e30 made the loss NaN from step 2 on; the job went on and wrote a model of NaN weights with
     status 0. It ends there now, with one message and status 1, and writes no results."""
@@ -336,6 +353,7 @@ def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path)
         ("fractional labels", "label 7 is 0.5: labels are class numbers, whole numbers 0 or more"),
         ("nan label", "label 9 is nan: labels are class numbers"),
         ("2-D labels", "labels must be class numbers, one per sample; got int64 of shape (600, 1)"),
+        ("uint64 label 2**63", f"label 11 is {2**63}: labels are class numbers"),
         ("short labels", "600 inputs but 599 labels"),
         ("negative labels", "label 5 is -1: labels are class numbers, whole numbers 0 or more"),
         ("huge label", "labels go up to 100000, but there are only 600 training samples"),
@@ -355,6 +373,9 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
         labels[7 if problem == "fractional labels" else 9] = 0.5 if problem == "fractional labels" else np.nan
     if problem == "2-D labels":
         labels = labels[:, None]
+    if problem == "uint64 label 2**63":
+        labels = labels.astype(np.uint64)
+        labels[11] = 2**63
     if problem == "short labels":
         labels = labels[:-1]
     if problem == "negative labels":

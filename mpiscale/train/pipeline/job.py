@@ -50,7 +50,9 @@ from ..model import build_model, input_layout
 from ..preparation import (
     checked_steps,
     claim_training_outputs,
+    close_reader,
     compatibility,
+    ended_together,
     finish_training,
     prepare_data,
     progress_text,
@@ -244,6 +246,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     step = start
     clock = time.perf_counter() - curves.elapsed
     finished_epochs, within = job.schedule.locate(start)
+    failure: BaseException | None = None
     try:
         if job.validation is not None and len(curves.epochs["epoch"]) < finished_epochs:
             await _score(job, held_out, finished_epochs)  # the checkpoint came before its epoch was scored
@@ -269,10 +272,13 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
                 yield Step(progress_text(epoch, curves), int(totals[2]), phases)
             if job.validation is not None:
                 await _score(job, held_out, epoch + 1)
+    except BaseException as error:
+        failure = error
+        raise
     finally:
         if reader is not None:
-            reader.close()
-        if edge is not None:
+            close_reader(reader, failure)
+        if edge is not None and ended_together(failure):  # (freeing it may wait for the others)
             edge.comm.Free()
 
 
