@@ -23,7 +23,18 @@ from dataclasses import dataclass, field
 import h5py
 import numpy as np
 
-from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, read_dataset, recorded, split_spec
+from ..io import (
+    DataFileError,
+    OutputLock,
+    RowWriter,
+    ShardedDataset,
+    WriteError,
+    leave_open,
+    raised_together,
+    read_dataset,
+    recorded,
+    split_spec,
+)
 from ..jobs import (
     Ended,
     HeldOutputs,
@@ -125,7 +136,8 @@ class _Encoding(HeldOutputs):
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
         size, rank = self.system.size, self.system.rank
         gram = gram_matrix(self.atoms)
-        with ShardedDataset(self.info.path, self.info.name, self.comm) as data:
+        data, failure = ShardedDataset(self.info.path, self.info.name, self.comm), None
+        try:
             for index in range(start, self.plan.total):
                 began = time.perf_counter()
                 first = self.first_row + index * self.round_rows
@@ -143,6 +155,14 @@ class _Encoding(HeldOutputs):
                 yield Step(f"{first + count:,} of {self.info.samples:,} signals, {self.nonzeros:,} non-zeros",
                            float(count), {"read": read - began, "coding": coded - read,
                                           "write": time.perf_counter() - coded})  # fmt: skip
+        except BaseException as error:
+            failure = error
+            raise
+        finally:
+            if raised_together(failure):
+                data.close()
+            else:  # (its close is collective, and the other ranks may wait in this round's write)
+                leave_open(data)
 
     def _code(self, gram: np.ndarray, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(values, their atoms, each row's end, the signals the codes rebuild) of this rank's signals: OMP keeps

@@ -4,7 +4,7 @@ from ..ranks import rank_rows
 from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
-from .errors import CheckpointError, DataFileError, LockedError, WriteError
+from .errors import CheckpointError, DataFileError, LockedError, WriteError, raised_together
 from .fingerprint import Fingerprint
 from .h5file import (
     DATASET_FORMAT,
@@ -25,7 +25,7 @@ from .reader import Batch, BatchReader, epoch_order, epoch_plan
 from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
-from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
+from .sharded import ShardedDataset, leave_open, read_dataset, write_dataset, write_index
 from .sources import is_list_file, listed_paths, natural_key, resolve_files, same_file, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
@@ -73,7 +73,9 @@ __all__ = [
     "check_virtual_sources",
     "publish",
     "rank_rows",
+    "raised_together",
     "read_dataset",
+    "leave_open",
     "recorded",
     "replay",
     "resolve_files",

@@ -31,3 +31,19 @@ class CheckpointError(MpiscaleError, RuntimeError):
 
 class LockedError(MpiscaleError, RuntimeError):
     """Another job holds the checkpoint directory or results file this one was given."""
+
+
+def raised_together(error: BaseException | None) -> bool:
+    """Whether a loop that ``error`` ended (None: none) ended on every rank alike, so that collective clean-up, such
+    as closing a file opened with MPI-IO, may follow: no error, a stop or cancellation, or an error every rank
+    raises together (a refusal, an agreed failure, a failed write or checkpoint). Not after an error that may be
+    this rank's alone (a GPU out of memory on one rank, a row it cannot read): the others may wait in a collective
+    of their own, a collective close waits for them forever, and the error is never reported."""
+    from ..ranks import AgreedError
+    from ..runtime import JobRefused
+
+    return (
+        error is None
+        or not isinstance(error, Exception)
+        or isinstance(error, (JobRefused, AgreedError, WriteError, CheckpointError))
+    )

@@ -15,10 +15,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..io import Checkpointer, CheckpointError, DataFileError, OutputLock, Restored, WriteError
+from ..io import Checkpointer, CheckpointError, DataFileError, OutputLock, Restored, raised_together
 from ..jobs import Ended, Plan, claim_outputs, restore_compatible, write_results
 from ..kernels.threads import share_cores
-from ..ranks import AgreedError, Comm, ranks_sharing_cores
+from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from ..words import counted
 from .batches import Reader, TrainingSteps, training_steps, uses_samples
@@ -262,22 +262,10 @@ def restored_training(
     return restored
 
 
-#: Errors every rank raises together (refusals, agreed failures, a write or checkpoint that failed): after them
-#: the readers' files may be closed, which is collective; after any other, they are left open (``close_reader``).
-RAISED_TOGETHER = (JobRefused, AgreedError, WriteError, CheckpointError)
-
-
-def ended_together(error: BaseException | None) -> bool:
-    """Whether the training loop ended on every rank alike (no error, a stop, an error of ``RAISED_TOGETHER``), so
-    that collective clean-up may follow; not after an error that may be this rank's alone (a GPU out of memory on
-    one rank, a bad row): the others wait in the step's allreduce, and a collective close waited for them forever,
-    the job hung with its error unsaid."""
-    return error is None or not isinstance(error, Exception) or isinstance(error, RAISED_TOGETHER)
-
-
 def close_reader(reader: Reader, error: BaseException | None) -> None:
-    """Close a training loop's reader as the loop ends, or leave its files open where it did not end together."""
-    if ended_together(error):
+    """Close a training loop's reader as the loop ends, or leave its files open where it did not end on every rank
+    alike (``io.raised_together``): the other ranks may wait in the step's allreduce."""
+    if raised_together(error):
         reader.close()
     else:
         reader.abandon()

@@ -6,11 +6,12 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_ok, cli_rank_pids, finish, launch, run_alone, run_cli, wait_for_output
+from helpers import assert_ok, cli_rank_pids, finish, launch, run_alone, run_cli, run_mpi, wait_for_output
 
 from mpiscale.dictlearn import lasso_encode, load_codes, load_results, omp_encode
 from mpiscale.dictlearn.synthetic import planted_dictionary
@@ -146,6 +147,20 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         codes = load_codes(str(out))
         assert np.array_equal(codes.indptr, expected.indptr) and np.array_equal(codes.indices, expected.indices)
         assert np.abs(codes.data - expected.data).max() < 1e-12 and not kept.exists()
+
+
+def test_an_error_in_one_ranks_coding_ends_the_job_with_its_report(learned, tmp_path):
+    """Rank 1's coding raises in its second round (a GPU out of memory on one rank): the steps closed the data set
+    as the error left them, a collective close with MPI-IO, while rank 0 waited in the round's write: the job hung
+    with the error unsaid. It ends now with rank 1's report."""
+    folder, _, _ = learned
+    started = time.monotonic()
+    job = run_mpi("one_rank_fails.py", 2, "mpiscale.dictlearn.encode", "omp_rows", "2", "encode", "--dictionary",
+                  str(folder / "dictionary.h5"), "--data", f"{folder / 'signals.h5'}:/X", "--batch-size", "100",
+                  "--out", str(tmp_path / "codes.h5"), timeout=120)  # fmt: skip
+    assert job.returncode != 0 and time.monotonic() - started < 60, job.output[-3000:]
+    assert "job failed on rank 1 of 2" in job.stderr and "CUDA out of memory (planted on rank 1" in job.stderr
+    assert not (tmp_path / "codes.h5").exists()
 
 
 def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):

@@ -253,7 +253,8 @@ def test_an_error_in_one_ranks_step_ends_the_job_with_its_report(tmp_path, pipel
     rng = np.random.default_rng(3)
     data = user_file(tmp_path / "mine.h5", rng.random((600, 5)), rng.integers(0, 2, 600))
     started = time.monotonic()
-    job = run_mpi("train_step_fails.py", 2, "train", "--data", data, "--inputs", "images", "--labels", "target",
+    job = run_mpi("one_rank_fails.py", 2, "torch.nn.functional", "cross_entropy", "3", "train", "--data", data,
+                  "--inputs", "images", "--labels", "target",
                   "--hidden", "8", "--batch-size", "50", "--progress-every", "0", "--out", str(tmp_path / "m.h5"),
                   *map(str, pipeline), timeout=120)  # fmt: skip
     assert job.returncode != 0 and time.monotonic() - started < 60, job.output[-3000:]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.optim import Adam
 
-from ...io import Checkpointer, OutputLock
+from ...io import Checkpointer, OutputLock, raised_together
 from ...jobs import (
     Ended,
     HeldOutputs,
@@ -52,7 +52,6 @@ from ..preparation import (
     claim_training_outputs,
     close_reader,
     compatibility,
-    ended_together,
     finish_training,
     prepare_data,
     progress_text,
@@ -278,7 +277,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
     finally:
         if reader is not None:
             close_reader(reader, failure)
-        if edge is not None and ended_together(failure):  # (freeing it may wait for the others)
+        if edge is not None and raised_together(failure):  # (freeing it may wait for the others)
             edge.comm.Free()
 
 
