@@ -20,7 +20,7 @@ import os
 import h5py
 import numpy as np
 
-from ..ranks import AgreedError, AnyComm, agree, as_mpi, size_and_rank
+from ..ranks import AgreedError, AnyComm, Comm, agree, as_mpi, size_and_rank
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import write_rows
@@ -155,18 +155,22 @@ class RowWriter:
 
     def write(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
-        assert self.file is not None, "write after close"
-        failure = None
-        try:
-            for name, rows in arrays.items():
-                write_rows(self.file[name], start, np.asarray(rows), self.comm)
-        except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
-            failure = error
-        self._agree(failure)
+        self._agree(self._written(start, arrays, self.comm))
 
     def write_replicated(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write whole arrays every rank holds (collective): rank 0 writes them, the others take part with no rows."""
-        self.write(0, arrays if self.rank == 0 else {name: array[:0] for name, array in arrays.items()})
+        """Write whole arrays every rank holds (collective): rank 0 writes them alone, with independent I/O (the
+        other ranks would only take part with no rows), and every rank learns whether that failed."""
+        self._agree(self._written(0, arrays, None) if self.rank == 0 else None)
+
+    def _written(self, start: int, arrays: dict[str, np.ndarray], comm: Comm | None) -> BaseException | None:
+        """Write ``arrays`` at row ``start``, collective over ``comm`` when given; the failure, or None."""
+        assert self.file is not None, "write after close"
+        try:
+            for name, rows in arrays.items():
+                write_rows(self.file[name], start, np.asarray(rows), comm)
+        except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
+            return error
+        return None
 
     def close(self, name: str | os.PathLike | None = None) -> None:
         """Flush and put the file in place (collective); ``name``: under that name instead (an unfinished file a
