@@ -14,14 +14,14 @@ import asyncio
 
 import numpy as np
 
-from ..io import ShardedDataset, fixed_strings
+from ..io import fixed_strings
 from ..runtime import ActorSystem
 from ..words import counted
 from .catalogue import Catalogue
 from .config import CircuitsRunConfig
 from .graph import CompiledGraph, build_graph, place
 from .plan import load_plan
-from .work import Inputs, Write
+from .work import BatchRows, Inputs, Write
 
 
 def plan_work(
@@ -67,7 +67,7 @@ class PlanRun:
     async def start(self) -> None:
         await self.compiled.start()
 
-    async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
+    async def step(self, batches: list[int], data: BatchRows, inputs: Inputs) -> tuple[list[Write], str | None]:
         def rows_of(batch: int) -> np.ndarray | None:
             if not self.compiled.reads_input:
                 return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import DataFileError, ShardedDataset, fixed_strings
+from ..io import DataFileError, fixed_strings
 from ..runtime import ActorSystem
 from ..train import rows_refused
 from ..words import counted
@@ -23,7 +23,7 @@ from .catalogue import Catalogue, LayerCircuits
 from .config import CircuitsRunConfig
 from .filters import Filter, check_filters, matching, parse_filters
 from .prefix import ModelRunner
-from .work import Inputs, Write
+from .work import BatchRows, Inputs, Write
 
 
 @dataclass
@@ -104,7 +104,7 @@ class AllFeatures:
     async def start(self) -> None:
         pass
 
-    async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
+    async def step(self, batches: list[int], data: BatchRows, inputs: Inputs) -> tuple[list[Write], str | None]:
         rank = self.system.rank
         lo, hi = inputs.bounds(batches[rank] if rank < len(batches) else None)
         rows = np.asarray(data.read_collective(lo, hi)).reshape(hi - lo, self.width)  # each model takes its type

@@ -47,6 +47,7 @@ from ..kernels.threads import share_cores
 from ..ranks import Comm, on_rank_0, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from .config import RESULT_SETTINGS, CircuitsRunConfig
+from .data_digests import DIGESTS, DigestingReader, first_changed_batch
 from .work import Inputs, Work
 
 FEATURES_FORMAT = "mpiscale.circuit-features/1"
@@ -66,6 +67,7 @@ class _Run(HeldOutputs):
     inputs: Inputs
     pending: list[int]  # the batches still to run
     done: np.ndarray  # every batch's flag (rank 0 writes them)
+    digests: np.ndarray | None  # every written batch's data digest (None: resuming a file of a version without them)
     kept: str | None  # the earlier run's file this one resumes
     results_lock: OutputLock | None
     plan: Plan
@@ -90,8 +92,9 @@ class _Run(HeldOutputs):
             announce("resumed", f"from {self.kept} after {done} batches")
             return 0
         layout = self.work.layout(self.inputs.samples)
-        layout |= {"sample_ids": ((self.inputs.samples,), np.dtype(np.int64)), "done": ((len(self.done),),
-                                                                                       np.dtype(np.int8))}  # fmt: skip
+        batches = (len(self.done),)
+        layout |= {"sample_ids": ((self.inputs.samples,), np.dtype(np.int64)), "done": (batches, np.dtype(np.int8)),
+                   DIGESTS: (batches, np.dtype(np.uint64))}  # fmt: skip
         replicated = self.work.replicated()
         layout |= {name: (array.shape, array.dtype) for name, array in replicated.items()}
         attrs = {"catalogue": os.path.abspath(self.config.catalogue), "plan_sha256": self.work.sha256,
@@ -99,7 +102,8 @@ class _Run(HeldOutputs):
                  "device": self.devices}  # fmt: skip
         try:
             self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT)
-            self.writer.write_replicated(replicated | {"done": self.done})
+            assert self.digests is not None, "a new file keeps the digests"
+            self.writer.write_replicated(replicated | {"done": self.done, DIGESTS: self.digests})
             self.writer.flush()  # every data set's metadata is on disk: a kill from now on loses no more than a step
         except WriteError as error:
             raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
@@ -108,17 +112,23 @@ class _Run(HeldOutputs):
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
         per_step = self.work.per_step
         with ShardedDataset(self.inputs.path, self.inputs.name, self.comm) as data:
+            reader = DigestingReader(data, self.inputs)
             for step in range(start, self.plan.total):
                 batches = self.pending[step * per_step : (step + 1) * per_step]
-                writes, failure = await self.work.step(batches, data, self.inputs)
+                writes, failure = await self.work.step(batches, reader, self.inputs)
                 problem = DataFileError(self.inputs.path, failure, self.inputs.name) if failure else None
                 await self.system.agree(problem, f"step {step + 1}")
+                digests = reader.gather(self.comm)  # (rank 0 writes them)
                 try:
                     for name, first, rows in writes:
                         self._writer.write(first, {name: rows})
                     self._writer.flush()
                     self.done[batches] = 1
-                    self._writer.write_replicated({"done": self.done})
+                    flags = {"done": self.done}
+                    if self.digests is not None:
+                        self.digests[list(digests)] = list(digests.values())
+                        flags = {DIGESTS: self.digests} | flags  # written first: a flag without its digest is unchecked
+                    self._writer.write_replicated(flags)
                     self._writer.flush()
                 except WriteError as error:
                     raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
@@ -193,22 +203,37 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
     try:
         batches = -(-shape[0] // config.batch_size)
         # rank 0 judges the earlier run's file; its refusal ends every rank alike
-        kept, pending = on_rank_0(comm, lambda: _earlier_run(config, work, shape[0], batches))
+        kept, pending, digests = on_rank_0(comm, lambda: _earlier_run(config, work, shape[0], batches))
+        done = np.ones(batches, np.int8)
+        done[pending] = 0
+        if kept is not None and digests is not None:
+            _check_written_data(kept, inputs, [int(b) for b in np.flatnonzero(done)], digests, comm)
     except BaseException:
         give_back(lock)
         raise
-    done = np.ones(batches, np.int8)
-    done[pending] = 0
     plan = Plan("step", "samples", -(-len(pending) // work.per_step), config.progress_every, saves=True)
-    return _Run(system, config, comm, work, inputs, pending, done, kept, lock, plan, recorded_devices(device, comm))
+    return _Run(system, config, comm, work, inputs, pending, done, digests, kept, lock, plan,
+                recorded_devices(device, comm))  # fmt: skip
+
+
+def _check_written_data(kept: str, inputs: Inputs, written: list[int], digests: np.ndarray, comm: Comm) -> None:
+    """Refuse a resume on data other than the written batches came from (collective: the ranks share the reading)."""
+    changed = first_changed_batch(inputs, written, digests, comm)
+    if changed is not None:
+        lo, hi = inputs.bounds(changed)
+        raise DataFileError(kept, f"cannot be resumed on this data: rows {lo}..{hi - 1} of {inputs.path}:/"
+                                  f"{inputs.name} differ from those its batch {changed} was computed from (the data "
+                                  "was written again, or replaced): resume on the data it ran on, or remove it to "
+                                  "start over")  # fmt: skip
 
 
 def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: int) -> tuple:
-    """(the earlier run's file to resume or None, the batches still to run); refuses what cannot be resumed."""
+    """(the earlier run's file to resume or None, the batches still to run, the written batches' data digests: None
+    where that file keeps none); refuses what cannot be resumed."""
     partial_file, killed = kept_name(config.out), f"{config.out}.tmp"
     kept = partial_file if os.path.exists(partial_file) else killed if os.path.exists(killed) else None
     if kept is None:
-        return None, list(range(batches))
+        return None, list(range(batches)), np.zeros(batches, np.uint64)
     done = _written_batches(kept)
     if not config.resume:
         raise ValueError(f"{kept} holds {int(done.sum()) if done is not None else 'some'} written batches of an "
@@ -222,6 +247,7 @@ def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: i
         replicated = {name: file[name][()] for name in work.replicated()}
         plan_sha256 = str(file.attrs.get("plan_sha256", ""))
         rows = file["sample_ids"].shape[0]
+        digests = file[DIGESTS][()] if DIGESTS in file else None  # (files of earlier versions keep none)
     changed = setting_differences(stored, {key: getattr(config, key) for key in RESULT_SETTINGS}, "stopped run")
     for name, now in work.replicated().items():
         why = work.what_changed(name)
@@ -234,7 +260,7 @@ def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: i
     if changed:
         raise ValueError(f"{kept} cannot be resumed with other settings ({'; '.join(changed)}): run it as it was, "
                          "or remove it to start over")  # fmt: skip
-    return kept, [int(b) for b in np.flatnonzero(done == 0)]
+    return kept, [int(b) for b in np.flatnonzero(done == 0)], digests
 
 
 def _written_batches(path: str) -> np.ndarray | None:

@@ -8,8 +8,6 @@ from typing import Protocol
 
 import numpy as np
 
-from ..io import ShardedDataset
-
 Write = tuple[str, int, np.ndarray]  # (data set, first row, rows)
 
 
@@ -28,6 +26,18 @@ class Inputs:
             return 0, 0
         lo = batch * self.batch_size
         return lo, min(lo + self.batch_size, self.samples)
+
+
+class BatchRows(Protocol):
+    """Where a ``Work`` reads its batches' rows (the job keeps each batch's digest as it passes)."""
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` (independent I/O)."""
+        ...
+
+    def read_collective(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` with collective I/O (every rank calls, with any range)."""
+        ...
 
 
 class Work(Protocol):
@@ -50,7 +60,7 @@ class Work(Protocol):
 
     async def start(self) -> None: ...
 
-    async def step(self, batches: list[int], data: ShardedDataset, inputs: Inputs) -> tuple[list[Write], str | None]:
+    async def step(self, batches: list[int], data: BatchRows, inputs: Inputs) -> tuple[list[Write], str | None]:
         """This rank's rows of the step's ``batches`` as writes in an order every rank shares (a rank with no rows
         writes none), and the first failure this rank saw (collective)."""
         ...

@@ -30,12 +30,18 @@ class Fingerprint:
 
     def add(self, first_row: int, rows: np.ndarray) -> None:
         """Add ``rows`` (2-D: rows x values, any numeric dtype), the first of which is row ``first_row`` of the data."""
+        self._sum = (self._sum + self.weigh(first_row, rows)) % 2**64
+
+    def weigh(self, first_row: int, rows: np.ndarray) -> int:
+        """The sum ``add`` would add for ``rows``, without adding it: the digest of those rows alone (below 2**64)."""
+        total = 0
         for start in range(0, len(rows), _ROWS_AT_ONCE):
             part = np.ascontiguousarray(rows[start : start + _ROWS_AT_ONCE], dtype=np.float64).view(np.uint64)
             weighed = part @ self._column_weights(part.shape[1])  # (integer products and sums wrap at 2**64)
             numbers = np.arange(first_row + start, first_row + start + len(part), dtype=np.uint64)
             row_weights = numbers * _ROW_MIX + _ROW_SALT | np.uint64(1)
-            self._sum = (self._sum + int((weighed * row_weights).sum(dtype=np.uint64))) % 2**64
+            total += int((weighed * row_weights).sum(dtype=np.uint64))
+        return total % 2**64
 
     def digest(self, comm: Comm, *parts: object) -> str:
         """The data's digest (collective): every rank's sum, with ``parts`` (shapes, say) that must match too."""

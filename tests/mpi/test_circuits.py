@@ -440,6 +440,59 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
         np.testing.assert_allclose(file["features"][()], expected, rtol=1e-4, atol=TANH_CHAIN_ATOL)
 
 
+def test_a_resume_refuses_data_written_again_with_other_values_in_its_written_batches(pipeline, tmp_path):
+    """A run on 2 ranks meets a NaN in batch 7 and keeps batches 0-5. The data written again with the NaN fixed
+    and one value of batch 2 changed is refused, naming the batch's rows, and leaves the kept file as it was; the
+    data written again as it was resumes on 3 ranks to the features of the clean data. A kept file of a version
+    without digests resumes too."""
+    small = ModelRef.of(str(pipeline / "small.pt"), "torchscript", DIGITS, "float32")
+    add_circuits(str(tmp_path / "c.h5"), NewCircuits(small, "", [f"s/{j}" for j in range(5)], np.eye(5), "test"))
+    clean = digits(pipeline)[:1000].copy()
+
+    def write(inputs: np.ndarray) -> None:
+        with h5py.File(tmp_path / "d.h5", "w") as file:  # a user's preprocessing, run again
+            file["X"] = inputs
+
+    broken = clean.copy()
+    broken[700, 5] = np.nan
+    write(broken)
+    common = ["circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", f"{tmp_path / 'd.h5'}:/X",
+              "--all-features", "--batch-size", 100, "--out", tmp_path / "f.h5"]  # fmt: skip
+    failed = run_cli(2, *common, timeout=90)
+    assert failed.returncode == 2 and "sample 700 gives NaN" in failed.stderr, failed.output[-3000:]
+    kept = tmp_path / "f.h5.tmp"
+    with h5py.File(kept, "r") as file:
+        assert file["done"][()].tolist() == [1] * 6 + [0] * 4
+    shutil.copy(kept, tmp_path / "older.h5.tmp")
+    before = kept.read_bytes()
+
+    changed = clean.copy()
+    changed[250, 3] += 1.0 / 16  # one pixel of batch 2, written before
+    write(changed)
+    refused = run_cli(2, *common, "--resume", timeout=90)
+    assert refused.returncode == 2, refused.output[-3000:]
+    assert f"cannot be resumed on this data: rows 200..299 of {tmp_path / 'd.h5'}:/X differ from those its batch 2 " \
+           "was computed from" in refused.stderr, refused.stderr  # fmt: skip
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert kept.read_bytes() == before
+
+    write(clean)
+    resumed = run_cli(3, *common, "--resume", timeout=90)
+    assert_ok(resumed)
+    assert f"resumed from {kept}: 6 of 10 batches were written" in resumed.stdout
+    with torch.no_grad():
+        expected = Small().eval()(torch.from_numpy(clean)).numpy()
+    with h5py.File(tmp_path / "f.h5", "r") as file:
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-5, atol=1e-6)
+
+    with h5py.File(tmp_path / "older.h5.tmp", "a") as file:
+        del file["data_digests"]  # as an earlier version wrote it
+    older = run_alone(*common[:-1], tmp_path / "older.h5", "--resume")
+    assert_ok(older)
+    with h5py.File(tmp_path / "older.h5", "r") as file:
+        np.testing.assert_allclose(file["features"][()], expected, rtol=1e-5, atol=1e-6)
+
+
 PLAN = """
 outputs = ["gate", "gap", "both"]
 
@@ -544,7 +597,8 @@ class Picky(torch.nn.Module):
 def test_a_node_failing_on_one_rank_ends_the_plan_on_every_rank_with_its_message(pipeline, tmp_path):
     """A user's module raises on one batch in its model's node on rank 0; the failure travels in place of the value
     along the edges to the nodes on rank 1: the job ends at once with exit 2 and the node's message, and keeps the
-    batches written before. With the data cleaned, --resume on 3 ranks places the plan anew and finishes it."""
+    batches written before. Data with a value changed in a written batch is refused; with the data cleaned,
+    --resume on 3 ranks places the plan anew and finishes it."""
     torch.jit.save(torch.jit.script(Picky()), tmp_path / "picky.pt")
     model = ModelRef.of(str(tmp_path / "picky.pt"), "torchscript", DIGITS, "float32")
     add_circuits(str(tmp_path / "c.h5"), NewCircuits(model, "", ["p0", "p1", "p2"], np.eye(3), "test"))
@@ -580,26 +634,18 @@ inputs = ["head"]
     with h5py.File(tmp_path / "o.h5.tmp", "r") as file:
         done = file["done"][()]
         assert done[:4].all() and not done[7]  # the steps before the failing one are kept for --resume
+    resume = ["circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", data, "--plan", tmp_path / "plan.toml",
+              "--out", tmp_path / "o.h5", "--batch-size", 100, "--resume"]  # fmt: skip
+    other = inputs.copy()
+    other[399, 0] += 1  # a value of a batch written (the last row of batch 3): other data, refused
+    with h5py.File(tmp_path / "d.h5", "w") as file:
+        file["X"] = other
+    refused = run_cli(2, *resume, timeout=90)
+    assert refused.returncode == 2 and "rows 300..399" in refused.stderr, refused.output[-3000:]
     inputs[700, 5] = 0.0  # the data cleaned: the plan resumes on 3 ranks, placed anew (the batches are global)
     with h5py.File(tmp_path / "d.h5", "w") as file:
         file["X"] = inputs
-    resumed = run_cli(
-        3,
-        "circuits",
-        "run",
-        "--catalogue",
-        tmp_path / "c.h5",
-        "--data",
-        data,
-        "--plan",
-        tmp_path / "plan.toml",
-        "--out",
-        tmp_path / "o.h5",
-        "--batch-size",
-        100,
-        "--resume",
-        timeout=90,
-    )
+    resumed = run_cli(3, *resume, timeout=90)
     assert_ok(resumed)
     with h5py.File(tmp_path / "o.h5", "r") as file:
         np.testing.assert_allclose(file["outputs/out"][()], inputs[:, :3].sum(axis=1, keepdims=True).repeat(2, 1),

@@ -39,3 +39,15 @@ def test_the_values_count_not_their_storage():
     fingerprint = Fingerprint()
     fingerprint.add(0, tokens)
     assert fingerprint.digest(MPI.COMM_SELF, (200, 3)) != fingerprint.digest(MPI.COMM_SELF, (100, 6))
+
+
+def test_a_block_weighed_alone_is_what_adding_it_adds():
+    """``weigh`` is a block's own digest (what circuits run keeps per batch): the blocks' weights add up to the
+    whole's sum, and it adds nothing to the fingerprint."""
+    rows = np.random.default_rng(2).standard_normal((300, 4))
+    fingerprint = Fingerprint()
+    parts = [fingerprint.weigh(first, rows[first : first + 100]) for first in (0, 100, 200)]
+    fingerprint.add(0, rows)
+    assert sum(parts) % 2**64 == fingerprint.weigh(0, rows)
+    assert fingerprint.digest(MPI.COMM_SELF) == digest((0, rows))
+    assert fingerprint.weigh(100, rows[100:200]) == parts[1] != fingerprint.weigh(101, rows[100:200])
