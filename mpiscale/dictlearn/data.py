@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, DataFileError, Fingerprint, ShardedDataset, rank_rows, read_dataset
+from ..io import BatchReader, DataFileError, Fingerprint, ShardedDataset, rank_rows, read_dataset, refuse_unreadable
 from ..ranks import Comm
 
 _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
@@ -87,9 +87,7 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
             elif rows.size:
                 largest = max(largest, float(np.abs(rows).max()))
     first_bad = comm.allreduce(first_bad, op=MPI.MIN)
-    damaged = [found for found in comm.allgather(unreadable) if found is not None]
-    if damaged:
-        raise min(damaged, key=lambda found: found[0])[1]
+    refuse_unreadable(comm, unreadable)
     digest = fingerprint.digest(comm, samples, features)
     if first_bad < samples:
         raise DataFileError(path, f"signal {first_bad} holds NaN or infinite values; clean the data first", name)

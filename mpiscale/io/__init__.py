@@ -4,7 +4,7 @@ from ..ranks import rank_rows
 from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
-from .errors import CheckpointError, DataFileError, LockedError, WriteError, raised_together
+from .errors import CheckpointError, DataFileError, LockedError, WriteError, raised_together, refuse_unreadable
 from .fingerprint import Fingerprint
 from .h5file import (
     DATASET_FORMAT,
@@ -75,6 +75,7 @@ __all__ = [
     "rank_rows",
     "raised_together",
     "read_dataset",
+    "refuse_unreadable",
     "leave_open",
     "recorded",
     "replay",

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from ..errors import MpiscaleError
+
+if TYPE_CHECKING:
+    from ..ranks import Comm
 
 
 class DataFileError(MpiscaleError, ValueError):
@@ -19,6 +23,15 @@ class DataFileError(MpiscaleError, ValueError):
 
     def __reduce__(self):  # travels between ranks (one rank lists the files, all raise)
         return type(self), (self.path, self.message, self.dataset)
+
+
+def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) -> None:
+    """Raise on every rank the error of the first rows any rank could not read (collective; ``unreadable``: this
+    rank's first, as (row, error), or None). For reads without collectives (compressed, ``.npy``, virtual), where a
+    rank that failed went on: the others are never left waiting in the next collective for a rank that raised."""
+    found = [each for each in comm.allgather(unreadable) if each is not None]
+    if found:
+        raise min(found, key=lambda each: each[0])[1]
 
 
 class WriteError(MpiscaleError, OSError):

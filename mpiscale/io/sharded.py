@@ -22,7 +22,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .errors import DataFileError
+from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
     check_array,
@@ -377,4 +377,13 @@ def read_dataset(
     with ShardedDataset(path, name, comm, dtype, row_shape) as data:
         size, rank = size_and_rank(comm)
         start, stop = rank_rows(len(data), size, rank)
-        return data.read_collective(start, stop) if comm is not None else data.read(start, stop)
+        if comm is None or not data.reads_independently:
+            return data.read_collective(start, stop) if comm is not None else data.read(start, stop)
+        rows, unreadable = None, None
+        try:
+            rows = data.read_collective(start, stop)
+        except DataFileError as error:  # (a damaged chunk on this rank's rows: refused on every rank alike)
+            unreadable = (start, error)
+        refuse_unreadable(comm, unreadable)
+        assert rows is not None, "read, or refused on every rank"
+        return rows

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..io import DataFileError, Fingerprint, RaggedDataset, ShardedDataset, is_variable_length, read_dataset
+from ..io import (
+    DataFileError,
+    Fingerprint,
+    RaggedDataset,
+    ShardedDataset,
+    is_variable_length,
+    read_dataset,
+    refuse_unreadable,
+)
 from ..ranks import Comm, rank_rows
 
 SCAN_SAMPLES = 4096  # ragged inputs' samples checked at once
@@ -107,11 +115,17 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
         starts = np.concatenate([[0], np.cumsum(lengths)])  # each sequence's first token among all tokens
         span = np.array([np.inf, np.inf])  # (lowest, -highest)
         fingerprint = Fingerprint()
+        unreadable = None
         for at in range(start, stop, SCAN_SAMPLES):
-            values = data.read(np.arange(at, min(stop, at + SCAN_SAMPLES))).values
+            try:  # (each rank reads alone: a rank that cannot read its rows goes on to the agreement below)
+                values = data.read(np.arange(at, min(stop, at + SCAN_SAMPLES))).values
+            except DataFileError as error:
+                unreadable = (at, error)
+                break
             fingerprint.add(int(starts[at]), values.reshape(-1, 1))
             if len(values):
                 span = np.minimum(span, [values.min(), -values.max()])
+    refuse_unreadable(comm, unreadable)
     comm.Allreduce(MPI.IN_PLACE, span, op=MPI.MIN)
     if not len(lengths):
         raise DataFileError(path, "holds no sequences", name)

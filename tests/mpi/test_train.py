@@ -316,6 +316,44 @@ def test_a_resume_on_inputs_or_labels_written_again_is_refused(tmp_path):
     assert "resumed from the checkpoint of step" in resumed.stdout
 
 
+def flip_a_bit(path, name: str, chunk: int) -> None:
+    """Damage chunk ``chunk`` of ``name`` on disk, as a failing disk or a bad copy does."""
+    with h5py.File(path, "r") as file:
+        at = file[name].id.get_chunk_info(chunk).byte_offset + 10
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)[0]
+        file.seek(at)
+        file.write(bytes([byte ^ 0x10]))
+
+
+@pytest.mark.parametrize("damaged", ["inputs", "labels", "ragged"])
+def test_a_damaged_chunk_in_rank_1s_rows_is_refused_on_every_rank_at_once(tmp_path, damaged):
+    """A user's checksummed file (fletcher32, as h5py and netCDF4 users turn on) with a bit flipped in a chunk of
+    rank 1's rows: rank 1's check before any step failed alone while rank 0 waited in the check's next collective,
+    and the job was aborted after 10 s with a traceback (status 1). Every rank now refuses it in one line."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "mine.h5"
+    with h5py.File(path, "w") as file:
+        checked = {"chunks": (100,), "fletcher32": True}
+        if damaged == "ragged":
+            lengths = rng.integers(3, 12, 400)
+            file.create_dataset("X", data=rng.integers(0, 50, lengths.sum()).astype(np.int32), **checked)
+            file["starts"] = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            file["y"] = rng.integers(0, 3, 400)
+        else:
+            file.create_dataset("X", data=rng.standard_normal((2000, 8)), chunks=(100, 8), fletcher32=True)
+            file.create_dataset("y", data=rng.integers(0, 3, 2000), **checked)
+    flip_a_bit(path, "y" if damaged == "labels" else "X", 15)  # rows 1500..1599 (tokens, for ragged): rank 1's
+    ragged = ["--offsets", "starts", "--model", "transformer"] if damaged == "ragged" else []
+    job = mpiscale(2, "train", "--data", path, "--inputs", "X", "--labels", "y", *ragged, "--epochs", 1,
+                   "--progress-every", 0, "--out", tmp_path / "model.h5", timeout=60)  # fmt: skip
+    assert job.returncode == 2 and "Traceback" not in job.output, job.output[-3000:]
+    said = r"mine.h5:/?[Xy]: rows \d+\.\.\d+ cannot be read \(Can't read data \(data error detected by Fletcher32"
+    assert re.search(said, job.stderr) and job.stderr.count("mpiscale train:") == 1, job.stderr
+    assert not (tmp_path / "model.h5").exists()
+
+
 def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path):
     """A sensor's float64 readings of 1e4 +- 1e-3 and int64 Unix seconds +- 30 carry the class. Cast to float32
     before the standardisation, each was left a few levels (float32 steps by 128 at 1.7e9): held-out accuracy
