@@ -14,12 +14,12 @@ import asyncio
 
 import numpy as np
 
-from ..io import fixed_strings
+from ..io import DataFileError, fixed_strings
 from ..runtime import ActorSystem
 from ..words import counted
 from .catalogue import Catalogue
 from .config import CircuitsRunConfig
-from .graph import CompiledGraph, build_graph, place
+from .graph import CompiledGraph, Failed, build_graph, place
 from .plan import load_plan
 from .work import BatchRows, Inputs, Write
 
@@ -68,11 +68,14 @@ class PlanRun:
         await self.compiled.start()
 
     async def step(self, batches: list[int], data: BatchRows, inputs: Inputs) -> tuple[list[Write], str | None]:
-        def rows_of(batch: int) -> np.ndarray | None:
+        def rows_of(batch: int) -> np.ndarray | Failed | None:
             if not self.compiled.reads_input:
                 return None
             lo, hi = inputs.bounds(batch)
-            rows = np.asarray(data.read(lo, hi)).reshape(hi - lo, self.graph.input_width)
+            try:
+                rows = np.asarray(data.read(lo, hi)).reshape(hi - lo, self.graph.input_width)
+            except DataFileError as error:  # rows this rank cannot read: the failure travels in place of the value
+                return Failed(error.message)
             return rows.astype(np.float32) if rows.dtype.kind == "f" else rows
 
         results = await asyncio.gather(*(self.compiled.run_batch(b, rows_of(b)) for b in batches))

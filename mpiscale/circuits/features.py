@@ -107,8 +107,11 @@ class AllFeatures:
     async def step(self, batches: list[int], data: BatchRows, inputs: Inputs) -> tuple[list[Write], str | None]:
         rank = self.system.rank
         lo, hi = inputs.bounds(batches[rank] if rank < len(batches) else None)
-        rows = np.asarray(data.read_collective(lo, hi)).reshape(hi - lo, self.width)  # each model takes its type
         features, failure = np.empty((0, len(self.selection.names)), np.float32), None
+        try:
+            rows = np.asarray(data.read_collective(lo, hi)).reshape(hi - lo, self.width)  # each model takes its type
+        except DataFileError as error:  # rows this rank cannot read (a damaged chunk): the step fails on every rank
+            return [("features", lo, features), ("sample_ids", lo, np.empty(0, np.int64))], error.message
         try:
             values = self.selection.features(rows)
             bad = np.flatnonzero(~np.isfinite(values).all(axis=1))

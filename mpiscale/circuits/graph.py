@@ -285,9 +285,9 @@ class CompiledGraph:
         assembler = Assembler(lambda source, lane, batch, value: self.arrivals.put((batch, self._names[lane]), value))
         self._channel = await self.system.channel(f"{name}.values", assembler.part)
 
-    async def run_batch(self, batch: int, rows: np.ndarray | None) -> tuple[dict[str, np.ndarray], str | None]:
-        """This rank's nodes on batch ``batch`` (``rows``: the data, where a node here reads it): the values of
-        the outputs this rank holds, and the first failure seen here (None: none)."""
+    async def run_batch(self, batch: int, rows: np.ndarray | Failed | None) -> tuple[dict[str, np.ndarray], str | None]:
+        """This rank's nodes on batch ``batch`` (``rows``: the data, where a node here reads it, or why it could not
+        be read): the values of the outputs this rank holds, and the first failure seen here (None: none)."""
         assert self.inboxes is not None and self._channel is not None, "start the graph first"
         values: dict[str, object] = {INPUT: rows}
         arrivals, sends = self.arrivals, self.sends

@@ -493,6 +493,32 @@ def test_a_resume_refuses_data_written_again_with_other_values_in_its_written_ba
         np.testing.assert_allclose(file["features"][()], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("work", ["--all-features", "--plan"])
+def test_rows_one_rank_cannot_read_end_the_run_on_every_rank_in_one_line(pipeline, tmp_path, work):
+    """A user's checksummed data with a bit flipped in batch 7's chunk, which rank 1 reads: it raised alone while
+    rank 0 waited for the step's agreement, and the job was aborted after 10 s with two tracebacks (status 1). The
+    step fails on every rank with the file, the rows and HDF5's words (status 2); the batches before stay kept."""
+    small = ModelRef.of(str(pipeline / "small.pt"), "torchscript", DIGITS, "float32")
+    add_circuits(str(tmp_path / "c.h5"), NewCircuits(small, "", [f"s/{j}" for j in range(5)], np.eye(5), "test"))
+    with h5py.File(tmp_path / "d.h5", "w") as file:
+        file.create_dataset("X", data=digits(pipeline)[:1000], chunks=(100, DIGITS), fletcher32=True)
+        at = file["X"].id.get_chunk_info(7).byte_offset + 10
+    with open(tmp_path / "d.h5", "r+b") as file:  # a bit flipped on disk
+        file.seek(at)
+        byte = file.read(1)[0]
+        file.seek(at)
+        file.write(bytes([byte ^ 0x10]))
+    (tmp_path / "plan.toml").write_text('outputs = ["out"]\n[[node]]\nname = "out"\ncircuits = "name=s/*"\n')
+    chosen = ["--all-features"] if work == "--all-features" else ["--plan", tmp_path / "plan.toml", "--in-flight", 2]
+    job = run_cli(2, "circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", f"{tmp_path / 'd.h5'}:/X",
+                  *chosen, "--batch-size", 100, "--out", tmp_path / "f.h5", timeout=60)  # fmt: skip
+    assert job.returncode == 2 and "Traceback" not in job.output, job.output[-3000:]
+    assert "rows 700..799 cannot be read (Can't read data (data error detected by Fletcher32 checksum))" in (
+        job.stderr), job.stderr  # fmt: skip
+    with h5py.File(tmp_path / "f.h5.tmp", "r") as file:
+        assert file["done"][()][:6].all() and not file["done"][7]
+
+
 PLAN = """
 outputs = ["gate", "gap", "both"]
 
