@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..io import Fingerprint, ShardedDataset
+from ..io import DataFileError, Fingerprint, ShardedDataset, refuse_unreadable
 from ..ranks import Comm
 from .work import Inputs
 
@@ -52,12 +52,18 @@ def first_changed_batch(inputs: Inputs, written: list[int], stored: np.ndarray, 
     """The first of the ``written`` batches whose rows no longer give their ``stored`` digest, or None (collective:
     the ranks share the batches, each reading its own with independent I/O). A stored 0 is no digest (a kill
     between a step's digests and its flags reaching the disk): that batch is not checked."""
-    changed, fingerprint = None, Fingerprint()
+    changed, unreadable, fingerprint = None, None, Fingerprint()
     with ShardedDataset(inputs.path, inputs.name, comm) as data:
         for batch in written[comm.Get_rank() :: comm.Get_size()]:
             lo, hi = inputs.bounds(batch)
-            if stored[batch] and fingerprint.weigh(lo, data.read(lo, hi).reshape(hi - lo, -1)) != int(stored[batch]):
+            try:
+                rows = data.read(lo, hi) if stored[batch] else None
+            except DataFileError as error:  # (refused below on every rank: none waits for this one)
+                unreadable = (lo, error)
+                break
+            if rows is not None and fingerprint.weigh(lo, rows.reshape(hi - lo, -1)) != int(stored[batch]):
                 changed = batch
                 break
+    refuse_unreadable(comm, unreadable)
     found = [batch for batch in comm.allgather(changed) if batch is not None]
     return min(found) if found else None

@@ -182,8 +182,10 @@ def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
         for index in range(rounds):
             lo = min(start + index * config.batch_size, stop)
             hi = min(lo + config.batch_size, stop)
-            rows = _rows(job, data, lo, hi)
-            run_agreed(comm, f"round {index + 1}", partial(_check_rows, job, rows, lo), _BadRows)
+            read: list[np.ndarray | Ragged] = []
+            # agreed: rows one rank cannot read (a damaged chunk) must not leave the others waiting in the next round
+            run_agreed(comm, f"round {index + 1}", partial(_read_checked, job, data, lo, hi, read), _BadRows)
+            rows = read[0]
             captured: dict[str, np.ndarray] = {}
             # agreed: a failure on one rank must not leave the others waiting in the collective write
             run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}", partial(_capture, job, rows, captured))
@@ -207,6 +209,13 @@ def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> 
     if isinstance(data, RaggedDataset):
         return data.read(np.arange(lo, hi))
     return model_rows(np.asarray(data.read_collective(lo, hi)), job.dtype).reshape(hi - lo, job.features)
+
+
+def _read_checked(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int, out: list) -> None:
+    """Rows ``lo:hi`` read into ``out``, refused when they cannot be read or the model cannot take them."""
+    rows = _rows(job, data, lo, hi)
+    _check_rows(job, rows, lo)
+    out.append(rows)
 
 
 def _check_rows(job: _Job, rows: np.ndarray | Ragged, first: int) -> None:

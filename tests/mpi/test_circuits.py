@@ -500,14 +500,18 @@ def test_rows_one_rank_cannot_read_end_the_run_on_every_rank_in_one_line(pipelin
     step fails on every rank with the file, the rows and HDF5's words (status 2); the batches before stay kept."""
     small = ModelRef.of(str(pipeline / "small.pt"), "torchscript", DIGITS, "float32")
     add_circuits(str(tmp_path / "c.h5"), NewCircuits(small, "", [f"s/{j}" for j in range(5)], np.eye(5), "test"))
-    with h5py.File(tmp_path / "d.h5", "w") as file:
-        file.create_dataset("X", data=digits(pipeline)[:1000], chunks=(100, DIGITS), fletcher32=True)
-        at = file["X"].id.get_chunk_info(7).byte_offset + 10
-    with open(tmp_path / "d.h5", "r+b") as file:  # a bit flipped on disk
-        file.seek(at)
-        byte = file.read(1)[0]
-        file.seek(at)
-        file.write(bytes([byte ^ 0x10]))
+
+    def damaged(chunk: int) -> None:
+        with h5py.File(tmp_path / "d.h5", "w") as file:
+            file.create_dataset("X", data=digits(pipeline)[:1000], chunks=(100, DIGITS), fletcher32=True)
+            at = file["X"].id.get_chunk_info(chunk).byte_offset + 10
+        with open(tmp_path / "d.h5", "r+b") as file:  # a bit flipped on disk
+            file.seek(at)
+            byte = file.read(1)[0]
+            file.seek(at)
+            file.write(bytes([byte ^ 0x10]))
+
+    damaged(7)
     (tmp_path / "plan.toml").write_text('outputs = ["out"]\n[[node]]\nname = "out"\ncircuits = "name=s/*"\n')
     chosen = ["--all-features"] if work == "--all-features" else ["--plan", tmp_path / "plan.toml", "--in-flight", 2]
     job = run_cli(2, "circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", f"{tmp_path / 'd.h5'}:/X",
@@ -517,6 +521,13 @@ def test_rows_one_rank_cannot_read_end_the_run_on_every_rank_in_one_line(pipelin
         job.stderr), job.stderr  # fmt: skip
     with h5py.File(tmp_path / "f.h5.tmp", "r") as file:
         assert file["done"][()][:6].all() and not file["done"][7]
+    if work == "--all-features":  # the resume's check of the written batches reads them: rank 1 reads batch 3
+        damaged(3)
+        before = (tmp_path / "f.h5.tmp").read_bytes()
+        resumed = run_cli(2, "circuits", "run", "--catalogue", tmp_path / "c.h5", "--data", f"{tmp_path / 'd.h5'}:/X",
+                          *chosen, "--batch-size", 100, "--out", tmp_path / "f.h5", "--resume", timeout=60)  # fmt: skip
+        assert resumed.returncode == 2 and "rows 300..399 cannot be read" in resumed.stderr, resumed.output[-3000:]
+        assert resumed.stderr.count("\n") == 1 and (tmp_path / "f.h5.tmp").read_bytes() == before, resumed.stderr
 
 
 PLAN = """

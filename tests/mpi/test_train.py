@@ -538,6 +538,21 @@ def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):
     assert "Traceback" not in job.output and not (tmp_path / "a.h5").exists()
 
 
+def test_collect_refuses_rows_one_rank_cannot_read_in_a_later_round(tmp_path, one_process_model):
+    """A checksummed chunk damaged in rank 1's third round: rank 1 raised alone, closed its data set (collective with
+    MPI-IO) while rank 0 waited in the round's agreement, and the job hung until it was killed. Every rank now
+    stops with one message naming the file and the rows, status 2, no output."""
+    with h5py.File(tmp_path / "mine.h5", "w") as file:
+        file.create_dataset("images", data=np.random.default_rng(2).random((900, 64)).astype(np.float32),
+                            chunks=(50, 64), fletcher32=True)  # fmt: skip
+    flip_a_bit(tmp_path / "mine.h5", "images", 13)  # rows 650..699; rank 1's block is 450-899, rounds of 100 rows
+    job = mpiscale(2, "collect", "--model", one_process_model, "--data", f"{tmp_path / 'mine.h5'}:/images",
+                   "--batch-size", 100, "--out", tmp_path / "a.h5", timeout=60)  # fmt: skip
+    assert job.returncode == 2, job.output[-3000:]
+    assert "round 3 failed: rank 1: " in job.stderr and "rows 650..749 cannot be read" in job.stderr, job.stderr
+    assert "Traceback" not in job.output and not (tmp_path / "a.h5").exists()
+
+
 def test_collect_finds_the_training_data_from_another_directory(tmp_path):
     """A model trained in one directory is collected from another: the results file names its data absolutely;
     an older file naming it relative to where training ran gets a message that says so."""
