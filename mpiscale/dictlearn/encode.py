@@ -29,8 +29,7 @@ from ..io import (
     RowWriter,
     ShardedDataset,
     WriteError,
-    leave_open,
-    raised_together,
+    close_after,
     read_dataset,
     recorded,
     split_spec,
@@ -159,10 +158,7 @@ class _Encoding(HeldOutputs):
             failure = error
             raise
         finally:
-            if raised_together(failure):
-                data.close()
-            else:  # (its close is collective, and the other ranks may wait in this round's write)
-                leave_open(data)
+            close_after(data, failure)  # (the other ranks may wait in this round's write)
 
     def _code(self, gram: np.ndarray, signals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(values, their atoms, each row's end, the signals the codes rebuild) of this rank's signals: OMP keeps

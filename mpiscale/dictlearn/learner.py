@@ -21,7 +21,7 @@ from functools import partial
 
 import numpy as np
 
-from ..io import DATASET_FORMAT, BatchReader, Checkpointer, CheckpointError, OutputLock
+from ..io import DATASET_FORMAT, BatchReader, Checkpointer, CheckpointError, OutputLock, close_after
 from ..jobs import (
     Ended,
     HeldOutputs,
@@ -285,6 +285,7 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
         batches = online_batches(reader, info.name, start)
     previous_time = history.metrics["time_s"][-1] if history.metrics["time_s"] else 0.0
     clock = time.perf_counter()
+    failure: BaseException | None = None
     with blas_beside_numba():  # the coding on several threads, the products beside it on one
         try:
             for iteration in range(start, config.iterations):
@@ -322,10 +323,13 @@ async def _iterate(job: _Learning, start: int) -> AsyncGenerator[Step, None]:
                 reached = "target_error" if config.target_error and full_error <= config.target_error else None
                 yield Step(_progress_text(row), step.stats.sum("signals"), phases, reached)
                 clock += time.perf_counter() - updated  # evaluation, progress and checkpoints do not count as training
+        except BaseException as error:
+            failure = error
+            raise
         finally:
             if reader is not None:
                 await batches.aclose()
-                reader.close()
+                close_after(reader, failure)  # (after an error of this rank's alone, the others wait in the allreduce)
 
 
 def _progress_text(row: dict) -> str:

@@ -25,7 +25,7 @@ from .reader import Batch, BatchReader, epoch_order, epoch_plan
 from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
-from .sharded import ShardedDataset, leave_open, read_dataset, write_dataset, write_index
+from .sharded import ShardedDataset, close_after, leave_open, read_dataset, write_dataset, write_index
 from .sources import is_list_file, listed_paths, natural_key, resolve_files, same_file, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
@@ -76,6 +76,7 @@ __all__ = [
     "raised_together",
     "read_dataset",
     "refuse_unreadable",
+    "close_after",
     "leave_open",
     "recorded",
     "replay",

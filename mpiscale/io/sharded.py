@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import h5py
 import numpy as np
@@ -22,7 +23,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .errors import DataFileError, refuse_unreadable
+from .errors import DataFileError, raised_together, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
     check_array,
@@ -48,6 +49,24 @@ def leave_open(*held: object) -> None:
     collective of their own, so the close would wait forever and the error never be reported. The error ends the
     job (the runtime aborts every rank); meanwhile nothing closes them, the garbage collector included."""
     _LEFT_OPEN.extend(held)
+
+
+class Abandonable(Protocol):
+    """What holds files opened with MPI-IO: closed collectively, or abandoned after an error of one rank's."""
+
+    def close(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+
+def close_after(held: Abandonable, error: BaseException | None) -> None:
+    """Close ``held`` (a reader, a data set) as the loop that ``error`` ended (None: none) ends; or, where that
+    error may be this rank's alone (``raised_together``), abandon it: the other ranks may wait in a collective of
+    the loop, and the close, collective too, would wait for them forever with the error unsaid."""
+    if raised_together(error):
+        held.close()
+    else:
+        held.abandon()
 
 
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
@@ -357,6 +376,11 @@ class ShardedDataset:
         for source in self._sources:
             source.close()
         self._sources.clear()
+
+    def abandon(self) -> None:
+        """After an error that may be this rank's alone: leave the files open (``leave_open``), not closed
+        collectively."""
+        leave_open(self)
 
     def __enter__(self) -> ShardedDataset:
         return self

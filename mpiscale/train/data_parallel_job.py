@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..io import Checkpointer, OutputLock
+from ..io import Checkpointer, OutputLock, close_after
 from ..jobs import (
     Ended,
     HeldOutputs,
@@ -51,7 +51,6 @@ from .model import input_layout
 from .preparation import (
     checked_steps,
     claim_training_outputs,
-    close_reader,
     compatibility,
     finish_training,
     prepare_data,
@@ -236,7 +235,7 @@ async def _steps(job: _Training, start: int) -> AsyncGenerator[Step, None]:
         failure = error
         raise
     finally:
-        close_reader(reader, failure)
+        close_after(reader, failure)
 
 
 async def _score(

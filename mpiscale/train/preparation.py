@@ -15,13 +15,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..io import Checkpointer, CheckpointError, DataFileError, OutputLock, Restored, raised_together
+from ..io import Checkpointer, CheckpointError, DataFileError, OutputLock, Restored
 from ..jobs import Ended, Plan, claim_outputs, restore_compatible, write_results
 from ..kernels.threads import share_cores
 from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from ..words import counted
-from .batches import Reader, TrainingSteps, training_steps, uses_samples
+from .batches import TrainingSteps, training_steps, uses_samples
 from .bundled import write_digits, write_sequences
 from .config import TrainConfig
 from .curves import Curves
@@ -260,15 +260,6 @@ def restored_training(
     if restored is None and config.resume and checkpoints.rank == 0:
         log.warning("--resume: no checkpoint in %s, starting from the beginning", config.checkpoints)
     return restored
-
-
-def close_reader(reader: Reader, error: BaseException | None) -> None:
-    """Close a training loop's reader as the loop ends, or leave its files open where it did not end on every rank
-    alike (``io.raised_together``): the other ranks may wait in the step's allreduce."""
-    if raised_together(error):
-        reader.close()
-    else:
-        reader.abandon()
 
 
 def refuse_divergence(

@@ -147,6 +147,19 @@ def test_killed_run_resumes_on_another_world_size(tmp_path):
         assert np.array_equal(a["metrics"]["atom_usage"][()], b["metrics"]["atom_usage"][()])
 
 
+def test_an_error_in_one_ranks_coding_ends_the_job_with_its_report(tmp_path):
+    """Rank 1's coding raises in its third iteration (a GPU out of memory on one rank): the iterations closed their
+    reader as the error left them, a collective close with MPI-IO, while rank 0 waited in the iteration's allreduce:
+    the job hung with the error unsaid. It ends now with rank 1's report."""
+    started = time.monotonic()
+    planted = ("mpiscale.dictlearn.iteration", "omp_rows_gram", "3")  # rank 1 raises in its 3rd call
+    job = run_mpi("one_rank_fails.py", 2, *planted, "dictlearn", *KSVD, "--iterations", "50", "--progress-every", "0",
+                  "--out", str(tmp_path / "a.h5"), timeout=120)  # fmt: skip
+    assert job.returncode != 0 and time.monotonic() - started < 60, job.output[-3000:]
+    assert "job failed on rank 1 of 2" in job.stderr and "CUDA out of memory (planted on rank 1" in job.stderr
+    assert not (tmp_path / "a.h5").exists()
+
+
 def test_long_runs_keep_about_a_thousand_rows_of_metrics(tmp_path):
     out = tmp_path / "long.h5"
     assert_ok(dictlearn(2, out, *KSVD, "--iterations", "2500", "--checkpoint-every", "1000"))

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.optim import Adam
 
-from ...io import Checkpointer, OutputLock, raised_together
+from ...io import Checkpointer, OutputLock, close_after, raised_together
 from ...jobs import (
     Ended,
     HeldOutputs,
@@ -50,7 +50,6 @@ from ..model import build_model, input_layout
 from ..preparation import (
     checked_steps,
     claim_training_outputs,
-    close_reader,
     compatibility,
     finish_training,
     prepare_data,
@@ -276,7 +275,7 @@ async def _steps(job: _PipelineTraining, start: int) -> AsyncGenerator[Step, Non
         raise
     finally:
         if reader is not None:
-            close_reader(reader, failure)
+            close_after(reader, failure)
         if edge is not None and raised_together(failure):  # (freeing it may wait for the others)
             edge.comm.Free()
 
