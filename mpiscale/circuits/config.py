@@ -12,7 +12,9 @@ class CircuitsRunConfig:
     """Which circuits, on which data, into which file."""
 
     catalogue: str = option("", "the circuit catalogue (mpiscale circuits add writes it)")
-    data: str = option("", "the inputs: FILE.h5:/dataset (rows of what the circuits' models take), or FILE.npy")
+    data: str = option(
+        "", "the inputs: FILE.h5:/dataset (rows of what the circuits' models take), FILE.npy, or FILE.npz:/NAME"
+    )
     out: str = option("features.h5", "the output file: one column per circuit, one row per input")
     all_features: bool = option(
         False,

@@ -43,8 +43,8 @@ class DictLearnConfig:
     data: str = option(
         "",
         "signals, one per row: FILE.h5:/path/to/dataset (any HDF5 file; the dataset may be omitted when it is "
-        "the file's only one), a quoted glob 'run-*.h5:/X', a list FILES.txt:/X (one path a line), or FILE.npy; "
-        "empty = generate the planted synthetic set",
+        "the file's only one), a quoted glob 'run-*.h5:/X', a list FILES.txt:/X (one path a line), FILE.npy, or "
+        "FILE.npz:/NAME; empty = generate the planted synthetic set",
     )
     atoms: int = option(50, "dictionary size K")
     sparsity: int = option(3, "OMP: non-zeros per code L (the synthetic data use as many)")
@@ -175,7 +175,7 @@ class EncodeConfig:
     data: str = option(
         "",
         "signals to code, one per row: FILE.h5:/dataset (any HDF5 file), a quoted glob 'run-*.h5:/X', a list "
-        "FILES.txt:/X (one path a line), or FILE.npy",
+        "FILES.txt:/X (one path a line), FILE.npy, or FILE.npz:/NAME",
     )
     coder: str = option("omp", "omp (at most SPARSITY atoms, or to an error target) or lasso (L1 penalty alpha)")
     sparsity: int = option(0, "omp: atoms per code at most (0 = the sparsity the dictionary was learned with, or 3)")

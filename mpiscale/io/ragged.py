@@ -33,8 +33,9 @@ import numpy as np
 from ..ranks import AnyComm, Comm, as_mpi, on_rank_0, rank_rows, size_and_rank
 from .errors import DataFileError
 from .h5file import dataset, open_file
+from .numpy_files import is_npy, is_numpy_file
 from .sharded import ShardedDataset
-from .sources import in_native_order, is_npy, only_dataset, resolve_files, split_spec
+from .sources import in_native_order, only_dataset, resolve_files, split_spec
 
 MAPPED_FROM = 1 << 20  # arrays of at least this many bytes get a mapping of their own
 READ_TASKS = 32  # groups of runs of one batch read as separate tasks
@@ -170,8 +171,8 @@ class RaggedDataset:
     def _open_vlen(self, files: list[str]) -> None:
         first = 0
         for path in files:
-            if is_npy(path):
-                raise DataFileError(path, "is a .npy file of fixed rows: give its index with --offsets")
+            if is_numpy_file(path):
+                raise DataFileError(path, "is a NumPy file of fixed rows: give its index with --offsets")
             file = open_file(path)
             try:
                 name = self.name or only_dataset(path, file)
@@ -268,7 +269,7 @@ def _h5py_leaves_vlen_bytes_unswapped() -> bool:
 def is_variable_length(path: str, name: str) -> bool:
     """Whether ``name`` in the first HDF5 file ``path`` names is a variable-length data set (one process)."""
     first = resolve_files(os.fspath(path))[0]
-    if is_npy(first):
+    if is_numpy_file(first):
         return False
     with open_file(first) as file:
         return h5py.check_vlen_dtype(dataset(file, name or only_dataset(first, file)).dtype) is not None

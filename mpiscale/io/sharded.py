@@ -36,7 +36,8 @@ from .h5file import (
     settle_background_io,
     stamp,
 )
-from .sources import H5Source, NpySource, in_native_order, is_npy, only_dataset, resolve_files, same_file
+from .numpy_files import NpySource, is_numpy_file
+from .sources import H5Source, in_native_order, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
 #: What ``leave_open`` keeps for the rest of the process.
@@ -256,9 +257,10 @@ class ShardedDataset:
         return segments
 
     def _open_file(self, path: str) -> list[H5Source | NpySource]:
-        if is_npy(path):
-            npy = NpySource(path)
+        if is_numpy_file(path):
+            npy = NpySource(path, self.name if path.endswith(".npz") else "")
             self._sources.append(npy)
+            self.name = self.name or npy.name
             return [npy]
         file = open_file(path, None, self._comm)
         try:

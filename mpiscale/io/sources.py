@@ -2,9 +2,10 @@
 
 A data spec is what a user types after ``--data``: ``FILE.h5:/path/to/dataset``,
 a glob (``'run-*.h5:/X'``), a text file listing paths (``files.txt:/X``, one path
-a line, relative to the list, ``#`` for comments), or NumPy ``.npy`` files
-(``data.npy``, ``'part-*.npy'``). Without a dataset name an HDF5 file must
-hold exactly one data set. Any HDF5 file is input, whoever wrote it; the
+a line, relative to the list, ``#`` for comments), or NumPy files
+(``data.npy``, ``'part-*.npy'``, an array of a ``.npz``: ``data.npz:/X``; see
+:mod:`.numpy_files`). Without a dataset name an HDF5 file must hold exactly one
+data set (a ``.npz`` one array). Any HDF5 file is input, whoever wrote it; the
 ``format`` attribute only tells mpiscale's own index files apart.
 """
 
@@ -80,40 +81,6 @@ def listed_paths(path: str) -> list[str]:
     if not files:
         raise DataFileError(path, "the list of files is empty")
     return files
-
-
-def is_npy(path: str) -> bool:
-    return path.endswith(".npy")
-
-
-class NpySource:
-    """Rows of a NumPy ``.npy`` file, memory-mapped (reads are copies of row ranges)."""
-
-    independent = True  # (reads take no collective call)
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if os.path.isdir(path):
-            raise DataFileError(path, "is a directory, not a .npy file")
-        try:
-            self._array = np.load(path, mmap_mode="r", allow_pickle=False)
-        except FileNotFoundError:
-            raise DataFileError(path, "no such file") from None
-        except (OSError, ValueError) as error:
-            raise DataFileError(path, f"not a readable .npy file: {error}") from error
-        if self._array.ndim == 0:
-            raise DataFileError(path, "holds a single value, not rows")
-        self.shape: tuple[int, ...] = self._array.shape
-        self.dtype: np.dtype = in_native_order(self._array.dtype)
-
-    def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        if out is None:
-            return np.array(self._array[start:stop], dtype=self.dtype, order="C")
-        out[...] = self._array[start:stop]
-        return out
-
-    def close(self) -> None:
-        self._array = None
 
 
 class H5Source:

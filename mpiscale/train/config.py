@@ -32,10 +32,10 @@ class TrainConfig:
 
     data: str = option(
         "",
-        "training data: an HDF5 file (or an index of several) holding the INPUTS and LABELS data sets, one sample "
-        "per row; empty = scikit-learn's bundled handwritten digits (8x8 images) for the MLP, or for the "
-        "transformer synthetic sequences (24 tokens of 16, labelled by the most frequent of tokens 0-3), written "
-        "beside OUT",
+        "training data: an HDF5 file (or an index of several), or a NumPy .npz archive, holding the INPUTS and LABELS "
+        "data sets, one sample per row; empty = scikit-learn's bundled handwritten digits (8x8 images) for the "
+        "MLP, or for the transformer synthetic sequences (24 tokens of 16, labelled by the most frequent of tokens "
+        "0-3), written beside OUT",
     )
     inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
     labels: str = option("labels", "the data set of integer class labels in DATA (0 .. classes-1)")

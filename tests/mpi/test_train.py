@@ -6,6 +6,7 @@ model run in this process, and the feature catalogue with the digits' labels.
 """
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -291,6 +292,39 @@ def test_labels_stored_as_floats_of_whole_numbers_train_as_integers(tmp_path):
         runs.append(weights(out))
     for name, values in runs[0].items():
         np.testing.assert_array_equal(runs[1][name], values, err_msg=name)
+
+
+def test_a_numpy_archive_trains_to_the_weights_of_its_hdf5_twin(tmp_path):
+    """Inputs and labels saved with numpy.savez (rows of one size; token sequences with their starts) were refused
+    as "not an HDF5 file". They train to the very weights of the same arrays in an HDF5 file, and collect reads
+    them."""
+    rng = np.random.default_rng(4)
+    images, labels = (rng.random((300, 4, 4)) * 255).astype(np.uint8), rng.integers(0, 3, 300)
+    lengths = rng.integers(2, 9, 120)
+    tokens = {"values": rng.integers(0, 40, lengths.sum()).astype(np.int32), "target": rng.integers(0, 3, 120),
+              "starts": np.concatenate([[0], np.cumsum(lengths)[:-1]])}  # fmt: skip
+    np.savez(tmp_path / "mine.npz", images=images, target=labels)
+    np.savez(tmp_path / "tokens.npz", **tokens)
+    with h5py.File(tmp_path / "tokens.h5", "w") as file:
+        for name, values in tokens.items():
+            file[name] = values
+    fixed = ["--inputs", "images", "--labels", "target", "--hidden", 8]
+    ragged = ["--inputs", "values", "--offsets", "starts", "--labels", "target", "--model", "transformer"]
+    for data, twin, options in [("mine.npz", user_file(tmp_path / "mine.h5", images, labels), fixed),
+                                ("tokens.npz", tmp_path / "tokens.h5", ragged)]:  # fmt: skip
+        runs = []
+        for source in (tmp_path / data, twin):
+            out = tmp_path / f"{os.path.basename(source)}-model.h5"
+            assert_ok(mpiscale(2, "train", "--data", source, *options, "--epochs", 1, "--progress-every", 0,
+                               "--out", out))  # fmt: skip
+            runs.append(weights(out))
+        for name, values in runs[1].items():
+            np.testing.assert_array_equal(runs[0][name], values, err_msg=f"{data}: {name}")
+    collected = mpiscale(2, "collect", "--model", tmp_path / "mine.npz-model.h5", "--layers", "relu1", "--out",
+                         tmp_path / "acts.h5")  # fmt: skip
+    assert_ok(collected)
+    with h5py.File(tmp_path / "acts.h5", "r") as file:
+        assert file["relu1"].shape == (300, 8) and file.attrs["inputs"] == f"{tmp_path / 'mine.npz'}:/images"
 
 
 def test_a_resume_on_inputs_or_labels_written_again_is_refused(tmp_path):

@@ -55,6 +55,9 @@ WRITER = textwrap.dedent(
         f.seek(damaged)
         f.write(bytes([byte ^ 0x10]))
     np.save(f"{out}/X.npy", X)
+    np.savez(f"{out}/arrays.npz", X=X, t=np.arange(1200.0), scalar=np.float64(3.0))  # numpy's own archive
+    np.savez(f"{out}/only.npz", np.asfortranarray(X))  # one array, unnamed (arr_0), in Fortran order
+    np.savez_compressed(f"{out}/squeezed.npz", X=X)
     for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):
         with h5py.File(f"{out}/run-{[2, 9, 10][part]}.h5", "w") as f:
             f["sim/X"] = X[lo:hi]
@@ -166,6 +169,8 @@ def reference(user_files, tmp_path_factory):
         (2, "layouts.h5:/big/endian/X", ["--in-memory", "no"]),
         (2, "layouts.h5:/patches/X", []),
         (2, "X.npy", []),
+        (2, "arrays.npz:/X", []),  # it said "not an HDF5 file"
+        (4, "only.npz", ["--in-memory", "no"]),
         (4, "run-*.h5:/sim/X", []),
         (2, "parts.txt:/sim/X", ["--in-memory", "no"]),
         (2, "index.h5:/sim/X", []),
@@ -218,6 +223,10 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "damaged.h5:/X", "maps rows to cut-10.h5, which is no readable HDF5 file"),
         (2, "links.h5:/dangling", "is a link to gone.h5:/X, a file that is not there"),  # it said "no dataset"
         (2, "links.h5:/elsewhere", "is a link to plain.h5:/nope, a data set that file does not hold"),
+        (2, "arrays.npz", "holds 3 arrays; name one as"),
+        (2, "arrays.npz:/Y", "holds no array 'Y' (arrays: X, scalar, t)"),
+        (2, "arrays.npz:/scalar", "holds a single value, not rows"),
+        (4, "squeezed.npz:/X", "stores 'X' compressed (numpy.savez_compressed): each rank would inflate all of it"),
     ],
 )
 def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):

@@ -1,0 +1,105 @@
+"""Rows of NumPy files: a ``.npy`` array, or one array of a ``.npz`` archive (``numpy.savez``), memory-mapped.
+
+``numpy.savez`` stores each array as a ``.npy`` member of an uncompressed ZIP
+archive, so the member's rows lie in the archive as they would in a ``.npy``
+file, and are mapped the same way: no rank reads more than its rows. A member
+``numpy.savez_compressed`` deflated has no such rows; it is refused with the
+line that saves it uncompressed, rather than inflated whole on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zipfile
+
+import numpy as np
+
+from ..ranks import Comm
+from .errors import DataFileError
+from .sources import in_native_order
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a ZIP member's local header: signature, ..., name and extra lengths
+_LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def is_npy(path: str) -> bool:
+    return path.endswith(".npy")
+
+
+def is_numpy_file(path: str) -> bool:
+    """Whether ``path`` is read as a NumPy file (``.npy`` or ``.npz``), not as HDF5."""
+    return path.endswith((".npy", ".npz"))
+
+
+class NpySource:
+    """Rows of a NumPy file (``name``: the array of a ``.npz``; none for its only one), memory-mapped (reads are
+    copies of row ranges)."""
+
+    independent = True  # (reads take no collective call)
+
+    def __init__(self, path: str, name: str = "") -> None:
+        self.path, self.name = path, name
+        kind = "a .npz archive" if path.endswith(".npz") else "a .npy file"
+        if os.path.isdir(path):
+            raise DataFileError(path, f"is a directory, not {kind}")
+        try:
+            if path.endswith(".npz"):
+                self.name, self._array = _archived(path, name)
+            else:
+                self._array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise DataFileError(path, "no such file") from None
+        except DataFileError:
+            raise
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
+            raise DataFileError(path, f"not a readable {kind[2:]}: {error}") from error
+        if self._array.ndim == 0:
+            raise DataFileError(path, "holds a single value, not rows", self.name or None)
+        self.shape: tuple[int, ...] = self._array.shape
+        self.dtype: np.dtype = in_native_order(self._array.dtype)
+
+    def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None:
+            return np.array(self._array[start:stop], dtype=self.dtype, order="C")
+        out[...] = self._array[start:stop]
+        return out
+
+    def close(self) -> None:
+        self._array = np.empty((0, *self.shape[1:]), self.dtype)  # (the mapping goes with the array)
+
+
+def _archived(path: str, name: str) -> tuple[str, np.ndarray]:
+    """(the array's name, the array mapped where the archive stores it) of ``path``'s array ``name`` (none: its
+    only array)."""
+    with zipfile.ZipFile(path) as archive:
+        members = {info.filename[: -len(".npy")]: info for info in archive.infolist() if info.filename.endswith(".npy")}
+    listed = ", ".join(sorted(members)) or "none"
+    if not name:
+        if len(members) != 1:
+            raise DataFileError(path, f"holds {len(members)} arrays; name one as {path}:/NAME (arrays: {listed})")
+        name = next(iter(members))
+    member = members.get(name)
+    if member is None:
+        raise DataFileError(path, f"holds no array {name!r} (arrays: {listed})")
+    if member.compress_type != zipfile.ZIP_STORED:
+        raise DataFileError(path, (
+            f"stores {name!r} compressed (numpy.savez_compressed): each rank would inflate all of it to read its "
+            f"rows; save it uncompressed, e.g. numpy.save('{name}.npy', numpy.load('{path}')['{name}']), and give "
+            f"{name}.npy"
+        ), name)  # fmt: skip
+    with open(path, "rb") as stream:
+        stream.seek(member.header_offset)
+        signature, name_bytes, extra_bytes = _LOCAL_HEADER.unpack(stream.read(_LOCAL_HEADER.size))
+        if signature != _LOCAL_SIGNATURE:
+            raise DataFileError(path, f"its member {member.filename} is damaged (no ZIP header where the index says)")
+        stream.seek(name_bytes + extra_bytes, os.SEEK_CUR)
+        version = np.lib.format.read_magic(stream)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(stream)
+        offset = stream.tell()
+    if dtype.hasobject:
+        raise DataFileError(path, f"stores {name!r} as Python objects, not numbers", name)
+    if not shape or 0 in shape:  # (nothing to map: a single value is refused, no rows are rows)
+        return name, np.empty(shape, dtype)
+    return name, np.memmap(path, dtype, "r", offset, shape, "F" if fortran_order else "C")
