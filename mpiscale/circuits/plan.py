@@ -12,7 +12,7 @@ A plan is a list of nodes and the nodes whose values are written out::
     name = "head"
     op = "linear"
     inputs = ["digits"]
-    weights = "head.npy"                   # out x in; FILE.npy or FILE.h5:/W, beside the plan
+    weights = "head.npy"                   # out x in; FILE.npy, FILE.npz:/W or FILE.h5:/W, beside the plan
     bias = "head-bias.npy"                 # optional
     rank = 1                               # optional: where it runs (default: placed by cost)
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import os
 
-import h5py
 import numpy as np
 
 from ..dictlearn import RESULTS_FORMAT as DICTLEARN_FORMAT
 from ..dictlearn import top_inputs
-from ..io import DataFileError, check_virtual_sources, locate, open_file, split_spec
+from ..io import DataFileError, locate, open_file, read_dataset, split_spec
 from ..train import RESULTS_FORMAT as TRAIN_FORMAT
 from ..train import input_layout
 from .prefix import ModelRunner, detect_module, one_line
@@ -88,23 +87,12 @@ def from_module(path: str, name: str, inputs: int, input_dtype: str = "float32",
 
 
 def read_matrix(spec: str) -> np.ndarray:
-    """A user's matrix: ``FILE.npy`` or ``FILE.h5:/dataset`` (any writer), as float64."""
-    if spec.endswith(".npy"):
-        try:
-            return np.atleast_2d(np.load(spec, allow_pickle=False)).astype(np.float64)
-        except (OSError, ValueError) as error:
-            raise DataFileError(spec, f"is not a readable .npy array: {error}") from None
+    """A user's matrix, as float64: ``FILE.npy``, ``FILE.npz:/NAME``, ``FILE.h5:/dataset`` (any writer, virtual
+    and compressed ones too), or a file's only array."""
     path, name = split_spec(spec)
-    if not name:
-        raise DataFileError(spec, "give FILE.npy or FILE.h5:/dataset")
-    with open_file(path) as file:
-        if name not in file or not isinstance(file[name], h5py.Dataset):
-            raise DataFileError(path, "no such data set", name)
-        if file[name].is_virtual:
-            check_virtual_sources(file[name])
-        values = file[name][()]
+    values = read_dataset(path, name)
     if values.dtype.kind not in "biuf":
-        raise DataFileError(path, f"holds {values.dtype}, not numbers", name)
+        raise DataFileError(path, f"holds {values.dtype}, not numbers", name or None)
     return np.atleast_2d(values).astype(np.float64)
 
 

@@ -1,11 +1,13 @@
 """Composition plans in one process: what load_plan refuses, the placement by cost, and ops built and run."""
 
+import h5py
 import numpy as np
 import pytest
 
 from mpiscale.circuits.catalogue import Catalogue
 from mpiscale.circuits.graph import build_graph, place
 from mpiscale.circuits.plan import PlanError, load_plan
+from mpiscale.circuits.sources import read_matrix
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits
 
 
@@ -119,3 +121,19 @@ def test_plans_of_any_depth_or_size_are_read_without_recursion_and_refused_in_a_
                                            for n, m in (("a", "b"), ("b", "c"), ("c", "a")))  # fmt: skip
     with pytest.raises(PlanError, match="nodes a -> b -> c -> a form a cycle"):
         load_plan(write(tmp_path, cycle))
+
+
+def test_a_plans_weights_are_read_from_any_file_a_user_saves_them_in(tmp_path):
+    """FILE.npy, an array of a numpy.savez archive (it was "not an HDF5 file"), an HDF5 data set, or a file's only
+    array; compressed archives are refused with the line that saves them uncompressed."""
+    weights = np.arange(6.0).reshape(2, 3)
+    np.save(tmp_path / "w.npy", weights)
+    np.savez(tmp_path / "head.npz", W=weights, b=np.ones(2))
+    np.savez_compressed(tmp_path / "squeezed.npz", W=weights)
+    with h5py.File(tmp_path / "head.h5", "w") as file:
+        file["deep/W"] = weights
+    for spec in ("w.npy", "head.npz:/W", "head.h5:/deep/W", "head.h5"):
+        assert np.array_equal(read_matrix(str(tmp_path / spec)), weights), spec
+    assert np.array_equal(read_matrix(f"{tmp_path / 'head.npz'}:b"), [[1.0, 1.0]])
+    with pytest.raises(ValueError, match=r"stores 'W' compressed \(numpy.savez_compressed\)"):
+        read_matrix(f"{tmp_path / 'squeezed.npz'}:/W")

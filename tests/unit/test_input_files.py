@@ -165,6 +165,29 @@ def test_files_that_disagree_or_do_not_exist(tmp_path):
         read_dataset(tmp_path / "bad.npy")
 
 
+def test_arrays_of_a_numpy_archive_read_as_written(tmp_path):
+    """numpy.savez's archives (each array an uncompressed .npy member): any array by name, the only one without,
+    in any order or byte order, parts as one data set; a damaged archive and bad names are refused."""
+    np.savez(tmp_path / "mine.npz", X=X, fortran=np.asfortranarray(X), swapped=X.astype(">f4"), ids=np.arange(240))
+    assert np.array_equal(read_dataset(tmp_path / "mine.npz", "/X"), X)
+    assert np.array_equal(read_dataset(tmp_path / "mine.npz", "fortran"), X)
+    swapped = read_dataset(tmp_path / "mine.npz", "swapped")
+    assert swapped.dtype == np.float32 and swapped.dtype.isnative and np.array_equal(swapped, X.astype(np.float32))
+    with ShardedDataset(tmp_path / "mine.npz", "ids") as data:
+        assert data.name == "ids" and data.shape == (240,) and np.array_equal(data.read(7, 9), [7, 8])
+    for part, (lo, hi) in enumerate([(0, 100), (100, 240)]):
+        np.savez(tmp_path / f"part-{part}.npz", X[lo:hi])  # one array each: its name needs no saying
+    with ShardedDataset(str(tmp_path / "part-*.npz")) as data:
+        assert data.name == "arr_0" and np.array_equal(data.read(0, 240), X)
+    with pytest.raises(DataFileError, match=r"mine.npz: holds 4 arrays; name one as .*mine.npz:/NAME \(arrays: X, "):
+        read_dataset(tmp_path / "mine.npz")
+    with pytest.raises(DataFileError, match=r"holds no array 'Y' \(arrays: X, fortran, ids, swapped\)"):
+        read_dataset(tmp_path / "mine.npz", "Y")
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "mine.npz").read_bytes()[:500])
+    with pytest.raises(DataFileError, match="cut.npz: not a readable .npz archive"):
+        read_dataset(tmp_path / "cut.npz", "X")
+
+
 @pytest.mark.parametrize("window", [None, 64, 10, 1])
 def test_epoch_plan_is_a_permutation_read_window_by_window(window):
     samples = 1000
