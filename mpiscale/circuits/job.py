@@ -51,6 +51,7 @@ from .data_digests import DIGESTS, DigestingReader, first_changed_batch
 from .work import Inputs, Work
 
 FEATURES_FORMAT = "mpiscale.circuit-features/1"
+_SAID_FROM = 1 << 30  # bytes of written batches a resume's check reads again beyond which it says so first
 
 
 async def run_circuits(system: ActorSystem, config: CircuitsRunConfig) -> dict:
@@ -207,7 +208,8 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         done = np.ones(batches, np.int8)
         done[pending] = 0
         if kept is not None and digests is not None:
-            _check_written_data(kept, inputs, [int(b) for b in np.flatnonzero(done)], digests, comm)
+            row_bytes = dtype.itemsize * max(width, 1)
+            _check_written_data(kept, inputs, [int(b) for b in np.flatnonzero(done)], digests, comm, row_bytes)
     except BaseException:
         give_back(lock)
         raise
@@ -216,8 +218,15 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
                 recorded_devices(device, comm))  # fmt: skip
 
 
-def _check_written_data(kept: str, inputs: Inputs, written: list[int], digests: np.ndarray, comm: Comm) -> None:
-    """Refuse a resume on data other than the written batches came from (collective: the ranks share the reading)."""
+def _check_written_data(
+    kept: str, inputs: Inputs, written: list[int], digests: np.ndarray, comm: Comm, row_bytes: int
+) -> None:
+    """Refuse a resume on data other than the written batches came from (collective: the ranks share the reading;
+    a read of more than ``_SAID_FROM`` bytes is said first, as it may take a while)."""
+    total = sum(hi - lo for lo, hi in map(inputs.bounds, written)) * row_bytes
+    if total > _SAID_FROM and comm.Get_rank() == 0:
+        print(f"mpiscale circuits run: reading the rows of the {len(written):,} batches written ({total / 2**30:.1f} "
+              "GiB) again, to check that the data is the one they were computed from", flush=True)  # fmt: skip
     changed = first_changed_batch(inputs, written, digests, comm)
     if changed is not None:
         lo, hi = inputs.bounds(changed)
