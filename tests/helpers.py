@@ -331,3 +331,17 @@ def wait_for_output(process: subprocess.Popen, log: Path, text: str, timeout: fl
     while time.monotonic() < deadline and process.poll() is None and text not in log.read_text():
         time.sleep(0.02)
     assert process.poll() is None, log.read_text()
+
+
+def flip_a_bit(path, name: str, chunk: int) -> None:
+    """Damage chunk ``chunk`` of data set ``name`` on disk (a bit flipped in its stored bytes), as a failing disk or
+    a bad copy does: a checksummed (fletcher32) chunk then fails its check."""
+    import h5py
+
+    with h5py.File(path, "r") as file:
+        at = file[name].id.get_chunk_info(chunk).byte_offset + 10
+    with open(path, "r+b") as file:
+        file.seek(at)
+        byte = file.read(1)[0]
+        file.seek(at)
+        file.write(bytes([byte ^ 0x10]))

@@ -16,6 +16,7 @@ from helpers import (
     assert_ok,
     cli_rank_pids,
     finish,
+    flip_a_bit,
     gpu_ranks,
     launch,
     on_a_gpu,
@@ -504,12 +505,7 @@ def test_rows_one_rank_cannot_read_end_the_run_on_every_rank_in_one_line(pipelin
     def damaged(chunk: int) -> None:
         with h5py.File(tmp_path / "d.h5", "w") as file:
             file.create_dataset("X", data=digits(pipeline)[:1000], chunks=(100, DIGITS), fletcher32=True)
-            at = file["X"].id.get_chunk_info(chunk).byte_offset + 10
-        with open(tmp_path / "d.h5", "r+b") as file:  # a bit flipped on disk
-            file.seek(at)
-            byte = file.read(1)[0]
-            file.seek(at)
-            file.write(bytes([byte ^ 0x10]))
+        flip_a_bit(tmp_path / "d.h5", "X", chunk)
 
     damaged(7)
     (tmp_path / "plan.toml").write_text('outputs = ["out"]\n[[node]]\nname = "out"\ncircuits = "name=s/*"\n')

@@ -22,6 +22,7 @@ from helpers import (
     SESSION_ENVIRONMENT,
     assert_ok,
     finish,
+    flip_a_bit,
     gpu_ranks,
     launch,
     on_a_gpu,
@@ -348,17 +349,6 @@ def test_a_resume_on_inputs_or_labels_written_again_is_refused(tmp_path):
     resumed = mpiscale(3, *common, "--epochs", 2, "--resume")
     assert_ok(resumed)
     assert "resumed from the checkpoint of step" in resumed.stdout
-
-
-def flip_a_bit(path, name: str, chunk: int) -> None:
-    """Damage chunk ``chunk`` of ``name`` on disk, as a failing disk or a bad copy does."""
-    with h5py.File(path, "r") as file:
-        at = file[name].id.get_chunk_info(chunk).byte_offset + 10
-    with open(path, "r+b") as file:
-        file.seek(at)
-        byte = file.read(1)[0]
-        file.seek(at)
-        file.write(bytes([byte ^ 0x10]))
 
 
 @pytest.mark.parametrize("damaged", ["inputs", "labels", "ragged"])
