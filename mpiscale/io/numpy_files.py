@@ -47,6 +47,8 @@ class NpySource:
             if path.endswith(".npz"):
                 self.name, self._array = _archived(path, name)
             else:
+                with open(path, "rb") as stream:
+                    _refuse_objects(path, "", _header(stream)[2])
                 self._array = np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataFileError(path, "no such file") from None
@@ -94,12 +96,28 @@ def _archived(path: str, name: str) -> tuple[str, np.ndarray]:
         if signature != _LOCAL_SIGNATURE:
             raise DataFileError(path, f"its member {member.filename} is damaged (no ZIP header where the index says)")
         stream.seek(name_bytes + extra_bytes, os.SEEK_CUR)
-        version = np.lib.format.read_magic(stream)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(stream)
+        shape, fortran_order, dtype = _header(stream)
         offset = stream.tell()
-    if dtype.hasobject:
-        raise DataFileError(path, f"stores {name!r} as Python objects, not numbers", name)
+    _refuse_objects(path, name, dtype)
     if not shape or 0 in shape:  # (nothing to map: a single value is refused, no rows are rows)
         return name, np.empty(shape, dtype)
     return name, np.memmap(path, dtype, "r", offset, shape, "F" if fortran_order else "C")
+
+
+def _header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) of the ``.npy`` header at ``stream``'s position, which is left at the data."""
+    version = np.lib.format.read_magic(stream)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return read_header(stream)
+
+
+def _refuse_objects(path: str, name: str, dtype: np.dtype) -> None:
+    """Refuse an array of Python objects (sequences of varying length, as users keep them): no rank can map it."""
+    if dtype.hasobject:
+        what = f"{name!r} as" if name else "its array as"
+        raise DataFileError(path, (
+            f"stores {what} Python objects (sequences of varying length, say), which cannot be read without "
+            "unpickling all of it: save numbers; sequences as their values one after another and where each starts, "
+            "numpy.savez('tokens.npz', values=numpy.concatenate(rows), starts=numpy.cumsum([0] + [len(r) for r in "
+            "rows[:-1]])), read with --inputs values --offsets starts"
+        ), name or None)  # fmt: skip

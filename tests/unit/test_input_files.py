@@ -183,6 +183,12 @@ def test_arrays_of_a_numpy_archive_read_as_written(tmp_path):
         read_dataset(tmp_path / "mine.npz")
     with pytest.raises(DataFileError, match=r"holds no array 'Y' \(arrays: X, fortran, ids, swapped\)"):
         read_dataset(tmp_path / "mine.npz", "Y")
+    rows = np.array([np.arange(3), np.arange(5)], dtype=object)  # sequences of varying length, as users keep them
+    np.save(tmp_path / "rows.npy", rows, allow_pickle=True)
+    np.savez(tmp_path / "rows.npz", seqs=rows)
+    for path, name in [("rows.npy", ""), ("rows.npz", "seqs")]:
+        with pytest.raises(DataFileError, match=r"as Python objects .* --inputs values --offsets starts"):
+            read_dataset(tmp_path / path, name)
     (tmp_path / "cut.npz").write_bytes((tmp_path / "mine.npz").read_bytes()[:500])
     with pytest.raises(DataFileError, match="cut.npz: not a readable .npz archive"):
         read_dataset(tmp_path / "cut.npz", "X")
