@@ -111,7 +111,7 @@ class AllFeatures:
         try:
             rows = np.asarray(data.read_collective(lo, hi)).reshape(hi - lo, self.width)  # each model takes its type
         except DataFileError as error:  # rows this rank cannot read (a damaged chunk): the step fails on every rank
-            return [("features", lo, features), ("sample_ids", lo, np.empty(0, np.int64))], error.message
+            return [], error.message  # (nothing is written: the job ends on the failure)
         try:
             values = self.selection.features(rows)
             bad = np.flatnonzero(~np.isfinite(values).all(axis=1))

@@ -207,7 +207,9 @@ def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:
         kept, pending, digests = on_rank_0(comm, lambda: _earlier_run(config, work, shape[0], batches))
         done = np.ones(batches, np.int8)
         done[pending] = 0
-        if kept is not None and digests is not None:
+        if kept is None:
+            digests = np.zeros(batches, np.uint64)  # (a new file keeps them; 0: no batch written)
+        elif digests is not None:
             row_bytes = dtype.itemsize * max(width, 1)
             _check_written_data(kept, inputs, [int(b) for b in np.flatnonzero(done)], digests, comm, row_bytes)
     except BaseException:
@@ -238,11 +240,11 @@ def _check_written_data(
 
 def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: int) -> tuple:
     """(the earlier run's file to resume or None, the batches still to run, the written batches' data digests: None
-    where that file keeps none); refuses what cannot be resumed."""
+    where there is no such file or it keeps none); refuses what cannot be resumed."""
     partial_file, killed = kept_name(config.out), f"{config.out}.tmp"
     kept = partial_file if os.path.exists(partial_file) else killed if os.path.exists(killed) else None
     if kept is None:
-        return None, list(range(batches)), np.zeros(batches, np.uint64)
+        return None, list(range(batches)), None
     done = _written_batches(kept)
     if not config.resume:
         raise ValueError(f"{kept} holds {int(done.sum()) if done is not None else 'some'} written batches of an "

@@ -33,8 +33,8 @@ def is_numpy_file(path: str) -> bool:
 
 
 class NpySource:
-    """Rows of a NumPy file (``name``: the array of a ``.npz``; none for its only one), memory-mapped (reads are
-    copies of row ranges)."""
+    """Rows of a NumPy file (``name``: the array of a ``.npz``, none for its only one; a ``.npy`` has no names),
+    memory-mapped (reads are copies of row ranges)."""
 
     independent = True  # (reads take no collective call)
 
@@ -47,9 +47,7 @@ class NpySource:
             if path.endswith(".npz"):
                 self.name, self._array = _archived(path, name)
             else:
-                with open(path, "rb") as stream:
-                    _refuse_objects(path, "", _header(stream)[2])
-                self._array = np.load(path, mmap_mode="r", allow_pickle=False)
+                self.name, self._array = "", _mapped(path, "", 0)
         except FileNotFoundError:
             raise DataFileError(path, "no such file") from None
         except DataFileError:
@@ -93,22 +91,24 @@ def _archived(path: str, name: str) -> tuple[str, np.ndarray]:
     with open(path, "rb") as stream:
         stream.seek(member.header_offset)
         signature, name_bytes, extra_bytes = _LOCAL_HEADER.unpack(stream.read(_LOCAL_HEADER.size))
-        if signature != _LOCAL_SIGNATURE:
-            raise DataFileError(path, f"its member {member.filename} is damaged (no ZIP header where the index says)")
-        stream.seek(name_bytes + extra_bytes, os.SEEK_CUR)
-        shape, fortran_order, dtype = _header(stream)
+    if signature != _LOCAL_SIGNATURE:
+        raise DataFileError(path, f"its member {member.filename} is damaged (no ZIP header where the index says)")
+    return name, _mapped(path, name, member.header_offset + _LOCAL_HEADER.size + name_bytes + extra_bytes)
+
+
+def _mapped(path: str, name: str, at: int) -> np.ndarray:
+    """The array whose ``.npy`` header starts at byte ``at`` of ``path`` (a ``.npy`` file's 0), mapped where its data
+    follows; refused if it holds Python objects."""
+    with open(path, "rb") as stream:
+        stream.seek(at)
+        version = np.lib.format.read_magic(stream)
+        header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = header(stream)
         offset = stream.tell()
     _refuse_objects(path, name, dtype)
     if not shape or 0 in shape:  # (nothing to map: a single value is refused, no rows are rows)
-        return name, np.empty(shape, dtype)
-    return name, np.memmap(path, dtype, "r", offset, shape, "F" if fortran_order else "C")
-
-
-def _header(stream) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """(shape, Fortran order, dtype) of the ``.npy`` header at ``stream``'s position, which is left at the data."""
-    version = np.lib.format.read_magic(stream)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    return read_header(stream)
+        return np.empty(shape, dtype)
+    return np.memmap(path, dtype, "r", offset, shape, "F" if fortran_order else "C")
 
 
 def _refuse_objects(path: str, name: str, dtype: np.dtype) -> None:

@@ -258,7 +258,7 @@ class ShardedDataset:
 
     def _open_file(self, path: str) -> list[H5Source | NpySource]:
         if is_numpy_file(path):
-            npy = NpySource(path, self.name if path.endswith(".npz") else "")
+            npy = NpySource(path, self.name)
             self._sources.append(npy)
             self.name = self.name or npy.name
             return [npy]
