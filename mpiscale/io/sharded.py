@@ -287,16 +287,22 @@ class ShardedDataset:
     def _h5_source(self, file: h5py.File) -> H5Source:
         """This data set of an open file, kept for ``close`` (the file is closed if the data set is unusable).
 
-        A virtual data set (a user's, joining files) is read by each rank alone: HDF5 reads none through MPI-IO."""
+        A data set behind an external link is read from the file the link leads to, where its rows lie (HDF5
+        opened that file on following it). A virtual data set (a user's, joining files) is read by each rank alone:
+        HDF5 reads none through MPI-IO."""
         try:
             found = dataset(file, self.name)
+            if found.file.id != file.id:
+                linked = found.file
+                file.close()  # (collective, as every open and close here: every rank follows the same links)
+                file = linked
             if found.is_virtual:
                 check_virtual_sources(found)
                 if file.driver == "mpio":
-                    path = file.filename
+                    path, inside = file.filename, found.name
                     file.close()  # (collective: every rank opens the same files in the same order)
                     file = open_file(path)
-                    found = dataset(file, self.name)
+                    found = dataset(file, inside)
             source = H5Source(file, found)
         except BaseException:
             file.close()
