@@ -23,6 +23,7 @@ from numpy.typing import DTypeLike
 from .._version import __version__
 from ..ranks import Comm
 from .errors import DataFileError
+from .external_raw import check_raw_files
 from .filters import undecodable
 
 DATASET_FORMAT = "mpiscale.dataset/1"
@@ -146,7 +147,8 @@ def file_format(file: h5py.File) -> str | None:
 
 def dataset(file: h5py.File, name: str) -> h5py.Dataset:
     """The dataset ``name`` of ``file`` (a path such as ``/run/3/X``), or a DataFileError naming both; one
-    compressed with a filter that cannot be loaded is refused here, before its first read."""
+    compressed with a filter that cannot be loaded is refused here, before its first read, and so is one whose raw
+    files (external storage) are not all where HDF5 looks (see ``check_raw_files``)."""
     name = name.strip("/") or "/"
     try:
         node = file[name]
@@ -171,6 +173,7 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
     problem = undecodable(node)
     if problem:
         raise DataFileError(file.filename, problem, name)
+    check_raw_files(node)
     return node
 
 

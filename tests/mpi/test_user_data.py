@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -55,6 +56,13 @@ WRITER = textwrap.dedent(
         byte = f.read(1)[0]
         f.seek(damaged)
         f.write(bytes([byte ^ 0x10]))
+    import os
+    os.chdir(out)  # (raw files of external storage are named from the writer's directory: beside the files here)
+    with h5py.File("raw.h5", "w") as f:  # the rows in a raw binary file of their own (HDF5's external storage)
+        f.create_dataset("X", data=X, external=[("raw.bin", 0, h5py.h5f.UNLIMITED)])
+    with h5py.File("rawcut.h5", "w") as f:  # the same, its raw file cut short afterwards
+        f.create_dataset("X", data=X, external=[("rawcut.bin", 0, h5py.h5f.UNLIMITED)])
+    os.truncate("rawcut.bin", 1000 * 16 * 8 + 5)
     np.save(f"{out}/X.npy", X)
     np.savez(f"{out}/arrays.npz", X=X, t=np.arange(1200.0), scalar=np.float64(3.0))  # numpy's own archive
     np.savez(f"{out}/only.npz", np.asfortranarray(X))  # one array, unnamed (arr_0), in Fortran order
@@ -122,9 +130,9 @@ C_WRITER = textwrap.dedent(
 )
 
 
-def dictlearn(ranks: int, out, *options: str, timeout: float = 120):
+def dictlearn(ranks: int, out, *options: str, timeout: float = 120, env: dict | None = None):
     command = [sys.executable, "-m", "mpiscale.cli", "dictlearn", "--out", str(out), *SETTINGS, *options]
-    return finish(launch(ranks, command), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
+    return finish(launch(ranks, command, env=env), f"dictlearn {' '.join(options)} on {ranks} ranks", timeout)
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +290,24 @@ def test_a_damaged_chunk_ends_the_job_naming_the_file_and_its_rows(tmp_path, use
     said = r"checksummed.h5:/?X: rows \d+\.\.\d+ cannot be read \(Can't read data \(data error detected by Fletcher32"
     assert re.search(said + r" checksum\)\): the file is damaged there", job.stderr), job.stderr[-3000:]
     assert not (tmp_path / "results.h5").exists()
+
+
+def test_rows_kept_in_raw_files_beside_are_found_where_hdf5_is_told_to_look_or_refused(tmp_path, user_files, reference):
+    """HDF5 looks for a data set's raw files (external storage) from the current directory. A job started elsewhere
+    than the data ended in a traceback saying the file was damaged; it is refused with the two ways to run it, and
+    with HDF5_EXTFILE_PREFIX='${ORIGIN}' learns what it learns from the plain file. A raw file cut short was read
+    with zeros for its missing rows, without a word; it is refused naming the first of them."""
+    assert not (Path.cwd() / "raw.bin").exists()
+    job = dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/raw.h5:/X")
+    assert job.returncode == 2 and job.stderr.count("mpiscale dictlearn:") == 1, job.output[-3000:]
+    assert f"keeps its rows in the raw file raw.bin (external storage), which HDF5 looks for from the current " \
+        f"directory, {Path.cwd()} and does not find there; it is beside the HDF5 file: start the job in " \
+        f"{user_files}, or set HDF5_EXTFILE_PREFIX='${{ORIGIN}}'" in job.stderr, job.stderr  # fmt: skip
+    beside = {"HDF5_EXTFILE_PREFIX": "${ORIGIN}"}
+    assert_ok(dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/raw.h5:/X", env=beside))
+    assert np.abs(learned(tmp_path / "results.h5") - reference).max() < 1e-9
+    job = dictlearn(2, tmp_path / "cut.h5", "--data", f"{user_files}/rawcut.h5:/X", env=beside)
+    assert job.returncode == 2 and not (tmp_path / "cut.h5").exists(), job.output[-3000:]
+    said = "storage), which holds 128005 of them: HDF5 would read zeros for the rows from 1000 on"
+    assert f"keeps 153600 bytes of its rows in the raw file {user_files}/rawcut.bin from byte 0 (external {said}" \
+        in job.stderr, job.stderr  # fmt: skip
