@@ -119,7 +119,8 @@ class H5Source:
         # read by each rank alone: filtered data sets (below) and files opened without MPI-IO (a virtual data set's)
         self.independent = self.filtered or file.driver != "mpio"
         self._offset = None
-        if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered:
+        if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered \
+                and _stored_as_read(dataset):  # fmt: skip
             self._offset = dataset.id.get_offset()  # None until the data set's storage is allocated
         self._row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
         self._descriptor: int | None = None
@@ -162,6 +163,13 @@ class H5Source:
             os.close(self._descriptor)
             self._descriptor = None
         self.file.close()
+
+
+def _stored_as_read(dataset: h5py.Dataset) -> bool:
+    """Whether the data set's bytes on disk are its values as numpy holds them (in either byte order): a type a C
+    tool narrowed (a 12-bit integer at bit 4 of 16, a float of its own layout) is read by HDF5, which converts it;
+    read as its bytes, each value came out shifted, without a word."""
+    return bool(dataset.id.get_type() == h5py.h5t.py_create(dataset.dtype))
 
 
 def _unwritten(dataset: h5py.Dataset) -> str | None:

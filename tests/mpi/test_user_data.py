@@ -35,6 +35,12 @@ WRITER = textwrap.dedent(
         f.create_dataset("big/endian/X", data=X.astype(">f8"))
         f.create_dataset("float32/X", data=X.astype(np.float32))
         f.create_dataset("int16/X", data=np.round(X * 1000).astype(np.int16))
+        narrowed = h5py.h5t.STD_I16LE.copy()  # the same values as a C tool keeps 12-bit samples: bits 4..15 of 16
+        narrowed.set_precision(12)
+        narrowed.set_offset(4)
+        f.require_group("int12")
+        h5py.h5d.create(f.id, b"int12/X", narrowed, h5py.h5s.create_simple((1200, 16)))
+        f["int12/X"][...] = np.round(X * 1000).astype(np.int16)
         f.create_dataset("patches/X", data=X.reshape(1200, 4, 4))
         f.create_dataset("bad/one_d", data=X[:, 0])
         f.create_dataset("bad/strings", data=np.full((40, 3), b"abc"))
@@ -214,6 +220,22 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         assert error[-5:].mean() < 0.9 * error[:3].mean(), error
 
 
+def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, user_files):
+    """12-bit integers at bit 4 of 16 (as a C tool keeps a detector's samples) were read as their raw bytes, each
+    value 16 times too large, without a word, where a rank reads its rows alone (here, read ahead as it learns):
+    they learn what the same values stored as plain int16 learn, to the objective (a dictionary's atoms are the
+    same at any scale)."""
+    alone = ["--in-memory", "no"]
+    assert_ok(dictlearn(2, tmp_path / "plain.h5", "--data", f"{user_files}/layouts.h5:/int16/X", *alone))
+    assert_ok(dictlearn(2, tmp_path / "narrowed.h5", "--data", f"{user_files}/layouts.h5:/int12/X", *alone))
+    objectives = []
+    for out in ("plain.h5", "narrowed.h5"):
+        with h5py.File(tmp_path / out, "r") as file:
+            objectives.append(file["metrics"]["objective"][()])  # (the atoms alone are the same at any scale)
+    assert np.abs(learned(tmp_path / "narrowed.h5") - learned(tmp_path / "plain.h5")).max() < 1e-9
+    np.testing.assert_allclose(objectives[1], objectives[0], rtol=1e-9)
+
+
 @pytest.mark.parametrize(
     ("ranks", "spec", "message"),
     [
@@ -224,7 +246,7 @@ def test_narrow_types_learn(tmp_path, user_files, dataset):
         (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
         (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
-        (2, "layouts.h5", "holds 14 data sets; name one as"),
+        (2, "layouts.h5", "holds 15 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
