@@ -50,18 +50,25 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
 
 
 def _transfer(
-    dset: h5py.Dataset, start: int, buffer: np.ndarray, comm: Comm | None, max_bytes: int, write: bool
+    dset: h5py.Dataset,
+    start: int,
+    buffer: np.ndarray,
+    comm: Comm | None,
+    max_bytes: int,
+    write: bool,
+    memory_type: h5py.h5t.TypeID | None = None,
 ) -> None:
-    """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank."""
+    """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank;
+    ``memory_type``: the HDF5 type of the buffer's values (by default, that of its dtype)."""
     rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
     plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None
-    placeholder = np.empty((1, *dset.shape[1:]), dtype=buffer.dtype)
+    placeholder = np.empty((1, *buffer.shape[1:]), dtype=buffer.dtype)
     move = dset.id.write if write else dset.id.read
     for round_index in range(rounds):
         lo = min(round_index * per_round, len(buffer))
         hi = min(lo + per_round, len(buffer))
         memory_space, file_space = _spaces(dset, start + lo, hi - lo)
-        move(memory_space, file_space, buffer[lo:hi] if hi > lo else placeholder, dxpl=plist)
+        move(memory_space, file_space, buffer[lo:hi] if hi > lo else placeholder, memory_type, dxpl=plist)
 
 
 def write_rows(
@@ -80,7 +87,11 @@ def read_rows(
     dtype: np.dtype | None = None,
 ) -> np.ndarray:
     """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call); as ``dtype`` when given
-    (HDF5 converts: a big-endian data set read in this machine's order)."""
-    out = np.empty((max(stop - start, 0), *dset.shape[1:]), dtype=dset.dtype if dtype is None else dtype)
-    _transfer(dset, start, out, comm, max_bytes, write=False)
+    (HDF5 converts: a big-endian data set read in this machine's order). Values of an HDF5 array type (each a
+    fixed array, as C tools store a vector) come as the array's numbers, in more dimensions."""
+    element, inner = dset.dtype.subdtype or (dset.dtype, ())
+    dtype = element if dtype is None else np.dtype(dtype)
+    out = np.empty((max(stop - start, 0), *dset.shape[1:], *inner), dtype=dtype)
+    memory_type = h5py.h5t.py_create(np.dtype((dtype, inner))) if inner else None
+    _transfer(dset, start, out, comm, max_bytes, write=False, memory_type=memory_type)
     return out

@@ -111,14 +111,15 @@ class H5Source:
         unwritten = _unwritten(dataset)
         if unwritten:
             raise DataFileError(self.path, unwritten, dataset.name)
-        self.shape: tuple[int, ...] = dataset.shape
-        self.dtype: np.dtype = in_native_order(dataset.dtype)
-        self._swapped = self.dtype != dataset.dtype  # stored in the other byte order: read rows are swapped
+        element, inner = dataset.dtype.subdtype or (dataset.dtype, ())  # values of an HDF5 array type: more dims
+        self.shape: tuple[int, ...] = (*dataset.shape, *inner)
+        self.dtype: np.dtype = in_native_order(element)
+        self._swapped = self.dtype != element  # stored in the other byte order: read rows are swapped
         create = dataset.id.get_create_plist()
         self.filtered = create.get_nfilters() > 0
         # read by each rank alone: filtered data sets (below) and files opened without MPI-IO (a virtual data set's)
         self.independent = self.filtered or file.driver != "mpio"
-        self._offset = None
+        self._offset: int | None = None
         if create.get_layout() == h5py.h5d.CONTIGUOUS and not create.get_external_count() and not self.filtered \
                 and _stored_as_read(dataset):  # fmt: skip
             self._offset = dataset.id.get_offset()  # None until the data set's storage is allocated
@@ -150,6 +151,7 @@ class H5Source:
         view = memoryview(out.reshape(-1).view(np.uint8))
         if self._descriptor is None:
             self._descriptor = os.open(self.path, os.O_RDONLY)
+        assert self._offset is not None, "only a data set stored as read is read as its bytes"
         done, where = 0, self._offset + start * self._row_bytes
         while done < len(view):
             got = os.preadv(self._descriptor, [view[done:]], where + done)

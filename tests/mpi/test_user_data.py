@@ -42,6 +42,7 @@ WRITER = textwrap.dedent(
         h5py.h5d.create(f.id, b"int12/X", narrowed, h5py.h5s.create_simple((1200, 16)))
         f["int12/X"][...] = np.round(X * 1000).astype(np.int16)
         f.create_dataset("patches/X", data=X.reshape(1200, 4, 4))
+        f.create_dataset("vectors/X", shape=(1200,), dtype=np.dtype((">f8", (16,))))[...] = X  # HDF5 array type
         f.create_dataset("bad/one_d", data=X[:, 0])
         f.create_dataset("bad/strings", data=np.full((40, 3), b"abc"))
         f.create_dataset("bad/compound", data=np.zeros((40, 3), dtype=[("a", "f8"), ("b", "i4")]))
@@ -183,6 +184,8 @@ def reference(user_files, tmp_path_factory):
         (4, "layouts.h5:/plugins/lz4/X", ["--in-memory", "no"]),
         (2, "layouts.h5:/big/endian/X", ["--in-memory", "no"]),
         (2, "layouts.h5:/patches/X", []),
+        (2, "layouts.h5:/vectors/X", []),  # "a 1-D array of 1200 values is not a set of signals"
+        (4, "layouts.h5:/vectors/X", ["--in-memory", "no"]),
         (2, "X.npy", []),
         (2, "arrays.npz:/X", []),  # it said "not an HDF5 file"
         (4, "only.npz", ["--in-memory", "no"]),
@@ -246,7 +249,7 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
         (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
-        (2, "layouts.h5", "holds 15 data sets; name one as"),
+        (2, "layouts.h5", "holds 16 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
