@@ -17,8 +17,9 @@ def read_adapter(directory: Path) -> dict[str, np.ndarray]:
     }
 
 
-def peft_adapters(root: Path, count: int, rank: int = 4) -> Path:
-    """A tiny Llama saved in ``root``/base and ``count`` random LoRA adapters of it saved by peft (task-N)."""
+def peft_adapters(root: Path, count: int, rank: int = 4, safe_serialization: bool = True) -> Path:
+    """A tiny Llama saved in ``root``/base and ``count`` random LoRA adapters of it saved by peft (task-N); with
+    ``safe_serialization=False`` as PyTorch pickles (adapter_model.bin), as PEFT saved them before 0.6."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,5 +32,6 @@ def peft_adapters(root: Path, count: int, rank: int = 4) -> Path:
         torch.manual_seed(10 + index)
         base = LlamaForCausalLM.from_pretrained(root / "base")
         lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-        get_peft_model(base, lora).save_pretrained(root / "adapters" / f"task-{index}")
+        get_peft_model(base, lora).save_pretrained(root / "adapters" / f"task-{index}",
+                                                   safe_serialization=safe_serialization)  # fmt: skip
     return root / "adapters"

@@ -16,8 +16,9 @@ class AdaptersConfig:
 
     adapters: str = option(
         "",
-        "the LoRA adapters (PEFT directories with adapter_config.json and adapter_model.safetensors): a directory "
-        "of them, one adapter directory, a quoted glob 'runs/*/adapter', or a list FILE.txt (one path a line)",
+        "the LoRA adapters (PEFT directories with adapter_config.json and adapter_model.safetensors, or the older "
+        "adapter_model.bin): a directory of them, one adapter directory, a quoted glob 'runs/*/adapter', or a list "
+        "FILE.txt (one path a line)",
     )
     out: str = option("adapters.h5", "the compressed file: components per layer group, loadings per adapter")
     components: int = option(

@@ -1,7 +1,8 @@
 """LoRA adapters as PEFT saves them: finding them, checking they belong together, reading one layer group.
 
 An adapter is a directory with ``adapter_config.json`` and
-``adapter_model.safetensors`` (what ``PeftModel.save_pretrained`` writes).
+``adapter_model.safetensors`` (what ``PeftModel.save_pretrained`` writes), or
+``adapter_model.bin`` as PEFT saved it before (:mod:`.weights` reads either).
 Its tensors are ``<module>.lora_A.weight`` (r x in) and
 ``<module>.lora_B.weight`` (out x r) for every adapted module; a module is
 a *layer group*. Only the file headers are read to check adapters against
@@ -21,9 +22,9 @@ import numpy as np
 
 from ..errors import MpiscaleError
 from ..io import is_list_file, listed_paths, natural_key
+from .weights import FLOAT_TYPES, WeightsError, header, read_tensors, weights_file
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-FLOAT_TYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the types an adapter's weights may have
+CONFIG = "adapter_config.json"
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _SUFFIXES = {"A": _A, "B": _B}
 
@@ -60,22 +61,15 @@ class Adapter:
 
     @property
     def weights(self) -> str:
-        return os.path.join(self.path, WEIGHTS)
+        return weights_file(self.path)
 
     def read(self, module: Module, sides: str = "AB") -> list[np.ndarray]:
         """The matrices of ``module`` named by ``sides`` (``"AB"``, ``"A"`` or ``"B"``), in float64 whatever type
-        the file stores: numpy reads float16/32/64, torch only bfloat16 (numpy has no such type), so most runs
-        never import torch."""
-        from safetensors import SafetensorError, safe_open
-
+        the file stores."""
         keys = [module.name + _SUFFIXES[side] for side in sides]
         try:
-            with safe_open(self.weights, framework="numpy") as file:
-                if all(file.get_slice(key).get_dtype() != "BF16" for key in keys):
-                    matrices = [file.get_tensor(key).astype(np.float64) for key in keys]
-                else:
-                    matrices = _read_bfloat16(self.weights, keys)
-        except (OSError, SafetensorError, KeyError) as error:
+            matrices = read_tensors(self.weights, keys)
+        except (WeightsError, KeyError) as error:
             raise AdapterError(self.weights, f"cannot read {module.name}: {error}") from None
         if not all(np.isfinite(matrix).all() for matrix in matrices):
             raise AdapterError(self.weights, f"{module.name} holds NaN or infinite values")
@@ -88,14 +82,6 @@ class Adapter:
             for block in iter(lambda: stream.read(1 << 20), b""):
                 digest.update(block)
         return digest.hexdigest()
-
-
-def _read_bfloat16(weights: str, keys: list[str]) -> list[np.ndarray]:
-    import torch
-    from safetensors import safe_open
-
-    with safe_open(weights, framework="pt") as file:
-        return [file.get_tensor(key).to(torch.float64).numpy() for key in keys]
 
 
 def find_adapters(spec: str) -> list[str]:
@@ -151,9 +137,7 @@ def adapter_names(paths: list[str]) -> list[str]:
 
 def open_adapter(path: str, name: str | None = None) -> Adapter:
     """The adapter in directory ``path`` (named ``name``, by default its directory's), its settings and tensor
-    names checked (nothing but the header read)."""
-    from safetensors import SafetensorError, safe_open
-
+    names checked (of a safetensors file, nothing but the header read)."""
     if not os.path.isfile(os.path.join(path, CONFIG)):
         raise AdapterError(path, f"no {CONFIG}: not a PEFT adapter directory")
     try:
@@ -162,15 +146,11 @@ def open_adapter(path: str, name: str | None = None) -> Adapter:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise AdapterError(os.path.join(path, CONFIG), f"cannot read it: {error}") from None
     _check_config(path, config)
-    weights = os.path.join(path, WEIGHTS)
+    weights = weights_file(path)
     try:
-        os.stat(weights)  # says what is wrong with the path itself (a symlink loop, a dangling link, no such file)
-        with safe_open(weights, framework="numpy") as file:  # the header only: shapes and types, no tensor read
-            slices = {key: file.get_slice(key) for key in file.keys()}
-            shapes = {key: tuple(part.get_shape()) for key, part in slices.items()}
-            types = {key: part.get_dtype() for key, part in slices.items()}
-    except (OSError, SafetensorError) as error:  # missing, truncated or not a safetensors file
-        raise AdapterError(weights, f"cannot read it: {_reason(error)}") from None
+        shapes, types = header(weights)
+    except WeightsError as error:
+        raise AdapterError(weights, str(error)) from None
     odd = sorted(key for key, kind in types.items() if kind not in FLOAT_TYPES)
     if odd:
         raise AdapterError(weights, (
@@ -180,13 +160,6 @@ def open_adapter(path: str, name: str | None = None) -> Adapter:
     rank = int(config["r"])
     modules = _modules(weights, shapes, rank)
     return Adapter(name or Path(path).name, os.path.abspath(path), config, rank, modules)
-
-
-def _reason(error: BaseException) -> str:
-    """What an OSError says of a path (its strerror, not the repr of its arguments), else the error's text."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    return str(error)
 
 
 def _check_config(path: str, config: dict) -> None:

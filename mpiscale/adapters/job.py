@@ -58,7 +58,6 @@ from .config import AdaptersConfig
 from .earlier import Earlier, update_norm2
 from .files import (
     CONFIG,
-    WEIGHTS,
     Adapter,
     AdapterError,
     Module,
@@ -69,6 +68,7 @@ from .files import (
 )
 from .layout import ADAPTERS_FORMAT, group_name
 from .pca import Components, shared_components
+from .weights import weights_file
 
 #: The settings a resumed run must share with the stopped one (the others, such as progress, may change).
 RESULT_SETTINGS = (
@@ -320,7 +320,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
                                      "directories, or by the part of their paths that differs")  # fmt: skip
         names[name] = path
     named = {path: name for name, path in names.items()}
-    inputs = [os.path.join(path, name) for path in paths for name in (WEIGHTS, CONFIG)]
+    inputs = [file for path in paths for file in (weights_file(path), os.path.join(path, CONFIG))]
     algebra = _algebra(config, comm)
     # the last collective: the checks below may fail on one rank alone
     lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm, ADAPTERS_FORMAT)

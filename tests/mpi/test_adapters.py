@@ -155,6 +155,31 @@ def test_adapters_saved_by_peft_are_rebuilt_exactly_with_every_component(tmp_pat
     assert (logits[0] - logits[1]).abs().max().item() < 1e-4
 
 
+def test_adapters_peft_saved_as_pytorch_pickles_compress_as_their_safetensors_twins_do(tmp_path):
+    """PEFT before 0.6 (and ``save_pretrained(safe_serialization=False)``) saves adapter_model.bin, a PyTorch
+    pickle, as most adapters on the Hub from 2023 are: they were refused ("adapter_model.safetensors: cannot read
+    it: No such file or directory"). The same adapters compress to the same file either way, and mixed."""
+    pytest.importorskip("peft", reason="pip install peft (the test extras) to write adapters with peft itself")
+    safe = peft_adapters(tmp_path, 3, RANK).rename(tmp_path / "safe")  # (the same base model, the same seeds)
+    pickled = peft_adapters(tmp_path, 3, RANK, safe_serialization=False)
+    assert sorted(path.name for path in (pickled / "task-0").iterdir()) == [
+        "README.md", "adapter_config.json", "adapter_model.bin"]  # fmt: skip
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for name, directory in (("task-0", pickled), ("task-1", safe), ("task-2", pickled)):
+        (mixed / name).symlink_to(directory / name)
+    got = {}
+    for name, directory in (("safe", safe), ("pickled", pickled), ("mixed", mixed)):
+        out = tmp_path / f"{name}.h5"
+        assert_ok(mpiscale(2, "compress-adapters", "--adapters", directory, "--components", 4, "--out", out))
+        got[name] = compressed(out)
+    for name in ("pickled", "mixed"):
+        assert got[name]["names"] == got["safe"]["names"] and got[name]["modules"] == got["safe"]["modules"]
+        for index in range(len(got["safe"]["modules"])):
+            for key, array in got["safe"][index].items():
+                np.testing.assert_array_equal(got[name][index][key], array, err_msg=f"{name} {index} {key}")
+
+
 def test_a_mismatched_adapter_or_nan_weights_end_the_job_naming_the_adapter(adapters, tmp_path):
     """Checked from the headers before any group is read (a rank of 8 among rank 4); NaN found when its group is
     read. Exit status 2, one message, no output file left; an output that would replace an input is refused."""

@@ -142,3 +142,45 @@ def test_an_adapter_whose_config_is_a_link_nothing_can_follow_is_refused_not_ski
     config.symlink_to(tmp_path / "gone.json")  # dangling
     with pytest.raises(AdapterError, match="is a link that cannot be followed"):
         find_adapters(str(tmp_path / "runs" / "task-*"))
+
+
+def test_an_adapter_saved_as_a_pytorch_pickle_reads_as_its_safetensors_twin_does(tmp_path):
+    """adapter_model.bin (PEFT before 0.6) read whole with torch.load(weights_only=True): the same modules and
+    matrices in float64, bfloat16 too; a pickle of something else than tensors by name is refused saying so, a cut
+    one too, and one that would run code when unpickled is refused without running it."""
+    import torch
+
+    tensors = pair()
+    safe = write_adapter(tmp_path / "safe", tensors, lora_config(4))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "adapter_config.json").write_text((safe / "adapter_config.json").read_text())
+    weights = pickled / "adapter_model.bin"
+    torch.save({key: torch.from_numpy(value).to(torch.bfloat16) for key, value in tensors.items()}, weights)
+    adapter, twin = open_adapter(str(pickled)), open_adapter(str(safe))
+    assert adapter.modules == twin.modules and adapter.weights == str(weights)
+    for got, expected in zip(adapter.read(adapter.modules[0]), twin.read(twin.modules[0])):
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, expected, rtol=1e-2)  # (bfloat16 keeps 8 bits of the float32 values)
+    torch.save([torch.zeros(2)], weights)
+    with pytest.raises(AdapterError, match="adapter_model.bin: holds a list, not tensors by name"):
+        open_adapter(str(pickled))
+    torch.save({key: torch.from_numpy(value) for key, value in tensors.items()}, weights)
+    weights.write_bytes(weights.read_bytes()[:300])
+    with pytest.raises(AdapterError, match="adapter_model.bin: cannot read it"):
+        open_adapter(str(pickled))
+    ran = tmp_path / "ran"
+    torch.save({"x": _RunsCode(str(ran))}, weights)
+    with pytest.raises(AdapterError, match="adapter_model.bin: cannot read it"):
+        open_adapter(str(pickled))
+    assert not ran.exists()
+
+
+class _RunsCode:
+    """An object whose unpickling would create a file (what a hostile pickle does)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
