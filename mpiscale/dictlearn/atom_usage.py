@@ -100,7 +100,7 @@ def _sample_ids(path: str, samples: int) -> np.ndarray | None:
 def _labels(spec: str) -> np.ndarray:
     path, name = split_spec(spec)
     with ShardedDataset(path, name) as labels:
-        return np.asarray(labels.read(0, len(labels)))
+        return np.asarray(labels.read(0, len(labels))).reshape(-1)  # (a column too)
 
 
 def format_top_inputs(entries: list[AtomEntry], samples: int, most: int = 20) -> str:

@@ -101,5 +101,5 @@ def as_tensors(batch, data: LabelledData, dtype: np.dtype) -> tuple[torch.Tensor
         else:
             inputs = torch.from_numpy(model_rows(np.asarray(rows), dtype).reshape(len(batch.ids), -1))
     if data.labels in batch.data:
-        labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64))
+        labels = torch.from_numpy(np.asarray(batch.data[data.labels], np.int64).reshape(-1))  # (a column too)
     return inputs, labels

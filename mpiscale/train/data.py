@@ -141,15 +141,16 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
 
 
 def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) -> np.ndarray:
-    """This rank's block of the labels as int64 (collective): one per sample, whole numbers 0 or more. Floats of
-    whole numbers are taken (MATLAB, R and pandas store labels so); any other value is refused, naming the first."""
+    """This rank's block of the labels as int64 (collective): one per sample, whole numbers 0 or more, in a vector
+    or a column (N x 1, as scikit-learn takes them too). Floats of whole numbers are taken (MATLAB, R and pandas
+    store labels so); any other value is refused, naming the first."""
     with ShardedDataset(path, labels, comm) as data:
         shape, dtype = data.shape, data.dtype
-    if dtype.kind not in "biuf" or len(shape) != 1:
+    if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
         raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}", labels)
     if shape[0] != samples:
         raise DataFileError(path, f"{samples} {what} but {shape[0]} labels", labels)
-    values = read_dataset(path, labels, comm)
+    values = read_dataset(path, labels, comm).reshape(-1)
     wrong = values < 0
     if dtype.kind == "f":  # (not finite, a fraction, or past float64's whole numbers)
         wrong |= ~np.isfinite(values) | (values != np.round(values)) | (values >= 2**53)

@@ -279,20 +279,27 @@ def test_a_diverging_run_ends_at_its_first_loss_that_is_not_finite(tmp_path, pip
     assert "Traceback" not in job.output and not out.exists()
 
 
-def test_labels_stored_as_floats_of_whole_numbers_train_as_integers(tmp_path):
-    """MATLAB, R and pandas store class numbers as float64: they were refused ("labels must be integers"); they now
-    train to the very weights of the same labels stored as integers."""
+def test_labels_stored_as_floats_of_whole_numbers_or_a_column_train_as_integers(tmp_path):
+    """MATLAB, R and pandas store class numbers as float64: they were refused ("labels must be integers"). A column
+    of them (N x 1, as Keras users keep y, and scikit-learn takes) was refused too ("one per sample; got int64 of
+    shape (300, 1)"). They train to the very weights of the same labels stored as an integer vector, and score
+    the same on held-out data so stored."""
     rng = np.random.default_rng(2)
     images, labels = (rng.random((300, 4, 4)) * 255).astype(np.uint8), rng.integers(0, 3, 300)
     runs = []
-    for kind in (np.int32, np.float64):
-        data = user_file(tmp_path / f"{kind.__name__}.h5", images, labels.astype(kind))
-        out = tmp_path / f"{kind.__name__}-model.h5"
+    for name, stored in (("int32", labels.astype(np.int32)), ("float64", labels.astype(np.float64)),
+                         ("column", labels.reshape(-1, 1))):  # fmt: skip
+        data = user_file(tmp_path / f"{name}.h5", images, stored)
+        held_out = user_file(tmp_path / f"{name}-held-out.h5", images[:60], stored[:60])
+        out = tmp_path / f"{name}-model.h5"
         assert_ok(mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", "--hidden", 8,
-                           "--epochs", 1, "--progress-every", 0, "--out", out))  # fmt: skip
-        runs.append(weights(out))
-    for name, values in runs[0].items():
-        np.testing.assert_array_equal(runs[1][name], values, err_msg=name)
+                           "--epochs", 1, "--progress-every", 0, "--validation", held_out, "--out", out))  # fmt: skip
+        with h5py.File(out, "r") as file:
+            runs.append((weights(out), file["curves"]["epoch"]["validation_loss"][()]))
+    for got, held_out_loss in runs[1:]:
+        np.testing.assert_array_equal(held_out_loss, runs[0][1])
+        for name, values in runs[0][0].items():
+            np.testing.assert_array_equal(got[name], values, err_msg=name)
 
 
 def test_a_numpy_archive_trains_to_the_weights_of_its_hdf5_twin(tmp_path):
