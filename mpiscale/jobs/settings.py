@@ -99,6 +99,12 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
         except OSError as error:
             raise ValueError(f"config file {path} cannot be read: {error}") from None
         values = document.get(table, document)
+        outside = sorted(key for key, value in document.items() if not isinstance(value, dict)) if table in document \
+            else []  # fmt: skip
+        if outside:  # (they were read by nothing: a file with the command's table is read there alone)
+            raise ValueError(f"config file {path}: {', '.join(outside)} outside its [{table}] table, where "
+                             f"{table} reads its settings: move {'it' if len(outside) == 1 else 'them'} into the "
+                             "table")  # fmt: skip
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"config file {path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")

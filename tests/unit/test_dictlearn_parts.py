@@ -259,6 +259,13 @@ def test_config_from_toml_with_overrides(tmp_path):
     path.write_text('atoms = "many"\n')
     with pytest.raises(ValueError, match="atoms must be int"):
         load_config(str(path), {})
+    # a setting outside the command's table was read by nothing, without a word (tables of other commands are theirs)
+    path.write_text("atoms = 64\n[dictlearn]\nsparsity = 4\n[encode]\nbatch_size = 9\n")
+    with pytest.raises(ValueError, match=r"job.toml: atoms outside its \[dictlearn\] table, where dictlearn reads its "
+                                         "settings: move it into the table"):  # fmt: skip
+        load_config(str(path), {})
+    path.write_text("[dictlearn]\nsparsity = 4\n[encode]\nbatch_size = 9\n")
+    assert load_config(str(path), {}).sparsity == 4
 
 
 @pytest.mark.parametrize(
