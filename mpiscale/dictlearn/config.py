@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import split_spec
-from ..jobs import checkpoint_level_problems, load_settings, local_dir_option, option, shared_every_option
+from ..jobs import DEVICES, checkpoint_level_problems, load_settings, local_dir_option, option, shared_every_option
 
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
@@ -21,8 +21,11 @@ LOWEST_SNR_DB = -100.0
 
 
 def coder_problems(coder: str, alpha: float, max_residual: float, device: str) -> list[str]:
-    """What is wrong with a coder's settings (the same for learning and for ``encode``)."""
+    """What is wrong with a coder's settings (the same for learning and for ``encode``); a device no job takes was
+    said only when the GPU was chosen ("choosing the GPU failed: rank 0: ValueError: ...")."""
     problems = []
+    if device not in DEVICES:
+        problems.append(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     if coder not in CODERS:
         problems.append(f"coder must be one of {', '.join(CODERS)}, got {coder!r}")
     if not (alpha > 0 and math.isfinite(alpha)):

@@ -279,6 +279,8 @@ def test_config_from_toml_with_overrides(tmp_path):
         ({"target_error": -0.5, "eval_every": 1}, "target_error must be a number >= 0"),
         ({"snr_db": math.nan}, "synthetic: snr_db must be a number of dB >= -100 .inf: no noise., got nan"),
         ({"snr_db": -1e6}, "synthetic: snr_db must be a number of dB >= -100"),
+        ({"device": "gpu"}, "device must be one of auto, cpu, cuda, got 'gpu'"),  # said as the GPU's choice failing
+        ({"device": "cuda:1"}, "device must be one of auto, cpu, cuda, got 'cuda:1'"),
     ],
 )
 def test_config_errors(values, message):
