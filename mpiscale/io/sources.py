@@ -11,6 +11,7 @@ data set (a ``.npz`` one array). Any HDF5 file is input, whoever wrote it; the
 
 from __future__ import annotations
 
+import codecs
 import glob
 import math
 import os
@@ -70,11 +71,15 @@ def is_list_file(path: str) -> bool:
 
 
 def listed_paths(path: str) -> list[str]:
-    """The paths a list file names, one a line, relative to the list's directory; ``#`` starts a comment."""
+    """The paths a list file names, one a line, relative to the list's directory; ``#`` starts a comment. A list
+    written on Windows reads alike: CRLF line ends, and UTF-8 or UTF-16 with its byte order mark (as Notepad and
+    PowerShell write them; the mark was read as part of the first path)."""
     base = os.path.dirname(os.path.abspath(path))
     try:
-        with open(path, encoding="utf-8") as stream:
-            lines = [line.split("#", 1)[0].strip() for line in stream]
+        with open(path, "rb") as stream:
+            raw = stream.read()
+        text = raw.decode("utf-16" if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8-sig")
+        lines = [line.split("#", 1)[0].strip() for line in text.splitlines()]
     except (OSError, UnicodeDecodeError) as error:
         raise DataFileError(path, f"cannot read the list of files: {error}") from error
     files = [os.path.join(base, line) for line in lines if line]

@@ -93,6 +93,11 @@ def test_list_file_with_relative_paths_and_comments(tmp_path):
     np.save(tmp_path / "data" / "a.npy", np.asfortranarray(X[:100]))  # Fortran order, as some tools write
     (tmp_path / "data" / "files.txt").write_text("# training split\na.npy\n\nb.npy  # the rest\n")
     assert np.array_equal(read_dataset(str(tmp_path / "data" / "files.txt")), X)
+    # as Windows tools write lists: CRLF, and a byte order mark (UTF-8 from Notepad, UTF-16 from PowerShell's ">"),
+    # which was read as part of the first path ("\ufeffa.npy: no such file")
+    for encoding in ("utf-8-sig", "utf-16"):
+        (tmp_path / "data" / "files.txt").write_bytes("a.npy\r\nb.npy\r\n".encode(encoding))
+        assert np.array_equal(read_dataset(str(tmp_path / "data" / "files.txt")), X), encoding
 
 
 def test_index_of_user_files_reads_as_one_array(tmp_path):
