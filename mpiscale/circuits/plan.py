@@ -82,7 +82,7 @@ def load_plan(path: str) -> PlanSpec:
     try:
         with open(path, "rb") as stream:
             raw = stream.read()
-        document = tomllib.loads(raw.decode())
+        document = tomllib.loads(raw.decode("utf-8-sig"))  # (with or without a byte order mark)
     except FileNotFoundError:
         raise PlanError(path, "no such plan file") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:

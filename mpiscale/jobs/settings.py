@@ -88,8 +88,8 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
     known = {f.name for f in option_fields(kind)}
     if path:
         try:
-            with open(path, "rb") as stream:
-                document = tomllib.load(stream)
+            with open(path, "rb") as stream:  # (a byte order mark, as Notepad writes, was "Invalid statement")
+                document = tomllib.loads(stream.read().decode("utf-8-sig"))
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:

@@ -88,6 +88,10 @@ op = "sum"
 inputs = ["out"]
 """
     plan = load_plan(write(tmp_path, text))
+    bom = tmp_path / "notepad.toml"  # the same plan as Windows' Notepad saves it: a byte order mark and CRLF
+    bom.write_bytes(("\ufeff" + text.replace("\n", "\r\n")).encode())
+    notepad = load_plan(str(bom))  # (it was "is not a readable TOML plan: Invalid statement")
+    assert (notepad.nodes, notepad.outputs, notepad.problems) == (plan.nodes, plan.outputs, [])
     with Catalogue(catalogue_path) as catalogue:
         graph = build_graph(plan, catalogue, 3, np.dtype(np.float32), verify=False)
     rows = np.array([[1, -2, 0.5], [0, 0, -1]], np.float32)

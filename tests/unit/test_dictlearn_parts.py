@@ -266,6 +266,8 @@ def test_config_from_toml_with_overrides(tmp_path):
         load_config(str(path), {})
     path.write_text("[dictlearn]\nsparsity = 4\n[encode]\nbatch_size = 9\n")
     assert load_config(str(path), {}).sparsity == 4
+    path.write_bytes("\ufeff[dictlearn]\r\nsparsity = 6\r\n".encode())  # as Notepad saves it: "Invalid statement"
+    assert load_config(str(path), {}).sparsity == 6
 
 
 @pytest.mark.parametrize(
