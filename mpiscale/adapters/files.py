@@ -141,7 +141,7 @@ def open_adapter(path: str, name: str | None = None) -> Adapter:
     if not os.path.isfile(os.path.join(path, CONFIG)):
         raise AdapterError(path, f"no {CONFIG}: not a PEFT adapter directory")
     try:
-        with open(os.path.join(path, CONFIG), encoding="utf-8") as stream:
+        with open(os.path.join(path, CONFIG), encoding="utf-8-sig") as stream:  # (a byte order mark too)
             config = json.load(stream)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise AdapterError(os.path.join(path, CONFIG), f"cannot read it: {error}") from None

@@ -102,7 +102,7 @@ def parse_fields(pairs: list[str], fields_file: str, count: int) -> dict[str, li
     fields: dict[str, list] = {}
     if fields_file:
         try:
-            with open(fields_file, encoding="utf-8") as stream:
+            with open(fields_file, encoding="utf-8-sig") as stream:  # (a byte order mark too)
                 document = json.load(stream)
         except (OSError, ValueError) as error:
             raise DataFileError(fields_file, f"is not a readable JSON file: {error}") from None

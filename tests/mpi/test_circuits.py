@@ -91,8 +91,8 @@ def build_catalogue(root: Path, path: Path) -> None:
     assert_ok(run_alone("circuits", "add", path, "--dictlearn", root / "relu2.h5", "--tag", "digits", "--tag", "deep"))
     with h5py.File(root / "projections.h5", "w") as file:
         file["P"] = np.random.default_rng(2).standard_normal((3, 5))
-    (root / "fields.json").write_text(json.dumps([{"score": 0.5, "who": "a"}, {"score": 2.0, "who": "b"},
-                                                  {"score": 7.0, "who": "c"}]))  # fmt: skip
+    fields = [{"score": 0.5, "who": "a"}, {"score": 2.0, "who": "b"}, {"score": 7.0, "who": "c"}]
+    (root / "fields.json").write_text("\ufeff" + json.dumps(fields), encoding="utf-8")  # a byte order mark, as Notepad
     projections = f"{root / 'projections.h5'}:/P"
     small = run_alone("circuits", "add", path, "--module", root / "small.pt", "--name", "small", "--inputs", DIGITS,
                       "--projections", projections, "--fields", root / "fields.json")  # fmt: skip
