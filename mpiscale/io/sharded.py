@@ -37,7 +37,7 @@ from .h5file import (
     stamp,
 )
 from .numpy_files import NpySource, is_numpy_file
-from .sources import H5Source, in_native_order, only_dataset, resolve_files, same_file
+from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
 from .writer import RowWriter
 
 #: What ``leave_open`` keeps for the rest of the process.
@@ -148,6 +148,7 @@ def write_index(
     if not shards:
         raise ValueError(f"write_index {path}: no shard files given")
     _check_index_path(path, shards)
+    distinct_files(path, [os.fspath(shard) for shard in shards])
     base = os.path.dirname(os.path.abspath(path))
     entries: list[dict] = []
     layouts = []
@@ -242,6 +243,8 @@ class ShardedDataset:
         files = [os.fspath(p) for p in path] if isinstance(path, list) else None
         if files is None:  # one listing for all ranks: a glob never differs between them
             files = on_rank_0(self._comm, lambda: resolve_files(os.fspath(path)))
+        else:
+            distinct_files(self.path, files)
         sources: list[H5Source | NpySource] = []
         for file in files:
             sources += self._open_file(file)

@@ -47,13 +47,32 @@ def natural_key(path: str) -> list:
 def resolve_files(pattern: str) -> list[str]:
     """The files a spec's file part names, in a stable order (one process; callers broadcast it)."""
     if is_list_file(pattern):
-        return listed_paths(pattern)
+        return distinct_files(pattern, listed_paths(pattern))
     if os.path.exists(pattern) or not _GLOB_CHARS.search(pattern):
         return [pattern]
     matches = sorted((path for path in glob.glob(pattern) if os.path.isfile(path)), key=natural_key)
     if not matches:
         raise DataFileError(pattern, "no files match this pattern")
-    return matches
+    return distinct_files(pattern, matches)
+
+
+def distinct_files(spec: str, files: list[str]) -> list[str]:
+    """``files``, refused where two of them are one file (a link beside its target, as a ``latest`` link kept
+    among numbered runs is; a file listed twice; a hard link): its rows were read twice, without a word."""
+    seen: dict[tuple[int, int], str] = {}
+    for file in files:
+        try:
+            found = os.stat(file)
+        except OSError:  # a file that is not there: said where it is opened
+            continue
+        first = seen.get((found.st_dev, found.st_ino))
+        seen[(found.st_dev, found.st_ino)] = file
+        if first is not None:
+            twice = os.path.abspath(first) == os.path.abspath(file)
+            what = f"{file} twice" if twice else f"{first} and {file}, one file (a link to the other)"
+            hint = ", with a pattern the link does not match" if _GLOB_CHARS.search(spec) else ""
+            raise DataFileError(spec, f"names {what}: its rows would be read twice; name each file once{hint}")
+    return files
 
 
 def same_file(first: str | os.PathLike, second: str | os.PathLike) -> bool:

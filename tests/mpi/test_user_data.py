@@ -79,6 +79,8 @@ WRITER = textwrap.dedent(
             f["sim/X"] = X[lo:hi]
     with open(f"{out}/parts.txt", "w") as f:
         f.write("# the same parts, listed\\nrun-2.h5\\nrun-9.h5\\nrun-10.h5\\n")
+    with open(f"{out}/twice.txt", "w") as f:
+        f.write("run-2.h5\\nrun-9.h5\\nrun-2.h5\\n")
     # the same parts joined by a virtual data set, as h5py's docs show (sources named beside the file)
     with open(f"{out}/run-10.h5", "rb") as whole, open(f"{out}/cut-10.h5", "wb") as cut:
         cut.write(whole.read(500))  # a copy cut short
@@ -253,6 +255,7 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
+        (2, "twice.txt:/sim/X", "run-2.h5 twice: its rows would be read twice; name each file once"),  # (they were)
         (2, "WRITER.c:/X", "no such file"),
         (2, "broken.h5:/X", "maps rows to gone-10.h5, which is not there: HDF5 would give its fill value"),
         (2, "damaged.h5:/X", "maps rows to cut-10.h5, which is no readable HDF5 file"),

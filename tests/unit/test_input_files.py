@@ -1,5 +1,6 @@
 """Data as users bring it: HDF5 written by plain h5py in many layouts, globs, lists, .npy (one process)."""
 
+import re
 from pathlib import Path
 
 import h5py
@@ -98,6 +99,31 @@ def test_list_file_with_relative_paths_and_comments(tmp_path):
     for encoding in ("utf-8-sig", "utf-16"):
         (tmp_path / "data" / "files.txt").write_bytes("a.npy\r\nb.npy\r\n".encode(encoding))
         assert np.array_equal(read_dataset(str(tmp_path / "data" / "files.txt")), X), encoding
+
+
+def test_a_file_named_twice_is_refused_not_read_twice(tmp_path):
+    """A "latest" link kept among numbered runs matched their glob beside its target, and a list naming a file twice
+    was taken: those rows were read twice, without a word. Refused, for an index too."""
+    for part in range(3):
+        np.save(tmp_path / f"run-{part}.npy", X[100 * part : 100 * (part + 1)])
+    (tmp_path / "run-latest.npy").symlink_to("run-2.npy")
+    said = f"names {tmp_path}/run-2.npy and {tmp_path}/run-latest.npy, one file (a link to the other): its rows would"
+    said += " be read twice; name each file once, with a pattern the link does not match"
+    with pytest.raises(DataFileError, match=re.escape(said)):
+        ShardedDataset(str(tmp_path / "run-*.npy"))
+    assert np.array_equal(read_dataset(str(tmp_path / "run-[0-9].npy")), X)
+    (tmp_path / "files.txt").write_text("run-0.npy\nrun-1.npy\nrun-0.npy\n")
+    with pytest.raises(DataFileError, match="run-0.npy twice: its rows would be read twice; name each file once$"):
+        ShardedDataset(str(tmp_path / "files.txt"))
+    with pytest.raises(DataFileError, match="one file .a link to the other."):
+        ShardedDataset([str(tmp_path / "run-2.npy"), str(tmp_path / "run-latest.npy")])
+    shards = []
+    for part in range(2):
+        with h5py.File(tmp_path / f"part-{part}.h5", "w") as file:
+            file["X"] = X[:10]
+        shards.append(str(tmp_path / f"part-{part}.h5"))
+    with pytest.raises(DataFileError, match="part-1.h5 twice"):
+        write_index(str(tmp_path / "index.h5"), [*shards, shards[1]])
 
 
 def test_index_of_user_files_reads_as_one_array(tmp_path):
