@@ -69,8 +69,6 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     fingerprint = Fingerprint()
     fingerprint.add(first, block)
     digest = _digest(comm, fingerprint, first, tags, shape)
-    sums = block.sum(axis=0)
-    comm.Allreduce(MPI.IN_PLACE, sums)
     bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
     first_bad = comm.allreduce(first + int(bad[0]) if len(bad) else shape[0], op=MPI.MIN)
     highest_label = comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX)
@@ -79,11 +77,16 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     if first_bad < shape[0]:
         raise DataFileError(path, f"sample {first_bad} holds NaN or infinite values; clean the data first", inputs)
     samples = shape[0]
+    unit = _power_of_two_unit(np.maximum(np.abs(ends[0]), np.abs(ends[1])))
+    block /= unit
+    sums = block.sum(axis=0)
+    comm.Allreduce(MPI.IN_PLACE, sums)
     mean = sums / samples
     block -= mean  # the spread about the mean, in a second pass: E[x^2] - mean^2 cancels for a large mean
     squares = np.einsum("sf,sf->f", block, block)
     comm.Allreduce(MPI.IN_PLACE, squares)
-    std = np.where(ends[0] == -ends[1], 0.0, np.sqrt(squares / samples))  # 0 exactly for a constant feature
+    std = np.where(ends[0] == -ends[1], 0.0, np.sqrt(squares / samples)) * unit  # 0 exactly for a constant feature
+    mean *= unit
     lowest, highest = float(ends[0].min(initial=np.inf)), float(-ends[1].min(initial=np.inf))
     checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
                            dtype.kind in "biu", lowest, highest, fingerprint=digest)  # fmt: skip
@@ -138,6 +141,13 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
                            float(span[0]), float(-span[1]), True, offsets, lengths, digest)  # fmt: skip
     return checked, comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX) + 1
+
+
+def _power_of_two_unit(largest: np.ndarray) -> np.ndarray:
+    """Each feature's unit for its sums: the power of two at its largest magnitude. Dividing by it is exact, so the
+    statistics are those of the values as they are, bit for bit, while no square overflows float64 (for values past
+    1e154 the spread came out infinite: every input standardised to 0, and the model learned from none of them)."""
+    return np.ldexp(1.0, np.frexp(largest)[1])
 
 
 def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) -> np.ndarray:

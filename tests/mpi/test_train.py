@@ -302,6 +302,24 @@ def test_labels_stored_as_floats_of_whole_numbers_or_a_column_train_as_integers(
             np.testing.assert_array_equal(got[name], values, err_msg=name)
 
 
+def test_inputs_in_huge_units_train_as_they_do_in_their_own(tmp_path):
+    """Inputs past 1e154 (here 2**600 times the same values: float64 holds them) gave an infinite spread: every
+    input was standardised to 0 and the model learned from none, without a word. They train to the very weights of
+    the same values at unit scale; only the standardisation's statistics differ, by that factor."""
+    rng = np.random.default_rng(5)
+    images, labels = rng.random((300, 6)), rng.integers(0, 3, 300)
+    runs = []
+    for name, factor in (("unit", 1.0), ("huge", 2.0**600)):
+        data = user_file(tmp_path / f"{name}.h5", images * factor, labels)
+        out = tmp_path / f"{name}-model.h5"
+        assert_ok(mpiscale(2, "train", "--data", data, "--inputs", "images", "--labels", "target", "--hidden", 8,
+                           "--epochs", 1, "--progress-every", 0, "--out", out))  # fmt: skip
+        runs.append(weights(out))
+    for name, values in runs[0].items():
+        factor = 2.0**600 if name.startswith("standardize.") else 1.0
+        np.testing.assert_array_equal(runs[1][name], values * factor, err_msg=name)
+
+
 def test_a_numpy_archive_trains_to_the_weights_of_its_hdf5_twin(tmp_path):
     """Inputs and labels saved with numpy.savez (rows of one size; token sequences with their starts) were refused
     as "not an HDF5 file". They train to the very weights of the same arrays in an HDF5 file, and collect reads
