@@ -12,12 +12,14 @@ import os
 
 import numpy as np
 
+from ..errors import MpiscaleError
+
 SAFETENSORS, PICKLED = "adapter_model.safetensors", "adapter_model.bin"
 FLOAT_TYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the types an adapter's weights may have
 
 
-class WeightsError(Exception):
-    """A weights file that cannot be read (the caller names the adapter)."""
+class WeightsError(MpiscaleError):
+    """A weights file that cannot be read (the caller names the adapter, as an AdapterError)."""
 
 
 def weights_file(directory: str) -> str:
