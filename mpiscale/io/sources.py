@@ -203,7 +203,7 @@ def _unwritten(dataset: h5py.Dataset) -> str | None:
     reached (a script that stopped early but closed its file), without a word; a chunk is stored once written, and
     contiguous storage at the first write."""
     create = dataset.id.get_create_plist()
-    if not dataset.shape[0] or create.get_external_count():
+    if not math.prod(dataset.shape) or create.get_external_count():  # (no values, none unwritten: said elsewhere)
         return None
     fill = f"its fill value, {np.asarray(dataset.fillvalue).tolist()}"
     if create.get_layout() == h5py.h5d.CHUNKED:

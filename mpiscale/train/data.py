@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -63,6 +64,8 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
         raise DataFileError(path, f"inputs must be numbers, one sample per row; got {dtype} of shape {shape}", inputs)
     if not shape[0]:
         raise DataFileError(path, "holds no samples", inputs)
+    if not math.prod(shape[1:]):  # (HDF5 failed to read the rows, said as damage)
+        raise DataFileError(path, f"its samples hold no values (shape {shape})", inputs)
     tags = _class_numbers(path, labels, shape[0], "inputs", comm)
     block = read_dataset(path, inputs, comm).reshape(-1, int(np.prod(shape[1:]))).astype(np.float64)
     first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]

@@ -440,7 +440,8 @@ def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path)
         ("nan", "sample 317 holds NaN or infinite values"),
         ("fractional labels", "label 7 is 0.5: labels are class numbers, whole numbers 0 or more"),
         ("nan label", "label 9 is nan: labels are class numbers"),
-        ("2-D labels", "labels must be class numbers, one per sample; got int64 of shape (600, 1)"),
+        ("2-D labels", "labels must be class numbers, one per sample; got int64 of shape (600, 2)"),  # (a column is)
+        ("no values", "its samples hold no values (shape (600, 3, 0))"),  # it said the file was damaged
         ("uint64 label 2**63", f"label 11 is {2**63}: labels are class numbers"),
         ("short labels", "600 inputs but 599 labels"),
         ("negative labels", "label 5 is -1: labels are class numbers, whole numbers 0 or more"),
@@ -460,7 +461,9 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
         labels = labels.astype(np.float64)
         labels[7 if problem == "fractional labels" else 9] = 0.5 if problem == "fractional labels" else np.nan
     if problem == "2-D labels":
-        labels = labels[:, None]
+        labels = np.stack([labels, labels], axis=1)
+    if problem == "no values":
+        inputs = np.zeros((600, 3, 0))
     if problem == "uint64 label 2**63":
         labels = labels.astype(np.uint64)
         labels[11] = 2**63

@@ -47,6 +47,7 @@ WRITER = textwrap.dedent(
         f.create_dataset("bad/strings", data=np.full((40, 3), b"abc"))
         f.create_dataset("bad/compound", data=np.zeros((40, 3), dtype=[("a", "f8"), ("b", "i4")]))
         f.create_dataset("bad/empty", shape=(0, 16), dtype="f8")
+        f.create_dataset("bad/no_features", shape=(1200, 0), dtype="f8")
         f.create_dataset("bad/nan", data=np.where(i == 700, np.nan, X))
     with h5py.File(f"{out}/links.h5", "w") as f:  # links, as users join files without copying them
         f["labels"] = np.arange(1200)  # (first: plain.h5's rows lie at an offset where links.h5 holds other bytes)
@@ -250,8 +251,9 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (4, "layouts.h5:/bad/strings", "signals must be numbers, got dtype |S3"),
         (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
         (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
+        (2, "layouts.h5:/bad/no_features", "holds no signals (shape (1200, 0))"),  # "was never written"
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
-        (2, "layouts.h5", "holds 16 data sets; name one as"),
+        (2, "layouts.h5", "holds 17 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
