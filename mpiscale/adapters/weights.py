@@ -53,18 +53,15 @@ def read_tensors(weights: str, keys: list[str]) -> list[np.ndarray]:
     file's float16/32/64, torch its bfloat16 (numpy has no such type) and any pickle, so most runs never import
     torch."""
     if weights.endswith(PICKLED):
-        import torch
-
         tensors = _unpickled(weights)
-        return [tensors[key].to(torch.float64).numpy() for key in keys]
+        return [tensors[key].double().numpy() for key in keys]
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(weights, framework="numpy") as file:
             if all(file.get_slice(key).get_dtype() != "BF16" for key in keys):
                 return [file.get_tensor(key).astype(np.float64) for key in keys]
-        import torch
-
+        torch = _torch("holds bfloat16 tensors, which numpy lacks")
         with safe_open(weights, framework="pt") as file:
             return [file.get_tensor(key).to(torch.float64).numpy() for key in keys]
     except (OSError, SafetensorError) as error:
@@ -75,8 +72,7 @@ def _unpickled(weights: str) -> dict:
     """The tensors of a PyTorch pickle, by name (on the CPU)."""
     import pickle
 
-    import torch
-
+    torch = _torch("is a PyTorch pickle")
     try:
         found = torch.load(weights, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # missing, cut short, not a pickle
@@ -84,6 +80,17 @@ def _unpickled(weights: str) -> dict:
     if not isinstance(found, dict) or not all(isinstance(t, torch.Tensor) for t in found.values()):
         raise WeightsError(f"holds a {type(found).__name__}, not tensors by name (a state dict)")
     return found
+
+
+def _torch(what: str):
+    """The torch module, or a WeightsError saying that the file ``what`` and torch reads it (the adapters extra
+    brings safetensors alone)."""
+    try:
+        import torch
+    except ImportError:
+        raise WeightsError(f"{what}; only torch reads it here: pip install torch, or save the adapter again as "
+                           "float32 safetensors (PeftModel.save_pretrained's default)") from None  # fmt: skip
+    return torch
 
 
 def _type(tensor) -> str:

@@ -1,6 +1,7 @@
 """Reading LoRA adapters: finding them, refusing what would be compressed wrongly, bfloat16 and NaN."""
 
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -91,7 +92,7 @@ def test_adapters_of_other_models_ranks_or_modules_are_refused(tmp_path, changes
     check_alike(open_adapter(str(write_adapter(tmp_path / "same", pair(), lora_config(4, lora_alpha=3)))), reference)
 
 
-def test_bfloat16_adapters_read_as_float64_and_nan_is_refused(tmp_path):
+def test_bfloat16_adapters_read_as_float64_and_nan_is_refused(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import save_file
 
@@ -105,6 +106,12 @@ def test_bfloat16_adapters_read_as_float64_and_nan_is_refused(tmp_path):
     a, b = adapter.read(adapter.modules[0])
     assert a.dtype == np.float64 and a.shape == (4, 8) and b.shape == (6, 4)
     np.testing.assert_array_equal(a, tensors[f"{MODULES[0]}.lora_A.weight"].to(torch.float64).numpy())
+    with monkeypatch.context() as without:  # where torch is not installed: said, not an ImportError's traceback
+        without.setitem(sys.modules, "torch", None)
+        with pytest.raises(
+            AdapterError, match="holds bfloat16 tensors, which numpy lacks; only torch reads it here: pip install torch"
+        ):
+            adapter.read(adapter.modules[0])
     bad = pair()
     bad[f"{MODULES[0]}.lora_B.weight"][2, 1] = np.nan
     nan = open_adapter(str(write_adapter(tmp_path / "nan", bad, lora_config(4))))
@@ -144,10 +151,10 @@ def test_an_adapter_whose_config_is_a_link_nothing_can_follow_is_refused_not_ski
         find_adapters(str(tmp_path / "runs" / "task-*"))
 
 
-def test_an_adapter_saved_as_a_pytorch_pickle_reads_as_its_safetensors_twin_does(tmp_path):
+def test_an_adapter_saved_as_a_pytorch_pickle_reads_as_its_safetensors_twin_does(tmp_path, monkeypatch):
     """adapter_model.bin (PEFT before 0.6) read whole with torch.load(weights_only=True): the same modules and
     matrices in float64, bfloat16 too; a pickle of something else than tensors by name is refused saying so, a cut
-    one too, and one that would run code when unpickled is refused without running it."""
+    one too, and one that would run code when unpickled is refused without running it; without torch, it says so."""
     import torch
 
     tensors = pair()
@@ -169,6 +176,12 @@ def test_an_adapter_saved_as_a_pytorch_pickle_reads_as_its_safetensors_twin_does
     weights.write_bytes(weights.read_bytes()[:300])
     with pytest.raises(AdapterError, match="adapter_model.bin: cannot read it"):
         open_adapter(str(pickled))
+    with monkeypatch.context() as without:  # where torch is not installed (the adapters extra is safetensors alone)
+        without.setitem(sys.modules, "torch", None)
+        with pytest.raises(
+            AdapterError, match="adapter_model.bin: is a PyTorch pickle; only torch reads it here: pip install torch"
+        ):
+            open_adapter(str(pickled))
     ran = tmp_path / "ran"
     torch.save({"x": _RunsCode(str(ran))}, weights)
     with pytest.raises(AdapterError, match="adapter_model.bin: cannot read it"):
