@@ -29,14 +29,15 @@ def check_raw_files(data: h5py.Dataset) -> None:
     if not count:
         return
     path = data.file.filename
-    prefix = os.environ.get(_PREFIX, "").replace(_ORIGIN, os.path.dirname(os.path.abspath(path)))
+    origin = os.path.dirname(os.path.abspath(path))
+    prefix = os.environ.get(_PREFIX, "").replace(_ORIGIN, origin)
     entries = [create.get_external(i) for i in range(count)]  # (name, offset, size), in the order of the bytes
     found = [os.path.join(prefix, os.fsdecode(name)) for name, _, _ in entries]  # (an absolute name stays whole)
     missing = next((name for name in found if not os.path.isfile(name)), None)
     if missing is not None:
-        beside = os.path.join(os.path.dirname(os.path.abspath(path)), os.path.relpath(missing, prefix or "."))
+        beside = os.path.join(origin, os.path.relpath(missing, prefix or "."))
         hint = (
-            f"; it is beside the HDF5 file: start the job in {os.path.dirname(beside)}, or set "
+            f"; it is beside the HDF5 file: start the job in {origin}, or set "
             f"{_PREFIX}='{_ORIGIN}' (HDF5 then looks beside each file)"
             if os.path.isfile(beside)
             else ""
