@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..io import BatchReader, DataFileError, Fingerprint, ShardedDataset, rank_rows, read_dataset, refuse_unreadable
-from ..ranks import Comm
+from ..io.reader import available_memory
+from ..ranks import Comm, host_placement
+from ..words import counted
 
 _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
 #: Values of whose magnitude the squares stay normal float64 numbers: outside, the Gram matrix and the residuals
@@ -112,6 +115,22 @@ def size_problems(atoms: int, sparsity: int, batch_size: int | None, samples: in
     if batch_size is not None and batch_size > samples:
         problems.append(f"batch size {batch_size} exceeds the {samples} signals")
     return "; ".join(problems)
+
+
+def memory_problem(atoms: int, comm: Comm, matrices: int = 2) -> str:
+    """Why ``atoms`` atoms cannot fit in memory ("" when they may; collective, the same on every rank). Each rank
+    keeps at least ``matrices`` atoms x atoms float64 matrices (learning: the Gram matrix and the statistics, and the
+    update makes more; coding: the Gram matrix), and a host's ranks share its memory. Past it, the first of them
+    failed to be allocated mid-start (numpy's "Unable to allocate 26.8 GiB"), or the kernel's OOM killer ended a rank
+    without a report."""
+    ranks = host_placement(comm)[1]
+    need, have = matrices * atoms * atoms * 8 * ranks, available_memory()
+    problem = "" if need <= have else (
+        f"{atoms} atoms keep matrices of {atoms} x {atoms} numbers on every rank: at least {need / 2**30:.1f} GiB "
+        f"for the {counted(ranks, 'rank')} of host {socket.gethostname()}, which has {have / 2**30:.1f} GiB "
+        "available: use fewer atoms (or fewer ranks a host)"
+    )  # fmt: skip
+    return next((said for said in comm.allgather(problem) if said), "")
 
 
 def scale_problem(largest: float) -> str:

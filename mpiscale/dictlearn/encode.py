@@ -54,7 +54,7 @@ from ..words import counted
 from .codes import CODES_FORMAT, csr_rows
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_rows
 from .config import EncodeConfig
-from .data import DataInfo, check_data
+from .data import DataInfo, check_data, memory_problem
 from .iteration import without_means
 from .results import RESULTS_FORMAT
 
@@ -246,6 +246,9 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
         raise DataFileError(info.path, f"signals of {info.features} values cannot be coded with atoms of {features} "
                                        f"(the dictionary is atoms x features{hint})", info.name)  # fmt: skip
     _no_zero_rows(learned.atoms, config.dictionary)
+    too_many = memory_problem(atoms, comm, matrices=1)
+    if too_many:
+        raise ValueError(too_many)
     sparsity = config.sparsity or min(learned.sparsity, atoms)
     if sparsity > min(atoms, features):
         raise ValueError(f"sparsity {sparsity} exceeds the {atoms} atoms or the {features} features of a signal")

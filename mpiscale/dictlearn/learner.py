@@ -45,7 +45,15 @@ from ..ranks import Comm, ranks_sharing_cores
 from ..runtime import ActorSystem
 from ..words import counted
 from .config import DictLearnConfig
-from .data import DataInfo, check_data, initial_dictionary, online_batches, resident_block, size_problems
+from .data import (
+    DataInfo,
+    check_data,
+    initial_dictionary,
+    memory_problem,
+    online_batches,
+    resident_block,
+    size_problems,
+)
 from .history import History
 from .iteration import Iteration, Rule
 from .results import RESULTS_FORMAT, JobResults, results_bytes, write
@@ -87,6 +95,9 @@ def _prepare_data(config: DictLearnConfig, comm: Comm) -> DataInfo:
     once nothing can refuse the job any more, so that a refused run never rewrites an earlier run's set."""
     path, name = config.data_path
     batch_size = config.batch_size if config.method == "online" else None  # mod reads no mini-batches
+    too_many = memory_problem(config.atoms, comm)
+    if too_many:
+        raise ValueError(too_many)
     if config.data:
         return check_data(path, name, config.atoms, config.sparsity, batch_size, comm)
     problems = size_problems(config.atoms, config.sparsity, batch_size, config.samples, config.features)

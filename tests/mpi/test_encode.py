@@ -185,3 +185,27 @@ def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):
     )
     assert same.returncode == 2 and "signals.h5" in same.stderr and same.stderr.count("\n") == 1, same.stderr
     assert not list(tmp_path.glob("refused.h5*"))
+
+
+def test_a_dictionary_too_large_for_the_hosts_memory_is_refused_before_it_is_allocated(tmp_path):
+    """300,000 atoms learned, or 200,000 atoms coded with, on 2 ranks of one host: each rank's matrices of atoms x
+    atoms float64 (two to learn, the Gram matrix to code) outgrow any host's memory. 60,000 atoms on this 24 GiB
+    host ended with numpy's "Unable to allocate 26.8 GiB for an array with shape (60000, 60000)" in a traceback,
+    mid-start (with less than the host holds per rank, the kernel's OOM killer may end a rank without a word). Both
+    are refused in one line, status 2, nothing written."""
+    learn = run_cli(2, "dictlearn", "--atoms", 300000, "--features", 16, "--samples", 1000, "--sparsity", 2,
+                    "--out", tmp_path / "d.h5")  # fmt: skip
+    assert learn.returncode == 2 and learn.stderr.count("\n") == 1, learn.output[-3000:]
+    said = (
+        "mpiscale dictlearn: 300000 atoms keep matrices of 300000 x 300000 numbers on every rank: at least 2682.2 GiB"
+    )
+    assert said + " for the 2 ranks of host " in learn.stderr, learn.stderr
+    assert "use fewer atoms (or fewer ranks a host)" in learn.stderr
+    np.save(tmp_path / "atoms.npy", np.random.default_rng(0).standard_normal((200000, 16)))
+    with h5py.File(tmp_path / "signals.h5", "w") as file:
+        file["X"] = np.random.default_rng(1).standard_normal((100, 16))
+    code = run_cli(2, "encode", "--dictionary", tmp_path / "atoms.npy", "--data", f"{tmp_path / 'signals.h5'}:/X",
+                   "--out", tmp_path / "c.h5")  # fmt: skip
+    said = "mpiscale encode: 200000 atoms keep matrices of 200000 x 200000 numbers on every rank: at least 596.0 GiB"
+    assert code.returncode == 2 and said in code.stderr, code.output[-3000:]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["atoms.npy", "signals.h5"]
