@@ -8,8 +8,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import BatchReader, DataFileError, Fingerprint, ShardedDataset, rank_rows, read_dataset, refuse_unreadable
-from ..io.reader import available_memory
+from ..io import (
+    BatchReader,
+    DataFileError,
+    Fingerprint,
+    ShardedDataset,
+    available_memory,
+    rank_rows,
+    read_dataset,
+    refuse_unreadable,
+)
 from ..ranks import Comm, host_placement
 from ..words import counted
 

@@ -21,7 +21,7 @@ from .h5file import (
 )
 from .lock import OutputLock
 from .ragged import Ragged, RaggedDataset, is_variable_length
-from .reader import Batch, BatchReader, epoch_order, epoch_plan
+from .reader import Batch, BatchReader, available_memory, epoch_order, epoch_plan
 from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
@@ -31,6 +31,7 @@ from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
+    "available_memory",
     "DATASET_FORMAT",
     "PARALLEL_H5PY",
     "STRATEGIES",
