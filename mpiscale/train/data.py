@@ -58,6 +58,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     """
     from mpi4py import MPI
 
+    _refuse_one_array(path)
     with ShardedDataset(path, inputs, comm) as data:
         shape, dtype, image_shape = data.shape, data.dtype, data.image_shape()
     if dtype.kind not in "biuf" or len(shape) < 2:
@@ -110,6 +111,7 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     """
     from mpi4py import MPI
 
+    _refuse_one_array(path)
     with RaggedDataset(path, inputs, offsets, comm) as data:
         lengths, dtype, name = data.lengths, data.dtype, data.name
         if dtype.kind not in "biu" or data.row_shape:
@@ -144,6 +146,16 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
                            float(span[0]), float(-span[1]), True, offsets, lengths, digest)  # fmt: skip
     return checked, comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX) + 1
+
+
+def _refuse_one_array(path: str) -> None:
+    """Refuse training data in ``.npy`` files: each holds one array, and the inputs and labels are two (the labels
+    were then taken from the inputs' own array: "labels must be class numbers ...; got float64 of shape (600, 5)")."""
+    if path.endswith(".npy"):
+        raise DataFileError(path, (
+            "a .npy file holds one array, and training takes two (the inputs and their labels) from one file: save "
+            "them together, e.g. numpy.savez('train.npz', inputs=X, labels=y), and give --data train.npz"
+        ))  # fmt: skip
 
 
 def _power_of_two_unit(largest: np.ndarray) -> np.ndarray:

@@ -320,6 +320,22 @@ def test_inputs_in_huge_units_train_as_they_do_in_their_own(tmp_path):
         np.testing.assert_array_equal(runs[1][name], values * factor, err_msg=name)
 
 
+def test_inputs_and_labels_in_two_npy_files_are_refused_with_the_line_that_joins_them(tmp_path):
+    """X.npy and y.npy, as scikit-learn users keep them: a .npy holds one array, so "--labels y.npy" named a data set
+    of X.npy, which gave the inputs again: "labels must be class numbers, one per sample; got float64 of shape
+    (600, 5)". Refused saying why, with the line that saves both in one archive, which then trains."""
+    rng = np.random.default_rng(6)
+    np.save(tmp_path / "X.npy", rng.random((600, 5)))
+    np.save(tmp_path / "y.npy", rng.integers(0, 2, 600))
+    job = mpiscale(2, "train", "--data", tmp_path / "X.npy", "--labels", "y.npy", "--out", tmp_path / "m.h5")
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    assert "X.npy: a .npy file holds one array, and training takes two (the inputs and their labels) from one " \
+        "file: save them together, e.g. numpy.savez('train.npz', inputs=X, labels=y)" in job.stderr  # fmt: skip
+    np.savez(tmp_path / "train.npz", inputs=np.load(tmp_path / "X.npy"), labels=np.load(tmp_path / "y.npy"))
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "train.npz", "--epochs", 1, "--hidden", 8,
+                       "--progress-every", 0, "--out", tmp_path / "m.h5"))  # fmt: skip
+
+
 def test_a_numpy_archive_trains_to_the_weights_of_its_hdf5_twin(tmp_path):
     """Inputs and labels saved with numpy.savez (rows of one size; token sequences with their starts) were refused
     as "not an HDF5 file". They train to the very weights of the same arrays in an HDF5 file, and collect reads
