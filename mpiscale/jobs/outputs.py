@@ -149,6 +149,8 @@ def _replaced(path: str, kind: str) -> str | None:
 
 def check_outputs(out: str, checkpoints: str | None, what: str = "the results file") -> None:
     """Raise ValueError if ``out`` (``what`` it is) or the checkpoint directory (None: not used) cannot be written."""
+    if not out.strip():
+        raise ValueError(f"{what} is named by an empty path: name a file")
     if os.path.isdir(out):
         example = os.path.join(out, "results" + (os.path.splitext(out)[1] or ".h5"))
         raise ValueError(f"{what} {out} is a directory: name a file (in it, say: {example})")

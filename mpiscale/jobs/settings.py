@@ -126,10 +126,12 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
 
 
 #: Settings several jobs share, checked where they are read: (holds, what a value must be). A seed of -1 ended a
-#: job with a traceback from deep in its random streams; a progress interval of NaN or -1 was taken.
+#: job with a traceback from deep in its random streams; a progress interval of NaN or -1 was taken; an empty
+#: results path ended encode, collect and compress-adapters after all their work, when the output was renamed.
 _SHARED_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda seed: 0 <= seed < 2**64, "an integer from 0 to 2**64 - 1"),
     "progress_every": (lambda seconds: seconds >= 0, "a number of seconds >= 0 (0: only the last line)"),
+    "out": (lambda path: bool(path.strip()), "a file's path (an unset variable in the job script gives none)"),
 }
 
 

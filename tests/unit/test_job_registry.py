@@ -112,19 +112,22 @@ def test_doctor_names_a_jobs_missing_extra_and_requires_aiomqtt(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(JOBS))
-def test_a_seed_or_progress_interval_no_job_can_use_is_refused_where_settings_are_read(name, tmp_path):
+def test_a_seed_progress_interval_or_results_path_no_job_can_use_is_refused_where_settings_are_read(name, tmp_path):
     """A seed of -1 ended train and memstore with a traceback and MPI_Abort from deep in their random streams; a
-    progress interval of NaN or -1 was taken."""
+    progress interval of NaN or -1 was taken; an empty results path (an unset variable in a job script) ended
+    encode, collect and compress-adapters after all their work, when the output was renamed."""
     from mpiscale.jobs import load_settings
 
     settings = JOBS[name].load("settings")
     known = {field.name for field in fields(settings)}
-    cases = [("seed", -1), ("seed", 2**64), ("progress_every", float("nan")), ("progress_every", -1.0)]
+    cases = [("seed", -1), ("seed", 2**64), ("progress_every", float("nan")), ("progress_every", -1.0),
+             ("out", ""), ("out", "  ")]  # fmt: skip
     for setting, value in [(setting, value) for setting, value in cases if setting in known]:
         with pytest.raises(ValueError, match=f"{setting} must be "):
             load_settings(settings, name, None, {setting: value})
         config = tmp_path / f"{setting}.toml"
-        config.write_text(f"{setting} = {value if value == value else 'nan'}\n")
+        shown = f'"{value}"' if isinstance(value, str) else value if value == value else "nan"
+        config.write_text(f"{setting} = {shown}\n")
         with pytest.raises(ValueError, match=f"config file {config}: {setting} must be "):
             load_settings(settings, name, str(config), {})
     if "seed" in known:
@@ -149,3 +152,12 @@ def test_a_bench_refuses_a_record_or_plot_it_could_not_write_before_it_runs(word
     with pytest.raises(SystemExit) as refused:
         main([word.format(tmp=tmp_path) for word in words])
     assert refused.value.code == 2 and said.format(tmp=tmp_path) in capsys.readouterr().err
+
+
+def test_an_empty_results_path_is_refused_where_outputs_are_claimed_too():
+    """A job made in Python (its settings not read from the command line) is refused at its outputs' check."""
+    from mpiscale.jobs.outputs import check_outputs
+
+    for empty in ("", "   "):
+        with pytest.raises(ValueError, match="the results file is named by an empty path: name a file"):
+            check_outputs(empty, None)
