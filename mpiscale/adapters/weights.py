@@ -8,7 +8,9 @@ A safetensors file is read in parts (its header, then one group's tensors); a pi
 
 from __future__ import annotations
 
+import functools
 import os
+import zipfile
 
 import numpy as np
 
@@ -53,8 +55,8 @@ def read_tensors(weights: str, keys: list[str]) -> list[np.ndarray]:
     file's float16/32/64, torch its bfloat16 (numpy has no such type) and any pickle, so most runs never import
     torch."""
     if weights.endswith(PICKLED):
-        tensors = _unpickled(weights)
-        return [tensors[key].double().numpy() for key in keys]
+        tensors, torch = _unpickled(weights), _torch("is a PyTorch pickle")
+        return [tensors[key].to(torch.float64, copy=True).numpy() for key in keys]  # (never the kept tensor's)
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -69,17 +71,34 @@ def read_tensors(weights: str, keys: list[str]) -> list[np.ndarray]:
 
 
 def _unpickled(weights: str) -> dict:
-    """The tensors of a PyTorch pickle, by name (on the CPU)."""
-    import pickle
-
+    """The tensors of a PyTorch pickle, by name (on the CPU): unpickled once per version of the file (its inode,
+    time and size), since a job reads an adapter many times (its check, then each group's sides and loadings), and
+    each full load cost as much as the whole file (an adapter of 128 modules took 8-9 s of loads for one job's
+    reads of it; see ``_loaded``)."""
     torch = _torch("is a PyTorch pickle")
     try:
-        found = torch.load(weights, map_location="cpu", weights_only=True)
+        found = os.stat(weights)
+    except OSError as error:
+        raise WeightsError(f"cannot read it: {_reason(error)}") from None
+    tensors = _loaded(weights, found.st_ino, found.st_mtime_ns, found.st_size)
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise WeightsError(f"holds a {type(tensors).__name__}, not tensors by name (a state dict)")
+    return tensors
+
+
+@functools.cache
+def _loaded(weights: str, *version: int) -> object:
+    """``weights`` as ``torch.load(weights_only=True)`` gives it; a ZIP-format file (any torch since 1.6, so any
+    PEFT's) memory-mapped, so the tensors' bytes stay in the file (the page cache) and are read when a group asks
+    for them. ``version`` keys the cache: a file written again is loaded again."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(weights, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(weights))
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as error:  # missing, cut short, not a pickle
         raise WeightsError(f"cannot read it: {_reason(error)}") from None
-    if not isinstance(found, dict) or not all(isinstance(t, torch.Tensor) for t in found.values()):
-        raise WeightsError(f"holds a {type(found).__name__}, not tensors by name (a state dict)")
-    return found
 
 
 def _torch(what: str):

@@ -169,6 +169,10 @@ def test_an_adapter_saved_as_a_pytorch_pickle_reads_as_its_safetensors_twin_does
     for got, expected in zip(adapter.read(adapter.modules[0]), twin.read(twin.modules[0])):
         assert got.dtype == np.float64
         np.testing.assert_allclose(got, expected, rtol=1e-2)  # (bfloat16 keeps 8 bits of the float32 values)
+    torch.save({key: torch.from_numpy(value).double() for key, value in tensors.items()}, weights)  # (float64 kept)
+    first = adapter.read(adapter.modules[0])[0]
+    first[:] = 7.0  # a caller's change to what it read stays its own: the next read gives the file's values
+    np.testing.assert_array_equal(adapter.read(adapter.modules[0])[0], tensors[f"{MODULES[0]}.lora_A.weight"])
     torch.save([torch.zeros(2)], weights)
     with pytest.raises(AdapterError, match="adapter_model.bin: holds a list, not tensors by name"):
         open_adapter(str(pickled))
