@@ -239,16 +239,16 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
         raise ValueError("give --dictionary RESULTS.h5 (a dictlearn results file, or FILE.h5:/atoms) and --data "
                          "FILE.h5:/dataset")  # fmt: skip
     learned = _load_atoms(config.dictionary)
-    info = check_data(*split_spec(config.data), 1, 1, None, comm)
     atoms, features = learned.atoms.shape
+    too_many = memory_problem(atoms, comm, matrices=1)  # (before the data's scan: it needs the atoms alone)
+    if too_many:
+        raise ValueError(too_many)
+    info = check_data(*split_spec(config.data), 1, 1, None, comm)
     if features != info.features:
         hint = " (a SPAMS dictionary is features x atoms: transpose it)" if atoms == info.features else ""
         raise DataFileError(info.path, f"signals of {info.features} values cannot be coded with atoms of {features} "
                                        f"(the dictionary is atoms x features{hint})", info.name)  # fmt: skip
     _no_zero_rows(learned.atoms, config.dictionary)
-    too_many = memory_problem(atoms, comm, matrices=1)
-    if too_many:
-        raise ValueError(too_many)
     sparsity = config.sparsity or min(learned.sparsity, atoms)
     if sparsity > min(atoms, features):
         raise ValueError(f"sparsity {sparsity} exceeds the {atoms} atoms or the {features} features of a signal")

@@ -20,6 +20,7 @@ from .h5file import (
     write_file,
 )
 from .lock import OutputLock
+from .numpy_files import is_npy
 from .ragged import Ragged, RaggedDataset, is_variable_length
 from .reader import Batch, BatchReader, available_memory, epoch_order, epoch_plan
 from .references import locate, recorded
@@ -31,7 +32,6 @@ from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
 __all__ = [
-    "available_memory",
     "DATASET_FORMAT",
     "PARALLEL_H5PY",
     "STRATEGIES",
@@ -58,6 +58,7 @@ __all__ = [
     "ShardedDataset",
     "WriteAheadLog",
     "WriteError",
+    "available_memory",
     "checksum",
     "encode_record",
     "epoch_order",
@@ -66,6 +67,7 @@ __all__ = [
     "fixed_strings",
     "is_variable_length",
     "is_list_file",
+    "is_npy",
     "listed_paths",
     "locate",
     "natural_key",

@@ -14,6 +14,7 @@ from ..io import (
     Fingerprint,
     RaggedDataset,
     ShardedDataset,
+    is_npy,
     is_variable_length,
     read_dataset,
     refuse_unreadable,
@@ -151,7 +152,7 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
 def _refuse_one_array(path: str) -> None:
     """Refuse training data in ``.npy`` files: each holds one array, and the inputs and labels are two (the labels
     were then taken from the inputs' own array: "labels must be class numbers ...; got float64 of shape (600, 5)")."""
-    if path.endswith(".npy"):
+    if is_npy(path):
         raise DataFileError(path, (
             "a .npy file holds one array, and training takes two (the inputs and their labels) from one file: save "
             "them together, e.g. numpy.savez('train.npz', inputs=X, labels=y), and give --data train.npz"
