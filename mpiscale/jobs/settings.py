@@ -125,14 +125,24 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
     return kind(**values)
 
 
+def _names_something(path: str) -> bool:
+    return bool(path.strip())
+
+
 #: Settings several jobs share, checked where they are read: (holds, what a value must be). A seed of -1 ended a
 #: job with a traceback from deep in its random streams; a progress interval of NaN or -1 was taken; an empty
-#: results path ended encode, collect and compress-adapters after all their work, when the output was renamed.
+#: results path ended encode, collect and compress-adapters after all their work, when the output was renamed. An
+#: empty data or checkpoint path given (``--data "$DATA"`` with DATA unset) ran the job on its default without a
+#: word: generated data, or memstore not durable.
 _SHARED_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda seed: 0 <= seed < 2**64, "an integer from 0 to 2**64 - 1"),
     "progress_every": (lambda seconds: seconds >= 0, "a number of seconds >= 0 (0: only the last line)"),
-    "out": (lambda path: bool(path.strip()), "a file's path (an unset variable in the job script gives none)"),
-}
+    "out": (_names_something, "a file's path (an unset variable in the job script gives none)"),
+} | {
+    name: (_names_something, "a path, or left out for its default (an unset variable in the job script gives an "
+           "empty one)")
+    for name in ("data", "checkpoint_dir", "local_dir")
+}  # fmt: skip
 
 
 def _list_setting(kind: type, name: str, default: tuple, value: Any, origin: str) -> tuple:

@@ -112,16 +112,17 @@ def test_doctor_names_a_jobs_missing_extra_and_requires_aiomqtt(monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(JOBS))
-def test_a_seed_progress_interval_or_results_path_no_job_can_use_is_refused_where_settings_are_read(name, tmp_path):
+def test_a_seed_progress_interval_or_path_no_job_can_use_is_refused_where_settings_are_read(name, tmp_path):
     """A seed of -1 ended train and memstore with a traceback and MPI_Abort from deep in their random streams; a
     progress interval of NaN or -1 was taken; an empty results path (an unset variable in a job script) ended
-    encode, collect and compress-adapters after all their work, when the output was renamed."""
+    encode, collect and compress-adapters after all their work, when the output was renamed; an empty data or
+    checkpoint path ran the job on its default (generated data, a memstore that is not durable) without a word."""
     from mpiscale.jobs import load_settings
 
     settings = JOBS[name].load("settings")
     known = {field.name for field in fields(settings)}
     cases = [("seed", -1), ("seed", 2**64), ("progress_every", float("nan")), ("progress_every", -1.0),
-             ("out", ""), ("out", "  ")]  # fmt: skip
+             ("out", ""), ("out", "  "), ("data", ""), ("checkpoint_dir", " "), ("local_dir", "")]  # fmt: skip
     for setting, value in [(setting, value) for setting, value in cases if setting in known]:
         with pytest.raises(ValueError, match=f"{setting} must be "):
             load_settings(settings, name, None, {setting: value})
