@@ -63,6 +63,27 @@ def launched_rank() -> int:
     return 0
 
 
+#: What srun's MPI plugins (pmix, pmi2), mpirun and hydra put in each task's environment: how MPI finds the others.
+_MPI_WIRING_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK")
+
+
+def launch_problem() -> str | None:
+    """Why this process, one of several tasks of an srun step, cannot join them in one MPI job; None when it can.
+
+    srun with no MPI plugin (``--mpi=none``, which many sites make the default) starts tasks that know nothing of
+    each other: Open MPI ends each in ``MPI_Init`` with a banner that blames how it was built, and other MPIs run
+    every task as a job of its own, all writing the same results. Read from the environment, before MPI starts.
+    """
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
+    if "SLURM_STEP_ID" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
+        return None
+    if any(variable in os.environ for variable in _MPI_WIRING_VARIABLES):
+        return None
+    return (f"srun started {tasks} tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault), so they "
+            "cannot form one MPI job: run srun --mpi=pmix (what Open MPI speaks; srun --mpi=list shows the site's "
+            "plugins), or launch/mpiscale-run, which chooses it")  # fmt: skip
+
+
 def size_and_rank(comm: Comm | None) -> tuple[int, int]:
     """``(size, rank)`` of ``comm``; ``(1, 0)`` without one (a serial caller)."""
     return (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())

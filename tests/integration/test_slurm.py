@@ -326,6 +326,21 @@ def test_an_oversized_request_is_refused_with_slurms_reason(slurm, tmp_path):
         dictlearn(slurm, tmp_path / "run", "--ntasks=64")
 
 
+@pytest.mark.parametrize("plugin", ["none", "pmix"])
+def test_srun_without_an_mpi_plugin_is_refused_in_one_line_before_mpi_starts(slurm, tmp_path, plugin):
+    """srun --mpi=none (many sites' MpiDefault) started tasks that could not find each other: Open MPI ended each in
+    MPI_Init with a banner per task, blaming how it was built ("OMPI was not built with SLURM's PMI support")."""
+    command = ["srun", "--ntasks=2", f"--mpi={plugin}", sys.executable, "-m", "mpiscale.cli", "dictlearn",
+               "--atoms", "8", "--samples", "400", "--iterations", "5", "--out", str(tmp_path / "d.h5")]  # fmt: skip
+    ran = slurm.run(command, check=False, timeout=120, cwd=tmp_path)
+    if plugin == "pmix":
+        assert ran.returncode == 0 and "on 2 ranks" in ran.stdout, ran.stdout + ran.stderr
+        return
+    said = "srun started 2 tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault)"
+    assert ran.returncode == 2 and ran.stderr.count(said) == 1, ran.stderr
+    assert "MPI_Init" not in ran.stderr and not (tmp_path / "d.h5").exists()
+
+
 def _processes():
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
