@@ -4,7 +4,15 @@ from ..ranks import rank_rows
 from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
-from .errors import CheckpointError, DataFileError, LockedError, WriteError, raised_together, refuse_unreadable
+from .errors import (
+    CheckpointError,
+    DataFileError,
+    LockedError,
+    WriteError,
+    not_found,
+    raised_together,
+    refuse_unreadable,
+)
 from .fingerprint import Fingerprint
 from .h5file import (
     DATASET_FORMAT,
@@ -71,6 +79,7 @@ __all__ = [
     "listed_paths",
     "locate",
     "natural_key",
+    "not_found",
     "open_arrays",
     "open_file",
     "check_virtual_sources",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
 
 from ..errors import MpiscaleError
@@ -23,6 +24,15 @@ class DataFileError(MpiscaleError, ValueError):
 
     def __reduce__(self):  # travels between ranks (one rank lists the files, all raise)
         return type(self), (self.path, self.message, self.dataset)
+
+
+def not_found(path: str, message: str) -> str:
+    """``message`` about ``path`` that is not there, saying why where the path holds what only a shell expands: a
+    settings file, single quotes and ``--data=~/x`` pass a ``~`` or a ``$VARIABLE`` on as it is written."""
+    if path.startswith("~") or re.search(r"\$\{?[A-Za-z_]", path):
+        return f"{message} (a shell expands a ~ or a $VARIABLE, but not in a settings file or in single quotes, " \
+            "nor a ~ after --option=: write the path out)"  # fmt: skip
+    return message
 
 
 def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) -> None:

@@ -22,7 +22,7 @@ from numpy.typing import DTypeLike
 
 from .._version import __version__
 from ..ranks import Comm
-from .errors import DataFileError
+from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
 
@@ -115,7 +115,7 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
     if os.path.isdir(path):
         raise DataFileError(path, "is a directory, not an HDF5 file (give FILE.h5:/dataset)")
     if not os.path.exists(path):
-        raise DataFileError(path, "no such file")
+        raise DataFileError(path, not_found(path, "no such file"))
     if not os.access(path, os.R_OK):
         raise DataFileError(path, "is not readable (permission denied)")
     if not h5py.is_hdf5(path):

@@ -16,7 +16,7 @@ import zipfile
 import numpy as np
 
 from ..ranks import Comm
-from .errors import DataFileError
+from .errors import DataFileError, not_found
 from .sources import in_native_order
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a ZIP member's local header: signature, ..., name and extra lengths
@@ -49,7 +49,7 @@ class NpySource:
             else:
                 self.name, self._array = "", _mapped(path, "", 0)
         except FileNotFoundError:
-            raise DataFileError(path, "no such file") from None
+            raise DataFileError(path, not_found(path, "no such file")) from None
         except DataFileError:
             raise
         except (OSError, ValueError, zipfile.BadZipFile) as error:

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from ..ranks import Comm
-from .errors import DataFileError
+from .errors import DataFileError, not_found
 from .h5file import datasets_in, describe_datasets
 from .rows import read_rows
 
@@ -52,7 +52,7 @@ def resolve_files(pattern: str) -> list[str]:
         return [pattern]
     matches = sorted((path for path in glob.glob(pattern) if os.path.isfile(path)), key=natural_key)
     if not matches:
-        raise DataFileError(pattern, "no files match this pattern")
+        raise DataFileError(pattern, not_found(pattern, "no files match this pattern"))
     return distinct_files(pattern, matches)
 
 

@@ -18,6 +18,7 @@ from ..io import (
     OutputLock,
     WriteError,
     file_format,
+    not_found,
     resolve_files,
     same_file,
     split_spec,
@@ -159,7 +160,7 @@ def check_outputs(out: str, checkpoints: str | None, what: str = "the results fi
         blocking = next((part for part in [Path(directory), *Path(directory).parents] if part.exists()), None)
         if blocking is not None and not blocking.is_dir():
             raise ValueError(f"{what} {out} cannot be written: {blocking} is a file, not a directory")
-        raise ValueError(f"{what}'s directory {directory} does not exist")
+        raise ValueError(not_found(out, f"{what}'s directory {directory} does not exist"))
     if not os.access(directory, os.W_OK):
         raise ValueError(f"{what}'s directory {directory} is not writable")
     if checkpoints is None:

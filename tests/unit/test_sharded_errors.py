@@ -27,6 +27,21 @@ def test_missing_file(tmp_path):
         ShardedDataset(tmp_path / "nope.h5", "x")
 
 
+@pytest.mark.parametrize("spec", ["~/runs/x.h5", "~/runs/x.npy", "$SCRATCH/x.h5", "${SCRATCH}/run-*.h5"])
+def test_a_path_holding_what_only_a_shell_expands_is_said_to(spec, tmp_path, monkeypatch):
+    """A settings file's ``data = "~/runs/x.h5"`` (or ``--data=~/x``, single quotes) reached the job as written, and
+    was refused as "no such file" (or no match), which looks false to a user who sees the file in their home."""
+    from mpiscale.jobs import check_outputs
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataFileError, match=r"(no such file|no files match this pattern) \(a shell expands a ~"):
+        ShardedDataset(spec, "" if spec.endswith(".npy") else "x")
+    with pytest.raises(ValueError, match="does not exist \\(a shell expands a ~"):
+        check_outputs(spec.replace("x.", "out."), None)
+    with pytest.raises(DataFileError, match="nope.h5: no such file$"):
+        ShardedDataset("nope.h5", "x")
+
+
 def test_missing_dataset(good):
     listing = r"\(datasets: x \(6, 2\) float32, y \(5,\) int64\)"
     with pytest.raises(DataFileError, match=r"good.h5:z: no dataset 'z' " + listing):
