@@ -67,6 +67,18 @@ def ended(watch: subprocess.Popen | None, *sleepers: subprocess.Popen) -> None:
         watch.wait(10)
 
 
+def ignoring(pid: int, signum: int, timeout: float = 30) -> None:
+    """Wait until process ``pid`` ignores ``signum`` (its ``SigIgn`` mask), as the watch does once it has started
+    (a fixed sleep was too short on a loaded host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+        if int(fields["SigIgn"], 16) >> (signum - 1) & 1:
+            return
+        assert time.monotonic() < deadline, f"process {pid} never ignored signal {signum}"
+        time.sleep(0.01)
+
+
 def seen(capfd, text: str, timeout: float = 30) -> str:
     """What the watch has said by the time it said ``text``: it has then taken what came before."""
     said, deadline = "", time.monotonic() + timeout
@@ -103,7 +115,7 @@ def test_a_process_that_said_its_end_is_no_death_is_not_named(ranks, capfd, word
 
 def test_the_watch_ignores_the_launchers_signals_and_outlives_none_of_its_ranks(ranks, capfd):
     watch, (first, second), _ = ranks("done", "done")
-    time.sleep(0.5)  # its first moments, before it ignores them, are the rank's start-up (early_stop holds them)
+    ignoring(watch.pid, signal.SIGTERM)  # its first moments, before it ignores them, are the rank's start-up
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
         watch.send_signal(signum)
     time.sleep(0.3)
