@@ -63,10 +63,6 @@ def launched_rank() -> int:
     return 0
 
 
-#: What srun's MPI plugins (pmix, pmi2), mpirun and hydra put in each task's environment: how MPI finds the others.
-_MPI_WIRING_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_RANK")
-
-
 def launch_problem() -> str | None:
     """Why this process, one of several tasks of an srun step, cannot join them in one MPI job; None when it can.
 
@@ -77,8 +73,8 @@ def launch_problem() -> str | None:
     tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
     if "SLURM_STEP_ID" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
         return None
-    if any(variable in os.environ for variable in _MPI_WIRING_VARIABLES):
-        return None
+    if any(variable in os.environ for variable in RANK_VARIABLES if variable != "SLURM_PROCID"):
+        return None  # a launcher or an srun MPI plugin (pmix, pmi2) told MPI where the others are
     return (f"srun started {tasks} tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault), so they "
             "cannot form one MPI job: run srun --mpi=pmix (what Open MPI speaks; srun --mpi=list shows the site's "
             "plugins), or launch/mpiscale-run, which chooses it")  # fmt: skip
