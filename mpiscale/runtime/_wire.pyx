@@ -637,6 +637,11 @@ cdef enum:
 def testsome(object MPI_module, list pending):
     """``wire.testsome``: the indices of the requests of ``pending`` (each item's ``request``) that completed, in
     one ``MPI_Testsome``; None when every request is null."""
+    return _testsome(pending)
+
+
+cdef object _testsome(list pending):
+    """``testsome``, called from C."""
     cdef Py_ssize_t count = len(pending), index
     cdef MPI_Request stack_handles[_ON_STACK]
     cdef int stack_indices[_ON_STACK]
@@ -795,21 +800,26 @@ cdef class Poller:
 
     cdef Endpoint endpoint
     cdef dict inbound
-    cdef object envelopes, counts, frames_found, test_pending
+    cdef object envelopes, counts, frames_found, match_parts, pending_done
     cdef list pending, unmatched, pollers
 
     def __init__(self, Endpoint endpoint, dict inbound, object envelopes, object counts, list pending, list unmatched,
-                 list pollers, object frames_found, object test_pending):
+                 list pollers, object frames_found, object match_parts, object pending_done):
         self.endpoint, self.inbound, self.envelopes, self.counts = endpoint, inbound, envelopes, counts
         self.pending, self.unmatched, self.pollers = pending, unmatched, pollers
-        self.frames_found, self.test_pending = frames_found, test_pending
+        self.frames_found, self.match_parts, self.pending_done = frames_found, match_parts, pending_done
 
     cpdef bint poll(self) except -1:
         """``polling.Poller.poll``."""
         found = self.endpoint.drain(self.inbound, self.envelopes, self.counts)
         cdef bint progressed = found is True or (found is not False and self.frames_found(found))
-        if (self.pending or self.unmatched) and self.test_pending():
+        if self.unmatched and self.match_parts():
             progressed = True
+        if self.pending:
+            indices = _testsome(self.pending)
+            if indices:
+                self.pending_done(indices)
+                progressed = True
         for poll in self.pollers:
             if poll():
                 progressed = True

@@ -104,7 +104,7 @@ class ProgressEngine:
         receiving = self.receiving
         self._poller = self._frames.Poller(self._endpoint, receiving.queues, deliver, self, self._pending,
                                            receiving.unmatched, self.pollers, self._frames_found,
-                                           self._test_pending)  # fmt: skip
+                                           receiving.match_parts, self.pending_done)  # fmt: skip
 
     # ------------------------------------------------------------------ API
     @property
@@ -309,19 +309,14 @@ class ProgressEngine:
             found = drain(queues, deliver, self)
         return True
 
-    def _test_pending(self) -> bool:
-        """Match the parts awaited, then test every pending request once: whether anything happened."""
-        matched = self.receiving.match_parts() if self.receiving.unmatched else False
+    def pending_done(self, indices: list[int]) -> None:
+        """Drop the pending requests at ``indices`` (which completed) and run what follows each."""
         pending = self._pending
-        indices = self._frames.testsome(self._MPI, pending) if pending else None
-        if not indices:
-            return matched
         done = [pending[i] for i in indices]
         keep = set(indices)
         pending[:] = [p for i, p in enumerate(pending) if i not in keep]  # (the poller holds the list)
         for item in done:
             item.on_done()
-        return True
 
     def _watch(self, request: Any, on_done: Callable[[], None], what: str, due: float) -> None:
         """Test ``request`` with the others, and call ``on_done`` once it completes."""

@@ -404,9 +404,10 @@ class ActorSystem:
         many seconds (None: nothing)."""
         return self._engine.waits.oldest()
 
-    def expect(self, future: asyncio.Future, what: str) -> None:
-        """``future`` awaits a value another rank owes this one (``what``): count the wait (telemetry reports it,
-        the hang watch names it), polling MPI for it in the caller's stack for up to ``value_spin_us`` first."""
+    def expect(self, future: asyncio.Future, what: str | Callable[[], str]) -> None:
+        """``future`` awaits a value another rank owes this one (``what``, or what it returns once the wait is named):
+        count the wait (telemetry reports it, the hang watch names it), polling MPI for it in the caller's stack for
+        up to ``value_spin_us`` first."""
         began = time.monotonic()
         self._engine.poll_until(future, self._value_spin_s)
         self._engine.waits.count(future, what, began)

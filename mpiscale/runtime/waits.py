@@ -18,11 +18,11 @@ class WaitClock:
 
     def __init__(self) -> None:
         self._ended_s = 0.0
-        self._open: dict[int, tuple[str, float]] = {}
+        self._open: dict[int, tuple[str | Callable[[], str], float]] = {}
 
-    def count(self, future: asyncio.Future, what: str, began: float | None = None) -> None:
+    def count(self, future: asyncio.Future, what: str | Callable[[], str], began: float | None = None) -> None:
         """Count the time until ``future`` is done (from ``began``, a ``time.monotonic()``, or now) as a wait for
-        ``what``."""
+        ``what`` (or what it returns: made only for a wait still open, which a pipeline's spin mostly ends first)."""
         key, started = id(future), time.monotonic() if began is None else began
         if future.done():  # (no callback to queue: a task that spins for its value checks the ready queue)
             self._ended_s += time.monotonic() - started
@@ -47,7 +47,7 @@ class WaitClock:
         if not self._open:
             return None
         what, started = min(self._open.values(), key=lambda entry: entry[1])
-        return what, time.monotonic() - started
+        return (what if isinstance(what, str) else what()), time.monotonic() - started
 
 
 def ends_in_place(test: Callable[[], bool], seconds: float) -> bool:

@@ -96,12 +96,6 @@ class Endpoint:
         return status.Get_source(), frame, None if request.Test() else request
 
 
-def testsome(MPI: ModuleType, pending: list) -> list[int] | None:
-    """The indices of the requests of ``pending`` (each item's ``request``) that completed, in one ``Testsome``;
-    None when every request is null."""
-    return MPI.Request.Testsome([item.request for item in pending])
-
-
 #: The reference path, under the compiled module's names.
 PURE = SimpleNamespace(
     compact_encode=compact.encode,
@@ -116,7 +110,7 @@ PURE = SimpleNamespace(
     Outbox=outbox.Outbox,
     ChannelReceiver=channel_receive.Receiver,
     ChannelSender=channel_send.Sender,
-    testsome=testsome,
+    testsome=polling.testsome,
     Poller=polling.Poller,
     PairExchange=pair_reduce.PairExchange,
 )

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from mpiscale.runtime import progress
 from mpiscale.runtime.config import RuntimeConfig
+from mpiscale.runtime.waits import WaitClock
 
 
 class Deliveries:
@@ -51,5 +52,32 @@ def test_a_wait_that_ends_in_the_spin_queues_nothing_and_one_that_does_not_is_na
         assert engine.waits.oldest() is None and engine.waits.total_s >= before + 0.01
         assert received.tolist() == (sent * 2).tolist()
         comm.Free()
+
+    asyncio.run(main())
+
+
+def test_a_wait_named_by_a_function_is_named_only_when_it_is_asked_for_while_open():
+    """A pipeline names its wait with a function (the name is not made for a wait its spin ends): the function is
+    called when the hang watch or the diagnostics ask what is awaited, never for a wait that ended before."""
+
+    async def main() -> None:
+        clock = WaitClock()
+        calls = []
+
+        def named(text: str):
+            return lambda: calls.append(text) or text
+
+        ended = asyncio.get_running_loop().create_future()
+        ended.set_result(None)
+        clock.count(ended, named("the activation that came at once"))
+        assert clock.oldest() is None and calls == []
+        open_wait = asyncio.get_running_loop().create_future()
+        clock.count(open_wait, named("the gradient of micro-batch 3"), time.monotonic() - 0.5)
+        what, seconds = clock.oldest()
+        assert what == "the gradient of micro-batch 3" and seconds >= 0.5
+        assert calls == ["the gradient of micro-batch 3"]
+        open_wait.set_result(None)
+        await asyncio.sleep(0)
+        assert clock.oldest() is None and clock.total_s >= 0.5
 
     asyncio.run(main())

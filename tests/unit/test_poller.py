@@ -7,6 +7,7 @@ here each case is put to both twins in one process, over ``COMM_SELF``."""
 import asyncio
 import os
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ TWINS = [(compiled.Poller, compiled.Endpoint), (polling.Poller, wire.Endpoint)]
 
 class Engine:
     """What a poller calls back, recording each call: the counts of delivered messages, the frames it leaves, the
-    test of pending requests, a channel's poller that reports activity on the calls listed in ``busy_on``."""
+    match of awaited parts, the pending requests that completed, a channel's poller that reports activity on the
+    calls listed in ``busy_on``."""
 
     def __init__(self, busy_on=()) -> None:
         self.messages_received = self.bytes_received = 0
@@ -38,11 +40,14 @@ class Engine:
         self.calls.append(("left", bytes(found[1])))
         return True
 
-    def test_pending(self) -> bool:
-        done = [item for item in self.pending if item.Test()]
-        self.pending[:] = [item for item in self.pending if item not in done]
-        self.calls.append(("tested", len(done)))
-        return bool(done)
+    def match_parts(self) -> bool:
+        self.calls.append(("matched", len(self.unmatched)))
+        self.unmatched.clear()
+        return False
+
+    def pending_done(self, indices) -> None:
+        self.calls.append(("done", sorted(indices)))
+        self.pending[:] = [item for i, item in enumerate(self.pending) if i not in indices]
 
     def channel(self) -> bool:
         self.polls += 1
@@ -52,39 +57,43 @@ class Engine:
 def poller_of(kinds, comm, engine: Engine):
     poller, endpoint = kinds
     return poller(endpoint(__import__("mpi4py.MPI").MPI, comm), {}, engine, engine, engine.pending, engine.unmatched,
-                  [engine.channel], engine.frames_found, engine.test_pending)  # fmt: skip
+                  [engine.channel], engine.frames_found, engine.match_parts, engine.pending_done)  # fmt: skip
 
 
 def polled(kinds) -> tuple:
     """Five polls over COMM_SELF: before anything arrives (a request pending), after a compact and a pickled frame,
-    after the request's message, and two more (the channel poller busy on the fourth); the answers and the calls."""
+    after the request's message, and two more (the channel poller busy on the fourth, a message's parts awaited on
+    the fifth); the answers and the calls."""
     from mpi4py import MPI
 
     comm = MPI.COMM_SELF.Dup()
     try:
         engine = Engine(busy_on={4})
         waiting = np.zeros(1)
-        engine.pending.append(comm.Irecv(waiting, 0, 77))
+        engine.pending.append(SimpleNamespace(request=comm.Irecv(waiting, 0, 77)))
         poller = poller_of(kinds, comm, engine)
         answers = [poller.poll()]
         for frame in (transport.encode_compact(compact.encode((1, "a")), 0), transport.encode([1], 1, 100).frame):
             comm.Send([frame, MPI.BYTE], 0, transport.FRAME_TAG)
         answers.append(poller.poll())
         comm.Send(np.ones(1), 0, 77)
-        answers += [poller.poll(), poller.poll(), poller.poll()]
+        answers += [poller.poll(), poller.poll()]
+        engine.unmatched.append("a message's parts")
+        answers.append(poller.poll())
         return answers, engine.calls, engine.polls, engine.messages_received, waiting[0]
     finally:
         comm.Free()
 
 
 def test_a_poll_takes_in_frames_tests_requests_and_runs_the_pollers():
-    """One poll: the small frames delivered, a pickled one left to the engine, the pending requests tested while
-    there are any, every channel poller run; whether anything happened. Both twins give the same record."""
+    """One poll: the small frames delivered, a pickled one left to the engine, the pending requests tested and only
+    the completed ones handed back, awaited parts matched while there are any, every channel poller run; whether
+    anything happened. Both twins give the same record."""
     mine, expected = polled(TWINS[0]), polled(TWINS[1])
     assert mine == expected
     answers, calls, polls, messages, received = expected
     assert answers == [False, True, True, True, False]
-    assert [call[0] for call in calls] == ["tested", "delivered", "left", "tested", "tested"]
+    assert calls == [("delivered", 1), ("left", calls[1][1]), ("done", [0]), ("matched", 1)]
     assert polls == 5 and messages == 1 and received == 1
 
 

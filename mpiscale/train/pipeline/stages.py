@@ -288,7 +288,7 @@ class Pipeline:
         """The activation or gradient of ``key``, awaited: the wait counts as waiting on the neighbour that owes it,
         and as idle time of the step ``run`` (if any)."""
         waited = perf_counter()
-        value = await self._arrivals.take(key, lambda future: self.system.expect(future, self._awaited(key)))
+        value = await self._arrivals.take(key, lambda future: self.system.expect(future, lambda: self._awaited(key)))
         if run is not None:
             run.idle_s += perf_counter() - waited
         return value if self._on_host else self._onto_device(value)
@@ -301,7 +301,7 @@ class Pipeline:
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
 
     def _awaited(self, key: Key) -> str:
-        """What this stage waits for, for the hang watch (made only when it has to wait)."""
+        """What this stage waits for, for the hang watch (made only when it names a wait)."""
         kind, step, m = key
         source = self.stage - 1 if kind == FORWARD else self.stage + 1
         what = "activation" if kind == FORWARD else "gradient"
