@@ -18,7 +18,7 @@ import numpy as np
 
 from ..dictlearn import RESULTS_FORMAT as DICTLEARN_FORMAT
 from ..dictlearn import top_inputs
-from ..io import DataFileError, locate, open_file, read_dataset, split_spec
+from ..io import DataFileError, locate, not_numbers, open_file, read_dataset, split_spec
 from ..train import RESULTS_FORMAT as TRAIN_FORMAT
 from ..train import input_layout
 from .prefix import ModelRunner, detect_module, one_line
@@ -92,7 +92,7 @@ def read_matrix(spec: str) -> np.ndarray:
     path, name = split_spec(spec)
     values = read_dataset(path, name)
     if values.dtype.kind not in "biuf":
-        raise DataFileError(path, f"holds {values.dtype}, not numbers", name or None)
+        raise DataFileError(path, f"holds {not_numbers(values.dtype)}, not numbers", name or None)
     return np.atleast_2d(values).astype(np.float64)
 
 

@@ -14,6 +14,7 @@ from ..io import (
     Fingerprint,
     ShardedDataset,
     available_memory,
+    not_numbers,
     rank_rows,
     read_dataset,
     refuse_unreadable,
@@ -61,13 +62,13 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
 
     with ShardedDataset(path, name, comm) as data:
         name = data.name
+        if data.dtype.kind not in "biuf":
+            raise DataFileError(path, f"signals must be numbers, got {not_numbers(data.dtype)}", name)
         if len(data.shape) < 2:
             raise DataFileError(
                 path, f"signals are rows: a 1-D array of {data.shape[0]} values is not a set of signals "
                 "(store it as signals x features)", name,
             )  # fmt: skip
-        if data.dtype.kind not in "biuf":
-            raise DataFileError(path, f"signals must be numbers, got dtype {data.dtype}", name)
         samples, features = data.shape[0], int(np.prod(data.shape[1:]))
         if not samples or not features:
             raise DataFileError(path, f"holds no signals (shape {data.shape})", name)

@@ -10,6 +10,7 @@ from .errors import (
     LockedError,
     WriteError,
     not_found,
+    not_numbers,
     raised_together,
     refuse_unreadable,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "locate",
     "natural_key",
     "not_found",
+    "not_numbers",
     "open_arrays",
     "open_file",
     "check_virtual_sources",

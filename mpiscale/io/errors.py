@@ -6,6 +6,8 @@ import os
 import re
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ..errors import MpiscaleError
 
 if TYPE_CHECKING:
@@ -33,6 +35,22 @@ def not_found(path: str, message: str) -> str:
         return f"{message} (a shell expands a ~ or a $VARIABLE, but not in a settings file or in single quotes, " \
             "nor a ~ after --option=: write the path out)"  # fmt: skip
     return message
+
+
+def not_numbers(dtype: np.dtype) -> str:
+    """What a data set of ``dtype`` holds, in a user's words, where numbers were asked for: a table (records of
+    named fields, as pandas and NumPy record arrays write them) is named by its fields, with the call that turns it
+    into one array; strings and complex numbers are named as such."""
+    if dtype.names and dtype.fields:
+        fields = ", ".join(f"{name} ({dtype.fields[name][0]})" for name in dtype.names[:8])
+        more = f" and {len(dtype.names) - 8} more" if len(dtype.names) > 8 else ""
+        return (f"a table (records of the fields {fields}{more}), not one array of numbers: store its number fields "
+                "as one array, e.g. numpy.lib.recfunctions.structured_to_unstructured(table)")  # fmt: skip
+    metadata: dict = dict(dtype.metadata or {})
+    if metadata.get("vlen") in (str, bytes):  # (how h5py marks variable-length strings)
+        return "strings (of variable length)"
+    kinds = {"S": "byte strings", "U": "strings", "O": "Python objects", "c": "complex numbers"}
+    return f"{kinds[dtype.kind]} ({dtype})" if dtype.kind in kinds else f"dtype {dtype}"
 
 
 def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) -> None:

@@ -16,6 +16,7 @@ from ..io import (
     ShardedDataset,
     is_npy,
     is_variable_length,
+    not_numbers,
     read_dataset,
     refuse_unreadable,
 )
@@ -62,7 +63,9 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     _refuse_one_array(path)
     with ShardedDataset(path, inputs, comm) as data:
         shape, dtype, image_shape = data.shape, data.dtype, data.image_shape()
-    if dtype.kind not in "biuf" or len(shape) < 2:
+    if dtype.kind not in "biuf":
+        raise DataFileError(path, f"inputs must be numbers, one sample per row; got {not_numbers(dtype)}", inputs)
+    if len(shape) < 2:
         raise DataFileError(path, f"inputs must be numbers, one sample per row; got {dtype} of shape {shape}", inputs)
     if not shape[0]:
         raise DataFileError(path, "holds no samples", inputs)

@@ -458,6 +458,12 @@ def test_readings_of_a_large_mean_and_a_small_spread_keep_their_digits(tmp_path)
         ("nan label", "label 9 is nan: labels are class numbers"),
         ("2-D labels", "labels must be class numbers, one per sample; got int64 of shape (600, 2)"),  # (a column is)
         ("no values", "its samples hold no values (shape (600, 3, 0))"),  # it said the file was damaged
+        # a table of records (NumPy's, pandas' to_records): it said "got [('x', '<f8'), ...] of shape (600,)"
+        (
+            "table",
+            "inputs must be numbers, one sample per row; got a table (records of the fields x0 (float64), x1 "
+            "(float64), x2 (float64), x3 (float64), x4 (float64)), not one array of numbers",
+        ),
         ("uint64 label 2**63", f"label 11 is {2**63}: labels are class numbers"),
         ("short labels", "600 inputs but 599 labels"),
         ("negative labels", "label 5 is -1: labels are class numbers, whole numbers 0 or more"),
@@ -480,6 +486,8 @@ def test_bad_training_input_is_refused(tmp_path, problem, expected):
         labels = np.stack([labels, labels], axis=1)
     if problem == "no values":
         inputs = np.zeros((600, 3, 0))
+    if problem == "table":
+        inputs = np.rec.fromarrays(inputs.T, names=[f"x{i}" for i in range(5)])
     if problem == "uint64 label 2**63":
         labels = labels.astype(np.uint64)
         labels[11] = 2**63

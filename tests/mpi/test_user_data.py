@@ -46,6 +46,8 @@ WRITER = textwrap.dedent(
         f.create_dataset("bad/one_d", data=X[:, 0])
         f.create_dataset("bad/strings", data=np.full((40, 3), b"abc"))
         f.create_dataset("bad/compound", data=np.zeros((40, 3), dtype=[("a", "f8"), ("b", "i4")]))
+        f.create_dataset("bad/table", data=np.rec.fromarrays([X[:, 0], X[:, 1].astype("f4")], names="depth,t"))
+        f.create_dataset("bad/text", data=["a sample's note"] * 40, dtype=h5py.string_dtype())
         f.create_dataset("bad/empty", shape=(0, 16), dtype="f8")
         f.create_dataset("bad/no_features", shape=(1200, 0), dtype="f8")
         f.create_dataset("bad/nan", data=np.where(i == 700, np.nan, X))
@@ -248,12 +250,20 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (2, "layouts.h5:/nowhere/X", "layouts.h5:nowhere/X: no group 'nowhere'"),
         (2, "layouts.h5:/gzip", "layouts.h5:gzip: is a group, not a dataset (datasets in it: X (1200, 16) float64)"),
         (2, "layouts.h5:/bad/one_d", "a 1-D array of 1200 values is not a set of signals"),
-        (4, "layouts.h5:/bad/strings", "signals must be numbers, got dtype |S3"),
-        (2, "layouts.h5:/bad/compound", "signals must be numbers, got dtype"),
+        (4, "layouts.h5:/bad/strings", "signals must be numbers, got byte strings (|S3)"),
+        (2, "layouts.h5:/bad/compound", "got a table (records of the fields a (float64), b (int32)), not one array"),
+        # a table as NumPy or pandas records write it: it said "a 1-D array of 1200 values is not a set of signals"
+        (
+            2,
+            "layouts.h5:/bad/table",
+            "fields depth (float64), t (float32)), not one array of numbers: store its "
+            "number fields as one array, e.g. numpy.lib.recfunctions.structured_to_",
+        ),
+        (2, "layouts.h5:/bad/text", "signals must be numbers, got strings (of variable length)"),
         (2, "layouts.h5:/bad/empty", "holds no signals (shape (0, 16))"),
         (2, "layouts.h5:/bad/no_features", "holds no signals (shape (1200, 0))"),  # "was never written"
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
-        (2, "layouts.h5", "holds 17 data sets; name one as"),
+        (2, "layouts.h5", "holds 19 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
