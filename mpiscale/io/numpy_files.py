@@ -43,6 +43,8 @@ class NpySource:
         kind = "a .npz archive" if path.endswith(".npz") else "a .npy file"
         if os.path.isdir(path):
             raise DataFileError(path, f"is a directory, not {kind}")
+        if os.path.isfile(path) and not os.path.getsize(path):
+            raise DataFileError(path, "is empty")  # (as HDF5 files are; NumPy said "EOF: reading magic string")
         try:
             if path.endswith(".npz"):
                 self.name, self._array = _archived(path, name)
@@ -53,7 +55,7 @@ class NpySource:
         except DataFileError:
             raise
         except (OSError, ValueError, zipfile.BadZipFile) as error:
-            raise DataFileError(path, f"not a readable {kind[2:]}: {error}") from error
+            raise DataFileError(path, f"not a readable {kind[2:]}{_cut_archive(path, error)}: {error}") from error
         if self._array.ndim == 0:
             raise DataFileError(path, "holds a single value, not rows", self.name or None)
         self.shape: tuple[int, ...] = self._array.shape
@@ -67,6 +69,17 @@ class NpySource:
 
     def close(self) -> None:
         self._array = np.empty((0, *self.shape[1:]), self.dtype)  # (the mapping goes with the array)
+
+
+def _cut_archive(path: str, error: Exception) -> str:
+    """Why a ``.npz`` that begins as a ZIP archive has no index: the index is at a ZIP file's end, so one cut short
+    (a copy or a save that did not finish, a full disk) has none ("File is not a zip file")."""
+    if not isinstance(error, zipfile.BadZipFile):
+        return ""
+    with open(path, "rb") as stream:
+        begins_as_zip = stream.read(len(_LOCAL_SIGNATURE)) == _LOCAL_SIGNATURE
+    return " (it begins as one but has no index, which a ZIP archive keeps at its end: cut short?)" if begins_as_zip \
+        else ""  # fmt: skip
 
 
 def _archived(path: str, name: str) -> tuple[str, np.ndarray]:
@@ -108,7 +121,20 @@ def _mapped(path: str, name: str, at: int) -> np.ndarray:
     _refuse_objects(path, name, dtype)
     if not shape or 0 in shape:  # (nothing to map: a single value is refused, no rows are rows)
         return np.empty(shape, dtype)
+    _refuse_cut_short(path, name, shape, dtype, offset)
     return np.memmap(path, dtype, "r", offset, shape, "F" if fortran_order else "C")
+
+
+def _refuse_cut_short(path: str, name: str, shape: tuple[int, ...], dtype: np.dtype, offset: int) -> None:
+    """Refuse an array whose file ends before its data does (a copy or a save that did not finish, a full disk):
+    mapping it failed with "mmap length is greater than file size"."""
+    needed, held = int(np.prod(shape)) * dtype.itemsize, os.path.getsize(path) - offset
+    if held < needed:
+        what = f"{name!r} of shape" if name else "an array of shape"
+        raise DataFileError(path, (
+            f"is cut short: its header gives {what} {shape} {dtype} ({needed:,} bytes), and the file holds "
+            f"{max(held, 0):,} of them (a copy or a save that did not finish, or a full disk): write it again"
+        ), name or None)  # fmt: skip
 
 
 def _refuse_objects(path: str, name: str, dtype: np.dtype) -> None:

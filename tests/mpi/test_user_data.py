@@ -77,6 +77,10 @@ WRITER = textwrap.dedent(
     np.savez(f"{out}/arrays.npz", X=X, t=np.arange(1200.0), scalar=np.float64(3.0))  # numpy's own archive
     np.savez(f"{out}/only.npz", np.asfortranarray(X))  # one array, unnamed (arr_0), in Fortran order
     np.savez_compressed(f"{out}/squeezed.npz", X=X)
+    for saved in ("X.npy", "arrays.npz"):  # each saved again and stopped by a full disk: the file ends early
+        with open(f"{out}/{saved}", "rb") as whole, open(f"{out}/full-disk-{saved}", "wb") as cut:
+            cut.write(whole.read(20000))
+    open(f"{out}/nothing.npy", "wb").close()  # a save that never wrote a byte
     for part, (lo, hi) in enumerate([(0, 100), (100, 700), (700, 1200)]):
         with h5py.File(f"{out}/run-{[2, 9, 10][part]}.h5", "w") as f:
             f["sim/X"] = X[lo:hi]
@@ -277,6 +281,20 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (2, "arrays.npz:/Y", "holds no array 'Y' (arrays: X, scalar, t)"),
         (2, "arrays.npz:/scalar", "holds a single value, not rows"),
         (4, "squeezed.npz:/X", "stores 'X' compressed (numpy.savez_compressed): each rank would inflate all of it"),
+        # it said "not a readable .npy file: mmap length is greater than file size"
+        (
+            2,
+            "full-disk-X.npy",
+            "is cut short: its header gives an array of shape (1200, 16) float64 (153,600 bytes), "
+            "and the file holds 19,872 of them (a copy or a save that did not finish, or a full",
+        ),
+        (
+            2,
+            "full-disk-arrays.npz:/X",
+            "(it begins as one but has no index, which a ZIP archive keeps at its end: cut "
+            "short?): File is not a zip file",
+        ),  # (that alone, it said)
+        (4, "nothing.npy", "nothing.npy: is empty"),  # "EOF: reading magic string, expected 8 bytes got 0"
     ],
 )
 def test_bad_input_ends_every_rank_with_one_message_and_status_2(tmp_path, user_files, ranks, spec, message):
