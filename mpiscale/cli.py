@@ -12,7 +12,7 @@ from . import run_dir
 from ._version import __version__
 from .commands import COMMANDS, GROUPS, Command, children
 from .jobs import add_options
-from .ranks import launch_problem, launched_rank
+from .ranks import launch_refused, launched_rank
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -110,12 +110,9 @@ def _command(argv: list[str] | None) -> int:
         if (getattr(args, name, 1) or 1) < 1:
             top.error(f"--{name.replace('_', '-')} must be at least 1")
     _check_written_files(top, args)
-    problem = launch_problem()
-    if problem:  # said once, by rank 0, whose status becomes the step's (see _Parser)
-        if launched_rank() != 0:
-            return 0
-        print(f"mpiscale: {problem}", file=sys.stderr)
-        return 2
+    refused = launch_refused()
+    if refused is not None:  # said once, by rank 0, whose status becomes the step's (see _Parser)
+        return refused
     module, function = args.handler.split(":")
     status = 0
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, overload
 
@@ -78,6 +79,32 @@ def launch_problem() -> str | None:
     return (f"srun started {tasks} tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault), so they "
             "cannot form one MPI job: run srun --mpi=pmix (what Open MPI speaks; srun --mpi=list shows the site's "
             "plugins), or launch/mpiscale-run, which chooses it")  # fmt: skip
+
+
+class LaunchError(MpiscaleError, RuntimeError):
+    """The tasks of this job cannot form one MPI job (``launch_problem`` says why): raised before MPI starts."""
+
+
+def refuse_unjoinable_launch() -> None:
+    """Raise :class:`LaunchError` on every task where ``launch_problem`` finds one and this process has not started
+    MPI yet (once it has, it is one job: the launch was fine, or MPI has already said otherwise). For library calls
+    (the estimator); a program's entry says it once instead (``launch_refused``)."""
+    problem = None if "mpi4py.MPI" in sys.modules else launch_problem()
+    if problem:
+        raise LaunchError(problem)
+
+
+def launch_refused() -> int | None:
+    """For a program's entry (the command line, ``mpiscale.run``), before MPI starts: None where the tasks can form
+    one job; else the status this task ends with, the problem said once, by rank 0 (status 2, which becomes the
+    step's; the others leave with 0 and no words, so that one line, not one per task, says it)."""
+    problem = None if "mpi4py.MPI" in sys.modules else launch_problem()
+    if not problem:
+        return None
+    if launched_rank() != 0:
+        return 0
+    print(f"mpiscale: {problem}", file=sys.stderr)
+    return 2
 
 
 def size_and_rank(comm: Comm | None) -> tuple[int, int]:

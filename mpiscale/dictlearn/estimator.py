@@ -33,7 +33,7 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
 
 from ..io import epoch_plan
 from ..kernels.threads import blas_beside_numba
-from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi
+from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi, refuse_unjoinable_launch
 from ..runtime import RuntimeConfig
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
@@ -356,6 +356,7 @@ def _resolve(comm: AnyComm | None) -> Comm | None:
     launched = "mpi4py.MPI" in sys.modules or any(os.environ.get(name) for name in RANK_VARIABLES)
     if not launched:
         return None
+    refuse_unjoinable_launch()  # (srun without an MPI plugin: said here, before MPI starts and fails)
     from mpi4py import MPI
 
     return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from .. import early_stop, run_dir
 from ..errors import MpiscaleError
+from ..ranks import launch_refused
 from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
 from .death_watch import ENDED, DeathWatch, Noted
@@ -356,6 +357,9 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
     job stopped on (see :mod:`mpiscale.runtime.steering`), ``SystemExit(143)``.
     """
+    refused = launch_refused()  # (tasks that cannot form one job: said once, before MPI starts)
+    if refused is not None:
+        raise SystemExit(refused)
     config = config or RuntimeConfig.from_env()
     MPI = load_mpi(config)
     system = ActorSystem(MPI, config)

@@ -341,6 +341,38 @@ def test_srun_without_an_mpi_plugin_is_refused_in_one_line_before_mpi_starts(slu
     assert "MPI_Init" not in ran.stderr and not (tmp_path / "d.h5").exists()
 
 
+# A user's own programs, as the guide writes them: actors under mpiscale.run, and the estimator in a plain script.
+USER_PROGRAMS = {
+    "run": "import mpiscale\n\nasync def main(system):\n    print('rank', system.rank, 'of', system.size)\n\n"
+    "mpiscale.run(main)\n",
+    "estimator": "import numpy as np\nfrom mpiscale.dictlearn import DictionaryLearning\n\n"
+    "X = np.random.default_rng(0).standard_normal((200, 8))\n"
+    "print('learned', DictionaryLearning(n_components=4, max_iter=3).fit(X).components_.shape)\n",
+}
+
+
+@pytest.mark.parametrize("program", sorted(USER_PROGRAMS))
+@pytest.mark.parametrize("plugin", ["none", "pmix"])
+def test_a_python_program_under_srun_without_an_mpi_plugin_says_so_before_mpi_starts(slurm, tmp_path, plugin,
+                                                                                       program):  # fmt: skip
+    """The command line's refusal, for users' own programs: mpiscale.run says it once (status 2, as the command
+    line), the estimator raises LaunchError on every task (a library call); Open MPI's banner ended each task."""
+    script = tmp_path / f"{program}.py"
+    script.write_text(USER_PROGRAMS[program])
+    ran = slurm.run(["srun", "--ntasks=2", f"--mpi={plugin}", sys.executable, str(script)], check=False, timeout=120,
+                    cwd=tmp_path)  # fmt: skip
+    if plugin == "pmix":
+        expected = "rank 1 of 2" if program == "run" else "learned (4, 8)"
+        assert ran.returncode == 0 and expected in ran.stdout, ran.stdout + ran.stderr
+        return
+    said = "srun started 2 tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault)"
+    assert ran.returncode != 0 and "MPI_Init" not in ran.stderr, ran.stderr
+    if program == "run":
+        assert ran.returncode == 2 and ran.stderr.count(said) == 1 and "Traceback" not in ran.stderr, ran.stderr
+    else:
+        assert ran.stderr.count(f"LaunchError: {said}") == 2, ran.stderr
+
+
 def _processes():
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
