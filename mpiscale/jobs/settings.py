@@ -52,7 +52,7 @@ def add_options(command: argparse.ArgumentParser, kind: type) -> None:
             parse = _items_of(_element_type(kind, setting.name, default))
             command.add_argument(flag, type=parse, nargs="*", action=_Joined, metavar=metavar, help=text)
         else:
-            command.add_argument(flag, type=type(default), metavar=metavar, help=text)
+            command.add_argument(flag, type=_parser_of(type(default)), metavar=metavar, help=text)
 
 
 def _element_type(kind: type, name: str, default: tuple) -> type:
@@ -62,11 +62,32 @@ def _element_type(kind: type, name: str, default: tuple) -> type:
     return type(default[0])
 
 
+def _parser_of(kind: type) -> Callable[[str], Any]:
+    """How an option's text becomes a value of ``kind``: a whole number may be written as a float (``--samples
+    1e6``, as scientists write counts; it said "invalid int value: '1e6'"); ``1.5`` stays refused."""
+    return _whole_number if kind is int else kind
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        value = float(text)  # (a ValueError for what is no number: argparse says "invalid int value")
+        if not value.is_integer():
+            raise ValueError(text) from None
+        return int(value)
+
+
+_whole_number.__name__ = "int"  # argparse names the type in its error: "invalid int value: '1.5'"
+
+
 def _items_of(element: type) -> Callable[[str], list]:
     """An argument's items: ``"128,64"`` is two, each converted to ``element``."""
 
+    convert = _parser_of(element)
+
     def parse(text: str) -> list:
-        return [element(part.strip()) for part in text.split(",") if part.strip()]
+        return [convert(part.strip()) for part in text.split(",") if part.strip()]
 
     parse.__name__ = element.__name__  # argparse names the type in its error: "invalid int value"
     return parse
@@ -118,6 +139,8 @@ def load_settings(kind: type[Settings], table: str, path: str | None, overrides:
             values[name] = _list_setting(kind, name, getattr(defaults, name), value, origin[name])
         elif expected is float and isinstance(value, int) and not isinstance(value, bool):
             values[name] = float(value)
+        elif expected is int and isinstance(value, float) and value.is_integer():
+            values[name] = int(value)  # (a count written as 1e6, or 8.0)
         elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             raise ValueError(f"{origin[name]}{name} must be {expected.__name__}, got {value!r}")
         if name in _SHARED_RULES and not _SHARED_RULES[name][0](values[name]):
@@ -154,6 +177,8 @@ def _list_setting(kind: type, name: str, default: tuple, value: Any, origin: str
             return tuple(_items_of(element)(value))
         except ValueError:
             raise ValueError(f"{origin}{name} must be a list of {element.__name__}, got {value!r}") from None
+    if element is int and isinstance(value, list | tuple):  # (whole numbers written as floats, as for one number)
+        value = [int(item) if isinstance(item, float) and item.is_integer() else item for item in value]
     wrong = not isinstance(value, list | tuple) or any(
         not isinstance(item, element) or (element is int and isinstance(item, bool)) for item in value
     )

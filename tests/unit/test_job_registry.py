@@ -162,3 +162,42 @@ def test_an_empty_results_path_is_refused_where_outputs_are_claimed_too():
     for empty in ("", "   "):
         with pytest.raises(ValueError, match="the results file is named by an empty path: name a file"):
             check_outputs(empty, None)
+
+
+@pytest.mark.parametrize("name", list(JOBS))
+def test_a_count_written_as_a_whole_float_is_taken_and_a_fraction_refused(name, tmp_path, capsys):
+    """``--samples 1e6`` (as scientists write counts) said "invalid int value: '1e6'", and a settings file's
+    ``atoms = 8.0`` "must be int, got 8.0": every job's whole-number settings take them, on the command line, in a
+    settings file and in a list (``hidden = [128.0, 64]``); 1.5, 1e400 and NaN stay refused."""
+    from mpiscale.jobs import load_settings
+
+    settings = JOBS[name].load("settings")
+    defaults = settings()
+    counts = [f.name for f in fields(settings) if type(getattr(defaults, f.name)) is int and f.name != "seed"]
+    lists = [f.name for f in fields(settings) if type(getattr(defaults, f.name)) is tuple
+             and getattr(defaults, f.name) and type(getattr(defaults, f.name)[0]) is int]  # fmt: skip
+    if not counts and not lists:
+        pytest.skip(f"{name} has no whole-number settings")
+    command = parser()
+    for setting in counts:
+        flag = "--" + setting.replace("_", "-")
+        args = command.parse_args([*JOBS[name].name.split(), flag, "2e1"])
+        assert getattr(args, setting) == 20 and type(getattr(args, setting)) is int
+        for wrong in ("1.5", "1e400", "nan"):
+            with pytest.raises(SystemExit):
+                command.parse_args([*JOBS[name].name.split(), flag, wrong])
+            assert f"argument {flag}: invalid int value: '{wrong}'" in capsys.readouterr().err
+        config = tmp_path / f"{setting}.toml"
+        default = getattr(defaults, setting)  # (valid with the others' defaults), written as 5.000000e+00
+        config.write_text(f"{setting} = {float(default):e}\n")
+        taken = getattr(load_settings(settings, name, str(config), {}), setting)
+        assert taken == default and type(taken) is int
+        config.write_text(f"{setting} = 1.5\n")
+        with pytest.raises(ValueError, match=f"{setting} must be int, got 1.5"):
+            load_settings(settings, name, str(config), {})
+    for setting in lists:
+        config = tmp_path / f"{setting}.toml"
+        config.write_text(f"{setting} = [128.0, 64]\n")
+        assert getattr(load_settings(settings, name, str(config), {}), setting) == (128, 64)
+        args = command.parse_args([*JOBS[name].name.split(), "--" + setting.replace("_", "-"), "1.28e2,64"])
+        assert getattr(args, setting) == (128, 64)
