@@ -356,6 +356,8 @@ def run(main: Callable[[ActorSystem], Awaitable[T]], *, config: RuntimeConfig | 
     rank raised :class:`JobRefused`, it prints the message once and raises
     ``SystemExit`` with its status after a clean shutdown; after a SIGTERM the
     job stopped on (see :mod:`mpiscale.runtime.steering`), ``SystemExit(143)``.
+    Tasks that cannot form one MPI job (srun without an MPI plugin) end before
+    MPI starts, with one line from rank 0 and ``SystemExit(2)``.
     """
     refused = launch_refused()  # (tasks that cannot form one job: said once, before MPI starts)
     if refused is not None:
