@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ _SCAN_BYTES = 64 << 20  # bytes per collective read while scanning for NaN
 #: Values of whose magnitude the squares stay normal float64 numbers: outside, the Gram matrix and the residuals
 #: underflow (all codes zero, atoms off unit norm) or overflow.
 _SMALLEST, _LARGEST = float(np.sqrt(np.finfo(np.float64).tiny)), float(np.sqrt(np.finfo(np.float64).max)) / 1e3
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,6 +75,9 @@ def check_data(path: str, name: str, atoms: int, sparsity: int, batch_size: int 
         samples, features = data.shape[0], int(np.prod(data.shape[1:]))
         if not samples or not features:
             raise DataFileError(path, f"holds no signals (shape {data.shape})", name)
+        matlab = data.matlab_note("signals")
+        if matlab and comm.Get_rank() == 0:
+            log.warning(matlab)
         patch_shape = data.image_shape()
         start, stop = rank_rows(samples, comm.Get_size(), comm.Get_rank())
         largest_block = -(-samples // comm.Get_size())

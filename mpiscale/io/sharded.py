@@ -330,6 +330,18 @@ class ShardedDataset:
         first = self._segments[0].source
         return dict(first.file.attrs) if isinstance(first, H5Source) else {}
 
+    def matlab_note(self, what: str) -> str | None:
+        """Where the data set is a MATLAB array (``save -v7.3``, which marks each with ``MATLAB_class``), how it is
+        read: HDF5 holds MATLAB's arrays transposed, so its rows here are MATLAB's columns (``what``: what a row is);
+        else None. Not refused: signals as columns is MATLAB's and SPAMS's own layout, read right as it is."""
+        first = self._segments[0].source
+        if not isinstance(first, H5Source) or "MATLAB_class" not in first.dataset.attrs or len(self.shape) != 2:
+            return None
+        rows, columns = self.shape
+        return (f"{self.path}:{self.name} is a MATLAB array (save -v7.3), which HDF5 holds transposed: it is read as "
+                f"{rows} {what} of {columns} values, MATLAB's columns of its {columns} x {rows} array; if MATLAB's "
+                "rows are the samples, save the array transposed (X = X.') and give that")  # fmt: skip
+
     def image_shape(self) -> list[int] | None:
         """The shape of a row when rows are images: a 3-D data set (grey images), a 4-D one with 3 or 4 colour
         channels last or first (RGB patches), or a ``patch_shape`` in the file's config."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from ..io import (
 from ..ranks import Comm, rank_rows
 
 SCAN_SAMPLES = 4096  # ragged inputs' samples checked at once
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,9 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
 
     _refuse_one_array(path)
     with ShardedDataset(path, inputs, comm) as data:
-        shape, dtype, image_shape = data.shape, data.dtype, data.image_shape()
+        shape, dtype, image_shape, matlab = data.shape, data.dtype, data.image_shape(), data.matlab_note("samples")
+    if matlab and comm.Get_rank() == 0:
+        log.warning(matlab)
     if dtype.kind not in "biuf":
         raise DataFileError(path, f"inputs must be numbers, one sample per row; got {not_numbers(dtype)}", inputs)
     if len(shape) < 2:
@@ -174,9 +179,12 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
     or a column (N x 1, as scikit-learn takes them too). Floats of whole numbers are taken (MATLAB, R and pandas
     store labels so); any other value is refused, naming the first."""
     with ShardedDataset(path, labels, comm) as data:
-        shape, dtype = data.shape, data.dtype
+        shape, dtype, matlab = data.shape, data.dtype, data.matlab_note("labels") is not None
     if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
-        raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}", labels)
+        hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')" \
+            if matlab and shape[0] == 1 else ""  # fmt: skip
+        raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}{hint}",
+                            labels)  # fmt: skip
     if shape[0] != samples:
         raise DataFileError(path, f"{samples} {what} but {shape[0]} labels", labels)
     values = read_dataset(path, labels, comm).reshape(-1)

@@ -226,6 +226,33 @@ def user_file(path, inputs, labels) -> str:
     return str(path)
 
 
+def test_a_matlab_file_trains_with_samples_as_its_columns_and_a_label_column_is_refused_with_the_fix(tmp_path):
+    """MATLAB's save -v7.3 writes HDF5 with every array transposed. Inputs kept as MATLAB's columns (5 x 600) and
+    labels as a row (1 x 600) are HDF5's 600 rows: they train, and rank 0 says how the inputs were read. Labels kept
+    as a column (600 x 1, MATLAB's habit) are HDF5's 1 x 600: refused saying to save them as a row."""
+    rng = np.random.default_rng(0)
+    inputs = rng.standard_normal((600, 5))
+    labels = (inputs[:, 0] > 0).astype(np.float64)
+
+    def matlab_file(path, column: bool) -> str:  # (each array as HDF5 holds MATLAB's: transposed)
+        with h5py.File(path, "w", userblock_size=512) as file:
+            file.create_dataset("inputs", data=inputs).attrs["MATLAB_class"] = np.bytes_("double")
+            held = labels.reshape(1, -1) if column else labels.reshape(-1, 1)
+            file.create_dataset("labels", data=held).attrs["MATLAB_class"] = np.bytes_("double")
+        return str(path)
+
+    out = tmp_path / "m.h5"
+    job = mpiscale(2, "train", "--data", matlab_file(tmp_path / "rows.mat", False), "--epochs", 2, "--out", out,
+                   "--progress-every", 0)  # fmt: skip
+    assert_ok(job)
+    assert job.stderr.count("is a MATLAB array (save -v7.3), which HDF5 holds transposed: it is read as 600 samples "
+                            "of 5 values, MATLAB's columns of its 5 x 600 array") == 1, job.stderr  # fmt: skip
+    job = mpiscale(2, "train", "--data", matlab_file(tmp_path / "column.mat", True), "--out", tmp_path / "n.h5")
+    assert job.returncode == 2 and "Traceback" not in job.output, job.output
+    assert "got float64 of shape (1, 600) (a MATLAB column, which HDF5 holds transposed: save the labels as a row, " \
+           "y = y.')" in job.stderr, job.stderr  # fmt: skip
+
+
 def test_users_own_file(tmp_path):
     """Images written by plain h5py (3-D uint8, int32 labels, other data set names) train, and collect reads them."""
     rng = np.random.default_rng(0)

@@ -74,6 +74,12 @@ WRITER = textwrap.dedent(
         f.create_dataset("X", data=X, external=[("rawcut.bin", 0, h5py.h5f.UNLIMITED)])
     os.truncate("rawcut.bin", 1000 * 16 * 8 + 5)
     np.save(f"{out}/X.npy", X)
+    # as MATLAB's save -v7.3 writes a 16 x 1200 array (signals as columns, as SPAMS takes them): HDF5 after a
+    # 512-byte header, each array transposed and marked with its MATLAB class
+    with h5py.File(f"{out}/signals.mat", "w", userblock_size=512) as f:
+        f.create_dataset("X", data=X).attrs["MATLAB_class"] = np.bytes_("double")
+    with open(f"{out}/signals.mat", "r+b") as f:
+        f.write(b"MATLAB 7.3 MAT-file, Platform: GLNXA64, Created on: Sat Dec  5 18:00:00 2026 HDF5 schema 1.00 .")
     np.savez(f"{out}/arrays.npz", X=X, t=np.arange(1200.0), scalar=np.float64(3.0))  # numpy's own archive
     np.savez(f"{out}/only.npz", np.asfortranarray(X))  # one array, unnamed (arr_0), in Fortran order
     np.savez_compressed(f"{out}/squeezed.npz", X=X)
@@ -221,6 +227,17 @@ def test_the_same_values_learn_the_same_dictionary_whatever_the_file(
     if "patches" in spec:
         with h5py.File(out, "r") as file:
             assert list(file.attrs["patch_shape"]) == [4, 4]
+
+
+def test_a_matlab_array_is_read_as_its_columns_and_said_so(tmp_path, user_files, reference):
+    """A MATLAB -v7.3 file is HDF5 with every array transposed: signals kept as MATLAB's columns (SPAMS's layout)
+    are HDF5's rows, read right; a user whose MATLAB rows are the signals would have had MATLAB's columns learned
+    without a word. Now rank 0 says how the array is read, and how to give its rows instead."""
+    job = dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/signals.mat:/X")
+    assert_ok(job)
+    assert np.abs(learned(tmp_path / "results.h5") - reference).max() < 1e-9
+    said = "signals.mat:X is a MATLAB array (save -v7.3), which HDF5 holds transposed: it is read as 1200 signals of "
+    assert job.stderr.count(said + "16 values, MATLAB's columns of its 16 x 1200 array") == 1, job.stderr[-3000:]
 
 
 @pytest.mark.parametrize("dataset", ["float32/X", "int16/X"])
