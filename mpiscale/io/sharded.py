@@ -330,12 +330,17 @@ class ShardedDataset:
         first = self._segments[0].source
         return dict(first.file.attrs) if isinstance(first, H5Source) else {}
 
-    def matlab_note(self, what: str) -> str | None:
-        """Where the data set is a MATLAB array (``save -v7.3``, which marks each with ``MATLAB_class``), how it is
-        read: HDF5 holds MATLAB's arrays transposed, so its rows here are MATLAB's columns (``what``: what a row is);
-        else None. Not refused: signals as columns is MATLAB's and SPAMS's own layout, read right as it is."""
+    @property
+    def from_matlab(self) -> bool:
+        """Whether the data set is a MATLAB array (``save -v7.3`` marks each with ``MATLAB_class``): a matrix HDF5
+        holds transposed, so its rows here are MATLAB's columns."""
         first = self._segments[0].source
-        if not isinstance(first, H5Source) or "MATLAB_class" not in first.dataset.attrs or len(self.shape) != 2:
+        return isinstance(first, H5Source) and "MATLAB_class" in first.dataset.attrs and len(self.shape) == 2
+
+    def matlab_note(self, what: str) -> str | None:
+        """For a MATLAB array (``from_matlab``), how it is read (``what``: what a row is); else None. Not refused:
+        signals as columns is MATLAB's and SPAMS's own layout, read right as it is."""
+        if not self.from_matlab:
             return None
         rows, columns = self.shape
         return (f"{self.path}:{self.name} is a MATLAB array (save -v7.3), which HDF5 holds transposed: it is read as "

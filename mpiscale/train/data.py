@@ -179,7 +179,7 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
     or a column (N x 1, as scikit-learn takes them too). Floats of whole numbers are taken (MATLAB, R and pandas
     store labels so); any other value is refused, naming the first."""
     with ShardedDataset(path, labels, comm) as data:
-        shape, dtype, matlab = data.shape, data.dtype, data.matlab_note("labels") is not None
+        shape, dtype, matlab = data.shape, data.dtype, data.from_matlab
     if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
         hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')" \
             if matlab and shape[0] == 1 else ""  # fmt: skip
