@@ -24,7 +24,7 @@ import bisect
 import math
 import os
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -148,11 +148,14 @@ def _read_whole(data: ShardedDataset) -> np.ndarray:
 class BatchReader:
     """Batches of one or more same-length arrays of a data set, for this rank.
 
-    ``batch_size`` is the *global* batch. ``shuffle_window`` (rows) bounds the
-    shuffle of large data sets (default: 64 MiB of rows). ``in_memory``: True
-    reads the arrays once and keeps them, False streams windows, None (the
-    default) keeps them when they fit. ``prefetch``: windows read ahead while
-    streaming.
+    ``names`` are data sets of ``path``; ``sources`` adds arrays of other
+    files, by the key a batch holds each under: ``{key: (file, data set)}``
+    (labels in a ``.npy`` of their own beside the inputs'; "" for a file's only
+    array). ``batch_size`` is the *global* batch. ``shuffle_window`` (rows)
+    bounds the shuffle of large data sets (default: 64 MiB of rows).
+    ``in_memory``: True reads the arrays once and keeps them, False streams
+    windows, None (the default) keeps them when they fit. ``prefetch``:
+    windows read ahead while streaming.
     """
 
     def __init__(
@@ -167,11 +170,16 @@ class BatchReader:
         prefetch: int = 1,
         shuffle_window: int | None = None,
         in_memory: bool | None = None,
+        sources: Mapping[str, tuple[str | os.PathLike, str]] | None = None,
     ) -> None:
         comm = as_mpi(comm)
         refuse_a_str(names, "names", "data set names")  # ("xy" batched data sets x and y)
-        if not names:
+        sources = dict(sources or {})
+        if not names and not sources:
             raise ValueError("names is empty: name the data sets to batch")
+        if set(names) & set(sources):
+            raise ValueError(f"sources' keys {sorted(set(names) & set(sources))} are also names: a batch holds each "
+                             "array under a key of its own")  # fmt: skip
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if shuffle_window is not None and shuffle_window < 1:  # (once taken as the batch size without a word)
@@ -187,8 +195,8 @@ class BatchReader:
         self._pool: ThreadPoolExecutor | None = None
         self._assembler: ThreadPoolExecutor | None = None
         try:
-            for name in names:
-                self._datasets[name] = ShardedDataset(path, name, comm)
+            for key, (file, name) in [*((name, (path, name)) for name in names), *sources.items()]:  # (in order:
+                self._datasets[key] = ShardedDataset(file, name, comm)  # each opened collectively)
         except BaseException:
             self.close()
             raise

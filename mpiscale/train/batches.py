@@ -43,12 +43,15 @@ def uses_samples(config: TrainConfig, data: LabelledData) -> bool:
 def open_reader(config: TrainConfig, data: LabelledData, comm: Comm, read: list[str]) -> Reader:
     """This rank's reader of the arrays ``read`` (of the inputs and labels), over ``comm`` (collective)."""
     if not uses_samples(config, data):
-        return BatchReader(data.path, read, config.batch_size, comm, shuffle=True, seed=config.seed, drop_last=True)
+        own = [key for key in read if data.source(key)[0] == data.path]
+        others = {key: data.source(key) for key in read if key not in own}  # (labels in a file of their own)
+        return BatchReader(data.path, own, config.batch_size, comm, shuffle=True, seed=config.seed, drop_last=True,
+                           sources=others)  # fmt: skip
     inputs: RaggedDataset | ShardedDataset = (
         RaggedDataset(data.path, data.inputs, data.offsets, comm) if data.ragged else ShardedDataset(data.path,
                                                                                                      data.inputs)
     )  # fmt: skip
-    arrays = {data.inputs: inputs, data.labels: ShardedDataset(data.path, data.labels)}
+    arrays = {data.inputs: inputs, data.labels: ShardedDataset(*data.label_source)}
     return SampleReader(arrays, batching(config), comm, shuffle=True, seed=config.seed, read=read)
 
 

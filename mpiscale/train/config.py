@@ -38,7 +38,11 @@ class TrainConfig:
         "0-3), written beside OUT",
     )
     inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
-    labels: str = option("labels", "the data set of integer class labels in DATA (0 .. classes-1)")
+    labels: str = option(
+        "labels",
+        "the integer class labels (0 .. classes-1): a data set in DATA, or a file of their own, FILE or "
+        "FILE:/DATASET (a y.npy beside DATA's X.npy)",
+    )
     offsets: str = option(
         "",
         "ragged INPUTS (token sequences of varying length, for the transformer): the data set of each sequence's "
@@ -59,6 +63,11 @@ class TrainConfig:
     )
     validation: str = option(
         "", "held-out data with the same data sets, scored after every epoch (the digits: their last 20%%)"
+    )
+    validation_labels: str = option(
+        "",
+        "the held-out labels where they are not VALIDATION's LABELS data set: a data set in VALIDATION, or a file "
+        "of their own, FILE or FILE:/DATASET (needed where LABELS is a file of its own)",
     )
     model: str = option(
         "mlp",
@@ -162,6 +171,8 @@ class TrainConfig:
             problems.append(f"hidden layer widths must be at least 1, got {list(self.hidden)}")
         if self.validation and not self.data:
             problems.append("validation needs DATA: the bundled digits bring their own held-out set")
+        if self.validation_labels and not self.validation:
+            problems.append("validation_labels are the labels of VALIDATION: give the held-out data too")
         if problems:
             raise ValueError("train settings: " + "; ".join(problems))
 

@@ -20,10 +20,13 @@ from ..io import (
     not_numbers,
     read_dataset,
     refuse_unreadable,
+    same_file,
+    split_spec,
 )
-from ..ranks import Comm, rank_rows
+from ..ranks import Comm, on_rank_0, rank_rows
 
 SCAN_SAMPLES = 4096  # ragged inputs' samples checked at once
+DATA_FILE_SUFFIXES = (".npy", ".npz", ".h5", ".hdf5", ".hdf", ".he5", ".mat", ".nc")  # a labels spec naming a file
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +48,45 @@ class LabelledData:
     offsets: str = ""  # their index of starts in the flat inputs ("" for a variable-length data set)
     lengths: np.ndarray | None = field(default=None, repr=False, compare=False)  # ragged: each sequence's
     fingerprint: str = ""  # of every input and label (``io.Fingerprint``): a resumed run refuses other data
+    label_file: str = ""  # labels in a file of their own (absolute; "" for PATH's), ``labels`` then as given
+    label_name: str = ""  # ... and their data set there ("" for the file's only array)
 
     @property
     def spec(self) -> str:
         """The inputs as dictlearn and collect name them: FILE:/dataset."""
         return f"{self.path}:/{self.inputs}"
+
+    def source(self, key: str) -> tuple[str, str]:
+        """(file, data set) of the array a batch holds under ``key`` (the inputs' or the labels' name)."""
+        if key == self.labels and self.label_file:
+            return self.label_file, self.label_name
+        return self.path, key
+
+    @property
+    def label_source(self) -> tuple[str, str]:
+        """(file, data set) of the labels: PATH's own, or a file of their own."""
+        return self.source(self.labels)
+
+
+def names_a_file(labels: str) -> bool:
+    """Whether a labels setting names a file (FILE or FILE:/DATASET: one that exists, or a path ending as data files
+    do), not a data set of the inputs' file."""
+    file = split_spec(labels)[0]
+    return os.path.isfile(file) or file.lower().endswith(DATA_FILE_SUFFIXES)
+
+
+def labels_source(path: str, labels: str, comm: Comm) -> tuple[str, str]:
+    """(file, data set) of the labels of the inputs in ``path`` (collective; rank 0 looks): a data set of ``path``
+    (file ""), or, where ``labels`` names a file (``names_a_file``), that file and its data set there ("" for its
+    only array), as a ``y.npy`` saved beside an ``X.npy``."""
+
+    def look() -> tuple[str, str]:
+        if not names_a_file(labels):
+            return "", labels
+        file, name = split_spec(labels)
+        return ("", name) if same_file(file, path) else (file, name)
+
+    return on_rank_0(comm, look)
 
 
 def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[LabelledData, int, np.ndarray, np.ndarray]:
@@ -63,7 +100,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     """
     from mpi4py import MPI
 
-    _refuse_one_array(path)
+    labels, label_file, label_name = _labels_of(path, labels, comm)
     with ShardedDataset(path, inputs, comm) as data:
         shape, dtype, image_shape, matlab = data.shape, data.dtype, data.image_shape(), data.matlab_note("samples")
     if matlab and comm.Get_rank() == 0:
@@ -76,7 +113,7 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
         raise DataFileError(path, "holds no samples", inputs)
     if not math.prod(shape[1:]):  # (HDF5 failed to read the rows, said as damage)
         raise DataFileError(path, f"its samples hold no values (shape {shape})", inputs)
-    tags = _class_numbers(path, labels, shape[0], "inputs", comm)
+    tags = _class_numbers(label_file or path, label_name, shape[0], "inputs", comm)
     block = read_dataset(path, inputs, comm).reshape(-1, int(np.prod(shape[1:]))).astype(np.float64)
     first = rank_rows(shape[0], comm.Get_size(), comm.Get_rank())[0]
     fingerprint = Fingerprint()
@@ -102,7 +139,8 @@ def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[Lab
     mean *= unit
     lowest, highest = float(ends[0].min(initial=np.inf)), float(-ends[1].min(initial=np.inf))
     checked = LabelledData(os.path.abspath(path), inputs, labels, samples, int(np.prod(shape[1:])), image_shape,
-                           dtype.kind in "biu", lowest, highest, fingerprint=digest)  # fmt: skip
+                           dtype.kind in "biu", lowest, highest, fingerprint=digest, label_file=_absolute(label_file),
+                           label_name=label_name)  # fmt: skip
     return checked, highest_label + 1, mean, std
 
 
@@ -120,7 +158,7 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     """
     from mpi4py import MPI
 
-    _refuse_one_array(path)
+    labels, label_file, label_name = _labels_of(path, labels, comm)
     with RaggedDataset(path, inputs, offsets, comm) as data:
         lengths, dtype, name = data.lengths, data.dtype, data.name
         if dtype.kind not in "biu" or data.row_shape:
@@ -149,22 +187,35 @@ def check_ragged(path: str, inputs: str, offsets: str, labels: str, comm: Comm) 
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
         raise DataFileError(path, f"sequence {empty[0]} is empty ({len(empty)} are): drop empty samples", name)
-    tags = _class_numbers(path, labels, len(lengths), "sequences", comm)
+    tags = _class_numbers(label_file or path, label_name, len(lengths), "sequences", comm)
     lengths_digest = hashlib.blake2b(lengths.astype(np.int64).tobytes(), digest_size=12).hexdigest()
     digest = _digest(comm, fingerprint, start, tags, lengths_digest)
     checked = LabelledData(os.path.abspath(path), name, labels, len(lengths), int(lengths.max()), None, True,
-                           float(span[0]), float(-span[1]), True, offsets, lengths, digest)  # fmt: skip
+                           float(span[0]), float(-span[1]), True, offsets, lengths, digest, _absolute(label_file),
+                           label_name)  # fmt: skip
     return checked, comm.allreduce(int(tags.max(initial=-1)), op=MPI.MAX) + 1
 
 
-def _refuse_one_array(path: str) -> None:
-    """Refuse training data in ``.npy`` files: each holds one array, and the inputs and labels are two (the labels
-    were then taken from the inputs' own array: "labels must be class numbers ...; got float64 of shape (600, 5)")."""
-    if is_npy(path):
+def _absolute(path: str) -> str:
+    """``path`` absolute (results files name their inputs from anywhere); "" stays "" (none)."""
+    return os.path.abspath(path) if path else ""
+
+
+def _labels_of(path: str, labels: str, comm: Comm) -> tuple[str, str, str]:
+    """(the key a batch holds the labels under, their own file or "", their data set) of the labels setting
+    ``labels`` for the inputs in ``path`` (collective): labels in ``path`` itself are keyed by their data set, those
+    of a file of their own by the setting as given. A ``.npy`` of inputs holds no labels, and is refused without a
+    file of them."""
+    label_file, label_name = labels_source(path, labels, comm)
+    if label_file:
+        return labels, label_file, label_name
+    if is_npy(path):  # (the labels were then taken from the inputs' own array: "labels must be class numbers ...")
         raise DataFileError(path, (
-            "a .npy file holds one array, and training takes two (the inputs and their labels) from one file: save "
-            "them together, e.g. numpy.savez('train.npz', inputs=X, labels=y), and give --data train.npz"
+            "a .npy file holds one array, and training takes two, the inputs and their labels: give the labels' own "
+            "file, e.g. --labels y.npy, or save both together, numpy.savez('train.npz', inputs=X, labels=y), and "
+            "give --data train.npz"
         ))  # fmt: skip
+    return label_name, "", label_name
 
 
 def _power_of_two_unit(largest: np.ndarray) -> np.ndarray:
@@ -215,7 +266,8 @@ def _digest(comm: Comm, inputs: Fingerprint, first_label: int, labels: np.ndarra
 def check_classes(data: LabelledData, classes: int) -> None:
     """Refuse more classes than training samples: a label of 100000 among 300 rows is a mistake, not a model."""
     if classes > data.samples:
-        raise DataFileError(data.path, (
+        file, name = data.label_source
+        raise DataFileError(file, (
             f"labels go up to {classes - 1}, but there are only {data.samples} training samples: labels are class "
             "numbers 0 .. classes-1 (renumber them, e.g. with numpy.unique(labels, return_inverse=True))"
-        ), data.labels)  # fmt: skip
+        ), name or None)  # fmt: skip

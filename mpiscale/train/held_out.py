@@ -78,7 +78,7 @@ class HeldOut:
         """This rank's block of ``comm`` (one rank per replica), read collectively, and its batches."""
         replicas, replica = comm.Get_size(), comm.Get_rank()
         start, stop = rank_rows(data.samples, replicas, replica)
-        labels = read_dataset(data.path, data.labels, comm).astype(np.int64).reshape(-1)  # (a column too)
+        labels = read_dataset(*data.label_source, comm).astype(np.int64).reshape(-1)  # (a column too)
         inputs: Ragged | np.ndarray
         if data.lengths is not None:
             with RaggedDataset(data.path, data.inputs, data.offsets, comm) as ragged:

@@ -25,7 +25,7 @@ from .batches import TrainingSteps, training_steps, uses_samples
 from .bundled import write_digits, write_sequences
 from .config import TrainConfig
 from .curves import Curves
-from .data import LabelledData, check_classes, check_labelled, check_ragged, is_ragged
+from .data import LabelledData, check_classes, check_labelled, check_ragged, is_ragged, names_a_file
 from .held_out import check_scoring_budget
 from .model import TRANSFORMER, build_model, set_standardization
 from .pipeline.state import INDEX as PIPELINE_INDEX
@@ -80,8 +80,9 @@ def claim_training_outputs(config: TrainConfig, comm: Comm) -> tuple[int, Output
     threads = share_cores(ranks_sharing_cores(comm))
     torch.set_num_threads(threads)
     # the checkpoints are always open: a stop checkpoints without periodic ones too
+    labels = [spec for spec in (config.labels, config.validation_labels) if names_a_file(spec)]
     return threads, claim_outputs(
-        config.out, config.checkpoints, [config.data, config.validation], comm, RESULTS_FORMAT
+        config.out, config.checkpoints, [config.data, config.validation, *labels], comm, RESULTS_FORMAT
     )
 
 
@@ -122,7 +123,8 @@ def prepare_data(
     data, classes, mean, std = check_labelled(train_path, config.inputs, config.labels, comm)
     validation = None
     if validation_path:
-        validation, held_out_classes, _, _ = check_labelled(validation_path, config.inputs, config.labels, comm)
+        held_out_labels = _held_out_labels(config, data)
+        validation, held_out_classes, _, _ = check_labelled(validation_path, config.inputs, held_out_labels, comm)
         if validation.features != data.features:
             raise DataFileError(
                 validation_path, f"rows of {validation.features} values, the training rows have {data.features}"
@@ -153,8 +155,8 @@ def _prepare_ragged(
     data, classes = check_ragged(train_path, config.inputs, config.offsets, config.labels, comm)
     validation = None
     if validation_path:
-        validation, held_out_classes = check_ragged(validation_path, config.inputs, config.offsets, config.labels,
-                                                    comm)  # fmt: skip
+        validation, held_out_classes = check_ragged(validation_path, config.inputs, config.offsets,
+                                                    _held_out_labels(config, data), comm)  # fmt: skip
         classes = _with_held_out(validation_path, classes, held_out_classes)
         check_scoring_budget(validation, config)
     check_classes(data, classes)
@@ -164,6 +166,17 @@ def _prepare_ragged(
     longest = max(data.features, validation.features if validation is not None else 0)
     spec = _transformer_spec(config, data, validation, classes, longest, ragged=True)
     return data, validation, spec, build_model(spec)
+
+
+def _held_out_labels(config: TrainConfig, data: LabelledData) -> str:
+    """The labels setting of the held-out data: VALIDATION_LABELS, else LABELS, unless that is the training labels'
+    own file (they were scored as the held-out labels, or refused as too few, without a word)."""
+    if config.validation_labels or not data.label_file:
+        return config.validation_labels or config.labels
+    raise ValueError(
+        f"--labels {config.labels} is a file of the training labels: give the held-out labels too, as "
+        "--validation-labels FILE (or FILE:/DATASET, or a data set of --validation)"
+    )
 
 
 def _with_held_out(validation_path: str, classes: int, held_out_classes: int) -> int:

@@ -63,7 +63,8 @@ def write(file: h5py.File, results: TrainResults) -> None:
     data = results.data
     file.attrs["model"] = json.dumps(results.spec)
     file.attrs["data"] = data.spec
-    file.attrs["labels"] = f"{data.path}:/{data.labels}"
+    labels_file, labels_name = data.label_source
+    file.attrs["labels"] = f"{labels_file}:/{labels_name}" if labels_name else labels_file
     file.attrs["validation"] = results.validation.spec if results.validation is not None else ""
     file.attrs["samples"] = data.samples
     file.attrs["steps"] = results.curves.done

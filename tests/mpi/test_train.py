@@ -347,20 +347,65 @@ def test_inputs_in_huge_units_train_as_they_do_in_their_own(tmp_path):
         np.testing.assert_array_equal(runs[1][name], values * factor, err_msg=name)
 
 
-def test_inputs_and_labels_in_two_npy_files_are_refused_with_the_line_that_joins_them(tmp_path):
-    """X.npy and y.npy, as scikit-learn users keep them: a .npy holds one array, so "--labels y.npy" named a data set
-    of X.npy, which gave the inputs again: "labels must be class numbers, one per sample; got float64 of shape
-    (600, 5)". Refused saying why, with the line that saves both in one archive, which then trains."""
-    rng = np.random.default_rng(6)
-    np.save(tmp_path / "X.npy", rng.random((600, 5)))
-    np.save(tmp_path / "y.npy", rng.integers(0, 2, 600))
-    job = mpiscale(2, "train", "--data", tmp_path / "X.npy", "--labels", "y.npy", "--out", tmp_path / "m.h5")
-    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
-    assert "X.npy: a .npy file holds one array, and training takes two (the inputs and their labels) from one " \
-        "file: save them together, e.g. numpy.savez('train.npz', inputs=X, labels=y)" in job.stderr  # fmt: skip
-    np.savez(tmp_path / "train.npz", inputs=np.load(tmp_path / "X.npy"), labels=np.load(tmp_path / "y.npy"))
-    assert_ok(mpiscale(2, "train", "--data", tmp_path / "train.npz", "--epochs", 1, "--hidden", 8,
-                       "--progress-every", 0, "--out", tmp_path / "m.h5"))  # fmt: skip
+def two_npy_files(folder: Path, name: str, samples: int, seed: int) -> tuple[Path, Path]:
+    """(X.npy, y.npy) as scikit-learn users keep them, and their twin: the same arrays in one archive, NAME.npz."""
+    rng = np.random.default_rng(seed)
+    inputs, labels = rng.random((samples, 5)), rng.integers(0, 3, samples)
+    np.save(folder / f"{name}-X.npy", inputs)
+    np.save(folder / f"{name}-y.npy", labels)
+    np.savez(folder / f"{name}.npz", inputs=inputs, labels=labels)
+    return folder / f"{name}-X.npy", folder / f"{name}-y.npy"
+
+
+@pytest.mark.parametrize("own, twin", [
+    (["--validation", "held-X.npy", "--validation-labels", "held-y.npy"], ["--validation", "held.npz"]),
+    (["--stages", 2, "--micro-batches", 2], ["--stages", 2, "--micro-batches", 2]),
+    (["--batching", "round-robin"], ["--batching", "round-robin"]),
+], ids=["held-out", "pipeline", "round-robin"])  # fmt: skip
+def test_labels_in_a_file_of_their_own_train_as_in_the_inputs_file(tmp_path, own, twin):
+    """X.npy and y.npy, as scikit-learn users keep them, were refused: a .npy holds one array, and the labels were a
+    data set of the inputs' file. ``--labels y.npy`` (or FILE:/DATASET) now names a file of their own: training on
+    them gives the very weights (and held-out scores) of the same arrays in one archive, through every reader: the
+    batch reader, a pipeline's last stage (labels alone) and the sample reader of round-robin batching."""
+    inputs, labels = two_npy_files(tmp_path, "train", 300, 6)
+    two_npy_files(tmp_path, "held", 90, 7)
+    own, twin = ([tmp_path / str(item) if str(item).endswith((".npy", ".npz")) else item for item in options]
+                 for options in (own, twin))  # fmt: skip
+    common = ["--hidden", 8, "--epochs", 2, "--batch-size", 32, "--progress-every", 0]
+    assert_ok(mpiscale(2, "train", "--data", inputs, "--labels", labels, *own, *common, "--out", tmp_path / "a.h5"))
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "train.npz", *twin, *common, "--out", tmp_path / "b.h5"))
+    for name, values in weights(tmp_path / "b.h5").items():
+        np.testing.assert_array_equal(weights(tmp_path / "a.h5")[name], values, err_msg=name)
+    with h5py.File(tmp_path / "a.h5", "r") as found, h5py.File(tmp_path / "b.h5", "r") as expected:
+        assert found.attrs["labels"] == str(labels)  # (the file: collect and inspect read the labels from it)
+        accuracy = found["curves/epoch/validation_accuracy"][()]
+        assert np.array_equal(accuracy, expected["curves/epoch/validation_accuracy"][()])
+        assert len(accuracy) == (2 if "--validation" in own else 0)
+
+
+def test_labels_of_a_file_of_their_own_are_checked_and_never_written_over(tmp_path):
+    """Labels in an HDF5 file of their own (FILE:/DATASET) train; the inputs' .npy alone is refused with both fixes,
+    held-out data without its labels (the training labels' file would have scored it) and too few labels are
+    refused naming the file, and no output replaces a labels file."""
+    inputs, labels = two_npy_files(tmp_path, "train", 300, 8)
+    with h5py.File(tmp_path / "labels.h5", "w") as file:
+        file["target"], file["other"] = np.load(labels), np.zeros(300, np.int64)
+    np.save(tmp_path / "short-y.npy", np.load(labels)[:250])
+    common = ["--hidden", 8, "--epochs", 1, "--progress-every", 0]
+    assert_ok(mpiscale(2, "train", "--data", inputs, "--labels", f"{tmp_path / 'labels.h5'}:/target", *common,
+                       "--out", tmp_path / "m.h5"))  # fmt: skip
+    refusals = {
+        "alone": ([], "train-X.npy: a .npy file holds one array, and training takes two, the inputs and their "
+                      "labels: give the labels' own file, e.g. --labels y.npy, or save both together"),
+        "held": (["--labels", labels, "--validation", inputs], f"--labels {labels} is a file of the training "
+                 "labels: give the held-out labels too, as --validation-labels FILE"),
+        "short": (["--labels", tmp_path / "short-y.npy"], "short-y.npy: 300 inputs but 250 labels"),
+        "out": (["--labels", labels, "--out", labels], f"the results file {labels} is an input of this job"),
+    }  # fmt: skip
+    for case, (options, message) in refusals.items():
+        job = mpiscale(2, "train", "--data", inputs, "--out", tmp_path / "m.h5", *common, *options)
+        assert job.returncode == 2 and job.stderr.count("\n") == 1 and message in job.stderr, (case, job.output)
+    assert np.array_equal(np.load(labels), np.load(tmp_path / "train.npz")["labels"])  # (not written over)
 
 
 def test_a_numpy_archive_trains_to_the_weights_of_its_hdf5_twin(tmp_path):

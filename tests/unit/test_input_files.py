@@ -264,6 +264,32 @@ def test_streaming_gives_the_batches_of_memory(tmp_path, window):
     assert len(batches[True]) == 2 * 8
 
 
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_arrays_of_other_files_batch_as_those_of_one(tmp_path, in_memory):
+    """Inputs in an HDF5 file and labels in a .npy of their own (``sources``) give the very batches of both in one
+    file; a key that is also a name is refused."""
+    X = np.arange(200 * 3, dtype=np.float32).reshape(200, 3)
+    with h5py.File(tmp_path / "both.h5", "w") as file:
+        file["X"], file["y"] = X, np.arange(len(X)) % 7
+    with h5py.File(tmp_path / "inputs.h5", "w") as file:
+        file["X"] = X
+    np.save(tmp_path / "y.npy", np.arange(len(X)) % 7)
+    options = dict(shuffle=True, seed=1, shuffle_window=64, in_memory=in_memory)
+    with BatchReader(tmp_path / "both.h5", ["X", "y"], 32, **options) as reader:
+        expected = list(reader.epoch(1))
+    with BatchReader(tmp_path / "inputs.h5", ["X"], 32, sources={"labels": (tmp_path / "y.npy", "")},
+                     **options) as reader:  # fmt: skip
+        found = list(reader.epoch(1))
+    assert len(found) == len(expected) == 7
+    for batch, twin in zip(found, expected):
+        assert np.array_equal(batch.ids, twin.ids) and np.array_equal(batch.data["X"], twin.data["X"])
+        assert np.array_equal(batch.data["labels"], twin.data["y"])
+    with BatchReader(tmp_path / "inputs.h5", [], 32, sources={"labels": (tmp_path / "y.npy", "")}) as reader:
+        assert list(next(iter(reader.epoch(0))).data) == ["labels"]  # (a pipeline's last stage reads labels alone)
+    with pytest.raises(ValueError, match=r"sources' keys \['X'\] are also names"):
+        BatchReader(tmp_path / "inputs.h5", ["X"], 32, sources={"X": (tmp_path / "y.npy", "")})
+
+
 def test_a_report_reads_the_first_rows_within_its_budget(tmp_path):
     """leading_rows: 10 rows of 4 float64 (32 bytes each) give 3 within 100 bytes, one within a budget smaller than
     a row, all within a large one, none of an empty data set."""
