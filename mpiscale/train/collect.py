@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -43,6 +44,8 @@ from .model import first_bad_row, input_layout, layer_outputs, model_rows, modul
 from .results import load_trained
 
 ACTIVATIONS_FORMAT = "mpiscale.activations/1"
+
+log = logging.getLogger(__name__)
 
 
 class _BadRows(AgreedError):
@@ -102,11 +105,14 @@ def _prepare(config: CollectConfig) -> _Job:
         inputs = 1  # a sequence of one token sizes the layers
     else:
         with ShardedDataset(path, name, comm) as data:
-            name, shape, dtype = data.name, data.shape, data.dtype
+            name, shape, dtype, matlab = data.name, data.shape, data.dtype, data.matlab_note("samples")
         features = int(np.prod(shape[1:])) if len(shape) > 1 else 0
         taken = rows_refused(inputs, model_dtype, features, dtype)
         if taken is not None:
-            raise DataFileError(path, f"the model takes rows of {taken}, the data set holds {dtype} {shape}", name)
+            held = f"the data set holds {dtype} {shape}" + (f" ({matlab})" if matlab else "")
+            raise DataFileError(path, f"the model takes rows of {taken}, {held}", name)
+        if matlab and comm.Get_rank() == 0:
+            log.warning(matlab)
         samples = shape[0]
     labels = config.labels or (str(trained["labels"]) if not config.data else "")
     attrs = recorded("inputs", f"{path}:/{name}", config.out) | recorded("model", config.model, config.out)

@@ -229,7 +229,8 @@ def user_file(path, inputs, labels) -> str:
 def test_a_matlab_file_trains_with_samples_as_its_columns_and_a_label_column_is_refused_with_the_fix(tmp_path):
     """MATLAB's save -v7.3 writes HDF5 with every array transposed. Inputs kept as MATLAB's columns (5 x 600) and
     labels as a row (1 x 600) are HDF5's 600 rows: they train, and rank 0 says how the inputs were read. Labels kept
-    as a column (600 x 1, MATLAB's habit) are HDF5's 1 x 600: refused saying to save them as a row."""
+    as a column (600 x 1, MATLAB's habit) are HDF5's 1 x 600: refused saying to save them as a row. collect says the
+    same of MATLAB inputs, and adds it to its refusal of samples kept as MATLAB's rows (5 x 600 in HDF5)."""
     rng = np.random.default_rng(0)
     inputs = rng.standard_normal((600, 5))
     labels = (inputs[:, 0] > 0).astype(np.float64)
@@ -251,6 +252,17 @@ def test_a_matlab_file_trains_with_samples_as_its_columns_and_a_label_column_is_
     assert job.returncode == 2 and "Traceback" not in job.output, job.output
     assert "got float64 of shape (1, 600) (a MATLAB column, which HDF5 holds transposed: save the labels as a row, " \
            "y = y.')" in job.stderr, job.stderr  # fmt: skip
+    job = mpiscale(2, "collect", "--model", out, "--data", f"{tmp_path / 'rows.mat'}:/inputs", "--out",
+                   tmp_path / "acts.h5")  # fmt: skip
+    assert_ok(job)
+    assert job.stderr.count("rows.mat:inputs is a MATLAB array (save -v7.3)") == 1, job.stderr
+    with h5py.File(tmp_path / "samples-as-rows.mat", "w", userblock_size=512) as file:  # (MATLAB's 600 x 5)
+        file.create_dataset("X", data=inputs.T).attrs["MATLAB_class"] = np.bytes_("double")
+    job = mpiscale(2, "collect", "--model", out, "--data", f"{tmp_path / 'samples-as-rows.mat'}:/X", "--out",
+                   tmp_path / "acts.h5")  # fmt: skip
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output
+    assert "the data set holds float64 (5, 600) (" in job.stderr and "if MATLAB's rows are the samples, save the " \
+        "array transposed (X = X.') and give that)" in job.stderr  # fmt: skip
 
 
 def test_users_own_file(tmp_path):
