@@ -31,7 +31,7 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
         "mpiscale.dictlearn.DictionaryLearning is a scikit-learn estimator: pip install 'mpiscale[sklearn]'"
     ) from missing
 
-from ..io import epoch_plan
+from ..io import epoch_plan, not_numbers
 from ..kernels.threads import blas_beside_numba
 from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi, refuse_unjoinable_launch
 from ..runtime import RuntimeConfig
@@ -227,6 +227,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         def check() -> None:
             self._check_settings()
             least = 1 if comm is None else 0  # a rank may hold no rows; the world holds some (checked below)
+            _refuse_records(X)
             checked["signals"] = validate_data(self, X, reset=reset, dtype=np.float64, ensure_min_samples=least)
             fixed = isinstance(self.random_state, (int, np.integer)) and not isinstance(self.random_state, bool)
             checked["seed"] = int(self.random_state if fixed else check_random_state(self.random_state).randint(2**31))
@@ -299,6 +300,7 @@ class DictionaryLearning(ClassNamePrefixFeaturesOutMixin, TransformerMixin, Base
         """
         check_is_fitted(self, "components_")
         self._check_settings()
+        _refuse_records(X)
         signals = validate_data(self, X, reset=False, dtype=np.float64, ensure_min_samples=self._least_rows())
         if self.remove_mean:
             signals = without_means(signals)
@@ -392,6 +394,14 @@ def _agreed(comm: Comm | None, action: Callable[[], None]) -> None:
     except (ValueError, TypeError) as error:  # agreed below, so no rank waits in a collective the others left
         problem = error
     agree(comm, problem, _WHAT, ValueError)
+
+
+def _refuse_records(X: Any) -> None:
+    """Refuse a NumPy record array (a table of named fields) saying how to make it one array: scikit-learn's own
+    words, "Cannot cast array data from dtype([('x', '<f4'), ...]) to dtype('float64')", say neither."""
+    dtype = getattr(X, "dtype", None)
+    if isinstance(dtype, np.dtype) and dtype.names:
+        raise ValueError(f"X must be numbers, one signal per row; got {not_numbers(dtype)}")
 
 
 def _number(value: object) -> bool:

@@ -1,6 +1,8 @@
 """``DictionaryLearning`` in one process: scikit-learn's own estimator checks, codes equal to scikit-learn's
 ``sparse_encode``, ``partial_fit`` over a stream, and refusals of what cannot be learned."""
 
+import re
+
 import numpy as np
 import pytest
 from sklearn.decomposition import sparse_encode
@@ -125,6 +127,13 @@ def test_what_cannot_be_learned_is_refused_with_the_parameter_named():
         fitted.inverse_transform(signals)
     with pytest.raises(ValueError, match="16 features"):
         fitted.transform(signals[:, :8])
+    table = np.rec.fromarrays([signals[:, 0].astype(np.float32), signals[:, 1]], names="depth,t")
+    for call in (DictionaryLearning(10).fit, fitted.transform):  # (scikit-learn said "Cannot cast array data")
+        with pytest.raises(ValueError, match=re.escape(
+            "got a table (records of the fields depth (float32), t (float64)), not one array of numbers: store its "
+            "number fields as one array, e.g. numpy.lib.recfunctions.structured_to_unstructured(table)"
+        )):  # fmt: skip
+            call(table)
 
 
 def test_sparse_rows_of_codes_to_an_error_target_rebuild_the_dense_codes():
