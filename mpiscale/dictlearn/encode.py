@@ -249,6 +249,7 @@ def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:
         raise DataFileError(info.path, f"signals of {info.features} values cannot be coded with atoms of {features} "
                                        f"(the dictionary is atoms x features{hint})", info.name)  # fmt: skip
     _no_zero_rows(learned.atoms, config.dictionary)
+    _refuse_atoms_as_columns(learned.atoms, config.dictionary)
     sparsity = config.sparsity or min(learned.sparsity, atoms)
     if sparsity > min(atoms, features):
         raise ValueError(f"sparsity {sparsity} exceeds the {atoms} atoms or the {features} features of a signal")
@@ -292,6 +293,19 @@ def _no_zero_rows(atoms: np.ndarray, spec: str) -> None:
     zero = np.flatnonzero(~atoms.any(axis=1))
     if len(zero):
         raise DataFileError(spec, f"atom {zero[0]} is all zeros ({len(zero)} atoms are): drop it, or replace it")
+
+
+def _refuse_atoms_as_columns(atoms: np.ndarray, spec: str) -> None:
+    """Refuse a square dictionary whose columns are unit vectors and whose rows are not: atoms kept as columns (a
+    SPAMS dictionary, features x atoms), which a square shape lets through, each signal then coded with rows that
+    are no atoms, without a word. (Atoms of other norms are taken; only this pattern is refused.)"""
+    columns, rows = (bool(np.allclose(np.linalg.norm(atoms, axis=axis), 1.0, rtol=0, atol=1e-6)) for axis in (0, 1))
+    if atoms.shape[0] == atoms.shape[1] and columns and not rows:
+        raise DataFileError(spec, (
+            f"the dictionary is square ({atoms.shape[0]} x {atoms.shape[1]}) and its columns are unit vectors, its "
+            "rows not: its atoms look kept as columns (features x atoms, as SPAMS keeps them), and the job takes "
+            "atoms as rows: transpose it (D.T)"
+        ))  # fmt: skip
 
 
 def _earlier_run(

@@ -168,11 +168,18 @@ def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):
     data = f"{folder / 'signals.h5'}:/X"
     np.save(tmp_path / "transposed.npy", atoms.T)  # SPAMS keeps its atoms as columns
     np.save(tmp_path / "zero.npy", np.where(np.arange(32)[:, None] == 5, 0.0, atoms))
+    np.save(tmp_path / "square.npy", atoms[:16])  # (complete: as many atoms as features)
+    np.save(tmp_path / "square-columns.npy", atoms[:16].T)  # (a square shape let SPAMS's layout through)
     with h5py.File(tmp_path / "nan.h5", "w") as file:
         file["X"] = np.where(np.arange(16) == 3, np.nan, signals[:50])
     cases = [
         (["--dictionary", tmp_path / "transposed.npy", "--data", data], "a SPAMS dictionary is features x atoms"),
         (["--dictionary", tmp_path / "zero.npy", "--data", data], "atom 5 is all zeros"),
+        (
+            ["--dictionary", tmp_path / "square-columns.npy", "--data", data],
+            "square-columns.npy: the dictionary is "
+            "square (16 x 16) and its columns are unit vectors, its rows not: its atoms look kept as columns",
+        ),
         (["--dictionary", folder / "dictionary.h5", "--data", f"{tmp_path / 'nan.h5'}:/X"], "signal 0 holds NaN"),
         (["--dictionary", folder / "dictionary.h5", "--data", data, "--sparsity", "40"], "sparsity 40 exceeds"),
         (["--dictionary", folder / "dictionary.h5"], "give --dictionary"),
@@ -185,6 +192,8 @@ def test_what_cannot_be_coded_is_refused_in_one_line(learned, tmp_path):
     )
     assert same.returncode == 2 and "signals.h5" in same.stderr and same.stderr.count("\n") == 1, same.stderr
     assert not list(tmp_path.glob("refused.h5*"))
+    assert_ok(run_cli(2, "encode", "--dictionary", tmp_path / "square.npy", "--data", data, "--out",
+                      tmp_path / "square-codes.h5"))  # fmt: skip
 
 
 def test_a_dictionary_too_large_for_the_hosts_memory_is_refused_before_it_is_allocated(tmp_path):
