@@ -53,6 +53,13 @@ def not_numbers(dtype: np.dtype) -> str:
     return f"{kinds[dtype.kind]} ({dtype})" if dtype.kind in kinds else f"dtype {dtype}"
 
 
+def unreadable_rows(path: str, name: str, start: int, stop: int, error: OSError) -> DataFileError:
+    """The error of rows ``start:stop`` HDF5 could not read (a damaged chunk or heap, a disk's I/O error), naming
+    the file, the data set and the rows (HDF5's own is a bare OSError)."""
+    why = f"rows {start}..{stop - 1} cannot be read ({error}): the file is damaged there, or its disk failed"
+    return DataFileError(path, f"{why}; copy it again from its source", name)
+
+
 def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) -> None:
     """Raise on every rank the error of the first rows any rank could not read (collective; ``unreadable``: this
     rank's first, as (row, error), or None). For reads without collectives (compressed, ``.npy``, virtual), where a

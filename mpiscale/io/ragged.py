@@ -31,7 +31,7 @@ import h5py
 import numpy as np
 
 from ..ranks import AnyComm, Comm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .errors import DataFileError
+from .errors import DataFileError, refuse_unreadable, unreadable_rows
 from .h5file import dataset, open_file
 from .numpy_files import is_npy, is_numpy_file
 from .sharded import ShardedDataset
@@ -224,7 +224,7 @@ class RaggedDataset:
         for first, data in self._vlen:
             lo, hi = max(start, first), min(stop, first + len(data))
             if lo < hi:
-                rows = data[lo - first : hi - first]
+                rows = _vlen_rows(data, lo - first, hi - first)
                 swapped = _read_unswapped(data)
                 for row in rows:
                     out[filled : filled + len(row)] = row.byteswap() if swapped else row
@@ -322,11 +322,26 @@ def _agreed_lengths(parts: list[tuple[int, h5py.Dataset]], comm: Comm | None) ->
     size, rank = size_and_rank(comm)
     start, stop = rank_rows(total, size, rank)
     mine = np.empty(stop - start, dtype=np.int64)
-    for first, data in parts:
-        lo, hi = max(start, first), min(stop, first + len(data))
-        for at in range(lo, hi, SCAN_ROWS):
-            block = data[at - first : min(hi, at + SCAN_ROWS) - first]
-            mine[at - start : at - start + len(block)] = [len(row) for row in block]
+    unreadable = None
+    try:
+        for first, data in parts:
+            lo, hi = max(start, first), min(stop, first + len(data))
+            for at in range(lo, hi, SCAN_ROWS):
+                block = _vlen_rows(data, at - first, min(hi, at + SCAN_ROWS) - first)
+                mine[at - start : at - start + len(block)] = [len(row) for row in block]
+    except DataFileError as error:
+        if comm is None:
+            raise
+        unreadable = (start, error)  # (said on every rank below: the others are not left in the allgather)
     if comm is None:
         return mine
+    refuse_unreadable(comm, unreadable)
     return np.concatenate(comm.allgather(mine))
+
+
+def _vlen_rows(data: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+    """Rows ``start:stop`` of a variable-length data set; rows HDF5 cannot read (a damaged heap) are said as such."""
+    try:
+        return data[start:stop]
+    except OSError as error:
+        raise unreadable_rows(data.file.filename, data.name.lstrip("/"), start, stop, error) from None

@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 
 from ..ranks import Comm
-from .errors import DataFileError, not_found
+from .errors import DataFileError, not_found, unreadable_rows
 from .h5file import datasets_in, describe_datasets
 from .rows import read_rows
 
@@ -164,8 +164,7 @@ class H5Source:
                 return out
             rows = read_rows(self.dataset, start, stop, None if self.independent else comm, dtype=self.dtype)
         except OSError as error:
-            why = f"rows {start}..{stop - 1} cannot be read ({error}): the file is damaged there, or its disk failed"
-            raise DataFileError(self.path, f"{why}; copy it again from its source", self.dataset.name) from None
+            raise unreadable_rows(self.path, self.dataset.name, start, stop, error) from None
         if out is None:
             return rows
         out[...] = rows

@@ -192,3 +192,26 @@ def test_an_empty_sequence_is_refused_naming_it(tmp_path):
     job = run_alone("train", *SETTINGS, "--data", path, "--inputs", "values", "--offsets", "starts", "--batch-size",
                     "2", "--out", tmp_path / "m.h5")  # fmt: skip
     assert job.returncode == 2 and "sequence 2 is empty" in job.stderr, job.output
+
+
+def test_a_damaged_variable_length_data_set_is_refused_naming_its_rows(tmp_path):
+    """A variable-length data set keeps its rows in HDF5's global heap, where no checksum guards them: a heap whose
+    bytes a bad copy changed ended both ranks in HDF5's bare "OSError: Can't read data (bad global heap collection
+    signature)" and a traceback. It is one line now, naming the file, the data set and the rows."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "tokens.h5"
+    with h5py.File(path, "w") as file:  # (as h5py users write sequences of varying length)
+        rows = file.create_dataset("tokens", (300,), dtype=h5py.vlen_dtype(np.int32))
+        rows[:] = np.array([rng.integers(0, 16, rng.integers(3, 12)).astype(np.int32) for _ in range(300)], object)
+        file["labels"] = rng.integers(0, 3, 300)
+    stored = bytearray(path.read_bytes())
+    heap = stored.find(b"GCOL")  # (the heap collection's signature)
+    stored[heap : heap + 4] = b"XXXX"
+    path.write_bytes(bytes(stored))
+    job = mpiscale(2, "train", "--data", path, "--inputs", "tokens", "--model", "transformer", "--out",
+                   tmp_path / "m.h5")  # fmt: skip
+    assert job.returncode == 2 and job.stderr.count("\n") == 1, job.output[-3000:]
+    said = (
+        r"tokens.h5:tokens: rows 0\.\.\d+ cannot be read \(Can't read data \(bad global heap collection signature\)\)"
+    )
+    assert re.search(said + ": the file is damaged there, or its disk failed", job.stderr), job.stderr
