@@ -1,6 +1,7 @@
 """Parallel I/O and data-pipeline helpers: sharded HDF5 datasets, checkpoints, batch reader, per-sample randomness."""
 
 from ..ranks import rank_rows
+from .abandon import close_after, leave_open
 from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
@@ -35,7 +36,7 @@ from .reader import Batch, BatchReader, available_memory, epoch_order, epoch_pla
 from .references import locate, recorded
 from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
-from .sharded import ShardedDataset, close_after, leave_open, read_dataset, write_dataset, write_index
+from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import is_list_file, listed_paths, natural_key, resolve_files, same_file, split_spec
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter

@@ -34,8 +34,9 @@ import numpy as np
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, Comm, as_mpi, host_placement, rank_rows, size_and_rank
+from .abandon import leave_open
 from .sample_random import SampleRandom
-from .sharded import ShardedDataset, leave_open
+from .sharded import ShardedDataset
 
 SHUFFLE_STREAM = 255  # SampleRandom stream reserved for the row order
 BLOCK_STREAM = 254  # ... and for the block order of windowed shuffles
@@ -354,7 +355,7 @@ class BatchReader:
         for pool in (self._pool, self._assembler):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-        leave_open(self._datasets)
+        leave_open(*self._datasets.values())
         self._datasets = {}
         self._resident = None
 

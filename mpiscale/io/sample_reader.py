@@ -34,10 +34,11 @@ from functools import partial
 import numpy as np
 
 from ..ranks import AnyComm, as_mpi, size_and_rank
+from .abandon import leave_open
 from .batching import Batching, EpochBatches, MiB, SampleSizes, check_budget
 from .ragged import Ragged, RaggedDataset, mapped, read_in_runs
 from .read_ahead import Budget, ReaderStats, SampleBatch, Serving, Tuner
-from .sharded import ShardedDataset, leave_open
+from .sharded import ShardedDataset
 
 DEFAULT_WINDOW_BYTES = 64 << 20  # shuffle window, as the fixed-row reader's
 READ_THREADS = 8  # reads of a batch in flight at once (on this VM's disk 8 random reads match one in-order reader)
@@ -243,7 +244,7 @@ class SampleReader:
         for pool in (getattr(self, "_waiter", None), getattr(self, "_readers", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
-        leave_open(self.arrays)
+        leave_open(*self.arrays.values())
 
     def __enter__(self) -> SampleReader:
         return self

@@ -15,7 +15,6 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import h5py
 import numpy as np
@@ -23,7 +22,8 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .errors import DataFileError, raised_together, refuse_unreadable
+from .abandon import close_after, leave_open
+from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
     check_array,
@@ -39,36 +39,6 @@ from .h5file import (
 from .numpy_files import NpySource, is_numpy_file
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
 from .writer import RowWriter
-
-#: What ``leave_open`` keeps for the rest of the process.
-_LEFT_OPEN: list[object] = []
-
-
-def leave_open(*held: object) -> None:
-    """Keep ``held`` (data sets, or what holds them) unclosed for the rest of the process, after an error that may
-    be this rank's alone: closing a file opened with MPI-IO is collective, and the other ranks may wait in a
-    collective of their own, so the close would wait forever and the error never be reported. The error ends the
-    job (the runtime aborts every rank); meanwhile nothing closes them, the garbage collector included."""
-    _LEFT_OPEN.extend(held)
-
-
-class Abandonable(Protocol):
-    """What holds files opened with MPI-IO: closed collectively, or abandoned after an error of one rank's."""
-
-    def close(self) -> None: ...
-
-    def abandon(self) -> None: ...
-
-
-def close_after(held: Abandonable, error: BaseException | None) -> None:
-    """Close ``held`` (a reader, a data set) as the loop that ``error`` ended (None: none) ends; or, where that
-    error may be this rank's alone (``raised_together``), abandon it: the other ranks may wait in a collective of
-    the loop, and the close, collective too, would wait for them forever with the error unsaid."""
-    if raised_together(error):
-        held.close()
-    else:
-        held.abandon()
-
 
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
 COLOURS = {3, 4}
@@ -413,8 +383,13 @@ class ShardedDataset:
     def __enter__(self) -> ShardedDataset:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: object) -> None:
+        """Closed as the block ends; files opened with MPI-IO are left open after an error that may be this rank's
+        alone (``close_after``): their close is collective, and would wait forever for ranks that went on."""
+        if self._comm is None:
+            self.close()
+        else:
+            close_after(self, error)
 
 
 def read_dataset(

@@ -1,0 +1,57 @@
+"""Files opened with MPI-IO after an error that may be one rank's alone: left open, not closed collectively.
+
+Closing such a file is collective: a rank whose own error ends a loop would
+wait in the close for ranks that went on to a collective of their own, and
+the error would never be said. So what holds the files is abandoned (left
+open) after such an error, and the job ends: the runtime aborts every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Protocol
+
+from .errors import raised_together
+
+#: What ``leave_open`` keeps for the rest of the process.
+_LEFT_OPEN: list[Closable] = []
+
+
+def leave_open(*held: Closable) -> None:
+    """Keep ``held`` (data sets, or what holds them) unclosed, after an error that may be this rank's alone: closing
+    a file opened with MPI-IO is collective, and the other ranks may wait in a collective of their own, so the close
+    would wait forever and the error never be reported. Nothing closes them meanwhile, the garbage collector
+    included. Where the error is one rank's, the runtime aborts every rank; where every rank raised it (a refusal)
+    and the process ends normally, they are closed as it exits, before MPI is finalized (HDF5 would close them
+    after, which MPI refuses), in the order they were left: the same on every rank."""
+    if not _LEFT_OPEN:  # (registered now, after MPI's own exit handler: handlers run last registered first)
+        atexit.register(_close_left_open)
+    _LEFT_OPEN.extend(held)
+
+
+def _close_left_open() -> None:
+    """Close what ``leave_open`` kept (at a normal exit)."""
+    while _LEFT_OPEN:
+        _LEFT_OPEN.pop(0).close()
+
+
+class Closable(Protocol):
+    """What holds files: a data set, or what holds data sets."""
+
+    def close(self) -> None: ...
+
+
+class Abandonable(Closable, Protocol):
+    """What holds files opened with MPI-IO: closed collectively, or abandoned after an error of one rank's."""
+
+    def abandon(self) -> None: ...
+
+
+def close_after(held: Abandonable, error: BaseException | None) -> None:
+    """Close ``held`` (a reader, a data set) as the loop that ``error`` ended (None: none) ends; or, where that
+    error may be this rank's alone (``raised_together``), abandon it: the other ranks may wait in a collective of
+    the loop, and the close, collective too, would wait for them forever with the error unsaid."""
+    if raised_together(error):
+        held.close()
+    else:
+        held.abandon()
