@@ -25,6 +25,7 @@ from ..ranks import Comm
 from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
+from .other_formats import other_format
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -121,7 +122,9 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
     if not h5py.is_hdf5(path):
         if os.path.getsize(path) == 0:
             raise DataFileError(path, "is empty")
-        raise DataFileError(path, "not an HDF5 file (no HDF5 signature: truncated, or another format?)")
+        what = other_format(path)
+        raise DataFileError(path, f"not an HDF5 file but {what}" if what else
+                            "not an HDF5 file (no HDF5 signature: truncated, or another format?)")  # fmt: skip
     try:
         if comm is not None:
             settle_background_io()

@@ -177,6 +177,72 @@ def test_what_is_not_hdf5_is_named(tmp_path, make, message):
         read_dataset(tmp_path / "data.h5", "X")
 
 
+def _written_by_other_tools(folder: Path) -> dict[str, str]:
+    """Files of 20 x 3 numbers as other tools write them (each with the real tool), and what each is said to be."""
+    import gzip
+    import pickle
+    import shutil
+    import zipfile
+
+    import scipy.io
+    import torch
+
+    X = np.arange(60.0).reshape(20, 3)
+    np.savetxt(folder / "plain.csv", X, delimiter=",")
+    np.savetxt(folder / "named.csv", X, delimiter=",", header="a,b,c", comments="")
+    np.savetxt(folder / "columns.tsv", X, delimiter="\t")
+    (folder / "notes.dat").write_text("the data are in runs/\n")
+    torch.save(torch.from_numpy(X), folder / "tensor.pt")
+    (folder / "array.pkl").write_bytes(pickle.dumps(X))
+    np.save(folder / "array.npy", X)
+    shutil.copy(folder / "array.npy", folder / "array.bin")
+    np.savez(folder / "arrays.npz", X=X)
+    shutil.copy(folder / "arrays.npz", folder / "arrays.zip")
+    with zipfile.ZipFile(folder / "other.zip", "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    with h5py.File(folder / "data.h5", "w") as file:
+        file["X"] = X
+    (folder / "data.h5.gz").write_bytes(gzip.compress((folder / "data.h5").read_bytes()))
+    scipy.io.savemat(folder / "old.mat", {"X": X})
+    with scipy.io.netcdf_file(folder / "classic.nc", "w") as netcdf:
+        netcdf.createDimension("n", 20)
+        netcdf.createVariable("X", "d", ("n",))[:] = X[:, 0]
+    (folder / "table.parquet").write_bytes(b"PAR1" + bytes(64) + b"PAR1")  # (the format's magic, first and last)
+    return {
+        "plain.csv": "a text file (a table of numbers as CSV?): save it as NumPy, numpy.save('{d}/plain.npy', "
+                     "numpy.loadtxt('{d}/plain.csv', delimiter=','))",
+        "named.csv": "numpy.loadtxt('{d}/named.csv', delimiter=',', skiprows=1))",
+        "columns.tsv": "numpy.loadtxt('{d}/columns.tsv', delimiter='\\t'))",
+        "notes.dat": "a text file, which holds no table of numbers in its first lines",
+        "tensor.pt": "a PyTorch file (torch.save): save the tensor as NumPy, numpy.save('{d}/tensor.npy', "
+                     "torch.load('{d}/tensor.pt').numpy())",
+        "array.pkl": "a Python pickle (pickle, joblib, or an old torch.save)",
+        "array.bin": "a NumPy array (.npy) by its contents, which the jobs know by its name: name it {d}/array.npy",
+        "arrays.zip": "NumPy arrays (numpy.savez) by its contents, which the jobs know by its name: name it "
+                      "{d}/arrays.npz",
+        "other.zip": "a ZIP archive: unpack it",
+        "data.h5.gz": "a gzip-compressed file: decompress it first (gunzip {d}/data.h5.gz)",
+        "old.mat": "a MATLAB file of the format before -v7.3: save it again with save('{d}/old.mat', 'X', '-v7.3')",
+        "classic.nc": "a classic netCDF file (netCDF-4 files are HDF5): convert it, nccopy -k nc4 {d}/classic.nc "
+                      "{d}/classic.nc4",
+        "table.parquet": "a Parquet table: save it as NumPy, numpy.save('{d}/table.npy', "
+                         "pandas.read_parquet('{d}/table.parquet').to_numpy())",
+    }  # fmt: skip
+
+
+def test_files_of_other_formats_are_named_with_the_line_that_converts_them(tmp_path):
+    """A CSV, a tensor of torch.save, a pickle, a .npy or .npz under another name, a gzipped HDF5 file, MATLAB's
+    older format, classic netCDF, Parquet: each was "not an HDF5 file (no HDF5 signature: truncated, or another
+    format?)". Each is named now, with the line that makes it an array the jobs read."""
+    for name, said in _written_by_other_tools(tmp_path).items():
+        with pytest.raises(DataFileError) as refused:
+            read_dataset(tmp_path / name, "X")
+        assert f"{name}: not an HDF5 file but " in str(refused.value), name
+        assert said.format(d=tmp_path) in str(refused.value), (name, str(refused.value))
+    np.save(tmp_path / "converted.npy", np.loadtxt(tmp_path / "named.csv", delimiter=",", skiprows=1))  # (as said)
+    assert np.array_equal(read_dataset(tmp_path / "converted.npy"), np.arange(60.0).reshape(20, 3))
+
+
 def test_files_that_disagree_or_do_not_exist(tmp_path):
     np.save(tmp_path / "a.npy", X)
     np.save(tmp_path / "b.npy", X[:, :5])
