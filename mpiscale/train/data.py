@@ -231,6 +231,11 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
     store labels so); any other value is refused, naming the first."""
     with ShardedDataset(path, labels, comm) as data:
         shape, dtype, matlab = data.shape, data.dtype, data.from_matlab
+    if dtype.kind in "SUO":  # (class names: numbered as scikit-learn's LabelEncoder numbers them)
+        raise DataFileError(path, (
+            f"labels must be class numbers, one per sample; got {not_numbers(dtype)}: number the classes, e.g. "
+            "names, numbers = numpy.unique(labels, return_inverse=True), and give the numbers (names[k] is class k)"
+        ), labels)  # fmt: skip
     if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
         hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')" \
             if matlab and shape[0] == 1 else ""  # fmt: skip
