@@ -238,7 +238,9 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
         ), labels)  # fmt: skip
     if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
         hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')" \
-            if matlab and shape[0] == 1 else ""  # fmt: skip
+            if matlab and shape[0] == 1 else \
+            " (one-hot rows, as Keras keeps them? give each row's class, numpy.argmax(labels, axis=1))" \
+            if len(shape) == 2 and shape[0] == samples else ""  # fmt: skip
         raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}{hint}",
                             labels)  # fmt: skip
     if shape[0] != samples:

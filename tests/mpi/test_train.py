@@ -397,14 +397,15 @@ def test_labels_in_a_file_of_their_own_train_as_in_the_inputs_file(tmp_path, own
 
 def test_labels_of_a_file_of_their_own_are_checked_and_never_written_over(tmp_path):
     """Labels in an HDF5 file of their own (FILE:/DATASET) train; the inputs' .npy alone is refused with both fixes,
-    held-out data without its labels (the training labels' file would have scored it), too few labels and class
-    names (strings: it said "got <U3 of shape (300,)") are refused naming the file, and no output replaces a labels
-    file."""
+    held-out data without its labels (the training labels' file would have scored it), too few labels, class
+    names (strings: it said "got <U3 of shape (300,)") and one-hot rows are refused naming the file, and no output
+    replaces a labels file."""
     inputs, labels = two_npy_files(tmp_path, "train", 300, 8)
     with h5py.File(tmp_path / "labels.h5", "w") as file:
         file["target"], file["other"] = np.load(labels), np.zeros(300, np.int64)
     np.save(tmp_path / "short-y.npy", np.load(labels)[:250])
     np.save(tmp_path / "names.npy", np.array(["cat", "dog", "emu"])[np.load(labels)])  # (class names, not numbers)
+    np.save(tmp_path / "one-hot.npy", np.eye(3, dtype=np.float32)[np.load(labels)])  # (as Keras keeps them)
     common = ["--hidden", 8, "--epochs", 1, "--progress-every", 0]
     assert_ok(mpiscale(2, "train", "--data", inputs, "--labels", f"{tmp_path / 'labels.h5'}:/target", *common,
                        "--out", tmp_path / "m.h5"))  # fmt: skip
@@ -414,6 +415,8 @@ def test_labels_of_a_file_of_their_own_are_checked_and_never_written_over(tmp_pa
         "held": (["--labels", labels, "--validation", inputs], f"--labels {labels} is a file of the training "
                  "labels: give the held-out labels too, as --validation-labels FILE"),
         "short": (["--labels", tmp_path / "short-y.npy"], "short-y.npy: 300 inputs but 250 labels"),
+        "one-hot": (["--labels", tmp_path / "one-hot.npy"], "got float32 of shape (300, 3) (one-hot rows, as Keras "
+                    "keeps them? give each row's class, numpy.argmax(labels, axis=1))"),
         "names": (["--labels", tmp_path / "names.npy"], "names.npy: labels must be class numbers, one per sample; got "
                   "strings (<U3): number the classes, e.g. names, numbers = numpy.unique(labels, return_inverse=True)"),
         "out": (["--labels", labels, "--out", labels], f"the results file {labels} is an input of this job"),
