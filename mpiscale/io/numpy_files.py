@@ -88,6 +88,14 @@ def _archived(path: str, name: str) -> tuple[str, np.ndarray]:
     with zipfile.ZipFile(path) as archive:
         members = {info.filename[: -len(".npy")]: info for info in archive.infolist() if info.filename.endswith(".npy")}
     listed = ", ".join(sorted(members)) or "none"
+    if {"format", "shape", "data"} <= members.keys() and ({"indices", "indptr"} <= members.keys() or "row" in members):
+        stem = os.path.splitext(path)[0]
+        raise DataFileError(path, (
+            "is a SciPy sparse matrix (scipy.sparse.save_npz), not arrays of rows: save it as CSR in HDF5, which the "
+            "jobs read by rows (m = scipy.sparse.load_npz(...).tocsr(); a group of m.data, m.indices and m.indptr "
+            f"with an attribute shape = m.shape, as AnnData writes it), or dense, numpy.save('{stem}.npy', "
+            "m.toarray())"
+        ))  # fmt: skip
     if not name:
         if len(members) != 1:
             raise DataFileError(path, f"holds {len(members)} arrays; name one as {path}:/NAME (arrays: {listed})")

@@ -36,6 +36,7 @@ from .h5file import dataset, open_file
 from .numpy_files import is_npy, is_numpy_file
 from .sharded import ShardedDataset
 from .sources import in_native_order, only_dataset, resolve_files, split_spec
+from .sparse_rows import sparse_group
 
 MAPPED_FROM = 1 << 20  # arrays of at least this many bytes get a mapping of their own
 READ_TASKS = 32  # groups of runs of one batch read as separate tasks
@@ -272,6 +273,8 @@ def is_variable_length(path: str, name: str) -> bool:
     if is_numpy_file(first):
         return False
     with open_file(first) as file:
+        if name and sparse_group(file.get(name.strip("/"))):
+            return False  # (a sparse matrix's rows are of one size)
         return h5py.check_vlen_dtype(dataset(file, name or only_dataset(first, file)).dtype) is not None
 
 

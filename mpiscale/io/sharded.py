@@ -38,6 +38,7 @@ from .h5file import (
 )
 from .numpy_files import NpySource, is_numpy_file
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
+from .sparse_rows import CsrSource, sparse_group
 from .writer import RowWriter
 
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
@@ -172,7 +173,7 @@ def write_index(
 class _Segment:
     start: int
     stop: int
-    source: H5Source | NpySource
+    source: H5Source | NpySource | CsrSource
 
 
 class ShardedDataset:
@@ -198,7 +199,7 @@ class ShardedDataset:
         self.path = os.fspath(path) if not isinstance(path, list) else ", ".join(map(os.fspath, path))
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
-        self._sources: list[H5Source | NpySource] = []
+        self._sources: list[H5Source | NpySource | CsrSource] = []
         try:
             self._segments = self._open(path)
         except BaseException:
@@ -215,7 +216,7 @@ class ShardedDataset:
             files = on_rank_0(self._comm, lambda: resolve_files(os.fspath(path)))
         else:
             distinct_files(self.path, files)
-        sources: list[H5Source | NpySource] = []
+        sources: list[H5Source | NpySource | CsrSource] = []
         for file in files:
             sources += self._open_file(file)
         segments, start = [], 0
@@ -229,7 +230,7 @@ class ShardedDataset:
             start += source.shape[0]
         return segments
 
-    def _open_file(self, path: str) -> list[H5Source | NpySource]:
+    def _open_file(self, path: str) -> list[H5Source | NpySource | CsrSource]:
         if is_numpy_file(path):
             npy = NpySource(path, self.name)
             self._sources.append(npy)
@@ -248,7 +249,7 @@ class ShardedDataset:
             raise
         file.close()
         base = os.path.dirname(os.path.abspath(path))
-        sources: list[H5Source | NpySource] = []
+        sources: list[H5Source | NpySource | CsrSource] = []
         for entry in entries:
             source = self._h5_source(open_file(os.path.join(base, entry["path"]), None, self._comm))
             expected = entry["rows"][self.name]
@@ -257,13 +258,18 @@ class ShardedDataset:
             sources.append(source)
         return sources
 
-    def _h5_source(self, file: h5py.File) -> H5Source:
+    def _h5_source(self, file: h5py.File) -> H5Source | CsrSource:
         """This data set of an open file, kept for ``close`` (the file is closed if the data set is unusable).
 
         A data set behind an external link is read from the file the link leads to, where its rows lie (HDF5
         opened that file on following it). A virtual data set (a user's, joining files) is read by each rank alone:
         HDF5 reads none through MPI-IO."""
         try:
+            node = file.get(self.name.strip("/") or "/")
+            if sparse_group(node):
+                csr = CsrSource(file, node)
+                self._sources.append(csr)
+                return csr
             found = dataset(file, self.name)
             if found.file.id != file.id:
                 linked = found.file

@@ -74,6 +74,15 @@ WRITER = textwrap.dedent(
         f.create_dataset("X", data=X, external=[("rawcut.bin", 0, h5py.h5f.UNLIMITED)])
     os.truncate("rawcut.bin", 1000 * 16 * 8 + 5)
     np.save(f"{out}/X.npy", X)
+    import scipy.sparse
+    cells = scipy.sparse.csr_matrix(X)  # as AnnData keeps a cell x gene matrix in an .h5ad: CSR, big-endian here
+    with h5py.File(f"{out}/cells.h5ad", "w") as f:
+        group = f.create_group("X")
+        group.attrs["encoding-type"], group.attrs["encoding-version"] = "csr_matrix", "0.1.0"
+        group.attrs["shape"] = np.array(cells.shape)
+        group["data"], group["indices"], group["indptr"] = cells.data.astype(">f8"), cells.indices, cells.indptr
+        f.create_group("obs")["cell"] = np.arange(1200)
+    scipy.sparse.save_npz(f"{out}/cells.npz", cells)  # SciPy's own archive of it: refused with the conversion
     # as MATLAB's save -v7.3 writes a 16 x 1200 array (signals as columns, as SPAMS takes them): HDF5 after a
     # 512-byte header, each array transposed and marked with its MATLAB class
     with h5py.File(f"{out}/signals.mat", "w", userblock_size=512) as f:
@@ -202,6 +211,8 @@ def reference(user_files, tmp_path_factory):
         (2, "layouts.h5:/vectors/X", []),  # "a 1-D array of 1200 values is not a set of signals"
         (4, "layouts.h5:/vectors/X", ["--in-memory", "no"]),
         (2, "X.npy", []),
+        (2, "cells.h5ad:/X", []),  # "is a group, not a dataset (datasets in it: data, indices, indptr)"
+        (4, "cells.h5ad:/X", ["--in-memory", "no"]),
         (2, "arrays.npz:/X", []),  # it said "not an HDF5 file"
         (4, "only.npz", ["--in-memory", "no"]),
         (4, "run-*.h5:/sim/X", []),
@@ -286,6 +297,11 @@ def test_an_integer_type_its_writer_narrowed_is_read_as_its_values(tmp_path, use
         (1, "layouts.h5:/bad/nan", "signal 700 holds NaN or infinite values"),
         (2, "layouts.h5", "holds 19 data sets; name one as"),
         (4, ".", "is a directory, not an HDF5 file"),
+        (
+            2,
+            "cells.npz",
+            "cells.npz: is a SciPy sparse matrix (scipy.sparse.save_npz), not arrays of rows: save it as CSR in HDF5",
+        ),  # (it said "holds 5 arrays; name one")
         (2, "parts.txt:/X", "run-2.h5:X: no dataset 'X' (datasets: sim/X (100, 16) float64)"),
         (2, "missing-*.h5:/X", "missing-*.h5: no files match this pattern"),
         (2, "twice.txt:/sim/X", "run-2.h5 twice: its rows would be read twice; name each file once"),  # (they were)

@@ -243,6 +243,50 @@ def test_files_of_other_formats_are_named_with_the_line_that_converts_them(tmp_p
     assert np.array_equal(read_dataset(tmp_path / "converted.npy"), np.arange(60.0).reshape(20, 3))
 
 
+def _csr_group(path: Path, matrix, **attrs) -> None:
+    with h5py.File(path, "w") as file:
+        group = file.create_group("X")
+        group["data"], group["indices"], group["indptr"] = matrix.data, matrix.indices, matrix.indptr
+        for name, value in attrs.items():
+            group.attrs[name.replace("_", "-") if name == "encoding_type" else name] = value
+
+
+def test_a_sparse_matrix_in_hdf5_reads_as_its_dense_rows_and_a_damaged_one_is_refused(tmp_path):
+    """A CSR matrix as AnnData and mpiscale encode keep it (a group of data, indices and indptr with its shape) was
+    "a group, not a dataset"; its rows read as the dense rows, by any block, empty rows and a repeated entry (which
+    adds up, as SciPy's sum) included. A CSC matrix, a missing shape, parts that disagree and an index past the shape
+    are refused."""
+    import scipy.sparse
+
+    dense = np.zeros((30, 7), np.float32)
+    dense[::3, ::2] = np.arange(1, 41, dtype=np.float32).reshape(10, 4)  # (rows 1, 2, 4, ... empty)
+    canonical = scipy.sparse.csr_matrix(dense)
+    data, indices = np.r_[canonical.data, 1.5].astype(np.float32), np.r_[canonical.indices, 2]  # (row 27 twice)
+    indptr = canonical.indptr + (np.arange(31) > 27)
+    repeated = scipy.sparse.csr_matrix((data, indices, indptr), shape=(30, 7))
+    assert not repeated.has_canonical_format
+    _csr_group(tmp_path / "cells.h5ad", repeated, encoding_type="csr_matrix", shape=(30, 7))
+    expected = repeated.toarray()
+    assert expected[27, 2] == dense[27, 2] + 1.5
+    assert np.array_equal(read_dataset(tmp_path / "cells.h5ad", "X"), expected)
+    with ShardedDataset(tmp_path / "cells.h5ad", "/X") as rows:
+        assert rows.shape == (30, 7) and rows.dtype == np.float32
+        for lo, hi in [(0, 1), (1, 3), (5, 29), (29, 30), (4, 4)]:
+            assert np.array_equal(rows.read(lo, hi), expected[lo:hi]), (lo, hi)
+    refused = {
+        "csc.h5": (scipy.sparse.csc_matrix(dense), {"encoding_type": "csc_matrix", "shape": (30, 7)},
+                   "is a sparse matrix kept by columns (CSC)"),
+        "shapeless.h5": (scipy.sparse.csr_matrix(dense), {}, "without its shape: give the group an attribute shape"),
+        "short.h5": (scipy.sparse.csr_matrix(dense), {"shape": (31, 7)}, "whose indptr holds 31 values (rows + 1 = "
+                     "32)"),
+        "narrow.h5": (scipy.sparse.csr_matrix(dense), {"shape": (30, 5)}, "name column 6, past the 5 columns"),
+    }  # fmt: skip
+    for name, (matrix, attrs, message) in refused.items():
+        _csr_group(tmp_path / name, matrix, **attrs)
+        with pytest.raises(DataFileError, match=re.escape(message)):
+            read_dataset(tmp_path / name, "X")
+
+
 def test_files_that_disagree_or_do_not_exist(tmp_path):
     np.save(tmp_path / "a.npy", X)
     np.save(tmp_path / "b.npy", X[:, :5])
