@@ -2,8 +2,8 @@
 
 AnnData's ``.h5ad`` keeps a cell x gene count matrix so (the group's ``encoding-type``
 is ``csr_matrix``, its ``shape`` attribute the matrix's), and so do ``mpiscale
-encode``'s codes (the file's ``shape``) and any tool that writes the three arrays
-with a ``shape``. A block of rows is one slice of each array: each rank reads its own
+encode``'s codes (the shape in the file's attributes) and any tool that writes the
+three arrays with a ``shape`` attribute. A block of rows is one slice of each array: each rank reads its own
 rows' values and scatters them into dense rows, so the jobs take the matrix as
 they take any data set, without a dense copy on disk. A CSC matrix (columns
 contiguous, rows scattered) is refused with the line that converts it.
@@ -39,7 +39,8 @@ class CsrSource:
                 "with anndata: adata.X = scipy.sparse.csr_matrix(adata.X); adata.write_h5ad(...)"
             ), self.name)  # fmt: skip
         self._data, self._indices, self._indptr = (group[part] for part in _PARTS)
-        shape = group.attrs.get("shape", group.attrs.get("h5sparse_shape", file.attrs.get("shape")))
+        codes = _text(file.attrs.get("format", "")).startswith("mpiscale.codes/")  # (encode's: the file's shape)
+        shape = group.attrs.get("shape", group.attrs.get("h5sparse_shape", file.attrs.get("shape") if codes else None))
         if shape is None or len(shape) != 2:
             raise DataFileError(self.path, (
                 "is a sparse matrix (data, indices, indptr) without its shape: give the group an attribute shape = "

@@ -15,6 +15,7 @@ from helpers import assert_ok, cli_rank_pids, finish, launch, run_alone, run_cli
 
 from mpiscale.dictlearn import lasso_encode, load_codes, load_results, omp_encode
 from mpiscale.dictlearn.synthetic import planted_dictionary
+from mpiscale.io import read_dataset
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ def test_codes_equal_one_process_and_scipy_reads_them(learned, tmp_path, ranks):
         assert file["codes/indptr"][-1] == len(file["codes/data"]) == file.attrs["nnz_done"]
     shown = run_alone("inspect", out)
     assert "codes of 2,003 signals over 32 atoms (omp, at most 4 atoms, each signal less its mean)" in shown.stdout
+    assert np.array_equal(read_dataset(out, "codes"), matrix.toarray())  # the codes as any job's input: dense rows
 
 
 def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
