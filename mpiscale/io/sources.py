@@ -24,6 +24,7 @@ from ..ranks import Comm
 from .errors import DataFileError, not_found, unreadable_rows
 from .h5file import datasets_in, describe_datasets
 from .rows import read_rows
+from .sparse_rows import sparse_groups
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -226,7 +227,8 @@ def only_dataset(path: str, file: h5py.File) -> str:
     """The name of the single data set of a file opened without a dataset name, or a clear error."""
     names = datasets_in(file)
     if len(names) != 1:
-        raise DataFileError(
-            path, f"holds {len(names)} data sets; name one as {path}:/NAME (data sets: {describe_datasets(file)})"
-        )
+        sparse = sparse_groups(file)
+        matrices = f"; sparse matrices, read as rows: {', '.join(sparse)}" if sparse else ""
+        raise DataFileError(path, f"holds {len(names)} data sets; name one as {path}:/NAME (data sets: "
+                                  f"{describe_datasets(file)}{matrices})")  # fmt: skip
     return names[0]

@@ -25,6 +25,13 @@ def sparse_group(node: object) -> bool:
     return isinstance(node, h5py.Group) and all(isinstance(node.get(part), h5py.Dataset) for part in _PARTS)
 
 
+def sparse_groups(file: h5py.File) -> list[str]:
+    """The groups of ``file`` that hold a sparse matrix (``sparse_group``), by their paths."""
+    found: list[str] = []
+    file.visititems(lambda name, node: found.append(name) if sparse_group(node) else None)
+    return found
+
+
 class CsrSource:
     """Dense rows of the CSR matrix in ``group`` of an open file (read by each rank alone)."""
 

@@ -269,6 +269,8 @@ def test_a_sparse_matrix_in_hdf5_reads_as_its_dense_rows_and_a_damaged_one_is_re
     expected = repeated.toarray()
     assert expected[27, 2] == dense[27, 2] + 1.5
     assert np.array_equal(read_dataset(tmp_path / "cells.h5ad", "X"), expected)
+    with pytest.raises(DataFileError, match=r"holds 3 data sets; name one .* sparse matrices, read as rows: X\)"):
+        read_dataset(tmp_path / "cells.h5ad")  # (named by its group, not by one of its parts)
     with ShardedDataset(tmp_path / "cells.h5ad", "/X") as rows:
         assert rows.shape == (30, 7) and rows.dtype == np.float32
         for lo, hi in [(0, 1), (1, 3), (5, 29), (29, 30), (4, 4)]:
