@@ -163,13 +163,14 @@ def _raw(
     does). The summary frees its communicator."""
     stage = _my_stage(system, torch)
     comm = system.world.comm
-    inputs = list(torch.tensor_split(x, micro_batches)) if system.rank == 0 else None
-    targets = list(torch.tensor_split(y, micro_batches)) if system.rank == system.size - 1 else None
+    first, last = system.rank == 0, system.rank == system.size - 1
     raw = RawPipeline(comm, stage, _loss, micro_batches, schedule, (len(x) // micro_batches, WIDTH))
     computes = []
 
-    def step() -> None:
+    def step() -> None:  # (given the batch, as ours and torch's are: each cuts it into its micro-batches)
         stage.zero_grad()
+        inputs = list(torch.tensor_split(x, micro_batches)) if first else None
+        targets = list(torch.tensor_split(y, micro_batches)) if last else None
         computes.append(raw.step(torch, inputs, targets))
 
     step()
