@@ -40,8 +40,8 @@ class TrainConfig:
     inputs: str = option("inputs", "the data set of inputs in DATA (rows; further axes are flattened)")
     labels: str = option(
         "labels",
-        "the integer class labels (0 .. classes-1): a data set in DATA, or a file of their own, FILE or "
-        "FILE:/DATASET (a y.npy beside DATA's X.npy)",
+        "the integer class labels (0 .. classes-1): a data set in DATA (a bare name), or a file of their own, FILE "
+        "or FILE:/DATASET (a y.npy beside DATA's X.npy)",
     )
     offsets: str = option(
         "",

@@ -69,10 +69,14 @@ class LabelledData:
 
 
 def names_a_file(labels: str) -> bool:
-    """Whether a labels setting names a file (FILE or FILE:/DATASET: one that exists, or a path ending as data files
-    do), not a data set of the inputs' file."""
+    """Whether a labels setting names a file, not a data set of the inputs' file: a path ending as data files do
+    (``y.npy``, ``labels.h5:/target``), or one of another ending that exists and is written as a path (with a
+    directory, or a data set after a colon). A bare name is a data set's, whatever files lie about: else the default
+    ``labels`` would be read from a file of that name that happens to lie in the working directory."""
     file = split_spec(labels)[0]
-    return os.path.isfile(file) or file.lower().endswith(DATA_FILE_SUFFIXES)
+    if file.lower().endswith(DATA_FILE_SUFFIXES):
+        return True
+    return (file != labels or os.sep in labels) and os.path.isfile(file)
 
 
 def labels_source(path: str, labels: str, comm: Comm) -> tuple[str, str]:

@@ -11,6 +11,7 @@ from mpiscale.dictlearn import format_top_inputs, top_inputs
 from mpiscale.jobs import add_options, load_settings
 from mpiscale.train import bundled
 from mpiscale.train.config import CollectConfig, TrainConfig
+from mpiscale.train.data import names_a_file
 from mpiscale.train.model import build_mlp
 from mpiscale.train.state import load_model_arrays, load_optimizer_state, model_arrays, optimizer_state
 
@@ -27,6 +28,22 @@ def test_train_settings_from_a_table_and_the_command_line(tmp_path):
         TrainConfig(validation="held-out.h5")
     with pytest.raises(ValueError, match="layers must name at least one module"):
         CollectConfig(layers=(" ",))
+
+
+def test_labels_name_a_file_by_its_ending_or_as_a_path_and_a_bare_name_is_a_data_set(tmp_path, monkeypatch):
+    """``--labels y.npy`` (or FILE:/DATASET) names a file of their own; a bare name is a data set of the inputs'
+    file even where a file of that name lies in the working directory (the default ``labels`` would have read it)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "labels").write_text("a file that happens to be here")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "classes.dat").write_text("")
+    files = ["y.npy", "Y.NPZ", "labels.h5:/target", "elsewhere/y.hdf5", "runs/classes.dat", "./labels", "labels:/y"]
+    for spec in files:
+        assert names_a_file(spec), spec
+    for spec in ["labels", "target", "group/labels", "runs/missing.dat"]:
+        assert not names_a_file(spec), spec
+    with pytest.raises(ValueError, match="validation_labels are the labels of VALIDATION"):
+        TrainConfig(data="X.npy", labels="y.npy", validation_labels="held-y.npy")
 
 
 def test_list_and_boolean_settings_are_typed_and_can_be_undone(tmp_path):
