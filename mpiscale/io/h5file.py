@@ -172,7 +172,10 @@ def dataset(file: h5py.File, name: str) -> h5py.Dataset:
         raise DataFileError(file.filename, f"{message} (datasets: {describe_datasets(file)})", name) from None
     if not isinstance(node, h5py.Dataset):
         inside = describe_datasets(node)
-        raise DataFileError(file.filename, f"is a group, not a dataset (datasets in it: {inside})", name)
+        categorical = isinstance(node.get("codes"), h5py.Dataset) and "categories" in node
+        hint = f"; a categorical column (as AnnData keeps one): its class numbers are {name}/codes" if categorical \
+            else ""  # fmt: skip
+        raise DataFileError(file.filename, f"is a group, not a dataset (datasets in it: {inside}){hint}", name)
     problem = undecodable(node)
     if problem:
         raise DataFileError(file.filename, problem, name)

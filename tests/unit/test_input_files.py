@@ -289,6 +289,19 @@ def test_a_sparse_matrix_in_hdf5_reads_as_its_dense_rows_and_a_damaged_one_is_re
             read_dataset(tmp_path / name, "X")
 
 
+def test_a_categorical_column_named_as_its_group_points_to_its_codes(tmp_path):
+    """AnnData keeps a categorical column (cell types, say) as a group of its categories and its codes: named as the
+    group, it was "a group, not a dataset"; it now says where its class numbers are, which read as labels."""
+    with h5py.File(tmp_path / "cells.h5ad", "w") as file:
+        column = file.create_group("obs/cell_type")
+        column.attrs["encoding-type"] = "categorical"
+        column["categories"] = np.array(["B", "NK", "T"], dtype=h5py.string_dtype())
+        column["codes"] = np.array([0, 2, 1, 2], np.int8)
+    with pytest.raises(DataFileError, match="a categorical column .*: its class numbers are obs/cell_type/codes"):
+        read_dataset(tmp_path / "cells.h5ad", "/obs/cell_type")
+    assert read_dataset(tmp_path / "cells.h5ad", "/obs/cell_type/codes").tolist() == [0, 2, 1, 2]
+
+
 def test_files_that_disagree_or_do_not_exist(tmp_path):
     np.save(tmp_path / "a.npy", X)
     np.save(tmp_path / "b.npy", X[:, :5])
