@@ -395,6 +395,34 @@ def test_labels_in_a_file_of_their_own_train_as_in_the_inputs_file(tmp_path, own
         assert len(accuracy) == (2 if "--validation" in own else 0)
 
 
+def test_an_anndata_file_trains_as_its_dense_twin(tmp_path):
+    """Counts kept as AnnData keeps them (a CSR group X with its shape, cell types as a categorical column) were "a
+    group, not a dataset": they train, read as dense rows with the column's codes as labels, to the very weights of
+    the same arrays in a .npz."""
+    import scipy.sparse
+
+    rng = np.random.default_rng(9)
+    types = rng.integers(0, 3, 300)
+    counts = rng.poisson(0.3, (300, 12)).astype(np.float32)
+    counts[np.arange(300), 4 * types] += 5
+    matrix = scipy.sparse.csr_matrix(counts)
+    with h5py.File(tmp_path / "cells.h5ad", "w") as file:
+        group = file.create_group("X")
+        group.attrs["encoding-type"], group.attrs["shape"] = "csr_matrix", np.array(matrix.shape)
+        group["data"], group["indices"], group["indptr"] = matrix.data, matrix.indices, matrix.indptr
+        column = file.create_group("obs/cell_type")
+        column.attrs["encoding-type"] = "categorical"
+        column["categories"] = np.array(["B", "NK", "T"], dtype=h5py.string_dtype())
+        column["codes"] = types.astype(np.int8)
+    np.savez(tmp_path / "dense.npz", inputs=counts, labels=types)
+    common = ["--hidden", 8, "--epochs", 2, "--progress-every", 0]
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "cells.h5ad", "--inputs", "X", "--labels",
+                       "obs/cell_type/codes", *common, "--out", tmp_path / "a.h5"))  # fmt: skip
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "dense.npz", *common, "--out", tmp_path / "b.h5"))
+    for name, values in weights(tmp_path / "b.h5").items():
+        np.testing.assert_array_equal(weights(tmp_path / "a.h5")[name], values, err_msg=name)
+
+
 def test_labels_of_a_file_of_their_own_are_checked_and_never_written_over(tmp_path):
     """Labels in an HDF5 file of their own (FILE:/DATASET) train; the inputs' .npy alone is refused with both fixes,
     held-out data without its labels (the training labels' file would have scored it), too few labels, class
