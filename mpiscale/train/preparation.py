@@ -169,10 +169,11 @@ def _prepare_ragged(
 
 
 def _held_out_labels(config: TrainConfig, data: LabelledData) -> str:
-    """The labels setting of the held-out data: VALIDATION_LABELS, else LABELS, unless that is the training labels'
-    own file (they were scored as the held-out labels, or refused as too few, without a word)."""
+    """The labels setting of the held-out data: VALIDATION_LABELS, else the data set LABELS names in DATA (``DATA:/y``
+    too: named so, the training file's labels were the held-out ones), unless the training labels are a file of
+    their own (they were scored as the held-out labels, or refused as too few, without a word)."""
     if config.validation_labels or not data.label_file:
-        return config.validation_labels or config.labels
+        return config.validation_labels or data.labels
     raise ValueError(
         f"--labels {config.labels} is a file of the training labels: give the held-out labels too, as "
         "--validation-labels FILE (or FILE:/DATASET, or a data set of --validation)"

@@ -423,6 +423,21 @@ def test_an_anndata_file_trains_as_its_dense_twin(tmp_path):
         np.testing.assert_array_equal(weights(tmp_path / "a.h5")[name], values, err_msg=name)
 
 
+def test_labels_named_as_the_inputs_file_and_data_set_score_held_out_data_by_its_own_labels(tmp_path):
+    """``--labels train.npz:/labels`` names the inputs' own file: the held-out data's labels are then its own data set
+    of that name, as with ``--labels labels`` (the training file's were taken for them, without a word: 300 held-out
+    samples scored against the first 300 training labels)."""
+    two_npy_files(tmp_path, "train", 300, 10)
+    two_npy_files(tmp_path, "held", 300, 11)
+    common = ["--hidden", 8, "--epochs", 2, "--progress-every", 0, "--validation", tmp_path / "held.npz"]
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "train.npz", "--labels", f"{tmp_path / 'train.npz'}:/labels",
+                       *common, "--out", tmp_path / "a.h5"))  # fmt: skip
+    assert_ok(mpiscale(2, "train", "--data", tmp_path / "train.npz", *common, "--out", tmp_path / "b.h5"))
+    with h5py.File(tmp_path / "a.h5", "r") as found, h5py.File(tmp_path / "b.h5", "r") as expected:
+        scores = [file["curves/epoch/validation_accuracy"][()] for file in (found, expected)]
+    assert len(scores[0]) == 2 and np.array_equal(*scores), scores
+
+
 def test_labels_of_a_file_of_their_own_are_checked_and_never_written_over(tmp_path):
     """Labels in an HDF5 file of their own (FILE:/DATASET) train; the inputs' .npy alone is refused with both fixes,
     held-out data without its labels (the training labels' file would have scored it), too few labels, class
