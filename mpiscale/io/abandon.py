@@ -4,6 +4,8 @@ Closing such a file is collective: a rank whose own error ends a loop would
 wait in the close for ranks that went on to a collective of their own, and
 the error would never be said. So what holds the files is abandoned (left
 open) after such an error, and the job ends: the runtime aborts every rank.
+Where every rank raised the error and the process ends normally, what was
+left open is closed as it exits, before MPI is finalized.
 """
 
 from __future__ import annotations
