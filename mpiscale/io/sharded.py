@@ -38,7 +38,7 @@ from .h5file import (
 )
 from .numpy_files import NpySource, is_numpy_file
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
-from .sparse_rows import CsrSource, sparse_group
+from .sparse_rows import CsrSource, sparse_group, sparse_groups
 from .writer import RowWriter
 
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
@@ -103,6 +103,18 @@ def _check_index_path(path: str, shards: Sequence[str | os.PathLike]) -> None:
                             "there would replace it; name the index another file, or remove it first")  # fmt: skip
 
 
+def _refuse_sparse_parts(shard: str | os.PathLike, file: h5py.File, wanted: list[str]) -> None:
+    """Refuse to index a sparse matrix (its parts joined file after file make no matrix: each indptr starts at 0)."""
+    for group in sparse_groups(file):
+        if group in wanted or any(name.startswith(f"{group}/") for name in wanted):
+            raise DataFileError(shard, (
+                "is a sparse matrix (its data, indices and indptr), which an index cannot join: its parts are no rows "
+                f"(each file's indptr starts at 0); read the files as one with a quoted glob or a list instead, e.g. "
+                f"'FILES-*.h5ad:/{group}'" + ("" if len(wanted) == 1 else ", or index the other data sets by name "
+                                               "(--dataset)")
+            ), group)  # fmt: skip
+
+
 def write_index(
     path: str | os.PathLike, shards: Sequence[str | os.PathLike], names: list[str] | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -128,6 +140,7 @@ def write_index(
             wanted = [n.strip("/") for n in names] if names else datasets_in(file)
             if not wanted:
                 raise DataFileError(shard, "holds no data sets")
+            _refuse_sparse_parts(shard, file, wanted)
             layout = {}
             for name in wanted:
                 data = dataset(file, name)

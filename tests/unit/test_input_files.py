@@ -289,6 +289,22 @@ def test_a_sparse_matrix_in_hdf5_reads_as_its_dense_rows_and_a_damaged_one_is_re
             read_dataset(tmp_path / name, "X")
 
 
+def test_sparse_matrices_of_many_files_read_as_one_by_a_glob_and_an_index_of_them_is_refused(tmp_path):
+    """Two .h5ad files of one gene set read as one matrix through a glob; an index of them (which joined each part
+    file after file: an indptr of both, each from 0) is refused, pointing to the glob."""
+    import scipy.sparse
+
+    parts = [scipy.sparse.random(n, 6, density=0.3, format="csr", random_state=n, dtype=np.float32) for n in (7, 5)]
+    for number, part in enumerate(parts, 1):
+        _csr_group(tmp_path / f"cells-{number}.h5ad", part, encoding_type="csr_matrix", shape=part.shape)
+    joined = scipy.sparse.vstack(parts).toarray()
+    assert np.array_equal(read_dataset(tmp_path / "cells-*.h5ad", "X"), joined)
+    for names in (None, ["/X"]):
+        with pytest.raises(DataFileError, match="is a sparse matrix .* which an index cannot join"):
+            write_index(tmp_path / "index.h5", [tmp_path / "cells-1.h5ad", tmp_path / "cells-2.h5ad"], names)
+    assert not (tmp_path / "index.h5").exists()
+
+
 def test_a_categorical_column_named_as_its_group_points_to_its_codes(tmp_path):
     """AnnData keeps a categorical column (cell types, say) as a group of its categories and its codes: named as the
     group, it was "a group, not a dataset"; it now says where its class numbers are, which read as labels."""
