@@ -203,8 +203,9 @@ class BatchReader:
             raise
         lengths = {name: len(ds) for name, ds in self._datasets.items()}
         if len(set(lengths.values())) > 1:
+            where = ", ".join(f"{key} ({ds.path}:{ds.name}) {len(ds)}" for key, ds in self._datasets.items())
             self.close()
-            raise ValueError(f"{os.fspath(path)}: arrays differ in length {lengths}; a batch needs equal row counts")
+            raise ValueError(f"arrays differ in length: {where}; a batch needs equal row counts")
         self.samples = next(iter(lengths.values()), 0)
         row_bytes = sum(ds.dtype.itemsize * math.prod(ds.shape[1:]) for ds in self._datasets.values())
         self.nbytes = row_bytes * self.samples

@@ -429,6 +429,10 @@ def test_arrays_of_other_files_batch_as_those_of_one(tmp_path, in_memory):
         assert list(next(iter(reader.epoch(0))).data) == ["labels"]  # (a pipeline's last stage reads labels alone)
     with pytest.raises(ValueError, match=r"sources' keys \['X'\] are also names"):
         BatchReader(tmp_path / "inputs.h5", ["X"], 32, sources={"X": (tmp_path / "y.npy", "")})
+    np.save(tmp_path / "short.npy", np.arange(150))
+    with pytest.raises(ValueError, match=r"arrays differ in length: X \(.*inputs.h5:X\) 200, labels \(.*short.npy:\) "
+                                         r"150; a batch needs equal row counts"):  # fmt: skip
+        BatchReader(tmp_path / "inputs.h5", ["X"], 32, sources={"labels": (tmp_path / "short.npy", "")})
 
 
 def test_a_report_reads_the_first_rows_within_its_budget(tmp_path):
