@@ -25,7 +25,7 @@ from ..ranks import Comm
 from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
-from .other_formats import other_format
+from .other_formats import other_directory, other_format
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -114,7 +114,9 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
     """
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise DataFileError(path, "is a directory, not an HDF5 file (give FILE.h5:/dataset)")
+        store = other_directory(path)
+        raise DataFileError(path, f"is a directory, not an HDF5 file: {store}" if store else
+                            "is a directory, not an HDF5 file (give FILE.h5:/dataset)")  # fmt: skip
     if not os.path.exists(path):
         raise DataFileError(path, not_found(path, "no such file"))
     if not os.access(path, os.R_OK):

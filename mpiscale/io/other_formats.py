@@ -42,6 +42,16 @@ def other_format(path: str) -> str | None:
     return _text(path, head, npy)
 
 
+def other_directory(path: str) -> str | None:
+    """What a directory given as a data file holds, where its files tell a store the jobs do not read (Zarr, as
+    AnnData and xarray write it); None otherwise."""
+    if any(os.path.exists(os.path.join(path, marker)) for marker in (".zgroup", ".zarray", "zarr.json")):
+        stem = os.path.splitext(os.path.normpath(path))[0]
+        return (f"a Zarr store, which the jobs do not read: write it as HDF5, e.g. anndata.read_zarr({path!r})"
+                f".write_h5ad('{stem}.h5ad') for AnnData, or its arrays with h5py")  # fmt: skip
+    return None
+
+
 def _archive(path: str, npy: str) -> str:
     """What a ZIP archive holds: a tensor of torch.save, NumPy's arrays, or anything else."""
     try:

@@ -230,6 +230,23 @@ def _written_by_other_tools(folder: Path) -> dict[str, str]:
     }  # fmt: skip
 
 
+def test_a_zarr_store_is_named_with_the_line_that_writes_it_as_hdf5(tmp_path):
+    """A Zarr store (a directory: AnnData's and xarray's other format) was "a directory, not an HDF5 file (give
+    FILE.h5:/dataset)"; its marker files (Zarr 2's .zgroup, Zarr 3's zarr.json) name it now. A plain directory is
+    said as before."""
+    for version, marker in ((2, ".zgroup"), (3, "zarr.json")):
+        store = tmp_path / f"cells-{version}.zarr"
+        store.mkdir()
+        (store / marker).write_text(f'{{"zarr_format": {version}}}')
+        with pytest.raises(DataFileError, match=re.escape(
+            f"is a directory, not an HDF5 file: a Zarr store, which the jobs do not read: write it as HDF5, e.g. "
+            f"anndata.read_zarr('{store}').write_h5ad('{tmp_path}/cells-{version}.h5ad')"
+        )):  # fmt: skip
+            read_dataset(store, "X")
+    with pytest.raises(DataFileError, match=re.escape("is a directory, not an HDF5 file (give FILE.h5:/dataset)")):
+        read_dataset(tmp_path, "X")
+
+
 def test_files_of_other_formats_are_named_with_the_line_that_converts_them(tmp_path):
     """A CSV, a tensor of torch.save, a pickle, a .npy or .npz under another name, a gzipped HDF5 file, MATLAB's
     older format, classic netCDF, Parquet: each was "not an HDF5 file (no HDF5 signature: truncated, or another
