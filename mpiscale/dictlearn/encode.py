@@ -299,8 +299,10 @@ def _refuse_atoms_as_columns(atoms: np.ndarray, spec: str) -> None:
     """Refuse a square dictionary whose columns are unit vectors and whose rows are not: atoms kept as columns (a
     SPAMS dictionary, features x atoms), which a square shape lets through, each signal then coded with rows that
     are no atoms, without a word. (Atoms of other norms are taken; only this pattern is refused.)"""
+    if atoms.shape[0] != atoms.shape[1]:
+        return  # (the shape check above refuses SPAMS's layout of any other shape)
     columns, rows = (bool(np.allclose(np.linalg.norm(atoms, axis=axis), 1.0, rtol=0, atol=1e-6)) for axis in (0, 1))
-    if atoms.shape[0] == atoms.shape[1] and columns and not rows:
+    if columns and not rows:
         raise DataFileError(spec, (
             f"the dictionary is square ({atoms.shape[0]} x {atoms.shape[1]}) and its columns are unit vectors, its "
             "rows not: its atoms look kept as columns (features x atoms, as SPAMS keeps them), and the job takes "

@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import h5py
 import numpy as np
@@ -40,6 +41,9 @@ from .numpy_files import NpySource, is_numpy_file
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
 from .sparse_rows import CsrSource, sparse_group, sparse_groups
 from .writer import RowWriter
+
+#: Where a data set's rows come from, file by file.
+Source: TypeAlias = H5Source | NpySource | CsrSource
 
 #: Colour channels an image row may have (RGB, RGBA), last or first: (H, W, C) or (C, H, W).
 COLOURS = {3, 4}
@@ -186,7 +190,7 @@ def write_index(
 class _Segment:
     start: int
     stop: int
-    source: H5Source | NpySource | CsrSource
+    source: Source
 
 
 class ShardedDataset:
@@ -212,7 +216,7 @@ class ShardedDataset:
         self.path = os.fspath(path) if not isinstance(path, list) else ", ".join(map(os.fspath, path))
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
-        self._sources: list[H5Source | NpySource | CsrSource] = []
+        self._sources: list[Source] = []
         try:
             self._segments = self._open(path)
         except BaseException:
@@ -229,7 +233,7 @@ class ShardedDataset:
             files = on_rank_0(self._comm, lambda: resolve_files(os.fspath(path)))
         else:
             distinct_files(self.path, files)
-        sources: list[H5Source | NpySource | CsrSource] = []
+        sources: list[Source] = []
         for file in files:
             sources += self._open_file(file)
         segments, start = [], 0
@@ -243,7 +247,7 @@ class ShardedDataset:
             start += source.shape[0]
         return segments
 
-    def _open_file(self, path: str) -> list[H5Source | NpySource | CsrSource]:
+    def _open_file(self, path: str) -> list[Source]:
         if is_numpy_file(path):
             npy = NpySource(path, self.name)
             self._sources.append(npy)
@@ -262,7 +266,7 @@ class ShardedDataset:
             raise
         file.close()
         base = os.path.dirname(os.path.abspath(path))
-        sources: list[H5Source | NpySource | CsrSource] = []
+        sources: list[Source] = []
         for entry in entries:
             source = self._h5_source(open_file(os.path.join(base, entry["path"]), None, self._comm))
             expected = entry["rows"][self.name]

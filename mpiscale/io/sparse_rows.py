@@ -67,25 +67,25 @@ class CsrSource:
 
     def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Dense rows ``start:stop`` (into ``out`` when given); ``comm`` is not used: each rank reads alone."""
-        rows = np.zeros((stop - start, self._columns), self.dtype) if out is None else out
-        if out is not None:
-            rows[...] = 0
-        try:
+        try:  # (start <= stop <= rows, as the data set checks: indptr[start : stop + 1] holds one value or more)
             bounds = np.asarray(self._indptr[start : stop + 1], np.int64)
-            if len(bounds) == 0:
-                return rows
             first, last = int(bounds[0]), int(bounds[-1])
             values, columns = self._data[first:last], np.asarray(self._indices[first:last], np.int64)
         except OSError as error:
             raise unreadable_rows(self.path, self.name, start, stop, error) from None
         counts = np.diff(bounds)
-        if (counts < 0).any() or first > last or len(values) != last - first:
+        if (counts < 0).any() or len(values) != last - first:
             raise DataFileError(self.path, f"rows {start}..{stop - 1}: indptr does not ascend (damaged?)", self.name)
         if len(columns) and (columns.min() < 0 or columns.max() >= self._columns):
             raise DataFileError(self.path, (
                 f"rows {start}..{stop - 1} name column {int(columns.max())}, past the {self._columns} columns of its "
                 "shape (damaged, or the shape is not the matrix's?)"
             ), self.name)  # fmt: skip
+        if out is None:
+            rows = np.zeros((stop - start, self._columns), self.dtype)
+        else:
+            rows = out
+            rows[...] = 0
         np.add.at(rows, (np.repeat(np.arange(stop - start), counts), columns), values)  # (a repeated entry adds up)
         return rows
 

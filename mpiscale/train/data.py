@@ -79,20 +79,6 @@ def names_a_file(labels: str) -> bool:
     return (file != labels or os.sep in labels) and os.path.isfile(file)
 
 
-def labels_source(path: str, labels: str, comm: Comm) -> tuple[str, str]:
-    """(file, data set) of the labels of the inputs in ``path`` (collective; rank 0 looks): a data set of ``path``
-    (file ""), or, where ``labels`` names a file (``names_a_file``), that file and its data set there ("" for its
-    only array), as a ``y.npy`` saved beside an ``X.npy``."""
-
-    def look() -> tuple[str, str]:
-        if not names_a_file(labels):
-            return "", labels
-        file, name = split_spec(labels)
-        return ("", name) if same_file(file, path) else (file, name)
-
-    return on_rank_0(comm, look)
-
-
 def check_labelled(path: str, inputs: str, labels: str, comm: Comm) -> tuple[LabelledData, int, np.ndarray, np.ndarray]:
     """Check ``path``'s inputs and labels (collective); returns (data, classes, feature mean, feature std: 0 for
     a feature of one value).
@@ -207,10 +193,18 @@ def _absolute(path: str) -> str:
 
 def _labels_of(path: str, labels: str, comm: Comm) -> tuple[str, str, str]:
     """(the key a batch holds the labels under, their own file or "", their data set) of the labels setting
-    ``labels`` for the inputs in ``path`` (collective): labels in ``path`` itself are keyed by their data set, those
-    of a file of their own by the setting as given. A ``.npy`` of inputs holds no labels, and is refused without a
-    file of them."""
-    label_file, label_name = labels_source(path, labels, comm)
+    ``labels`` for the inputs in ``path`` (collective; rank 0 looks at the files): a data set of ``path``, keyed by
+    its name, or, where ``labels`` names a file (``names_a_file``), that file's (its data set "" for its only
+    array), keyed by the setting as given. A ``.npy`` of inputs holds no labels, and is refused without a file of
+    them."""
+
+    def look() -> tuple[str, str]:
+        if not names_a_file(labels):
+            return "", labels
+        file, name = split_spec(labels)
+        return ("", name) if same_file(file, path) else (file, name)
+
+    label_file, label_name = on_rank_0(comm, look)
     if label_file:
         return labels, label_file, label_name
     if is_npy(path):  # (the labels were then taken from the inputs' own array: "labels must be class numbers ...")
@@ -241,10 +235,11 @@ def _class_numbers(path: str, labels: str, samples: int, what: str, comm: Comm) 
             "names, numbers = numpy.unique(labels, return_inverse=True), and give the numbers (names[k] is class k)"
         ), labels)  # fmt: skip
     if dtype.kind not in "biuf" or len(shape) != 1 and shape[1:] != (1,):
-        hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')" \
-            if matlab and shape[0] == 1 else \
-            " (one-hot rows, as Keras keeps them? give each row's class, numpy.argmax(labels, axis=1))" \
-            if len(shape) == 2 and shape[0] == samples else ""  # fmt: skip
+        hint = ""
+        if matlab and shape[0] == 1:
+            hint = " (a MATLAB column, which HDF5 holds transposed: save the labels as a row, y = y.')"
+        elif len(shape) == 2 and shape[0] == samples:
+            hint = " (one-hot rows, as Keras keeps them? give each row's class, numpy.argmax(labels, axis=1))"
         raise DataFileError(path, f"labels must be class numbers, one per sample; got {dtype} of shape {shape}{hint}",
                             labels)  # fmt: skip
     if shape[0] != samples:
