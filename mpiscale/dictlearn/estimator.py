@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
 from ..io import epoch_plan, not_numbers
 from ..kernels.threads import blas_beside_numba
 from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi, refuse_unjoinable_launch
-from ..runtime import RuntimeConfig
+from ..runtime import RuntimeConfig, blocking_barrier
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
 from .data import initial_ids, scale_problem, unit_atoms
@@ -365,22 +364,17 @@ def _resolve(comm: AnyComm | None) -> Comm | None:
 
 
 def _together(comm: Comm | None, call: str) -> None:
-    """Wait until every rank of ``comm`` has come to ``call`` (a barrier polled with short sleeps: a waiting rank
-    spins no core). MPI's collectives cannot time out, so a rank that never calls it leaves the others waiting
-    without a word; after ``MPISCALE_COLLECTIVE_CHECK_S`` this rank says once what it waits for. A rank that is
-    only late (reading its rows) is waited for."""
+    """Wait until every rank of ``comm`` has come to ``call``: MPI's collectives cannot time out, so a rank that
+    never calls it would leave the others waiting without a word. A rank that is only late (reading its rows) is
+    waited for, without spinning a core; inside ``mpiscale.run`` one that never comes ends the job with the runtime's
+    report (see :func:`mpiscale.runtime.blocking_barrier`)."""
     if comm is None:
         return
-    request, began, pause, said = comm.Ibarrier(), time.monotonic(), 1e-5, False
     check_s = RuntimeConfig.from_env().collective_check_s
-    while not request.Test():
-        if not said and check_s and time.monotonic() - began > check_s:
-            print(f"{_WHAT}.{call}: rank {comm.Get_rank()} has waited {check_s:g} s for the other ranks of its "
-                  f"communicator to call {call} too: each rank must call it (one without rows passes an empty "
-                  "array), or this wait never ends", file=sys.stderr, flush=True)  # fmt: skip
-            said = True
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
+    overdue = (f"{_WHAT}.{call}: rank {comm.Get_rank()} has waited {check_s:g} s for the other ranks of its "
+               f"communicator to call {call} too: each rank must call it (one without rows passes an empty array), "
+               "or this wait never ends")  # fmt: skip
+    blocking_barrier(comm, f"{_WHAT}.{call}", overdue)
 
 
 def _agreed(comm: Comm | None, action: Callable[[], None]) -> None:

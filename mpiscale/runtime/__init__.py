@@ -2,6 +2,7 @@
 
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
+from .blocking import blocking_barrier
 from .channels import Channel
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -49,6 +50,7 @@ __all__ = [
     "RuntimeConfig",
     "Steering",
     "TransportError",
+    "blocking_barrier",
     "current_system",
     "library_line",
     "message_path",

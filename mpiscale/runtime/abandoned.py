@@ -78,9 +78,10 @@ class CollectiveLog:
     pending: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # number -> (operation, site, since)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def begin(self, operation: str) -> int:
-        """Record a collective this rank enters; returns its number (1 = the first on this communicator)."""
-        site = call_site()
+    def begin(self, operation: str, site: str | None = None) -> int:
+        """Record a collective this rank enters, called at ``site`` (``file:line``; by default the nearest caller
+        outside the runtime); returns its number (1 = the first on this communicator)."""
+        site = call_site() if site is None else site
         with self._lock:
             self.started += 1
             self.last = (operation, self.started, site)
@@ -218,20 +219,25 @@ def diagnose(
 
 
 class AbandonedWatch:
-    """Asks the other ranks about a collective this rank has waited in too long; fails the job on proof."""
+    """Asks the other ranks about a collective this rank has waited in too long; fails the job on proof.
+
+    ``ask_state(rank, timeout)`` asks one rank for its :meth:`ActorSystem.collective_state`, awaited in the watch's
+    task; ``ask_held(ranks, timeout)`` asks several at once for a caller that holds the event loop
+    (:meth:`check_held`)."""
 
     def __init__(
         self,
         rank: int,
         host: str,
         logs: Callable[[], list[CollectiveLog]],
-        ask_state: Callable[[int, float], Awaitable[dict[str, Any]]],
         fail: Callable[[BaseException, str], None],
+        ask_state: Callable[[int, float], Awaitable[dict[str, Any]]],
+        ask_held: Callable[[list[int], float], dict[int, dict[str, Any] | None]],
         check_s: float,
     ) -> None:
         self._rank, self._host = rank, host
         self._logs = logs
-        self._ask_state = ask_state
+        self._ask_state, self._ask_held = ask_state, ask_held
         self._fail = fail
         self._check_s = check_s
         self._asked: dict[str, tuple[int, float, int]] = {}  # log -> (collective number, next question, times asked)
@@ -241,23 +247,42 @@ class AbandonedWatch:
         while True:
             await asyncio.sleep(max(self._check_s / 4, 0.1))
             for log in self._logs():
-                oldest = log.oldest()
-                if oldest is None or oldest[3] < self._check_s:
-                    continue
-                number, due, times = self._asked.get(log.name, (oldest[0], 0.0, 0))
-                if number != oldest[0]:  # another collective than the one asked about: ask afresh
-                    due, times = 0.0, 0
-                if time.monotonic() < due:
-                    continue
-                interval = self._check_s * min(2**times, _LONGEST_INTERVAL)
-                self._asked[log.name] = (oldest[0], time.monotonic() + interval, times + 1)
-                await self._check(log, times)
+                times = self._due(log)
+                if times is not None:
+                    others = self._others(log)
+                    answers = await asyncio.gather(*(self._answer(rank) for rank in others))
+                    self._judge(log, dict(zip(others, answers)), times)
 
-    async def _check(self, log: CollectiveLog, times: int) -> None:
-        others = [rank for rank in log.members if rank != self._rank]
-        answers = await asyncio.gather(*(self._answer(rank) for rank in others))
+    def check_held(self, log: CollectiveLog) -> None:
+        """The check of :meth:`run` for ``log``, made by a caller that holds the event loop (a blocking call in
+        ``main``, where the watch's own task cannot run), its questions polled for in the caller's stack."""
+        times = self._due(log)
+        if times is not None:
+            self._judge(log, self._ask_held(self._others(log), _ASK_TIMEOUT_S), times)
+
+    def _due(self, log: CollectiveLog) -> int | None:
+        """How many times the other ranks were asked about ``log``'s oldest pending collective, once this rank has
+        waited in it ``check_s`` and the next question is due (counted as asked); None while none is."""
+        oldest = log.oldest()
+        if oldest is None or oldest[3] < self._check_s:
+            return None
+        number, due, times = self._asked.get(log.name, (oldest[0], 0.0, 0))
+        if number != oldest[0]:  # another collective than the one asked about: ask afresh
+            due, times = 0.0, 0
+        if time.monotonic() < due:
+            return None
+        interval = self._check_s * min(2**times, _LONGEST_INTERVAL)
+        self._asked[log.name] = (oldest[0], time.monotonic() + interval, times + 1)
+        return times
+
+    def _others(self, log: CollectiveLog) -> list[int]:
+        return [rank for rank in log.members if rank != self._rank]
+
+    def _judge(self, log: CollectiveLog, answers: dict[int, dict[str, Any] | None], times: int) -> None:
+        """Fail the job on proof in the other ranks' ``answers`` that one never enters ``log``'s oldest pending
+        collective."""
         mine = {own.name: own for own in self._logs()}
-        found = diagnose(self._rank, self._host, log, dict(zip(others, answers)), mine)
+        found = diagnose(self._rank, self._host, log, answers, mine)
         if found is None:
             return
         report, reporter = found

@@ -171,6 +171,15 @@ class ProgressEngine:
         if self._poller.until(future, seconds, _BURST_S):
             self._quiet_s = 0.0
 
+    def poll_held(self, future: asyncio.Future, seconds: float) -> None:
+        """Poll MPI in the caller's stack until ``future`` is done or ``seconds`` have passed, for a caller that holds
+        the event loop (a blocking call in ``main``: nothing else runs meanwhile), sleeping a millisecond after each
+        empty burst of polls rather than spinning a core."""
+        end = time.monotonic() + seconds
+        while not future.done() and time.monotonic() < end:
+            if not self._poller.burst(_BURST_S):
+                time.sleep(1e-3)
+
     def others_ready(self) -> bool:
         """Whether another task or callback is ready to run in the event loop: a caller that would poll or test in
         its own stack must then await instead, and let them run (a loop of calls that all end at once in the

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from . import wire
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy, address
+from .blocking import HeldAsks
 from .channels import Channel, Deliver
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -71,6 +72,9 @@ class ActorSystem:
         #: World, node-local and node-leader communicators (see ``Hierarchy``).
         self.hierarchy: Hierarchy = build_hierarchy(MPI, world, self._engine, config)
         self._groups = [Group("world", self.hierarchy)]  # the whole job's, then those ``split`` made
+        #: Logs of collectives synchronous code makes (``blocking_barrier``), by name; the abandoned ones' watch.
+        self.call_logs: dict[str, CollectiveLog] = {}
+        self.abandoned_watch: AbandonedWatch | None = None
         self._channels: list[Channel] = []
         self._ask_ids, self._names = itertools.count(), itertools.count()
         #: The rank is shutting down: incoming asks are answered with ActorStopped, tells refused and counted.
@@ -83,8 +87,7 @@ class ActorSystem:
         self.steering = Steering(MPI, world.Dup(), self._engine)
         #: The signal that asked this rank's job to stop after its current step (None: none did).
         self.stop_signal: int | None = None
-        #: Called as ``await reporter(detail, rank)`` (a second at most each) before the job ends because another
-        #: rank died: telemetry names it there.
+        #: Each awaited as ``reporter(detail, rank)`` (a second at most) before the job ends for another rank's death.
         self.death_reporters: list[Callable[[str, int], Awaitable[None]]] = []
         self._at_end: list[Callable[[], Awaitable[None]]] = []
         #: What a rank does in the job (``"pipeline stage 1 of 4"``), named with it when it dies; a job fills it.
@@ -94,8 +97,7 @@ class ActorSystem:
         self.planned_deaths: dict[int, str] = {}
         #: Every rank's host, by rank (the lifecycle gathers them at start-up): reports name a sender's host.
         self.hosts: list[str] = []
-        #: Called just before this rank aborts the job after printing its report (the lifecycle tells the ranks of
-        #: its host that the report is there, so that none adds a line of its own about this rank's death).
+        #: Called as this rank aborts the job after its report (the lifecycle tells its host's ranks: no second line).
         self.before_abort: list[Callable[[], None]] = []
         #: ``leave_last_words(module, spec)``: what the node watch says for this rank if a lost node finds the rank's
         #: Python held (``await module.speak(spec, detail, rank)``): telemetry's failure event. The lifecycle sets it.
@@ -337,8 +339,10 @@ class ActorSystem:
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
         if self.config.collective_check_s <= 0 or self.size == 1:
             return engine_task, None
-        checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self._ask_collective_state, self.fail,
-                                 self.config.collective_check_s)  # fmt: skip
+        held = HeldAsks(self._asks, self._ask_ids, self._post, self._engine, SYSTEM_ACTOR, "collective_state")
+        checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self.fail, self._ask_collective_state,
+                                 held.ask, self.config.collective_check_s)  # fmt: skip
+        self.abandoned_watch = checker
         return engine_task, loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
 
     async def close(self, refused: JobRefused | None, engine_task: asyncio.Task, watch: asyncio.Task | None) -> None:
@@ -389,7 +393,7 @@ class ActorSystem:
         self.MPI.COMM_WORLD.Abort(status)
 
     def _collective_logs(self) -> list[CollectiveLog]:
-        return [log for group in self._groups for log in group.logs()]
+        return [log for group in self._groups for log in group.logs()] + list(self.call_logs.values())
 
     def collective_state(self) -> dict[str, Any]:
         """Where ``main`` is and the collectives this rank started (what another rank asks when one waits long)."""
@@ -400,8 +404,7 @@ class ActorSystem:
         return await self.ask(ActorRef(rank, SYSTEM_ACTOR), "collective_state", (), {}, timeout)
 
     def waiting_in(self) -> tuple[str, float] | None:
-        """What this rank has waited on longest right now (a collective, a value another rank owes it), and for how
-        many seconds (None: nothing)."""
+        """What this rank waits on longest now (a collective, a value owed it), and for how long (None: nothing)."""
         return self._engine.waits.oldest()
 
     def expect(self, future: asyncio.Future, what: str | Callable[[], str]) -> None:

@@ -94,6 +94,39 @@ def test_the_ranks_waiting_for_a_late_one_say_what_they_wait_for(signals, tmp_pa
     assert np.array_equal(np.load(tmp_path / "late.npy"), plain)
 
 
+def test_inside_the_runtime_a_rank_only_late_is_waited_for(signals, tmp_path):
+    """The last rank awaits 3 s before fit, its event loop free: it answers that it is in main, in no collective, and
+    the others wait for it rather than end the job."""
+    late = run_mpi("estimator_fit.py", 3, str(signals), str(tmp_path / "late.npy"), json.dumps(SETTINGS),
+                   "late-runtime", env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert_ok(late)
+    assert "DictionaryLearning.fit: rank 0 has waited 1 s" in late.stderr and "CollectiveAbandoned" not in late.stderr
+    assert np.array_equal(np.load(tmp_path / "late.npy"), estimator_dictionary(3, signals, tmp_path / "plain.npy"))
+
+
+LEFT_MAIN = "left main (returned) after 0 collectives on MPI_COMM_WORLD (blocking calls)"
+IN_BARRIER = "(0 collectives started on it); it waits in barrier #1 on world for "
+
+
+@pytest.mark.parametrize("mode, rank_1", [("skips", LEFT_MAIN), ("skips-thread", LEFT_MAIN),
+                                          ("skips-for-barrier", IN_BARRIER)])  # fmt: skip
+def test_inside_the_runtime_a_rank_that_never_calls_fit_ends_the_job_with_a_report(signals, tmp_path, mode, rank_1):
+    """Rank 1 returns from main without fit. Rank 0's fit held its event loop (``skips``: called from main, as most
+    code does), where the runtime's watch of abandoned collectives could not run, and it waited forever; the barrier
+    that starts fit now asks the other ranks itself. Called off the loop (``skips-thread``), the loop's watch finds
+    it in the runtime's logs. Rank 1 waiting in the runtime's world barrier instead waits for rank 0 as rank 0
+    waits for it (``skips-for-barrier``)."""
+    job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), mode,
+                  env={"MPISCALE_COLLECTIVE_CHECK_S": "1"}, timeout=60)  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, (job.elapsed, job.output[-3000:])
+    header = ("CollectiveAbandoned: a collective that not every rank will enter: DictionaryLearning.fit #1 on "
+              "MPI_COMM_WORLD (blocking calls) (rank 0 waits in it; rank 1 never will)")  # fmt: skip
+    assert job.stderr.count(header) == 1, job.stderr
+    assert "waits in DictionaryLearning.fit #1 on MPI_COMM_WORLD (blocking calls) for " in job.stderr, job.stderr
+    assert "called at estimator_fit.py:" in job.stderr, job.stderr  # the user's line, not the library's
+    assert rank_1 in job.stderr, job.stderr
+
+
 def test_a_nan_on_one_rank_is_refused_on_every_rank(signals, tmp_path):
     job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "nan")
     assert_ok(job)

@@ -4,10 +4,16 @@
 estimator finds the launcher's world; ``runtime``: inside ``mpiscale.run``,
 given the system's world; ``nan``: rank 1's rows hold a NaN, and every rank
 must refuse (each prints its error); ``empty``: the last rank holds no rows, and fits, codes and
-decodes its none; ``late``: the last rank comes to ``fit`` 3 s after the others (reading its rows, say). Rank 0
-saves the dictionary; every rank checks that all ranks hold the same bits.
+decodes its none; ``late``: the last rank comes to ``fit`` 3 s after the others (reading its rows, say);
+``skips``: inside ``mpiscale.run``, rank 1 returns from ``main`` without calling ``fit`` (a branch only some ranks
+take), and rank 0 calls it as most users do, blocking the event loop; ``skips-thread``: the same, rank 0 calling it
+off the loop (``asyncio.to_thread``); ``skips-for-barrier``: rank 1 waits in the runtime's world barrier
+instead; ``late-runtime``: ``late`` inside ``mpiscale.run``, the last rank awaiting its
+3 s. Rank 0 saves the dictionary; every rank checks that all ranks hold the same
+bits.
 """
 
+import asyncio
 import json
 import sys
 import time
@@ -55,8 +61,31 @@ async def in_runtime(system: mpiscale.ActorSystem) -> None:
     check_and_save(system.world.comm, estimator.components_)
 
 
+async def late_in_runtime(system: mpiscale.ActorSystem) -> None:
+    rows = my_rows(system.world.comm)
+    if system.rank == system.size - 1:
+        await asyncio.sleep(3)
+    check_and_save(system.world.comm, fitted(rows, comm=system.world).components_)
+
+
+async def skipping(system: mpiscale.ActorSystem) -> None:
+    if system.rank == 1:
+        if MODE == "skips-for-barrier":
+            await system.world.barrier()
+        return
+    rows = my_rows(system.world.comm)
+    if MODE == "skips-thread":
+        await asyncio.to_thread(fitted, rows)
+    else:
+        fitted(rows)
+
+
 if MODE == "runtime":
     mpiscale.run(in_runtime)
+elif MODE == "late-runtime":
+    mpiscale.run(late_in_runtime)
+elif MODE.startswith("skips"):
+    mpiscale.run(skipping)
 elif MODE == "nan":
     rows = my_rows(MPI.COMM_WORLD)
     if MPI.COMM_WORLD.Get_rank() == 1:

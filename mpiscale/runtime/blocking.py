@@ -1,0 +1,133 @@
+"""Collectives that synchronous code makes inside a running job, found like the awaitable ones when a rank never
+comes.
+
+A library call every rank must make (the estimator's ``fit``) cannot await: it starts with
+:func:`blocking_barrier`, a non-blocking MPI barrier polled with short sleeps (a waiting rank spins no core) that
+says once, after ``collective_check_s``, what it waits for. Inside ``mpiscale.run`` the barrier is also entered in a
+collective log of the runtime's (``ActorSystem.call_logs``), so the other ranks' answers show where each stands, and
+a rank that provably never comes (it left ``main``, or waits in another collective) ends the job with the runtime's
+report. The call usually holds the rank's event loop (``main`` calls it without awaiting), and the loop's watch then
+cannot run: the barrier makes the watch's check itself, its questions to the other ranks posted and polled for in
+its own stack (:class:`HeldAsks`). A call made off the loop (``asyncio.to_thread``) is found by the loop's watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ..ranks import AnyComm, as_mpi
+from .abandoned import CollectiveLog
+from .actor import ActorRef, current_system
+from .collectives import world_ranks
+from .config import RuntimeConfig
+from .dispatch import MESSAGE, PendingAsk
+from .progress import ProgressEngine
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LONGEST_PAUSE_S = 1e-3  # the barrier's polls: 10 µs apart at first, doubling to this
+
+
+class HeldAsks:
+    """One question to other ranks (``method()`` of the actor named ``actor`` on each) asked by a caller that holds
+    this rank's event loop: posted at once, its replies polled for in the caller's stack (a reply resolves its
+    future as the poll delivers it; nothing else need run)."""
+
+    def __init__(
+        self,
+        asks: dict[int, PendingAsk],
+        ids: Iterator[int],
+        post: Callable[[int, tuple, bool], object],
+        engine: ProgressEngine,
+        actor: str,
+        method: str,
+    ) -> None:
+        self._asks, self._ids, self._post, self._engine = asks, ids, post, engine
+        self._actor, self._method = actor, method
+
+    def ask(self, ranks: list[int], timeout: float) -> dict[int, Any]:
+        """Rank -> its answer, None where it failed or gave none within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        sent: dict[int, tuple[int, asyncio.Future]] = {}
+        try:
+            for rank in ranks:
+                ask_id, future = next(self._ids), loop.create_future()
+                self._asks[ask_id] = PendingAsk(future, ActorRef(rank, self._actor), self._method, time.monotonic())
+                sent[rank] = (ask_id, future)
+                self._post(rank, (MESSAGE, self._actor, self._method, (), {}, ask_id), False)  # (untracked)
+            end = time.monotonic() + timeout
+            answers = {}
+            for rank, (_, future) in sent.items():
+                self._engine.poll_held(future, end - time.monotonic())
+                value, failed = future.result() if future.done() else (None, True)
+                answers[rank] = None if failed else value
+            return answers
+        finally:
+            for ask_id, _ in sent.values():
+                self._asks.pop(ask_id, None)
+
+
+def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
+    """Return once every rank of ``comm`` (an mpi4py communicator or a runtime ``Communicator``) has called this
+    barrier, printing ``overdue`` to stderr once this rank has waited ``collective_check_s``. ``operation`` names
+    the call in the runtime's reports (``"DictionaryLearning.fit"``). Inside ``mpiscale.run``, a rank that never
+    calls it is found and reported, ending the job, as for the runtime's own collectives."""
+    raw = as_mpi(comm)
+    system = _running_system()
+    check_s = (system.config if system is not None else RuntimeConfig.from_env()).collective_check_s
+    log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
+    watch = None if log is None or not _holds_loop() else system.abandoned_watch
+    number = None if log is None else log.begin(operation, _user_site())
+    request, began, pause, said = raw.Ibarrier(), time.monotonic(), 1e-5, False
+    try:
+        while not request.Test():
+            if not said and check_s and time.monotonic() - began > check_s:
+                print(overdue, file=sys.stderr, flush=True)
+                said = True
+            if watch is not None and log is not None:
+                watch.check_held(log)  # (ends the job on proof; a no-op until a check is due)
+            time.sleep(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+    finally:
+        if log is not None and number is not None:
+            log.end(number)
+
+
+def _running_system() -> Any:
+    """This rank's ActorSystem while ``mpiscale.run`` runs it, else None."""
+    try:
+        return current_system()
+    except RuntimeError:
+        return None
+
+
+def _user_site() -> str:
+    """``file:line`` of the nearest caller outside the mpiscale package (the user's call of the library that
+    called the barrier)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _holds_loop() -> bool:
+    """Whether the caller runs in an event loop's thread (in ``main``, holding the loop) rather than off it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _call_log(system: Any, comm: Any) -> CollectiveLog:
+    """The log of the blocking calls made on ``comm``, named alike on every member: ``world`` for the job's world
+    communicator, else by MPI's name for it (made once per communicator)."""
+    name = f"{'world' if comm is system.world.comm else comm.Get_name() or 'a communicator'} (blocking calls)"
+    log = system.call_logs.get(name)
+    if log is None:
+        log = system.call_logs[name] = CollectiveLog(name, world_ranks(system.MPI, comm))
+    return log
