@@ -12,6 +12,7 @@ from typing import Protocol
 
 from ..words import counted
 from .errors import MessageRefused
+from .same_failure import first_reporter
 
 
 class _Pending(Protocol):
@@ -63,8 +64,14 @@ def rank_diagnostics(
 
 def failure_report(rank: int, size: int, host: str, context: str, error: BaseException) -> str:
     """The one report a failing rank prints before the job is aborted: where, in what, and the traceback (a
-    deliberate ``SystemExit``'s message instead)."""
+    deliberate ``SystemExit``'s message instead); one line where a rank of this host has printed the same report
+    (:mod:`.same_failure`)."""
     text = f"{error.code}\n" if isinstance(error, SystemExit) else "".join(traceback.format_exception(error))
+    reporter = first_reporter(f"{context}\n{text}")
+    if reporter is not None:  # another rank of this host printed this very report: one line, not a second traceback
+        last = text.rstrip().splitlines()[-1] if text.strip() else type(error).__name__
+        return (f"mpiscale: rank {rank} of {size} (host {host}, pid {os.getpid()}) failed as pid {reporter} did, whose "
+                f"report above has the traceback: {context}: {last}\n")  # fmt: skip
     bar = "=" * 72
     return (
         f"\n{bar}\nmpiscale: job failed on rank {rank} of {size} (host {host}, pid {os.getpid()})\n{context}\n\n"

@@ -44,6 +44,20 @@ def test_unhandled_failure_ends_the_job(ranks, scenario, failing_rank, context, 
     assert "killed by a signal" not in job.stderr, job.stderr  # the others knew the failing rank reported
 
 
+def test_a_bug_every_rank_meets_is_one_traceback_and_a_line_per_other_rank(ranks):
+    """Every rank of the host raises the same KeyError: one full report, and the other ranks that print before the
+    abort ends them print one line naming its pid (each printed the whole report: 84 lines from 4 ranks)."""
+    job = run_mpi("failures.py", ranks, "every-rank-raises", timeout=60)
+    assert job.returncode != 0 and job.elapsed < 30, job.stderr
+    assert job.stderr.count("job failed on rank") == 1 and job.stderr.count("Traceback") == 1, job.stderr
+    reporter = re.search(r"job failed on rank \d+ of \d+ \(host [^,]+, pid (\d+)\)", job.stderr)
+    assert reporter is not None and "KeyError: 'labels'" in job.stderr, job.stderr
+    line = (r"mpiscale: rank \d+ of \d+ \(host [^,]+, pid \d+\) failed as pid (\d+) did, whose report above has the "
+            r"traceback: main raised an exception: KeyError: 'labels'\n")  # fmt: skip
+    others = re.findall(line, job.stderr)
+    assert len(others) <= ranks - 1 and set(others) <= {reporter[1]}, job.stderr
+
+
 @pytest.mark.parametrize("scenario", ["plain-def-main", "plain-def-main-bare"])
 def test_a_main_that_is_a_plain_def_is_named_with_the_fix(ranks, scenario):
     """A plain ``def main`` ran, then the runtime awaited its int: "object int can't be used in 'await'

@@ -32,6 +32,9 @@ async def main(system):
             raise KeyError("rank 1 lost its data")
         await ActorRef(1, "waiter").ask("wait")  # ranks blocked on the failing rank
         await asyncio.sleep(3600)
+    elif scenario == "every-rank-raises":  # one bug that every rank meets
+        await system.world.barrier()
+        {"inputs": 1}["labels"]
     elif scenario == "raises-in-collective-write":
         # rank 1 fails alone between two collective writes while the others enter the second one
         import numpy as np
