@@ -10,9 +10,11 @@ import os as _os
 
 from . import early_stop as _early_stop
 from .ranks import RANK_VARIABLES as _RANK_VARIABLES
+from .ranks import end_job_on_uncaught as _end_job_on_uncaught
 
 if any(_os.environ.get(name) for name in _RANK_VARIABLES):
     _early_stop.hold()  # a launcher's rank: a stop while it starts is noted, not its silent death
+    _end_job_on_uncaught()  # a rank's uncaught error ends the job, rather than leave the others waiting for it
 
 from . import runtime  # noqa: E402  (after the signals are held: importing the runtime takes a while)
 from ._version import __version__  # noqa: E402

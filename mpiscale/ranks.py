@@ -107,6 +107,27 @@ def launch_refused() -> int | None:
     return 2
 
 
+def end_job_on_uncaught() -> None:
+    """Make an exception that no code catches end every rank of the MPI job, after Python's report of it: without
+    this the failing rank's exit finalizes MPI (mpi4py's exit hook), and the other ranks wait for it in their next
+    collective for ever (``python -m mpi4py`` does the same; a rank's ``FileNotFoundError`` before the estimator's
+    ``fit`` left the other waiting until the launcher's timeout). Only where ``sys.excepthook`` is Python's own (a
+    program's or a notebook's hook stays), and it aborts only where MPI runs with several ranks."""
+    if sys.excepthook is sys.__excepthook__:
+        sys.excepthook = _report_and_abort
+
+
+def _report_and_abort(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    sys.__excepthook__(kind, error, trace)
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    print(f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {kind.__name__} that no code caught: ending every rank of "
+          "the job (the others would wait for this one for ever)", file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
 def size_and_rank(comm: Comm | None) -> tuple[int, int]:
     """``(size, rank)`` of ``comm``; ``(1, 0)`` without one (a serial caller)."""
     return (1, 0) if comm is None else (comm.Get_size(), comm.Get_rank())

@@ -127,6 +127,16 @@ def test_inside_the_runtime_a_rank_that_never_calls_fit_ends_the_job_with_a_repo
     assert rank_1 in job.stderr, job.stderr
 
 
+def test_an_error_no_code_catches_on_one_rank_ends_the_job_under_plain_mpirun(signals, tmp_path):
+    """Rank 1 raises before fit and nothing catches it. Its exit finalized MPI, and rank 0 waited in fit for ever;
+    importing mpiscale under a launcher makes such an error end every rank, after its traceback."""
+    job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "raises",
+                  timeout=60)  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, (job.elapsed, job.output[-3000:])
+    assert "FileNotFoundError: rank 1 could not read its rows" in job.stderr, job.stderr
+    assert "mpiscale: rank 1: FileNotFoundError that no code caught: ending every rank of the job" in job.stderr
+
+
 def test_a_nan_on_one_rank_is_refused_on_every_rank(signals, tmp_path):
     job = run_mpi("estimator_fit.py", 2, str(signals), str(tmp_path / "x.npy"), json.dumps(SETTINGS), "nan")
     assert_ok(job)

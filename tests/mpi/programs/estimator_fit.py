@@ -8,7 +8,8 @@ decodes its none; ``late``: the last rank comes to ``fit`` 3 s after the others 
 ``skips``: inside ``mpiscale.run``, rank 1 returns from ``main`` without calling ``fit`` (a branch only some ranks
 take), and rank 0 calls it as most users do, blocking the event loop; ``skips-thread``: the same, rank 0 calling it
 off the loop (``asyncio.to_thread``); ``skips-for-barrier``: rank 1 waits in the runtime's world barrier
-instead; ``late-runtime``: ``late`` inside ``mpiscale.run``, the last rank awaiting its
+instead; ``raises``: under mpirun, rank 1 raises before ``fit`` (it could not read its rows) and nothing
+catches it; ``late-runtime``: ``late`` inside ``mpiscale.run``, the last rank awaiting its
 3 s. Rank 0 saves the dictionary; every rank checks that all ranks hold the same
 bits.
 """
@@ -95,6 +96,11 @@ elif MODE == "nan":
     except ValueError as error:
         print(f"rank {MPI.COMM_WORLD.Get_rank()} refused: {error}", flush=True)
     MPI.COMM_WORLD.Barrier()  # every rank got here: none waits in a collective the others left
+elif MODE == "raises":
+    rows = my_rows(MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        raise FileNotFoundError("rank 1 could not read its rows")
+    fitted(rows)
 elif MODE == "late":
     rows = my_rows(MPI.COMM_WORLD)
     if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:
