@@ -67,7 +67,8 @@ def all_features_work(system: ActorSystem, config: CircuitsRunConfig, path: str,
     """The work of ``--all-features``: the selection loaded on every rank (its models on ``device``), the data
     checked against its models."""
     with Catalogue(config.catalogue) as catalogue:
-        selection = select(catalogue, parse_filters([config.where]), verify=system.rank == 0, device=device)
+        filters = parse_filters([config.where] if config.where else [])  # ("": the default, every circuit)
+        selection = select(catalogue, filters, verify=system.rank == 0, device=device)
     layouts = {(runner.model.inputs, runner.model.input_dtype) for runner, _ in selection.models}
     if len(layouts) > 1:
         shown = ", ".join(f"{os.path.basename(r.model.path)} ({r.model.inputs} {r.model.input_dtype})"

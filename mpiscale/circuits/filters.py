@@ -46,7 +46,12 @@ class Filter:
 
 
 def parse_filters(items: list[str]) -> list[Filter]:
-    """The filters of ``--where`` options, each of which may hold several separated by ``;``."""
+    """The filters of ``--where`` options, each of which may hold several separated by ``;``. An option with no
+    filter at all is refused: ``--where "$LAYERS"`` with the variable unset would otherwise take every circuit."""
+    for item in items:
+        if not item.replace(";", "").strip():
+            raise ValueError(f"--where {item!r} holds no filter (an unset shell variable?); leave --where out to "
+                             "take every circuit")  # fmt: skip
     return [Filter.parse(part) for item in items for part in item.split(";") if part.strip()]
 
 

@@ -143,7 +143,7 @@ def _node(table: object, index: int, directory: str, problems: list[str]) -> Nod
             problems.append(f"{where}: a circuits node takes the data rows; it has no op or inputs")
         if isinstance(circuits, list) and circuits and all(isinstance(c, str) for c in circuits):
             return NodeSpec(name, "circuits", (INPUT,), tuple(circuits), rank=rank)
-        if isinstance(circuits, str) and circuits.strip():
+        if isinstance(circuits, str) and circuits.replace(";", "").strip():
             return NodeSpec(name, "circuits", (INPUT,), circuits, rank=rank)
         problems.append(f"{where}: circuits must be a filter ('layer=relu2') or a list of circuit names")
         return None

@@ -129,6 +129,10 @@ def test_filters_parse_check_and_match(tmp_path):
     with Catalogue(path) as catalogue:
         assert matching(catalogue, parse_filters(["score>=5;name=p/*"])).tolist() == [False, True, False]
         assert matching(catalogue, parse_filters(["tag!=t"])).tolist() == [False, False, False]
+        assert matching(catalogue, parse_filters(["score>=5;"])).tolist() == [False, True, True]  # a trailing ";"
+        for empty in ("", " ", ";"):  # ``--where "$LAYERS"`` with the variable unset took every circuit
+            with pytest.raises(ValueError, match="holds no filter .an unset shell variable.*leave --where out"):
+                parse_filters(["score>=5", empty])
         chosen = matching(catalogue, parse_filters(["model=model.pt", "atom=-1", "name=q/*"]))
         assert chosen.tolist() == [False, False, True]
         for text, message in (("nope=1", "no column 'nope'"), ("name>2", "name is text"),

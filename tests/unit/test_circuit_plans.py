@@ -54,6 +54,9 @@ inputs = ["a"]
         load_plan(write(tmp_path, 'outputs = ["x"]\n' + cycle))
     with pytest.raises(PlanError, match="not a readable TOML plan"):
         load_plan(write(tmp_path, "outputs = ["))
+    for empty in ("", " ; "):  # a filter that holds none (it would have taken every circuit)
+        with pytest.raises(PlanError, match="circuits must be a filter"):
+            load_plan(write(tmp_path, f'outputs = ["c"]\n[[node]]\nname = "c"\ncircuits = "{empty}"\n'))
 
 
 def test_ops_run_as_the_plan_says_and_nodes_are_placed_by_cost(tmp_path):
