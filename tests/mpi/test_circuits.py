@@ -220,6 +220,8 @@ def test_search_filters_metadata(built):
     assert unknown.returncode == 2 and "no column 'colour'" in unknown.stderr and "usage" in unknown.stderr
     text = run_alone("circuits", "search", built, "--where", "layer>3")
     assert text.returncode == 2 and "layer is text" in text.stderr
+    unset = run_alone("circuits", "search", built, "--where", "")  # ``--where "$LAYERS"``, the variable unset
+    assert unset.returncode == 2 and "--where '' holds no filter (an unset shell variable?)" in unset.stderr
 
 
 def test_similar_is_exact_and_the_same_on_any_number_of_ranks(pipeline, tmp_path):
@@ -329,6 +331,9 @@ def test_run_all_features_equals_the_models_on_2_ranks(pipeline, built, tmp_path
         rows = file["circuit_rows"][()]
         assert list(rows) == [*range(3, 10), *range(13, 16)]
         np.testing.assert_allclose(file["features"][()], expected[:, rows], rtol=1e-4, atol=1e-4)
+    empty = run_alone("circuits", "run", "--catalogue", built, "--data", data, "--out", tmp_path / "no.h5",
+                      "--all-features", "--where", ";")  # fmt: skip
+    assert empty.returncode == 2 and "--where ';' holds no filter" in empty.stderr, empty.stderr
 
 
 def test_circuits_of_a_model_trained_on_float64_readings_see_their_digits_as_collect_does(tmp_path):
