@@ -2,39 +2,47 @@
 
 A bug every rank meets (a ``KeyError`` in ``main``) printed one traceback per rank: 84 lines from 4 ranks, and a
 node of 64 ranks buried the job's log in 64 copies. The first rank of a host to fail with an error (the same type,
-message and traceback) holds an abstract Unix socket named by the job and the error's digest; a rank of that host
-that fails the same way finds the name taken, asks the socket whose it is (``SO_PEERCRED``) and prints one line
-naming that process, whose report carries the traceback. The name goes with the process that holds it, so an
-aborted job leaves nothing behind. Ranks of other hosts cannot see the name and print their own report; where the
-name cannot be taken or its holder found (no such sockets, a network namespace per rank), every rank prints its own,
-as before.
+message and traceback) leaves a marker named by the job and the error's digest in the host's memory file system
+(``/dev/shm``), holding its pid; a rank of that host that fails the same way finds the marker and prints one line
+naming that process, whose report carries the traceback. The marker outlives its writer on purpose: the first rank
+aborts the job at once, and a rank the launcher has not killed yet may fail after it has gone (an abstract socket,
+which goes with its process, left one traceback in two like that on a loaded host). Markers older than
+``_KEPT_S`` are removed by the next failure on the host; a job's are a few empty-sized files. Ranks of other hosts
+print their own report; where no marker can be written, every rank prints its own, as before.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import hashlib
 import os
-import socket
-import struct
+import tempfile
+import time
 
-_HELD: list[socket.socket] = []  # the names this process holds, kept until it exits
-_ASK_TIMEOUT_S = 1.0
+_PREFIX = "mpiscale-failure-"
+_KEPT_S = 600.0  # a job's abort is over in seconds; its markers are left this long
 
 
 def first_reporter(report: str) -> int | None:
     """None when this process is the first of its host to report the failure ``report`` describes (its type,
     message and traceback) in this job, or when that cannot be told; else the pid of the process that was."""
-    name = f"\0mpiscale-failure-{job_key()}-{hashlib.blake2b(report.encode(), digest_size=12).hexdigest()}"
-    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    folder = _folder()
+    digest = hashlib.blake2b(report.encode(), digest_size=12).hexdigest()
+    marker = os.path.join(folder, f"{_PREFIX}{job_key().replace(os.sep, '_')}-{digest}")
+    _remove_old(folder)
+    mine = f"{marker}.{os.getpid()}"
     try:
-        holder.bind(name)
-        holder.listen(256)  # the ranks that fail the same way each connect once, to learn whose the name is
-    except OSError as error:
-        holder.close()
-        return _holder_of(name) if error.errno == errno.EADDRINUSE else None
-    _HELD.append(holder)
-    return None
+        with open(mine, "w") as out:
+            out.write(str(os.getpid()))
+        os.link(mine, marker)  # atomic, and the marker is whole when it appears: the first failure's pid
+        return None
+    except FileExistsError:
+        return _pid_in(marker)
+    except OSError:
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(mine)
 
 
 def job_key() -> str:
@@ -47,15 +55,24 @@ def job_key() -> str:
     return f"parent-{os.getppid()}"
 
 
-def _holder_of(name: str) -> int | None:
-    """The pid of the process listening on the abstract socket ``name``; None where it cannot be told (it exited)."""
-    asking = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    asking.settimeout(_ASK_TIMEOUT_S)
-    try:
-        asking.connect(name)
-        pid, _, _ = struct.unpack("3i", asking.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return None
-    finally:
-        asking.close()
-    return pid if pid > 0 and pid != os.getpid() else None
+def _folder() -> str:
+    """The host's memory file system where there is one (nothing reaches a disk), else the temporary folder."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _pid_in(marker: str) -> int | None:
+    with contextlib.suppress(OSError, ValueError), open(marker) as text:
+        pid = int(text.read())
+        return pid if pid != os.getpid() else None
+    return None
+
+
+def _remove_old(folder: str) -> None:
+    """Remove the markers of earlier failures on this host (older than ``_KEPT_S``)."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(_PREFIX):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat().st_mtime > _KEPT_S:
+                        os.unlink(entry.path)
