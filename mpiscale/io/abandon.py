@@ -1,4 +1,5 @@
-"""Files opened with MPI-IO after an error that may be one rank's alone: left open, not closed collectively.
+"""Files opened with MPI-IO where one rank may be missing: left open after an error that may be one rank's alone,
+not closed collectively; opened only once every rank has come to open them.
 
 Closing such a file is collective: a rank whose own error ends a loop would
 wait in the close for ranks that went on to a collective of their own, and
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 from typing import Protocol
 
+from ..ranks import Comm
 from .errors import raised_together
 
 #: What ``leave_open`` keeps for the rest of the process.
@@ -57,3 +59,15 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.close()
     else:
         held.abandon()
+
+
+def opened_by_all(comm: Comm, what: str) -> None:
+    """Wait until every rank of ``comm`` comes to open ``what`` (a rank alone in a collective open waits for ever):
+    said after ``MPISCALE_COLLECTIVE_CHECK_S``, and inside ``mpiscale.run`` a rank that never comes ends the job
+    with the runtime's report."""
+    from ..runtime import RuntimeConfig, blocking_barrier  # (here: a reader without comm need not load the runtime)
+
+    check_s = RuntimeConfig.from_env().collective_check_s
+    blocking_barrier(comm, what.split("(")[0], f"{what}: rank {comm.Get_rank()} has waited {check_s:g} s for the "
+                     "other ranks of its communicator to open it too: each rank of the comm given must (a data set "
+                     "that only some ranks read takes no comm), or this wait never ends")  # fmt: skip

@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .abandon import close_after, leave_open
+from .abandon import close_after, leave_open, opened_by_all
 from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
@@ -217,6 +217,8 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
+        if self._comm is not None and self._comm.Get_size() > 1:
+            opened_by_all(self._comm, f"ShardedDataset({self.path})")
         try:
             self._segments = self._open(path)
         except BaseException:

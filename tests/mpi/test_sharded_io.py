@@ -23,3 +23,16 @@ def test_one_ranks_error_inside_a_collective_open_ends_the_job_with_its_report(t
     job = run_mpi("sharded_error.py", 2, str(tmp_path / "rows.h5"), timeout=120)
     assert job.returncode != 0 and time.monotonic() - started < 60, job.output[-3000:]
     assert "job failed on rank 1 of 2" in job.stderr and "planted on rank 1" in job.stderr, job.stderr[-3000:]
+
+
+def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_report(tmp_path):
+    """Only rank 0 opens it, passing ``system.world``; the others return from main. Rank 0 waited in the open's
+    first collective for ever; it now waits in a barrier the runtime watches, and the job ends naming the line."""
+    with h5py.File(tmp_path / "rows.h5", "w") as file:
+        file["X"] = np.arange(32.0).reshape(16, 2)
+    job = run_mpi("sharded_error.py", 2, str(tmp_path / "rows.h5"), "rank-0-alone", timeout=60,
+                  env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    said = "CollectiveAbandoned: a collective that not every rank will enter: ShardedDataset #1 on world (blocking "
+    assert said in job.stderr and "called at sharded_error.py:" in job.stderr, job.stderr[-3000:]
+    assert f"ShardedDataset({tmp_path / 'rows.h5'}): rank 0 has waited 1 s for the other ranks" in job.stderr
