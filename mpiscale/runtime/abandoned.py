@@ -48,12 +48,12 @@ _SITES: dict[tuple[int, int], tuple[CodeType, str]] = {}
 _KEPT_SITES = 4096  # more than a program's distinct lines that start collectives
 
 
-def call_site() -> str:
-    """``file:line`` of the nearest caller outside the runtime package (where user code started a collective), for
-    :meth:`CollectiveLog.begin`: the walk starts at begin's caller (``sys._getframe`` makes a frame object only for
-    the frame it returns; each ``f_back`` makes one more)."""
+def call_site(outside: str = _RUNTIME_DIR) -> str:
+    """``file:line`` of the nearest caller outside the folder ``outside`` (the runtime package by default: where
+    user code started a collective), for :meth:`CollectiveLog.begin`: the walk starts at begin's caller
+    (``sys._getframe`` makes a frame object only for the frame it returns; each ``f_back`` makes one more)."""
     frame = sys._getframe(2)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_RUNTIME_DIR):
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(outside):
         frame = frame.f_back
     code, offset = frame.f_code, frame.f_lasti
     found = _SITES.get((id(code), offset))
@@ -78,10 +78,10 @@ class CollectiveLog:
     pending: dict[int, tuple[str, str, float]] = field(default_factory=dict)  # number -> (operation, site, since)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def begin(self, operation: str, site: str | None = None) -> int:
-        """Record a collective this rank enters, called at ``site`` (``file:line``; by default the nearest caller
-        outside the runtime); returns its number (1 = the first on this communicator)."""
-        site = call_site() if site is None else site
+    def begin(self, operation: str, outside: str = _RUNTIME_DIR) -> int:
+        """Record a collective this rank enters, called where its nearest caller outside the folder ``outside`` (the
+        runtime's by default) is; returns its number (1 = the first on this communicator)."""
+        site = call_site(outside)
         with self._lock:
             self.started += 1
             self.last = (operation, self.started, site)

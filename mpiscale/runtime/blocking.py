@@ -81,7 +81,7 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     check_s = (system.config if system is not None else RuntimeConfig.from_env()).collective_check_s
     log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
-    number = None if log is None else log.begin(operation, _user_site())
+    number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
     request, began, pause, said = raw.Ibarrier(), time.monotonic(), 1e-5, False
     try:
         while not request.Test():
@@ -103,15 +103,6 @@ def _running_system() -> Any:
         return current_system()
     except RuntimeError:
         return None
-
-
-def _user_site() -> str:
-    """``file:line`` of the nearest caller outside the mpiscale package (the user's call of the library that
-    called the barrier)."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame = frame.f_back
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def _holds_loop() -> bool:
