@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..ranks import AnyComm, as_mpi
+from ..words import ranks_named
 from .abandoned import CollectiveLog
 from .actor import ActorRef, current_system
 from .collectives import world_ranks
@@ -116,9 +117,14 @@ def _holds_loop() -> bool:
 
 def _call_log(system: Any, comm: Any) -> CollectiveLog:
     """The log of the blocking calls made on ``comm``, named alike on every member: ``world`` for the job's world
-    communicator, else by MPI's name for it (made once per communicator)."""
-    name = f"{'world' if comm is system.world.comm else comm.Get_name() or 'a communicator'} (blocking calls)"
+    communicator, else by MPI's name for it, with its members where they are not the whole world (logs are told
+    apart by name: two communicators of other ranks, both unnamed, would share one log). Made once per name."""
+    members = world_ranks(system.MPI, comm)
+    name = "world" if comm is system.world.comm else comm.Get_name() or "a communicator"
+    if len(members) < system.size:
+        name += f" of world {ranks_named(list(members))}"
+    name += " (blocking calls)"
     log = system.call_logs.get(name)
     if log is None:
-        log = system.call_logs[name] = CollectiveLog(name, world_ranks(system.MPI, comm))
+        log = system.call_logs[name] = CollectiveLog(name, members)
     return log

@@ -173,6 +173,16 @@ def test_collectives_on_two_communicators_that_wait_for_each_other_end_in_one_re
     assert re.search(culprit, job.stderr), job.stderr
 
 
+def test_blocking_calls_on_two_unnamed_communicators_are_logged_apart():
+    """Rank 0 meets rank 1 in a blocking barrier, then rank 2, late, on another unnamed communicator. Both barriers
+    went into one log named for the first pair, so rank 0's wait for rank 2 asked rank 1, which had left main: the
+    job ended with a report of a collective abandoned that rank 2 was coming to."""
+    job = run_mpi("abandoned.py", 3, "blocking-on-two-pairs", env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)},
+                  timeout=60)  # fmt: skip
+    assert_ok(job)
+    assert "two pairs ok" in job.stdout and "CollectiveAbandoned" not in job.stderr, job.output[-3000:]
+
+
 @pytest.mark.parametrize(
     "scenario, calls",
     [

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 import mpiscale
+from mpiscale.runtime import blocking_barrier
 
 
 async def main(system):
@@ -63,6 +64,17 @@ async def main(system):
         if system.rank == 0:
             await asyncio.sleep(3 * system.config.collective_check_s)
             print(f"late finish ok on {system.size} ranks", flush=True)
+    elif scenario == "blocking-on-two-pairs":  # rank 0 meets rank 1, then the late rank 2, on unnamed communicators
+        first = system.world.comm.Split(int(system.rank == 2))  # ranks 0 and 1
+        second = system.world.comm.Split(int(system.rank == 1))  # ranks 0 and 2
+        if system.rank == 2:
+            await asyncio.sleep(3 * system.config.collective_check_s)
+        if system.rank != 2:
+            blocking_barrier(first, "first pair", "rank waits for its first pair")
+        if system.rank != 1:
+            blocking_barrier(second, "second pair", "rank waits for its second pair")
+        if system.rank == 0:
+            print("two pairs ok", flush=True)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
 
