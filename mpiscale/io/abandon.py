@@ -1,5 +1,5 @@
 """Files opened with MPI-IO where one rank may be missing: left open after an error that may be one rank's alone,
-not closed collectively; opened only once every rank has come to open them.
+not closed collectively; opened, made and saved only once every rank has come to do so.
 
 Closing such a file is collective: a rank whose own error ends a loop would
 wait in the close for ranks that went on to a collective of their own, and
@@ -16,6 +16,9 @@ from typing import Protocol
 
 from ..ranks import Comm
 from .errors import raised_together
+
+#: What a rank waiting alone to write a file is told (see ``entered_by_all``).
+ONE_WRITER = " (a file that one rank writes alone takes no comm)"
 
 #: What ``leave_open`` keeps for the rest of the process.
 _LEFT_OPEN: list[Closable] = []
@@ -61,13 +64,16 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.abandon()
 
 
-def opened_by_all(comm: Comm, what: str) -> None:
-    """Wait until every rank of ``comm`` comes to open ``what`` (a rank alone in a collective open waits for ever):
-    said after ``MPISCALE_COLLECTIVE_CHECK_S``, and inside ``mpiscale.run`` a rank that never comes ends the job
-    with the runtime's report."""
+def entered_by_all(comm: Comm | None, what: str, doing: str, hint: str = "") -> None:
+    """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
+    alone would wait in for ever: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits for the others "to
+    ``doing`` too", ``hint`` after), and inside ``mpiscale.run`` a rank that never comes ends the job with the
+    runtime's report. Nothing to wait for without a comm, or with one rank."""
+    if comm is None or comm.Get_size() == 1:
+        return
     from ..runtime import RuntimeConfig, blocking_barrier  # (here: a reader without comm need not load the runtime)
 
     check_s = RuntimeConfig.from_env().collective_check_s
     blocking_barrier(comm, what.split("(")[0], f"{what}: rank {comm.Get_rank()} has waited {check_s:g} s for the "
-                     "other ranks of its communicator to open it too: each rank of the comm given must (a data set "
-                     "that only some ranks read takes no comm), or this wait never ends")  # fmt: skip
+                     f"other ranks of its communicator to {doing} too: each rank of the comm given must{hint}, or "
+                     "this wait never ends")  # fmt: skip

@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .abandon import close_after, leave_open, opened_by_all
+from .abandon import ONE_WRITER, close_after, entered_by_all, leave_open
 from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
@@ -58,6 +58,7 @@ def write_dataset(
     dtypes must agree. The file appears under ``path`` only once complete.
     """
     path, comm = os.fspath(path), as_mpi(comm)
+    entered_by_all(comm, f"write_dataset({path})", "write it", ONE_WRITER)
     size, rank = size_and_rank(comm)
     arrays = {name: np.asarray(array) for name, array in arrays.items()}
     single = sorted(name for name, array in arrays.items() if array.ndim == 0)  # no rows: refused by every rank
@@ -217,8 +218,8 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
-        if self._comm is not None and self._comm.Get_size() > 1:
-            opened_by_all(self._comm, f"ShardedDataset({self.path})")
+        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it",
+                       " (a data set that only some ranks read takes no comm)")  # fmt: skip
         try:
             self._segments = self._open(path)
         except BaseException:

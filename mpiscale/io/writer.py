@@ -21,6 +21,7 @@ import h5py
 import numpy as np
 
 from ..ranks import AgreedError, AnyComm, Comm, agree, as_mpi, size_and_rank
+from .abandon import ONE_WRITER, entered_by_all
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import write_rows
@@ -51,6 +52,7 @@ class RowWriter:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
         self.size, self.rank = size_and_rank(self.comm)
+        entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
             problem = unstorable(np.dtype(dtype))
@@ -84,6 +86,7 @@ class RowWriter:
         writer = cls.__new__(cls)
         writer.path, writer.comm = os.fspath(path), as_mpi(comm)
         writer.size, writer.rank = size_and_rank(writer.comm)
+        entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
         writer.temporary, writer.file = f"{writer.path}.tmp", None
         failure: BaseException | None = None
         try:

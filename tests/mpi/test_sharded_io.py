@@ -1,9 +1,11 @@
 """Sharded HDF5 datasets and the batch reader under real MPI jobs."""
 
+import re
 import time
 
 import h5py
 import numpy as np
+import pytest
 from helpers import assert_ok, run_mpi
 
 
@@ -36,3 +38,27 @@ def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_r
     said = "CollectiveAbandoned: a collective that not every rank will enter: ShardedDataset #1 on world (blocking "
     assert said in job.stderr and "called at sharded_error.py:" in job.stderr, job.stderr[-3000:]
     assert f"ShardedDataset({tmp_path / 'rows.h5'}): rank 0 has waited 1 s for the other ranks" in job.stderr
+
+
+@pytest.mark.parametrize(
+    "call, doing, entered",
+    [
+        ("RowWriter", "make it", "RowWriter #1 on world"),
+        ("RowWriter.reopen", "reopen it", "RowWriter.reopen #2 on world"),  # (every rank made the first)
+        ("write_dataset", "write it", "write_dataset #1 on world"),
+        ("Checkpointer", "open it", "Checkpointer #1 on world"),
+        ("Checkpointer.save", "save it", "Checkpointer.save #1 on checkpoints/"),
+        ("Checkpointer.load", "load it", "Checkpointer.load #2 on checkpoints/"),
+    ],
+)
+def test_a_collective_file_call_only_rank_0_makes_ends_the_job_with_a_report(tmp_path, call, doing, entered):
+    """Only rank 0 makes the call, given the world's communicator; rank 1 returns from main. Rank 0 waited in the
+    call's first collective for ever; it now waits in a barrier the runtime watches, and the job ends naming it
+    (a checkpointer's on its own communicator, named for its directory)."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, timeout=60, env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    said = f"not every rank will enter: {entered} (blocking calls) (rank 0 waits in it; "
+    assert said + "rank 1 never will)" in job.stderr, job.stderr[-3000:]
+    assert "called at only_rank_0.py:" in job.stderr, job.stderr[-3000:]
+    assert re.search(rf"{re.escape(call)}\(.*\): rank 0 has waited 1 s for the other ranks of its communicator to "
+                     rf"{doing} too: each rank of the comm given must", job.stderr), job.stderr  # fmt: skip

@@ -20,6 +20,7 @@ import numpy as np
 from ... import telemetry
 from ...ranks import AnyComm, agree, as_mpi, on_rank_0, run_agreed, split_nodes
 from ...runtime import RuntimeConfig
+from ..abandon import entered_by_all
 from ..errors import CheckpointError, LockedError
 from ..h5file import settle_background_io, track_background_io
 from ..lock import OutputLock
@@ -68,7 +69,9 @@ class Checkpointer:
         self.layout = Layout(Path(directory), Path(local_dir) if local_dir is not None else None)
         self.keep, self.shared_every, self.background = keep, shared_every, background
         self.delta, self.full_every = delta, full_every
+        entered_by_all(as_mpi(comm), f"Checkpointer({directory})", "open it")
         self._front = as_mpi(comm).Dup()  # collectives of the calling thread
+        self._front.Set_name(f"{Path(directory).name}/"[-63:])  # (its blocking calls' log in a report; MPI's limit)
         self._back = as_mpi(comm).Dup()  # collectives of the background writer
         self.rank, self.size = self._front.Get_rank(), self._front.Get_size()
         settings = RuntimeConfig.from_env()
@@ -147,6 +150,7 @@ class Checkpointer:
         started = time.perf_counter()
         sharded, replicated, meta = dict(sharded or {}), dict(replicated or {}), dict(meta or {})
         self.wait()
+        entered_by_all(self._front, f"Checkpointer.save(step {step})", "save it")
         settle_background_io()  # other checkpointers' writes: background collectives go one at a time
         problem = self._invalid(step, sharded, replicated, meta)
         signature = None
@@ -371,6 +375,7 @@ class Checkpointer:
         it is taken.
         """
         self.wait()
+        entered_by_all(self._front, f"Checkpointer.load({self.layout.shared})", "load it")
         comm = self._front
         manifests = on_rank_0(comm, lambda: self._listed(self._restorer.read_manifests), (CheckpointError,))
         latest = max((s for s, m in manifests if m is not None), default=None)

@@ -1,0 +1,39 @@
+"""A collective file call that only rank 0 makes, given the world's communicator (the classic ``if rank == 0:``
+slip), while rank 1 returns from main: rank 0 waited in the call's first collective for ever. Arguments: a
+directory to write in, and the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``Checkpointer``,
+``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where there are, made by every rank)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import mpiscale
+from mpiscale.io import Checkpointer, RowWriter, write_dataset
+
+DIRECTORY, CALL = Path(sys.argv[1]), sys.argv[2]
+LAYOUT = {"X": ((4, 2), np.float64)}
+
+
+async def main(system):
+    alone = system.rank == 0
+    if CALL == "RowWriter" and alone:
+        RowWriter(DIRECTORY / "rows.h5", LAYOUT, system.world)
+    elif CALL == "RowWriter.reopen":
+        RowWriter(DIRECTORY / "rows.h5", LAYOUT, system.world).close(DIRECTORY / "kept.h5")
+        if alone:
+            RowWriter.reopen(DIRECTORY / "rows.h5", DIRECTORY / "kept.h5", system.world)
+    elif CALL == "write_dataset" and alone:
+        write_dataset(DIRECTORY / "rows.h5", {"X": np.zeros((4, 2))}, system.world)
+    elif CALL == "Checkpointer" and alone:
+        Checkpointer(DIRECTORY / "checkpoints", system.world)
+    elif CALL.startswith("Checkpointer."):
+        with Checkpointer(DIRECTORY / "checkpoints", system.world) as checkpoints:
+            if CALL == "Checkpointer.load":
+                checkpoints.save(1, sharded={"w": np.zeros(3)})
+                checkpoints.wait()
+            if alone:
+                getattr(checkpoints, CALL.split(".")[1])(*([2] if CALL == "Checkpointer.save" else []))
+
+
+mpiscale.run(main, name="only-rank-0")
