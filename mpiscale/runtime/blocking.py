@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ..ended_ranks import ended
 from ..ranks import AnyComm, as_mpi
 from ..words import ranks_named
 from .abandoned import CollectiveLog
@@ -31,6 +32,8 @@ from .progress import ProgressEngine
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LONGEST_PAUSE_S = 1e-3  # the barrier's polls: 10 µs apart at first, doubling to this
+_LOOK_EVERY_S = 1.0  # outside the runtime, once overdue: how often the barrier looks for members that ended
+_SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
 
 
 class HeldAsks:
@@ -83,12 +86,16 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
-    request, began, pause, said = raw.Ibarrier(), time.monotonic(), 1e-5, False
+    request, began, pause, said, look_at = raw.Ibarrier(), time.monotonic(), 1e-5, False, 0.0
     try:
         while not request.Test():
-            if not said and check_s and time.monotonic() - began > check_s:
-                print(overdue, file=sys.stderr, flush=True)
-                said = True
+            if check_s and time.monotonic() - began > check_s:
+                if not said:
+                    print(overdue, file=sys.stderr, flush=True)
+                    said = True
+                if system is None and time.monotonic() > look_at:  # (else the runtime's watch asks the ranks)
+                    _end_if_one_ended(raw, request, operation)
+                    look_at = time.monotonic() + _LOOK_EVERY_S
             if watch is not None and log is not None:
                 watch.check_held(log)  # (ends the job on proof; a no-op until a check is due)
             time.sleep(pause)
@@ -96,6 +103,26 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     finally:
         if log is not None and number is not None:
             log.end(number)
+
+
+def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:
+    """Outside ``mpiscale.run``: abort the job where a member of ``comm`` on this host has ended its program (it
+    will never come to ``operation``), unless the barrier completes meanwhile (that member came, then ended)."""
+    from mpi4py import MPI
+
+    gone = ended(world_ranks(MPI, comm))
+    if not gone:
+        return
+    settle_until = time.monotonic() + _SETTLE_S
+    while time.monotonic() < settle_until:
+        if request.Test():
+            return
+        time.sleep(_LONGEST_PAUSE_S)
+    print(f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {ranks_named(gone)} of the job ended (the program returned) "
+          f"without coming to {operation}, which every rank of its communicator must call: ending every rank (this "
+          "one would wait for it for ever)", file=sys.stderr, flush=True)  # fmt: skip
+    sys.stdout.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 def _running_system() -> Any:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
-import time
+
+from ..host_markers import folder, marker_prefix, remove_old
 
 _PREFIX = "mpiscale-failure-"
 _KEPT_S = 600.0  # a job's abort is over in seconds; its markers are left this long
@@ -26,10 +26,10 @@ _KEPT_S = 600.0  # a job's abort is over in seconds; its markers are left this l
 def first_reporter(report: str) -> int | None:
     """None when this process is the first of its host to report the failure ``report`` describes (its type,
     message and traceback) in this job, or when that cannot be told; else the pid of the process that was."""
-    folder = _folder()
+    where = folder()
     digest = hashlib.blake2b(report.encode(), digest_size=12).hexdigest()
-    marker = os.path.join(folder, f"{_PREFIX}{job_key().replace(os.sep, '_')}-{digest}")
-    _remove_old(folder)
+    marker = os.path.join(where, f"{marker_prefix(_PREFIX)}{digest}")
+    remove_old(where, _PREFIX, _KEPT_S)
     mine = f"{marker}.{os.getpid()}"
     try:
         with open(mine, "w") as out:
@@ -45,34 +45,8 @@ def first_reporter(report: str) -> int | None:
             os.unlink(mine)
 
 
-def job_key() -> str:
-    """What names this job alike on every rank of a host, and no other job there: the PMIx namespace (Open MPI,
-    srun --mpi=pmix), else Slurm's job and step, else the parent process (mpirun's or orted's)."""
-    if os.environ.get("PMIX_NAMESPACE"):
-        return os.environ["PMIX_NAMESPACE"]
-    if os.environ.get("SLURM_JOB_ID"):
-        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}"
-    return f"parent-{os.getppid()}"
-
-
-def _folder() -> str:
-    """The host's memory file system where there is one (nothing reaches a disk), else the temporary folder."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 def _pid_in(marker: str) -> int | None:
     with contextlib.suppress(OSError, ValueError), open(marker) as text:
         pid = int(text.read())
         return pid if pid != os.getpid() else None
     return None
-
-
-def _remove_old(folder: str) -> None:
-    """Remove the markers of earlier failures on this host (older than ``_KEPT_S``)."""
-    now = time.time()
-    with contextlib.suppress(OSError), os.scandir(folder) as entries:
-        for entry in entries:
-            if entry.name.startswith(_PREFIX):
-                with contextlib.suppress(OSError):
-                    if now - entry.stat().st_mtime > _KEPT_S:
-                        os.unlink(entry.path)

@@ -197,3 +197,12 @@ def test_message_over_2_gib():
     job = run_mpi("huge.py", 2, timeout=180)
     assert_ok(job)
     assert f"huge ok: {2**31 + 4099} bytes" in job.stdout
+
+
+def test_a_job_whose_ranks_all_end_normally_leaves_no_marker_of_their_ends(ranks):
+    """Each rank of a launcher's job marks its normal end on its host, for a rank waiting in a blocking call to see
+    that another will never come; the host's last rank to end removes the job's markers."""
+    job = run_mpi("ends_normally.py", ranks)
+    assert_ok(job)
+    where, prefix = job.stdout.split()
+    assert not [name for name in os.listdir(where) if name.startswith(prefix)], os.listdir(where)

@@ -11,6 +11,7 @@ import uuid
 
 import pytest
 
+from mpiscale import host_markers
 from mpiscale.runtime import same_failure
 from mpiscale.runtime.same_failure import first_reporter
 
@@ -28,7 +29,7 @@ def job(monkeypatch):
     name = f"test-{uuid.uuid4().hex}"
     monkeypatch.setenv("PMIX_NAMESPACE", name)
     yield name
-    for marker in glob.glob(os.path.join(same_failure._folder(), f"mpiscale-failure-{name}*")):
+    for marker in glob.glob(os.path.join(host_markers.folder(), f"mpiscale-failure-{name}*")):
         os.unlink(marker)
 
 
@@ -54,13 +55,13 @@ def test_another_job_on_the_host_reports_its_own(job, monkeypatch):
     try:
         assert first_reporter(REPORT) is None
     finally:
-        for marker in glob.glob(os.path.join(same_failure._folder(), f"mpiscale-failure-{job}-other*")):
+        for marker in glob.glob(os.path.join(host_markers.folder(), f"mpiscale-failure-{job}-other*")):
             os.unlink(marker)
 
 
 def test_a_marker_of_a_failure_long_past_is_removed(job):
     first_failure(REPORT)
-    (marker,) = glob.glob(os.path.join(same_failure._folder(), f"mpiscale-failure-{job}-*"))
+    (marker,) = glob.glob(os.path.join(host_markers.folder(), f"mpiscale-failure-{job}-*"))
     past = time.time() - 2 * same_failure._KEPT_S
     os.utime(marker, (past, past))
     assert first_reporter(REPORT) is None  # the old marker went; this failure is the first again

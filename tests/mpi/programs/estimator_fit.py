@@ -9,9 +9,9 @@ decodes its none; ``late``: the last rank comes to ``fit`` 3 s after the others 
 take), and rank 0 calls it as most users do, blocking the event loop; ``skips-thread``: the same, rank 0 calling it
 off the loop (``asyncio.to_thread``); ``skips-for-barrier``: rank 1 waits in the runtime's world barrier
 instead; ``raises``: under mpirun, rank 1 raises before ``fit`` (it could not read its rows) and nothing
-catches it; ``late-runtime``: ``late`` inside ``mpiscale.run``, the last rank awaiting its
-3 s. Rank 0 saves the dictionary; every rank checks that all ranks hold the same
-bits.
+catches it; ``ends-without-fit``: under mpirun, rank 1's program ends without calling ``fit``;
+``late-runtime``: ``late`` inside ``mpiscale.run``, the last rank awaiting its 3 s. Rank 0 saves the dictionary;
+every rank checks that all ranks hold the same bits.
 """
 
 import asyncio
@@ -101,6 +101,10 @@ elif MODE == "raises":
     if MPI.COMM_WORLD.Get_rank() == 1:
         raise FileNotFoundError("rank 1 could not read its rows")
     fitted(rows)
+elif MODE == "ends-without-fit":
+    rows = my_rows(MPI.COMM_WORLD)
+    if MPI.COMM_WORLD.Get_rank() != 1:
+        fitted(rows)
 elif MODE == "late":
     rows = my_rows(MPI.COMM_WORLD)
     if MPI.COMM_WORLD.Get_rank() == MPI.COMM_WORLD.Get_size() - 1:

@@ -1,0 +1,60 @@
+"""Ranks whose program has ended normally, seen by the ranks of their host: outside ``mpiscale.run``, a rank that waits
+in a blocking call one of them never came to ends the job instead of waiting for ever.
+
+Under plain ``mpirun`` a rank whose program returns without a call every rank must make (the estimator's ``fit`` skipped
+by a branch) finalizes MPI and waits there for the others, which wait in the call for it: no rank can answer for
+another. At a normal end, as its last exit handler (before MPI is finalized), a rank of a launcher's job leaves a marker
+named by the job and its world rank in the host's memory file system (:mod:`mpiscale.host_markers`);
+:func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers once it has waited the collective check. Ranks
+of other hosts are not seen: a wait for one of them is only said. The last rank of a host to end removes the job's
+markers, where the launcher says how many ranks the host runs; a job that did not end so leaves them to be removed by a
+later end on the host, ten minutes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterable
+
+from .host_markers import folder, marker_prefix, remove_old
+
+_PREFIX = "mpiscale-ended-"
+_KEPT_S = 600.0
+_LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # Open MPI's, MPICH's
+
+
+def note_normal_end() -> None:
+    """Leave this rank's marker (an exit handler: a program that ends without an uncaught error); the last rank of
+    the host to end removes the job's. Nothing outside a job of several ranks, or once MPI is finalized."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        return
+    where, prefix = folder(), marker_prefix(_PREFIX)
+    remove_old(where, _PREFIX, _KEPT_S)
+    with contextlib.suppress(OSError):
+        open(os.path.join(where, f"{prefix}{MPI.COMM_WORLD.Get_rank()}"), "w").close()
+        mine = [name for name in os.listdir(where) if name.startswith(prefix)]
+        if len(mine) >= _ranks_on_host():
+            for name in mine:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(where, name))
+
+
+def ended(ranks: Iterable[int]) -> list[int]:
+    """Those of ``ranks`` (world ranks of this job) whose program has ended normally on this host."""
+    prefix = marker_prefix(_PREFIX)
+    try:
+        names = {name[len(prefix) :] for name in os.listdir(folder()) if name.startswith(prefix)}
+    except OSError:
+        return []
+    return [rank for rank in ranks if str(rank) in names]
+
+
+def _ranks_on_host() -> int:
+    """How many ranks of the job this host runs, as the launcher says (unknown: more than any)."""
+    for name in _LOCAL_SIZE_VARIABLES:
+        with contextlib.suppress(KeyError, ValueError):
+            return int(os.environ[name])
+    return sys.maxsize
