@@ -7,7 +7,6 @@ import time
 import numpy as np
 
 import mpiscale
-from mpiscale.runtime import blocking_barrier
 
 
 async def main(system):
@@ -65,6 +64,8 @@ async def main(system):
             await asyncio.sleep(3 * system.config.collective_check_s)
             print(f"late finish ok on {system.size} ranks", flush=True)
     elif scenario == "blocking-on-two-pairs":  # rank 0 meets rank 1, then the late rank 2, on unnamed communicators
+        from mpiscale.runtime import blocking_barrier
+
         first = system.world.comm.Split(int(system.rank == 2))  # ranks 0 and 1
         second = system.world.comm.Split(int(system.rank == 1))  # ranks 0 and 2
         if system.rank == 2:
