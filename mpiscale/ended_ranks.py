@@ -7,14 +7,15 @@ another. At a normal end, as its last exit handler (before MPI is finalized), a 
 named by the job and its world rank in the host's memory file system (:mod:`mpiscale.host_markers`);
 :func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers once it has waited the collective check. Ranks
 of other hosts are not seen: a wait for one of them is only said. The last rank of a host to end removes the job's
-markers, where the launcher says how many ranks the host runs; a job that did not end so leaves them to be removed by a
-later end on the host, ten minutes on.
+markers, where the launcher says how many ranks the host runs (mpirun, mpiexec.hydra, srun); a job that did not end
+so leaves them to be removed by a later end on the host, ten minutes on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterable
 
@@ -57,4 +58,17 @@ def _ranks_on_host() -> int:
     for name in _LOCAL_SIZE_VARIABLES:
         with contextlib.suppress(KeyError, ValueError):
             return int(os.environ[name])
+    with contextlib.suppress(KeyError, ValueError, IndexError):  # srun: "2(x3),1" and this node's index
+        return slurm_tasks_per_node(os.environ["SLURM_STEP_TASKS_PER_NODE"])[int(os.environ["SLURM_NODEID"])]
     return sys.maxsize
+
+
+def slurm_tasks_per_node(spec: str) -> list[int]:
+    """Slurm's count of a step's tasks on each of its nodes, ``"2(x3),1"`` -> ``[2, 2, 2, 1]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        found = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if found is None:
+            raise ValueError(f"not a count of tasks per node: {spec!r}")
+        counts += [int(found[1])] * int(found[2] or 1)
+    return counts
