@@ -17,6 +17,7 @@ import asyncio
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from .progress import ProgressEngine
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LONGEST_PAUSE_S = 1e-3  # the barrier's polls: 10 µs apart at first, doubling to this
 _LOOK_EVERY_S = 1.0  # outside the runtime, once overdue: how often the barrier looks for members that ended
+_LONGEST_NAME = 40  # the most characters of a communicator's members named in its log's name
 _SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
 
 
@@ -149,9 +151,18 @@ def _call_log(system: Any, comm: Any) -> CollectiveLog:
     members = world_ranks(system.MPI, comm)
     name = "world" if comm is system.world.comm else comm.Get_name() or "a communicator"
     if len(members) < system.size:
-        name += f" of world {ranks_named(list(members))}"
+        name += f" of world {_members_named(members)}"
     name += " (blocking calls)"
     log = system.call_logs.get(name)
     if log is None:
         log = system.call_logs[name] = CollectiveLog(name, members)
     return log
+
+
+def _members_named(members: tuple[int, ...]) -> str:
+    """``ranks 0, 2``, ``ranks 0-63``; where that is long (a stride over many ranks), the count, the first and last,
+    and a digest of the rest: the name stays short in reports and in the answers that carry it."""
+    named = ranks_named(list(members))
+    if len(named) <= _LONGEST_NAME:
+        return named
+    return f"{len(members)} ranks {members[0]} to {members[-1]} #{zlib.crc32(bytes(repr(members), 'ascii')):08x}"

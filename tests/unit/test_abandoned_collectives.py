@@ -3,6 +3,7 @@
 import sys
 
 from mpiscale.runtime.abandoned import CollectiveLog, diagnose
+from mpiscale.runtime.blocking import _members_named
 
 
 def _state(main="running", started=0, pending=None, last=None):
@@ -80,3 +81,13 @@ def test_functions_made_and_dropped_one_after_another_each_get_their_own_sites()
         exec(compile("\n" * padding + "def job(log):\n    return log.begin('barrier')\n", "job.py", "exec"), scope)
         number = scope.pop("job")(log)
         assert log.pending[number][1] == f"job.py:{padding + 2}"
+
+
+def test_a_communicator_of_some_ranks_is_named_by_its_members_briefly():
+    """Logs of blocking calls are matched by name: the members tell two unnamed communicators apart, and a stride
+    over many ranks is named by its count, ends and a digest rather than by every rank."""
+    assert _members_named((0, 2)) == "ranks 0, 2"
+    assert _members_named(tuple(range(64))) == "ranks 0-63"
+    strided = _members_named(tuple(range(0, 1000, 8)))
+    assert strided.startswith("125 ranks 0 to 992 #") and len(strided) < 40
+    assert strided != _members_named((*range(0, 984, 8), 989, 992))  # the same count and ends, other members
