@@ -370,7 +370,7 @@ def _together(comm: Comm | None, call: str) -> None:
     report (see :func:`mpiscale.runtime.blocking_barrier`)."""
     if comm is None:
         return
-    check_s = RuntimeConfig.from_env().collective_check_s
+    check_s = RuntimeConfig.setting("collective_check_s")
     overdue = (f"{_WHAT}.{call}: rank {comm.Get_rank()} has waited {check_s:g} s for the other ranks of its "
                f"communicator to call {call} too: each rank must call it (one without rows passes an empty array), "
                "or this wait never ends")  # fmt: skip

@@ -73,7 +73,7 @@ def entered_by_all(comm: Comm | None, what: str, doing: str, hint: str = "") -> 
         return
     from ..runtime import RuntimeConfig, blocking_barrier  # (here: a reader without comm need not load the runtime)
 
-    check_s = RuntimeConfig.from_env().collective_check_s
+    check_s = RuntimeConfig.setting("collective_check_s")
     blocking_barrier(comm, what.split("(")[0], f"{what}: rank {comm.Get_rank()} has waited {check_s:g} s for the "
                      f"other ranks of its communicator to {doing} too: each rank of the comm given must{hint}, or "
                      "this wait never ends")  # fmt: skip

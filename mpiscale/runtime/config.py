@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields
 from types import ModuleType
 from typing import Any
 
@@ -104,13 +104,28 @@ class RuntimeConfig:
         values: dict[str, Any] = {}
         for field in fields(cls):
             raw = source.get(f"MPISCALE_{field.name.upper()}")
-            if raw is None:
-                continue
-            try:
-                values[field.name] = _parse(raw, field.type)
-            except ValueError:
-                raise ValueError(f"MPISCALE_{field.name.upper()}={raw!r} is not a valid {field.type}") from None
+            if raw is not None:
+                values[field.name] = _parse_field(raw, field)
         return cls(**values)
+
+    @classmethod
+    def setting(cls, name: str, environ: Mapping[str, str] | None = None) -> Any:
+        """The one setting ``name`` from its ``MPISCALE_`` variable (else its default), checked as ``from_env``
+        checks it: for a call made often that needs only it (a blocking call's check), where reading every variable
+        took 20 µs."""
+        field = next(field for field in fields(cls) if field.name == name)
+        raw = (os.environ if environ is None else environ).get(f"MPISCALE_{name.upper()}")
+        if raw is None:
+            return field.default
+        value: Any = _parse_field(raw, field)
+        return getattr(cls(**{name: value}), name)
+
+
+def _parse_field(raw: str, field: Field) -> object:
+    try:
+        return _parse(raw, field.type)
+    except ValueError:
+        raise ValueError(f"MPISCALE_{field.name.upper()}={raw!r} is not a valid {field.type}") from None
 
 
 def _parse(raw: str, type_name: object) -> object:

@@ -46,6 +46,17 @@ def test_bad_values_name_the_variable(variable, value, message):
         RuntimeConfig.from_env({variable: value})
 
 
+def test_one_setting_is_read_and_checked_as_every_setting_is():
+    """``setting`` reads one variable (a blocking call's check, made often), with ``from_env``'s checks."""
+    assert RuntimeConfig.setting("collective_check_s", {}) == RuntimeConfig().collective_check_s
+    assert RuntimeConfig.setting("collective_check_s", {"MPISCALE_COLLECTIVE_CHECK_S": "2.5"}) == 2.5
+    assert RuntimeConfig.setting("check_collectives", {"MPISCALE_CHECK_COLLECTIVES": "off"}) is False
+    with pytest.raises(ValueError, match="MPISCALE_COLLECTIVE_CHECK_S must be >= 0"):
+        RuntimeConfig.setting("collective_check_s", {"MPISCALE_COLLECTIVE_CHECK_S": "-1"})
+    with pytest.raises(ValueError, match="MPISCALE_SPIN_US='fast' is not a valid int"):
+        RuntimeConfig.setting("spin_us", {"MPISCALE_SPIN_US": "fast"})
+
+
 def test_failure_keeps_type_and_chains_remote_traceback():
     try:
         raise KeyError("missing shard")
