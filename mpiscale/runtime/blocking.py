@@ -1,14 +1,13 @@
-"""Collectives that synchronous code makes inside a running job, found like the awaitable ones when a rank never
-comes.
+"""Collectives that synchronous code makes inside a running job, found like the awaitable ones when a rank never comes.
 
-A library call every rank must make (the estimator's ``fit``) cannot await: it starts with
-:func:`blocking_barrier`, a non-blocking MPI barrier polled with short sleeps (a waiting rank spins no core) that
-says once, after ``collective_check_s``, what it waits for. Inside ``mpiscale.run`` the barrier is also entered in a
-collective log of the runtime's (``ActorSystem.call_logs``), so the other ranks' answers show where each stands, and
-a rank that provably never comes (it left ``main``, or waits in another collective) ends the job with the runtime's
+A library call every rank must make (the estimator's ``fit``) cannot await: it starts with :func:`blocking_barrier`, a
+non-blocking MPI barrier polled back to back for 50 µs, then with short sleeps (a waiting rank spins no core), that says
+once, after ``collective_check_s``, what it waits for. Inside ``mpiscale.run`` the barrier is also entered in a
+collective log of the runtime's (``ActorSystem.call_logs``), so the other ranks' answers show where each stands, and a
+rank that provably never comes (it left ``main``, or waits in another collective) ends the job with the runtime's
 report. The call usually holds the rank's event loop (``main`` calls it without awaiting), and the loop's watch then
-cannot run: the barrier makes the watch's check itself, its questions to the other ranks posted and polled for in
-its own stack (:class:`HeldAsks`). A call made off the loop (``asyncio.to_thread``) is found by the loop's watch.
+cannot run: the barrier makes the watch's check itself, its questions to the other ranks posted and polled for in its
+own stack (:class:`HeldAsks`). A call made off the loop (``asyncio.to_thread``) is found by the loop's watch.
 """
 
 from __future__ import annotations
