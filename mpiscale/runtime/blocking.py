@@ -87,13 +87,14 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     check_s = system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
     log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
+    began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
-    request, began, pause, said, look_at = raw.Ibarrier(), time.monotonic(), 1e-5, False, 0.0
+    request, pause, said, look_at = raw.Ibarrier(), 1e-5, False, 0.0
     try:
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)
         while not request.Test():
-            if check_s and time.monotonic() - began > check_s:
+            if check_s and time.monotonic() - began >= check_s:
                 if not said:
                     print(overdue, file=sys.stderr, flush=True)
                     said = True
