@@ -122,8 +122,14 @@ def _report_and_abort(kind: type[BaseException], error: BaseException, trace: An
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
         return
-    print(f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {kind.__name__} that no code caught: ending every rank of "
-          "the job (the others would wait for this one for ever)", file=sys.stderr, flush=True)  # fmt: skip
+    end_every_rank(MPI, f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {kind.__name__} that no code caught: ending "
+                   "every rank of the job (the others would wait for this one for ever)")  # fmt: skip
+
+
+def end_every_rank(MPI: Any, message: str) -> None:
+    """Say ``message`` on stderr and abort every rank of the job (status 1): for a rank that knows a wait would
+    never end, its own or the others'."""
+    print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     MPI.COMM_WORLD.Abort(1)
 

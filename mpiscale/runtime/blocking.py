@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..ended_ranks import ended
-from ..ranks import AnyComm, as_mpi
+from ..ranks import AnyComm, as_mpi, end_every_rank
 from ..words import ranks_named
 from .abandoned import CollectiveLog
 from .actor import ActorRef, current_system
@@ -123,11 +123,9 @@ def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:
         if request.Test():
             return
         time.sleep(_LONGEST_PAUSE_S)
-    print(f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {ranks_named(gone)} of the job ended (the program returned) "
-          f"without coming to {operation}, which every rank of its communicator must call: ending every rank (this "
-          "one would wait for it for ever)", file=sys.stderr, flush=True)  # fmt: skip
-    sys.stdout.flush()
-    MPI.COMM_WORLD.Abort(1)
+    end_every_rank(MPI, f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {ranks_named(gone)} of the job ended (the "
+                   f"program returned) without coming to {operation}, which every rank of its communicator must call: "
+                   "ending every rank (this one would wait for it for ever)")  # fmt: skip
 
 
 def _running_system() -> Any:
