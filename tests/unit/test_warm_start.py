@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 
+import h5py
 import pytest
-from helpers import WARM_ENVIRONMENT, Preloaded, ended_within
+from helpers import WARM_ENVIRONMENT, Preloaded, ended_within, finish, launch
 
 PROBE = """
 import os, signal, sys, time
@@ -26,6 +27,19 @@ if action == "raise":
     raise ValueError("raised by the probe")
 if action == "wait":
     time.sleep(60)
+if action == "leave":  # what a program leaves for its end: a file never closed, a cycle with a finalizer, C's stdio
+    import atexit, ctypes
+    unclosed = open(sys.argv[2], "w")
+    unclosed.write("written, never flushed")
+    class Cycle:
+        def __del__(self):
+            print("cycle finalized", flush=True)
+    cycle = Cycle()
+    cycle.itself = cycle
+    atexit.register(print, "exit handler ran", flush=True)
+    ctypes.CDLL(None).printf(b"C stdio, flushed by the C library's end\\n")
+    if sys.argv[3] == "exit":
+        sys.exit(5)
 if action == "node":
     import socket
     print(socket.gethostname(), open(os.path.join(sys.argv[2], "mark")).read(), flush=True)
@@ -48,6 +62,40 @@ def test_a_warm_program_runs_preloaded_in_its_own_directory_and_environment_and_
     stdout, _ = process.communicate(timeout=60)
     assert process.returncode == 3
     assert stdout.split()[:3] == ["True", "mine", str(tmp_path)]
+
+
+@pytest.mark.parametrize("how", ["return", "exit"])
+def test_a_warm_program_ends_with_what_it_left_flushed_finalized_and_its_exit_handlers_run(tmp_path, how):
+    """A warm rank ends without the interpreter's teardown of the preloaded modules (``_end_before_teardown``), yet
+    as a cold one would for what the program itself left: its objects freed, cycles collected, handlers run, C's
+    buffers flushed, its status."""
+    process = start(tmp_path, "leave", str(tmp_path / "unclosed"), how)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == (5 if how == "exit" else 0), stderr
+    assert (tmp_path / "unclosed").read_text() == "written, never flushed", stdout
+    assert sorted(stdout.splitlines()[1:]) == [
+        "C stdio, flushed by the C library's end",
+        "cycle finalized",
+        "exit handler ran",
+    ], stderr  # (C's buffer comes out when it is full)
+
+
+def test_a_warm_rank_of_an_mpi_job_ends_with_mpi_finalized_and_its_hdf5_file_closed(tmp_path):
+    """Without the interpreter's teardown mpi4py's own end of MPI would not run: mpirun took the ranks for failed
+    (status 1, nothing said). A parallel HDF5 file left open is closed as MPI ends."""
+    if Preloaded.cold:
+        pytest.skip("MPISCALE_TESTS_COLD=1: no preloaded process")
+    program = tmp_path / "left_open.py"
+    program.write_text(
+        "import sys\nfrom mpi4py import MPI\nimport h5py\n"
+        "left = h5py.File(sys.argv[1], 'w', driver='mpio', comm=MPI.COMM_WORLD)\n"
+        "left.create_dataset('ranks', (MPI.COMM_WORLD.size,), 'i8')[MPI.COMM_WORLD.rank] = MPI.COMM_WORLD.rank + 1\n"
+    )
+    out = tmp_path / "left_open.h5"
+    job = finish(launch(2, [sys.executable, str(program), str(out)]), "a program that leaves its file open", 60)
+    assert job.returncode == 0, job.output[-3000:]
+    with h5py.File(out, "r") as written:
+        assert list(written["ranks"][:]) == [1, 2]
 
 
 def test_a_warm_program_killed_by_a_signal_kills_its_stand_in_with_the_same(tmp_path):
