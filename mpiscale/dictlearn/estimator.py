@@ -30,10 +30,9 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
         "mpiscale.dictlearn.DictionaryLearning is a scikit-learn estimator: pip install 'mpiscale[sklearn]'"
     ) from missing
 
-from ..io import epoch_plan, not_numbers
+from ..io import entered_by_all, epoch_plan, not_numbers
 from ..kernels.threads import blas_beside_numba
 from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi, refuse_unjoinable_launch
-from ..runtime import RuntimeConfig, blocking_barrier
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
 from .data import initial_ids, scale_problem, unit_atoms
@@ -368,13 +367,8 @@ def _together(comm: Comm | None, call: str) -> None:
     never calls it would leave the others waiting without a word. A rank that is only late (reading its rows) is
     waited for, without spinning a core; inside ``mpiscale.run`` one that never comes ends the job with the runtime's
     report (see :func:`mpiscale.runtime.blocking_barrier`)."""
-    if comm is None:
-        return
-    check_s = RuntimeConfig.setting("collective_check_s")
-    overdue = (f"{_WHAT}.{call}: rank {comm.Get_rank()} has waited {check_s:g} s for the other ranks of its "
-               f"communicator to call {call} too: each rank must call it (one without rows passes an empty array), "
-               "or this wait never ends")  # fmt: skip
-    blocking_barrier(comm, f"{_WHAT}.{call}", overdue)
+    entered_by_all(comm, f"{_WHAT}.{call}", f"call {call}",
+                   "each rank must call it (one without rows passes an empty array)")  # fmt: skip
 
 
 def _agreed(comm: Comm | None, action: Callable[[], None]) -> None:

@@ -1,7 +1,7 @@
 """Parallel I/O and data-pipeline helpers: sharded HDF5 datasets, checkpoints, batch reader, per-sample randomness."""
 
 from ..ranks import rank_rows
-from .abandon import close_after, leave_open
+from .abandon import close_after, entered_by_all, leave_open
 from .batching import STRATEGIES, Batching, length_batches
 from .checkpoint import Checkpointer, Restored
 from .checkpoint.files import checksum
@@ -92,6 +92,7 @@ __all__ = [
     "read_dataset",
     "refuse_unreadable",
     "close_after",
+    "entered_by_all",
     "leave_open",
     "recorded",
     "replay",

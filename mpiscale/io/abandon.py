@@ -17,8 +17,8 @@ from typing import Protocol
 from ..ranks import Comm
 from .errors import raised_together
 
-#: What a rank waiting alone to write a file is told (see ``entered_by_all``).
-ONE_WRITER = " (a file that one rank writes alone takes no comm)"
+#: What each rank must do, for a rank waiting alone to write a file (see ``entered_by_all``).
+ONE_WRITER = "each rank of the comm given must (a file that one rank writes alone takes no comm)"
 
 #: What ``leave_open`` keeps for the rest of the process.
 _LEFT_OPEN: list[Closable] = []
@@ -64,16 +64,15 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.abandon()
 
 
-def entered_by_all(comm: Comm | None, what: str, doing: str, hint: str = "") -> None:
+def entered_by_all(comm: Comm | None, what: str, doing: str, must: str = "each rank of the comm given must") -> None:
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
     alone would wait in for ever: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits for the others "to
-    ``doing`` too", ``hint`` after), and inside ``mpiscale.run`` a rank that never comes ends the job with the
-    runtime's report. Nothing to wait for without a comm, or with one rank."""
+    ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that never comes ends the
+    job with the runtime's report. Nothing to wait for without a comm, or with one rank."""
     if comm is None or comm.Get_size() == 1:
         return
     from ..runtime import RuntimeConfig, blocking_barrier  # (here: a reader without comm need not load the runtime)
 
     check_s = RuntimeConfig.setting("collective_check_s")
     blocking_barrier(comm, what.split("(")[0], f"{what}: rank {comm.Get_rank()} has waited {check_s:g} s for the "
-                     f"other ranks of its communicator to {doing} too: each rank of the comm given must{hint}, or "
-                     "this wait never ends")  # fmt: skip
+                     f"other ranks of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip

@@ -218,8 +218,8 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
-        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it",
-                       " (a data set that only some ranks read takes no comm)")  # fmt: skip
+        some_ranks = "each rank of the comm given must (a data set that only some ranks read takes no comm)"
+        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", some_ranks)
         try:
             self._segments = self._open(path)
         except BaseException:
