@@ -51,7 +51,7 @@ api: setup
 # over its whole .ci/run); the cold-started cluster file was the largest, 371 s. On 2026-12-04, its ranks warm too,
 # a clean clone's pytest took 20:00 (2,416 s of the workers' time; the cluster file 303 s; other files ran 5-20%
 # faster too that hour, so part of it is the VM's speed). On 2026-12-06 a warm rank's end left out the interpreter's
-# teardown of the preloaded modules (0.3 s of CPU a rank, tests/warm_start.py): the user-data and circuits files took
+# teardown of the preloaded modules (about 0.3 s a rank, tests/warm_start.py): the user-data and circuits files took
 # 107-112 s against 122-125 s, old and new alternating; a clean clone's pytest took 19:36 (2,388 s of the workers'
 # time) against 24:16 (2,877 s) an hour before, the rest of it the VM's pace.
 TEST_WORKERS ?= 2

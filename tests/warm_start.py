@@ -253,7 +253,7 @@ def _run(arguments: list[str]) -> None:
 def _end_before_teardown() -> None:
     """A rank whose program returned or called ``sys.exit(N)`` ends, after every other exit handler (mpiscale's,
     h5py's), as the interpreter's end would (MPI finalized, and HDF5 with it), then as the C library's (the
-    libraries' destructors), but without the interpreter's teardown of every module: 0.3 s of CPU a rank here,
+    libraries' destructors), but without the interpreter's teardown of every module: about 0.3 s a rank here,
     spent freeing torch's and Numba's objects, which only the preloading put in ranks that never used them. What
     the program holds is freed first, as that teardown would: its ``__main__``'s names one by one (a file never
     closed is flushed), then its cycles. An uncaught error or a ``sys.exit("message")`` ends as the interpreter
