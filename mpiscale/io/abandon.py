@@ -17,8 +17,10 @@ from typing import Protocol
 from ..ranks import Comm
 from .errors import raised_together
 
-#: What each rank must do, for a rank waiting alone to write a file (see ``entered_by_all``).
-ONE_WRITER = "each rank of the comm given must (a file that one rank writes alone takes no comm)"
+#: What each rank must do, said to a rank waiting alone in a collective file call (see ``entered_by_all``).
+EACH_RANK = "each rank of the comm given must"
+ONE_WRITER = f"{EACH_RANK} (a file that one rank writes alone takes no comm)"
+SOME_READERS = f"{EACH_RANK} (a data set that only some ranks read takes no comm)"
 
 #: What ``leave_open`` keeps for the rest of the process.
 _LEFT_OPEN: list[Closable] = []
@@ -64,7 +66,7 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.abandon()
 
 
-def entered_by_all(comm: Comm | None, what: str, doing: str, must: str = "each rank of the comm given must") -> None:
+def entered_by_all(comm: Comm | None, what: str, doing: str, must: str = EACH_RANK) -> None:
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
     alone would wait in for ever: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits for the others "to
     ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that never comes ends the

@@ -23,7 +23,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .abandon import ONE_WRITER, close_after, entered_by_all, leave_open
+from .abandon import ONE_WRITER, SOME_READERS, close_after, entered_by_all, leave_open
 from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
@@ -218,8 +218,7 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
-        some_ranks = "each rank of the comm given must (a data set that only some ranks read takes no comm)"
-        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", some_ranks)
+        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS)
         try:
             self._segments = self._open(path)
         except BaseException:
