@@ -50,8 +50,6 @@ READ_AT_IMPORT = ("NUMBA_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH
                   "LD_", "HDF5_", "MALLOC_")  # fmt: skip
 NAMESPACES = ("net", "uts", "mnt")  # what a node of the local cluster is made of (hpc/cluster/cluster.sh)
 _LENGTH = struct.Struct("!I")
-_ENDED_WITH: list[int] = []  # the worker's exit status, once its program ended with one
-_MAIN: list[types.ModuleType] = []  # the worker's program's __main__
 _EVENT = struct.Struct("!ii")  # (kind, number): kind 0 exit status, 1 killed by signal, 2 a signal to forward
 
 
@@ -220,23 +218,24 @@ def _become(request: dict, streams: list[int], namespaces: list[int]) -> None:
                                   write_through=unbuffered or number == 2, line_buffering=raw.isatty())  # fmt: skip
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    atexit.register(_end_before_teardown)  # before the program's: the last exit handler to run
+    main = types.ModuleType("__main__")
+    ended_with: list[int] = []  # the exit status, once the program ended with one
+    atexit.register(_end_before_teardown, main, ended_with)  # before the program's: the last exit handler to run
     try:
-        _run(request["argv"])
+        _run(request["argv"], main)
     except SystemExit as end:
         if end.code is None or isinstance(end.code, int):
-            _ENDED_WITH.append(end.code or 0)
+            ended_with.append(end.code or 0)
         raise
-    _ENDED_WITH.append(0)
+    ended_with.append(0)
 
 
-def _run(arguments: list[str]) -> None:
-    """Run ``python ARGUMENTS`` as the interpreter would: in a ``__main__`` module of its own, which stays until the
-    end, as the interpreter's does (``_end_before_teardown`` frees what it holds)."""
+def _run(arguments: list[str], main: types.ModuleType) -> None:
+    """Run ``python ARGUMENTS`` as the interpreter would: in a ``__main__`` module of its own, ``main``, which stays
+    until the end, as the interpreter's does (``_end_before_teardown`` frees what it holds)."""
     import runpy
 
-    _MAIN.append(types.ModuleType("__main__"))
-    sys.modules["__main__"] = _MAIN[0]
+    sys.modules["__main__"] = main
     if arguments[0] == "-m":
         sys.argv = [arguments[1], *arguments[2:]]
         sys.path[0] = os.getcwd()
@@ -244,13 +243,13 @@ def _run(arguments: list[str]) -> None:
     else:
         sys.argv = list(arguments)
         sys.path[0] = os.path.dirname(os.path.abspath(arguments[0]))
-        _MAIN[0].__file__ = arguments[0]
+        main.__file__ = arguments[0]
         with open(arguments[0], "rb") as source:
             code = compile(source.read(), arguments[0], "exec")
-        exec(code, vars(_MAIN[0]))
+        exec(code, vars(main))
 
 
-def _end_before_teardown() -> None:
+def _end_before_teardown(main: types.ModuleType, ended_with: list[int]) -> None:
     """A rank whose program returned or called ``sys.exit(N)`` ends, after every other exit handler (mpiscale's,
     h5py's), as the interpreter's end would (MPI finalized, and HDF5 with it), then as the C library's (the
     libraries' destructors), but without the interpreter's teardown of every module: about 0.3 s a rank here,
@@ -258,9 +257,9 @@ def _end_before_teardown() -> None:
     the program holds is freed first, as that teardown would: its ``__main__``'s names one by one (a file never
     closed is flushed), then its cycles. An uncaught error or a ``sys.exit("message")`` ends as the interpreter
     does."""
-    if not _ENDED_WITH:
+    if not ended_with:
         return
-    program = vars(_MAIN[0])
+    program = vars(main)
     for name in list(program):
         if name != "__builtins__":
             program[name] = None
@@ -273,7 +272,7 @@ def _end_before_teardown() -> None:
     MPI = sys.modules.get("mpi4py.MPI")  # mpi4py ends MPI after the teardown, which is left out: so here
     if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
         MPI.Finalize()
-    ctypes.CDLL(None).exit(_ENDED_WITH[0])
+    ctypes.CDLL(None).exit(ended_with[0])
 
 
 def _enter(namespaces: list[int]) -> None:
