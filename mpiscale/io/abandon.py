@@ -12,6 +12,7 @@ left open is closed as it exits, before MPI is finalized.
 from __future__ import annotations
 
 import atexit
+from collections.abc import Callable
 from typing import Protocol
 
 from ..ranks import Comm
@@ -22,8 +23,9 @@ EACH_RANK = "each rank of the comm given must"
 ONE_WRITER = f"{EACH_RANK} (a file that one rank writes alone takes no comm)"
 SOME_READERS = f"{EACH_RANK} (a data set that only some ranks read takes no comm)"
 
-#: What ``leave_open`` keeps for the rest of the process.
-_LEFT_OPEN: list[Closable] = []
+#: What ``leave_open`` and ``keep_open`` keep for the rest of the process, in the order they were left (by id): the
+#: object, and how it is closed at the process's end.
+_LEFT_OPEN: dict[int, tuple[object, Callable[[], None]]] = {}
 
 
 def leave_open(*held: Closable) -> None:
@@ -33,15 +35,30 @@ def leave_open(*held: Closable) -> None:
     included. Where the error is one rank's, the runtime aborts every rank; where every rank raised it (a refusal)
     and the process ends normally, they are closed as it exits, before MPI is finalized (HDF5 would close them
     after, which MPI refuses), in the order they were left: the same on every rank."""
+    for each in held:
+        keep_open(each, each.close)
+
+
+def keep_open(owner: object, close_at_exit: Callable[[], None]) -> None:
+    """Keep ``owner`` (what holds a file opened with MPI-IO over several ranks) from the garbage collector until
+    ``closed(owner)``, as ``leave_open`` does; ``close_at_exit`` closes it if the process ends first. A rank that
+    drops it unclosed (returns early, past the others' next call on it) would otherwise close it, collectively, as
+    it is freed, and wait there for the others for ever; at the exit its close meets the others' call instead."""
     if not _LEFT_OPEN:  # (registered now, after MPI's own exit handler: handlers run last registered first)
         atexit.register(_close_left_open)
-    _LEFT_OPEN.extend(held)
+    _LEFT_OPEN.setdefault(id(owner), (owner, close_at_exit))
+
+
+def closed(owner: object) -> None:
+    """``owner`` was closed: ``keep_open`` lets it go."""
+    _LEFT_OPEN.pop(id(owner), None)
 
 
 def _close_left_open() -> None:
-    """Close what ``leave_open`` kept (at a normal exit)."""
+    """Close what ``leave_open`` and ``keep_open`` kept (at a normal exit), in the order they were kept."""
     while _LEFT_OPEN:
-        _LEFT_OPEN.pop(0).close()
+        _, close = _LEFT_OPEN.pop(next(iter(_LEFT_OPEN)))
+        close()
 
 
 class Closable(Protocol):

@@ -11,6 +11,7 @@ every rank.
 from __future__ import annotations
 
 import math
+import weakref
 
 import h5py
 import numpy as np
@@ -26,16 +27,29 @@ def _transfer_list() -> h5py.h5p.PropDXID:
     return plist
 
 
-def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm: Comm | None) -> tuple[int, int]:
-    """(number of rounds, the same on every rank; rows per round)."""
-    row_bytes = dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
-    per_round = max(1, max_bytes // max(row_bytes, 1))
-    mine = math.ceil(rows / per_round)
+def _rows_per_round(dset: h5py.Dataset, max_bytes: int) -> int:
+    return max(1, max_bytes // max(_row_bytes(dset), 1))
+
+
+def _row_bytes(dset: h5py.Dataset) -> int:
+    return dset.dtype.itemsize * int(np.prod(dset.shape[1:], dtype=np.int64))
+
+
+def rounds_of(dset: h5py.Dataset | int, rows: int, max_bytes: int = MAX_TRANSFER_BYTES) -> int:
+    """How many rounds this rank needs to move ``rows`` rows of ``dset`` (or of rows of that many bytes); a
+    collective transfer takes the most of any rank's (``rounds`` of ``write_rows``)."""
+    row_bytes = dset if isinstance(dset, int) else _row_bytes(dset)
+    return math.ceil(rows / max(1, max_bytes // max(row_bytes, 1)))
+
+
+def _rounds(dset: h5py.Dataset, rows: int, max_bytes: int, comm: Comm | None) -> int:
+    """The number of rounds, the same on every rank (collective over ``comm``)."""
+    mine = rounds_of(dset, rows, max_bytes)
     if comm is None:
-        return mine, per_round
+        return mine
     from mpi4py import MPI
 
-    return comm.allreduce(mine, op=MPI.MAX), per_round
+    return comm.allreduce(mine, op=MPI.MAX)
 
 
 def _spaces(dset: h5py.Dataset, start: int, rows: int):
@@ -49,6 +63,18 @@ def _spaces(dset: h5py.Dataset, start: int, rows: int):
     return memory_space, file_space
 
 
+#: Whether a data set's file was opened with MPI-IO, by the data set's HDF5 identifier: asking HDF5 took 25-45 µs,
+#: a round's read of a few rows 100-150.
+_MPIO: weakref.WeakKeyDictionary[h5py.h5d.DatasetID, bool] = weakref.WeakKeyDictionary()
+
+
+def _uses_mpio(dset: h5py.Dataset) -> bool:
+    found = _MPIO.get(dset.id)
+    if found is None:
+        found = _MPIO[dset.id] = dset.file.driver == "mpio"
+    return found
+
+
 def _transfer(
     dset: h5py.Dataset,
     start: int,
@@ -57,11 +83,15 @@ def _transfer(
     max_bytes: int,
     write: bool,
     memory_type: h5py.h5t.TypeID | None = None,
+    rounds: int | None = None,
 ) -> None:
-    """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank;
-    ``memory_type``: the HDF5 type of the buffer's values (by default, that of its dtype)."""
-    rounds, per_round = _rounds(dset, len(buffer), max_bytes, comm)
-    plist = _transfer_list() if comm is not None and dset.file.driver == "mpio" else None
+    """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank
+    (``rounds``, where the caller has agreed on it: at least every rank's ``rounds_of``); ``memory_type``: the HDF5
+    type of the buffer's values (by default, that of its dtype)."""
+    per_round = _rows_per_round(dset, max_bytes)
+    if rounds is None:
+        rounds = _rounds(dset, len(buffer), max_bytes, comm)
+    plist = _transfer_list() if comm is not None and _uses_mpio(dset) else None
     placeholder = np.empty((1, *buffer.shape[1:]), dtype=buffer.dtype)
     move = dset.id.write if write else dset.id.read
     for round_index in range(rounds):
@@ -72,10 +102,16 @@ def _transfer(
 
 
 def write_rows(
-    dset: h5py.Dataset, start: int, data: np.ndarray, comm: Comm | None = None, max_bytes: int = MAX_TRANSFER_BYTES
+    dset: h5py.Dataset,
+    start: int,
+    data: np.ndarray,
+    comm: Comm | None = None,
+    max_bytes: int = MAX_TRANSFER_BYTES,
+    rounds: int | None = None,
 ) -> None:
-    """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given."""
-    _transfer(dset, start, np.ascontiguousarray(data, dtype=dset.dtype), comm, max_bytes, write=True)
+    """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given, in ``rounds`` rounds
+    where the caller agreed on them (else an allreduce finds them)."""
+    _transfer(dset, start, np.ascontiguousarray(data, dtype=dset.dtype), comm, max_bytes, write=True, rounds=rounds)
 
 
 def read_rows(
@@ -85,13 +121,15 @@ def read_rows(
     comm: Comm | None = None,
     max_bytes: int = MAX_TRANSFER_BYTES,
     dtype: np.dtype | None = None,
+    rounds: int | None = None,
 ) -> np.ndarray:
     """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call); as ``dtype`` when given
     (HDF5 converts: a big-endian data set read in this machine's order). Values of an HDF5 array type (each a
-    fixed array, as C tools store a vector) come as the array's numbers, in more dimensions."""
+    fixed array, as C tools store a vector) come as the array's numbers, in more dimensions. ``rounds``: as
+    ``write_rows``'s."""
     element, inner = dset.dtype.subdtype or (dset.dtype, ())
     dtype = element if dtype is None else np.dtype(dtype)
     out = np.empty((max(stop - start, 0), *dset.shape[1:], *inner), dtype=dtype)
     memory_type = h5py.h5t.py_create(np.dtype((dtype, inner))) if inner else None
-    _transfer(dset, start, out, comm, max_bytes, write=False, memory_type=memory_type)
+    _transfer(dset, start, out, comm, max_bytes, write=False, memory_type=memory_type, rounds=rounds)
     return out

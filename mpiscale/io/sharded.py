@@ -1,12 +1,10 @@
 """Sharded datasets: arrays stored with their global shape, written and read by row ranges.
 
-``write_dataset`` is collective: each rank passes its own rows, and they land
-in global row order (rank 0's first) in one HDF5 file written with the MPI
-driver and collective I/O. ``write_index`` puts several HDF5 files (written by
-jobs of any world size, or by any other tool) behind one index file;
-``ShardedDataset`` reads a plain file, an index, a glob or a list of files the
-same way, so callers never see the shards. The index also holds an HDF5
-virtual dataset per array, so plain serial ``h5py`` reads it as one array.
+``write_dataset`` is collective: each rank passes its own rows, and they land in global row order (rank 0's
+first) in one HDF5 file written with the MPI driver and collective I/O. ``write_index`` puts several HDF5 files
+(written by jobs of any world size, or by any other tool) behind one index file; ``ShardedDataset`` reads a plain
+file, an index, a glob or a list of files the same way, so callers never see the shards. The index also holds an
+HDF5 virtual dataset per array, so plain serial ``h5py`` reads it as one array.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
 from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
-from .abandon import ONE_WRITER, SOME_READERS, close_after, entered_by_all, leave_open
+from .abandon import ONE_WRITER, SOME_READERS, close_after, closed, entered_by_all, keep_open, leave_open
 from .errors import DataFileError, refuse_unreadable
 from .h5file import (
     INDEX_FORMAT,
@@ -38,6 +36,7 @@ from .h5file import (
     stamp,
 )
 from .numpy_files import NpySource, is_numpy_file
+from .same_calls import NO_ROWS_READ, SameCalls
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
 from .sparse_rows import CsrSource, sparse_group, sparse_groups
 from .writer import RowWriter
@@ -193,6 +192,10 @@ class _Segment:
     stop: int
     source: Source
 
+    def within(self, start: int, stop: int) -> tuple[int, int]:
+        """Rows ``start:stop`` of the data set as rows of this segment's source; an empty range where they miss."""
+        return min(max(start, self.start), self.stop) - self.start, max(min(stop, self.stop), self.start) - self.start
+
 
 class ShardedDataset:
     """One array of one or more input files, read by global row ranges as if it were one array.
@@ -218,6 +221,7 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
+        self._calls = SameCalls(self._comm, f"ShardedDataset({self.path})", NO_ROWS_READ)
         entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS)
         try:
             self._segments = self._open(path)
@@ -228,6 +232,8 @@ class ShardedDataset:
         self.dtype: np.dtype = first.dtype
         self.shape: tuple[int, ...] = (self._segments[-1].stop, *first.shape[1:])
         check_array(self.path, self.name, self.shape, self.dtype, row_shape, dtype)
+        if self._comm is not None and self._comm.Get_size() > 1:
+            keep_open(self, self.close)  # (never closed by the garbage collector: its close is collective)
 
     def _open(self, path) -> list[_Segment]:
         files = [os.fspath(p) for p in path] if isinstance(path, list) else None
@@ -378,13 +384,12 @@ class ShardedDataset:
     def read_collective(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` with collective I/O: every rank of ``comm`` calls, with any ranges."""
         self._check(start, stop)
+        spans = [(s.source, *s.within(start, stop)) for s in self._segments]  # (every segment takes part)
+        most = max((source.rounds(hi - lo) for source, lo, hi in spans if isinstance(source, H5Source)), default=0)
+        rounds = self._calls.begin("read_collective", most=most)  # (the transfers' rounds agreed with the call)
         settle_background_io()
-        parts = []
-        for s in self._segments:
-            lo, hi = max(start, s.start), min(stop, s.stop)
-            if hi < lo:
-                lo = hi = s.start
-            parts.append(s.source.read(lo - s.start, hi - s.start, self._comm))
+        parts = [source.read(lo, hi, self._comm, rounds=rounds) if isinstance(source, H5Source)
+                 else source.read(lo, hi, self._comm) for source, lo, hi in spans]  # fmt: skip
         return self._join(parts)
 
     def _join(self, parts: list[np.ndarray]) -> np.ndarray:
@@ -393,12 +398,16 @@ class ShardedDataset:
         return np.concatenate(parts) if parts else np.empty((0, *self.shape[1:]), self.dtype)
 
     def close(self) -> None:
-        """Close the files (collective when opened with ``comm``)."""
+        """Close the files (collective when opened with ``comm``); closing again does nothing."""
+        if not self._sources:  # (closed, or none opened)
+            return
         if self._comm is not None:
+            self._calls.begin("close")
             settle_background_io()
         for source in self._sources:
             source.close()
         self._sources.clear()
+        closed(self)
 
     def abandon(self) -> None:
         """After an error that may be this rank's alone: leave the files open (``leave_open``), not closed

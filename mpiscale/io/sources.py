@@ -23,7 +23,7 @@ import numpy as np
 from ..ranks import Comm
 from .errors import DataFileError, not_found, unreadable_rows
 from .h5file import datasets_in, describe_datasets
-from .rows import read_rows
+from .rows import read_rows, rounds_of
 from .sparse_rows import sparse_groups
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
@@ -151,10 +151,18 @@ class H5Source:
         self._row_bytes = self.dtype.itemsize * math.prod(self.shape[1:])
         self._descriptor: int | None = None
 
-    def read(self, start: int, stop: int, comm: Comm | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``start:stop``; collective over ``comm`` when given; into ``out`` (C-contiguous) when given. Rows
-        that cannot be read (a chunk whose checksum or compressed bytes are damaged, a disk's I/O error) are a
-        DataFileError naming the file, the data set and the rows (it was HDF5's bare OSError)."""
+    def read(
+        self,
+        start: int,
+        stop: int,
+        comm: Comm | None = None,
+        out: np.ndarray | None = None,
+        rounds: int | None = None,
+    ) -> np.ndarray:
+        """Rows ``start:stop``; collective over ``comm`` when given (in ``rounds`` rounds where the ranks agreed on
+        them: at least each one's ``rounds``); into ``out`` (C-contiguous) when given. Rows that cannot be read (a
+        chunk whose checksum or compressed bytes are damaged, a disk's I/O error) are a DataFileError naming the
+        file, the data set and the rows (it was HDF5's bare OSError)."""
         try:
             if comm is None and self._offset is not None:
                 if out is None:
@@ -163,13 +171,20 @@ class H5Source:
                 if self._swapped:
                     out.byteswap(inplace=True)
                 return out
-            rows = read_rows(self.dataset, start, stop, None if self.independent else comm, dtype=self.dtype)
+            collective = None if self.independent else comm
+            rows = read_rows(self.dataset, start, stop, collective, dtype=self.dtype,
+                             rounds=None if collective is None else rounds)  # fmt: skip
         except OSError as error:
             raise unreadable_rows(self.path, self.dataset.name, start, stop, error) from None
         if out is None:
             return rows
         out[...] = rows
         return out
+
+    def rounds(self, rows: int) -> int:
+        """The rounds this rank needs to read ``rows`` rows collectively (``read``'s ``rounds``; 0 where it reads
+        independently)."""
+        return 0 if self.independent else rounds_of(self._row_bytes, rows)  # (not the data set's shape: HDF5 calls)
 
     def _pread(self, start: int, stop: int, out: np.ndarray) -> np.ndarray:
         view = memoryview(out.reshape(-1).view(np.uint8))

@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 
 import h5py
 import numpy as np
 
 from ..ranks import AgreedError, AnyComm, Comm, agree, as_mpi, size_and_rank
-from .abandon import ONE_WRITER, entered_by_all
+from ..runtime import CollectiveMismatch
+from .abandon import ONE_WRITER, closed, entered_by_all, keep_open
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
-from .rows import write_rows
+from .rows import rounds_of, write_rows
+from .same_calls import NO_ROWS_WRITTEN, SameCalls
 from .space import space_problem
 
 
@@ -52,8 +55,10 @@ class RowWriter:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
         self.size, self.rank = size_and_rank(self.comm)
+        self._calls = SameCalls(self.comm, f"RowWriter({self.path})", NO_ROWS_WRITTEN)
         entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
+        self._open_datasets: dict[str, h5py.Dataset] = {}
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
             problem = unstorable(np.dtype(dtype))
             if problem is not None:
@@ -78,6 +83,7 @@ class RowWriter:
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
+        self._keep_open()
 
     @classmethod
     def reopen(cls, path: str | os.PathLike, kept: str | os.PathLike, comm: AnyComm | None = None) -> RowWriter:
@@ -86,8 +92,10 @@ class RowWriter:
         writer = cls.__new__(cls)
         writer.path, writer.comm = os.fspath(path), as_mpi(comm)
         writer.size, writer.rank = size_and_rank(writer.comm)
+        writer._calls = SameCalls(writer.comm, f"RowWriter({writer.path})", NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
         writer.temporary, writer.file = f"{writer.path}.tmp", None
+        writer._open_datasets = {}
         failure: BaseException | None = None
         try:
             if writer.rank == 0:
@@ -110,11 +118,13 @@ class RowWriter:
                 with contextlib.suppress(OSError):
                     os.replace(writer.temporary, kept)
             raise
+        writer._keep_open()
         return writer
 
     def mark(self, **attrs: str | int | float) -> None:
         """Set file attributes (collective: the same values on every rank)."""
         assert self.file is not None, "mark after close"
+        self._begin(f"mark({', '.join(attrs)})")
         failure = None
         try:
             for key, value in attrs.items():
@@ -126,6 +136,7 @@ class RowWriter:
     def flush(self) -> None:
         """Push what was written to the disk (collective)."""
         assert self.file is not None, "flush after close"
+        self._begin("flush")
         failure = None
         try:
             self.file.flush()
@@ -136,6 +147,7 @@ class RowWriter:
     def add(self, layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> None:
         """Create more data sets (collective: the same ``layout`` on every rank), for shapes known only later."""
         assert self.file is not None, "add after close"
+        self._begin(f"add({', '.join(layout)})")
         failure = None
         try:
             for name, (shape, dtype) in layout.items():
@@ -148,29 +160,38 @@ class RowWriter:
         """Set the first dimension of growing data sets (collective: the same ``rows`` on every rank); smaller
         drops the rows past it (a resumed run drops what its predecessor wrote after its last mark)."""
         assert self.file is not None, "grow after close"
+        self._begin(f"grow({', '.join(rows)})")
         failure = None
         try:
             for name, count in rows.items():
-                self.file[name].resize(count, axis=0)
+                self._dataset(name).resize(count, axis=0)
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)
 
     def write(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
-        self._agree(self._written(start, arrays, self.comm))
+        assert self.file is not None, "write after close"
+        arrays = {name: np.asarray(rows) for name, rows in arrays.items()}
+        most = max((rounds_of(self._dataset(name), len(rows)) for name, rows in arrays.items()), default=0)
+        rounds = self._begin(f"write({', '.join(arrays)})", most=most)  # (agreed with the call: one exchange)
+        self._agree(self._written(start, arrays, self.comm, rounds))
 
     def write_replicated(self, arrays: dict[str, np.ndarray]) -> None:
         """Write whole arrays every rank holds (collective): rank 0 writes them alone, with independent I/O (the
         other ranks would only take part with no rows), and every rank learns whether that failed."""
+        self._begin(f"write_replicated({', '.join(arrays)})")
         self._agree(self._written(0, arrays, None) if self.rank == 0 else None)
 
-    def _written(self, start: int, arrays: dict[str, np.ndarray], comm: Comm | None) -> BaseException | None:
-        """Write ``arrays`` at row ``start``, collective over ``comm`` when given; the failure, or None."""
+    def _written(
+        self, start: int, arrays: dict[str, np.ndarray], comm: Comm | None, rounds: int | None = None
+    ) -> BaseException | None:
+        """Write ``arrays`` at row ``start``, collective over ``comm`` when given (in ``rounds`` rounds each, where
+        agreed); the failure, or None."""
         assert self.file is not None, "write after close"
         try:
             for name, rows in arrays.items():
-                write_rows(self.file[name], start, np.asarray(rows), comm)
+                write_rows(self._dataset(name), start, np.asarray(rows), comm, rounds=rounds)
         except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
             return error
         return None
@@ -178,16 +199,19 @@ class RowWriter:
     def close(self, name: str | os.PathLike | None = None) -> None:
         """Flush and put the file in place (collective); ``name``: under that name instead (an unfinished file a
         later run will ``reopen``)."""
+        self._begin("close")
         failure = None
         try:
             if self.file is not None:
                 self.file.close()
                 self.file = None
+                self._open_datasets.clear()
             if self.rank == 0:
                 publish(self.temporary, self.path if name is None else name)
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
+        closed(self)
 
     def abort(self) -> None:
         """Close and remove the temporary file (collective: after a failure every rank saw)."""
@@ -195,9 +219,48 @@ class RowWriter:
             if self.file is not None:
                 self.file.close()
         self.file = None
+        self._open_datasets.clear()
+        closed(self)
         if self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
+
+    def _dataset(self, name: str) -> h5py.Dataset:
+        """The open data set ``name``, opened once (h5py opens it anew on each ``file[name]``: 20-30 µs a round)."""
+        assert self.file is not None, "write after close"
+        found = self._open_datasets.get(name)
+        if found is None:
+            found = self._open_datasets[name] = self.file[name]
+        return found
+
+    def _keep_open(self) -> None:
+        """Over several ranks, keep this writer from the garbage collector until closed or aborted: a rank that
+        drops it unclosed would close its file, collectively, as it is freed, and wait there for ever."""
+        if self.size > 1:
+            keep_open(self, self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """At the process's end, a writer never closed (nor aborted): its file closed as every rank comes, kept under
+        the temporary name with what was written (said by rank 0); never put in place unfinished."""
+        if self.file is None:
+            return
+        self._begin("close", "the program's end (it never closed the writer)")
+        self.file.close()
+        self.file = None
+        self._open_datasets.clear()
+        if self.rank == 0:
+            print(f"mpiscale: RowWriter({self.path}) was never closed: what was written stays in {self.temporary} "
+                  "(close() puts the file in place)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _begin(self, call: str, site: str | None = None, most: int = 0) -> int:
+        """Wait for every rank to come to ``call`` (``write(X)``), its next on this writer; where one came to another
+        call, every rank raises ``CollectiveMismatch`` and nothing of the file stays. Returns the most any rank gave
+        as ``most`` (``SameCalls.begin``)."""
+        try:
+            return self._calls.begin(call, site, most)
+        except CollectiveMismatch:
+            self.abort()
+            raise
 
     def _agree(self, failure: BaseException | None) -> None:
         try:
@@ -212,7 +275,7 @@ class RowWriter:
     def __exit__(self, kind, *exc) -> None:
         if kind is None:
             self.close()
-        elif issubclass(kind, (WriteError, AgreedError)):
+        elif issubclass(kind, (WriteError, AgreedError, CollectiveMismatch)):
             self.abort()  # every rank raised it together
         else:
             self.abandon()

@@ -1,8 +1,9 @@
 """The actor runtime on MPI. Knows nothing about ML, HDF5 or MQTT."""
 
+from .abandoned import call_site
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
-from .blocking import blocking_barrier
+from .blocking import blocking_barrier, blocking_collective
 from .channels import Channel
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -51,6 +52,8 @@ __all__ = [
     "Steering",
     "TransportError",
     "blocking_barrier",
+    "blocking_collective",
+    "call_site",
     "current_system",
     "library_line",
     "message_path",

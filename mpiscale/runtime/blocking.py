@@ -82,6 +82,13 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     barrier, printing ``overdue`` to stderr once this rank has waited ``collective_check_s``. ``operation`` names
     the call in the runtime's reports (``"DictionaryLearning.fit"``). Inside ``mpiscale.run``, a rank that never
     calls it is found and reported, ending the job, as for the runtime's own collectives."""
+    blocking_collective(comm, lambda raw: raw.Ibarrier(), operation, overdue)
+
+
+def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str) -> None:
+    """:func:`blocking_barrier` for any non-blocking collective: ``start(mpi_comm)`` posts it and returns its request
+    (``lambda raw: raw.Iallreduce(mine, out, MPI.MAX)``), which is waited for as the barrier is, said, watched and
+    ended alike."""
     raw = as_mpi(comm)
     system = _running_system()
     check_s = system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
@@ -89,7 +96,7 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
     began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
-    request, pause, said, look_at = raw.Ibarrier(), 1e-5, False, 0.0
+    request, pause, said, look_at = start(raw), 1e-5, False, 0.0
     try:
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)

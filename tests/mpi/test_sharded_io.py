@@ -2,6 +2,7 @@
 
 import re
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -44,7 +45,7 @@ def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_r
     "call, doing, entered",
     [
         ("RowWriter", "make it", "RowWriter #1 on world"),
-        ("RowWriter.reopen", "reopen it", "RowWriter.reopen #2 on world"),  # (every rank made the first)
+        ("RowWriter.reopen", "reopen it", "RowWriter.reopen #3 on world"),  # (every rank made and closed the first)
         ("write_dataset", "write it", "write_dataset #1 on world"),
         ("Checkpointer", "open it", "Checkpointer #1 on world"),
         ("Checkpointer.save", "save it", "Checkpointer.save #1 on checkpoints/"),
@@ -62,3 +63,79 @@ def test_a_collective_file_call_only_rank_0_makes_ends_the_job_with_a_report(tmp
     assert "called at only_rank_0.py:" in job.stderr, job.stderr[-3000:]
     assert re.search(rf"{re.escape(call)}\(.*\): rank 0 has waited 1 s for the other ranks of its communicator to "
                      rf"{doing} too: each rank of the comm given must", job.stderr), job.stderr  # fmt: skip
+
+
+_EACH_RANK_MUST = "each rank of the comm given must make the same calls on it in the same order"
+
+
+@pytest.mark.parametrize("how", ["plain", "run"])
+@pytest.mark.parametrize(
+    "call, made, skipped, hint",
+    [
+        ("write", "RowWriter({out}): the ranks made different calls on it: rank 0: write(X), its call 2 on it, at "
+         "skipped_call.py:{line}; rank 1: close, its call 2 on it, at skipped_call.py:", "writer.write(",
+         "(a rank without rows in a round writes empty arrays)"),
+        ("read", "ShardedDataset({data}): the ranks made different calls on it: rank 0: read_collective, its call 2 "
+         "on it, at skipped_call.py:{line}; rank 1: close, its call 2 on it, at skipped_call.py:", "read_collective(",
+         "(a rank without rows in a round reads an empty range: read_collective(n, n))"),
+    ],
+)  # fmt: skip
+def test_a_round_that_one_rank_skips_ends_every_rank_naming_each_ranks_call(tmp_path, how, call, made, skipped, hint):
+    """Rank 1 has no rows in the second round and skips its call (``if len(mine):``), then closes: its close met rank
+    0's second call, and both waited for ever (each test hung). Each call on a writer or a data set read
+    collectively now starts with an exchange of the ranks' calls: every rank raises one CollectiveMismatch naming
+    each rank's call and line, under mpiscale.run and in a plain mpi4py program, and no output is left."""
+    job = run_mpi("skipped_call.py", 2, str(tmp_path), call, how, timeout=60, env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    line = _line_of("skipped_call.py", skipped)
+    said = made.format(out=tmp_path / "out.h5", data=tmp_path / "in.h5", line=line)
+    assert f"CollectiveMismatch: {said}" in job.stderr, job.stderr[-3000:]
+    assert f"; {_EACH_RANK_MUST} {hint}" in job.stderr, job.stderr[-3000:]
+    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "out.h5.tmp").exists()
+
+
+def test_a_rank_that_returns_with_its_writer_unclosed_ends_the_plain_job_naming_it(tmp_path):
+    """Rank 1 returns from its program after the first round, its RowWriter neither closed nor in a ``with``: as the
+    writer was freed, its file's close (collective) waited for rank 0, and rank 0 in its next write for rank 1, for
+    ever. An unclosed writer is kept now, and closed at the process's end as every rank comes: that close meets
+    rank 0's write, and each rank names the other's call."""
+    job = run_mpi("skipped_call.py", 2, str(tmp_path), "ended", "plain", timeout=60,
+                  env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    said = (f"CollectiveMismatch: RowWriter({tmp_path / 'out.h5'}): the ranks made different calls on it: rank 0: "
+            f"write(X), its call 2 on it, at skipped_call.py:{_line_of('skipped_call.py', 'np.zeros((hi - lo')}; "
+            "rank 1: close, its call 2 on it, at the program's end (it never closed the writer)")  # fmt: skip
+    assert said in job.stderr, job.stderr[-3000:]
+    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "out.h5.tmp").exists()
+
+
+def test_a_rank_that_returns_from_main_with_its_writer_unclosed_ends_the_job_with_a_report(tmp_path):
+    """The same under mpiscale.run: rank 0's write waits in an exchange the runtime watches, and the job ends with
+    its report naming the write and the line of rank 1's last."""
+    job = run_mpi("skipped_call.py", 2, str(tmp_path), "ended", "run", timeout=60,
+                  env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    said = "a collective that not every rank will enter: RowWriter.write #3 on world (blocking calls) (rank 0 waits "
+    assert said + "in it; rank 1 never will)" in job.stderr, job.stderr[-3000:]
+    assert "the last: RowWriter.write #2, called at skipped_call.py:" in job.stderr, job.stderr[-3000:]
+
+
+@pytest.mark.parametrize("call", ["write", "read", "ended"])
+def test_rounds_where_ranks_without_rows_pass_empty_ranges_complete_on_4_ranks(tmp_path, call):
+    """The same programs with every call made (a rank without rows passes an empty range): on 4 ranks, three of
+    which have no rows in the second round, the file holds every row and the reads every row once."""
+    job = run_mpi("skipped_call.py", 4, str(tmp_path), call, "run", "fixed", timeout=60)
+    assert_ok(job)
+    if call == "read":
+        sums = [float(found) for found in re.findall(r"rank \d read (\d+)", job.stdout)]
+        assert len(sums) == 8 and sum(sums) == np.arange(10.0).sum(), job.stdout
+    else:
+        with h5py.File(tmp_path / "out.h5", "r") as file:
+            expected = np.arange(10.0).reshape(5, 2) if call == "write" else np.zeros((5, 2))
+            assert np.array_equal(file["X"][:], expected)
+
+
+def _line_of(program: str, text: str) -> int:
+    """The number of the first line of a test program that holds ``text``."""
+    lines = (Path(__file__).parent / "programs" / program).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
