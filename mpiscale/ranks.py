@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, overload
 
@@ -114,15 +115,40 @@ def end_job_on_uncaught() -> None:
     ``fit`` left the other waiting until the launcher's timeout). Only where ``sys.excepthook`` is Python's own (a
     program's or a notebook's hook stays), and it aborts only where MPI runs with several ranks."""
     if sys.excepthook is sys.__excepthook__:
-        sys.excepthook = _report_and_abort
+        sys.excepthook = report_and_abort
 
 
-def _report_and_abort(kind: type[BaseException], error: BaseException, trace: Any) -> None:
-    sys.__excepthook__(kind, error, trace)
+#: A failure every rank raised alike: how long the others wait for the reporting rank's report and abort.
+AGREED_REPORT_S = 3.0
+
+
+def reported_by_another(error: BaseException, rank: int, size: int) -> int | None:
+    """The world rank whose report stands for ``error`` where every rank raised it alike (its ``reporter``, set by
+    the code that raised it on every rank) and that is not ``rank``; else None."""
+    reporter = getattr(error, "reporter", None)
+    return reporter if isinstance(reporter, int) and reporter != rank and 0 <= reporter < size else None
+
+
+def reported_line(rank: int, error: BaseException, reporter: int) -> str:
+    """What a rank says of ``error`` whose report is ``reporter``'s: one line, not a second traceback."""
+    return f"mpiscale: rank {rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank {reporter}'s)"
+
+
+def report_and_abort(kind: type[BaseException], error: BaseException, trace: Any) -> None:
+    """Python's report of ``error`` that no code caught, then every rank of the job ended, where MPI runs with
+    several ranks (``end_job_on_uncaught``'s hook). An error every rank raised alike is reported by its reporter
+    alone: the other ranks wait for its abort, and say one line if it does not come."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
+        sys.__excepthook__(kind, error, trace)
         return
-    end_every_rank(MPI, f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {kind.__name__} that no code caught: ending "
+    rank = MPI.COMM_WORLD.Get_rank()
+    reporter = reported_by_another(error, rank, MPI.COMM_WORLD.Get_size())
+    if reporter is not None:  # every rank raised it: the reporter's traceback stands for all, not one from each
+        time.sleep(AGREED_REPORT_S)  # (the reporter's abort usually ends this rank first, its report whole)
+        end_every_rank(MPI, reported_line(rank, error, reporter))
+    sys.__excepthook__(kind, error, trace)
+    end_every_rank(MPI, f"mpiscale: rank {rank}: {kind.__name__} that no code caught: ending "
                    "every rank of the job (the others would wait for this one for ever)")  # fmt: skip
 
 

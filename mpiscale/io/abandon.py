@@ -15,7 +15,7 @@ import atexit
 from collections.abc import Callable
 from typing import Protocol
 
-from ..ranks import Comm
+from ..ranks import Comm, report_and_abort
 from .errors import raised_together
 
 #: What each rank must do, said to a rank waiting alone in a collective file call (see ``entered_by_all``).
@@ -55,10 +55,14 @@ def closed(owner: object) -> None:
 
 
 def _close_left_open() -> None:
-    """Close what ``leave_open`` and ``keep_open`` kept (at a normal exit), in the order they were kept."""
-    while _LEFT_OPEN:
-        _, close = _LEFT_OPEN.pop(next(iter(_LEFT_OPEN)))
-        close()
+    """Close what ``leave_open`` and ``keep_open`` kept (at a normal exit), in the order they were kept; an error
+    there ends the job as one no code caught (a close that met another rank's other call: each rank raises it)."""
+    try:
+        while _LEFT_OPEN:
+            _, close = _LEFT_OPEN.pop(next(iter(_LEFT_OPEN)))
+            close()
+    except Exception as error:
+        report_and_abort(type(error), error, error.__traceback__)
 
 
 class Closable(Protocol):

@@ -31,6 +31,7 @@ import h5py
 import numpy as np
 
 from ..ranks import AnyComm, Comm, as_mpi, on_rank_0, rank_rows, size_and_rank
+from .abandon import SOME_READERS, entered_by_all
 from .errors import DataFileError, refuse_unreadable, unreadable_rows
 from .h5file import dataset, open_file
 from .numpy_files import is_npy, is_numpy_file
@@ -134,6 +135,7 @@ class RaggedDataset:
         comm = as_mpi(comm)
         self._values: ShardedDataset | None = None
         self._vlen: list[tuple[int, h5py.Dataset]] = []
+        entered_by_all(comm, f"RaggedDataset({self.path})", "open it", SOME_READERS)
         files = on_rank_0(comm, lambda: resolve_files(self.path))
         try:
             if offsets:

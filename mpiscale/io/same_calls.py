@@ -50,7 +50,7 @@ class SameCalls:
         caller's line outside mpiscale). Returns the most any rank gave as ``most`` (a number the call needs agreed
         anyway, as the rounds of a transfer: one exchange, not two)."""
         comm, every = self._comm, self._every
-        if comm is None or every is None:
+        if comm is None or every is None or not comm:  # (not comm: freed, as a job's end frees its own: HDF5 has one)
             return most
         self._made += 1
         mine = np.array([zlib.crc32(f"{self._what}.{call}".encode()), self._made, most], np.int64)
@@ -60,20 +60,11 @@ class SameCalls:
         blocking_collective(comm, lambda raw: raw.Iallgather(mine, every), operation, overdue)
         if (every[:, :2] == every[0, :2]).all():
             return int(every[:, 2].max())
-        calls = comm.allgather(f"{call}, its call {self._made} on it, at {site or call_site(_PACKAGE_DIR)}")
-        error = CollectiveMismatch(f"{self._what}: the ranks made different calls on it: {by_ranks(calls)}; "
+        from mpi4py import MPI
+
+        said = f"{call}, its call {self._made} on it, at {site or call_site(_PACKAGE_DIR)}"
+        world_ranks, calls = zip(*comm.allgather((MPI.COMM_WORLD.Get_rank(), said)))
+        error = CollectiveMismatch(f"{self._what}: the ranks made different calls on it: {by_ranks(list(calls))}; "
                                    f"{self._must}")  # fmt: skip
-        error.reporter = _world_rank_of_first(comm)  # every rank raises it: under mpiscale.run, one report
+        error.reporter = world_ranks[0]  # every rank raises it: under mpiscale.run, one report (its first rank's)
         raise error
-
-
-def _world_rank_of_first(comm: Comm) -> int:
-    """The world rank of ``comm``'s rank 0."""
-    from mpi4py import MPI
-
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return MPI.Group.Translate_ranks(group, [0], world)[0]
-    finally:
-        group.Free()
-        world.Free()

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+from ..ranks import AGREED_REPORT_S, reported_by_another, reported_line
 from . import wire
 from .abandoned import AbandonedWatch, CollectiveLog
 from .actor import Actor, ActorCell, ActorGroup, ActorRef, RestartPolicy, address
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SYSTEM_ACTOR = "mpiscale.system"
-_AGREED_REPORT_S = 3.0  # a failure every rank raised alike: how long the others wait for the reporter's abort
 
 
 class _SystemActor(Actor):
@@ -314,15 +314,14 @@ class ActorSystem:
         """Print one failure report for this rank and abort the whole job with ``status``."""
         if self.failing:
             return
-        reporter = getattr(error, "reporter", None)
-        if reporter is not None and reporter != self.rank and 0 <= reporter < self.size:
+        reporter = reported_by_another(error, self.rank, self.size)
+        if reporter is not None:
             # Every rank raised it alike: the reporter's report, and its abort, end the job. This rank gives them
             # time, then ends with one line (the reporter may have caught it and gone on).
             self.failing = True
             sys.stdout.flush()
-            time.sleep(_AGREED_REPORT_S)
-            self.abort(f"mpiscale: rank {self.rank}: {type(error).__name__}: {str(error)[:200]} (the report is rank "
-                        f"{reporter}'s)\n", status)  # fmt: skip
+            time.sleep(AGREED_REPORT_S)
+            self.abort(reported_line(self.rank, error, reporter) + "\n", status)
             return
         if isinstance(error, MessageRefused):
             source = error.source

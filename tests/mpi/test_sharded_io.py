@@ -47,6 +47,7 @@ def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_r
         ("RowWriter", "make it", "RowWriter #1 on world"),
         ("RowWriter.reopen", "reopen it", "RowWriter.reopen #3 on world"),  # (every rank made and closed the first)
         ("write_dataset", "write it", "write_dataset #1 on world"),
+        ("RaggedDataset", "open it", "RaggedDataset #1 on world"),
         ("Checkpointer", "open it", "Checkpointer #1 on world"),
         ("Checkpointer.save", "save it", "Checkpointer.save #1 on checkpoints/"),
         ("Checkpointer.load", "load it", "Checkpointer.load #2 on checkpoints/"),
@@ -91,6 +92,18 @@ def test_a_round_that_one_rank_skips_ends_every_rank_naming_each_ranks_call(tmp_
     said = made.format(out=tmp_path / "out.h5", data=tmp_path / "in.h5", line=line)
     assert f"CollectiveMismatch: {said}" in job.stderr, job.stderr[-3000:]
     assert f"; {_EACH_RANK_MUST} {hint}" in job.stderr, job.stderr[-3000:]
+    assert not (tmp_path / "out.h5").exists() and not (tmp_path / "out.h5.tmp").exists()
+
+
+def test_a_round_that_three_of_4_ranks_skip_ends_every_rank_naming_each_ranks_call(tmp_path):
+    """On 4 ranks, ranks 1-3 have no rows in the second round and skip their write: one report, the ranks that made
+    the same call named together."""
+    job = run_mpi("skipped_call.py", 4, str(tmp_path), "write", "run", timeout=60)
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    said = (f"RowWriter({tmp_path / 'out.h5'}): the ranks made different calls on it: rank 0: write(X), its call 2 on "
+            f"it, at skipped_call.py:{_line_of('skipped_call.py', 'writer.write(')}; ranks 1-3: close, its call 2 on "
+            "it, at skipped_call.py:")  # fmt: skip
+    assert said in job.stderr and job.stderr.count("job failed on rank") == 1, job.stderr[-3000:]
     assert not (tmp_path / "out.h5").exists() and not (tmp_path / "out.h5.tmp").exists()
 
 

@@ -1,15 +1,17 @@
 """A collective file call that only rank 0 makes, given the world's communicator (the classic ``if rank == 0:``
 slip), while rank 1 returns from main: rank 0 waited in the call's first collective for ever. Arguments: a
-directory to write in, and the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``Checkpointer``,
-``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where there are, made by every rank)."""
+directory to write in, and the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``RaggedDataset``,
+``Checkpointer``, ``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where there are, made by every
+rank)."""
 
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 import mpiscale
-from mpiscale.io import Checkpointer, RowWriter, write_dataset
+from mpiscale.io import Checkpointer, RaggedDataset, RowWriter, write_dataset
 
 DIRECTORY, CALL = Path(sys.argv[1]), sys.argv[2]
 LAYOUT = {"X": ((4, 2), np.float64)}
@@ -25,6 +27,10 @@ async def main(system):
             RowWriter.reopen(DIRECTORY / "rows.h5", DIRECTORY / "kept.h5", system.world)
     elif CALL == "write_dataset" and alone:
         write_dataset(DIRECTORY / "rows.h5", {"X": np.zeros((4, 2))}, system.world)
+    elif CALL == "RaggedDataset" and alone:
+        with h5py.File(DIRECTORY / "ragged.h5", "w") as file:  # (plain h5py: values and offsets, as users keep them)
+            file["values"], file["offsets"] = np.arange(6.0), np.array([0, 2, 6])
+        RaggedDataset(DIRECTORY / "ragged.h5", "values", "offsets", system.world)
     elif CALL == "Checkpointer" and alone:
         Checkpointer(DIRECTORY / "checkpoints", system.world)
     elif CALL.startswith("Checkpointer."):
