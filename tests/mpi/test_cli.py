@@ -310,3 +310,13 @@ def test_bench_encode_compares_codes_first_then_speed(tmp_path):
     assert all(r["sklearn_differing_codes"] == 0 and r["ratio_to_sklearn"] > 0 for r in by_sparsity), by_sparsity
     assert all(0 < r["ours_nonzeros_per_signal"] <= r["features"] for r in records)
     assert job.stdout.index("image patches (4,000 signals, K=256, L=8) measured") < job.stdout.index("ours/sklearn")
+
+
+def test_bench_rounds_writes_json(tmp_path):  # the command, on one world size (the calls' checks: test_sharded_io)
+    out, scratch = tmp_path / "rounds.json", tmp_path / "scratch"
+    job = mpiscale(2, "bench", "rounds", "--quick", "--dir", str(scratch), "--json", str(out), timeout=180)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 2 and set(record["ours_vs_h5py"]) == {"4", "64", "1024"}
+    assert all(seconds > 0 for way in record["seconds_per_round"].values() for seconds in way.values())
+    assert "ours/h5py" in job.stdout and not scratch.exists(), "the scratch directory is left behind"

@@ -1,0 +1,156 @@
+"""Rounds of rows written and read collectively, ours against h5py's own collective transfer of the same rows.
+
+Jobs that cannot hold their output (collect's activations, encode's codes,
+circuits' features) write it round by round with ``RowWriter.write``, and read
+their input with ``ShardedDataset.read_collective``; each call checks that every
+rank came to the same one (``io.same_calls``). The floor, measured in the same
+run on the same file layout, is what a user writes with h5py alone: a file
+opened with the MPI driver and ``with dset.collective: dset[lo:hi] = rows``,
+its collective read ``dset.read_direct(rows, np.s_[lo:hi])`` in the same
+context (h5py's slicing reads independently even there, through its fast path)
+and, beside them, h5py's slicing against ``ShardedDataset.read`` (independent
+reads), every rank with rows in every round. The ways take turns,
+a batch of rounds each, five times; a time is the median batch's, per round,
+of the slowest rank. Writes go to the page cache: this measures each round's
+cost, not the disk (``bench checkpoint`` and ``bench reader`` measure that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from ..io import RowWriter, ShardedDataset
+from ..ranks import Comm
+from ..runtime import ActorSystem, run
+from .report import Progress, table, write_json
+
+ROW_FLOATS = 128  # rows of 1 KiB
+SIZES_KIB = (4, 64, 1024, 16384)  # a rank's rows in a round
+TURNS = 5  # batches of rounds each way, taking turns
+BATCH_BYTES = 64 << 20  # what a batch of rounds moves on each rank (at least MIN_ROUNDS rounds)
+MIN_ROUNDS, MAX_ROUNDS = 4, 200
+#: Each way, h5py's beside ours: collective writes, collective reads, independent reads.
+WAYS = ("h5py write", "ours write", "h5py read", "ours read", "h5py slice", "ours independent")
+
+
+def _rounds(size_kib: int, quick: bool) -> int:
+    return int(np.clip((BATCH_BYTES >> (2 if quick else 0)) // (size_kib << 10), MIN_ROUNDS, MAX_ROUNDS))
+
+
+def _per_round(comm: Comm, rounds: int, one_round: Callable[[int], object]) -> float:
+    """Seconds a round, of the slowest rank, over ``rounds`` calls of ``one_round(index)``."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    started = time.perf_counter()
+    for index in range(rounds):
+        one_round(index)
+    return comm.allreduce((time.perf_counter() - started) / rounds, op=MPI.MAX)
+
+
+def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, float]:
+    """Median seconds a round of each way (``WAYS``) at ``size_kib`` a rank."""
+    import h5py
+
+    size, rank = comm.Get_size(), comm.Get_rank()
+    rows = (size_kib << 10) // (ROW_FLOATS * 8)
+    block, out = np.full((rows, ROW_FLOATS), float(rank)), np.empty((rows, ROW_FLOATS))
+    shape = (rows * size * rounds, ROW_FLOATS)
+
+    def mine(index: int) -> slice:
+        return slice((index * size + rank) * rows, (index * size + rank + 1) * rows)
+
+    def h5py_write(dset: h5py.Dataset, index: int) -> None:
+        with dset.collective:
+            dset[mine(index)] = block
+
+    def h5py_read(dset: h5py.Dataset, index: int) -> None:
+        with dset.collective:
+            dset.read_direct(out, mine(index))
+
+    def h5py_slice(dset: h5py.Dataset, index: int) -> np.ndarray:
+        return dset[mine(index)]
+
+    times: dict[str, list[float]] = {way: [] for way in WAYS}
+
+    def timed(way: str, one_round: Callable[[int], object]) -> None:
+        times[way].append(_per_round(comm, rounds, one_round))
+
+    for turn in range(TURNS):
+        floor, ours = folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5"
+        with h5py.File(floor, "w", driver="mpio", comm=comm) as file:
+            dset = file.create_dataset("X", shape, np.float64)
+            timed("h5py write", partial(h5py_write, dset))
+        with RowWriter(ours, {"X": (shape, np.dtype(np.float64))}, comm) as writer:
+            timed("ours write", lambda index: writer.write(mine(index).start, {"X": block}))
+        with h5py.File(floor, "r", driver="mpio", comm=comm) as file:
+            dset = file["X"]
+            timed("h5py read", partial(h5py_read, dset))
+            timed("h5py slice", partial(h5py_slice, dset))
+        with ShardedDataset(ours, "X", comm) as data:
+            timed("ours read", lambda index: data.read_collective(mine(index).start, mine(index).stop))
+            timed("ours independent", lambda index: data.read(mine(index).start, mine(index).stop))
+        comm.Barrier()
+        if rank == 0:
+            floor.unlink()
+            ours.unlink()
+    return {way: statistics.median(each) for way, each in times.items()}
+
+
+async def run_rounds(system: ActorSystem, json_path: str, scratch: str, quick: bool = False) -> dict | None:
+    """Rank 0 prints the table and writes JSON; returns the record there."""
+    comm = system.world.comm
+    folder = Path(scratch) / "rounds"
+    if system.rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    comm.Barrier()
+    progress = Progress(system.rank == 0)
+    measured = {}
+    try:
+        for size_kib in SIZES_KIB[:3] if quick else SIZES_KIB:
+            rounds = _rounds(size_kib, quick)
+            measured[size_kib] = _measure(comm, folder, size_kib, rounds)
+            progress(f"{size_kib} KiB a rank: {TURNS} x {rounds} rounds each way")
+    finally:
+        comm.Barrier()
+        if system.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.listdir(scratch):
+                os.rmdir(scratch)
+    if system.rank != 0:
+        return None
+    rows = []
+    for size_kib, way in measured.items():
+        row: list[object] = [size_kib]
+        for floor, ours in zip(WAYS[0::2], WAYS[1::2]):
+            row += [way[floor] * 1e6, way[ours] * 1e6, way[ours] / way[floor]]
+        rows.append(row)
+    print(f"a round of rows of 1 KiB on {system.size} rank(s), each with rows in every round; µs a round, slowest "
+          "rank; collective writes, collective reads, independent reads")  # fmt: skip
+    print(table(["KiB a rank", *(name for pair in zip(WAYS[0::2], WAYS[1::2]) for name in (*pair, "ours/h5py"))],
+                rows))  # fmt: skip
+    results = {
+        "baseline": "h5py, a file opened with driver='mpio': with dset.collective: dset[lo:hi] = rows, and "
+        "dset.read_direct(rows, np.s_[lo:hi]); h5py's dset[lo:hi] for the independent reads",
+        "turns": TURNS,
+        "seconds_per_round": {str(size): way for size, way in measured.items()},
+        "ours_vs_h5py": {str(row[0]): {"write": row[3], "read": row[6], "independent": row[9]} for row in rows},
+    }
+    path = write_json(json_path, "rounds", system.size, results)
+    print(f"wrote {path}")
+    return results
+
+
+def command(args: argparse.Namespace) -> int:
+    """``mpiscale bench rounds``: the options parsed, the benchmark run, its table printed and its JSON written."""
+    run(lambda system: run_rounds(system, args.json, args.dir, quick=args.quick))
+    return 0
