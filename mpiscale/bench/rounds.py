@@ -9,10 +9,12 @@ opened with the MPI driver and ``with dset.collective: dset[lo:hi] = rows``,
 its collective read ``dset.read_direct(rows, np.s_[lo:hi])`` in the same
 context (h5py's slicing reads independently even there, through its fast path)
 and, beside them, h5py's slicing against ``ShardedDataset.read`` (independent
-reads), every rank with rows in every round. The ways take turns,
-a batch of rounds each, five times; a time is the median batch's, per round,
-of the slowest rank. Writes go to the page cache: this measures each round's
-cost, not the disk (``bench checkpoint`` and ``bench reader`` measure that).
+reads), every rank with rows in every round. The ways take turns, a batch of
+rounds each, six times, each going first in every other turn (the disk writes
+back the first one's pages while the second runs); a time is the median
+batch's, per round, of the slowest rank. Writes go to the page cache: this
+measures each round's cost, not the disk (``bench checkpoint`` and ``bench
+reader`` measure that).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .report import Progress, table, write_json
 
 ROW_FLOATS = 128  # rows of 1 KiB
 SIZES_KIB = (4, 64, 1024, 16384)  # a rank's rows in a round
-TURNS = 5  # batches of rounds each way, taking turns
+TURNS = 6  # batches of rounds each way, taking turns (an even number: each way goes first as often)
 BATCH_BYTES = 64 << 20  # what a batch of rounds moves on each rank (at least MIN_ROUNDS rounds)
 MIN_ROUNDS, MAX_ROUNDS = 4, 200
 #: Each way, h5py's beside ours: collective writes, collective reads, independent reads.
@@ -73,7 +75,7 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
         with dset.collective:
             dset[mine(index)] = block
 
-    def h5py_read(dset: h5py.Dataset, index: int) -> None:
+    def h5py_read_direct(dset: h5py.Dataset, index: int) -> None:
         with dset.collective:
             dset.read_direct(out, mine(index))
 
@@ -85,24 +87,33 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
     def timed(way: str, one_round: Callable[[int], object]) -> None:
         times[way].append(_per_round(comm, rounds, one_round))
 
-    for turn in range(TURNS):
-        floor, ours = folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5"
-        with h5py.File(floor, "w", driver="mpio", comm=comm) as file:
-            dset = file.create_dataset("X", shape, np.float64)
-            timed("h5py write", partial(h5py_write, dset))
-        with RowWriter(ours, {"X": (shape, np.dtype(np.float64))}, comm) as writer:
+    def write_h5py(path: Path) -> None:
+        with h5py.File(path, "w", driver="mpio", comm=comm) as file:
+            timed("h5py write", partial(h5py_write, file.create_dataset("X", shape, np.float64)))
+
+    def write_ours(path: Path) -> None:
+        with RowWriter(path, {"X": (shape, np.dtype(np.float64))}, comm) as writer:
             timed("ours write", lambda index: writer.write(mine(index).start, {"X": block}))
-        with h5py.File(floor, "r", driver="mpio", comm=comm) as file:
-            dset = file["X"]
-            timed("h5py read", partial(h5py_read, dset))
-            timed("h5py slice", partial(h5py_slice, dset))
-        with ShardedDataset(ours, "X", comm) as data:
+
+    def read_h5py(path: Path) -> None:
+        with h5py.File(path, "r", driver="mpio", comm=comm) as file:
+            timed("h5py read", partial(h5py_read_direct, file["X"]))
+            timed("h5py slice", partial(h5py_slice, file["X"]))
+
+    def read_ours(path: Path) -> None:
+        with ShardedDataset(path, "X", comm) as data:
             timed("ours read", lambda index: data.read_collective(mine(index).start, mine(index).stop))
             timed("ours independent", lambda index: data.read(mine(index).start, mine(index).stop))
+
+    for turn in range(TURNS):  # (each goes first in every other turn: the disk writes back the first one's pages)
+        paths = (folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5")
+        for ways in ((write_h5py, write_ours), (read_h5py, read_ours)):
+            for way, path in list(zip(ways, paths))[:: 1 if turn % 2 == 0 else -1]:
+                way(path)
         comm.Barrier()
         if rank == 0:
-            floor.unlink()
-            ours.unlink()
+            for path in paths:
+                path.unlink()
     return {way: statistics.median(each) for way, each in times.items()}
 
 
