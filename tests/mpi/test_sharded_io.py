@@ -133,6 +133,20 @@ def test_a_rank_that_returns_from_main_with_its_writer_unclosed_ends_the_job_wit
     assert "the last: RowWriter.write #2, called at skipped_call.py:" in job.stderr, job.stderr[-3000:]
 
 
+@pytest.mark.parametrize("how", ["plain", "run"])
+def test_writers_every_rank_leaves_unclosed_are_closed_at_the_end_with_their_rows_kept(tmp_path, how):
+    """Every rank leaves two writers unclosed, one over a communicator it freed: kept from the garbage collector, they
+    are closed as the processes end, in the same order on every rank; the job ends 0, rank 0 says where each
+    writer's rows are, and the temporary files hold them (never put in place unfinished)."""
+    job = run_mpi("skipped_call.py", 2, str(tmp_path), "unclosed", how, timeout=60)
+    assert_ok(job)
+    for name in ("out.h5", "part.h5"):
+        said = f"RowWriter({tmp_path / name}) was never closed: what was written stays in {tmp_path / name}.tmp"
+        assert said in job.stderr and not (tmp_path / name).exists(), job.stderr[-3000:]
+        with h5py.File(tmp_path / f"{name}.tmp", "r") as file:
+            assert np.array_equal(file["X"][:], np.repeat([0.0, 0.0, 1.0, 1.0], 2).reshape(4, 2))
+
+
 @pytest.mark.parametrize("call", ["write", "read", "ended"])
 def test_rounds_where_ranks_without_rows_pass_empty_ranges_complete_on_4_ranks(tmp_path, call):
     """The same programs with every call made (a rank without rows passes an empty range): on 4 ranks, three of

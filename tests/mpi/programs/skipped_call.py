@@ -1,7 +1,8 @@
 """A rank with no rows in a round skips that round's collective call, as a user writes it (``if len(mine):``), while
 the other ranks make it: two calls of different rounds met, or a call met the close, and every rank waited for ever.
 Arguments: a directory, the call (``write`` with a RowWriter, ``read`` from a ShardedDataset, ``ended``: rank 1
-returns from its program after the first round, the writer left unclosed), and how it runs (``run``: under
+returns from its program after the first round, the writer left unclosed; ``unclosed``: every rank leaves its
+writers unclosed), and how it runs (``run``: under
 mpiscale.run; ``plain``: a plain mpi4py program). Five rows in rounds of four over two ranks: rank 1 has none in the
 second round. ``fixed`` after them: every rank makes every call (one without rows with an empty range)."""
 
@@ -55,12 +56,22 @@ def ended(comm) -> None:
     writer.close()
 
 
+def unclosed(comm) -> None:
+    """Every rank leaves two writers unclosed, one over a communicator it freed before its end."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    part = comm.Split(0, rank)
+    for path, over in ((DIRECTORY / "out.h5", comm), (DIRECTORY / "part.h5", part)):
+        writer = RowWriter(path, {"X": ((2 * size, 2), np.float64)}, over)
+        writer.write(2 * rank, {"X": np.full((2, 2), float(rank))})
+    part.Free()
+
+
 def job(comm) -> None:
     if CALL == "read" and comm.Get_rank() == 0:
         with h5py.File(DIRECTORY / "in.h5", "w") as file:  # (plain h5py, as a user writes one)
             file["X"] = np.arange(2.0 * ROWS).reshape(ROWS, 2)
     comm.Barrier()
-    {"write": write, "read": read, "ended": ended}[CALL](comm)
+    {"write": write, "read": read, "ended": ended, "unclosed": unclosed}[CALL](comm)
     print(f"rank {comm.Get_rank()} done", flush=True)
 
 
