@@ -283,6 +283,18 @@ def split_nodes(comm: Comm, ranks_per_node: int = 0) -> tuple[Comm, int, int, tu
 
 T = TypeVar("T")
 
+#: What each rank must do, said to a rank waiting alone in a collective call (``runtime.blocking_entry``).
+EACH_RANK = "each rank of the comm given must"
+
+#: How a collective call every rank must make waits for them first: ``runtime.blocking_entry``, which says a wait
+#: that would never end and ends it; set as the runtime is imported (this module sits below it).
+_ENTRIES: list[Callable[[Comm, str, str], None]] = []
+
+
+def wait_at_entries(wait: Callable[[Comm, str, str], None]) -> None:
+    """Make ``on_rank_0`` start with ``wait(comm, what, doing)``, which returns once every rank of ``comm`` came."""
+    _ENTRIES[:] = [wait]
+
 
 def on_rank_0(comm: Comm | None, action: Callable[[], T], refusals: tuple[type[Exception], ...] = (ValueError,)) -> T:
     """``action()`` run by rank 0 alone (listing files, reading an index, judging an earlier run's file), its result
@@ -296,6 +308,8 @@ def on_rank_0(comm: Comm | None, action: Callable[[], T], refusals: tuple[type[E
     among ``refusals`` and its message.
     """
     result, problem = None, None
+    if comm is not None and comm.Get_size() > 1 and _ENTRIES:  # (rank 0 alone passed a small one, sent to nobody)
+        _ENTRIES[0](comm, f"on_rank_0({getattr(action, '__name__', type(action).__name__)})", "call it")
     if comm is None or comm.Get_rank() == 0:
         try:
             result = action()

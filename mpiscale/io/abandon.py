@@ -15,11 +15,9 @@ import atexit
 from collections.abc import Callable
 from typing import Protocol
 
-from ..ranks import Comm, report_and_abort
+from ..ranks import EACH_RANK, Comm, report_and_abort
 from .errors import raised_together
 
-#: What each rank must do, said to a rank waiting alone in a collective file call (see ``entered_by_all``).
-EACH_RANK = "each rank of the comm given must"
 ONE_WRITER = f"{EACH_RANK} (a file that one rank writes alone takes no comm)"
 SOME_READERS = f"{EACH_RANK} (a data set that only some ranks read takes no comm)"
 
@@ -91,11 +89,8 @@ def entered_by_all(comm: Comm | None, what: str, doing: str, must: str = EACH_RA
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
     alone would wait in for ever: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits for the others "to
     ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that never comes ends the
-    job with the runtime's report. Nothing to wait for without a comm, or with one rank."""
-    if comm is None or comm.Get_size() == 1:
-        return
-    from ..runtime import RuntimeConfig, blocking_barrier  # (here: a reader without comm need not load the runtime)
+    job with the runtime's report (``runtime.blocking_entry``). Nothing to wait for without a comm, or with one
+    rank."""
+    from ..runtime import blocking_entry  # (here: a reader without comm need not load the runtime)
 
-    check_s = RuntimeConfig.setting("collective_check_s")
-    blocking_barrier(comm, what.split("(")[0], f"{what}: rank {comm.Get_rank()} has waited {check_s:g} s for the "
-                     f"other ranks of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+    blocking_entry(comm, what, doing, must)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import h5py
 import numpy as np
@@ -51,18 +50,6 @@ def _rounds(rows: int, per_round: int, comm: Comm | None) -> int:
     return comm.allreduce(mine, op=MPI.MAX)
 
 
-#: Whether a data set's file was opened with MPI-IO, by the data set's HDF5 identifier: asking HDF5 took 25-45 µs,
-#: a round's read of a few rows 100-150.
-_MPIO: weakref.WeakKeyDictionary[h5py.h5d.DatasetID, bool] = weakref.WeakKeyDictionary()
-
-
-def _uses_mpio(dset: h5py.Dataset) -> bool:
-    found = _MPIO.get(dset.id)
-    if found is None:
-        found = _MPIO[dset.id] = dset.file.driver == "mpio"
-    return found
-
-
 def _transfer(
     dset: h5py.Dataset,
     start: int,
@@ -72,17 +59,21 @@ def _transfer(
     write: bool,
     memory_type: h5py.h5t.TypeID | None = None,
     rounds: int | None = None,
+    mpio: bool | None = None,
 ) -> None:
     """Move ``buffer``'s rows to or from rows ``start:`` of ``dset``, in the same number of rounds on every rank
     (``rounds``, where the caller has agreed on it: at least every rank's ``rounds_of``); ``memory_type``: the HDF5
-    type of the buffer's values (by default, that of its dtype). The data set's space is asked of HDF5 once: each
-    ask of its shape is a call into HDF5 (a round of a few rows took 57 µs, 20 of them in the transfer)."""
+    type of the buffer's values (by default, that of its dtype); ``mpio``: whether the file was opened with MPI-IO,
+    where the caller knows (asking HDF5 takes 25-45 µs, a round of a few rows 30-50). The data set's space is asked
+    of HDF5 once: each ask of its shape is a call into HDF5."""
     file_space = dset.id.get_space()
     row_shape = file_space.shape[1:]
     per_round = _rows_per_round(dset.dtype.itemsize * math.prod(row_shape), max_bytes)
     if rounds is None:
         rounds = _rounds(len(buffer), per_round, comm)
-    plist = _collective_transfer() if comm is not None and _uses_mpio(dset) else None
+    if comm is not None and mpio is None:
+        mpio = dset.file.driver == "mpio"
+    plist = _collective_transfer() if comm is not None and mpio else None
     placeholder = np.empty((1, *buffer.shape[1:]), dtype=buffer.dtype)
     move = dset.id.write if write else dset.id.read
     for round_index in range(rounds):
@@ -104,10 +95,12 @@ def write_rows(
     comm: Comm | None = None,
     max_bytes: int = MAX_TRANSFER_BYTES,
     rounds: int | None = None,
+    mpio: bool | None = None,
 ) -> None:
     """Write ``data`` into rows ``start:start+len(data)``; collective over ``comm`` when given, in ``rounds`` rounds
-    where the caller agreed on them (else an allreduce finds them)."""
-    _transfer(dset, start, np.ascontiguousarray(data, dtype=dset.dtype), comm, max_bytes, write=True, rounds=rounds)
+    where the caller agreed on them (else an allreduce finds them); ``mpio`` as ``_transfer``'s."""
+    data = np.ascontiguousarray(data, dtype=dset.dtype)
+    _transfer(dset, start, data, comm, max_bytes, write=True, rounds=rounds, mpio=mpio)
 
 
 def read_rows(
@@ -118,14 +111,15 @@ def read_rows(
     max_bytes: int = MAX_TRANSFER_BYTES,
     dtype: np.dtype | None = None,
     rounds: int | None = None,
+    mpio: bool | None = None,
 ) -> np.ndarray:
     """Read rows ``start:stop``; collective over ``comm`` when given (every rank must call); as ``dtype`` when given
     (HDF5 converts: a big-endian data set read in this machine's order). Values of an HDF5 array type (each a
-    fixed array, as C tools store a vector) come as the array's numbers, in more dimensions. ``rounds``: as
-    ``write_rows``'s."""
+    fixed array, as C tools store a vector) come as the array's numbers, in more dimensions. ``rounds`` and
+    ``mpio``: as ``write_rows``'s."""
     element, inner = dset.dtype.subdtype or (dset.dtype, ())
     dtype = element if dtype is None else np.dtype(dtype)
     out = np.empty((max(stop - start, 0), *dset.shape[1:], *inner), dtype=dtype)
     memory_type = h5py.h5t.py_create(np.dtype((dtype, inner))) if inner else None
-    _transfer(dset, start, out, comm, max_bytes, write=False, memory_type=memory_type, rounds=rounds)
+    _transfer(dset, start, out, comm, max_bytes, write=False, memory_type=memory_type, rounds=rounds, mpio=mpio)
     return out

@@ -22,9 +22,8 @@ import zlib
 
 import numpy as np
 
-from ..ranks import Comm, by_ranks
+from ..ranks import EACH_RANK, Comm, by_ranks
 from ..runtime import CollectiveMismatch, RuntimeConfig, blocking_collective, call_site
-from .abandon import EACH_RANK
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 

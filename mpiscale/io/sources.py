@@ -173,7 +173,7 @@ class H5Source:
                 return out
             collective = None if self.independent else comm
             rows = read_rows(self.dataset, start, stop, collective, dtype=self.dtype,
-                             rounds=None if collective is None else rounds)  # fmt: skip
+                             rounds=None if collective is None else rounds, mpio=True)  # fmt: skip
         except OSError as error:
             raise unreadable_rows(self.path, self.dataset.name, start, stop, error) from None
         if out is None:

@@ -58,7 +58,7 @@ class RowWriter:
         self._calls = SameCalls(self.comm, f"RowWriter({self.path})", NO_ROWS_WRITTEN)
         entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
-        self._open_datasets: dict[str, h5py.Dataset] = {}
+        self._contiguous: dict[str, h5py.Dataset] = {}  # (see _dataset)
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
             problem = unstorable(np.dtype(dtype))
             if problem is not None:
@@ -83,6 +83,7 @@ class RowWriter:
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
+        self._mpio = self.file is not None and self.file.driver == "mpio"  # (asked once: 25-45 µs a round)
         self._keep_open()
 
     @classmethod
@@ -94,8 +95,7 @@ class RowWriter:
         writer.size, writer.rank = size_and_rank(writer.comm)
         writer._calls = SameCalls(writer.comm, f"RowWriter({writer.path})", NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
-        writer.temporary, writer.file = f"{writer.path}.tmp", None
-        writer._open_datasets = {}
+        writer.temporary, writer.file, writer._contiguous = f"{writer.path}.tmp", None, {}
         failure: BaseException | None = None
         try:
             if writer.rank == 0:
@@ -118,6 +118,7 @@ class RowWriter:
                 with contextlib.suppress(OSError):
                     os.replace(writer.temporary, kept)
             raise
+        writer._mpio = writer.file is not None and writer.file.driver == "mpio"
         writer._keep_open()
         return writer
 
@@ -164,7 +165,7 @@ class RowWriter:
         failure = None
         try:
             for name, count in rows.items():
-                self._dataset(name).resize(count, axis=0)
+                self.file[name].resize(count, axis=0)
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)
@@ -173,9 +174,10 @@ class RowWriter:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
         assert self.file is not None, "write after close"
         arrays = {name: np.asarray(rows) for name, rows in arrays.items()}
-        most = max((rounds_of(self._dataset(name), len(rows)) for name, rows in arrays.items()), default=0)
+        datasets = {name: self._dataset(name) for name in arrays}
+        most = max((rounds_of(datasets[name], len(rows)) for name, rows in arrays.items()), default=0)
         rounds = self._begin(f"write({', '.join(arrays)})", most=most)  # (agreed with the call: one exchange)
-        self._agree(self._written(start, arrays, self.comm, rounds))
+        self._agree(self._written(start, arrays, self.comm, rounds, datasets))
 
     def write_replicated(self, arrays: dict[str, np.ndarray]) -> None:
         """Write whole arrays every rank holds (collective): rank 0 writes them alone, with independent I/O (the
@@ -184,14 +186,20 @@ class RowWriter:
         self._agree(self._written(0, arrays, None) if self.rank == 0 else None)
 
     def _written(
-        self, start: int, arrays: dict[str, np.ndarray], comm: Comm | None, rounds: int | None = None
+        self,
+        start: int,
+        arrays: dict[str, np.ndarray],
+        comm: Comm | None,
+        rounds: int | None = None,
+        datasets: dict[str, h5py.Dataset] | None = None,
     ) -> BaseException | None:
         """Write ``arrays`` at row ``start``, collective over ``comm`` when given (in ``rounds`` rounds each, where
-        agreed); the failure, or None."""
+        agreed; into ``datasets`` where opened); the failure, or None."""
         assert self.file is not None, "write after close"
         try:
             for name, rows in arrays.items():
-                write_rows(self._dataset(name), start, np.asarray(rows), comm, rounds=rounds)
+                dataset = self.file[name] if datasets is None else datasets[name]
+                write_rows(dataset, start, np.asarray(rows), comm, rounds=rounds, mpio=self._mpio)
         except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
             return error
         return None
@@ -205,7 +213,7 @@ class RowWriter:
             if self.file is not None:
                 self.file.close()
                 self.file = None
-                self._open_datasets.clear()
+                self._contiguous.clear()
             if self.rank == 0:
                 publish(self.temporary, self.path if name is None else name)
         except (OSError, RuntimeError) as error:
@@ -219,18 +227,23 @@ class RowWriter:
             if self.file is not None:
                 self.file.close()
         self.file = None
-        self._open_datasets.clear()
+        self._contiguous.clear()
         closed(self)
         if self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
 
     def _dataset(self, name: str) -> h5py.Dataset:
-        """The open data set ``name``, opened once (h5py opens it anew on each ``file[name]``: 20-30 µs a round)."""
+        """The data set ``name``: a contiguous one opened once (h5py opens it anew on each ``file[name]``, 60-70 µs a
+        round), a chunked one for this call alone: kept open across calls (their resizes, writes and flushes), an
+        encode run killed mid-round and resumed wrote other codes than an uninterrupted one, 2-3 times in 5 on a loaded
+        host (not understood; closing them before each flush did not mend it)."""
         assert self.file is not None, "write after close"
-        found = self._open_datasets.get(name)
+        found = self._contiguous.get(name)
         if found is None:
-            found = self._open_datasets[name] = self.file[name]
+            found = self.file[name]
+            if found.chunks is None:
+                self._contiguous[name] = found
         return found
 
     def _keep_open(self) -> None:
@@ -247,7 +260,7 @@ class RowWriter:
         self._begin("close", "the program's end (it never closed the writer)")
         self.file.close()
         self.file = None
-        self._open_datasets.clear()
+        self._contiguous.clear()
         if self.rank == 0:
             print(f"mpiscale: RowWriter({self.path}) was never closed: what was written stays in {self.temporary} "
                   "(close() puts the file in place)", file=sys.stderr, flush=True)  # fmt: skip

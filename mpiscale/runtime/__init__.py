@@ -3,7 +3,7 @@
 from .abandoned import call_site
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
-from .blocking import blocking_barrier, blocking_collective
+from .blocking import blocking_barrier, blocking_collective, blocking_entry
 from .channels import Channel
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -53,6 +53,7 @@ __all__ = [
     "TransportError",
     "blocking_barrier",
     "blocking_collective",
+    "blocking_entry",
     "call_site",
     "current_system",
     "library_line",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..ended_ranks import ended
-from ..ranks import AnyComm, as_mpi, end_every_rank
+from ..ranks import EACH_RANK, AnyComm, as_mpi, end_every_rank, wait_at_entries
 from ..words import ranks_named
 from .abandoned import CollectiveLog
 from .actor import ActorRef, current_system
@@ -85,6 +85,19 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     blocking_collective(comm, lambda raw: raw.Ibarrier(), operation, overdue)
 
 
+def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK) -> None:
+    """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
+    alone would wait in for ever, in ``blocking_barrier``: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits
+    for the others "to ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that
+    never comes ends the job with the runtime's report. Nothing to wait for without a comm, or with one rank."""
+    raw = None if comm is None else as_mpi(comm)
+    if raw is None or raw.Get_size() == 1:
+        return
+    check_s = RuntimeConfig.setting("collective_check_s")
+    blocking_barrier(raw, what.split("(")[0], f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the "
+                     f"other ranks of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+
+
 def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str) -> None:
     """:func:`blocking_barrier` for any non-blocking collective: ``start(mpi_comm)`` posts it and returns its request
     (``lambda raw: raw.Iallreduce(mine, out, MPI.MAX)``), which is waited for as the barrier is, said, watched and
@@ -115,6 +128,9 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     finally:
         if log is not None and number is not None:
             log.end(number)
+
+
+wait_at_entries(blocking_entry)  # (ranks.on_rank_0 starts with it: ranks sits below the runtime)
 
 
 def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:

@@ -48,6 +48,7 @@ def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_r
         ("RowWriter.reopen", "reopen it", "RowWriter.reopen #3 on world"),  # (every rank made and closed the first)
         ("write_dataset", "write it", "write_dataset #1 on world"),
         ("RaggedDataset", "open it", "RaggedDataset #1 on world"),
+        ("on_rank_0", "call it", "on_rank_0 #1 on world"),
         ("Checkpointer", "open it", "Checkpointer #1 on world"),
         ("Checkpointer.save", "save it", "Checkpointer.save #1 on checkpoints/"),
         ("Checkpointer.load", "load it", "Checkpointer.load #2 on checkpoints/"),

@@ -1,9 +1,10 @@
 """A collective file call that only rank 0 makes, given the world's communicator (the classic ``if rank == 0:``
 slip), while rank 1 returns from main: rank 0 waited in the call's first collective for ever. Arguments: a
 directory to write in, and the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``RaggedDataset``,
-``Checkpointer``, ``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where there are, made by every
-rank)."""
+``on_rank_0``, ``Checkpointer``, ``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where there
+are, made by every rank)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 
 import mpiscale
 from mpiscale.io import Checkpointer, RaggedDataset, RowWriter, write_dataset
+from mpiscale.ranks import on_rank_0
 
 DIRECTORY, CALL = Path(sys.argv[1]), sys.argv[2]
 LAYOUT = {"X": ((4, 2), np.float64)}
@@ -31,6 +33,8 @@ async def main(system):
         with h5py.File(DIRECTORY / "ragged.h5", "w") as file:  # (plain h5py: values and offsets, as users keep them)
             file["values"], file["offsets"] = np.arange(6.0), np.array([0, 2, 6])
         RaggedDataset(DIRECTORY / "ragged.h5", "values", "offsets", system.world)
+    elif CALL == "on_rank_0" and alone:
+        on_rank_0(system.world.comm, os.getcwd)  # (small: rank 0's broadcast went out, to nobody)
     elif CALL == "Checkpointer" and alone:
         Checkpointer(DIRECTORY / "checkpoints", system.world)
     elif CALL.startswith("Checkpointer."):
