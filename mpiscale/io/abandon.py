@@ -15,7 +15,8 @@ import atexit
 from collections.abc import Callable
 from typing import Protocol
 
-from ..ranks import EACH_RANK, Comm, report_and_abort
+from ..ranks import EACH_RANK, report_and_abort
+from ..runtime import blocking_entry
 from .errors import raised_together
 
 ONE_WRITER = f"{EACH_RANK} (a file that one rank writes alone takes no comm)"
@@ -85,12 +86,5 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.abandon()
 
 
-def entered_by_all(comm: Comm | None, what: str, doing: str, must: str = EACH_RANK) -> None:
-    """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
-    alone would wait in for ever: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits for the others "to
-    ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that never comes ends the
-    job with the runtime's report (``runtime.blocking_entry``). Nothing to wait for without a comm, or with one
-    rank."""
-    from ..runtime import blocking_entry  # (here: a reader without comm need not load the runtime)
-
-    blocking_entry(comm, what, doing, must)
+#: Wait until every rank of a comm comes to a collective file call (``runtime.blocking_entry``, under io's name).
+entered_by_all = blocking_entry
