@@ -288,11 +288,12 @@ EACH_RANK = "each rank of the comm given must"
 
 #: How a collective call every rank must make waits for them first: ``runtime.blocking_entry``, which says a wait
 #: that would never end and ends it; set as the runtime is imported (this module sits below it).
-_ENTRIES: list[Callable[[Comm, str, str], None]] = []
+_ENTRIES: list[Callable[..., None]] = []
 
 
-def wait_at_entries(wait: Callable[[Comm, str, str], None]) -> None:
-    """Make ``on_rank_0`` start with ``wait(comm, what, doing)``, which returns once every rank of ``comm`` came."""
+def wait_at_entries(wait: Callable[..., None]) -> None:
+    """Make ``on_rank_0`` and ``agree`` start with ``wait(comm, what, doing, start=...)``, which returns once every
+    rank of ``comm`` came (``start``: the call's own first exchange, a non-blocking collective, not a barrier)."""
     _ENTRIES[:] = [wait]
 
 
@@ -337,15 +338,34 @@ class AgreedError(MpiscaleError, RuntimeError):
 
 
 def agree(
-    comm: Comm | None, problem: BaseException | str | None, what: str, kind: type[Exception] = AgreedError
+    comm: Comm | None,
+    problem: BaseException | str | None,
+    what: str,
+    kind: type[Exception] = AgreedError,
+    entered: bool = False,
 ) -> None:
     """All ranks go on, or all raise ``kind`` naming every failing rank (collective, blocking).
 
     Without a ``comm``, this process alone. The blocking form, for threads and set-up code outside the event loop;
     ``Communicator.agree`` is its awaitable twin, and ``ActorSystem.agree`` ends a job with one message and a status.
+    A rank alone in it (the others never call it) is said and ended as one alone in ``on_rank_0`` is, not left
+    waiting; ``entered``: every rank is known to have come to the call this agreement ends (it began with a checked
+    entry), so the ranks exchange their problems at once, in one allgather the runtime does not watch.
     """
     mine = problem_text(problem)
-    raise_agreed(comm.allgather(mine) if comm is not None else [mine], problem, what, kind)
+    raise_agreed(_said_by_each(comm, mine, what, entered), problem, what, kind)
+
+
+def _said_by_each(comm: Comm | None, mine: str | None, what: str, entered: bool) -> list[str | None]:
+    """Each rank's problem (None where it has none): unless ``entered``, first whether each has one, in a
+    non-blocking exchange waited for as ``on_rank_0``'s entry is, then, only where one has, the messages."""
+    if comm is None:
+        return [mine]
+    if entered or comm.Get_size() == 1 or not _ENTRIES:
+        return comm.allgather(mine)
+    own, failing = bytearray([mine is not None]), bytearray(comm.Get_size())
+    _ENTRIES[0](comm, f"agree({what})", "agree", start=lambda raw: raw.Iallgather(own, failing))
+    return comm.allgather(mine) if any(failing) else [None] * len(failing)
 
 
 def problem_text(problem: BaseException | str | None) -> str | None:
@@ -375,11 +395,14 @@ def by_ranks(messages: list[str | None]) -> str:
     return "; ".join(f"{ranks_named(where)}: {message}" for message, where in ranks_of.items())
 
 
-def run_agreed(comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = AgreedError) -> None:
-    """Run ``action`` on this rank; if it raised on any rank, raise ``kind`` on every rank (collective)."""
+def run_agreed(
+    comm: Comm, what: str, action: Callable[[], object], kind: type[Exception] = AgreedError, entered: bool = False
+) -> None:
+    """Run ``action`` on this rank; if it raised on any rank, raise ``kind`` on every rank (collective; ``entered``
+    as ``agree`` takes it)."""
     error = None
     try:
         action()
     except Exception as failure:  # agreed below, so every rank raises
         error = failure
-    agree(comm, error, what, kind)
+    agree(comm, error, what, kind, entered)

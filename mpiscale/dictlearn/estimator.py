@@ -381,7 +381,7 @@ def _agreed(comm: Comm | None, action: Callable[[], None]) -> None:
         action()
     except (ValueError, TypeError) as error:  # agreed below, so no rank waits in a collective the others left
         problem = error
-    agree(comm, problem, _WHAT, ValueError)
+    agree(comm, problem, _WHAT, ValueError, entered=True)
 
 
 def _refuse_records(X: Any) -> None:

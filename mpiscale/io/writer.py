@@ -65,7 +65,7 @@ class RowWriter:
                 raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
         total = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
         room = space_problem(directory, total, "the file") if self.rank == 0 else None
-        agree(self.comm, room, f"writing {self.path}", WriteError)
+        agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
         settle_background_io()
         self.file: h5py.File | None = None
         failure = None
@@ -101,14 +101,14 @@ class RowWriter:
                 os.replace(kept, writer.temporary)
         except OSError as error:
             failure = error
-        agree(writer.comm, failure, f"reopening {kept}", WriteError)
+        agree(writer.comm, failure, f"reopening {kept}", WriteError, entered=True)
         settle_background_io()
         try:
             writer.file = h5py.File(writer.temporary, "r+", **file_access(writer.comm))
         except (OSError, RuntimeError) as error:
             failure = error
         try:
-            agree(writer.comm, failure, f"reopening {kept}", WriteError)
+            agree(writer.comm, failure, f"reopening {kept}", WriteError, entered=True)
         except WriteError:
             with contextlib.suppress(OSError, RuntimeError):
                 if writer.file is not None:
@@ -277,7 +277,7 @@ class RowWriter:
 
     def _agree(self, failure: BaseException | None) -> None:
         try:
-            agree(self.comm, failure, f"writing {self.path}", WriteError)
+            agree(self.comm, failure, f"writing {self.path}", WriteError, entered=True)
         except WriteError:
             self.abort()  # nothing half-written stays behind to fill the disk
             raise

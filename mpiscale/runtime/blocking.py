@@ -85,17 +85,21 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     blocking_collective(comm, lambda raw: raw.Ibarrier(), operation, overdue)
 
 
-def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK) -> None:
+def blocking_entry(
+    comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, start: Callable[[Any], Any] | None = None
+) -> None:
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
     alone would wait in for ever, in ``blocking_barrier``: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits
     for the others "to ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that
-    never comes ends the job with the runtime's report. Nothing to wait for without a comm, or with one rank."""
+    never comes ends the job with the runtime's report. ``start``: the call's own first exchange, waited for as
+    ``blocking_collective`` waits (by default a barrier). Nothing to wait for without a comm, or with one rank."""
     raw = None if comm is None else as_mpi(comm)
     if raw is None or raw.Get_size() == 1:
         return
     check_s = RuntimeConfig.setting("collective_check_s")
-    blocking_barrier(raw, what.split("(")[0], f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the "
-                     f"other ranks of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+    blocking_collective(raw, start or (lambda raw: raw.Ibarrier()), what.split("(")[0],
+                        f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks of its "
+                        f"communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
 
 
 def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str) -> None:
@@ -130,7 +134,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
             log.end(number)
 
 
-wait_at_entries(blocking_entry)  # (ranks.on_rank_0 starts with it: ranks sits below the runtime)
+wait_at_entries(blocking_entry)  # (ranks.on_rank_0 and agree start with it: ranks sits below the runtime)
 
 
 def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:

@@ -49,6 +49,7 @@ def test_a_data_set_only_rank_0_opens_with_the_worlds_comm_ends_the_job_with_a_r
         ("write_dataset", "write it", "write_dataset #1 on world"),
         ("RaggedDataset", "open it", "RaggedDataset #1 on world"),
         ("on_rank_0", "call it", "on_rank_0 #1 on world"),
+        ("agree", "agree", "agree #1 on world"),
         ("Checkpointer", "open it", "Checkpointer #1 on world"),
         ("Checkpointer.save", "save it", "Checkpointer.save #1 on checkpoints/"),
         ("Checkpointer.load", "load it", "Checkpointer.load #2 on checkpoints/"),
@@ -65,6 +66,17 @@ def test_a_collective_file_call_only_rank_0_makes_ends_the_job_with_a_report(tmp
     assert "called at only_rank_0.py:" in job.stderr, job.stderr[-3000:]
     assert re.search(rf"{re.escape(call)}\(.*\): rank 0 has waited 1 s for the other ranks of its communicator to "
                      rf"{doing} too: each rank of the comm given must", job.stderr), job.stderr  # fmt: skip
+
+
+@pytest.mark.parametrize("call", ["on_rank_0", "agree"])
+def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_naming_the_rank_that_ended(tmp_path, call):
+    """The same slip in a plain mpi4py program (no runtime to ask): rank 0 waited in ``ranks.agree``'s allgather for
+    ever; it now finds, after saying its wait, that rank 1 ended its program, and ends every rank."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain", timeout=60,
+                  env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    assert f"rank 1 of the job ended (the program returned) without coming to {call}, which every rank" in job.stderr
+    assert re.search(rf"{call}\(.*\): rank 0 has waited 1 s for the other ranks", job.stderr), job.stderr[-3000:]
 
 
 _EACH_RANK_MUST = "each rank of the comm given must make the same calls on it in the same order"

@@ -101,7 +101,7 @@ class Checkpointer:
                     debris.unlink(missing_ok=True)
             except (OSError, LockedError) as error:
                 problem = error
-        agree(self._front, problem, "opening the checkpoint directory", CheckpointError)
+        agree(self._front, problem, "opening the checkpoint directory", CheckpointError, entered=True)
         self._node_lock = self._lock_node_directory()
         self._front.Barrier()
         self._restorer = Restorer(self.layout, self._front, self.node)
@@ -131,7 +131,7 @@ class Checkpointer:
             except (OSError, LockedError) as error:
                 problem = error
         try:
-            agree(self._front, problem, "opening the node-local directory", CheckpointError)
+            agree(self._front, problem, "opening the node-local directory", CheckpointError, entered=True)
         except CheckpointError:
             lock.release()
             self._lock.release()
@@ -180,7 +180,13 @@ class Checkpointer:
                              self._saves, self.delta and full)  # fmt: skip
         sizes = [nbytes for _, _, nbytes in every]
         try:
-            agree(self._front, self._space_problem(levels, mine, sizes), f"checkpoint step {step}", CheckpointError)
+            agree(
+                self._front,
+                self._space_problem(levels, mine, sizes),
+                f"checkpoint step {step}",
+                CheckpointError,
+                entered=True,
+            )
         except CheckpointError as error:
             if self.when_full == "fail":
                 raise
@@ -315,6 +321,7 @@ class Checkpointer:
                 f"level-1 save of step {step}",
                 lambda: write_shard(path, step, rank, self.size, shard_arrays),
                 CheckpointError,
+                entered=True,
             )
         if "partner" in levels:
             partner = self._partner
@@ -325,12 +332,13 @@ class Checkpointer:
                 f"level-2 partner copy of step {step}",
                 lambda: copy_to_partner(comm, self.layout, self.node, step, partner, self._senders),
                 CheckpointError,
+                entered=True,
             )
         if "shared" in levels:
             self._phase = f"level-3 save of step {step} to {self.layout.shared_file(step)} (collective)"
-            run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError)
+            run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError, entered=True)
         self._phase = f"commit of step {step} in {self.layout.shared}"
-        run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError)
+        run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError, entered=True)
         self._phase = f"retention after step {step}"
         if full:
             self._base, self._deltas = manifest, 0

@@ -152,7 +152,7 @@ class Restorer:
             file = open_shared(path, comm)
         except DataFileError as failure:
             error = failure
-        agree(comm, error, f"opening {path}", Unusable)
+        agree(comm, error, f"opening {path}", Unusable, entered=True)
         assert file is not None
         out = {}
         try:
@@ -179,5 +179,5 @@ class Restorer:
                 out[name] = data[start - lo : stop - lo]
         finally:
             file.close()  # opened on every rank: the agreement above raised otherwise
-        agree(comm, error, f"reading {path}", Unusable)
+        agree(comm, error, f"reading {path}", Unusable, entered=True)
         return out
