@@ -9,7 +9,10 @@ opened with the MPI driver and ``with dset.collective: dset[lo:hi] = rows``,
 its collective read ``dset.read_direct(rows, np.s_[lo:hi])`` in the same
 context (h5py's slicing reads independently even there, through its fast path)
 and, beside them, h5py's slicing against ``ShardedDataset.read`` (independent
-reads), every rank with rows in every round. The ways take turns, a batch of
+reads), every rank with rows in every round. Output whose size is known only as
+it is made (encode's non-zeros) grows a chunked data set each round: ours
+``RowWriter.grow`` then ``write``, h5py's ``dset.resize`` then the collective
+write, with the same chunks. The ways take turns, a batch of
 rounds each, six times, each going first in every other turn (the disk writes
 back the first one's pages while the second runs); a time is the median
 batch's, per round, of the slowest rank. Writes go to the page cache: this
@@ -40,8 +43,10 @@ SIZES_KIB = (4, 64, 1024, 16384)  # a rank's rows in a round
 TURNS = 6  # batches of rounds each way, taking turns (an even number: each way goes first as often)
 BATCH_BYTES = 64 << 20  # what a batch of rounds moves on each rank (at least MIN_ROUNDS rounds)
 MIN_ROUNDS, MAX_ROUNDS = 4, 200
-#: Each way, h5py's beside ours: collective writes, collective reads, independent reads.
-WAYS = ("h5py write", "ours write", "h5py read", "ours read", "h5py slice", "ours independent")
+#: Each way, h5py's beside ours: collective writes, collective reads, independent reads, a growing data set's rounds.
+WAYS = ("h5py write", "ours write", "h5py read", "ours read", "h5py slice", "ours independent", "h5py grow",
+        "ours grow")  # fmt: skip
+CHUNK_BYTES = 1 << 20  # a growing data set's chunks, as RowWriter makes them
 
 
 def _rounds(size_kib: int, quick: bool) -> int:
@@ -82,6 +87,14 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
     def h5py_slice(dset: h5py.Dataset, index: int) -> np.ndarray:
         return dset[mine(index)]
 
+    def h5py_grow(dset: h5py.Dataset, index: int) -> None:
+        dset.resize((index + 1) * rows * size, axis=0)
+        h5py_write(dset, index)
+
+    def ours_grow(writer: RowWriter, index: int) -> None:
+        writer.grow({"X": (index + 1) * rows * size})
+        writer.write(mine(index).start, {"X": block})
+
     times: dict[str, list[float]] = {way: [] for way in WAYS}
 
     def timed(way: str, one_round: Callable[[int], object]) -> None:
@@ -100,6 +113,16 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
             timed("h5py read", partial(h5py_read_direct, file["X"]))
             timed("h5py slice", partial(h5py_slice, file["X"]))
 
+    def grow_h5py(path: Path) -> None:
+        with h5py.File(path, "w", driver="mpio", comm=comm) as file:
+            chunks = (CHUNK_BYTES // (ROW_FLOATS * 8), ROW_FLOATS)
+            dset = file.create_dataset("X", (0, ROW_FLOATS), np.float64, maxshape=(None, ROW_FLOATS), chunks=chunks)
+            timed("h5py grow", partial(h5py_grow, dset))
+
+    def grow_ours(path: Path) -> None:
+        with RowWriter(path, {"X": ((0, ROW_FLOATS), np.dtype(np.float64))}, comm, growing=("X",)) as writer:
+            timed("ours grow", partial(ours_grow, writer))
+
     def read_ours(path: Path) -> None:
         with ShardedDataset(path, "X", comm) as data:
             timed("ours read", lambda index: data.read_collective(mine(index).start, mine(index).stop))
@@ -107,7 +130,7 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
 
     for turn in range(TURNS):  # (each goes first in every other turn: the disk writes back the first one's pages)
         paths = (folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5")
-        for ways in ((write_h5py, write_ours), (read_h5py, read_ours)):
+        for ways in ((write_h5py, write_ours), (read_h5py, read_ours), (grow_h5py, grow_ours)):
             for way, path in list(zip(ways, paths))[:: 1 if turn % 2 == 0 else -1]:
                 way(path)
         comm.Barrier()
@@ -146,15 +169,18 @@ async def run_rounds(system: ActorSystem, json_path: str, scratch: str, quick: b
             row += [way[floor] * 1e6, way[ours] * 1e6, way[ours] / way[floor]]
         rows.append(row)
     print(f"a round of rows of 1 KiB on {system.size} rank(s), each with rows in every round; µs a round, slowest "
-          "rank; collective writes, collective reads, independent reads")  # fmt: skip
+          "rank; collective writes, collective reads, independent reads, a growing data set's rounds")  # fmt: skip
     print(table(["KiB a rank", *(name for pair in zip(WAYS[0::2], WAYS[1::2]) for name in (*pair, "ours/h5py"))],
                 rows))  # fmt: skip
     results = {
         "baseline": "h5py, a file opened with driver='mpio': with dset.collective: dset[lo:hi] = rows, and "
-        "dset.read_direct(rows, np.s_[lo:hi]); h5py's dset[lo:hi] for the independent reads",
+        "dset.read_direct(rows, np.s_[lo:hi]); h5py's dset[lo:hi] for the independent reads; dset.resize then the "
+        "collective write for a growing data set's rounds",
         "turns": TURNS,
         "seconds_per_round": {str(size): way for size, way in measured.items()},
-        "ours_vs_h5py": {str(row[0]): {"write": row[3], "read": row[6], "independent": row[9]} for row in rows},
+        "ours_vs_h5py": {
+            str(row[0]): {"write": row[3], "read": row[6], "independent": row[9], "grow": row[12]} for row in rows
+        },  # fmt: skip
     }
     path = write_json(json_path, "rounds", system.size, results)
     print(f"wrote {path}")

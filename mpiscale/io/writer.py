@@ -58,7 +58,7 @@ class RowWriter:
         self._calls = SameCalls(self.comm, f"RowWriter({self.path})", NO_ROWS_WRITTEN)
         entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
-        self._contiguous: dict[str, h5py.Dataset] = {}  # (see _dataset)
+        self._open: dict[str, h5py.Dataset] = {}  # (see _dataset)
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
             problem = unstorable(np.dtype(dtype))
             if problem is not None:
@@ -94,7 +94,7 @@ class RowWriter:
         writer.size, writer.rank = size_and_rank(writer.comm)
         writer._calls = SameCalls(writer.comm, f"RowWriter({writer.path})", NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
-        writer.temporary, writer.file, writer._contiguous = f"{writer.path}.tmp", None, {}
+        writer.temporary, writer.file, writer._open = f"{writer.path}.tmp", None, {}
         failure: BaseException | None = None
         try:
             if writer.rank == 0:
@@ -157,13 +157,29 @@ class RowWriter:
 
     def grow(self, rows: dict[str, int]) -> None:
         """Set the first dimension of growing data sets (collective: the same ``rows`` on every rank); smaller
-        drops the rows past it (a resumed run drops what its predecessor wrote after its last mark)."""
+        drops the rows past it (a resumed run drops what its predecessor wrote after its last mark).
+
+        A data set made smaller is flushed and closed (opened again by its next call): with MPI-IO, HDF5 (1.10.8)
+        keeps the chunk the cut falls in, filled past the cut, in the data set's chunk cache, dirty, while later
+        writes go past the cache to the file, and the next flush wrote that stale chunk over them (a resumed encode
+        lost its first round's codes: zeros where they belonged)."""
         assert self.file is not None, "grow after close"
         self._begin(f"grow({', '.join(rows)})")
         failure = None
         try:
+            shrunk = []
             for name, count in rows.items():
-                self.file[name].resize(count, axis=0)
+                dataset = self._dataset(name)
+                if dataset.chunks is None:  # (the same on every rank: raised before the file changes)
+                    raise TypeError(f"grow: {name} of {self.path} was not made growing (RowWriter's growing=)")
+                extent = dataset.id.shape  # (one call into HDF5: h5py's resize makes two more around set_extent)
+                dataset.id.set_extent((count, *extent[1:]))
+                if count < extent[0]:
+                    shrunk.append(name)
+            if shrunk:
+                self.file.flush()
+                for name in shrunk:
+                    del self._open[name]  # (closed: its chunk cache goes with it)
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)
@@ -211,7 +227,7 @@ class RowWriter:
             if self.file is not None:
                 self.file.close()
                 self.file = None
-                self._contiguous.clear()
+                self._open.clear()
             if self.rank == 0:
                 publish(self.temporary, self.path if name is None else name)
         except (OSError, RuntimeError) as error:
@@ -225,23 +241,19 @@ class RowWriter:
             if self.file is not None:
                 self.file.close()
         self.file = None
-        self._contiguous.clear()
+        self._open.clear()
         closed(self)
         if self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
 
     def _dataset(self, name: str) -> h5py.Dataset:
-        """The data set ``name``: a contiguous one opened once (h5py opens it anew on each ``file[name]``, 60-70 µs a
-        round), a chunked one for this call alone: kept open across calls (their resizes, writes and flushes), an
-        encode run killed mid-round and resumed wrote other codes than an uninterrupted one, 2-3 times in 5 on a loaded
-        host (not understood; closing them before each flush did not mend it)."""
+        """The data set ``name``, opened once and kept open (h5py opens it anew on each ``file[name]``, 60-70 µs a
+        round; see ``grow`` for what a data set kept open needs when it shrinks)."""
         assert self.file is not None, "write after close"
-        found = self._contiguous.get(name)
+        found = self._open.get(name)
         if found is None:
-            found = self.file[name]
-            if found.chunks is None:
-                self._contiguous[name] = found
+            found = self._open[name] = self.file[name]
         return found
 
     def _opened(self) -> None:
@@ -260,7 +272,7 @@ class RowWriter:
         self._begin("close", "the program's end (it never closed the writer)")
         self.file.close()
         self.file = None
-        self._contiguous.clear()
+        self._open.clear()
         if self.rank == 0:
             print(f"mpiscale: RowWriter({self.path}) was never closed: what was written stays in {self.temporary} "
                   "(close() puts the file in place)", file=sys.stderr, flush=True)  # fmt: skip

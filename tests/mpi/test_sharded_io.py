@@ -79,6 +79,16 @@ def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_naming_the_ran
     assert re.search(rf"{call}\(.*\): rank 0 has waited 1 s for the other ranks", job.stderr), job.stderr[-3000:]
 
 
+@pytest.mark.parametrize("ranks, how", [(2, "reopened"), (2, "same"), (4, "reopened")])
+def test_a_growing_data_set_cut_back_keeps_what_is_written_past_the_cut(tmp_path, ranks, how):
+    """A resumed encode cuts its growing data sets back to its predecessor's last mark, then writes past the cut.
+    With the data set kept open across calls, HDF5 kept the chunk of the cut in its cache, dirty, while the writes
+    went past it to the file; the next flush wrote it back over them: the first round's 40 values read 0."""
+    job = run_mpi("shrunk_writer.py", ranks, str(tmp_path), how, timeout=60)
+    assert_ok(job)
+    assert "560 values, 0 differ" in job.stdout, job.output[-3000:]
+
+
 _EACH_RANK_MUST = "each rank of the comm given must make the same calls on it in the same order"
 
 
