@@ -129,13 +129,15 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
             timed("ours independent", lambda index: data.read(mine(index).start, mine(index).stop))
 
     for turn in range(TURNS):  # (each goes first in every other turn: the disk writes back the first one's pages)
-        paths = (folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5")
-        for ways in ((write_h5py, write_ours), (read_h5py, read_ours), (grow_h5py, grow_ours)):
+        written = (folder / f"h5py-{turn}.h5", folder / f"ours-{turn}.h5")
+        grown = (folder / f"h5py-grown-{turn}.h5", folder / f"ours-grown-{turn}.h5")  # (new files, as ours writes:
+        passes = ((write_h5py, write_ours), written), ((read_h5py, read_ours), written), ((grow_h5py, grow_ours), grown)
+        for ways, paths in passes:  # h5py's truncating its old file dropped that file's dirty pages, a head start)
             for way, path in list(zip(ways, paths))[:: 1 if turn % 2 == 0 else -1]:
                 way(path)
         comm.Barrier()
         if rank == 0:
-            for path in paths:
+            for path in written + grown:
                 path.unlink()
     return {way: statistics.median(each) for way, each in times.items()}
 

@@ -292,8 +292,9 @@ _BENCHMARKS = [
            "(any ranks)"),  # fmt: skip
     _bench("random", "per-sample random parameters vs a numpy generator per sample (any ranks)",
            arg("--samples", type=int, help="samples to generate (default: 4,000,000; 200,000 with --quick)")),
-    _bench("rounds", "rounds of rows written and read collectively (RowWriter, ShardedDataset) vs h5py's own "
-           "collective transfer of the same rows, 4 KiB to 16 MiB a rank (any ranks)", _SCRATCH),
+    _bench("rounds", "rounds of rows written and read collectively (RowWriter, ShardedDataset), and a growing data "
+           "set's rounds, vs h5py's own collective transfer of the same rows, 4 KiB to 16 MiB a rank (any ranks)",
+           _SCRATCH),
     _bench("checkpoint", "level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
            arg("--size-mib", type=int, help="total state in MiB (default: 1024; 128 with --quick)"), _SCRATCH),
     _bench("adapters", "compressing N planted LoRA adapters: ours at 1, 2 and 4 ranks vs one process's covariance "
