@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -180,13 +181,8 @@ class Checkpointer:
                              self._saves, self.delta and full)  # fmt: skip
         sizes = [nbytes for _, _, nbytes in every]
         try:
-            agree(
-                self._front,
-                self._space_problem(levels, mine, sizes),
-                f"checkpoint step {step}",
-                CheckpointError,
-                entered=True,
-            )
+            room = self._space_problem(levels, mine, sizes)
+            agree(self._front, room, f"checkpoint step {step}", CheckpointError, entered=True)
         except CheckpointError as error:
             if self.when_full == "fail":
                 raise
@@ -313,32 +309,22 @@ class Checkpointer:
                 write_atomically(self.layout.manifest(step), json.dumps(manifest, indent=1).encode())
                 write_atomically(self.layout.latest, f"{step}\n".encode())
 
+        agreed = partial(run_agreed, comm, kind=CheckpointError, entered=True)  # (every rank is in this save)
         if "local" in levels:
             path = self.layout.shard(self.node, step, rank)
             self._phase = f"level-1 save of step {step} to {path}"
-            run_agreed(
-                comm,
-                f"level-1 save of step {step}",
-                lambda: write_shard(path, step, rank, self.size, shard_arrays),
-                CheckpointError,
-                entered=True,
-            )
+            agreed(f"level-1 save of step {step}", lambda: write_shard(path, step, rank, self.size, shard_arrays))
         if "partner" in levels:
             partner = self._partner
             assert partner is not None  # the level is written only where a partner exists
             self._phase = f"level-2 copy of step {step} to rank {partner}"
-            run_agreed(
-                comm,
-                f"level-2 partner copy of step {step}",
-                lambda: copy_to_partner(comm, self.layout, self.node, step, partner, self._senders),
-                CheckpointError,
-                entered=True,
-            )
+            agreed(f"level-2 partner copy of step {step}",
+                   lambda: copy_to_partner(comm, self.layout, self.node, step, partner, self._senders))  # fmt: skip
         if "shared" in levels:
             self._phase = f"level-3 save of step {step} to {self.layout.shared_file(step)} (collective)"
-            run_agreed(comm, f"level-3 save of step {step}", write_level3, CheckpointError, entered=True)
+            agreed(f"level-3 save of step {step}", write_level3)
         self._phase = f"commit of step {step} in {self.layout.shared}"
-        run_agreed(comm, f"commit of checkpoint step {step}", commit, CheckpointError, entered=True)
+        agreed(f"commit of checkpoint step {step}", commit)
         self._phase = f"retention after step {step}"
         if full:
             self._base, self._deltas = manifest, 0
