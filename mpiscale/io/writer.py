@@ -165,13 +165,18 @@ class RowWriter:
         lost its first round's codes: zeros where they belonged)."""
         assert self.file is not None, "grow after close"
         self._begin(f"grow({', '.join(rows)})")
+        for name, count in rows.items():  # (the same on every rank: refused before the file changes)
+            if self._dataset(name).chunks is None:
+                raise TypeError(f"grow: {name} of {self.path} was not made growing (RowWriter's growing=)")
+            if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 0:
+                raise ValueError(
+                    f"grow: {name} of {self.path} to {count!r} rows: a count of rows is a whole number >= 0"
+                )
         failure = None
         try:
             shrunk = []
             for name, count in rows.items():
                 dataset = self._dataset(name)
-                if dataset.chunks is None:  # (the same on every rank: raised before the file changes)
-                    raise TypeError(f"grow: {name} of {self.path} was not made growing (RowWriter's growing=)")
                 extent = dataset.id.shape  # (one call into HDF5: h5py's resize makes two more around set_extent)
                 dataset.id.set_extent((count, *extent[1:]))
                 if count < extent[0]:

@@ -89,6 +89,20 @@ def test_a_growing_data_set_cut_back_keeps_what_is_written_past_the_cut(tmp_path
     assert "560 values, 0 differ" in job.stdout, job.output[-3000:]
 
 
+def test_grow_refuses_a_negative_count_and_a_data_set_not_made_growing_on_every_rank_and_the_writer_goes_on(tmp_path):
+    """A negative count raised h5py's OverflowError ("can't convert negative value to hsize_t"), naming neither the
+    writer nor the data set; each is now refused on every rank, before the file changes, and the writer goes on."""
+    job = run_mpi("shrunk_writer.py", 2, str(tmp_path), "refused", timeout=60)
+    assert_ok(job)
+    out = tmp_path / "out.h5"
+    for rank in (0, 1):
+        for said in (f"ValueError: grow: x of {out} to -1 rows: a count of rows is a whole number >= 0",
+                     f"ValueError: grow: x of {out} to 2.5 rows: a count of rows is a whole number >= 0",
+                     f"TypeError: grow: fixed of {out} was not made growing (RowWriter's growing=)"):  # fmt: skip
+            assert f"rank {rank}: {said}" in job.stdout, job.stdout
+    assert "560 values, 0 differ" in job.stdout, job.output[-3000:]
+
+
 _EACH_RANK_MUST = "each rank of the comm given must make the same calls on it in the same order"
 
 

@@ -1,8 +1,9 @@
 """A growing data set cut back and written past the cut, as a resumed run does (``grow`` smaller drops what its
 predecessor wrote after its last mark): 560 values written, cut to 480, then 480-560 written again in two rounds of
 ``grow`` and ``write``, each rank its share. Arguments: the directory, and ``reopened`` (the 560 in an earlier
-writer, closed under a kept name and reopened, as a resume does) or ``same`` (all in one writer). Rank 0 prints
-how many values differ from those written last."""
+writer, closed under a kept name and reopened, as a resume does), ``same`` (all in one writer) or ``refused``
+(a negative count and a data set not made growing asked of ``grow`` first, each rank printing what it raised, the
+writer going on). Rank 0 prints how many values differ from those written last."""
 
 import sys
 from pathlib import Path
@@ -29,8 +30,13 @@ def write_share(writer: RowWriter, lo: int, hi: int, values: np.ndarray) -> None
 
 
 first, last = np.arange(END, dtype=np.float64) + 1, -np.arange(END, dtype=np.float64) - 1
-writer = RowWriter(OUT, {"x": ((0,), np.float64)}, comm, growing=("x",))
+writer = RowWriter(OUT, {"x": ((0,), np.float64), "fixed": ((2,), np.float64)}, comm, growing=("x",))
 write_share(writer, 0, END, first)
+for refused in ({"x": -1}, {"x": 2.5}, {"fixed": 8}) if HOW == "refused" else ():
+    try:
+        writer.grow(refused)
+    except (TypeError, ValueError) as error:
+        print(f"rank {rank}: {type(error).__name__}: {error}", flush=True)
 if HOW == "reopened":
     writer.close(KEPT)
     writer = RowWriter.reopen(OUT, KEPT, comm)
