@@ -193,10 +193,9 @@ class RowWriter:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
         assert self.file is not None, "write after close"
         arrays = {name: np.asarray(rows) for name, rows in arrays.items()}
-        datasets = {name: self._dataset(name) for name in arrays}
-        most = max((rounds_of(datasets[name], len(rows)) for name, rows in arrays.items()), default=0)
+        most = max((rounds_of(self._dataset(name), len(rows)) for name, rows in arrays.items()), default=0)
         rounds = self._begin(f"write({', '.join(arrays)})", most=most)  # (agreed with the call: one exchange)
-        self._agree(self._written(start, arrays, self.comm, rounds, datasets))
+        self._agree(self._written(start, arrays, self.comm, rounds))
 
     def write_replicated(self, arrays: dict[str, np.ndarray]) -> None:
         """Write whole arrays every rank holds (collective): rank 0 writes them alone, with independent I/O (the
@@ -205,20 +204,14 @@ class RowWriter:
         self._agree(self._written(0, arrays, None) if self.rank == 0 else None)
 
     def _written(
-        self,
-        start: int,
-        arrays: dict[str, np.ndarray],
-        comm: Comm | None,
-        rounds: int | None = None,
-        datasets: dict[str, h5py.Dataset] | None = None,
+        self, start: int, arrays: dict[str, np.ndarray], comm: Comm | None, rounds: int | None = None
     ) -> BaseException | None:
         """Write ``arrays`` at row ``start``, collective over ``comm`` when given (in ``rounds`` rounds each, where
-        agreed; into ``datasets`` where opened); the failure, or None."""
+        agreed); the failure, or None."""
         assert self.file is not None, "write after close"
         try:
             for name, rows in arrays.items():
-                dataset = self._dataset(name) if datasets is None else datasets[name]
-                write_rows(dataset, start, np.asarray(rows), comm, rounds=rounds, mpio=self._mpio)
+                write_rows(self._dataset(name), start, np.asarray(rows), comm, rounds=rounds, mpio=self._mpio)
         except (OSError, RuntimeError) as error:  # a full disk or quota: h5py says so in either
             return error
         return None
