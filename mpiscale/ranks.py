@@ -288,12 +288,12 @@ EACH_RANK = "each rank of the comm given must"
 
 #: How a collective call every rank must make waits for them first: ``runtime.blocking_entry``, which says a wait
 #: that would never end and ends it; set as the runtime is imported (this module sits below it).
-_ENTRIES: list[Callable[..., None]] = []
+_ENTRIES: list[Callable[..., list[int]]] = []
 
 
-def wait_at_entries(wait: Callable[..., None]) -> None:
-    """Make ``on_rank_0`` and ``agree`` start with ``wait(comm, what, doing, start=...)``, which returns once every
-    rank of ``comm`` came (``start``: the call's own first exchange, a non-blocking collective, not a barrier)."""
+def wait_at_entries(wait: Callable[..., list[int]]) -> None:
+    """Make ``on_rank_0`` and ``agree`` start with ``wait(comm, what, doing, mine=...)``, which returns every rank's
+    ``mine`` once every rank of ``comm`` came (or raises where one came to another collective call)."""
     _ENTRIES[:] = [wait]
 
 
@@ -357,14 +357,13 @@ def agree(
 
 
 def _said_by_each(comm: Comm | None, mine: str | None, what: str, entered: bool) -> list[str | None]:
-    """Each rank's problem (None where it has none): unless ``entered``, first whether each has one, in a
-    non-blocking exchange waited for as ``on_rank_0``'s entry is, then, only where one has, the messages."""
+    """Each rank's problem (None where it has none): unless ``entered``, first whether each has one, carried by the
+    checked entry ``on_rank_0`` starts with too, then, only where one has, the messages."""
     if comm is None:
         return [mine]
     if entered or comm.Get_size() == 1 or not _ENTRIES:
         return comm.allgather(mine)
-    own, failing = bytearray([mine is not None]), bytearray(comm.Get_size())
-    _ENTRIES[0](comm, f"agree({what})", "agree", start=lambda raw: raw.Iallgather(own, failing))
+    failing = _ENTRIES[0](comm, f"agree({what})", "agree", mine=int(mine is not None))
     return comm.allgather(mine) if any(failing) else [None] * len(failing)
 
 
@@ -386,7 +385,7 @@ def raise_agreed(
         raise kind(f"{what} failed: {said}") from cause
 
 
-def by_ranks(messages: list[str | None]) -> str:
+def by_ranks(messages: Sequence[str | None]) -> str:
     """``rank 1: x; ranks 0, 2: y``: each message once, with the ranks (list positions) that said it; empty if none."""
     ranks_of: dict[str, list[int]] = {}
     for other, message in enumerate(messages):

@@ -7,8 +7,10 @@ one (``if len(rows):`` around a write) goes on to the next call while the
 others make this one: two writes of different rounds met (rows written where
 they do not belong), or a write met the close and every rank waited for ever.
 Each call now starts with one small exchange on the caller's communicator,
-every rank's call count and name: two ranks at different calls are found at
-that exchange, before any data moves, and every rank raises one
+a digest of every rank's call and call count (``runtime.checked_entry``, the
+exchange every collective of the library's and the runtime's begins with): two
+ranks at different calls are found at that exchange, before any data moves,
+a call on this object and one on another too, and every rank raises one
 ``CollectiveMismatch`` naming each rank's call and line. The exchange is
 waited for as :func:`~mpiscale.runtime.blocking_barrier` is: a rank that never
 comes is said after ``MPISCALE_COLLECTIVE_CHECK_S`` and, inside
@@ -18,12 +20,9 @@ comes is said after ``MPISCALE_COLLECTIVE_CHECK_S`` and, inside
 from __future__ import annotations
 
 import os
-import zlib
-
-import numpy as np
 
 from ..ranks import EACH_RANK, Comm, by_ranks
-from ..runtime import CollectiveMismatch, RuntimeConfig, blocking_collective, call_site
+from ..runtime import RuntimeConfig, call_site, checked_entry
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -40,8 +39,10 @@ class SameCalls:
         self._comm = None if comm is None or comm.Get_size() == 1 else comm
         self._what, self._must, self._made = what, f"{EACH_RANK} make the same calls on it in the same order{hint}", 0
         self._check_s = RuntimeConfig.setting("collective_check_s")
-        self._every = None if self._comm is None else np.empty((self._comm.Get_size(), 3), np.int64)
-        self._known: dict[str, tuple[int, str, str]] = {}  # call -> (its digest, the runtime's name, the overdue text)
+        self._known: dict[str, tuple[str, str, str]] = {}  # call -> (what.call, the runtime's name, the overdue text)
+        #: Whether the last mismatch found a rank in a call on another object (or another collective): then the
+        #: ranks are not all here, and this object's own clean-up, collective, would wait for them.
+        self.met_other_calls = False
 
     def begin(self, call: str, site: str | None = None, most: int = 0) -> int:
         """Wait until every rank comes to its next call on this object; raise ``CollectiveMismatch`` on every rank
@@ -49,8 +50,8 @@ class SameCalls:
         this one after making fewer or more calls. ``site``: where it was called, said in the error (by default the
         caller's line outside mpiscale). Returns the most any rank gave as ``most`` (a number the call needs agreed
         anyway, as the rounds of a transfer: one exchange, not two)."""
-        comm, every = self._comm, self._every
-        if comm is None or every is None or not comm:  # (not comm: freed, as a job's end frees its own: HDF5 has one)
+        comm = self._comm
+        if comm is None or not comm:  # (not comm: freed, as a job's end frees its own: HDF5 has one)
             return most
         self._made += 1
         known = self._known.get(call)
@@ -59,18 +60,17 @@ class SameCalls:
                        f"ranks of its communicator to come to it too: {self._must}, or this wait never "
                        "ends")  # fmt: skip
             operation = f"{self._what.split('(')[0]}.{call.split('(')[0]}"  # (RowWriter.write: the runtime's report)
-            known = self._known[call] = (zlib.crc32(f"{self._what}.{call}".encode()), operation, overdue)
-        mine = np.array([known[0], self._made, most], np.int64)
-        blocking_collective(comm, lambda raw: raw.Iallgather(mine, every), known[1], known[2])
-        found = every.ravel().tolist()  # (compared in Python: numpy's compare costs µs)
-        digests, counts = found[0::3], found[1::3]
-        if digests.count(digests[0]) == len(digests) and counts.count(counts[0]) == len(counts):
-            return max(found[2::3])
-        from mpi4py import MPI
+            known = self._known[call] = (f"{self._what}.{call}", operation, overdue)
+        named, made = known[0], self._made
+        return max(checked_entry(comm, named, most, known[1], known[2],
+                                 lambda: f"{named}, its call {made} on it, at {site or call_site(_PACKAGE_DIR)}",
+                                 self._mismatch, nth=made))  # fmt: skip
 
-        said = f"{call}, its call {self._made} on it, at {site or call_site(_PACKAGE_DIR)}"
-        world_ranks, calls = zip(*comm.allgather((MPI.COMM_WORLD.Get_rank(), said)))
-        error = CollectiveMismatch(f"{self._what}: the ranks made different calls on it: {by_ranks(list(calls))}; "
-                                   f"{self._must}")  # fmt: skip
-        error.reporter = world_ranks[0]  # every rank raises it: under mpiscale.run, one report (its first rank's)
-        raise error
+    def _mismatch(self, calls: list[str]) -> str:
+        """What every rank raises where the ranks' calls differ (``calls``: each rank's, named with its object):
+        the calls on this object named by their call alone."""
+        prefix = f"{self._what}."
+        self.met_other_calls = not all(call.startswith(prefix) for call in calls)
+        named = by_ranks([call.removeprefix(prefix) for call in calls])
+        on_it = "" if self.met_other_calls else " on it"
+        return f"{self._what}: the ranks made different calls{on_it}: {named}; {self._must}"

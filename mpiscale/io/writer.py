@@ -277,12 +277,14 @@ class RowWriter:
 
     def _begin(self, call: str, site: str | None = None, most: int = 0) -> int:
         """Wait for every rank to come to ``call`` (``write(X)``), its next on this writer; where one came to another
-        call, every rank raises ``CollectiveMismatch`` and nothing of the file stays. Returns the most any rank gave
-        as ``most`` (``SameCalls.begin``)."""
+        call, every rank raises ``CollectiveMismatch`` and nothing of the file stays (where one came to a call on
+        another object, the file is left as it is: its close, collective, would wait for that rank). Returns the most
+        any rank gave as ``most`` (``SameCalls.begin``)."""
         try:
             return self._calls.begin(call, site, most)
         except CollectiveMismatch:
-            self.abort()
+            if not self._calls.met_other_calls:
+                self.abort()
             raise
 
     def _agree(self, failure: BaseException | None) -> None:

@@ -3,7 +3,7 @@
 from .abandoned import call_site
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
-from .blocking import blocking_barrier, blocking_collective, blocking_entry
+from .blocking import blocking_barrier, blocking_collective, blocking_entry, checked_entry
 from .channels import Channel
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -55,6 +55,7 @@ __all__ = [
     "blocking_collective",
     "blocking_entry",
     "call_site",
+    "checked_entry",
     "current_system",
     "library_line",
     "message_path",

@@ -1,7 +1,8 @@
 """Collectives that synchronous code makes inside a running job, found like the awaitable ones when a rank never comes.
 
 A library call every rank must make (the estimator's ``fit``) cannot await: it starts with :func:`blocking_barrier`, a
-non-blocking MPI barrier polled back to back for 50 µs, then with short sleeps (a waiting rank spins no core), that says
+non-blocking exchange of every rank's call (the one the awaitable collectives begin with, so that two ranks at different
+calls are found there) polled back to back for 50 µs, then with short sleeps (a waiting rank spins no core), that says
 once, after ``collective_check_s``, what it waits for. Inside ``mpiscale.run`` the barrier is also entered in a
 collective log of the runtime's (``ActorSystem.call_logs``), so the other ranks' answers show where each stands, and a
 rank that provably never comes (it left ``main``, or waits in another collective) ends the job with the runtime's
@@ -18,16 +19,19 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
+
+import numpy as np
 
 from ..ended_ranks import ended
-from ..ranks import EACH_RANK, AnyComm, as_mpi, end_every_rank, wait_at_entries
+from ..ranks import EACH_RANK, AnyComm, as_mpi, by_ranks, end_every_rank, wait_at_entries
 from ..words import ranks_named
-from .abandoned import CollectiveLog
+from .abandoned import CollectiveLog, call_site
 from .actor import ActorRef, current_system
 from .collectives import world_ranks
 from .config import RuntimeConfig
 from .dispatch import MESSAGE, PendingAsk
+from .errors import CollectiveMismatch, signature_digest
 from .progress import ProgressEngine
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -36,6 +40,8 @@ _LONGEST_PAUSE_S = 1e-3  # 10 µs apart, doubling to this
 _LOOK_EVERY_S = 1.0  # outside the runtime, once overdue: how often the barrier looks for members that ended
 _LONGEST_NAME = 40  # the most characters of a communicator's members named in its log's name
 _SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
+_CAME_APART = "the ranks of its communicator came to different collective calls"
+_SAME_ORDER = f"{EACH_RANK} make the same collective calls on it, in the same order"
 
 
 class HeldAsks:
@@ -81,25 +87,80 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     """Return once every rank of ``comm`` (an mpi4py communicator or a runtime ``Communicator``) has called this
     barrier, printing ``overdue`` to stderr once this rank has waited ``collective_check_s``. ``operation`` names
     the call in the runtime's reports (``"DictionaryLearning.fit"``). Inside ``mpiscale.run``, a rank that never
-    calls it is found and reported, ending the job, as for the runtime's own collectives."""
-    blocking_collective(comm, lambda raw: raw.Ibarrier(), operation, overdue)
+    calls it is found and reported, ending the job, as for the runtime's own collectives; a rank that came to
+    another collective call of the library's or the runtime's on ``comm`` makes every rank raise
+    ``CollectiveMismatch`` (:func:`checked_entry`)."""
+    checked_entry(comm, f"entry {operation}", 0, operation, overdue,
+                  lambda: f"{operation}, at {call_site(_PACKAGE_DIR)}",
+                  lambda calls: f"{operation}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
 
 
-def blocking_entry(
-    comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, start: Callable[[Any], Any] | None = None
-) -> None:
+def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, mine: int = 0) -> list[int]:
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
-    alone would wait in for ever, in ``blocking_barrier``: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that rank waits
-    for the others "to ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a rank that
-    never comes ends the job with the runtime's report. ``start``: the call's own first exchange, waited for as
-    ``blocking_collective`` waits (by default a barrier). Nothing to wait for without a comm, or with one rank."""
+    alone would wait in for ever, as ``blocking_barrier`` waits: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that
+    rank waits for the others "to ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a
+    rank that never comes ends the job with the runtime's report. A rank that came to another collective call
+    on ``comm`` (another kind of call than ``what``'s, told apart by the name before its parenthesis) makes every
+    rank raise ``CollectiveMismatch`` naming each rank's call and line. Returns every rank's ``mine`` (a number the
+    call needs from each anyway, carried in the same exchange); nothing to wait for without a comm, or with one
+    rank (``[mine]``)."""
     raw = None if comm is None else as_mpi(comm)
     if raw is None or raw.Get_size() == 1:
-        return
+        return [mine]
     check_s = RuntimeConfig.setting("collective_check_s")
-    blocking_collective(raw, start or (lambda raw: raw.Ibarrier()), what.split("(")[0],
-                        f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks of its "
-                        f"communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+    operation = what.split("(")[0]
+    return checked_entry(raw, f"entry {operation}", mine, operation,
+                         f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks of its "
+                         f"communicator to {doing} too: {must}, or this wait never ends",
+                         lambda: f"{what}, at {call_site(_PACKAGE_DIR)}",
+                         lambda calls: f"{what}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
+
+
+def checked_entry(
+    comm: AnyComm,
+    called: str,
+    mine: int,
+    operation: str,
+    overdue: str,
+    said: Callable[[], str],
+    mismatch: Callable[[list[str]], str],
+    nth: int = 0,
+) -> list[int]:
+    """The first exchange of a blocking collective call, the one the runtime's collectives begin with: every rank's
+    digest of ``called`` (its call: different calls differ there) and of ``nth`` (which call of an object this is,
+    where the ranks must agree on that too), and a number ``mine``, in one ``Iallgather`` waited for as
+    :func:`blocking_collective` waits. Whatever two ranks call on one communicator, blocking or awaited, their first
+    MPI calls are this one and match, so different calls are found here: not let past each other (a barrier met
+    another call's barrier, and both went on into collectives of their own, waiting for ever), nor one's messages
+    read as another's (``MPI_ERR_TRUNCATE``). Returns every rank's ``mine``; where the digests differ, every rank
+    gathers each rank's ``said()`` (its call and line, as the runtime's collectives gather theirs) and raises one
+    ``CollectiveMismatch`` of ``mismatch(those texts)``, reported by the communicator's first rank."""
+    raw = as_mpi(comm)
+    row = np.array([signature_digest(called) ^ nth, mine], np.int64)
+    every = np.empty((raw.Get_size(), 2), np.int64)
+    blocking_collective(raw, lambda raw: raw.Iallgather(row, every), operation, overdue)
+    found = every.ravel().tolist()  # (compared in Python: numpy's compare costs µs)
+    digests = found[0::2]
+    if digests.count(digests[0]) != len(digests):
+        _mismatched(raw, said(), mismatch, operation, overdue)
+    return found[1::2]
+
+
+def _mismatched(raw: Any, text: str, mismatch: Callable[[list[str]], str], operation: str, overdue: str) -> NoReturn:
+    """Every rank's ``text``, gathered as an awaited collective's mismatch gathers its calls (their lengths, then
+    the texts): the same MPI calls, so a blocking call and an awaited one meet here too; then the error."""
+    from mpi4py import MPI
+
+    mine = np.frombuffer(text.encode(), np.uint8)
+    length, lengths = np.array([len(mine)], np.int64), np.empty(raw.Get_size(), np.int64)
+    blocking_collective(raw, lambda raw: raw.Iallgather(length, lengths), operation, overdue)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    every = np.empty(int(lengths.sum()), np.uint8)
+    blocking_collective(raw, lambda raw: raw.Iallgatherv(mine, [every, (lengths, offsets)]), operation, overdue)
+    texts = [every[start : start + size].tobytes().decode(errors="replace") for start, size in zip(offsets, lengths)]
+    error = CollectiveMismatch(mismatch(texts))
+    error.reporter = world_ranks(MPI, raw)[0]  # every rank raises it: one report, the lowest rank's
+    raise error
 
 
 def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str) -> None:
