@@ -33,11 +33,13 @@ NO_ROWS_WRITTEN = " (a rank without rows in a round writes empty arrays)"
 
 class SameCalls:
     """The collective calls made on one object over ``comm``, named ``what`` (``"RowWriter(out.h5)"``) in what is
-    said; ``hint`` follows what each rank must do (``" (a rank with no rows passes empty ones)"``)."""
+    said; ``hint`` follows what each rank must do (``" (a rank with no rows passes empty ones)"``); ``alike`` names
+    it alike on every rank where ``what`` names it as this rank was given it (``on_files``)."""
 
-    def __init__(self, comm: Comm | None, what: str, hint: str = "") -> None:
+    def __init__(self, comm: Comm | None, what: str, hint: str = "", alike: str | None = None) -> None:
         self._comm = None if comm is None or comm.Get_size() == 1 else comm
         self._what, self._must, self._made = what, f"{EACH_RANK} make the same calls on it in the same order{hint}", 0
+        self._alike = alike or what  # (the object as every rank names it: in the check, and in the calls said)
         self._check_s = RuntimeConfig.setting("collective_check_s")
         self._known: dict[str, tuple[str, str, str]] = {}  # call -> (what.call, the runtime's name, the overdue text)
         #: Whether the last mismatch found a rank in a call on another object (or another collective): then the
@@ -60,7 +62,7 @@ class SameCalls:
                        f"ranks of its communicator to come to it too: {self._must}, or this wait never "
                        "ends")  # fmt: skip
             operation = f"{self._what.split('(')[0]}.{call.split('(')[0]}"  # (RowWriter.write: the runtime's report)
-            known = self._known[call] = (f"{self._what}.{call}", operation, overdue)
+            known = self._known[call] = (f"{self._alike}.{call}", operation, overdue)
         named, made = known[0], self._made
         return max(checked_entry(comm, named, most, known[1], known[2],
                                  lambda: f"{named}, its call {made} on it, at {site or call_site(_PACKAGE_DIR)}",
@@ -69,8 +71,17 @@ class SameCalls:
     def _mismatch(self, calls: list[str]) -> str:
         """What every rank raises where the ranks' calls differ (``calls``: each rank's, named with its object):
         the calls on this object named by their call alone."""
-        prefix = f"{self._what}."
+        prefix = f"{self._alike}."
         self.met_other_calls = not all(call.startswith(prefix) for call in calls)
         named = by_ranks([call.removeprefix(prefix) for call in calls])
         on_it = "" if self.met_other_calls else " on it"
         return f"{self._what}: the ranks made different calls{on_it}: {named}; {self._must}"
+
+
+def on_files(comm: Comm | None, kind: str, path: str | os.PathLike | list, hint: str = "") -> SameCalls:
+    """The calls on a ``kind`` object (``"RowWriter"``) of the file or files at ``path``: said as this rank was given
+    the path, checked by its real path (``out.h5`` on one rank and ``/scratch/job/out.h5`` on another name one
+    file, where the ranks' calls on it differed at its first call)."""
+    paths = path if isinstance(path, list) else [path]
+    given, real = ", ".join(map(os.fspath, paths)), ", ".join(os.path.realpath(each) for each in paths)
+    return SameCalls(comm, f"{kind}({given})", hint, alike=f"{kind}({real})")

@@ -36,7 +36,7 @@ from .h5file import (
     stamp,
 )
 from .numpy_files import NpySource, is_numpy_file
-from .same_calls import NO_ROWS_READ, SameCalls
+from .same_calls import NO_ROWS_READ, on_files
 from .sources import H5Source, distinct_files, in_native_order, only_dataset, resolve_files, same_file
 from .sparse_rows import CsrSource, sparse_group, sparse_groups
 from .writer import RowWriter
@@ -221,7 +221,7 @@ class ShardedDataset:
         self.name = name.strip("/")
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
-        self._calls = SameCalls(self._comm, f"ShardedDataset({self.path})", NO_ROWS_READ)
+        self._calls = on_files(self._comm, "ShardedDataset", path, NO_ROWS_READ)
         entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS)
         try:
             self._segments = self._open(path)

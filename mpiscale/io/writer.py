@@ -27,7 +27,7 @@ from .abandon import ONE_WRITER, closed, entered_by_all, keep_open
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import rounds_of, write_rows
-from .same_calls import NO_ROWS_WRITTEN, SameCalls
+from .same_calls import NO_ROWS_WRITTEN, on_files
 from .space import space_problem
 
 
@@ -55,7 +55,7 @@ class RowWriter:
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
         self.size, self.rank = size_and_rank(self.comm)
-        self._calls = SameCalls(self.comm, f"RowWriter({self.path})", NO_ROWS_WRITTEN)
+        self._calls = on_files(self.comm, "RowWriter", self.path, NO_ROWS_WRITTEN)
         entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
         self._open: dict[str, h5py.Dataset] = {}  # (see _dataset)
@@ -92,7 +92,7 @@ class RowWriter:
         writer = cls.__new__(cls)
         writer.path, writer.comm = os.fspath(path), as_mpi(comm)
         writer.size, writer.rank = size_and_rank(writer.comm)
-        writer._calls = SameCalls(writer.comm, f"RowWriter({writer.path})", NO_ROWS_WRITTEN)
+        writer._calls = on_files(writer.comm, "RowWriter", writer.path, NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
         writer.temporary, writer.file, writer._open = f"{writer.path}.tmp", None, {}
         failure: BaseException | None = None

@@ -79,6 +79,18 @@ def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_naming_the_ran
     assert re.search(rf"{call}\(.*\): rank 0 has waited 1 s for the other ranks", job.stderr), job.stderr[-3000:]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_file_named_two_ways_by_the_ranks_is_written_and_read_as_one(tmp_path, ranks):
+    """Rank 0 names the file relative to the working directory, the others through a link to its directory: each
+    call's check took the two names for two objects, and the first write raised CollectiveMismatch on every rank.
+    The check now names a file by its real path (the message keeps the path each rank was given)."""
+    (tmp_path / "data").mkdir()
+    job = run_mpi("spelt_paths.py", ranks, str(tmp_path / "data"), str(tmp_path / "link"), timeout=60)
+    assert_ok(job)
+    total = sum(2 * 2 * rank for rank in range(ranks))
+    assert job.stdout.count(f"read {total:g} as ") == ranks, job.stdout
+
+
 @pytest.mark.parametrize("ranks, how", [(2, "reopened"), (2, "same"), (4, "reopened")])
 def test_a_growing_data_set_cut_back_keeps_what_is_written_past_the_cut(tmp_path, ranks, how):
     """A resumed encode cuts its growing data sets back to its predecessor's last mark, then writes past the cut.
