@@ -91,9 +91,7 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     calls it is found and reported, ending the job, as for the runtime's own collectives; a rank that came to
     another collective call of the library's or the runtime's on ``comm`` makes every rank raise
     ``CollectiveMismatch`` (:func:`checked_entry`)."""
-    checked_entry(comm, f"entry {operation}", 0, operation, overdue,
-                  lambda: f"{operation}, at {call_site(_PACKAGE_DIR)}",
-                  lambda calls: f"{operation}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
+    _entered(comm, operation, 0, overdue)
 
 
 def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, mine: int = 0) -> list[int]:
@@ -109,10 +107,15 @@ def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH
     if raw is None or raw.Get_size() == 1:
         return [mine]
     check_s = RuntimeConfig.setting("collective_check_s")
+    return _entered(raw, what, mine, f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks "
+                    f"of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+
+
+def _entered(comm: AnyComm, what: str, mine: int, overdue: str) -> list[int]:
+    """``checked_entry`` for the call ``what`` (``"RowWriter(out.h5)"``), told apart from others by its kind (the
+    name before its parenthesis: ranks may name one file two ways)."""
     operation = what.split("(")[0]
-    return checked_entry(raw, f"entry {operation}", mine, operation,
-                         f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks of its "
-                         f"communicator to {doing} too: {must}, or this wait never ends",
+    return checked_entry(comm, f"entry {operation}", mine, operation, overdue,
                          lambda: f"{what}, at {call_site(_PACKAGE_DIR)}",
                          lambda calls: f"{what}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
 
