@@ -12,12 +12,14 @@ left open is closed as it exits, before MPI is finalized.
 from __future__ import annotations
 
 import atexit
+import os
 from collections.abc import Callable
 from typing import Protocol
 
-from ..ranks import EACH_RANK, report_and_abort
+from ..ranks import EACH_RANK, AnyComm, report_and_abort
 from ..runtime import blocking_entry
 from .errors import raised_together
+from .same_calls import named_alike
 
 ONE_WRITER = f"{EACH_RANK} (a file that one rank writes alone takes no comm)"
 SOME_READERS = f"{EACH_RANK} (a data set that only some ranks read takes no comm)"
@@ -86,5 +88,10 @@ def close_after(held: Abandonable, error: BaseException | None) -> None:
         held.abandon()
 
 
-#: Wait until every rank of a comm comes to a collective file call (``runtime.blocking_entry``, under io's name).
-entered_by_all = blocking_entry
+def entered_by_all(
+    comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, path: str | os.PathLike | list | None = None
+) -> None:
+    """Wait until every rank of ``comm`` comes to the collective file call ``what`` (``"RowWriter(out.h5)"``), as
+    ``runtime.blocking_entry`` waits; ``path``: the file or files it is on, by whose real paths two ranks at calls of
+    one kind on different files are told apart (two opens of different files on one communicator wait for ever)."""
+    blocking_entry(comm, what, doing, must, alike=None if path is None else named_alike(what.split("(")[0], path))

@@ -135,7 +135,7 @@ class RaggedDataset:
         comm = as_mpi(comm)
         self._values: ShardedDataset | None = None
         self._vlen: list[tuple[int, h5py.Dataset]] = []
-        entered_by_all(comm, f"RaggedDataset({self.path})", "open it", SOME_READERS)
+        entered_by_all(comm, f"RaggedDataset({self.path})", "open it", SOME_READERS, self.path)
         files = on_rank_0(comm, lambda: resolve_files(self.path))
         try:
             if offsets:

@@ -82,6 +82,12 @@ def on_files(comm: Comm | None, kind: str, path: str | os.PathLike | list, hint:
     """The calls on a ``kind`` object (``"RowWriter"``) of the file or files at ``path``: said as this rank was given
     the path, checked by its real path (``out.h5`` on one rank and ``/scratch/job/out.h5`` on another name one
     file, where the ranks' calls on it differed at its first call)."""
+    given = ", ".join(map(os.fspath, path)) if isinstance(path, list) else os.fspath(path)
+    return SameCalls(comm, f"{kind}({given})", hint, alike=named_alike(kind, path))
+
+
+def named_alike(kind: str, path: str | os.PathLike | list) -> str:
+    """``kind(real path)``: a ``kind`` object (``"RowWriter"``) of the file or files at ``path`` as every rank names
+    it, whichever way each was given the path (``out.h5``, a link to its directory)."""
     paths = path if isinstance(path, list) else [path]
-    given, real = ", ".join(map(os.fspath, paths)), ", ".join(os.path.realpath(each) for each in paths)
-    return SameCalls(comm, f"{kind}({given})", hint, alike=f"{kind}({real})")
+    return f"{kind}({', '.join(os.path.realpath(each) for each in paths)})"

@@ -57,7 +57,7 @@ def write_dataset(
     dtypes must agree. The file appears under ``path`` only once complete.
     """
     path, comm = os.fspath(path), as_mpi(comm)
-    entered_by_all(comm, f"write_dataset({path})", "write it", ONE_WRITER)
+    entered_by_all(comm, f"write_dataset({path})", "write it", ONE_WRITER, path)
     size, rank = size_and_rank(comm)
     arrays = {name: np.asarray(array) for name, array in arrays.items()}
     single = sorted(name for name, array in arrays.items() if array.ndim == 0)  # no rows: refused by every rank
@@ -222,7 +222,7 @@ class ShardedDataset:
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
         self._calls = on_files(self._comm, "ShardedDataset", path, NO_ROWS_READ)
-        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS)
+        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS, path)
         try:
             self._segments = self._open(path)
         except BaseException:

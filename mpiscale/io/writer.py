@@ -56,7 +56,7 @@ class RowWriter:
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
         self.size, self.rank = size_and_rank(self.comm)
         self._calls = on_files(self.comm, "RowWriter", self.path, NO_ROWS_WRITTEN)
-        entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER)
+        entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER, self.path)
         self.temporary = f"{self.path}.tmp"
         self._open: dict[str, h5py.Dataset] = {}  # (see _dataset)
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
@@ -93,7 +93,7 @@ class RowWriter:
         writer.path, writer.comm = os.fspath(path), as_mpi(comm)
         writer.size, writer.rank = size_and_rank(writer.comm)
         writer._calls = on_files(writer.comm, "RowWriter", writer.path, NO_ROWS_WRITTEN)
-        entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER)
+        entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER, kept)
         writer.temporary, writer.file, writer._open = f"{writer.path}.tmp", None, {}
         failure: BaseException | None = None
         try:

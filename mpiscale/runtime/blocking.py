@@ -94,28 +94,31 @@ def blocking_barrier(comm: AnyComm, operation: str, overdue: str) -> None:
     _entered(comm, operation, 0, overdue)
 
 
-def blocking_entry(comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, mine: int = 0) -> list[int]:
+def blocking_entry(
+    comm: AnyComm | None, what: str, doing: str, must: str = EACH_RANK, mine: int = 0, alike: str | None = None
+) -> list[int]:
     """Wait until every rank of ``comm`` comes to ``what`` (``"RowWriter(out.h5)"``), a collective call that a rank
     alone would wait in for ever, as ``blocking_barrier`` waits: said after ``MPISCALE_COLLECTIVE_CHECK_S`` (that
     rank waits for the others "to ``doing`` too: ``must``, or this wait never ends"), and inside ``mpiscale.run`` a
     rank that never comes ends the job with the runtime's report. A rank that came to another collective call
-    on ``comm`` (another kind of call than ``what``'s, told apart by the name before its parenthesis) makes every
-    rank raise ``CollectiveMismatch`` naming each rank's call and line. Returns every rank's ``mine`` (a number the
-    call needs from each anyway, carried in the same exchange); nothing to wait for without a comm, or with one
-    rank (``[mine]``)."""
+    on ``comm`` makes every rank raise ``CollectiveMismatch`` naming each rank's call and line: another kind of call
+    than ``what``'s (the name before its parenthesis), or, given ``alike`` (the call as every rank names it: a
+    file's real path, where ``what`` has the path as this rank was given it), another call of its kind. Returns
+    every rank's ``mine`` (a number the call needs from each anyway, carried in the same exchange); nothing to wait
+    for without a comm, or with one rank (``[mine]``)."""
     raw = None if comm is None else as_mpi(comm)
     if raw is None or raw.Get_size() == 1:
         return [mine]
     check_s = RuntimeConfig.setting("collective_check_s")
     return _entered(raw, what, mine, f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks "
-                    f"of its communicator to {doing} too: {must}, or this wait never ends")  # fmt: skip
+                    f"of its communicator to {doing} too: {must}, or this wait never ends", alike)  # fmt: skip
 
 
-def _entered(comm: AnyComm, what: str, mine: int, overdue: str) -> list[int]:
-    """``checked_entry`` for the call ``what`` (``"RowWriter(out.h5)"``), told apart from others by its kind (the
-    name before its parenthesis: ranks may name one file two ways)."""
+def _entered(comm: AnyComm, what: str, mine: int, overdue: str, alike: str | None = None) -> list[int]:
+    """``checked_entry`` for the call ``what`` (``"RowWriter(out.h5)"``), told apart from others by ``alike``, else
+    by its kind (the name before its parenthesis: ranks may name one file two ways)."""
     operation = what.split("(")[0]
-    return checked_entry(comm, f"entry {operation}", mine, operation, overdue,
+    return checked_entry(comm, f"entry {alike or operation}", mine, operation, overdue,
                          lambda: f"{what}, at {call_site(_PACKAGE_DIR)}",
                          lambda calls: f"{what}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
 

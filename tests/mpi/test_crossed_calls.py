@@ -25,6 +25,9 @@ def _said(pair: str, directory: Path, first: str, second: str) -> str:
     if pair == "writer/dataset":
         dataset = f"ShardedDataset({directory / 'c.h5'}), at {_at('with ShardedDataset(')}"
         return f"{made_b}: {_APART}: {first}: {writer}; {second}: {dataset}; {_SAME_ORDER}"
+    if pair == "writer/other_writer":
+        other = f"RowWriter({directory / 'd.h5'}), at {_at('(another file)')}"
+        return f"{made_b}: {_APART}: {first}: {writer}; {second}: {other}; {_SAME_ORDER}"
     if pair == "agree/on_rank_0":
         agreed, asked = _at("agree(comm, None"), _at("on_rank_0(comm, os.getcwd)")
         return (f"agree(checking the inputs): {_APART}: {first}: agree(checking the inputs), at {agreed}; {second}: "
@@ -43,6 +46,8 @@ def _said(pair: str, directory: Path, first: str, second: str) -> str:
         (2, "writer/dataset", "plain"),
         (2, "writer/dataset", "run"),
         (4, "writer/dataset", "run"),
+        (2, "writer/other_writer", "plain"),
+        (2, "writer/other_writer", "run"),
         (2, "agree/on_rank_0", "plain"),
         (4, "agree/on_rank_0", "plain"),
         (2, "agree/on_rank_0", "run"),
@@ -55,7 +60,8 @@ def test_ranks_at_different_collective_calls_on_one_communicator_raise_one_misma
     tmp_path, ranks, pair, how
 ):
     """Before, per pair: a writer made and a data set opened let each other past their entries (two barriers met)
-    and every rank waited in the two opens' collectives for ever (killed at 25 s, plain); ``agree`` and
+    and every rank waited in the two opens' collectives for ever (killed at 25 s, plain), as did two writers made of
+    two files (their entries told apart by kind alone until they were by the files' real paths); ``agree`` and
     ``on_rank_0`` met, and the ranks in ``agree`` went on as if agreed while the others failed with
     MPI_ERR_TRUNCATE; an awaited allreduce against a writer made, and a writer's close at the program's end against
     another writer made, failed with MPI_ERR_TRUNCATE, naming neither call."""
@@ -69,4 +75,4 @@ def test_ranks_at_different_collective_calls_on_one_communicator_raise_one_misma
     assert "MPI_ERR" not in job.output and "rank 0 done" not in job.stdout, job.output[-3000:]
     if how == "run":
         assert job.stderr.count("job failed on rank") == 1, job.stderr[-3000:]
-    assert not (tmp_path / "b.h5").exists() and not (tmp_path / "b.h5.tmp").exists()
+    assert not any((tmp_path / name).exists() for name in ("b.h5", "b.h5.tmp", "d.h5", "d.h5.tmp"))

@@ -70,7 +70,7 @@ class Checkpointer:
         self.layout = Layout(Path(directory), Path(local_dir) if local_dir is not None else None)
         self.keep, self.shared_every, self.background = keep, shared_every, background
         self.delta, self.full_every = delta, full_every
-        entered_by_all(as_mpi(comm), f"Checkpointer({directory})", "open it")
+        entered_by_all(as_mpi(comm), f"Checkpointer({directory})", "open it", path=directory)
         self._front = as_mpi(comm).Dup()  # collectives of the calling thread
         self._front.Set_name(f"{Path(directory).name}/"[-63:])  # (its blocking calls' log in a report; MPI's limit)
         self._back = as_mpi(comm).Dup()  # collectives of the background writer
@@ -369,7 +369,7 @@ class Checkpointer:
         it is taken.
         """
         self.wait()
-        entered_by_all(self._front, f"Checkpointer.load({self.layout.shared})", "load it")
+        entered_by_all(self._front, f"Checkpointer.load({self.layout.shared})", "load it", path=self.layout.shared)
         comm = self._front
         manifests = on_rank_0(comm, lambda: self._listed(self._restorer.read_manifests), (CheckpointError,))
         latest = max((s for s, m in manifests if m is not None), default=None)

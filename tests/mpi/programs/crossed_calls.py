@@ -1,11 +1,12 @@
-"""Ranks that come to different collective calls on one communicator, as a branch on the rank makes them: the first
-half of the ranks makes the first call of a pair, the others the second. Arguments: a directory, the pair, and how it
-runs (``run``: under mpiscale.run; ``plain``: a plain mpi4py program). Pairs: ``writer/dataset`` (a RowWriter made
-against a ShardedDataset opened: their entries met and let each other past, and the ranks waited in the two opens'
-collectives for ever), ``agree/on_rank_0``, ``allreduce/writer`` (an awaited allreduce against a RowWriter made, under
-mpiscale.run: MPI_ERR_TRUNCATE), ``unclosed/writer`` (the ranks of the second half write a round in a writer, then
-return from their program with it unclosed, while the first half write the same round and make a second writer: the
-close at the program's end met the second writer's entry, MPI_ERR_TRUNCATE in a plain program)."""
+"""Ranks that come to different collective calls on one communicator, as a branch on the rank makes them: the first half
+of the ranks makes the first call of a pair, the others the second. Arguments: a directory, the pair, and how it runs
+(``run``: under mpiscale.run; ``plain``: a plain mpi4py program). Pairs: ``writer/dataset`` (a RowWriter made against
+a ShardedDataset opened: their entries met and let each other past, and the ranks waited in the two opens'
+collectives for ever), ``writer/other_writer`` (two files: the two creates waited for ever), ``agree/on_rank_0``,
+``allreduce/writer`` (an awaited allreduce against a RowWriter made, under mpiscale.run: MPI_ERR_TRUNCATE),
+``unclosed/writer`` (the ranks of the second half write a round in a writer, then return from their program with it
+unclosed, while the first half write the same round and make a second writer: the close at the program's end met the
+second writer's entry, MPI_ERR_TRUNCATE in a plain program)."""
 
 import os
 import sys
@@ -26,6 +27,8 @@ def made(comm, call: str) -> None:
     """This rank's call of the pair."""
     if call == "writer":
         RowWriter(DIRECTORY / "b.h5", LAYOUT, comm)
+    elif call == "other_writer":
+        RowWriter(DIRECTORY / "d.h5", LAYOUT, comm)  # (another file)
     elif call == "dataset":
         with ShardedDataset(DIRECTORY / "c.h5", "X", comm) as data:
             data.read_collective(0, 1)
