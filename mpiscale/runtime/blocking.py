@@ -28,7 +28,7 @@ from ..ranks import EACH_RANK, AnyComm, as_mpi, by_ranks, end_every_rank, wait_a
 from ..words import ranks_named
 from .abandoned import CollectiveLog, call_site
 from .actor import ActorRef, current_system
-from .collectives import world_ranks
+from .collectives import part_offsets, world_ranks
 from .config import RuntimeConfig
 from .dispatch import MESSAGE, PendingAsk
 from .errors import CollectiveMismatch, signature_digest
@@ -161,7 +161,7 @@ def _mismatched(raw: Any, text: str, mismatch: Callable[[list[str]], str], opera
     mine = np.frombuffer(text.encode(), np.uint8)
     length, lengths = np.array([len(mine)], np.int64), np.empty(raw.Get_size(), np.int64)
     blocking_collective(raw, lambda raw: raw.Iallgather(length, lengths), operation, overdue)
-    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    offsets = part_offsets(lengths)
     every = np.empty(int(lengths.sum()), np.uint8)
     blocking_collective(raw, lambda raw: raw.Iallgatherv(mine, [every, (lengths, offsets)]), operation, overdue)
     texts = [every[start : start + size].tobytes().decode(errors="replace") for start, size in zip(offsets, lengths)]

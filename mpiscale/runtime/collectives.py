@@ -34,7 +34,7 @@ def described(dtype: np.dtype, shape: tuple[int, ...], rest: str) -> str:
     return f"{dtype}{shape} {rest}" if rest else f"{dtype}{shape}"
 
 
-def _offsets(counts: np.ndarray) -> np.ndarray:
+def part_offsets(counts: np.ndarray) -> np.ndarray:
     """Where each rank's part starts."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
@@ -220,7 +220,7 @@ class Communicator:
             return [None] * self.size
         sizes = np.maximum(lengths, 0)
         every = np.empty(int(sizes.sum()), np.uint8)
-        offsets = _offsets(sizes)
+        offsets = part_offsets(sizes)
         await self._wait(self.comm.Iallgatherv(mine, [every, (sizes, offsets)]), what, keep=mine)
         return [
             every[offset : offset + size].tobytes().decode(errors="replace") if length >= 0 else None
@@ -407,8 +407,8 @@ class Communicator:
         await self._wait(self.comm.Ialltoall(sent, received_counts), "alltoallv counts", keep=sent)
         row = int(np.prod(data.shape[1:], dtype=np.int64)) * words_each(data.dtype)
         result = np.empty((int(received_counts.sum()), *data.shape[1:]), dtype=data.dtype)
-        send = [words(data), (sent * row, _offsets(sent) * row)]
-        receive = [words(result), (received_counts * row, _offsets(received_counts) * row)]
+        send = [words(data), (sent * row, part_offsets(sent) * row)]
+        receive = [words(result), (received_counts * row, part_offsets(received_counts) * row)]
         await self._wait(self.comm.Ialltoallv(send, receive), "alltoallv", keep=data)
         return result, received_counts
 
