@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 
 from ..ranks import EACH_RANK, Comm, by_ranks
-from ..runtime import RuntimeConfig, call_site, checked_entry
+from ..runtime import RuntimeConfig, blocking_entry, call_site, checked_entry
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -45,6 +45,11 @@ class SameCalls:
         #: Whether the last mismatch found a rank in a call on another object (or another collective): then the
         #: ranks are not all here, and this object's own clean-up, collective, would wait for them.
         self.met_other_calls = False
+
+    def enter(self, doing: str, must: str) -> None:
+        """Wait until every rank comes to make this object (``io.entered_by_all``), checked by the name every rank
+        gives it (``alike``: its files' real paths, found once for the object and its calls)."""
+        blocking_entry(self._comm, self._what, doing, must, alike=self._alike)
 
     def begin(self, call: str, site: str | None = None, most: int = 0) -> int:
         """Wait until every rank comes to its next call on this object; raise ``CollectiveMismatch`` on every rank

@@ -222,7 +222,7 @@ class ShardedDataset:
         self._comm = as_mpi(comm)
         self._sources: list[Source] = []
         self._calls = on_files(self._comm, "ShardedDataset", path, NO_ROWS_READ)
-        entered_by_all(self._comm, f"ShardedDataset({self.path})", "open it", SOME_READERS, path)
+        self._calls.enter("open it", SOME_READERS)
         try:
             self._segments = self._open(path)
         except BaseException:

@@ -56,7 +56,7 @@ class RowWriter:
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
         self.size, self.rank = size_and_rank(self.comm)
         self._calls = on_files(self.comm, "RowWriter", self.path, NO_ROWS_WRITTEN)
-        entered_by_all(self.comm, f"RowWriter({self.path})", "make it", ONE_WRITER, self.path)
+        self._calls.enter("make it", ONE_WRITER)
         self.temporary = f"{self.path}.tmp"
         self._open: dict[str, h5py.Dataset] = {}  # (see _dataset)
         for name, (_, dtype) in layout.items():  # before any file is made: h5py refused them half-way, leaving .tmp
