@@ -9,6 +9,10 @@ named by the job and its world rank in the host's memory file system (:mod:`mpis
 of other hosts are not seen: a wait for one of them is only said. The last rank of a host to end removes the job's
 markers, where the launcher says how many ranks the host runs (mpirun, mpiexec.hydra, srun); a job that did not end
 so leaves them to be removed by a later end on the host, ten minutes on.
+
+After its marker, the rank makes the world's exchange that the runtime gives it (:func:`meet_at_end`), the first
+exchange of every blocking call: a rank of any host that waits in such a call on the world's communicator meets it
+there, and the job ends at once naming both.
 """
 
 from __future__ import annotations
@@ -17,18 +21,25 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from .host_markers import folder, marker_prefix, remove_old
 
 _PREFIX = "mpiscale-ended-"
 _KEPT_S = 600.0
 _LOCAL_SIZE_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")  # Open MPI's, MPICH's
+_AT_END: list[Callable[[], None]] = []  # the exchange a rank makes after its marker (the runtime's: this sits below it)
+
+
+def meet_at_end(exchange: Callable[[], None]) -> None:
+    """Make ``exchange()`` the last thing a rank does at its normal end, after its marker, before MPI is finalized."""
+    _AT_END[:] = [exchange]
 
 
 def note_normal_end() -> None:
-    """Leave this rank's marker (an exit handler: a program that ends without an uncaught error); the last rank of
-    the host to end removes the job's. Nothing outside a job of several ranks, or once MPI is finalized."""
+    """Leave this rank's marker (an exit handler: a program that ends without an uncaught error), the last rank of
+    the host to end removing the job's, then make the exchange of ``meet_at_end``. Nothing outside a job of several
+    ranks, or once MPI is finalized."""
     MPI = sys.modules.get("mpi4py.MPI")
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
         return
@@ -41,6 +52,8 @@ def note_normal_end() -> None:
             for name in mine:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(where, name))
+    for exchange in _AT_END:
+        exchange()
 
 
 def ended(ranks: Iterable[int]) -> list[int]:

@@ -1,5 +1,6 @@
 """The actor runtime on MPI. Knows nothing about ML, HDF5 or MQTT."""
 
+from . import program_end  # noqa: F401  (a plain program's ranks meet at its end: its exit exchange)
 from .abandoned import call_site
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals

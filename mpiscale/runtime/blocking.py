@@ -128,7 +128,7 @@ def checked_entry(
     called: str,
     mine: int,
     operation: str,
-    overdue: str,
+    overdue: str | None,
     said: Callable[[], str],
     mismatch: Callable[[list[str]], str],
     nth: int = 0,
@@ -153,7 +153,9 @@ def checked_entry(
     return found[1::2]
 
 
-def _mismatched(raw: Any, text: str, mismatch: Callable[[list[str]], str], operation: str, overdue: str) -> NoReturn:
+def _mismatched(
+    raw: Any, text: str, mismatch: Callable[[list[str]], str], operation: str, overdue: str | None
+) -> NoReturn:
     """Every rank's ``text``, gathered as an awaited collective's mismatch gathers its calls (their lengths, then
     the texts): the same MPI calls, so a blocking call and an awaited one meet here too; then the error."""
     from mpi4py import MPI
@@ -170,10 +172,11 @@ def _mismatched(raw: Any, text: str, mismatch: Callable[[list[str]], str], opera
     raise error
 
 
-def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str) -> None:
+def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: str, overdue: str | None) -> None:
     """:func:`blocking_barrier` for any non-blocking collective: ``start(mpi_comm)`` posts it and returns its request
     (``lambda raw: raw.Iallreduce(mine, out, MPI.MAX)``), which is waited for as the barrier is, said, watched and
-    ended alike."""
+    ended alike; with ``overdue`` None, waited for as long as it takes, without a word (a program's end, where the
+    other ranks may still be working)."""
     raw = as_mpi(comm)
     system = _running_system()
     check_s = system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
@@ -186,7 +189,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)
         while not request.Test():
-            if check_s and time.monotonic() - began >= check_s:
+            if check_s and overdue is not None and time.monotonic() - began >= check_s:
                 if not said:
                     print(overdue, file=sys.stderr, flush=True)
                     said = True

@@ -131,6 +131,20 @@ def test_the_hierarchical_allreduce_across_hosts_matches_numpy(nodes, ranks):
     assert f"hierarchical allreduce ok: {ranks} ranks, {ranks // 2} nodes" in job.stdout, job.stdout
 
 
+def test_ranks_waiting_in_a_call_that_another_hosts_ranks_never_make_end_at_once_naming_both(nodes, tmp_path):
+    """A plain mpi4py program (no runtime) whose ranks on the first host call ``ranks.agree`` on the world's
+    communicator while the second host's ranks' programs end: the first host's waited for ever (the ends' markers
+    are only seen on their own host). The ends' checked exchange meets the call's: the job ends at once, with one
+    report naming each rank's call."""
+    program = [sys.executable, str(PROGRAMS / "only_rank_0.py"), str(tmp_path), "agree", "plain-first-half"]
+    job = across(4, program, "agree on the first host's ranks alone", timeout=60)
+    assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
+    assert re.search(r"CollectiveMismatch: agree\(checking the inputs\): the ranks of its communicator came to "
+                     r"different collective calls: ranks 0-1: agree\(checking the inputs\), at only_rank_0.py:\d+; "
+                     r"ranks 2-3: the end of its program ", job.stderr), job.stderr[-3000:]  # fmt: skip
+    assert job.stderr.count("Traceback") == 1, job.stderr[-3000:]
+
+
 def test_training_across_hosts_follows_one_process(nodes, tmp_path):
     """mpiscale train on 4 ranks over 2 hosts (parallel HDF5 on the shared file system, gradients over TCP), and a
     pipeline of 2 stages with one stage per host (activations and gradients over TCP), each against one rank: the

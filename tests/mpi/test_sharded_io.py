@@ -69,10 +69,23 @@ def test_a_collective_file_call_only_rank_0_makes_ends_the_job_with_a_report(tmp
 
 
 @pytest.mark.parametrize("call", ["on_rank_0", "agree"])
-def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_naming_the_rank_that_ended(tmp_path, call):
+def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_at_once_naming_the_end_it_met(tmp_path, call):
     """The same slip in a plain mpi4py program (no runtime to ask): rank 0 waited in ``ranks.agree``'s allgather for
-    ever; it now finds, after saying its wait, that rank 1 ended its program, and ends every rank."""
-    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain", timeout=60,
+    ever. Rank 1's program ends with the world's checked exchange, which rank 0's call begins with: the job ends at
+    once (the collective check left at its 30 s), with one report naming rank 0's call and rank 1's end."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain", timeout=60)
+    assert job.returncode != 0 and job.elapsed < 20, job.output[-3000:]
+    assert re.search(rf"CollectiveMismatch: {call}\(.*\): the ranks of its communicator came to different collective "
+                     rf"calls: rank 0: {call}\(.*\), at only_rank_0.py:\d+; rank 1: the end of its program ",
+                     job.stderr), job.stderr[-3000:]  # fmt: skip
+    assert job.stderr.count("Traceback") == 1 and "rank 0 has waited" not in job.stderr, job.stderr[-3000:]
+
+
+@pytest.mark.parametrize("call", ["on_rank_0", "agree"])
+def test_a_call_on_another_communicator_only_rank_0_makes_ends_the_job_naming_the_rank_that_ended(tmp_path, call):
+    """The call on a duplicate of the world's communicator, which the end's exchange on the world never meets: rank 0
+    finds, after saying its wait, that rank 1 (on its host) ended its program, and ends every rank."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain-dup", timeout=60,
                   env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
     assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
     assert f"rank 1 of the job ended (the program returned) without coming to {call}, which every rank" in job.stderr

@@ -2,7 +2,9 @@
 slip), while rank 1 returns from main: rank 0 waited in the call's first collective for ever. Arguments: a
 directory to write in, the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``RaggedDataset``,
 ``on_rank_0``, ``agree``, ``Checkpointer``, ``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where
-there are, made by every rank), and ``plain`` after them for a plain mpi4py program (not under mpiscale.run)."""
+there are, made by every rank), and ``plain`` after them for a plain mpi4py program (not under mpiscale.run),
+``plain-dup`` for one that makes the call on a duplicate of the world's communicator, or ``plain-first-half`` for one
+whose first half of the ranks make the call (a host's, with 2 ranks a host) while the others' programs end."""
 
 import os
 import sys
@@ -15,7 +17,7 @@ import mpiscale
 from mpiscale.io import Checkpointer, RaggedDataset, RowWriter, write_dataset
 from mpiscale.ranks import agree, as_mpi, on_rank_0
 
-DIRECTORY, CALL, PLAIN = Path(sys.argv[1]), sys.argv[2], sys.argv[3:] == ["plain"]
+DIRECTORY, CALL, PLAIN = Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else ""
 LAYOUT = {"X": ((4, 2), np.float64)}
 
 
@@ -54,6 +56,8 @@ async def main(system):
 if PLAIN:
     from mpi4py import MPI
 
-    job(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank() == 0)
+    world = MPI.COMM_WORLD
+    calling = world.Get_rank() < world.Get_size() // 2 if PLAIN == "plain-first-half" else world.Get_rank() == 0
+    job(world.Dup() if PLAIN == "plain-dup" else world, calling)
 else:
     mpiscale.run(main, name="only-rank-0")

@@ -1,0 +1,50 @@
+"""The checked exchange a rank of a plain program (one not under ``mpiscale.run``) makes on the world's communicator
+as its program ends normally, before MPI is finalized.
+
+Under plain ``mpirun`` a rank whose program returns without a call every rank must make (the estimator's ``fit``
+skipped by a branch) waits in MPI's finalize, and the ranks that make the call wait in it for that one. Its host's
+ranks see its marker (:mod:`mpiscale.ended_ranks`), but a rank of another host waited for ever. The end of a
+program now begins like every blocking collective call, with :func:`~mpiscale.runtime.checked_entry` on the world:
+a rank in such a call on the world's communicator meets it there and every rank ends at once with one report
+naming each rank's call, whatever host it runs on. Where every rank ends its program, the exchange is one more
+barrier before finalize's own; it waits without a word, since the others may still be working.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..ended_ranks import meet_at_end
+from ..ranks import AGREED_REPORT_S, by_ranks, end_every_rank, reported_by_another, reported_line
+from .blocking import checked_entry
+from .errors import CollectiveMismatch
+
+_CALL = "the end of the program"
+_SAID = "the end of its program (it returned, or called sys.exit)"
+
+
+def meet_the_other_ranks() -> None:
+    """This rank's program ended normally: wait for every rank's end on the world's communicator, or, where a rank
+    waits in another collective call there, end the job with the report (one rank's; the others say one line)."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    try:
+        checked_entry(world, _CALL, 0, _CALL, None, lambda: _SAID, _came_apart)
+    except CollectiveMismatch as error:
+        rank = world.Get_rank()
+        reporter = reported_by_another(error, rank, world.Get_size())
+        if reporter is not None:  # a rank in the call reports it, with its own line (its error is uncaught there)
+            time.sleep(AGREED_REPORT_S)
+            end_every_rank(MPI, reported_line(rank, error, reporter))
+        end_every_rank(MPI, f"mpiscale: rank {rank}: {type(error).__name__}: {error}")
+
+
+def _came_apart(calls: list[str]) -> str:
+    return (
+        f"the ranks came to different collective calls on MPI_COMM_WORLD as a program ended: {by_ranks(calls)}; "
+        "every rank must make the same collective calls on it, in the same order, before its program ends"
+    )
+
+
+meet_at_end(meet_the_other_ranks)
