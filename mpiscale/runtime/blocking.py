@@ -37,6 +37,7 @@ from .progress import ProgressEngine
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SPIN_S = 5e-5  # the barrier's polls: back to back at first (a sleep lasts some 60 µs, however short), then
 _LONGEST_PAUSE_S = 1e-3  # 10 µs apart, doubling to this
+_LONGEST_QUIET_PAUSE_S = 2e-2  # or to this in a wait without a word (a program's end: the others may work for hours)
 _LOOK_EVERY_S = 1.0  # outside the runtime, once overdue: how often the barrier looks for members that ended
 _LONGEST_NAME = 40  # the most characters of a communicator's members named in its log's name
 _SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
@@ -185,6 +186,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
     request, pause, said, look_at = start(raw), 1e-5, False, 0.0
+    longest = _LONGEST_PAUSE_S if overdue is not None else _LONGEST_QUIET_PAUSE_S
     try:
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)
@@ -199,7 +201,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
             if watch is not None and log is not None:
                 watch.check_held(log)  # (ends the job on proof; a no-op until a check is due)
             time.sleep(pause)
-            pause = min(2 * pause, _LONGEST_PAUSE_S)
+            pause = min(2 * pause, longest)
     finally:
         if log is not None and number is not None:
             log.end(number)
