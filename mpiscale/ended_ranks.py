@@ -44,10 +44,9 @@ def note_normal_end() -> None:
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
         return
     where, prefix = folder(), marker_prefix(_PREFIX)
-    remove_old(where, _PREFIX, _KEPT_S)
     with contextlib.suppress(OSError):
         open(os.path.join(where, f"{prefix}{MPI.COMM_WORLD.Get_rank()}"), "w").close()
-        mine = [name for name in os.listdir(where) if name.startswith(prefix)]
+        mine = remove_old(where, _PREFIX, _KEPT_S, prefix)  # (one pass: earlier jobs' old marks, the job's own)
         if len(mine) >= _ranks_on_host():
             for name in mine:
                 with contextlib.suppress(OSError):

@@ -34,12 +34,16 @@ def folder() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def remove_old(where: str, kind: str, kept_s: float) -> None:
-    """Remove the markers of ``kind`` in ``where`` older than ``kept_s`` seconds (earlier jobs')."""
-    now = time.time()
+def remove_old(where: str, kind: str, kept_s: float, job: str = "") -> list[str]:
+    """Remove the markers of ``kind`` in ``where`` older than ``kept_s`` seconds (earlier jobs'), in the same pass
+    listing those whose names start with ``job`` (this job's prefix of the kind: never old, and never removed)."""
+    now, found = time.time(), []
     with contextlib.suppress(OSError), os.scandir(where) as entries:
         for entry in entries:
-            if entry.name.startswith(kind):
+            if job and entry.name.startswith(job):
+                found.append(entry.name)
+            elif entry.name.startswith(kind):
                 with contextlib.suppress(OSError):
                     if now - entry.stat().st_mtime > kept_s:
                         os.unlink(entry.path)
+    return found
