@@ -871,10 +871,21 @@ cdef class Dispatch:
     cdef Outbox outbox
     cdef dict cells, asks
     cdef object rank
+    cdef bint _held
 
     def __init__(self, object system, dict cells, dict asks):
         self.reference = _dispatch.Dispatch(system, cells, asks)
         self.system, self.cells, self.asks, self.rank = system, cells, asks, system.rank
+
+    @property
+    def held(self):
+        """``dispatch.Dispatch.held``, the reference's too (it routes what this leaves)."""
+        return self._held
+
+    @held.setter
+    def held(self, bint value):
+        self._held = value
+        self.reference.held = value
 
     cpdef envelopes(self, object source, list envelopes):
         """Route ``envelopes`` from rank ``source``, in order."""
@@ -900,7 +911,7 @@ cdef class Dispatch:
                 if not future.done():
                     future.set_result((items[2], items[3]))
             return True
-        if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank:
+        if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank or self._held:
             return False
         method, args, kwargs, ask_id = items[2], items[3], items[4], items[5]
         if (type(items[1]) is not str or type(method) is not str or type(args) is not tuple or type(kwargs) is not dict

@@ -61,6 +61,7 @@ class Dispatch:
         self.system = system
         self.cells = cells
         self.asks = asks
+        self.held = False  # a blocking call polls in main's stack: messages are queued for the loop, none runs here
 
     def envelopes(self, source: int, envelopes: list) -> None:
         """Route ``envelopes`` from rank ``source``, in order."""
@@ -96,7 +97,7 @@ class Dispatch:
                 system.fail(missing, "a tell was addressed to an actor that does not exist")
             return
         message = Message(method, args, kwargs, reply_to, source)
-        if source == system.rank:
+        if source == system.rank or self.held:
             cell.post(message)  # a local send returns before its handler runs, as a remote one does
         else:
             cell.deliver(message)

@@ -26,6 +26,8 @@ from .lending import Lending, Loan
 class Envelopes(Protocol):
     """Where arrived messages go (``dispatch.Dispatch``, or its compiled twin): one, or several from one source."""
 
+    held: bool  # a blocking call holds the event loop while it polls: no handler runs where its message lands
+
     def envelope(self, source: int, envelope: Any) -> None: ...
 
     def envelopes(self, source: int, envelopes: list) -> None: ...

@@ -174,11 +174,17 @@ class ProgressEngine:
     def poll_held(self, future: asyncio.Future, seconds: float) -> None:
         """Poll MPI in the caller's stack until ``future`` is done or ``seconds`` have passed, for a caller that holds
         the event loop (a blocking call in ``main``: nothing else runs meanwhile), sleeping a millisecond after each
-        empty burst of polls rather than spinning a core."""
+        empty burst of polls rather than spinning a core. A message that lands meanwhile waits for the loop, as any
+        message to a rank whose ``main`` is busy does: its handler, one that could run where it lands, ran inside the
+        blocking call (main's state changed under it, as asyncio never lets a handler do)."""
         end = time.monotonic() + seconds
-        while not future.done() and time.monotonic() < end:
-            if not self._poller.burst(_BURST_S):
-                time.sleep(1e-3)
+        self._envelopes.held = True
+        try:
+            while not future.done() and time.monotonic() < end:
+                if not self._poller.burst(_BURST_S):
+                    time.sleep(1e-3)
+        finally:
+            self._envelopes.held = False
 
     def others_ready(self) -> bool:
         """Whether another task or callback is ready to run in the event loop: a caller that would poll or test in

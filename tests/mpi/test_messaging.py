@@ -1,5 +1,6 @@
 """Actor messaging across real MPI ranks."""
 
+import pytest
 from helpers import assert_ok, run_mpi
 
 
@@ -45,3 +46,16 @@ def test_replies_go_into_lent_buffers_on_the_pure_path_too():
     job = run_mpi("reply_into.py", 2, env={"MPISCALE_PURE_PYTHON": "1"})
     assert_ok(job)
     assert "reply_into ok on 2 ranks" in job.stdout
+
+
+@pytest.mark.parametrize("path", ["compiled", "pure-Python"])
+def test_no_handler_runs_inside_a_blocking_call_that_holds_the_event_loop(path):
+    """Rank 0's main waits in ``ranks.agree`` (holding its loop) while rank 1 tells rank 0's actor, a handler that
+    may run where its message lands. Past the collective check the call polls for the other ranks' answers in its
+    own stack: every tell it found there ran inside the call (main's state changed under it). They now wait for the
+    loop and run once main awaits again."""
+    env = {"MPISCALE_COLLECTIVE_CHECK_S": "1"} | ({"MPISCALE_PURE_PYTHON": "1"} if path == "pure-Python" else {})
+    job = run_mpi("held_inline.py", 2, env=env, timeout=60)
+    assert_ok(job)
+    assert "held inline ok: 20 tells ran after the call" in job.stdout, job.output[-3000:]
+    assert "agree(the late ranks): rank 0 has waited 1 s" in job.stderr, job.stderr  # (its check asked the others)
