@@ -859,6 +859,7 @@ cdef object _isawaitable = __import__("inspect").isawaitable
 cdef object _monotonic = __import__("time").monotonic
 cdef int _QUEUED = _actor.QUEUED, _NEVER_SUSPENDS = _actor.NEVER_SUSPENDS
 cdef int _MESSAGE = _dispatch.MESSAGE, _REPLY = _dispatch.REPLY
+cdef str _SYSTEM_ACTOR = _dispatch.SYSTEM_ACTOR, _STATE = _dispatch.STATE
 cdef frozenset _VALUES = frozenset({type(None), bool, int, float, str, bytes, tuple, list, dict, _ndarray})
 cdef object _Failure = _errors.Failure
 
@@ -911,12 +912,14 @@ cdef class Dispatch:
                 if not future.done():
                     future.set_result((items[2], items[3]))
             return True
-        if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank or self._held:
+        if count != 6 or type(items[0]) is not int or items[0] != _MESSAGE or source == self.rank:
             return False
         method, args, kwargs, ask_id = items[2], items[3], items[4], items[5]
         if (type(items[1]) is not str or type(method) is not str or type(args) is not tuple or type(kwargs) is not dict
                 or type(ask_id) is not int or self.system.stopping):
             return False
+        if self._held and not (items[1] == _SYSTEM_ACTOR and method == _STATE):
+            return False  # the reference queues it for the loop
         for key in <dict>kwargs:
             if type(key) is not str:
                 return False  # the reference refuses it

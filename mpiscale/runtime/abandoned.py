@@ -120,7 +120,7 @@ class CollectiveLog:
         now = time.monotonic()
         with self._lock:
             pending = {n: (op, site, now - since) for n, (op, site, since) in self.pending.items()}
-            return {"started": self.started, "last": self.last, "pending": pending}
+            return {"started": self.started, "last": self.last, "pending": pending, "members": list(self.members)}
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -159,12 +159,13 @@ def _waits(state: dict[str, Any], besides: str) -> dict[str, tuple[int, str, str
     return found
 
 
-def _waits_for_me(state: dict[str, Any], besides: str, mine: dict[str, CollectiveLog]) -> bool:
+def _waits_for_me(me: int, state: dict[str, Any], besides: str, mine: dict[str, CollectiveLog]) -> bool:
     """Whether a rank waits in a collective on another communicator that this rank, a member there, has not
-    entered: it waits for this rank, which waits for it."""
+    entered (not even its first, where this rank made no call there): it waits for this rank, which waits for it."""
     for name, (number, _, _, _) in _waits(state, besides).items():
         log = mine.get(name)
-        if log is not None and log.started < number:
+        started = log.started if log is not None else 0 if me in state["logs"][name].get("members", ()) else None
+        if started is not None and started < number:
             return True
     return False
 
@@ -204,7 +205,7 @@ def diagnose(
         elif other is not None:
             waiting.append(rank)
             stuck.append(rank)
-        elif state["main"] == "running" and _waits_for_me(state, log.name, mine or {}):
+        elif state["main"] == "running" and _waits_for_me(me, state, log.name, mine or {}):
             culprits.append(rank)
             stuck.append(rank)  # it finds this rank the same way: the lower of the two reports
     if not culprits:
@@ -223,7 +224,7 @@ class AbandonedWatch:
 
     ``ask_state(rank, timeout)`` asks one rank for its :meth:`ActorSystem.collective_state`, awaited in the watch's
     task; ``ask_held(ranks, timeout)`` asks several at once for a caller that holds the event loop
-    (:meth:`check_held`)."""
+    (:meth:`check_held`), and ``answer_held()`` answers the others' questions that have landed meanwhile."""
 
     def __init__(
         self,
@@ -233,11 +234,12 @@ class AbandonedWatch:
         fail: Callable[[BaseException, str], None],
         ask_state: Callable[[int, float], Awaitable[dict[str, Any]]],
         ask_held: Callable[[list[int], float], dict[int, dict[str, Any] | None]],
+        answer_held: Callable[[], None],
         check_s: float,
     ) -> None:
         self._rank, self._host = rank, host
         self._logs = logs
-        self._ask_state, self._ask_held = ask_state, ask_held
+        self._ask_state, self._ask_held, self._answer_held = ask_state, ask_held, answer_held
         self._fail = fail
         self._check_s = check_s
         self._asked: dict[str, tuple[int, float, int]] = {}  # log -> (collective number, next question, times asked)
@@ -255,7 +257,12 @@ class AbandonedWatch:
 
     def check_held(self, log: CollectiveLog) -> None:
         """The check of :meth:`run` for ``log``, made by a caller that holds the event loop (a blocking call in
-        ``main``, where the watch's own task cannot run), its questions polled for in the caller's stack."""
+        ``main``, where the watch's own task cannot run), its questions polled for in the caller's stack; and, once
+        the caller has waited ``check_s``, the other ranks' questions answered as it waits (two ranks held so in
+        calls that never meet find each other)."""
+        oldest = log.oldest()
+        if oldest is not None and oldest[3] >= self._check_s:
+            self._answer_held()
         times = self._due(log)
         if times is not None:
             self._judge(log, self._ask_held(self._others(log), _ASK_TIMEOUT_S), times)

@@ -49,7 +49,7 @@ _SAME_ORDER = f"{EACH_RANK} make the same collective calls on it, in the same or
 class HeldAsks:
     """One question to other ranks (``method()`` of the actor named ``actor`` on each) asked by a caller that holds
     this rank's event loop: posted at once, its replies polled for in the caller's stack (a reply resolves its
-    future as the poll delivers it; nothing else need run)."""
+    future as the poll delivers it; nothing else need run); and the same question from the others, answered."""
 
     def __init__(
         self,
@@ -62,6 +62,10 @@ class HeldAsks:
     ) -> None:
         self._asks, self._ids, self._post, self._engine = asks, ids, post, engine
         self._actor, self._method = actor, method
+
+    def answer(self) -> None:
+        """Answer the other ranks' questions that have landed (``ProgressEngine.answer_held``)."""
+        self._engine.answer_held()
 
     def ask(self, ranks: list[int], timeout: float) -> dict[int, Any]:
         """Rank -> its answer, None where it failed or gave none within ``timeout`` seconds."""
@@ -199,7 +203,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
                     _end_if_one_ended(raw, request, operation)
                     look_at = time.monotonic() + _LOOK_EVERY_S
             if watch is not None and log is not None:
-                watch.check_held(log)  # (ends the job on proof; a no-op until a check is due)
+                watch.check_held(log)  # (ends the job on proof; a no-op until this rank has waited the check)
             time.sleep(pause)
             pause = min(2 * pause, longest)
     finally:

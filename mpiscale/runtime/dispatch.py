@@ -20,6 +20,11 @@ from typing import Any, Protocol
 from .actor import ActorCell, ActorRef, Message
 from .errors import ActorNotFound, ActorStopped, Failure, TransportError
 
+SYSTEM_ACTOR = "mpiscale.system"  # the runtime's own actor on every rank
+#: Its question about a rank's collective calls, which a rank whose loop a blocking call holds still answers where
+#: it lands (two ranks held in calls that never meet find each other so); it touches nothing of ``main``'s.
+STATE = "collective_state"
+
 MESSAGE, REPLY = 0, 1
 
 
@@ -61,7 +66,7 @@ class Dispatch:
         self.system = system
         self.cells = cells
         self.asks = asks
-        self.held = False  # a blocking call polls in main's stack: messages are queued for the loop, none runs here
+        self.held = False  # a blocking call polls in main's stack: messages wait for the loop (but STATE questions)
 
     def envelopes(self, source: int, envelopes: list) -> None:
         """Route ``envelopes`` from rank ``source``, in order."""
@@ -97,7 +102,7 @@ class Dispatch:
                 system.fail(missing, "a tell was addressed to an actor that does not exist")
             return
         message = Message(method, args, kwargs, reply_to, source)
-        if source == system.rank or self.held:
+        if source == system.rank or (self.held and (name, method) != (SYSTEM_ACTOR, STATE)):
             cell.post(message)  # a local send returns before its handler runs, as a remote one does
         else:
             cell.deliver(message)

@@ -26,7 +26,7 @@ from .lending import Lending, Loan
 class Envelopes(Protocol):
     """Where arrived messages go (``dispatch.Dispatch``, or its compiled twin): one, or several from one source."""
 
-    held: bool  # a blocking call holds the event loop while it polls: no handler runs where its message lands
+    held: bool  # a blocking call holds the event loop while it polls: only STATE questions run where they land
 
     def envelope(self, source: int, envelope: Any) -> None: ...
 

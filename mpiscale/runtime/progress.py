@@ -176,13 +176,24 @@ class ProgressEngine:
         the event loop (a blocking call in ``main``: nothing else runs meanwhile), sleeping a millisecond after each
         empty burst of polls rather than spinning a core. A message that lands meanwhile waits for the loop, as any
         message to a rank whose ``main`` is busy does: its handler, one that could run where it lands, ran inside the
-        blocking call (main's state changed under it, as asyncio never lets a handler do)."""
+        blocking call (main's state changed under it, as asyncio never lets a handler do). Another rank's question
+        about this rank's collective calls (``dispatch.STATE``) is still answered at once."""
         end = time.monotonic() + seconds
         self._envelopes.held = True
         try:
             while not future.done() and time.monotonic() < end:
                 if not self._poller.burst(_BURST_S):
                     time.sleep(1e-3)
+        finally:
+            self._envelopes.held = False
+
+    def answer_held(self) -> None:
+        """One poll in the stack of a caller that holds the event loop, as ``poll_held`` polls: what has landed is
+        taken in, and of the messages only the other ranks' questions about this rank's collectives are answered
+        (a rank waiting long in a blocking call answers them as it waits, so that two such ranks find each other)."""
+        self._envelopes.held = True
+        try:
+            self._poller.poll()
         finally:
             self._envelopes.held = False
 

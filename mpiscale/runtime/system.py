@@ -30,7 +30,7 @@ from .config import RuntimeConfig
 from .consensus import agree_or_refuse, until_quiet
 from .deadlines import AskDeadlines
 from .diagnostics import failure_report, rank_diagnostics, refusal_report
-from .dispatch import MESSAGE, REPLY, PendingAsk
+from .dispatch import MESSAGE, REPLY, STATE, SYSTEM_ACTOR, PendingAsk
 from .errors import Failure, JobRefused, MessageRefused, TransportError
 from .hierarchy import Group, Hierarchy, build_hierarchy
 from .lending import into
@@ -40,7 +40,6 @@ from .steering import Steering
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-SYSTEM_ACTOR = "mpiscale.system"
 
 
 class _SystemActor(Actor):
@@ -338,9 +337,9 @@ class ActorSystem:
         self.spawn_local(_SystemActor, name=SYSTEM_ACTOR)
         if self.config.collective_check_s <= 0 or self.size == 1:
             return engine_task, None
-        held = HeldAsks(self._asks, self._ask_ids, self._post, self._engine, SYSTEM_ACTOR, "collective_state")
+        held = HeldAsks(self._asks, self._ask_ids, self._post, self._engine, SYSTEM_ACTOR, STATE)
         checker = AbandonedWatch(self.rank, self.host, self._collective_logs, self.fail, self._ask_collective_state,
-                                 held.ask, self.config.collective_check_s)  # fmt: skip
+                                 held.ask, held.answer, self.config.collective_check_s)  # fmt: skip
         self.abandoned_watch = checker
         return engine_task, loop.create_task(checker.run(), name="mpiscale abandoned-collective watch")
 
@@ -400,7 +399,7 @@ class ActorSystem:
         return {"main": self.main_state, "host": self.host, "logs": logs}
 
     async def _ask_collective_state(self, rank: int, timeout: float) -> dict[str, Any]:
-        return await self.ask(ActorRef(rank, SYSTEM_ACTOR), "collective_state", (), {}, timeout)
+        return await self.ask(ActorRef(rank, SYSTEM_ACTOR), STATE, (), {}, timeout)
 
     def waiting_in(self) -> tuple[str, float] | None:
         """What this rank waits on longest now (a collective, a value owed it), and for how long (None: nothing)."""

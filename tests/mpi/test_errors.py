@@ -161,11 +161,16 @@ def test_a_collective_the_ranks_call_differently_ends_the_job_naming_both_operat
                               r"at abandoned.py:33"),
         ("world-against-node-barrier", r"rank 1 \(host [^)]*\): is not in a collective on world \(1 collective "
                                        r"started on it\); it waits in barrier #1 on node"),
+        ("blocking-on-two-communicators", r"rank 1 \(host [^)]*\): is not in a collective on world \(blocking "
+                                          r"calls\) \(0 collectives started on it\); it waits in one of two #1 on a "
+                                          r"communicator \(blocking calls\) for [0-9.]+ s, called at abandoned.py:\d+"),
     ],
 )  # fmt: skip
 def test_collectives_on_two_communicators_that_wait_for_each_other_end_in_one_report(scenario, culprit):
     """Rank 0 in the hierarchical allreduce while rank 1 is in the world's (or a world barrier against a node
-    barrier): each waits for the other, and the job hung without a word until the test's timeout."""
+    barrier): each waits for the other, and the job hung without a word until the test's timeout. The same with
+    both in blocking calls that hold their loops (a copy of the world's communicator, on which rank 0 makes no call):
+    neither answered the other's question, nor counted a communicator it had made no call on as not entered."""
     job = run_mpi("abandoned.py", 2, scenario, env={"MPISCALE_COLLECTIVE_CHECK_S": str(CHECK_S)}, timeout=60)
     assert job.returncode != 0, job.output
     assert job.elapsed < 20, f"job took {job.elapsed:.1f}s to end"

@@ -63,6 +63,12 @@ async def main(system):
         if system.rank == 0:
             await asyncio.sleep(3 * system.config.collective_check_s)
             print(f"late finish ok on {system.size} ranks", flush=True)
+    elif scenario == "blocking-on-two-communicators":  # both hold their loops, in calls the other never makes
+        from mpiscale.runtime import blocking_barrier
+
+        copy = system.world.comm.Dup()
+        comm = system.world.comm if system.rank == 0 else copy
+        blocking_barrier(comm, "one of two", "rank waits for the others")
     elif scenario == "blocking-on-two-pairs":  # rank 0 meets rank 1, then the late rank 2, on unnamed communicators
         from mpiscale.runtime import blocking_barrier
 
