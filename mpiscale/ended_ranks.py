@@ -6,9 +6,10 @@ by a branch) finalizes MPI and waits there for the others, which wait in the cal
 another. At a normal end, as its last exit handler (before MPI is finalized), a rank of a launcher's job leaves a marker
 named by the job and its world rank in the host's memory file system (:mod:`mpiscale.host_markers`);
 :func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers once it has waited the collective check. Ranks
-of other hosts are not seen: a wait for one of them is only said. The last rank of a host to end removes the job's
-markers, where the launcher says how many ranks the host runs (mpirun, mpiexec.hydra, srun); a job that did not end
-so leaves them to be removed by a later end on the host, ten minutes on.
+of other hosts are not seen so (a wait on the world's communicator meets them below; on another one, it is only said).
+The last rank of a host to end removes the job's markers, where the launcher says how many ranks the host runs
+(mpirun, mpiexec.hydra, srun); a job that did not end so leaves them to be removed by a later end on the host, ten
+minutes on.
 
 After its marker, the rank makes the world's exchange that the runtime gives it (:func:`meet_at_end`), the first
 exchange of every blocking call: a rank of any host that waits in such a call on the world's communicator meets it
