@@ -142,14 +142,21 @@ def report_and_abort(kind: type[BaseException], error: BaseException, trace: Any
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() < 2:
         sys.__excepthook__(kind, error, trace)
         return
+    leave_report_to_another(MPI, error)  # every rank raised it: the reporter's traceback stands for all
+    sys.__excepthook__(kind, error, trace)
+    end_every_rank(MPI, f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {kind.__name__} that no code caught: ending "
+                   "every rank of the job (the others would wait for this one for ever)")  # fmt: skip
+
+
+def leave_report_to_another(MPI: Any, error: BaseException) -> None:
+    """Where every rank raised ``error`` alike and another rank is its reporter: wait for that rank's report and
+    abort (which usually ends this rank first), else say one line and end every rank. Returns where this rank is
+    the reporter, or none is named."""
     rank = MPI.COMM_WORLD.Get_rank()
     reporter = reported_by_another(error, rank, MPI.COMM_WORLD.Get_size())
-    if reporter is not None:  # every rank raised it: the reporter's traceback stands for all, not one from each
-        time.sleep(AGREED_REPORT_S)  # (the reporter's abort usually ends this rank first, its report whole)
+    if reporter is not None:
+        time.sleep(AGREED_REPORT_S)
         end_every_rank(MPI, reported_line(rank, error, reporter))
-    sys.__excepthook__(kind, error, trace)
-    end_every_rank(MPI, f"mpiscale: rank {rank}: {kind.__name__} that no code caught: ending "
-                   "every rank of the job (the others would wait for this one for ever)")  # fmt: skip
 
 
 def end_every_rank(MPI: Any, message: str) -> None:

@@ -12,10 +12,8 @@ barrier before finalize's own; it waits without a word, since the others may sti
 
 from __future__ import annotations
 
-import time
-
 from ..ended_ranks import meet_at_end
-from ..ranks import AGREED_REPORT_S, by_ranks, end_every_rank, reported_by_another, reported_line
+from ..ranks import by_ranks, end_every_rank, leave_report_to_another
 from .blocking import checked_entry
 from .errors import CollectiveMismatch
 
@@ -32,12 +30,8 @@ def meet_the_other_ranks() -> None:
     try:
         checked_entry(world, _CALL, 0, _CALL, None, lambda: _SAID, _came_apart)
     except CollectiveMismatch as error:
-        rank = world.Get_rank()
-        reporter = reported_by_another(error, rank, world.Get_size())
-        if reporter is not None:  # a rank in the call reports it, with its own line (its error is uncaught there)
-            time.sleep(AGREED_REPORT_S)
-            end_every_rank(MPI, reported_line(rank, error, reporter))
-        end_every_rank(MPI, f"mpiscale: rank {rank}: {type(error).__name__}: {error}")
+        leave_report_to_another(MPI, error)  # (a rank in the call reports it: its error is uncaught there)
+        end_every_rank(MPI, f"mpiscale: rank {world.Get_rank()}: {type(error).__name__}: {error}")
 
 
 def _came_apart(calls: list[str]) -> str:

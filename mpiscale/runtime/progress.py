@@ -32,9 +32,10 @@ milliseconds, and a sleep of a quarter of that would be added to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -179,21 +180,24 @@ class ProgressEngine:
         blocking call (main's state changed under it, as asyncio never lets a handler do). Another rank's question
         about this rank's collective calls (``dispatch.STATE``) is still answered at once."""
         end = time.monotonic() + seconds
-        self._envelopes.held = True
-        try:
+        with self._held():
             while not future.done() and time.monotonic() < end:
                 if not self._poller.burst(_BURST_S):
                     time.sleep(1e-3)
-        finally:
-            self._envelopes.held = False
 
     def answer_held(self) -> None:
         """One poll in the stack of a caller that holds the event loop, as ``poll_held`` polls: what has landed is
         taken in, and of the messages only the other ranks' questions about this rank's collectives are answered
         (a rank waiting long in a blocking call answers them as it waits, so that two such ranks find each other)."""
+        with self._held():
+            self._poller.poll()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
+        """The dispatch told that a caller holding the event loop polls (``dispatch.Dispatch.held``), meanwhile."""
         self._envelopes.held = True
         try:
-            self._poller.poll()
+            yield
         finally:
             self._envelopes.held = False
 
