@@ -205,8 +205,8 @@ def diagnose(
         elif other is not None:
             waiting.append(rank)
             stuck.append(rank)
-        elif state["main"] == "running" and _waits_for_me(me, state, log.name, mine or {}):
-            culprits.append(rank)
+        elif state["main"] == "running" and own["started"] < number and _waits_for_me(me, state, log.name, mine or {}):
+            culprits.append(rank)  # (a rank that started this collective has passed it: this rank's wait will end)
             stuck.append(rank)  # it finds this rank the same way: the lower of the two reports
     if not culprits:
         return None

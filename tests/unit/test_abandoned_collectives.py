@@ -42,6 +42,29 @@ def test_a_rank_that_left_after_entering_it_is_not_a_culprit():
     assert diagnose(0, "n0", log, {1: _state(), 2: _state("returned", 3)}) is None
 
 
+def test_a_rank_that_passed_the_collective_and_waits_elsewhere_for_this_one_is_not_a_culprit():
+    """Rank 1 came to blocking call #1 as rank 0 asked, completed it and went on to the next collective, on another
+    communicator that rank 0 has not entered: rank 0's wait has ended, unseen yet. Counted as waiting for rank 0, rank
+    1 was named as never coming and the job ended (a held check falling due as the late rank came)."""
+    log = CollectiveLog("world (blocking calls)", (0, 1))
+    log.begin("agree")
+    awaited = CollectiveLog("world", (0, 1))
+    awaited.end(awaited.begin("barrier"))
+    passed = {"main": "running", "host": "n1", "logs": {
+        "world (blocking calls)": {"started": 1, "last": ("agree", 1, "job.py:7"), "pending": {}, "members": [0, 1]},
+        "world": {"started": 2, "last": None, "pending": {2: ("barrier", "job.py:9", 0.0)}, "members": [0, 1]},
+        "a copy (blocking calls)": {"started": 1, "last": None, "pending": {1: ("agree", "job.py:8", 0.0)},
+                                    "members": [0, 1]},
+    }}  # fmt: skip
+    assert diagnose(0, "n0", log, {1: passed}, {"world": awaited, log.name: log}) is None
+    waiting = passed | {
+        "logs": passed["logs"]
+        | {"world (blocking calls)": {"started": 0, "last": None, "pending": {}, "members": [0, 1]}}
+    }
+    report, reporter = diagnose(0, "n0", log, {1: waiting}, {"world": awaited, log.name: log})
+    assert "(rank 0 waits in it; rank 1 never will)" in report and reporter == 0
+
+
 def test_late_busy_or_silent_ranks_prove_nothing():
     log = _waiting_in("allreduce", 3)
     assert diagnose(1, "n0", log, {0: _state(started=2), 2: None}) is None
