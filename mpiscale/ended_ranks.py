@@ -6,14 +6,14 @@ by a branch) finalizes MPI and waits there for the others, which wait in the cal
 another. At a normal end, as its last exit handler (before MPI is finalized), a rank of a launcher's job leaves a marker
 named by the job and its world rank in the host's memory file system (:mod:`mpiscale.host_markers`);
 :func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers once it has waited the collective check. Ranks
-of other hosts are not seen so (a wait on the world's communicator meets them below; on another one, it is only said).
+of other hosts are not seen so (a wait on a communicator the ended rank used meets it below; on another, it is said).
 The last rank of a host to end removes the job's markers, where the launcher says how many ranks the host runs
 (mpirun, mpiexec.hydra, srun); a job that did not end so leaves them to be removed by a later end on the host, ten
 minutes on.
 
-After its marker, the rank makes the world's exchange that the runtime gives it (:func:`meet_at_end`), the first
-exchange of every blocking call: a rank of any host that waits in such a call on the world's communicator meets it
-there, and the job ends at once naming both.
+After its marker, the rank makes the exchange that the runtime gives it (:func:`meet_at_end`), the first exchange of
+every blocking call, on the world's communicator and each other one it made blocking calls on: a rank of any host that
+waits in such a call on one of them meets it there, and the job ends at once naming both.
 """
 
 from __future__ import annotations

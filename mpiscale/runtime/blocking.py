@@ -33,6 +33,7 @@ from .config import RuntimeConfig
 from .dispatch import MESSAGE, PendingAsk
 from .errors import CollectiveMismatch, signature_digest
 from .progress import ProgressEngine
+from .used_comms import note_used
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SPIN_S = 5e-5  # the barrier's polls: back to back at first (a sleep lasts some 60 µs, however short), then
@@ -152,10 +153,50 @@ def checked_entry(
     every = np.empty((raw.Get_size(), 2), np.int64)
     blocking_collective(raw, lambda raw: raw.Iallgather(row, every), operation, overdue)
     found = every.ravel().tolist()  # (compared in Python: numpy's compare costs µs)
-    digests = found[0::2]
-    if digests.count(digests[0]) != len(digests):
+    if not _alike(found[0::2]):
         _mismatched(raw, said(), mismatch, operation, overdue)
     return found[1::2]
+
+
+def checked_entry_on_each(
+    comms: list[Any], called: str, operation: str, said: Callable[[], str], mismatch: Callable[[Any, list[str]], str]
+) -> None:
+    """:func:`checked_entry`'s exchange (no number) on each of ``comms`` (mpi4py communicators) at once, waited for
+    without a word until all complete: a call that any of them may be waiting for (a program's end, on every
+    communicator the rank has used). Where one finds different calls, its ranks gather their ``said()`` and raise
+    its ``CollectiveMismatch`` of ``mismatch(comm, those texts)`` (the others may never complete: not waited for)."""
+    row = np.array([signature_digest(called), 0], np.int64)
+    entries = _Entries(comms, row)
+    blocking_collective(comms[0], lambda _raw: entries, operation, None)
+    if entries.apart is not None:
+        raw = entries.apart
+        _mismatched(raw, said(), lambda calls: mismatch(raw, calls), operation, None)
+
+
+class _Entries:
+    """First exchanges posted on several communicators, tested as one request: complete once every one is, or once
+    one has found different calls (``apart``, its communicator)."""
+
+    def __init__(self, comms: list[Any], row: np.ndarray) -> None:
+        self.found = [np.empty((comm.Get_size(), 2), np.int64) for comm in comms]
+        self.requests = [comm.Iallgather(row, every) for comm, every in zip(comms, self.found)]
+        self.comms, self.apart = comms, None
+
+    def Test(self) -> bool:  # noqa: N802  (an MPI request's name, as blocking_collective tests it)
+        if self.apart is not None:
+            return True
+        for index, request in enumerate(self.requests):
+            if request is not None and request.Test():
+                self.requests[index] = None
+                if not _alike(self.found[index][:, 0].tolist()):
+                    self.apart = self.comms[index]
+                    return True
+        return all(request is None for request in self.requests)
+
+
+def _alike(digests: list[int]) -> bool:
+    """Whether every rank's call digest is the same."""
+    return digests.count(digests[0]) == len(digests)
 
 
 def _mismatched(
@@ -185,6 +226,8 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     raw = as_mpi(comm)
     system = _running_system()
     check_s = system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
+    if system is None and raw.Get_size() > 1:
+        note_used(raw)  # (its members' ends meet a later call on it: a plain program's end)
     log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
     began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)

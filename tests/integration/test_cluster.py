@@ -131,12 +131,14 @@ def test_the_hierarchical_allreduce_across_hosts_matches_numpy(nodes, ranks):
     assert f"hierarchical allreduce ok: {ranks} ranks, {ranks // 2} nodes" in job.stdout, job.stdout
 
 
-def test_ranks_waiting_in_a_call_that_another_hosts_ranks_never_make_end_at_once_naming_both(nodes, tmp_path):
+@pytest.mark.parametrize("mode", ["plain-first-half", "plain-first-half-dup-again"])
+def test_ranks_waiting_in_a_call_that_another_hosts_ranks_never_make_end_at_once_naming_both(nodes, tmp_path, mode):
     """A plain mpi4py program (no runtime) whose ranks on the first host call ``ranks.agree`` on the world's
-    communicator while the second host's ranks' programs end: the first host's waited for ever (the ends' markers
-    are only seen on their own host). The ends' checked exchange meets the call's: the job ends at once, with one
-    report naming each rank's call."""
-    program = [sys.executable, str(PROGRAMS / "only_rank_0.py"), str(tmp_path), "agree", "plain-first-half"]
+    communicator, or a second time on a copy of it, while the second host's ranks' programs end: the first host's
+    waited for ever (the ends' markers are only seen on their own host). The ends' checked exchange, on the world
+    and on each communicator a rank used, meets the call's: the job ends at once, with one report naming each
+    rank's call."""
+    program = [sys.executable, str(PROGRAMS / "only_rank_0.py"), str(tmp_path), "agree", mode]
     job = across(4, program, "agree on the first host's ranks alone", timeout=60)
     assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
     assert re.search(r"CollectiveMismatch: agree\(checking the inputs\): the ranks of its communicator came to "

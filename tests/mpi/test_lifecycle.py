@@ -201,8 +201,10 @@ def test_message_over_2_gib():
 
 def test_a_job_whose_ranks_all_end_normally_leaves_no_marker_of_their_ends(ranks):
     """Each rank of a launcher's job marks its normal end on its host, for a rank waiting in a blocking call to see
-    that another will never come; the host's last rank to end removes the job's markers."""
+    that another will never come; the host's last rank to end removes the job's markers. Each rank's end also meets
+    the others' on the communicators it made blocking calls on, and leaves out the one freed."""
     job = run_mpi("ends_normally.py", ranks)
     assert_ok(job)
-    where, prefix = job.stdout.split()
+    where, prefix, communicators = job.stdout.split()
+    assert communicators == "2", job.stdout
     assert not [name for name in os.listdir(where) if name.startswith(prefix)], os.listdir(where)

@@ -83,13 +83,27 @@ def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_at_once_naming
 
 @pytest.mark.parametrize("call", ["on_rank_0", "agree"])
 def test_a_call_on_another_communicator_only_rank_0_makes_ends_the_job_naming_the_rank_that_ended(tmp_path, call):
-    """The call on a duplicate of the world's communicator, which the end's exchange on the world never meets: rank 0
-    finds, after saying its wait, that rank 1 (on its host) ended its program, and ends every rank."""
+    """The call on a duplicate of the world's communicator that rank 1 never made a blocking call on, so its end's
+    exchanges never meet it: rank 0 finds, after saying its wait, that rank 1 (on its host) ended its program, and
+    ends every rank."""
     job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain-dup", timeout=60,
                   env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})  # fmt: skip
     assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
     assert f"rank 1 of the job ended (the program returned) without coming to {call}, which every rank" in job.stderr
     assert re.search(rf"{call}\(.*\): rank 0 has waited 1 s for the other ranks", job.stderr), job.stderr[-3000:]
+
+
+@pytest.mark.parametrize("call", ["on_rank_0", "agree"])
+def test_a_call_on_another_communicator_every_rank_used_before_meets_the_end_at_once(tmp_path, call):
+    """The call on a duplicate of the world's communicator that every rank made the call on once before: rank 1's
+    end meets rank 0's second call there (it posts the end's exchange on each communicator it used), and the job
+    ends at once, the collective check left at its 30 s, with one report naming rank 0's call and rank 1's end."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain-dup-again", timeout=60)
+    assert job.returncode != 0 and job.elapsed < 20, job.output[-3000:]
+    assert re.search(rf"CollectiveMismatch: {call}\(.*\): the ranks of its communicator came to different collective "
+                     rf"calls: rank 0: {call}\(.*\), at only_rank_0.py:\d+; rank 1: the end of its program ",
+                     job.stderr), job.stderr[-3000:]  # fmt: skip
+    assert job.stderr.count("Traceback") == 1 and "rank 0 has waited" not in job.stderr, job.stderr[-3000:]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -2,9 +2,10 @@
 slip), while rank 1 returns from main: rank 0 waited in the call's first collective for ever. Arguments: a
 directory to write in, the call: ``RowWriter``, ``RowWriter.reopen``, ``write_dataset``, ``RaggedDataset``,
 ``on_rank_0``, ``agree``, ``Checkpointer``, ``Checkpointer.save`` or ``Checkpointer.load`` (the calls before it, where
-there are, made by every rank), and ``plain`` after them for a plain mpi4py program (not under mpiscale.run),
-``plain-dup`` for one that makes the call on a duplicate of the world's communicator, or ``plain-first-half`` for one
-whose first half of the ranks make the call (a host's, with 2 ranks a host) while the others' programs end."""
+there are, made by every rank), and ``plain`` after them for a plain mpi4py program (not under mpiscale.run), with
+``-dup`` where it makes the call on a duplicate of the world's communicator, ``-first-half`` where the first half of
+the ranks make it (a host's, with 2 ranks a host) while the others' programs end, and ``-again`` where every rank
+makes the call once before (``plain-dup-again``)."""
 
 import os
 import sys
@@ -57,7 +58,10 @@ if PLAIN:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    calling = world.Get_rank() < world.Get_size() // 2 if PLAIN == "plain-first-half" else world.Get_rank() == 0
-    job(world.Dup() if PLAIN == "plain-dup" else world, calling)
+    calling = world.Get_rank() < world.Get_size() // 2 if "-first-half" in PLAIN else world.Get_rank() == 0
+    comm = world.Dup() if "-dup" in PLAIN else world
+    if "-again" in PLAIN:
+        job(comm, True)  # (every rank: each knows the communicator at its end)
+    job(comm, calling)
 else:
     mpiscale.run(main, name="only-rank-0")
