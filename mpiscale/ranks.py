@@ -360,7 +360,8 @@ def agree(
     entry), so the ranks exchange their problems at once, in one allgather the runtime does not watch.
     """
     mine = problem_text(problem)
-    raise_agreed(_said_by_each(comm, mine, what, entered), problem, what, kind)
+    messages = _said_by_each(comm, mine, what, entered)
+    raise_agreed(messages, problem, what, kind, None if comm is None else lambda: world_ranks(comm))
 
 
 def _said_by_each(comm: Comm | None, mine: str | None, what: str, entered: bool) -> list[str | None]:
@@ -383,21 +384,40 @@ def problem_text(problem: BaseException | str | None) -> str | None:
 
 
 def raise_agreed(
-    messages: list[str | None], problem: BaseException | str | None, what: str, kind: type[Exception]
+    messages: list[str | None],
+    problem: BaseException | str | None,
+    what: str,
+    kind: type[Exception],
+    ranks: Callable[[], Sequence[int]] | None = None,
 ) -> None:
-    """Raise ``kind`` naming every rank with a message (a message said by many ranks, once); nothing if none."""
-    said = by_ranks(messages)
-    if said:
-        cause = problem if isinstance(problem, BaseException) else None
-        raise kind(f"{what} failed: {said}") from cause
+    """Raise ``kind`` naming every rank with a message (a message said by many ranks, once); nothing if none.
+    ``ranks()``: the world rank of each message's rank (for a part of the world's ranks), asked only then."""
+    if not any(messages):
+        return
+    said = by_ranks(messages, None if ranks is None else ranks())
+    raise kind(f"{what} failed: {said}") from problem if isinstance(problem, BaseException) else None
 
 
-def by_ranks(messages: Sequence[str | None]) -> str:
-    """``rank 1: x; ranks 0, 2: y``: each message once, with the ranks (list positions) that said it; empty if none."""
+def world_ranks(comm: Comm) -> tuple[int, ...]:
+    """The world rank of each member of ``comm``, in its rank order."""
+    from mpi4py import MPI
+
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+
+
+def by_ranks(messages: Sequence[str | None], ranks: Sequence[int] | None = None) -> str:
+    """``rank 1: x; ranks 0, 2: y``: each message once, with the ranks that said it (``ranks[i]`` said
+    ``messages[i]``: their world ranks, where a part of the world's ranks said them; by default the positions);
+    empty if none."""
     ranks_of: dict[str, list[int]] = {}
     for other, message in enumerate(messages):
         if message:
-            ranks_of.setdefault(message, []).append(other)
+            ranks_of.setdefault(message, []).append(other if ranks is None else ranks[other])
     return "; ".join(f"{ranks_named(where)}: {message}" for message, where in ranks_of.items())
 
 

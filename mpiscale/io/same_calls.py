@@ -73,12 +73,12 @@ class SameCalls:
                                  lambda: f"{named}, its call {made} on it, at {site or call_site(_PACKAGE_DIR)}",
                                  self._mismatch, nth=made))  # fmt: skip
 
-    def _mismatch(self, calls: list[str]) -> str:
-        """What every rank raises where the ranks' calls differ (``calls``: each rank's, named with its object):
-        the calls on this object named by their call alone."""
+    def _mismatch(self, calls: list[str], ranks: tuple[int, ...]) -> str:
+        """What every rank raises where the ranks' calls differ (``calls``: each rank's, named with its object; by
+        ``ranks``, their world ranks): the calls on this object named by their call alone."""
         prefix = f"{self._alike}."
         self.met_other_calls = not all(call.startswith(prefix) for call in calls)
-        named = by_ranks([call.removeprefix(prefix) for call in calls])
+        named = by_ranks([call.removeprefix(prefix) for call in calls], ranks)
         on_it = "" if self.met_other_calls else " on it"
         return f"{self._what}: the ranks made different calls{on_it}: {named}; {self._must}"
 

@@ -24,11 +24,11 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..ended_ranks import ended
-from ..ranks import EACH_RANK, AnyComm, as_mpi, by_ranks, end_every_rank, wait_at_entries
+from ..ranks import EACH_RANK, AnyComm, as_mpi, by_ranks, end_every_rank, wait_at_entries, world_ranks
 from ..words import ranks_named
 from .abandoned import CollectiveLog, call_site
 from .actor import ActorRef, current_system
-from .collectives import part_offsets, world_ranks
+from .collectives import part_offsets
 from .config import RuntimeConfig
 from .dispatch import MESSAGE, PendingAsk
 from .errors import CollectiveMismatch, signature_digest
@@ -126,7 +126,8 @@ def _entered(comm: AnyComm, what: str, mine: int, overdue: str, alike: str | Non
     operation = what.split("(")[0]
     return checked_entry(comm, f"entry {alike or operation}", mine, operation, overdue,
                          lambda: f"{what}, at {call_site(_PACKAGE_DIR)}",
-                         lambda calls: f"{what}: {_CAME_APART}: {by_ranks(calls)}; {_SAME_ORDER}")  # fmt: skip
+                         lambda calls, ranks: f"{what}: {_CAME_APART}: {by_ranks(calls, ranks)}; "
+                                              f"{_SAME_ORDER}")  # fmt: skip
 
 
 def checked_entry(
@@ -136,7 +137,7 @@ def checked_entry(
     operation: str,
     overdue: str | None,
     said: Callable[[], str],
-    mismatch: Callable[[list[str]], str],
+    mismatch: Callable[[list[str], tuple[int, ...]], str],
     nth: int = 0,
 ) -> list[int]:
     """The first exchange of a blocking collective call, the one the runtime's collectives begin with: every rank's
@@ -147,7 +148,8 @@ def checked_entry(
     another call's barrier, and both went on into collectives of their own, waiting for ever), nor one's messages
     read as another's (``MPI_ERR_TRUNCATE``). Returns every rank's ``mine``; where the digests differ, every rank
     gathers each rank's ``said()`` (its call and line, as the runtime's collectives gather theirs) and raises one
-    ``CollectiveMismatch`` of ``mismatch(those texts)``, reported by the communicator's first rank."""
+    ``CollectiveMismatch`` of ``mismatch(those texts, the world rank of each)``, reported by the communicator's first
+    rank."""
     raw = as_mpi(comm)
     row = np.array([signature_digest(called) ^ nth, mine], np.int64)
     every = np.empty((raw.Get_size(), 2), np.int64)
@@ -159,18 +161,23 @@ def checked_entry(
 
 
 def checked_entry_on_each(
-    comms: list[Any], called: str, operation: str, said: Callable[[], str], mismatch: Callable[[Any, list[str]], str]
+    comms: list[Any],
+    called: str,
+    operation: str,
+    said: Callable[[], str],
+    mismatch: Callable[[Any, list[str], tuple[int, ...]], str],
 ) -> None:
     """:func:`checked_entry`'s exchange (no number) on each of ``comms`` (mpi4py communicators) at once, waited for
     without a word until all complete: a call that any of them may be waiting for (a program's end, on every
     communicator the rank has used). Where one finds different calls, its ranks gather their ``said()`` and raise
-    its ``CollectiveMismatch`` of ``mismatch(comm, those texts)`` (the others may never complete: not waited for)."""
+    its ``CollectiveMismatch`` of ``mismatch(comm, those texts, their world ranks)`` (the others may never complete:
+    not waited for)."""
     row = np.array([signature_digest(called), 0], np.int64)
     entries = _Entries(comms, row)
     blocking_collective(comms[0], lambda _raw: entries, operation, None)
     if entries.apart is not None:
         raw = entries.apart
-        _mismatched(raw, said(), lambda calls: mismatch(raw, calls), operation, None)
+        _mismatched(raw, said(), lambda calls, ranks: mismatch(raw, calls, ranks), operation, None)
 
 
 class _Entries:
@@ -200,11 +207,10 @@ def _alike(digests: list[int]) -> bool:
 
 
 def _mismatched(
-    raw: Any, text: str, mismatch: Callable[[list[str]], str], operation: str, overdue: str | None
+    raw: Any, text: str, mismatch: Callable[[list[str], tuple[int, ...]], str], operation: str, overdue: str | None
 ) -> NoReturn:
     """Every rank's ``text``, gathered as an awaited collective's mismatch gathers its calls (their lengths, then
     the texts): the same MPI calls, so a blocking call and an awaited one meet here too; then the error."""
-    from mpi4py import MPI
 
     mine = np.frombuffer(text.encode(), np.uint8)
     length, lengths = np.array([len(mine)], np.int64), np.empty(raw.Get_size(), np.int64)
@@ -213,8 +219,9 @@ def _mismatched(
     every = np.empty(int(lengths.sum()), np.uint8)
     blocking_collective(raw, lambda raw: raw.Iallgatherv(mine, [every, (lengths, offsets)]), operation, overdue)
     texts = [every[start : start + size].tobytes().decode(errors="replace") for start, size in zip(offsets, lengths)]
-    error = CollectiveMismatch(mismatch(texts))
-    error.reporter = world_ranks(MPI, raw)[0]  # every rank raises it: one report, the lowest rank's
+    members = world_ranks(raw)  # (the reports name the job's ranks, where a part of them calls)
+    error = CollectiveMismatch(mismatch(texts, members))
+    error.reporter = members[0]  # every rank raises it: one report, the lowest rank's
     raise error
 
 
@@ -262,7 +269,7 @@ def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:
     will never come to ``operation``), unless the barrier completes meanwhile (that member came, then ended)."""
     from mpi4py import MPI
 
-    gone = ended(world_ranks(MPI, comm))
+    gone = ended(world_ranks(comm))
     if not gone:
         return
     settle_until = time.monotonic() + _SETTLE_S
@@ -302,7 +309,7 @@ def _call_log(system: Any, comm: Any) -> CollectiveLog:
     kept = comm.Get_attr(_LOG_KEY[0])
     if kept is not None and kept[0] is system.call_logs:  # (kept by this system: not one of an earlier run's)
         return kept[1]
-    members = world_ranks(system.MPI, comm)
+    members = world_ranks(comm)
     name = "world" if comm is system.world.comm else comm.Get_name() or "a communicator"
     if len(members) < system.size:
         name += f" of world {_members_named(members)}"

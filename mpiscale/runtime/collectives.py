@@ -15,7 +15,7 @@ from typing import Concatenate, NoReturn, ParamSpec, TypeVar
 
 import numpy as np
 
-from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed
+from ..ranks import COUNT_LIMIT, Comm, block_rows, by_ranks, chunks, problem_text, raise_agreed, world_ranks
 from . import transport, wire
 from .abandoned import CollectiveLog
 from .config import RuntimeConfig
@@ -75,16 +75,6 @@ def _collective(
     return logged
 
 
-def world_ranks(MPI: ModuleType, comm: Comm) -> tuple[int, ...]:
-    """The world rank of each member of ``comm``, in its rank order."""
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        return tuple(int(r) for r in MPI.Group.Translate_ranks(group, list(range(comm.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-
-
 #: How many calls' rows (:meth:`Communicator._row`) a communicator keeps: more than a program's distinct calls.
 _KEPT_ROWS = 1024
 
@@ -105,7 +95,7 @@ class Communicator:
         self.size: int = comm.Get_size()
         self._ops = mpi_ops(MPI)
         #: The collectives this rank started here, and those still pending.
-        self.log = CollectiveLog(name, world_ranks(MPI, comm))
+        self.log = CollectiveLog(name, world_ranks(comm))
         self._posted = 0  # MPI requests started, to tell a refused call from one that reached MPI
         self._spin_s = config.value_spin_us * 1e-6
         self._one_at_a_time = asyncio.Lock()  # see _collective
@@ -191,7 +181,8 @@ class Communicator:
         calls = await self._texts(f"{called}{site}", f"the calls behind a mismatched {what}")
         error = CollectiveMismatch(
             f"collective #{self.log.started} on {self.name}: the ranks called different collectives, or passed "
-            f"different arguments (shape, dtype, op, root), where all must call the same: {by_ranks(calls)}"
+            "different arguments (shape, dtype, op, root), where all must call the same: "
+            f"{by_ranks(calls, self.world_ranks)}"
         )
         error.reporter = self.world_ranks[0]  # every rank raises it: one report, the lowest rank's
         raise error
@@ -239,7 +230,7 @@ class Communicator:
         lengths = await self._exchange("agree", "", len(text.encode()) if text is not None else -1)
         messages = await self._texts(text, f"agreement on {what}", lengths)
         try:
-            raise_agreed(messages, problem, what, kind)
+            raise_agreed(messages, problem, what, kind, lambda: self.world_ranks)
         except kind as agreed:
             agreed.reporter = self.world_ranks[0]  # type: ignore[attr-defined]  # every rank raises it: one report
             raise

@@ -20,7 +20,6 @@ from ..ended_ranks import meet_at_end
 from ..ranks import by_ranks, end_every_rank, leave_report_to_another
 from ..words import ranks_named
 from .blocking import checked_entry_on_each
-from .collectives import world_ranks
 from .errors import CollectiveMismatch
 from .used_comms import used_communicators
 
@@ -42,12 +41,10 @@ def meet_the_other_ranks() -> None:
         end_every_rank(MPI, f"mpiscale: rank {world.Get_rank()}: {type(error).__name__}: {error}")
 
 
-def _came_apart(comm: Any, calls: list[str]) -> str:
-    from mpi4py import MPI
-
-    named = comm.Get_name() or f"a communicator of world {ranks_named(list(world_ranks(MPI, comm)))}"
+def _came_apart(comm: Any, calls: list[str], ranks: tuple[int, ...]) -> str:
+    named = comm.Get_name() or f"a communicator of {ranks_named(list(ranks))}"
     return (
-        f"the ranks came to different collective calls on {named} as a program ended: {by_ranks(calls)}; "
+        f"the ranks came to different collective calls on {named} as a program ended: {by_ranks(calls, ranks)}; "
         "every rank must make the same collective calls on it, in the same order, before its program ends"
     )
 

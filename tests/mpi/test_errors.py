@@ -227,3 +227,19 @@ def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
     assert_ok(job)
     assert f"{said} on {ranks} ranks" in job.stdout
     assert "CollectiveAbandoned" not in job.stderr, job.stderr
+
+
+@pytest.mark.parametrize("how", ["blocking", "awaited"])
+def test_reports_of_a_part_of_the_ranks_name_the_jobs_ranks(how):
+    """An agreement that failed on world rank 3, made by ranks 2 and 3 alone, said "rank 1: bad input": its place in
+    the part, which every other line of the job names by its world rank. The agreements and the reports of calls
+    that differ now name the job's ranks (a plain program's blocking calls and a ``system.split`` group's)."""
+    job = run_mpi("part_reports.py", 4, how)
+    assert_ok(job)
+    failed = "RuntimeError" if how == "awaited" else "AgreedError"
+    for rank in range(4):
+        assert f"rank {rank} raised {failed}: checking failed: rank {rank | 1}: bad input\n" in job.stdout, job.stdout
+    for rank in (2, 3):
+        said = re.search(rf"rank {rank} raised CollectiveMismatch: .*", job.stdout)
+        assert said and re.search(r": rank 2: \w+\(.*\),? at part_reports.py:\d+; rank 3: \w+\(.*\),? at part_reports"
+                                  r".py:\d+", said[0]), job.stdout  # fmt: skip

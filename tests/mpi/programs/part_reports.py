@@ -1,0 +1,51 @@
+"""Reports of calls on a part of the world's ranks (4 ranks, split in pairs), which named each rank by its place in
+the part: "rank 1" for world rank 3. Argument ``blocking`` (a plain mpi4py program) or ``awaited`` (under
+``mpiscale.run``, a ``system.split`` group). In each pair the second rank fails an agreement, and then, in the
+second pair, the ranks make different calls; each rank prints what it raised."""
+
+import sys
+
+import numpy as np
+
+import mpiscale
+from mpiscale.ranks import AgreedError, agree, on_rank_0
+
+
+def said(error: Exception, rank: int) -> None:
+    print(f"rank {rank} raised {type(error).__name__}: {error}", flush=True)
+
+
+async def main(system) -> None:
+    pair = system.split(system.rank // 2, "pairs")
+    try:
+        await pair.world.agree("bad input" if system.rank % 2 else None, "checking")
+    except RuntimeError as error:
+        said(error, system.rank)
+    try:
+        if system.rank == 2:
+            await pair.world.barrier()
+        elif system.rank == 3:
+            await pair.world.allreduce(np.ones(1))
+    except mpiscale.CollectiveMismatch as error:
+        said(error, system.rank)
+
+
+if sys.argv[1] == "awaited":
+    mpiscale.run(main, name="part-reports")
+else:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    pair = world.Split(rank // 2, rank)
+    try:
+        agree(pair, "bad input" if rank % 2 else None, "checking")
+    except AgreedError as error:
+        said(error, rank)
+    try:
+        if rank == 2:
+            on_rank_0(pair, lambda: 0)
+        elif rank == 3:
+            agree(pair, None, "going on")
+    except mpiscale.CollectiveMismatch as error:
+        said(error, rank)
