@@ -69,11 +69,14 @@ def test_a_collective_file_call_only_rank_0_makes_ends_the_job_with_a_report(tmp
 
 
 @pytest.mark.parametrize("call", ["on_rank_0", "agree"])
-def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_at_once_naming_the_end_it_met(tmp_path, call):
+@pytest.mark.parametrize("mode", ["plain", "plain-dup-again"])
+def test_a_call_only_rank_0_makes_in_a_plain_program_ends_the_job_at_once_naming_the_end_it_met(tmp_path, call, mode):
     """The same slip in a plain mpi4py program (no runtime to ask): rank 0 waited in ``ranks.agree``'s allgather for
-    ever. Rank 1's program ends with the world's checked exchange, which rank 0's call begins with: the job ends at
-    once (the collective check left at its 30 s), with one report naming rank 0's call and rank 1's end."""
-    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain", timeout=60)
+    ever. Rank 1's program ends with the checked exchange that rank 0's call begins with, on the world's
+    communicator and on each other one it made blocking calls on (``plain-dup-again``: a duplicate of the world's
+    that every rank made the call on once before): the job ends at once (the collective check left at its 30 s),
+    with one report naming rank 0's call and rank 1's end."""
+    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, mode, timeout=60)
     assert job.returncode != 0 and job.elapsed < 20, job.output[-3000:]
     assert re.search(rf"CollectiveMismatch: {call}\(.*\): the ranks of its communicator came to different collective "
                      rf"calls: rank 0: {call}\(.*\), at only_rank_0.py:\d+; rank 1: the end of its program ",
@@ -91,19 +94,6 @@ def test_a_call_on_another_communicator_only_rank_0_makes_ends_the_job_naming_th
     assert job.returncode != 0 and job.elapsed < 30, job.output[-3000:]
     assert f"rank 1 of the job ended (the program returned) without coming to {call}, which every rank" in job.stderr
     assert re.search(rf"{call}\(.*\): rank 0 has waited 1 s for the other ranks", job.stderr), job.stderr[-3000:]
-
-
-@pytest.mark.parametrize("call", ["on_rank_0", "agree"])
-def test_a_call_on_another_communicator_every_rank_used_before_meets_the_end_at_once(tmp_path, call):
-    """The call on a duplicate of the world's communicator that every rank made the call on once before: rank 1's
-    end meets rank 0's second call there (it posts the end's exchange on each communicator it used), and the job
-    ends at once, the collective check left at its 30 s, with one report naming rank 0's call and rank 1's end."""
-    job = run_mpi("only_rank_0.py", 2, str(tmp_path), call, "plain-dup-again", timeout=60)
-    assert job.returncode != 0 and job.elapsed < 20, job.output[-3000:]
-    assert re.search(rf"CollectiveMismatch: {call}\(.*\): the ranks of its communicator came to different collective "
-                     rf"calls: rank 0: {call}\(.*\), at only_rank_0.py:\d+; rank 1: the end of its program ",
-                     job.stderr), job.stderr[-3000:]  # fmt: skip
-    assert job.stderr.count("Traceback") == 1 and "rank 0 has waited" not in job.stderr, job.stderr[-3000:]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
