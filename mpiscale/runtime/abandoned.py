@@ -249,7 +249,7 @@ class AbandonedWatch:
         while True:
             await asyncio.sleep(max(self._check_s / 4, 0.1))
             for log in self._logs():
-                times = self._due(log)
+                times = self._due(log, log.oldest())
                 if times is not None:
                     others = self._others(log)
                     answers = await asyncio.gather(*(self._answer(rank) for rank in others))
@@ -261,16 +261,17 @@ class AbandonedWatch:
         the caller has waited ``check_s``, the other ranks' questions answered as it waits (two ranks held so in
         calls that never meet find each other)."""
         oldest = log.oldest()
-        if oldest is not None and oldest[3] >= self._check_s:
-            self._answer_held()
-        times = self._due(log)
+        if oldest is None or oldest[3] < self._check_s:
+            return
+        self._answer_held()
+        times = self._due(log, oldest)
         if times is not None:
             self._judge(log, self._ask_held(self._others(log), _ASK_TIMEOUT_S), times)
 
-    def _due(self, log: CollectiveLog) -> int | None:
-        """How many times the other ranks were asked about ``log``'s oldest pending collective, once this rank has
-        waited in it ``check_s`` and the next question is due (counted as asked); None while none is."""
-        oldest = log.oldest()
+    def _due(self, log: CollectiveLog, oldest: tuple[int, str, str, float] | None) -> int | None:
+        """How many times the other ranks were asked about ``log``'s oldest pending collective (``oldest``, as
+        ``log.oldest()`` gives it), once this rank has waited in it ``check_s`` and the next question is due (counted
+        as asked); None while none is."""
         if oldest is None or oldest[3] < self._check_s:
             return None
         number, due, times = self._asked.get(log.name, (oldest[0], 0.0, 0))
