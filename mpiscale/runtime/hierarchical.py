@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ranks import Comm, block_rows, by_ranks
+from ..ranks import Comm, block_rows, by_ranks, world_ranks
 from .collectives import described
 from .config import RuntimeConfig
 from .errors import CollectiveMismatch, signature_digest
@@ -111,8 +111,7 @@ class HierarchicalAllreduce:
         self._piece_bytes = config.allreduce_piece_bytes
         self._node, self._world = node.Dup(), world.Dup()
         self.gate = world.Dup()  # the barrier before each call, apart from the calls' own traffic
-        # the job's rank of the first one here: it reports a mismatch every rank raises
-        self._reporter = MPI.Group.Translate_ranks(world.Get_group(), [0], MPI.COMM_WORLD.Get_group())[0]
+        self._members = world_ranks(world)  # (a mismatch every rank raises names them so; the first reports it)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.blocks = world.allreduce(self.local_size, op=MPI.MAX)
         self.nodes = world.allreduce(1 if self.local_rank == 0 else 0)
@@ -221,8 +220,8 @@ class HierarchicalAllreduce:
         if digests is not None and len(set(digests.tolist())) > 1:
             calls = self.gate.allgather(f"allreduce({signature}) at {call[1]}")
             error = CollectiveMismatch(f"{call[0]}: the ranks passed different arguments (shape, dtype, op), where all "
-                                       f"must pass the same: {by_ranks(calls)}")  # fmt: skip
-            error.reporter = self._reporter
+                                       f"must pass the same: {by_ranks(calls, self._members)}")  # fmt: skip
+            error.reporter = self._members[0]
             raise error
 
     def direct_comm(self, array: np.ndarray, op: Any) -> Comm | None:

@@ -243,3 +243,9 @@ def test_reports_of_a_part_of_the_ranks_name_the_jobs_ranks(how):
         said = re.search(rf"rank {rank} raised CollectiveMismatch: .*", job.stdout)
         assert said and re.search(r": rank 2: \w+\(.*\),? at part_reports.py:\d+; rank 3: \w+\(.*\),? at part_reports"
                                   r".py:\d+", said[0]), job.stdout  # fmt: skip
+    if how == "awaited":
+        for rank in range(4):
+            pair = rank - rank % 2
+            assert re.search(rf"rank {rank} raised CollectiveMismatch: allreduce #\d+ on pairs \(hierarchical\): .*: "
+                             rf"rank {pair}: allreduce\(float64\(4,\) sum\) at part_reports.py:\d+; rank {pair + 1}: "
+                             rf"allreduce\(float64\(5,\) sum\)", job.stdout), job.stdout  # fmt: skip

@@ -1,7 +1,8 @@
 """Reports of calls on a part of the world's ranks (4 ranks, split in pairs), which named each rank by its place in
 the part: "rank 1" for world rank 3. Argument ``blocking`` (a plain mpi4py program) or ``awaited`` (under
 ``mpiscale.run``, a ``system.split`` group). In each pair the second rank fails an agreement, and then, in the
-second pair, the ranks make different calls; each rank prints what it raised."""
+second pair, the ranks make different calls (and, under the runtime, every pair passes different shapes to its
+hierarchical allreduce); each rank prints what it raised."""
 
 import sys
 
@@ -12,7 +13,9 @@ from mpiscale.ranks import AgreedError, agree, on_rank_0
 
 
 def said(error: Exception, rank: int) -> None:
-    print(f"rank {rank} raised {type(error).__name__}: {error}", flush=True)
+    """One write a line (print writes the line and its end apart: the ranks' lines interleaved)."""
+    sys.stdout.write(f"rank {rank} raised {type(error).__name__}: {error}\n")
+    sys.stdout.flush()
 
 
 async def main(system) -> None:
@@ -26,6 +29,10 @@ async def main(system) -> None:
             await pair.world.barrier()
         elif system.rank == 3:
             await pair.world.allreduce(np.ones(1))
+    except mpiscale.CollectiveMismatch as error:
+        said(error, system.rank)
+    try:  # the hierarchical allreduce's own check of the arguments: one value more on the pair's second rank
+        await pair.hierarchy.allreduce(np.ones(4 + system.rank % 2))
     except mpiscale.CollectiveMismatch as error:
         said(error, system.rank)
 
