@@ -63,9 +63,11 @@ class SameCalls:
         self._made += 1
         known = self._known.get(call)
         if known is None:
-            overdue = (f"{self._what}.{call}: rank {comm.Get_rank()} has waited {self._check_s:g} s for the other "
-                       f"ranks of its communicator to come to it too: {self._must}, or this wait never "
-                       "ends")  # fmt: skip
+            from mpi4py import MPI
+
+            overdue = (f"{self._what}.{call}: rank {MPI.COMM_WORLD.Get_rank()} has waited "
+                       f"{self._check_s:g} s for the other ranks of its communicator to come to it too: {self._must}, "
+                       "or this wait never ends")  # fmt: skip
             operation = f"{self._what.split('(')[0]}.{call.split('(')[0]}"  # (RowWriter.write: the runtime's report)
             known = self._known[call] = (f"{self._alike}.{call}", operation, overdue)
         named, made = known[0], self._made

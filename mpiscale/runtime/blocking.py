@@ -115,9 +115,11 @@ def blocking_entry(
     raw = None if comm is None else as_mpi(comm)
     if raw is None or raw.Get_size() == 1:
         return [mine]
-    check_s = RuntimeConfig.setting("collective_check_s")
-    return _entered(raw, what, mine, f"{what}: rank {raw.Get_rank()} has waited {check_s:g} s for the other ranks "
-                    f"of its communicator to {doing} too: {must}, or this wait never ends", alike)  # fmt: skip
+    from mpi4py import MPI
+
+    check_s, rank = RuntimeConfig.setting("collective_check_s"), MPI.COMM_WORLD.Get_rank()  # (the job's rank)
+    return _entered(raw, what, mine, f"{what}: rank {rank} has waited {check_s:g} s for the other ranks of its "
+                    f"communicator to {doing} too: {must}, or this wait never ends", alike)  # fmt: skip
 
 
 def _entered(comm: AnyComm, what: str, mine: int, overdue: str, alike: str | None = None) -> list[int]:

@@ -233,9 +233,12 @@ def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
 def test_reports_of_a_part_of_the_ranks_name_the_jobs_ranks(how):
     """An agreement that failed on world rank 3, made by ranks 2 and 3 alone, said "rank 1: bad input": its place in
     the part, which every other line of the job names by its world rank. The agreements and the reports of calls
-    that differ now name the job's ranks (a plain program's blocking calls and a ``system.split`` group's)."""
-    job = run_mpi("part_reports.py", 4, how)
+    that differ now name the job's ranks (a plain program's blocking calls and a ``system.split`` group's), and so
+    does a wait said after the collective check."""
+    job = run_mpi("part_reports.py", 4, how, env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})
     assert_ok(job)
+    if how == "blocking":  # (the wait said by the rank that waits: rank 2, not "rank 0")
+        assert "agree(checking): rank 2 has waited 1 s for the other ranks" in job.stderr, job.stderr
     failed = "RuntimeError" if how == "awaited" else "AgreedError"
     for rank in range(4):
         assert f"rank {rank} raised {failed}: checking failed: rank {rank | 1}: bad input\n" in job.stdout, job.stdout
