@@ -361,7 +361,7 @@ def agree(
     """
     mine = problem_text(problem)
     messages = _said_by_each(comm, mine, what, entered)
-    raise_agreed(messages, problem, what, kind, None if comm is None else lambda: world_ranks(comm))
+    raise_agreed(messages, problem, what, kind, lambda: world_ranks(comm))
 
 
 def _said_by_each(comm: Comm | None, mine: str | None, what: str, entered: bool) -> list[str | None]:
@@ -398,8 +398,11 @@ def raise_agreed(
     raise kind(f"{what} failed: {said}") from problem if isinstance(problem, BaseException) else None
 
 
-def world_ranks(comm: Comm) -> tuple[int, ...]:
-    """The world rank of each member of ``comm``, in its rank order."""
+def world_ranks(comm: Comm | None) -> tuple[int, ...]:
+    """The world rank of each member of ``comm``, in its rank order (the job's ranks, as every line of the job names
+    them); ``(0,)`` without one (a serial caller)."""
+    if comm is None:
+        return (0,)
     from mpi4py import MPI
 
     group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()

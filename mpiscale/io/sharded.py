@@ -20,7 +20,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ..errors import refuse_a_str
-from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank
+from ..ranks import AnyComm, as_mpi, on_rank_0, rank_rows, size_and_rank, world_ranks
 from .abandon import ONE_WRITER, SOME_READERS, close_after, closed, entered_by_all, keep_open, leave_open
 from .errors import DataFileError, refuse_unreadable
 from .h5file import (
@@ -65,16 +65,16 @@ def write_dataset(
         name: (len(array) if array.ndim else 0, array.shape[1:], array.dtype.str) for name, array in arrays.items()
     }
     gathered = comm.allgather((layout, single)) if comm is not None else [(layout, single)]
-    for other_rank, (_, values) in enumerate(gathered):
+    for at, (_, values) in enumerate(gathered):  # (each rank named by its rank in the job)
         if values:
-            raise ValueError(f"write_dataset {path}: rank {other_rank} passes {values[0]} as a single value; arrays "
-                             "hold rows on their first axis (np.atleast_1d makes one row of it)")  # fmt: skip
+            raise ValueError(f"write_dataset {path}: rank {world_ranks(comm)[at]} passes {values[0]} as a single "
+                             "value; arrays hold rows on their first axis (np.atleast_1d makes it a row)")  # fmt: skip
     every = [other for other, _ in gathered]
-    for other_rank, other in enumerate(every):
+    for at, other in enumerate(every):
         if {k: v[1:] for k, v in other.items()} != {k: v[1:] for k, v in layout.items()}:
             raise ValueError(
-                f"write_dataset {path}: rank {other_rank} passes arrays {_describe(other)} "
-                f"but rank {rank} passes {_describe(layout)}; names, row shapes and dtypes must agree"
+                f"write_dataset {path}: rank {world_ranks(comm)[at]} passes arrays {_describe(other)} but rank "
+                f"{world_ranks(comm)[rank]} passes {_describe(layout)}; names, row shapes and dtypes must agree"
             )
     shapes = {name: (sum(other[name][0] for other in every), *trailing) for name, (_, trailing, _) in layout.items()}
     offsets = {name: sum(other[name][0] for other in every[:rank]) for name in layout}

@@ -230,15 +230,21 @@ def test_a_rank_that_is_only_late_is_never_reported(ranks, scenario, said):
 
 
 @pytest.mark.parametrize("how", ["blocking", "awaited"])
-def test_reports_of_a_part_of_the_ranks_name_the_jobs_ranks(how):
+def test_reports_of_a_part_of_the_ranks_name_the_jobs_ranks(how, tmp_path):
     """An agreement that failed on world rank 3, made by ranks 2 and 3 alone, said "rank 1: bad input": its place in
     the part, which every other line of the job names by its world rank. The agreements and the reports of calls
     that differ now name the job's ranks (a plain program's blocking calls and a ``system.split`` group's), and so
     does a wait said after the collective check."""
-    job = run_mpi("part_reports.py", 4, how, env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})
+    job = run_mpi("part_reports.py", 4, how, str(tmp_path), env={"MPISCALE_COLLECTIVE_CHECK_S": "1"})
     assert_ok(job)
     if how == "blocking":  # (the wait said by the rank that waits: rank 2, not "rank 0")
         assert "agree(checking): rank 2 has waited 1 s for the other ranks" in job.stderr, job.stderr
+        for rank, other in ((2, 3), (3, 2)):
+            assert (
+                f"rank {rank} raised ValueError: write_dataset {tmp_path / 'rows.h5'}: rank {other} passes arrays "
+                f"X: {'float32' if other == 3 else 'float64'} rows of (3,) but rank {rank} passes" in job.stdout
+            ), job.stdout
+            assert f"ranks differing from this one: [{other}])" in job.stdout, job.stdout
     failed = "RuntimeError" if how == "awaited" else "AgreedError"
     for rank in range(4):
         assert f"rank {rank} raised {failed}: checking failed: rank {rank | 1}: bad input\n" in job.stdout, job.stdout

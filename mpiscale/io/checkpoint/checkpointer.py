@@ -19,7 +19,7 @@ from typing import TypeVar
 import numpy as np
 
 from ... import telemetry
-from ...ranks import AnyComm, agree, as_mpi, on_rank_0, run_agreed, split_nodes
+from ...ranks import AnyComm, agree, as_mpi, by_ranks, on_rank_0, run_agreed, split_nodes, world_ranks
 from ...runtime import RuntimeConfig
 from ..abandon import entered_by_all
 from ..errors import CheckpointError, LockedError
@@ -167,14 +167,15 @@ class Checkpointer:
                 self.rank == 0
             )
         every = self._front.allgather((problem, signature, mine))
-        problems = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(every) if p]
-        if problems:
-            raise ValueError("checkpoint save: " + "; ".join(problems))
+        if any(p for p, _, _ in every):
+            raise ValueError("checkpoint save: " + by_ranks([p for p, _, _ in every], world_ranks(self._front)))
         odd = [r for r, (_, other, _) in enumerate(every) if other != signature]
         if odd:
+            members = world_ranks(self._front)  # (the job's ranks, as every line of the job names them)
             raise ValueError(
                 f"checkpoint save of step {step}: ranks disagree on the step, array names, dtypes or row shapes "
-                f"(rank {self.rank} passes {signature}; ranks differing from this one: {odd})"
+                f"(rank {members[self.rank]} passes {signature}; ranks differing from this one: "
+                f"{[members[r] for r in odd]})"
             )
         full = not self.delta or self._base is None or self._deltas + 1 >= self.full_every
         levels = save_levels(self.layout.local is not None, self._partner is not None, self.shared_every,

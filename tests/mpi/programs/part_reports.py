@@ -3,14 +3,17 @@ the part: "rank 1" for world rank 3. Argument ``blocking`` (a plain mpi4py progr
 ``mpiscale.run``, a ``system.split`` group). In each pair the second rank fails an agreement, and then, in the
 second pair, the ranks make different calls (and, under the runtime, every pair passes different shapes to its
 hierarchical allreduce); each rank prints what it raised. In the plain program rank 3 comes late to the first
-agreement."""
+agreement, and the second pair's ranks give ``write_dataset`` and a checkpoint's save arrays of other dtypes (in
+the directory given after the mode)."""
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import mpiscale
+from mpiscale.io import Checkpointer, write_dataset
 from mpiscale.ranks import AgreedError, agree, on_rank_0
 
 
@@ -60,3 +63,14 @@ else:
             agree(pair, None, "going on")
     except mpiscale.CollectiveMismatch as error:
         said(error, rank)
+    if rank >= 2:  # the file calls' refusals of arrays that differ (float32 on rank 3)
+        rows = np.zeros((2, 3), np.float32 if rank == 3 else np.float64)
+        try:
+            write_dataset(Path(sys.argv[2]) / "rows.h5", {"X": rows}, pair)
+        except ValueError as error:
+            said(error, rank)
+        with Checkpointer(Path(sys.argv[2]) / "checkpoints", pair) as checkpoints:
+            try:
+                checkpoints.save(1, sharded={"x": rows})
+            except ValueError as error:
+                said(error, rank)
