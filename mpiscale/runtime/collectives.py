@@ -330,7 +330,8 @@ class Communicator:
         if not isinstance(array, np.ndarray) or not array.flags.c_contiguous:
             raise TypeError("bcast_array needs a C-contiguous numpy array on every rank")
         if self.rank != root and not array.flags.writeable:  # (mpi4py refuses it after the check, the root's sent)
-            raise TypeError(f"bcast_array: rank {self.rank} receives into its array, which is read-only")
+            rank = self.world_ranks[self.rank]  # (the job's rank, as every line of the job names it)
+            raise TypeError(f"bcast_array: rank {rank} receives into its array, which is read-only")
         await self._check("bcast_array", described(array.dtype, array.shape, f"root={root}"))
         await self._wait(self.comm.Ibcast(words(array), root), "bcast")
         return array
