@@ -5,7 +5,7 @@ Under plain ``mpirun`` a rank whose program returns without a call every rank mu
 by a branch) finalizes MPI and waits there for the others, which wait in the call for it: no rank can answer for
 another. At a normal end, as its last exit handler (before MPI is finalized), a rank of a launcher's job leaves a marker
 named by the job and its world rank in the host's memory file system (:mod:`mpiscale.host_markers`);
-:func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers once it has waited the collective check. Ranks
+:func:`~mpiscale.runtime.blocking_barrier` looks for its members' markers from 5 s into its wait (or the check). Ranks
 of other hosts are not seen so (a wait on a communicator the ended rank used meets it below; on another, it is said).
 The last rank of a host to end removes the job's markers, where the launcher says how many ranks the host runs
 (mpirun, mpiexec.hydra, srun); a job that did not end so leaves them to be removed by a later end on the host, ten

@@ -39,7 +39,8 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _SPIN_S = 5e-5  # the barrier's polls: back to back at first (a sleep lasts some 60 µs, however short), then
 _LONGEST_PAUSE_S = 1e-3  # 10 µs apart, doubling to this
 _LONGEST_QUIET_PAUSE_S = 2e-2  # or to this in a wait without a word (a program's end: the others may work for hours)
-_LOOK_EVERY_S = 1.0  # outside the runtime, once overdue: how often the barrier looks for members that ended
+_LOOK_EVERY_S = 1.0  # outside the runtime: how often the barrier looks for members that ended on its host,
+_FIRST_LOOK_S = 5.0  # from this long into the wait (or the check, where shorter): no call waits for an ended member
 _LONGEST_NAME = 40  # the most characters of a communicator's members named in its log's name
 _SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
 _LOG_KEY: list[int] = []  # the MPI attribute that keeps a communicator's log of blocking calls on it (made once)
@@ -241,19 +242,19 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     watch = None if log is None or not _holds_loop() else system.abandoned_watch
     began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
-    request, pause, said, look_at = start(raw), 1e-5, False, 0.0
+    request, pause, said = start(raw), 1e-5, False
+    look_at = began + min(_FIRST_LOOK_S, check_s or 0.0) if system is None and overdue is not None else None
     longest = _LONGEST_PAUSE_S if overdue is not None else _LONGEST_QUIET_PAUSE_S
     try:
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)
         while not request.Test():
-            if check_s and overdue is not None and time.monotonic() - began >= check_s:
-                if not said:
-                    print(overdue, file=sys.stderr, flush=True)
-                    said = True
-                if system is None and time.monotonic() > look_at:  # (else the runtime's watch asks the ranks)
-                    _end_if_one_ended(raw, request, operation)
-                    look_at = time.monotonic() + _LOOK_EVERY_S
+            if check_s and overdue is not None and not said and time.monotonic() - began >= check_s:
+                print(overdue, file=sys.stderr, flush=True)
+                said = True
+            if check_s and look_at is not None and time.monotonic() >= look_at:  # (the runtime's watch asks ranks)
+                _end_if_one_ended(raw, request, operation)
+                look_at = time.monotonic() + _LOOK_EVERY_S
             if watch is not None and log is not None:
                 watch.check_held(log)  # (ends the job on proof; a no-op until this rank has waited the check)
             time.sleep(pause)
