@@ -243,7 +243,8 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     began = time.monotonic()  # (before the log's entry: the wait is said before the watch's check can end the job)
     number = None if log is None else log.begin(operation, _PACKAGE_DIR)  # (the user's line, not the library's)
     request, pause, said = start(raw), 1e-5, False
-    look_at = began + min(_FIRST_LOOK_S, check_s or 0.0) if system is None and overdue is not None else None
+    looks = check_s and system is None and overdue is not None  # (inside the runtime its watch asks the ranks)
+    look_at = began + min(_FIRST_LOOK_S, check_s) if looks else None
     longest = _LONGEST_PAUSE_S if overdue is not None else _LONGEST_QUIET_PAUSE_S
     try:
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
@@ -252,7 +253,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
             if check_s and overdue is not None and not said and time.monotonic() - began >= check_s:
                 print(overdue, file=sys.stderr, flush=True)
                 said = True
-            if check_s and look_at is not None and time.monotonic() >= look_at:  # (the runtime's watch asks ranks)
+            if look_at is not None and time.monotonic() >= look_at:
                 _end_if_one_ended(raw, request, operation)
                 look_at = time.monotonic() + _LOOK_EVERY_S
             if watch is not None and log is not None:
