@@ -13,8 +13,10 @@ d x d matrix, however many adapters it has (the Gram path, for fewer rows
 than dimensions, gathers its rows: fewer than d x d numbers).
 
 A stop (SIGTERM, a stop command) after a group closes the file as
-``OUT.partial``; ``--resume`` reopens it and does the remaining groups, on any
-number of ranks (its data sets are global, by adapter). ``--add-to EARLIER``
+``OUT.partial``; a killed rank or a failure leaves it as ``OUT.tmp``, flushed
+after each group it marked done. ``--resume`` reopens either and does the
+remaining groups, on any number of ranks (its data sets are global, by
+adapter), the group a killed run had begun written again. ``--add-to EARLIER``
 joins new adapters to an earlier compressed file (see :mod:`.earlier`).
 
 For adapter i and group g, with components C_A (k_A x in) and C_B (k_B x out):
@@ -44,14 +46,16 @@ from ..jobs import (
     announce,
     choose_torch_device,
     claim_outputs,
+    earlier_output,
     give_back,
+    keep_for_resume,
     kept_name,
     recorded_devices,
     run_lifecycle,
     setting_differences,
 )
 from ..kernels.threads import share_cores
-from ..ranks import Comm, rank_rows, ranks_sharing_cores
+from ..ranks import Comm, on_rank_0, rank_rows, ranks_sharing_cores
 from ..runtime import ActorSystem, JobRefused
 from .algebra import Algebra, HostAlgebra, TorchAlgebra
 from .config import AdaptersConfig
@@ -101,6 +105,7 @@ class _Compression(HeldOutputs):
     mine: list[Adapter]
     first: int  # the global index of this rank's first adapter among the new ones
     results_lock: OutputLock | None
+    kept: str | None  # an earlier run's file this one goes on from (--resume)
     earlier: Earlier | None  # --add-to: its adapters come first in the file
     plan: Plan
     algebra: Algebra  # where the products and eigensolvers run
@@ -117,25 +122,25 @@ class _Compression(HeldOutputs):
         return self.reference.modules
 
     async def restore(self) -> int:
-        """Open the output (a stopped run's ``OUT.partial`` with ``--resume``, else a new one); the groups done."""
-        table = self._table()
-        kept = kept_name(self.config.out)
-        resuming = self.comm.bcast(self.config.resume and os.path.exists(kept), root=0)
+        """Open the output (an earlier run's, with ``--resume``, else a new one); the groups done."""
+        table, kept = self._table(), self.kept
         problem = None
         if self.system.rank == 0:
-            problem = self._already_joined(table) or (_not_resumable(kept, self.config, table) if resuming else None)
+            problem = self._already_joined(table) or (_not_resumable(kept, self.config, table) if kept else None)
         await self.system.agree(ValueError(f"mpiscale compress-adapters: {problem}") if problem else None,
                                 "the adapters and the stopped run")  # fmt: skip
-        if resuming:
+        if kept is not None:
             self.writer = RowWriter.reopen(self.config.out, kept, self.comm)
-            self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
             done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
+            self.writer.remove([group_name(index) for index in range(done, len(self.groups))])  # a killed run's
+            self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
             if self.system.rank == 0:
                 print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups "
                       "were done", flush=True)  # fmt: skip
             announce("resumed", f"from {kept} after group {done}")
             return done
         self.writer = self._create(table)
+        self.writer.flush()  # a run killed in its first group leaves a file --resume takes
         return 0
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -143,13 +148,14 @@ class _Compression(HeldOutputs):
             try:
                 text = self._compress_group(index)
                 self._writer.mark(groups_done=index + 1)
+                self._writer.flush()  # a killed run's OUT.tmp holds every group it marked
             except WriteError as error:
                 raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
             await asyncio.sleep(0)  # a group computes without awaiting: let the loop take signals and commands now
             yield Step(text, self.count)
 
     def save(self, done: int) -> None:
-        self._writer.flush()  # every completed group is in the file already
+        pass  # every completed group is in the file, flushed
 
     async def finish(self, ended: Ended) -> dict:
         try:
@@ -166,8 +172,7 @@ class _Compression(HeldOutputs):
 
     def release(self) -> None:
         super().release()
-        if self.writer is not None and self.writer.file is not None:
-            self.writer.abandon()  # an error mid-group, maybe on this rank alone
+        keep_for_resume(self.writer, self.system.rank, "compress-adapters", "the layer groups done so far")
 
     @property
     def _writer(self) -> RowWriter:
@@ -308,10 +313,6 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     share_cores(ranks_sharing_cores(comm), scipy_blas=True)  # BLAS threads: this rank's share of the host's cores
     if not config.adapters:
         raise ValueError("give --adapters: a directory, a glob or a list of PEFT adapter directories")
-    kept = kept_name(config.out)
-    if os.path.exists(kept) and not config.resume:
-        raise ValueError(f"{kept} holds the layer groups of a stopped run: pass --resume to finish it (on any number "
-                         "of ranks), or remove it to start over")  # fmt: skip
     paths = find_adapters(config.adapters)
     names: dict[str, str] = {}
     for path, name in zip(paths, adapter_names(paths)):
@@ -322,9 +323,9 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
     named = {path: name for name, path in names.items()}
     inputs = [file for path in paths for file in (weights_file(path), os.path.join(path, CONFIG))]
     algebra = _algebra(config, comm)
-    # the last collective: the checks below may fail on one rank alone
     lock = claim_outputs(config.out, None, [*inputs, config.add_to], comm, ADAPTERS_FORMAT)
     try:
+        kept = on_rank_0(comm, lambda: _earlier_run(config))  # (the last collective: what follows may fail on one rank)
         earlier = Earlier.open(config.add_to) if config.add_to else None
         if earlier is not None:
             _check_new_names(earlier, names)
@@ -339,7 +340,7 @@ def _prepare(system: ActorSystem, config: AdaptersConfig) -> _Compression:
         give_back(lock)
         raise
     plan = Plan("group", "adapters", len(reference.modules), config.progress_every, saves=True)
-    return _Compression(system, config, comm, paths, reference, mine, first, lock, earlier, plan, algebra)
+    return _Compression(system, config, comm, paths, reference, mine, first, lock, kept, earlier, plan, algebra)
 
 
 def _algebra(config: AdaptersConfig, comm: Comm) -> Algebra:
@@ -357,6 +358,16 @@ def _check_new_names(earlier: Earlier, names: dict[str, str]) -> None:
             path = names[old.decode()]
             raise AdapterError(path, f"has the name of an adapter in {earlier.path}: adapters are named by their "
                                      "directories")  # fmt: skip
+
+
+def _earlier_run(config: AdaptersConfig) -> str | None:
+    """The file an earlier run left for this one to go on from (``jobs.earlier_output``), refused without
+    ``--resume``: a plain run would write its groups again over it."""
+    kept = earlier_output(config.out)
+    if kept is not None and not config.resume:
+        raise ValueError(f"{kept} holds the layer groups an earlier run completed: pass --resume to finish it (on any "
+                         "number of ranks), or remove it to start over")  # fmt: skip
+    return kept
 
 
 def _not_resumable(kept: str, config: AdaptersConfig, table: dict[str, np.ndarray]) -> str | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -37,7 +36,9 @@ from ..jobs import (
     announce,
     choose_torch_device,
     claim_outputs,
+    earlier_output,
     give_back,
+    keep_for_resume,
     kept_name,
     recorded_devices,
     run_lifecycle,
@@ -160,11 +161,7 @@ class _Run(HeldOutputs):
 
     def release(self) -> None:
         super().release()
-        if self.writer is not None and self.writer.file is not None and self.system.rank == 0:
-            # A failure mid-run, maybe a dead rank: closing the file is collective and could wait for it forever.
-            # The flagged batches are complete on disk, so the file stays for --resume.
-            print(f"mpiscale circuits run: the batches written so far are kept in {self.writer.temporary}; run the "
-                  "same command with --resume to finish", file=sys.stderr, flush=True)  # fmt: skip
+        keep_for_resume(self.writer, self.system.rank, "circuits run", "the batches written so far")
 
     @property
     def _writer(self) -> RowWriter:
@@ -241,8 +238,7 @@ def _check_written_data(
 def _earlier_run(config: CircuitsRunConfig, work: Work, samples: int, batches: int) -> tuple:
     """(the earlier run's file to resume or None, the batches still to run, the written batches' data digests: None
     where there is no such file or it keeps none); refuses what cannot be resumed."""
-    partial_file, killed = kept_name(config.out), f"{config.out}.tmp"
-    kept = partial_file if os.path.exists(partial_file) else killed if os.path.exists(killed) else None
+    kept = earlier_output(config.out)
     if kept is None:
         return None, list(range(batches)), None
     done = _written_batches(kept)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -42,7 +40,9 @@ from ..jobs import (
     announce,
     choose_numba_device,
     claim_outputs,
+    earlier_output,
     give_back,
+    keep_for_resume,
     kept_name,
     run_lifecycle,
     setting_differences,
@@ -217,11 +217,7 @@ class _Encoding(HeldOutputs):
 
     def release(self) -> None:
         super().release()
-        if self.writer is not None and self.writer.file is not None and self.system.rank == 0:
-            # A failure mid-run, maybe a dead rank: closing the file is collective and could wait for it forever.
-            # The marked rounds are complete on disk, so the file stays for --resume.
-            print(f"mpiscale encode: the signals coded so far are kept in {self.writer.temporary}; run the same "
-                  "command with --resume to finish", file=sys.stderr, flush=True)  # fmt: skip
+        keep_for_resume(self.writer, self.system.rank, "encode", "the signals coded so far")
 
     @property
     def _writer(self) -> RowWriter:
@@ -316,8 +312,7 @@ def _earlier_run(
     """(the earlier run's file or None, its rows coded, their non-zeros); refuses what cannot be resumed: other
     settings, other atoms behind the same dictionary's name (learned again since), which would code the rest of
     the signals with atoms other than those the file holds, or other data behind the same name."""
-    stopped, killed = kept_name(config.out), f"{config.out}.tmp"
-    kept = stopped if os.path.exists(stopped) else killed if os.path.exists(killed) else None
+    kept = earlier_output(config.out)
     if kept is None:
         return None, 0, 0
     try:

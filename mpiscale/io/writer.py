@@ -189,6 +189,22 @@ class RowWriter:
             failure = error
         self._agree(failure)
 
+    def remove(self, names: list[str]) -> None:
+        """Delete the data sets or groups ``names`` that exist (collective: the same ``names`` on every rank): what a
+        killed run began after its last mark, which the run that resumes it writes again."""
+        assert self.file is not None, "remove after close"
+        self._begin(f"remove({', '.join(names)})")
+        failure = None
+        try:
+            for name in names:
+                for opened in [key for key in self._open if key == name or key.startswith(f"{name}/")]:
+                    del self._open[opened]
+                if name in self.file:
+                    del self.file[name]
+        except (OSError, RuntimeError) as error:
+            failure = error
+        self._agree(failure)
+
     def write(self, start: int, arrays: dict[str, np.ndarray]) -> None:
         """Write ``arrays``' rows at global row ``start`` (collective: a rank with no rows passes empty ones)."""
         assert self.file is not None, "write after close"

@@ -33,6 +33,8 @@ from .settings import add_options, load_settings, option, option_fields, run_job
 from .state import (
     Stateful,
     announce,
+    earlier_output,
+    keep_for_resume,
     kept_name,
     load_state,
     restore_compatible,
@@ -71,6 +73,8 @@ __all__ = [
     "job_of_results",
     "jobs_table",
     "jobs_with",
+    "earlier_output",
+    "keep_for_resume",
     "kept_name",
     "observed",
     "load_settings",

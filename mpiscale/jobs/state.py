@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import numpy as np
 
 from .. import telemetry
-from ..io import Checkpointer, CheckpointError, Restored, checksum
+from ..io import Checkpointer, CheckpointError, Restored, RowWriter, checksum
 from ..runtime import ActorSystem
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,21 @@ def setting_differences(saved: dict, expected: dict, then: str, why: Mapping[str
 def kept_name(out: str) -> str:
     """Where a job stopped before its end keeps the output it wrote so far (``--resume`` goes on from it)."""
     return f"{out}.partial"
+
+
+def earlier_output(out: str) -> str | None:
+    """The file an earlier run writing ``out`` left for ``--resume``: ``OUT.partial`` where it was stopped, else
+    ``OUT.tmp`` where it was killed or failed (complete as far as it marked); None where it left neither."""
+    return next((kept for kept in (kept_name(out), f"{out}.tmp") if os.path.exists(kept)), None)
+
+
+def keep_for_resume(writer: RowWriter | None, rank: int, job: str, what: str) -> None:
+    """After a failure mid-run, maybe a dead rank's: the output stays open under its temporary name for
+    ``--resume`` (closing it is collective, and could wait for the dead rank for ever), and rank 0 says where.
+    ``what``: the work it holds, complete as far as it is marked ("the signals coded so far")."""
+    if writer is not None and writer.file is not None and rank == 0:
+        print(f"mpiscale {job}: {what} are kept in {writer.temporary}; run the same command with --resume to finish",
+              file=sys.stderr, flush=True)  # fmt: skip
 
 
 def announce(event: str, detail: str) -> None:

@@ -1,6 +1,7 @@
 """`mpiscale compress-adapters` over more than one run: a stopped run resumed on another number of ranks, and new
 adapters joining an earlier compressed file (whose adapters' weights the joining run never reads)."""
 
+import os
 import re
 import shutil
 import signal
@@ -10,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 from adapter_files import read_adapter
-from helpers import assert_ok, finish, launch
+from helpers import Job, assert_ok, cli_rank_pids, finish, launch
 from test_adapters import RANK, SHARED, compressed
 from test_train import MPISCALE, mpiscale
 
@@ -27,16 +28,23 @@ def rebuilt(got: dict, index: int, row: int) -> np.ndarray:
     return b @ a
 
 
-def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
-    """SIGTERM after a few of 12 groups: the groups done stay in OUT.partial (no OUT); a run without --resume or with
-    other settings is refused and leaves it as it was; --resume on 3 ranks does the rest and equals one
-    uninterrupted run on 1 rank."""
-    write_planted(tmp_path / "adapters", 9, RANK, shared=SHARED, modules=GROUPS)
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory):
+    """9 planted adapters of 12 layer groups, options that make each group take a while, and one uninterrupted run's
+    file on 1 rank."""
+    root = tmp_path_factory.mktemp("slow")
+    write_planted(root / "adapters", 9, RANK, shared=SHARED, modules=GROUPS)
     # Many power iterations (each a pass over the adapters) make each group take a while, so the stop lands mid-run:
     # 0.13 s a group on 2 ranks of an idle 2-core VM, seconds on a loaded one.
-    options = ["--adapters", tmp_path / "adapters", "--method", "randomized", "--components", SHARED,
+    options = ["--adapters", root / "adapters", "--method", "randomized", "--components", SHARED,
                "--power-iterations", 300]  # fmt: skip
-    out, partial, log = tmp_path / "c.h5", tmp_path / "c.h5.partial", tmp_path / "stopped.log"
+    assert_ok(mpiscale(1, "compress-adapters", *options, "--out", root / "whole.h5"))
+    return options, compressed(root / "whole.h5")
+
+
+def interrupted(options: list, out, log, interrupt) -> tuple[Job, int]:
+    """A run on 2 ranks, ``interrupt(process)`` once it said its first group's end; (the job, the last group it
+    said done then)."""
     with open(log, "w") as stdout:
         process = launch(2, [*MPISCALE, "compress-adapters", *map(str, options), "--out", str(out),
                              "--progress-every", "0.001"], stdout=stdout)  # fmt: skip
@@ -46,8 +54,27 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
         ):
             time.sleep(0.02)
         seen = max(int(n) for n in re.findall(rf"group (\d+)/{len(GROUPS)}", log.read_text()))
-        process.send_signal(signal.SIGTERM)
-        stopped = finish(process, "compress-adapters after SIGTERM", 60)
+        interrupt(process)
+        return finish(process, "compress-adapters interrupted", 60), seen
+
+
+def assert_as_uninterrupted(out, whole: dict) -> None:
+    got = compressed(out)
+    np.testing.assert_allclose(got["error"], whole["error"], rtol=1e-4, atol=1e-8)
+    for index in range(len(GROUPS)):
+        for side in "AB":
+            np.testing.assert_allclose(got[index][f"{side}/explained"], whole[index][f"{side}/explained"], rtol=1e-6)
+        for row in (0, 4, 8):
+            np.testing.assert_allclose(rebuilt(got, index, row), rebuilt(whole, index, row), atol=1e-5)
+
+
+def test_a_stopped_run_resumes_on_another_number_of_ranks(slow, tmp_path):
+    """SIGTERM after a few of 12 groups: the groups done stay in OUT.partial (no OUT); a run without --resume or with
+    other settings is refused and leaves it as it was; --resume on 3 ranks does the rest and equals one
+    uninterrupted run on 1 rank."""
+    options, whole = slow
+    out, partial, log = tmp_path / "c.h5", tmp_path / "c.h5.partial", tmp_path / "stopped.log"
+    stopped, seen = interrupted(options, out, log, lambda process: process.send_signal(signal.SIGTERM))
     assert stopped.returncode == 143, stopped.output[-3000:]
     assert "SIGTERM received, stopping after the current step" in stopped.stderr, stopped.stderr[-3000:]
     assert partial.exists() and not out.exists() and not (tmp_path / "c.h5.tmp").exists()
@@ -71,14 +98,33 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(tmp_path):
     assert_ok(resumed)
     assert f"resumed from {partial}: {done} of {len(GROUPS)} layer groups were done" in resumed.stdout
     assert out.exists() and not partial.exists()
-    assert_ok(mpiscale(1, "compress-adapters", *options, "--out", tmp_path / "whole.h5"))
-    got, whole = compressed(out), compressed(tmp_path / "whole.h5")
-    np.testing.assert_allclose(got["error"], whole["error"], rtol=1e-4, atol=1e-8)
-    for index in range(len(GROUPS)):
-        for side in "AB":
-            np.testing.assert_allclose(got[index][f"{side}/explained"], whole[index][f"{side}/explained"], rtol=1e-6)
-        for row in (0, 4, 8):
-            np.testing.assert_allclose(rebuilt(got, index, row), rebuilt(whole, index, row), atol=1e-5)
+    assert_as_uninterrupted(out, whole)
+
+
+def test_a_killed_run_resumes_from_the_groups_it_marked(slow, tmp_path):
+    """A rank SIGKILLed after a few groups: OUT.tmp keeps the groups marked done (a plain run wrote its first group
+    over them, and --resume started again from the first); a plain run now is refused and leaves it as it was, and
+    --resume on 1 rank drops what the killed run began of its next group and equals one uninterrupted run."""
+    options, whole = slow
+    out, kept = tmp_path / "c.h5", tmp_path / "c.h5.tmp"
+    killed, seen = interrupted(options, out, tmp_path / "killed.log",
+                               lambda _: os.kill(max(cli_rank_pids(str(out))), signal.SIGKILL))  # fmt: skip
+    assert killed.returncode != 0 and kept.exists() and not out.exists(), killed.output[-3000:]
+    with h5py.File(kept, "r+") as file:
+        done = int(file.attrs["groups_done"])
+        file.create_dataset(f"groups/{done:04d}/error", data=np.zeros(3))  # as a kill between its add and mark left it
+    assert seen <= done < len(GROUPS), (seen, done)
+    before = kept.read_bytes()
+    again = mpiscale(2, "compress-adapters", *options, "--out", out)
+    said = again.stderr.splitlines()
+    assert again.returncode == 2 and "pass --resume" in said[-1], again.stderr
+    assert len(said) == 1 or (len(said) == 2 and "taking over the lock" in said[0]), again.stderr  # (the killed run's)
+    assert kept.read_bytes() == before
+    resumed = mpiscale(1, "compress-adapters", *options, "--out", out, "--resume")
+    assert_ok(resumed)
+    assert f"resumed from {kept}: {done} of {len(GROUPS)} layer groups were done" in resumed.stdout
+    assert out.exists() and not kept.exists()
+    assert_as_uninterrupted(out, whole)
 
 
 @pytest.fixture(scope="module")
