@@ -34,15 +34,17 @@ def group_names(file) -> list[str]:
 
 
 def summarize(path: str) -> str:
-    """Adapters, groups, components kept, how much of the parameters is stored, and the errors."""
+    """Adapters, groups, components kept, how much of the parameters is stored, and the errors; of a stopped or
+    killed run's file (``OUT.partial``, ``OUT.tmp``), the groups it completed and how to finish."""
     with open_file(path, READABLE_FORMATS) as file:
         modules = group_names(file)
+        done = groups_done(file)
         names = [name.decode() for name in file["adapters/name"][()]]
         errors = file["adapters/error"][()]
         bounds = int(file["adapters/error_bound"][()].sum()) if "adapters/error_bound" in file else 0
         rank = int(file.attrs["rank"])
         kept, original, stored = [], 0, 0
-        for index in range(len(modules)):
+        for index in range(done):
             group = file[group_name(index)]
             a, b = group["A/components"], group["B/components"]
             kept.append((a.shape[0], b.shape[0], group["A/explained"][()].sum(), group["B/explained"][()].sum()))
@@ -50,19 +52,32 @@ def summarize(path: str) -> str:
             stored += a.size + b.size + len(names) * rank * (a.shape[0] + b.shape[0])
         base = file.attrs["base_model"] or "(not named)"
         device = file.attrs.get("device", "cpu")  # files of before the device was recorded: the CPU's
-    ks = np.array([k for k in kept for k in k[:2]])
-    explained = np.array([share for k in kept for share in k[2:]])
+    lines = [f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups "
+             f"(computed on {device})"]  # fmt: skip
+    if done < len(modules):
+        out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
+        lines.append(f"layer groups: {done} of {len(modules)} done; mpiscale compress-adapters --resume --out {out}, "
+                     "with the settings of the run, does the others")  # fmt: skip
+    if kept:
+        ks = np.array([k for k in kept for k in k[:2]])
+        explained = np.array([share for k in kept for share in k[2:]])
+        lines.append(f"components per group and side: {ks.min()}-{ks.max()} (median {np.median(ks):.0f}); they "
+                     f"explain {explained.min():.2%}-{explained.max():.2%} of each side's sum of squares")  # fmt: skip
+    if done < len(modules):
+        return "\n".join(lines)  # (the adapters' errors are written at the end)
     worst = int(np.argmax(errors))
     return "\n".join([
-        f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups "
-        f"(computed on {device})",
-        f"components per group and side: {ks.min()}-{ks.max()} (median {np.median(ks):.0f}); they explain "
-        f"{explained.min():.2%}-{explained.max():.2%} of each side's sum of squares",
+        *lines,
         f"stored: {stored:,} of {original:,} parameters ({stored / max(original, 1):.1%})",
         f"relative error of an adapter's update: median {np.median(errors):.3g}, largest {errors[worst]:.3g} "
         f"({names[worst]})" + (f"; {bounds} of them are upper bounds (adapters that joined from an earlier file)"
                                if bounds else ""),
     ])  # fmt: skip
+
+
+def groups_done(file) -> int:
+    """The layer groups a file holds: all of them, but in a stopped or killed run's file."""
+    return int(file.attrs.get("groups_done", len(file["modules"])))
 
 
 def plot(path: str, image: str) -> None:
@@ -88,7 +103,7 @@ def figure(path: str):
     drawn, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     with open_file(path, READABLE_FORMATS) as file:
         names = group_names(file)
-        for index, name in enumerate(names):
+        for index, name in enumerate(names[: groups_done(file)]):
             for axis, side in zip(axes, ("A", "B"), strict=True):
                 shares = np.cumsum(file[f"{group_name(index)}/{side}/explained"][()])
                 label = name if index < LEGEND_GROUPS else None

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 from adapter_files import read_adapter
-from helpers import Job, assert_ok, cli_rank_pids, finish, launch
+from helpers import Job, assert_ok, cli_rank_pids, finish, launch, run_alone
 from test_adapters import RANK, SHARED, compressed
 from test_train import MPISCALE, mpiscale
 
@@ -68,6 +68,16 @@ def assert_as_uninterrupted(out, whole: dict) -> None:
             np.testing.assert_allclose(rebuilt(got, index, row), rebuilt(whole, index, row), atol=1e-5)
 
 
+def assert_said_unfinished(kept, out, done: int) -> None:
+    """``inspect`` of an unfinished run's file says how many groups it holds and how to finish (it failed on the
+    first group not done)."""
+    shown = run_alone("inspect", kept)
+    assert_ok(shown)
+    assert f"layer groups: {done} of {len(GROUPS)} done; mpiscale compress-adapters --resume --out {out}," in (
+        shown.stdout), shown.stdout  # fmt: skip
+    assert "components per group and side: " in shown.stdout and "relative error" not in shown.stdout
+
+
 def test_a_stopped_run_resumes_on_another_number_of_ranks(slow, tmp_path):
     """SIGTERM after a few of 12 groups: the groups done stay in OUT.partial (no OUT); a run without --resume or with
     other settings is refused and leaves it as it was; --resume on 3 ranks does the rest and equals one
@@ -86,6 +96,7 @@ def test_a_stopped_run_resumes_on_another_number_of_ranks(slow, tmp_path):
     # failed every run on an idle machine; 1000 power iterations to make the groups long outran 120 s under load.
     assert seen <= done <= seen + 2 < len(GROUPS), (seen, done)
     assert f"kept the {done} of {len(GROUPS)} layer groups done in {partial}" in log.read_text()
+    assert_said_unfinished(partial, out, done)
     before = partial.read_bytes()
 
     again = mpiscale(1, "compress-adapters", *options, "--out", out)
@@ -114,6 +125,7 @@ def test_a_killed_run_resumes_from_the_groups_it_marked(slow, tmp_path):
         done = int(file.attrs["groups_done"])
         file.create_dataset(f"groups/{done:04d}/error", data=np.zeros(3))  # as a kill between its add and mark left it
     assert seen <= done < len(GROUPS), (seen, done)
+    assert_said_unfinished(kept, out, done)
     before = kept.read_bytes()
     again = mpiscale(2, "compress-adapters", *options, "--out", out)
     said = again.stderr.splitlines()
