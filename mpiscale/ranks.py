@@ -294,14 +294,18 @@ T = TypeVar("T")
 EACH_RANK = "each rank of the comm given must"
 
 #: How a collective call every rank must make waits for them first: ``runtime.blocking_entry``, which says a wait
-#: that would never end and ends it; set as the runtime is imported (this module sits below it).
+#: that would never end and ends it; and how the ranks that entered a call together learn which failed in it:
+#: ``runtime.entered_failures``. Set as the runtime is imported (this module sits below it).
 _ENTRIES: list[Callable[..., list[int]]] = []
+_ENTERED: list[Callable[[Comm, str, str | None], list[int]]] = []
 
 
-def wait_at_entries(wait: Callable[..., list[int]]) -> None:
+def wait_at_entries(wait: Callable[..., list[int]], failures: Callable[[Comm, str, str | None], list[int]]) -> None:
     """Make ``on_rank_0`` and ``agree`` start with ``wait(comm, what, doing, mine=...)``, which returns every rank's
-    ``mine`` once every rank of ``comm`` came (or raises where one came to another collective call)."""
-    _ENTRIES[:] = [wait]
+    ``mine`` once every rank of ``comm`` came (or raises where one came to another collective call), and ``agree``
+    of a call the ranks entered together with ``failures(comm, what, this rank's problem)``: 1 for each rank with
+    one."""
+    _ENTRIES[:], _ENTERED[:] = [wait], [failures]
 
 
 def on_rank_0(comm: Comm | None, action: Callable[[], T], refusals: tuple[type[Exception], ...] = (ValueError,)) -> T:
@@ -357,7 +361,8 @@ def agree(
     ``Communicator.agree`` is its awaitable twin, and ``ActorSystem.agree`` ends a job with one message and a status.
     A rank alone in it (the others never call it) is said and ended as one alone in ``on_rank_0`` is, not left
     waiting; ``entered``: every rank is known to have come to the call this agreement ends (it began with a checked
-    entry), so the ranks exchange their problems at once, in one allgather the runtime does not watch.
+    entry), so the ranks exchange whether they have a problem at once, in one exchange the runtime does not watch
+    (``runtime.entered_failures``: a rank with one ends the job where the others never come).
     """
     mine = problem_text(problem)
     messages = _said_by_each(comm, mine, what, entered)
@@ -369,9 +374,12 @@ def _said_by_each(comm: Comm | None, mine: str | None, what: str, entered: bool)
     checked entry ``on_rank_0`` starts with too, then, only where one has, the messages."""
     if comm is None:
         return [mine]
-    if entered or comm.Get_size() == 1 or not _ENTRIES:
+    if comm.Get_size() == 1 or not _ENTRIES:
         return comm.allgather(mine)
-    failing = _ENTRIES[0](comm, f"agree({what})", "agree", mine=int(mine is not None))
+    if entered:
+        failing = _ENTERED[0](comm, what, mine)
+    else:
+        failing = _ENTRIES[0](comm, f"agree({what})", "agree", mine=int(mine is not None))
     return comm.allgather(mine) if any(failing) else [None] * len(failing)
 
 

@@ -129,19 +129,22 @@ class _Compression(HeldOutputs):
             problem = self._already_joined(table) or (_not_resumable(kept, self.config, table) if kept else None)
         await self.system.agree(ValueError(f"mpiscale compress-adapters: {problem}") if problem else None,
                                 "the adapters and the stopped run")  # fmt: skip
-        if kept is not None:
-            self.writer = RowWriter.reopen(self.config.out, kept, self.comm)
-            done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
-            self.writer.remove([group_name(index) for index in range(done, len(self.groups))])  # a killed run's
-            self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
-            if self.system.rank == 0:
-                print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups "
-                      "were done", flush=True)  # fmt: skip
-            announce("resumed", f"from {kept} after group {done}")
-            return done
-        self.writer = self._create(table)
-        self.writer.flush()  # a run killed in its first group leaves a file --resume takes
-        return 0
+        try:
+            return self._reopen(kept) if kept is not None else self._create(table)
+        except WriteError as error:
+            raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+
+    def _reopen(self, kept: str) -> int:
+        """Go on writing an earlier run's file, without what a killed run began of its next group; the groups done."""
+        self.writer = RowWriter.reopen(self.config.out, kept, self.comm)
+        done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
+        self.writer.remove([group_name(index) for index in range(done, len(self.groups))])
+        self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
+        if self.system.rank == 0:
+            print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups were "
+                  "done", flush=True)  # fmt: skip
+        announce("resumed", f"from {kept} after group {done}")
+        return done
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
         for index in range(start, len(self.groups)):
@@ -201,8 +204,8 @@ class _Compression(HeldOutputs):
                 return f"{table['path'][row].decode()}: its weights are in {self.earlier.path} already (as {old})"
         return None
 
-    def _create(self, table: dict[str, np.ndarray]) -> RowWriter:
-        """The new output file with the adapters' table and the module names (collective)."""
+    def _create(self, table: dict[str, np.ndarray]) -> int:
+        """The new output file with the adapters' table and the module names (collective); no group done."""
         reference, count = self.reference, self.count
         attrs = {
             "base_model": str(reference.config.get("base_model_name_or_path") or ""),
@@ -218,9 +221,11 @@ class _Compression(HeldOutputs):
         replicated |= {"adapters/error_bound": bound, "modules": fixed_strings([m.name for m in self.groups])}
         layout = {name: (values.shape, values.dtype) for name, values in replicated.items()}
         layout["adapters/error"] = ((count,), np.dtype(np.float64))
-        writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, ADAPTERS_FORMAT)
-        writer.write_replicated(replicated)
-        return writer
+        self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, ADAPTERS_FORMAT,
+                                resumable=True)  # fmt: skip
+        self.writer.write_replicated(replicated)
+        self.writer.flush()  # a run killed in its first group leaves a file --resume takes
+        return 0
 
     def _compress_group(self, index: int) -> str:
         """Find group ``index``'s components and write them, and every adapter's loadings, norms and errors."""

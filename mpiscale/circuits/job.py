@@ -103,7 +103,8 @@ class _Run(HeldOutputs):
                  "data": f"{self.inputs.path}:/{self.inputs.name}", "batch_size": self.config.batch_size,
                  "device": self.devices}  # fmt: skip
         try:
-            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT)
+            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT,
+                                    resumable=True)  # fmt: skip
             assert self.digests is not None, "a new file keeps the digests"
             self.writer.write_replicated(replicated | {"done": self.done, DIGESTS: self.digests})
             self.writer.flush()  # every data set's metadata is on disk: a kill from now on loses no more than a step

@@ -125,7 +125,7 @@ class _Encoding(HeldOutputs):
                       "device": self.device, "rows_done": 0, "nnz_done": 0,
                       "data_fingerprint": self.info.fingerprint}  # fmt: skip
             self.writer = RowWriter(config.out, layout, self.comm, config.to_dict(), attrs, CODES_FORMAT,
-                                    growing=("codes/data", "codes/indices"))  # fmt: skip
+                                    growing=("codes/data", "codes/indices"), resumable=True)  # fmt: skip
             self.writer.write_replicated({"dictionary": self.atoms, "codes/indptr": np.zeros(1, np.int64)})
             self.writer.flush()
         except WriteError as error:

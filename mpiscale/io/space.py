@@ -12,6 +12,7 @@ import os
 
 MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
 SLACK = 1 << 20
+NEARLY_FULL = 64 << 20  # free bytes under which a failed write is said to have met a full disk (HDF5's chunks: 1 MiB)
 
 
 def free_bytes(directory: str | os.PathLike) -> int:
@@ -30,3 +31,15 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str) -> str |
         f"{what} needs {needed / 2**20:.1f} MiB in {os.fspath(directory)}, which has {free / 2**20:.1f} MiB free "
         "(No space left on device): free space or give another directory"
     )
+
+
+def full_disk_note(directory: str | os.PathLike) -> str:
+    """What to add to a failed write's error where ``directory``'s file system is (nearly) full: HDF5 says only that a
+    write failed. Empty where it has room (or a quota, which ``statvfs`` does not see, is what is full)."""
+    try:
+        free = free_bytes(directory)
+    except OSError:
+        return ""
+    if free >= NEARLY_FULL:
+        return ""
+    return f" ({os.fspath(directory)} has {free / 2**20:.1f} MiB free: No space left on device, it seems)"

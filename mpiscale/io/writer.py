@@ -22,13 +22,13 @@ import h5py
 import numpy as np
 
 from ..ranks import AgreedError, AnyComm, Comm, agree, as_mpi, size_and_rank
-from ..runtime import CollectiveMismatch
+from ..runtime import CollectiveMismatch, end_job
 from .abandon import ONE_WRITER, closed, entered_by_all, keep_open
 from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import rounds_of, write_rows
 from .same_calls import NO_ROWS_WRITTEN, on_files
-from .space import space_problem
+from .space import full_disk_note, space_problem
 
 
 class RowWriter:
@@ -38,6 +38,10 @@ class RowWriter:
     mpiscale ones. The data sets named in ``growing`` start with the first
     dimension of their shape and grow with ``grow`` (chunked): for output whose
     size is known only as it is made (the non-zeros of sparse codes).
+    ``resumable``: the file is a job's only state, marked as it goes, which a
+    resumed run reopens (``reopen``'s writers are): a write that fails on every
+    rank (a full disk) ends the job and leaves it, unclosed, under its temporary
+    name (closing a file whose write met a full disk once crashed HDF5 1.10.8).
     """
 
     def __init__(
@@ -49,8 +53,10 @@ class RowWriter:
         attrs: dict | None = None,
         file_format: str = DATASET_FORMAT,
         growing: tuple[str, ...] = (),
+        resumable: bool = False,
     ) -> None:
         self.path, self.comm = os.fspath(path), as_mpi(comm)
+        self.resumable = False  # (a file that could not be made holds nothing to keep)
         directory = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(directory):
             raise FileNotFoundError(f"writing {self.path}: the directory {directory} does not exist")
@@ -84,6 +90,7 @@ class RowWriter:
             failure = error
         self._agree(failure)
         self._opened()
+        self.resumable = resumable
 
     @classmethod
     def reopen(cls, path: str | os.PathLike, kept: str | os.PathLike, comm: AnyComm | None = None) -> RowWriter:
@@ -95,6 +102,7 @@ class RowWriter:
         writer._calls = on_files(writer.comm, "RowWriter", writer.path, NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER, kept)
         writer.temporary, writer.file, writer._open = f"{writer.path}.tmp", None, {}
+        writer.resumable = True
         failure: BaseException | None = None
         try:
             if writer.rank == 0:
@@ -261,6 +269,16 @@ class RowWriter:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
 
+    def _failed(self, error: WriteError) -> None:
+        """After a write that failed on every rank: a file that is not ``resumable`` removed (``abort``); a resumable
+        one kept for a resumed run, complete as far as it was marked, and the job ended (its rank 0 says why):
+        neither closed (once a segmentation fault in HDF5, after a full disk) nor left open to the process's end
+        (whose close of it never ended)."""
+        if not self.resumable:
+            self.abort()
+            return
+        end_job(str(error) if self.rank == 0 else None)
+
     def _dataset(self, name: str) -> h5py.Dataset:
         """The data set ``name``, opened once and kept open (h5py opens it anew on each ``file[name]``, 60-70 µs a
         round; see ``grow`` for what a data set kept open needs when it shrinks)."""
@@ -304,10 +322,16 @@ class RowWriter:
             raise
 
     def _agree(self, failure: BaseException | None) -> None:
+        if isinstance(failure, (OSError, RuntimeError)):  # (a full disk: HDF5 says only that a write failed)
+            note = full_disk_note(os.path.dirname(os.path.abspath(self.path)))
+            if self.resumable:  # (said in the line that ends the job, whichever rank says it)
+                note += (f"; what was marked done is kept in {self.temporary}: free space (or mend what failed), then "
+                         "run the same command with --resume")  # fmt: skip
+            failure = type(failure)(f"{failure}{note}") if note else failure
         try:
             agree(self.comm, failure, f"writing {self.path}", WriteError, entered=True)
-        except WriteError:
-            self.abort()  # nothing half-written stays behind to fill the disk
+        except WriteError as error:
+            self._failed(error)  # nothing half-written stays behind to fill the disk, but a resumed run's work
             raise
 
     def __enter__(self) -> RowWriter:
@@ -327,8 +351,10 @@ class RowWriter:
         The other ranks may wait in a collective write, so closing the file
         (collective with MPI-IO) could wait for them forever; the error ends
         the job (the runtime aborts every rank), and rank 0 unlinks the
-        temporary name. With one rank there is nobody to wait for.
+        temporary name (a ``resumable`` file stays for a resumed run). With one rank there is nobody to wait for.
         """
+        if self.resumable:
+            return
         if self.size == 1:
             self.abort()
         elif self.rank == 0:

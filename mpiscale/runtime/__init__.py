@@ -4,7 +4,7 @@ from . import program_end  # noqa: F401  (a plain program's ranks meet at its en
 from .abandoned import call_site
 from .actor import Actor, ActorGroup, ActorRef, RestartPolicy, current_system
 from .arrivals import Arrivals
-from .blocking import blocking_barrier, blocking_collective, blocking_entry, checked_entry
+from .blocking import blocking_barrier, blocking_collective, blocking_entry, checked_entry, end_job
 from .channels import Channel
 from .collectives import Communicator
 from .config import RuntimeConfig
@@ -58,6 +58,7 @@ __all__ = [
     "call_site",
     "checked_entry",
     "current_system",
+    "end_job",
     "library_line",
     "message_path",
     "run",

@@ -42,6 +42,7 @@ _LONGEST_QUIET_PAUSE_S = 2e-2  # or to this in a wait without a word (a program'
 _LOOK_EVERY_S = 1.0  # outside the runtime: how often the barrier looks for members that ended on its host,
 _FIRST_LOOK_S = 5.0  # from this long into the wait (or the check, where shorter): no call waits for an ended member
 _LONGEST_NAME = 40  # the most characters of a communicator's members named in its log's name
+_SAY_FIRST_S = 5.0  # how long a rank that ends a job with another rank's words waits for that one to say them
 _SETTLE_S = 1.0  # how long a member's end is given to complete the barrier (it came, then ended) before the abort
 _LOG_KEY: list[int] = []  # the MPI attribute that keeps a communicator's log of blocking calls on it (made once)
 _CAME_APART = "the ranks of its communicator came to different collective calls"
@@ -235,7 +236,7 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
     other ranks may still be working)."""
     raw = as_mpi(comm)
     system = _running_system()
-    check_s = system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
+    check_s = _check_s(system)
     if system is None and raw.Get_size() > 1:
         note_used(raw)  # (its members' ends meet a later call on it: a plain program's end)
     log = None if system is None or raw.Get_size() == 1 else _call_log(system, raw)
@@ -265,7 +266,58 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
             log.end(number)
 
 
-wait_at_entries(blocking_entry)  # (ranks.on_rank_0 and agree start with it: ranks sits below the runtime)
+def entered_failures(comm: Any, what: str, problem: str | None) -> list[int]:
+    """1 for each rank of ``comm`` with a problem in ``what``, a call they entered together (a file call), else 0.
+
+    A rank with one may have left a collective call of the file library's (HDF5's over MPI-IO) that the others still
+    wait in, and will wait in for ever: a full disk failed one rank's part of a growing data set's allocation, its
+    partner waited in HDF5's barrier and it here, and both spun a core for good. So it waits for them at most the
+    collective check (then ends every rank, saying its problem); a rank without one waits in MPI as long as it takes,
+    as it did in the blocking allgather this exchange replaced (which cost the same)."""
+    raw = as_mpi(comm)
+    flag, flags = np.array([problem is not None], np.int64), np.empty(raw.Get_size(), np.int64)
+    request = raw.Iallgather(flag, flags)
+    limit = _check_s(_running_system()) if problem is not None else 0.0
+    if not limit:
+        request.Wait()
+        return flags.tolist()
+    began, pause = time.monotonic(), 1e-5
+    while not request.Test():
+        waited = time.monotonic() - began
+        if waited >= limit:
+            end_job(f"{what} failed: {problem}; the other ranks of its communicator did not come to hear it within "
+                    f"{limit:g} s (they wait, it seems, in a collective step of the file library that this rank left "
+                    "on its error): ending every rank")  # fmt: skip
+        if waited >= _SPIN_S:
+            time.sleep(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+    return flags.tolist()
+
+
+def end_job(why: str | None) -> NoReturn:
+    """Say ``why`` as this rank's last words and abort every rank: inside ``mpiscale.run`` as the runtime aborts (its
+    death watch told that the deaths that follow are the job's end, not news), else as a plain program's rank. With
+    ``why`` None (another rank says it), this rank first gives that one ``_SAY_FIRST_S`` to abort the job."""
+    from mpi4py import MPI
+
+    if why is None:
+        time.sleep(_SAY_FIRST_S)
+        why = "ending every rank"
+    line = f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {why}"
+    system = _running_system()
+    if system is not None:
+        system.abort(f"{line}\n", 1)
+    end_every_rank(MPI, line)
+    raise SystemExit(1)  # (never reached: MPI aborted this process)
+
+
+def _check_s(system: Any) -> float:
+    """How long a rank waits in a collective before it says so (0: never): the running system's setting, else the
+    environment's."""
+    return system.config.collective_check_s if system is not None else RuntimeConfig.setting("collective_check_s")
+
+
+wait_at_entries(blocking_entry, entered_failures)  # (ranks.on_rank_0 and agree start with them: ranks sits below)
 
 
 def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:

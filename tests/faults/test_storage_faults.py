@@ -21,6 +21,9 @@ import numpy as np
 import pytest
 from helpers import Job, finish, launch, run_cli
 
+from mpiscale.adapters.planted import write_planted
+from mpiscale.dictlearn import load_codes
+
 FEATURES, ROWS = 64, 2000
 # 256 atoms of 64 values: a checkpoint holds about 0.8 MiB (the dictionary, A = 256 x 256, B)
 SETTINGS = ["--atoms", "256", "--sparsity", "4", "--batch-size", "256", "--progress-every", "0"]
@@ -128,6 +131,76 @@ def test_a_full_disk_for_the_memory_stores_results_ends_the_job_cleanly(disks):
                   "--out", small / "m.h5")  # fmt: skip
     one_message(job, 1, "could not write", str(small / "m.h5"), "No space left on device", command="memstore")
     assert [p.name for p in outputs(small)] == ["m.records.h5"]
+
+
+def signals_and_atoms(folder: Path) -> list:
+    """20,000 signals of 64 values (plain h5py) and 128 unit atoms (.npy): encode's command, whose codes (sparsity 8,
+    1.3 MB of values) outgrow a 3 MiB disk in their last rounds (their second 1 MiB chunk of values)."""
+    rng = np.random.default_rng(0)
+    atoms = rng.standard_normal((128, 64))
+    np.save(folder / "atoms.npy", atoms / np.linalg.norm(atoms, axis=1, keepdims=True))
+    with h5py.File(folder / "signals.h5", "w") as file:
+        file["X"] = rng.standard_normal((20000, 64))
+    return ["encode", "--dictionary", folder / "atoms.npy", "--data", f"{folder / 'signals.h5'}:/X", "--sparsity", "8",
+            "--batch-size", "500", "--progress-every", "0"]  # fmt: skip
+
+
+def large_adapters(folder: Path) -> list:
+    """6 planted adapters of 12 layer groups of 2048 x 2048: compress-adapters' command, whose file (1.3 MB) outgrows
+    a 1152 KiB disk in its last group."""
+    modules = tuple(f"base_model.model.model.layers.{i}.self_attn.{p}_proj" for i in range(6) for p in "qv")
+    write_planted(folder / "adapters", 6, 4, inputs=2048, outputs=2048, modules=modules)
+    return ["compress-adapters", "--adapters", folder / "adapters", "--components", "6", "--method", "randomized"]
+
+
+def same_codes(got: Path, expected: Path) -> None:
+    codes, whole = load_codes(str(got)), load_codes(str(expected))
+    assert np.array_equal(codes.indptr, whole.indptr) and np.array_equal(codes.indices, whole.indices)
+    assert np.abs(codes.data - whole.data).max() < 1e-12
+
+
+def same_compression(got: Path, expected: Path) -> None:
+    with h5py.File(got, "r") as file, h5py.File(expected, "r") as whole:
+        np.testing.assert_allclose(file["adapters/error"][()], whole["adapters/error"][()], rtol=1e-4, atol=1e-8)
+        for group in whole["groups"]:
+            for side in "AB":
+                name = f"groups/{group}/{side}/explained"
+                np.testing.assert_allclose(file[name][()], whole[name][()], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "inputs, disk, mark, unit, same",
+    [(signals_and_atoms, "3m", "rows_done", "signals were coded", same_codes),
+     (large_adapters, "1152k", "groups_done", "layer groups were done", same_compression)],
+    ids=["encode", "compress-adapters"],
+)  # fmt: skip
+def test_a_full_disk_mid_run_ends_the_job_keeping_what_was_marked_for_resume(disks, tmp_path, inputs, disk, mark,
+                                                                               unit, same):  # fmt: skip
+    """The output outgrows its disk in its last steps: the job ends with status 1 saying the disk is full, and
+    OUT.tmp keeps the steps marked done. Before: encode's two ranks spun for good, one in HDF5's allocation of a
+    chunk, which had failed on the other, and that one in the agreement on it; compress-adapters, where every rank
+    saw its write fail, removed OUT.tmp and the groups done with it. The user makes room, and --resume ends as one
+    uninterrupted run."""
+    common = inputs(tmp_path)
+    small = disks("out", f"size={disk}")
+    out, kept = small / "c.h5", small / "c.h5.tmp"
+    started = time.monotonic()
+    job = run_cli(2, *common, "--out", out, env={"MPISCALE_COLLECTIVE_CHECK_S": "5"}, timeout=60)
+    assert job.returncode == 1 and time.monotonic() - started < 45, job.output[-3000:]
+    assert "No space left on device" in job.stderr and f"kept in {kept}" in job.stderr, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr and "Segmentation" not in job.output, job.output[-3000:]
+    assert kept.exists() and not out.exists(), job.output[-3000:]
+    with h5py.File(kept, "r") as file:
+        done = int(file.attrs[mark])
+    assert done > 0, done
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small)], check=True)  # the user makes room
+    resumed = run_cli(1, *common, "--out", out, "--resume")
+    assert resumed.returncode == 0, resumed.output[-3000:]
+    assert f"resumed from {kept}: {done:,} of " in resumed.stdout and unit in resumed.stdout, resumed.stdout
+    whole = run_cli(1, *common, "--out", tmp_path / "whole.h5")
+    assert whole.returncode == 0, whole.output[-3000:]
+    same(out, tmp_path / "whole.h5")
+    assert not kept.exists()
 
 
 def test_a_read_only_checkpoint_directory_is_refused_before_any_work(disks, tmp_path, user_data):
