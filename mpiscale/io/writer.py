@@ -17,6 +17,7 @@ import contextlib
 import math
 import os
 import sys
+from typing import NoReturn
 
 import h5py
 import numpy as np
@@ -38,10 +39,10 @@ class RowWriter:
     mpiscale ones. The data sets named in ``growing`` start with the first
     dimension of their shape and grow with ``grow`` (chunked): for output whose
     size is known only as it is made (the non-zeros of sparse codes).
+    A write that fails on every rank once the file is open (a full disk) ends
+    the job (see ``_failed``), its temporary file removed, or kept where
     ``resumable``: the file is a job's only state, marked as it goes, which a
-    resumed run reopens (``reopen``'s writers are): a write that fails on every
-    rank (a full disk) ends the job and leaves it, unclosed, under its temporary
-    name (closing a file whose write met a full disk once crashed HDF5 1.10.8).
+    resumed run reopens (``reopen``'s writers are).
     """
 
     def __init__(
@@ -269,14 +270,14 @@ class RowWriter:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
 
-    def _failed(self, error: WriteError) -> None:
-        """After a write that failed on every rank: a file that is not ``resumable`` removed (``abort``); a resumable
-        one kept for a resumed run, complete as far as it was marked, and the job ended (its rank 0 says why):
-        neither closed (once a segmentation fault in HDF5, after a full disk) nor left open to the process's end
-        (whose close of it never ended)."""
-        if not self.resumable:
-            self.abort()
-            return
+    def _failed(self, error: WriteError) -> NoReturn:
+        """After a write that failed on every rank, end the job, said by rank 0: the file cannot be closed (closing
+        one whose write met a full disk crashed HDF5 1.10.8 in ``H5F__close_cb``, and one left open to the process's
+        end never closed). A ``resumable`` file is kept for a resumed run, complete as far as it was marked; any
+        other is removed."""
+        if self.rank == 0 and not self.resumable:
+            with contextlib.suppress(OSError):
+                os.unlink(self.temporary)
         end_job(str(error) if self.rank == 0 else None)
 
     def _dataset(self, name: str) -> h5py.Dataset:
@@ -331,8 +332,10 @@ class RowWriter:
         try:
             agree(self.comm, failure, f"writing {self.path}", WriteError, entered=True)
         except WriteError as error:
+            if self.file is None:  # (no file was made: nothing to close)
+                self.abort()
+                raise
             self._failed(error)  # nothing half-written stays behind to fill the disk, but a resumed run's work
-            raise
 
     def __enter__(self) -> RowWriter:
         return self

@@ -257,6 +257,19 @@ def test_the_checkpointer_from_python_refuses_a_save_that_cannot_fit(disks):
     assert os.listdir(small / "ckpt") and not [p for p in (small / "ckpt").iterdir() if p.suffix == ".tmp"]
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_writer_from_python_that_fills_the_disk_ends_the_job_in_one_line(disks, ranks):
+    """A write every rank saw fail ends the job, status 1, the full disk said, the temporary file removed: the
+    writer closed the file HDF5 could not write, and HDF5 crashed there (SIGSEGV), the file left behind."""
+    small = disks("small", "size=3m")
+    program = Path(__file__).parent / "programs" / "rows_full.py"
+    job = finish(launch(ranks, [sys.executable, str(program), str(small / "x.h5")]), "rows_full", 60)
+    assert job.returncode == 1, job.output[-6000:]
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
+    assert len(said) == 1 and "No space left on device" in said[0], job.stderr[-6000:]
+    assert "Segmentation" not in job.output and not os.listdir(small), (job.output[-3000:], os.listdir(small))
+
+
 @pytest.mark.parametrize(("ranks", "victim"), [(2, 0), (4, 3)])
 def test_a_quota_hit_by_one_rank_inside_collective_io_ends_the_job(tmp_path, ranks, victim):
     """The other ranks would wait in MPI-IO forever: the save's deadline ends the job, step 1 stays loadable."""
