@@ -329,6 +329,9 @@ class RowWriter:
                 note += (f"; what was marked done is kept in {self.temporary}: free space (or mend what failed), then "
                          "run the same command with --resume")  # fmt: skip
             failure = type(failure)(f"{failure}{note}") if note else failure
+        if failure is not None and not self.resumable:  # (removed whatever follows: by this rank too, which may end
+            with contextlib.suppress(OSError):  # the job alone, the others held in HDF5's own collective step)
+                os.unlink(self.temporary)
         try:
             agree(self.comm, failure, f"writing {self.path}", WriteError, entered=True)
         except WriteError as error:
