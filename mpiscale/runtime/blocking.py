@@ -323,8 +323,6 @@ wait_at_entries(blocking_entry, entered_failures)  # (ranks.on_rank_0 and agree 
 def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:
     """Outside ``mpiscale.run``: abort the job where a member of ``comm`` on this host has ended its program (it
     will never come to ``operation``), unless the barrier completes meanwhile (that member came, then ended)."""
-    from mpi4py import MPI
-
     gone = ended(world_ranks(comm))
     if not gone:
         return
@@ -333,9 +331,8 @@ def _end_if_one_ended(comm: Any, request: Any, operation: str) -> None:
         if request.Test():
             return
         time.sleep(_LONGEST_PAUSE_S)
-    end_every_rank(MPI, f"mpiscale: rank {MPI.COMM_WORLD.Get_rank()}: {ranks_named(gone)} of the job ended (the "
-                   f"program returned) without coming to {operation}, which every rank of its communicator must call: "
-                   "ending every rank (this one would wait for it for ever)")  # fmt: skip
+    end_job(f"{ranks_named(gone)} of the job ended (the program returned) without coming to {operation}, which every "
+            "rank of its communicator must call: ending every rank (this one would wait for it for ever)")  # fmt: skip
 
 
 def _running_system() -> Any:
