@@ -32,14 +32,14 @@ import json
 import os
 import sys
 from collections.abc import AsyncGenerator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..io import DataFileError, OutputLock, RowWriter, WriteError, fixed_strings, open_file
 from ..jobs import (
     Ended,
-    HeldOutputs,
+    OutputAsState,
     Plan,
     Step,
     agreed_cuda_aware,
@@ -48,7 +48,6 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
-    keep_for_resume,
     kept_name,
     recorded_devices,
     run_lifecycle,
@@ -94,7 +93,7 @@ async def compress_adapters(system: ActorSystem, config: AdaptersConfig) -> dict
 
 
 @dataclass
-class _Compression(HeldOutputs):
+class _Compression(OutputAsState):
     """One run: the adapters of every rank (``paths``), this rank's block (``mine``) and the file being written."""
 
     system: ActorSystem
@@ -109,8 +108,8 @@ class _Compression(HeldOutputs):
     earlier: Earlier | None  # --add-to: its adapters come first in the file
     plan: Plan
     algebra: Algebra  # where the products and eigensolvers run
-    checkpoints: None = None  # the output file is the job's only state
-    writer: RowWriter | None = field(default=None, repr=False)
+    command = "compress-adapters"
+    kept_work = "the layer groups done so far"
 
     @property
     def count(self) -> int:
@@ -172,15 +171,6 @@ class _Compression(HeldOutputs):
         except WriteError as error:
             raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
         return self._summary(kept, overall)
-
-    def release(self) -> None:
-        super().release()
-        keep_for_resume(self.writer, self.system.rank, "compress-adapters", "the layer groups done so far")
-
-    @property
-    def _writer(self) -> RowWriter:
-        assert self.writer is not None, "the output is opened by restore"
-        return self.writer
 
     def _table(self) -> dict[str, np.ndarray]:
         """Every adapter's name, directory, weights checksum and settings: the earlier file's, then this run's (each

@@ -22,7 +22,7 @@ import asyncio
 import json
 import os
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -30,7 +30,7 @@ import numpy as np
 from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
 from ..jobs import (
     Ended,
-    HeldOutputs,
+    OutputAsState,
     Plan,
     Step,
     announce,
@@ -38,7 +38,6 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
-    keep_for_resume,
     kept_name,
     recorded_devices,
     run_lifecycle,
@@ -61,7 +60,7 @@ async def run_circuits(system: ActorSystem, config: CircuitsRunConfig) -> dict:
 
 
 @dataclass
-class _Run(HeldOutputs):
+class _Run(OutputAsState):
     system: ActorSystem
     config: CircuitsRunConfig
     comm: Comm
@@ -74,8 +73,8 @@ class _Run(HeldOutputs):
     results_lock: OutputLock | None
     plan: Plan
     devices: str  # where the models run (jobs.recorded_devices)
-    checkpoints: None = None  # the output file is the job's only state
-    writer: RowWriter | None = field(default=None, repr=False)
+    command = "circuits run"
+    kept_work = "the batches written so far"
 
     async def restore(self) -> int:
         await self.work.start()
@@ -140,9 +139,6 @@ class _Run(HeldOutputs):
                 finished = min(len(self.pending), (step + 1) * per_step)
                 yield Step(f"{finished} of {len(self.pending)} batches", samples)
 
-    def save(self, done: int) -> None:
-        self._writer.flush()  # every written batch is in the file already
-
     async def finish(self, ended: Ended) -> dict:
         out = self.config.out
         try:
@@ -159,15 +155,6 @@ class _Run(HeldOutputs):
         if self.system.rank == 0:
             print(f"wrote {out}: {self.work.describe()} on {self.inputs.samples} inputs", flush=True)
         return {"samples": self.inputs.samples, "stopped": False}
-
-    def release(self) -> None:
-        super().release()
-        keep_for_resume(self.writer, self.system.rank, "circuits run", "the batches written so far")
-
-    @property
-    def _writer(self) -> RowWriter:
-        assert self.writer is not None, "the output is opened by restore"
-        return self.writer
 
 
 def _prepare(system: ActorSystem, config: CircuitsRunConfig) -> _Run:

@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import h5py
 import numpy as np
@@ -34,7 +34,7 @@ from ..io import (
 )
 from ..jobs import (
     Ended,
-    HeldOutputs,
+    OutputAsState,
     Plan,
     Step,
     announce,
@@ -42,7 +42,6 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
-    keep_for_resume,
     kept_name,
     run_lifecycle,
     setting_differences,
@@ -77,7 +76,7 @@ class _Atoms:
 
 
 @dataclass
-class _Encoding(HeldOutputs):
+class _Encoding(OutputAsState):
     system: ActorSystem
     config: EncodeConfig
     comm: Comm
@@ -91,8 +90,8 @@ class _Encoding(HeldOutputs):
     nonzeros: int  # their non-zeros
     results_lock: OutputLock | None
     plan: Plan
-    checkpoints: None = None  # the output file is the job's only state
-    writer: RowWriter | None = field(default=None, repr=False)
+    command = "encode"
+    kept_work = "the signals coded so far"
 
     @property
     def round_rows(self) -> int:
@@ -192,9 +191,6 @@ class _Encoding(HeldOutputs):
             raise JobRefused(f"mpiscale encode: {error}", status=1) from None
         self.nonzeros = total
 
-    def save(self, done: int) -> None:
-        self._writer.flush()  # every coded round is in the file, marked
-
     async def finish(self, ended: Ended) -> dict:
         config, samples = self.config, self.info.samples
         summary = {"signals": samples, "nonzeros": self.nonzeros, "stopped": ended.done < self.plan.total}
@@ -214,15 +210,6 @@ class _Encoding(HeldOutputs):
                   f"{self.nonzeros / max(samples, 1):.2f} non-zeros a signal, on {counted(self.system.size, 'rank')}",
                   flush=True)  # fmt: skip
         return summary
-
-    def release(self) -> None:
-        super().release()
-        keep_for_resume(self.writer, self.system.rank, "encode", "the signals coded so far")
-
-    @property
-    def _writer(self) -> RowWriter:
-        assert self.writer is not None, "the output is opened by restore"
-        return self.writer
 
 
 def _prepare(system: ActorSystem, config: EncodeConfig) -> _Encoding:

@@ -129,14 +129,16 @@ class RowWriter:
         writer._opened()
         return writer
 
-    def mark(self, **attrs: str | int | float) -> None:
-        """Set file attributes (collective: the same values on every rank)."""
+    def mark(self, **attrs: str | int | float | np.number) -> None:
+        """Set file attributes (collective: the same values on every rank). An attribute that exists keeps its type
+        and place, and only its value is written: a mark of numbers is one small write in the file's header, which a
+        kill mid-way leaves readable (a replaced one, or a string of another length, takes several)."""
         assert self.file is not None, "mark after close"
         self._begin(f"mark({', '.join(attrs)})")
         failure = None
         try:
             for key, value in attrs.items():
-                self.file.attrs[key] = value
+                self.file.attrs.modify(key, value)
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)

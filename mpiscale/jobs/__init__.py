@@ -12,7 +12,7 @@ from .device import (
     mpi_cuda_aware,
     recorded_devices,
 )
-from .lifecycle import Ended, HeldOutputs, Plan, Step, SteppedJob, observed, run_lifecycle
+from .lifecycle import Ended, HeldOutputs, OutputAsState, Plan, Step, SteppedJob, observed, run_lifecycle
 from .outputs import (
     check_outputs,
     check_replaceable,
@@ -59,6 +59,7 @@ __all__ = [
     "recorded_devices",
     "Ended",
     "HeldOutputs",
+    "OutputAsState",
     "JobEntry",
     "ProgressLine",
     "announce",

@@ -14,14 +14,14 @@ import contextlib
 import inspect
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
-from ..io import Checkpointer, CheckpointError, OutputLock
+from ..io import Checkpointer, CheckpointError, OutputLock, RowWriter
 from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
 from .outputs import close_checkpointer, start_agreed
 from .progress import ProgressLine
-from .state import steer, stopped_at_start
+from .state import keep_for_resume, steer, stopped_at_start
 
 Result = TypeVar("Result")
 
@@ -100,6 +100,30 @@ class HeldOutputs:
     def release(self) -> None:
         if self.results_lock is not None:
             self.results_lock.release()
+
+
+class OutputAsState(HeldOutputs):
+    """``HeldOutputs`` for a job whose output file is its only state (encode, collect, compress-adapters, circuits
+    run): ``restore`` opens ``writer``, a save flushes it, and after a failure it stays open for ``--resume``
+    (``keep_for_resume``). ``command`` and ``kept_work`` name the job and what its file holds, for that line."""
+
+    system: ActorSystem
+    checkpoints: None = None
+    writer: RowWriter | None = None
+    command: ClassVar[str]  # "encode"
+    kept_work: ClassVar[str]  # "the signals coded so far"
+
+    def save(self, done: int) -> None:
+        self._writer.flush()  # every step's output is in the file, marked
+
+    def release(self) -> None:
+        super().release()
+        keep_for_resume(self.writer, self.system.rank, self.command, self.kept_work)
+
+    @property
+    def _writer(self) -> RowWriter:
+        assert self.writer is not None, "the output is opened by restore"
+        return self.writer
 
 
 def _give_up(job: SteppedJob) -> None:
