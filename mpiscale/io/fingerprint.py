@@ -24,9 +24,14 @@ class Fingerprint:
     again by mistake, not against an adversary.
     """
 
-    def __init__(self) -> None:
-        self._sum = 0
+    def __init__(self, total: int = 0) -> None:
+        self._sum = total  # (a sum kept from earlier rows: a run that goes on adds to it)
         self._weights: np.ndarray | None = None
+
+    @property
+    def total(self) -> int:
+        """This rank's sum so far (below 2**64): the ranks' sums, added modulo 2**64, are the data's."""
+        return self._sum
 
     def add(self, first_row: int, rows: np.ndarray) -> None:
         """Add ``rows`` (2-D: rows x values, any numeric dtype), the first of which is row ``first_row`` of the data."""

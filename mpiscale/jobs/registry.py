@@ -92,7 +92,7 @@ JOBS: dict[str, JobEntry] = {
             "mpiscale.activations/1",
             "mpiscale.train.activations_report",
             "hpc/slurm/collect.sbatch",
-            steers=False,
+            steers=True,
             needs=("torch",),
             extra="torch",
         ),

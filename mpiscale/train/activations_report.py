@@ -17,12 +17,14 @@ from .collect import ACTIVATIONS_FORMAT
 
 
 def summarize(path: str) -> str:
-    """Provenance, each layer's shape and numbers, and the next step."""
+    """Provenance, each layer's shape and numbers, and the next step; of a stopped or killed run's file
+    (``OUT.partial``, ``OUT.tmp``), the rows it collected and how to finish (its numbers over those rows)."""
     with open_file(path, (ACTIVATIONS_FORMAT,)) as file:
         attrs = file.attrs
         ranks = int(attrs["world_size"])
         layers = [name for name, item in file.items() if name != "sample_ids" and hasattr(item, "shape")]
         samples = len(file["sample_ids"])
+        done = int(attrs.get("rows_done", samples))  # (files of before the marks: complete)
         labels = attrs.get("labels") or "none"
         lines = [
             f"{path}: activations of {samples:,} inputs from the model {attrs['model']} on "
@@ -30,20 +32,27 @@ def summarize(path: str) -> str:
             f"{attrs['created']}",
             f"inputs: {attrs['inputs']}; labels: {labels}",
         ]
+        if done < samples:
+            out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
+            lines.append(f"rows: {done:,} of {samples:,} collected; mpiscale collect --resume --out {out}, with the "
+                         "settings of the run, collects the others")  # fmt: skip
         for name in layers:
-            lines.append(_layer_line(name, file[name]))
+            lines.append(_layer_line(name, file[name], done))
+        if done < samples:
+            return "\n".join(lines)
     if layers:
         lines.append(f"learn a dictionary of a layer: mpiscale dictlearn --data {path}:/{layers[0]}")
     return "\n".join(lines)
 
 
-def _layer_line(name: str, dataset) -> str:
-    """A layer's shape, and its share of zeros, mean and non-finite values over its first rows."""
+def _layer_line(name: str, dataset, done: int) -> str:
+    """A layer's shape, and its share of zeros, mean and non-finite values over its first rows (of the ``done``
+    rows collected)."""
     rows, width = dataset.shape
     shape = f"/{name}: {rows:,} x {width} {dataset.dtype}"
-    if not rows:
+    if not done:
         return shape
-    values = leading_rows(dataset)
+    values = leading_rows(dataset)[:done]
     finite = np.isfinite(values)
     where = "all rows" if len(values) == rows else f"its first {len(values):,} rows"
     numbers = f"{np.mean(values == 0):.1%} zeros, mean {values[finite].mean() if finite.any() else np.nan:.4g}"

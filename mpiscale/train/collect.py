@@ -1,14 +1,19 @@
 """The activation-collection job (``mpiscale collect``): a trained model's layer outputs for a whole data set.
 
-Every rank runs its block of the input rows through the model, a block of
-``batch_size`` rows at a time, and forward hooks on the named modules capture
-their outputs. Each round every rank writes its rows straight into one HDF5
-file (``RowWriter``, collective), so nothing is gathered into one process and
-a rank's memory is one round's rows whatever the data size. The file holds one
-data set per layer (rows in input order) and ``sample_ids`` (the rows' numbers
-in the input data set), with ``inputs``, ``labels`` and ``model`` attributes
-naming where they came from: ``mpiscale dictlearn --data FILE:/LAYER`` learns
-from it, and ``mpiscale inspect`` shows which inputs activate each atom.
+The rows go through the model in rounds: each round covers the next
+``batch_size`` rows of every rank, split over the ranks, and forward hooks on
+the named modules capture their outputs. Every rank writes its rows straight
+into one HDF5 file (``RowWriter``, collective), so nothing is gathered into one
+process and a rank's memory is one round's rows whatever the data size. The
+file holds one data set per layer (rows in input order) and ``sample_ids``
+(the rows' numbers in the input data set), with ``inputs``, ``labels`` and
+``model`` attributes naming where they came from: ``mpiscale dictlearn --data
+FILE:/LAYER`` learns from it, and ``mpiscale inspect`` shows which inputs
+activate each atom. After each round the file marks the rows complete and is
+flushed: a stop (SIGTERM, Slurm's time limit) keeps it as ``OUT.partial``, a
+kill or a failure leaves ``OUT.tmp``, and ``--resume`` goes on from either, on
+any number of ranks (``collect_kept`` checks that the model and the rows are
+those it collected).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from functools import partial
 
@@ -25,25 +32,38 @@ import torch
 
 from ..io import (
     DataFileError,
+    Fingerprint,
     OutputLock,
     Ragged,
     RaggedDataset,
     RowWriter,
     ShardedDataset,
+    WriteError,
     length_batches,
     recorded,
     split_spec,
 )
-from ..jobs import ProgressLine, choose_torch_device, claim_outputs, recorded_devices, run_without_steps
+from ..jobs import (
+    Ended,
+    OutputAsState,
+    Plan,
+    Step,
+    announce,
+    choose_torch_device,
+    claim_outputs,
+    give_back,
+    kept_name,
+    recorded_devices,
+    run_lifecycle,
+)
 from ..kernels.threads import share_cores
-from ..ranks import AgreedError, Comm, rank_rows, ranks_sharing_cores, run_agreed
-from ..runtime import ActorSystem
+from ..ranks import AgreedError, Comm, on_rank_0, rank_rows, ranks_sharing_cores, run_agreed
+from ..runtime import ActorSystem, JobRefused
+from .collect_kept import ACTIVATIONS_FORMAT, check_kept_rows, earlier_run, model_digest, rows_sum
 from .config import CollectConfig
 from .encoder import PAD
 from .model import first_bad_row, input_layout, layer_outputs, model_rows, module_names, rows_refused
 from .results import load_trained
-
-ACTIVATIONS_FORMAT = "mpiscale.activations/1"
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +73,9 @@ class _BadRows(AgreedError):
 
 
 @dataclass
-class _Job:
+class _Collection(OutputAsState):
+    system: ActorSystem
+    config: CollectConfig
     comm: Comm
     model: torch.nn.Module
     device: str  # where the model runs: "cpu", "cuda:K"
@@ -65,18 +87,103 @@ class _Job:
     spec: dict  # the model's shape, as its results file gives it
     widths: dict[str, int]
     attrs: dict
-    lock: OutputLock | None
+    results_lock: OutputLock | None
     offsets: str | None  # ragged data: its index (None: rows of one size)
-    tokens: int = 0  # ragged data: the most padded tokens run through the model at once
+    tokens: int  # ragged data: the most padded tokens run through the model at once
+    kept: str | None  # the earlier run's file this one goes on from
+    first_row: int  # rows already collected (by an earlier run)
+    plan: Plan
+    data_sum: Fingerprint  # the sum of the rows collected so far (rank 0 holds an earlier run's)
+    command = "collect"
+    kept_work = "the rows collected so far"
+
+    @property
+    def round_rows(self) -> int:
+        """Rows one round collects, over all ranks."""
+        return self.config.batch_size * self.system.size
+
+    async def restore(self) -> int:
+        try:
+            if self.kept is not None:
+                self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
+                if self.system.rank == 0:
+                    print(f"mpiscale collect: resumed from {self.kept}: {self.first_row:,} of {self.samples:,} rows "
+                          "were collected", flush=True)  # fmt: skip
+                announce("resumed", f"from {self.kept} after {self.first_row} rows")
+                return 0
+            layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+                name: ((self.samples, width), np.dtype(np.float32)) for name, width in self.widths.items()
+            }
+            layout["sample_ids"] = ((self.samples,), np.dtype(np.int64))
+            attrs = self.attrs | {"rows_done": 0, "data_sum": np.uint64(0)}  # (numbers: a mark rewrites them in place)
+            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs,
+                                    ACTIVATIONS_FORMAT, resumable=True)  # fmt: skip
+            self.writer.flush()
+        except WriteError as error:
+            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+        return 0
+
+    async def steps(self, start: int) -> AsyncGenerator[Step, None]:
+        size, rank, comm = self.system.size, self.system.rank, self.comm
+        with _open(self.path, self.name, self.offsets, comm) as data:
+            starts = _token_starts(data)
+            for index in range(start, self.plan.total):
+                first = self.first_row + index * self.round_rows
+                last = min(first + self.round_rows, self.samples)
+                lo, hi = (first + bound for bound in rank_rows(last - first, size, rank))
+                read: list[np.ndarray | Ragged] = []
+                captured: dict[str, np.ndarray] = {}
+                try:
+                    # agreed: rows one rank cannot read (a damaged chunk) must not leave the others in the next round
+                    run_agreed(comm, f"round {index + 1}", partial(_read_checked, self, data, lo, hi, starts, read),
+                               _BadRows)  # fmt: skip
+                    # agreed: a failure on one rank must not leave the others waiting in the collective write
+                    run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}",
+                               partial(_capture, self, read[0], captured))  # fmt: skip
+                    self._write(lo, last, captured | {"sample_ids": np.arange(lo, hi, dtype=np.int64)})
+                except _BadRows as error:
+                    raise JobRefused(f"mpiscale collect: {error}", status=2) from None
+                yield Step(f"{last:,} of {self.samples:,} rows", last - first)
+
+    def _write(self, lo: int, rows_done: int, arrays: dict[str, np.ndarray]) -> None:
+        """This rank's rows from ``lo`` into the file, then the round marked done up to row ``rows_done`` with the
+        sum of the rows read so far (collective)."""
+        total = sum(self.comm.allgather(self.data_sum.total)) % 2**64
+        writer = self._writer
+        try:
+            writer.write(lo, arrays)
+            writer.flush()
+            writer.mark(rows_done=rows_done, data_sum=np.uint64(total))
+            writer.flush()
+        except WriteError as error:
+            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+
+    async def finish(self, ended: Ended) -> dict:
+        config, summary = self.config, {"samples": self.samples, "widths": self.widths}
+        try:
+            if ended.done < self.plan.total:
+                kept = kept_name(config.out)
+                self._writer.close(kept)
+                if self.system.rank == 0:
+                    print(f"mpiscale collect: kept the rows collected in {kept}; run the same command with --resume "
+                          "(on any number of ranks) to finish", flush=True)  # fmt: skip
+                return summary | {"stopped": True}
+            self._writer.close()
+        except WriteError as error:
+            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+        if self.system.rank == 0:
+            layers = ", ".join(f"/{name} ({self.samples} x {width})" for name, width in self.widths.items())
+            print(f"wrote {config.out}: {layers} from {self.attrs['inputs']}", flush=True)
+        return summary | {"stopped": False}
 
 
 async def collect(system: ActorSystem, config: CollectConfig) -> dict:
     """Run the job on every rank; bad input ends it before any row is read, with one message and status 2."""
-    return await run_without_steps(system, "collect", lambda: _prepare(config),
-                                   lambda job: _write(system, config, job), _BadRows)  # fmt: skip
+    return await run_lifecycle(system, "collect", lambda: _prepare(system, config))
 
 
-def _prepare(config: CollectConfig) -> _Job:
+def _prepare(system: ActorSystem, config: CollectConfig) -> _Collection:
+    """Check the model, the data and the outputs, and find an earlier run to go on from (collective)."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -120,10 +227,23 @@ def _prepare(config: CollectConfig) -> _Job:
     if "image_shape" in trained:
         attrs["image_shape"] = trained["image_shape"]
     attrs["device"] = recorded_devices(device, comm)
-    lock = claim_outputs(config.out, None, [config.model, path], comm, ACTIVATIONS_FORMAT)
     widths = _widths(model, config.layer_names, inputs, model_dtype, device)
-    return _Job(comm, model, device, path, name, samples, inputs, model_dtype, spec, widths, attrs, lock, offsets,
-                tokens)  # fmt: skip
+    digest = model_digest(model)
+    attrs["model_digest"] = digest
+    lock = claim_outputs(config.out, None, [config.model, path], comm, ACTIVATIONS_FORMAT)
+    try:
+        kept, first_row, total = on_rank_0(comm, lambda: earlier_run(config, samples, digest))
+        if kept is not None:
+            with _open(path, name, offsets, comm) as data:
+                check_kept_rows(data, first_row, total, comm, _token_starts(data), f"{path}:/{name}")
+    except BaseException:
+        give_back(lock)
+        raise
+    rounds = math.ceil((samples - first_row) / (config.batch_size * system.size))
+    plan = Plan("round", "rows", rounds, config.progress_every, saves=True)
+    return _Collection(system, config, comm, model, device, path, name, samples, inputs, model_dtype, spec, widths,
+                       attrs, lock, offsets, tokens, kept, first_row, plan,
+                       Fingerprint(total if comm.Get_rank() == 0 else 0))  # fmt: skip
 
 
 def _training_tokens(training: dict, spec: dict) -> int:
@@ -171,60 +291,44 @@ def _widths(model: torch.nn.Module, layers: list[str], inputs: int, dtype: np.dt
     return {name: captured[name].shape[1] for name in layers}
 
 
-def _write(system: ActorSystem, config: CollectConfig, job: _Job) -> dict:
-    comm, size, rank = job.comm, system.size, system.rank
-    layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-        name: ((job.samples, width), np.dtype(np.float32)) for name, width in job.widths.items()
-    }
-    layout["sample_ids"] = ((job.samples,), np.dtype(np.int64))
-    start, stop = rank_rows(job.samples, size, rank)
-    largest = -(-job.samples // size)
-    rounds = max(1, -(-largest // config.batch_size))  # the largest block's rounds: the same on every rank
-    progress = ProgressLine(rounds, 0, config.progress_every if rank == 0 else None, "rows", "round")
-    with (
-        _open_inputs(job, comm) as data,
-        RowWriter(config.out, layout, comm, config.to_dict(), job.attrs, ACTIVATIONS_FORMAT) as writer,
-    ):
-        for index in range(rounds):
-            lo = min(start + index * config.batch_size, stop)
-            hi = min(lo + config.batch_size, stop)
-            read: list[np.ndarray | Ragged] = []
-            # agreed: rows one rank cannot read (a damaged chunk) must not leave the others waiting in the next round
-            run_agreed(comm, f"round {index + 1}", partial(_read_checked, job, data, lo, hi, read), _BadRows)
-            rows = read[0]
-            captured: dict[str, np.ndarray] = {}
-            # agreed: a failure on one rank must not leave the others waiting in the collective write
-            run_agreed(comm, f"round {index + 1}: the model on rows {lo}-{hi}", partial(_capture, job, rows, captured))
-            writer.write(lo, captured | {"sample_ids": np.arange(lo, hi, dtype=np.int64)})
-            progress.update(index + 1, f"{hi - start:,} of {stop - start:,} rows on rank 0", (hi - lo) * size)
-    progress.finish()
-    if rank == 0:
-        layers = ", ".join(f"/{name} ({job.samples} x {width})" for name, width in job.widths.items())
-        print(f"wrote {config.out}: {layers} from {job.attrs['inputs']}", flush=True)
-    return {"samples": job.samples, "widths": job.widths}
+def _open(path: str, name: str, offsets: str | None, comm: Comm) -> ShardedDataset | RaggedDataset:
+    """The inputs (collective): rows of one size, or token sequences (``offsets``: their index)."""
+    if offsets is None:
+        return ShardedDataset(path, name, comm)
+    return RaggedDataset(path, name, offsets, comm)
 
 
-def _open_inputs(job: _Job, comm: Comm) -> ShardedDataset | RaggedDataset:
-    if job.offsets is None:
-        return ShardedDataset(job.path, job.name, comm)
-    return RaggedDataset(job.path, job.name, job.offsets, comm)
+def _token_starts(data: ShardedDataset | RaggedDataset) -> np.ndarray | None:
+    """Each sequence's first token among all of them (None: rows of one size)."""
+    if not isinstance(data, RaggedDataset):
+        return None
+    return np.concatenate([[0], np.cumsum(data.lengths)])
 
 
-def _rows(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int) -> np.ndarray | Ragged:
-    """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences packed)."""
+def _rows(
+    job: _Collection, data: ShardedDataset | RaggedDataset, lo: int, hi: int, starts: np.ndarray | None
+) -> np.ndarray | Ragged:
+    """Rows ``lo:hi`` as the model takes them (collective for rows of one size; sequences packed), added as they
+    were read to the sum of the rows collected (``starts``: each sequence's first token, for sequences)."""
     if isinstance(data, RaggedDataset):
-        return data.read(np.arange(lo, hi))
-    return model_rows(np.asarray(data.read_collective(lo, hi)), job.dtype).reshape(hi - lo, job.features)
+        sequences = data.read(np.arange(lo, hi))
+        rows_sum(job.data_sum, lo, sequences, starts)
+        return sequences
+    rows = np.asarray(data.read_collective(lo, hi))
+    rows_sum(job.data_sum, lo, rows, None)
+    return model_rows(rows, job.dtype).reshape(hi - lo, job.features)
 
 
-def _read_checked(job: _Job, data: ShardedDataset | RaggedDataset, lo: int, hi: int, out: list) -> None:
+def _read_checked(
+    job: _Collection, data: ShardedDataset | RaggedDataset, lo: int, hi: int, starts: np.ndarray | None, out: list
+) -> None:
     """Rows ``lo:hi`` read into ``out``, refused when they cannot be read or the model cannot take them."""
-    rows = _rows(job, data, lo, hi)
+    rows = _rows(job, data, lo, hi, starts)
     _check_rows(job, rows, lo)
     out.append(rows)
 
 
-def _check_rows(job: _Job, rows: np.ndarray | Ragged, first: int) -> None:
+def _check_rows(job: _Collection, rows: np.ndarray | Ragged, first: int) -> None:
     """Refuse rows the model cannot take (NaN or infinity, token ids it does not know); ``first`` is the first row's
     number."""
     if isinstance(rows, Ragged):  # each token as a row, then the sequence that holds it
@@ -237,7 +341,7 @@ def _check_rows(job: _Job, rows: np.ndarray | Ragged, first: int) -> None:
         raise DataFileError(job.path, f"sample {first + bad[0]} {bad[1]}", job.name)
 
 
-def _capture(job: _Job, rows: np.ndarray | Ragged, into: dict[str, np.ndarray]) -> None:
+def _capture(job: _Collection, rows: np.ndarray | Ragged, into: dict[str, np.ndarray]) -> None:
     """The layers' outputs for ``rows`` (none: empty arrays of the layers' widths) into ``into``; sequences run in
     batches of at most ``job.tokens`` padded tokens, grouped by length."""
     if not len(rows):

@@ -228,6 +228,7 @@ class CollectConfig:
         "auto",
         f"where the model runs: cpu, {DEVICE_RULE}",
     )
+    resume: bool = option(False, "go on from the rows a stopped (OUT.partial) or killed (OUT.tmp) run collected")
 
     def __post_init__(self) -> None:
         problems: list[str] = []

@@ -83,8 +83,8 @@ def test_pipeline_train_collect_dictlearn_inspect(tmp_path):
 
 
 def test_collect_in_small_rounds_writes_every_layer(tmp_path):
-    """Rounds of 100 rows on 3 ranks (blocks not divisible by the rounds), two layers: the model's outputs, in order;
-    then rounds that leave one rank a round with no rows."""
+    """Rounds of 100 rows a rank on 3 ranks (the last round's 237 rows split unevenly), two layers: the model's
+    outputs, in order; then rounds that leave one rank a round with no rows."""
     model, acts = tmp_path / "model.h5", tmp_path / "acts.h5"
     assert_ok(mpiscale(1, "train", "--epochs", 1, "--hidden", "24,12", "--out", model, "--progress-every", 0))
     job = mpiscale(3, "collect", "--model", model, "--out", acts, "--batch-size", 100, "--layers", "hidden2,relu1")
@@ -99,8 +99,8 @@ def test_collect_in_small_rounds_writes_every_layer(tmp_path):
         np.testing.assert_allclose(file["hidden2"][()], net[:4](inputs).numpy(), rtol=1e-5, atol=1e-5)
         assert file["hidden2"].shape == (1437, 12)
         assert file.attrs["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")  # --device auto
-    # 1,437 rows on 2 ranks in rounds of 718: rank 1's block of 718 leaves it a second round with no rows, which
-    # ended that rank alone while rank 0 waited in the collective write, forever
+    # 1,437 rows on 2 ranks in rounds of 718 rows a rank: the second round's one row leaves rank 1 none (a round with
+    # no rows ended that rank alone while rank 0 waited in the collective write, forever)
     uneven = tmp_path / "uneven.h5"
     assert_ok(mpiscale(2, "collect", "--model", model, "--out", uneven, "--batch-size", 718, "--layers", "relu1",
                        timeout=60))  # fmt: skip
@@ -737,29 +737,33 @@ def test_data_parallel_on_a_real_gpu_overlaps_backward_and_averages_exactly():
 
 
 def test_collect_refuses_nan_rows_in_a_later_round(tmp_path, one_process_model):
-    """A NaN in rank 1's third round: every rank stops with one message naming the sample, status 2, no output."""
+    """A NaN in rank 1's rows of the fourth round: every rank stops with one message naming the sample, status 2, no
+    output; the rounds before are kept for --resume once the data is mended."""
     rows = np.random.default_rng(2).random((900, 64)).astype(np.float32)
-    rows[777, 5] = np.nan  # rank 1's block is 450-899; rounds of 100 rows
+    rows[777, 5] = np.nan  # rounds of 100 rows a rank: the fourth is rows 600-799, rank 1's 700-799
     data = user_file(tmp_path / "nan.h5", rows, np.zeros(900, np.int64))
     job = mpiscale(2, "collect", "--model", one_process_model, "--data", f"{data}:/images", "--batch-size", 100,
                    "--out", tmp_path / "a.h5", timeout=60)  # fmt: skip
     assert job.returncode == 2, job.output
     assert "round 4 failed: rank 1: " in job.stderr and "sample 777 holds NaN or infinite values" in job.stderr
     assert "Traceback" not in job.output and not (tmp_path / "a.h5").exists()
+    with h5py.File(tmp_path / "a.h5.tmp", "r") as kept:
+        assert kept.attrs["rows_done"] == 600
+    assert "collected so far are kept in " in job.stderr and "with --resume" in job.stderr
 
 
 def test_collect_refuses_rows_one_rank_cannot_read_in_a_later_round(tmp_path, one_process_model):
-    """A checksummed chunk damaged in rank 1's third round: rank 1 raised alone, closed its data set (collective with
-    MPI-IO) while rank 0 waited in the round's agreement, and the job hung until it was killed. Every rank now
-    stops with one message naming the file and the rows, status 2, no output."""
+    """A checksummed chunk damaged in rank 1's rows of the fourth round: rank 1 raised alone, closed its data set
+    (collective with MPI-IO) while rank 0 waited in the round's agreement, and the job hung until it was killed.
+    Every rank now stops with one message naming the file and the rows, status 2, no output."""
     with h5py.File(tmp_path / "mine.h5", "w") as file:
         file.create_dataset("images", data=np.random.default_rng(2).random((900, 64)).astype(np.float32),
                             chunks=(50, 64), fletcher32=True)  # fmt: skip
-    flip_a_bit(tmp_path / "mine.h5", "images", 13)  # rows 650..699; rank 1's block is 450-899, rounds of 100 rows
+    flip_a_bit(tmp_path / "mine.h5", "images", 14)  # rows 700..749: rank 1's part (700-799) of the fourth round
     job = mpiscale(2, "collect", "--model", one_process_model, "--data", f"{tmp_path / 'mine.h5'}:/images",
                    "--batch-size", 100, "--out", tmp_path / "a.h5", timeout=60)  # fmt: skip
     assert job.returncode == 2, job.output[-3000:]
-    assert "round 3 failed: rank 1: " in job.stderr and "rows 650..749 cannot be read" in job.stderr, job.stderr
+    assert "round 4 failed: rank 1: " in job.stderr and "rows 700..799 cannot be read" in job.stderr, job.stderr
     assert "Traceback" not in job.output and not (tmp_path / "a.h5").exists()
 
 
