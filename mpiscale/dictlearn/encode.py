@@ -42,6 +42,7 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
+    kept_file,
     kept_name,
     run_lifecycle,
     setting_differences,
@@ -302,19 +303,13 @@ def _earlier_run(
     kept = earlier_output(config.out)
     if kept is None:
         return None, 0, 0
-    try:
-        with h5py.File(kept, "r") as file:
-            if file.attrs.get("format") != CODES_FORMAT or "rows_done" not in file.attrs:
-                raise OSError("not a codes file")
-            stored = json.loads(file.attrs["config"])
-            marks = int(file.attrs["rows_done"]), int(file.attrs["nnz_done"])
-            then = {"sparsity": int(file.attrs["sparsity"]), "remove_mean": bool(file.attrs["remove_mean"])}
-            rows = file["residual_norm"].shape[0]
-            coded_with = file["dictionary"][()]
-            fingerprint_then = file.attrs.get("data_fingerprint")  # (None in a file of an earlier version)
-    except (OSError, KeyError, ValueError):
-        raise DataFileError(kept, "cannot be resumed: it was cut off before it was complete enough; remove it and "
-                                  "run again") from None  # fmt: skip
+    with kept_file(kept, CODES_FORMAT, "rows_done") as file:
+        stored = json.loads(file.attrs["config"])
+        marks = int(file.attrs["rows_done"]), int(file.attrs["nnz_done"])
+        then = {"sparsity": int(file.attrs["sparsity"]), "remove_mean": bool(file.attrs["remove_mean"])}
+        rows = file["residual_norm"].shape[0]
+        coded_with = file["dictionary"][()]
+        fingerprint_then = file.attrs.get("data_fingerprint")  # (None in a file of an earlier version)
     if not config.resume:
         raise ValueError(f"{kept} holds {marks[0]:,} coded signals of an earlier run: pass --resume to finish it (on "
                          "any number of ranks), or remove it to start over")  # fmt: skip

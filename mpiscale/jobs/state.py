@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Protocol
 
+import h5py
 import numpy as np
 
 from .. import telemetry
-from ..io import Checkpointer, CheckpointError, Restored, RowWriter, checksum
+from ..io import Checkpointer, CheckpointError, DataFileError, Restored, RowWriter, checksum
 from ..runtime import ActorSystem
 
 log = logging.getLogger(__name__)
@@ -125,6 +127,21 @@ def earlier_output(out: str) -> str | None:
     """The file an earlier run writing ``out`` left for ``--resume``: ``OUT.partial`` where it was stopped, else
     ``OUT.tmp`` where it was killed or failed (complete as far as it marked); None where it left neither."""
     return next((kept for kept in (kept_name(out), f"{out}.tmp") if os.path.exists(kept)), None)
+
+
+@contextlib.contextmanager
+def kept_file(kept: str, file_format: str, mark: str) -> Iterator[h5py.File]:
+    """An earlier run's kept file (``earlier_output``), open to read its marks and settings: one cut off before it
+    could be resumed (not HDF5, another ``format``, no attribute ``mark``, or what the block reads missing) is
+    refused as such, naming the file."""
+    try:
+        with h5py.File(kept, "r") as file:
+            if file.attrs.get("format") != file_format or mark not in file.attrs:
+                raise OSError(f"no {mark} of a {file_format} file")
+            yield file
+    except (OSError, KeyError, ValueError):
+        raise DataFileError(kept, "cannot be resumed: it was cut off before it was complete enough; remove it and "
+                                  "run again") from None  # fmt: skip
 
 
 def keep_for_resume(writer: RowWriter | None, rank: int, job: str, what: str) -> None:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-import h5py
 import numpy as np
 import torch
 
 from ..io import DataFileError, Fingerprint, Ragged, RaggedDataset, ShardedDataset, refuse_unreadable
-from ..jobs import earlier_output, setting_differences
+from ..jobs import earlier_output, kept_file, setting_differences
 from ..ranks import Comm, rank_rows
 from .config import CollectConfig
 
@@ -56,16 +55,10 @@ def earlier_run(config: CollectConfig, samples: int, digest: str) -> tuple[str |
     kept = earlier_output(config.out)
     if kept is None:
         return None, 0, 0
-    try:
-        with h5py.File(kept, "r") as file:
-            if file.attrs.get("format") != ACTIVATIONS_FORMAT or "rows_done" not in file.attrs:
-                raise OSError("not an activations file")
-            stored = json.loads(file.attrs["config"])
-            done, total = int(file.attrs["rows_done"]), int(file.attrs["data_sum"])
-            then = {"model weights": str(file.attrs["model_digest"]), "input rows": len(file["sample_ids"])}
-    except (OSError, KeyError, ValueError):
-        raise DataFileError(kept, "cannot be resumed: it was cut off before it was complete enough; remove it and "
-                                  "run again") from None  # fmt: skip
+    with kept_file(kept, ACTIVATIONS_FORMAT, "rows_done") as file:
+        stored = json.loads(file.attrs["config"])
+        done, total = int(file.attrs["rows_done"]), int(file.attrs["data_sum"])
+        then = {"model weights": str(file.attrs["model_digest"]), "input rows": len(file["sample_ids"])}
     if not config.resume:
         raise ValueError(f"{kept} holds {done:,} collected rows of an earlier run: pass --resume to finish it (on any "
                          "number of ranks), or remove it to start over")  # fmt: skip
