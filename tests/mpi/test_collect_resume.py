@@ -88,9 +88,10 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_inputs_of_fewer_rows_than_ranks_and_a_file_of_before_the_marks(trained, tmp_path):
+def test_inputs_of_fewer_rows_than_ranks_a_file_of_before_the_marks_and_one_cut_off(trained, tmp_path):
     """Edges of the rounds: inputs of fewer rows than ranks leave a rank no row in every round; an activations file
-    of before the marks (no rows_done) is taken as complete by inspect."""
+    of before the marks (no rows_done) is taken as complete by inspect; an OUT.tmp cut off before its first mark
+    (a kill as it was made) is refused as such, and left for the user to remove."""
     data = tmp_path / "three.h5"
     with h5py.File(trained[1], "r") as source, h5py.File(data, "w") as file:
         file["x"] = source["inputs"][:3]
@@ -104,3 +105,9 @@ def test_inputs_of_fewer_rows_than_ranks_and_a_file_of_before_the_marks(trained,
     assert_ok(shown)
     assert "collected; mpiscale collect --resume" not in shown.stdout and "learn a dictionary" in shown.stdout, (
         shown.stdout)  # fmt: skip
+    cut = tmp_path / "c.h5.tmp"
+    cut.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))  # a superblock's first bytes, then nothing
+    refused = mpiscale(2, "collect", "--model", trained[0], "--data", f"{data}:/x", "--out", tmp_path / "c.h5",
+                       "--resume")  # fmt: skip
+    assert refused.returncode == 2 and "cannot be resumed: it was cut off" in refused.stderr, refused.stderr
+    assert cut.exists() and not (tmp_path / "c.h5").exists()
