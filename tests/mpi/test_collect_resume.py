@@ -32,13 +32,16 @@ def _nudged(path, name: str, index: tuple) -> None:
 
 
 def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_counts(trained, tmp_path):
-    """SIGTERM, then SIGKILL of one rank, a few rounds in: the rows collected stay in OUT.partial or OUT.tmp, inspect
+    """SIGTERM, then SIGKILL of one rank, 500 rounds in: the rows collected stay in OUT.partial or OUT.tmp, inspect
     says how far they go, a plain run is refused, and --resume on 3 ranks and on 1 collects the rest as one
     uninterrupted run does. A resume with the model trained again, one input value written again among the rows
     collected, or other layers, is refused and leaves the kept file as it was: it would have mixed other rows in."""
-    model, data = tmp_path / "model.h5", tmp_path / "inputs.h5"
+    model, data, pristine = tmp_path / "model.h5", tmp_path / "inputs.h5", tmp_path / "pristine.h5"
     shutil.copyfile(trained[0], model)
-    shutil.copyfile(trained[1], data)
+    with h5py.File(trained[1], "r") as digits, h5py.File(pristine, "w") as file:
+        file["inputs"] = np.tile(digits["inputs"][()], (4, 1))  # 5,748 rows: 2,874 rounds of 2, about 4 s here
+    shutil.copyfile(pristine, data)
+    rows = 4 * 1437
     common = ["collect", "--model", str(model), "--data", f"{data}:/inputs", "--layers", "relu1"]
     whole = tmp_path / "whole.h5"
     assert_ok(mpiscale(1, *common, "--out", whole, "--batch-size", 500))
@@ -48,7 +51,7 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         with open(log, "w") as stdout:
             process = launch(2, [*MPISCALE, *common, "--out", str(out), "--batch-size", "1", "--progress-every",
                                  "0.001"], stdout=stdout)  # fmt: skip
-            wait_for_output(process, log, "round 100/")  # (marks come every quarter of a second: a few by then)
+            wait_for_output(process, log, "round 500/")  # (0.7 s in, or more: marks come every quarter of a second)
             if way == "stopped":
                 process.send_signal(signal.SIGTERM)
             else:
@@ -58,10 +61,10 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         assert ended.returncode != 0 and kept.exists() and not out.exists(), ended.output[-3000:]
         with h5py.File(kept, "r") as file:
             done = int(file.attrs["rows_done"])
-        assert 0 < done < 1437, done
+        assert 0 < done < rows, done
         shown = run_alone("inspect", kept)
         assert_ok(shown)
-        assert f"rows: {done:,} of 1,437 collected; mpiscale collect --resume --out {out}," in shown.stdout, (
+        assert f"rows: {done:,} of {rows:,} collected; mpiscale collect --resume --out {out}," in shown.stdout, (
             shown.stdout)  # fmt: skip
         before = kept.read_bytes()
         plain = mpiscale(2, *common, "--out", out)
@@ -76,13 +79,13 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
                 _nudged(changed, name, index)
                 refused = mpiscale(2, *common, "--out", out, "--resume")
                 assert refused.returncode == 2 and refusal in refused.stderr, refused.stderr
-                shutil.copyfile(trained[0] if changed == model else trained[1], changed)
+                shutil.copyfile(trained[0] if changed == model else pristine, changed)
             other = mpiscale(2, *[*common[:-1], "hidden1,relu1"], "--out", out, "--resume")
             assert other.returncode == 2 and "layers: stopped run ['relu1'], now ['hidden1', 'relu1']" in other.stderr
         assert kept.read_bytes() == before  # refused runs leave the kept rows as they were
         resumed = mpiscale(then, *common, "--out", out, "--resume", "--batch-size", 7)
         assert_ok(resumed)
-        assert f"resumed from {kept}: {done:,} of 1,437 rows were collected" in resumed.stdout, resumed.stdout
+        assert f"resumed from {kept}: {done:,} of {rows:,} rows were collected" in resumed.stdout, resumed.stdout
         got, got_ids = _activations(out)
         assert np.array_equal(got_ids, ids) and not kept.exists()
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
