@@ -325,12 +325,32 @@ def cli_rank_pids(marker: str) -> list[int]:
     return pids
 
 
-def wait_for_output(process: subprocess.Popen, log: Path, text: str, timeout: float = 60) -> None:
-    """Wait until the job writing ``log`` has printed ``text``; it must still run then."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and process.poll() is None and text not in log.read_text():
+def interrupt_ranks(marker: str, way: str) -> None:
+    """``way`` "stopped": SIGTERM to every rank of the job whose command line holds ``marker``; "killed": SIGKILL
+    to one of them. The ranks are held (SIGSTOP) until the signals are sent, so that a job whose steps are short
+    cannot end, or run on far, between the step the caller waited for and the signal."""
+    pids = cli_rank_pids(marker)
+    assert pids, f"no rank of the job on {marker} runs"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for pid in pids if way == "stopped" else [max(pids)]:
+            os.kill(pid, signal.SIGTERM if way == "stopped" else signal.SIGKILL)
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+
+def wait_for_step(process: subprocess.Popen, log: Path, unit: str, step: int, timeout: float = 60) -> None:
+    """Wait until the job writing ``log`` has printed a progress line of ``unit`` ``step`` or later ("round 120/719":
+    a line comes at most every ``--progress-every``, so short steps go unnamed); it must still run then."""
+    deadline, pattern = time.monotonic() + timeout, re.compile(rf"^{unit} (\d+)/", re.MULTILINE)
+    while time.monotonic() < deadline and process.poll() is None:
+        if any(int(found) >= step for found in pattern.findall(log.read_text())):
+            break
         time.sleep(0.02)
-    assert process.poll() is None, log.read_text()
+    assert process.poll() is None, log.read_text()[-3000:]
 
 
 def flip_a_bit(path, name: str, chunk: int) -> None:

@@ -4,7 +4,8 @@ The rows are coded in rounds of ``batch_size`` signals per rank: each round
 covers the next rows of the data set, split over the ranks, so the codes of
 successive rounds follow one another in row order and the file is plain CSR
 (``codes/data``, ``codes/indices``, ``codes/indptr``), written collectively
-as it goes. After each round the file records how many rows and non-zeros are
+as it goes. As the rounds go (``jobs.MarkedRounds``: at most every quarter
+second, and at a stop) the file records how many rows and non-zeros are
 complete (``rows_done``, ``nnz_done``) and is flushed. A stop keeps the file as
 ``OUT.partial``, a kill leaves ``OUT.tmp``; ``--resume`` reopens either, drops
 what followed its last mark and goes on, on any number of ranks.
@@ -34,7 +35,7 @@ from ..io import (
 )
 from ..jobs import (
     Ended,
-    OutputAsState,
+    MarkedRounds,
     Plan,
     Step,
     announce,
@@ -77,7 +78,7 @@ class _Atoms:
 
 
 @dataclass
-class _Encoding(OutputAsState):
+class _Encoding(MarkedRounds):
     system: ActorSystem
     config: EncodeConfig
     comm: Comm
@@ -93,11 +94,6 @@ class _Encoding(OutputAsState):
     plan: Plan
     command = "encode"
     kept_work = "the signals coded so far"
-
-    @property
-    def round_rows(self) -> int:
-        """Rows one round codes, over all ranks."""
-        return self.config.batch_size * self.system.size
 
     async def restore(self) -> int:
         config, samples, atoms = self.config, self.info.samples, len(self.atoms)
@@ -174,27 +170,27 @@ class _Encoding(OutputAsState):
 
     def _write(self, lo: int, rows_done: int, csr: tuple, residual: np.ndarray, means: np.ndarray | None) -> None:
         """This rank's rows from ``lo`` (``csr``: values, atoms, each row's end) into the file where they belong,
-        then the round marked done up to row ``rows_done`` (collective)."""
+        then the rounds marked done up to row ``rows_done`` where a mark is due (collective: one allgather carries
+        the ranks' counts of non-zeros and rank 0's word)."""
         values, indices, ends = csr
-        counts = self.comm.allgather(len(values))
-        before = self.nonzeros + sum(counts[: self.system.rank])
-        total = self.nonzeros + sum(counts)
+        counts = self.comm.allgather((len(values), self.mark_due()))
+        before = self.nonzeros + sum(count for count, _ in counts[: self.system.rank])
+        total = self.nonzeros + sum(count for count, _ in counts)
         writer = self._writer
         try:
             writer.grow({"codes/data": total, "codes/indices": total})
             writer.write(before, {"codes/data": values, "codes/indices": indices})
             writer.write(lo + 1, {"codes/indptr": before + ends})
             writer.write(lo, {"residual_norm": residual} | ({"mean": means} if means is not None else {}))
-            writer.flush()
-            writer.mark(rows_done=rows_done, nnz_done=total)
-            writer.flush()
         except WriteError as error:
             raise JobRefused(f"mpiscale encode: {error}", status=1) from None
         self.nonzeros = total
+        self.rounds_written(counts[0][1], rows_done=rows_done, nnz_done=total)
 
     async def finish(self, ended: Ended) -> dict:
         config, samples = self.config, self.info.samples
         summary = {"signals": samples, "nonzeros": self.nonzeros, "stopped": ended.done < self.plan.total}
+        self.mark()
         try:
             if summary["stopped"]:
                 kept = kept_name(config.out)

@@ -29,6 +29,7 @@ from .outputs import (
 )
 from .progress import ProgressLine, duration
 from .registry import JOBS, JobEntry, job_of_results, jobs_table, jobs_with
+from .rounds import MarkedRounds
 from .settings import add_options, load_settings, option, option_fields, run_job
 from .state import (
     Stateful,
@@ -51,6 +52,7 @@ __all__ = [
     "DEVICES",
     "DEVICE_RULE",
     "JOBS",
+    "MarkedRounds",
     "SHARE_GPUS",
     "agreed_cuda_aware",
     "choose_numba_device",

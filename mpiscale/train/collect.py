@@ -9,12 +9,12 @@ file holds one data set per layer (rows in input order) and ``sample_ids``
 (the rows' numbers in the input data set), with ``inputs``, ``labels`` and
 ``model`` attributes naming where they came from: ``mpiscale dictlearn --data
 FILE:/LAYER`` learns from it, and ``mpiscale inspect`` shows which inputs
-activate each atom. After a round, at most every ``MARK_EVERY_S``, and at a
-stop or a refusal, the file marks the rows complete and is flushed: a stop
-(SIGTERM, Slurm's time limit) keeps it as ``OUT.partial``, a kill or a failure
-leaves ``OUT.tmp``, and ``--resume`` goes on from either, on any number of
-ranks (``collect_kept`` checks that the model and the rows are those it
-collected).
+activate each atom. As the rounds go (``jobs.MarkedRounds``: at most every
+quarter second, and at a stop or a refusal), the file marks the rows complete
+and is flushed: a stop (SIGTERM, Slurm's time limit) keeps it as
+``OUT.partial``, a kill or a failure leaves ``OUT.tmp``, and ``--resume`` goes
+on from either, on any number of ranks (``collect_kept`` checks that the model
+and the rows are those it collected).
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ import json
 import logging
 import math
 import os
-import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -47,7 +46,7 @@ from ..io import (
 )
 from ..jobs import (
     Ended,
-    OutputAsState,
+    MarkedRounds,
     Plan,
     Step,
     announce,
@@ -68,7 +67,6 @@ from .model import first_bad_row, input_layout, layer_outputs, model_rows, modul
 from .results import load_trained
 
 log = logging.getLogger(__name__)
-MARK_EVERY_S = 0.25  # seconds between marks of the rows done, at most (rows after the last are collected again)
 
 
 class _BadRows(AgreedError):
@@ -76,7 +74,7 @@ class _BadRows(AgreedError):
 
 
 @dataclass
-class _Collection(OutputAsState):
+class _Collection(MarkedRounds):
     system: ActorSystem
     config: CollectConfig
     comm: Comm
@@ -97,15 +95,8 @@ class _Collection(OutputAsState):
     first_row: int  # rows already collected (by an earlier run)
     plan: Plan
     data_sum: Fingerprint  # the sum of the rows collected so far (rank 0 holds an earlier run's)
-    done: tuple[int, int] = (0, 0)  # (rows written, their values' sum): what the next mark says
-    marked: float = field(default_factory=time.monotonic)  # when the last mark was flushed
     command = "collect"
     kept_work = "the rows collected so far"
-
-    @property
-    def round_rows(self) -> int:
-        """Rows one round collects, over all ranks."""
-        return self.config.batch_size * self.system.size
 
     async def restore(self) -> int:
         try:
@@ -147,45 +138,28 @@ class _Collection(OutputAsState):
                                partial(_capture, self, read[0], captured))  # fmt: skip
                     self._write(lo, last, captured | {"sample_ids": np.arange(lo, hi, dtype=np.int64)})
                 except AgreedError as error:  # raised on every rank alike: the rounds written are marked first
-                    self._mark()
+                    self.mark()
                     if isinstance(error, _BadRows):
                         raise JobRefused(f"mpiscale collect: {error}", status=2) from None
                     raise
                 yield Step(f"{last:,} of {self.samples:,} rows", last - first)
 
     def _write(self, lo: int, rows_done: int, arrays: dict[str, np.ndarray]) -> None:
-        """This rank's rows from ``lo`` into the file, then, where rank 0's last mark is ``MARK_EVERY_S`` old, the
-        rounds marked done up to row ``rows_done`` with the sum of the rows read so far (collective: one allgather
-        carries the sums and rank 0's word)."""
-        sums = self.comm.allgather((self.data_sum.total, time.monotonic() - self.marked >= MARK_EVERY_S))
-        self.done = rows_done, sum(total for total, _ in sums) % 2**64
+        """This rank's rows from ``lo`` into the file, the rounds marked done up to row ``rows_done`` with the sum
+        of the rows read so far where a mark is due (collective: one allgather carries the sums and rank 0's
+        word)."""
+        sums = self.comm.allgather((self.data_sum.total, self.mark_due()))
         try:
             self._writer.write(lo, arrays)
         except WriteError as error:
             raise JobRefused(f"mpiscale collect: {error}", status=1) from None
-        if sums[0][1]:
-            self._mark()
-
-    def _mark(self) -> None:
-        """The rows written so far marked done, after they reach the disk (collective: two flushes, each a sync of
-        the file, which cost more than a small round: rank 0 marks at most every ``MARK_EVERY_S``)."""
-        rows_done, total = self.done
-        writer = self._writer
-        try:
-            writer.flush()
-            writer.mark(rows_done=rows_done, data_sum=np.uint64(total))
-            writer.flush()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
-        self.marked = time.monotonic()
-
-    def save(self, done: int) -> None:
-        self._mark()  # a stop: every round written is marked
+        total = sum(part for part, _ in sums) % 2**64
+        self.rounds_written(sums[0][1], rows_done=rows_done, data_sum=np.uint64(total))
 
     async def finish(self, ended: Ended) -> dict:
         config, summary = self.config, {"samples": self.samples, "widths": self.widths}
         try:
-            self._mark()  # (a complete file is marked so too: inspect tells an unfinished one by its mark)
+            self.mark()  # (a complete file is marked so too: inspect tells an unfinished one by its mark)
             if ended.done < self.plan.total:
                 kept = kept_name(config.out)
                 self._writer.close(kept)
@@ -268,7 +242,7 @@ def _prepare(system: ActorSystem, config: CollectConfig) -> _Collection:
     plan = Plan("round", "rows", rounds, config.progress_every, saves=True)
     return _Collection(system, config, comm, model, device, path, name, samples, inputs, model_dtype, spec, widths,
                        attrs, lock, offsets, tokens, kept, first_row, plan,
-                       Fingerprint(total if comm.Get_rank() == 0 else 0), (first_row, total))  # fmt: skip
+                       Fingerprint(total if comm.Get_rank() == 0 else 0))  # fmt: skip
 
 
 def _training_tokens(training: dict, spec: dict) -> int:

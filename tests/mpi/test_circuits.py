@@ -23,7 +23,7 @@ from helpers import (
     real_torch_gpu,
     run_alone,
     run_cli,
-    wait_for_output,
+    wait_for_step,
 )
 
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
@@ -400,7 +400,7 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        wait_for_output(process, log, "step 3/")
+        wait_for_step(process, log, "step", 3)
         process.send_signal(signal.SIGTERM)
         stopped = finish(process, "circuits run after SIGTERM", 60)
     assert "SIGTERM received, stopping after the current step" in stopped.stderr, stopped.stderr[-3000:]
@@ -429,7 +429,7 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        wait_for_output(process, log, "step 3/")
+        wait_for_step(process, log, "step", 3)
         os.kill(max(cli_rank_pids(str(out))), signal.SIGKILL)
         killed = finish(process, "circuits run with a rank killed", 60)
     assert killed.returncode != 0
