@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,32 +326,58 @@ def cli_rank_pids(marker: str) -> list[int]:
     return pids
 
 
-def interrupt_ranks(marker: str, way: str) -> None:
-    """``way`` "stopped": SIGTERM to every rank of the job whose command line holds ``marker``; "killed": SIGKILL
-    to one of them. The ranks are held (SIGSTOP) until the signals are sent, so that a job whose steps are short
-    cannot end, or run on far, between the step the caller waited for and the signal."""
-    pids = cli_rank_pids(marker)
-    assert pids, f"no rank of the job on {marker} runs"
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        for pid in pids if way == "stopped" else [max(pids)]:
-            os.kill(pid, signal.SIGTERM if way == "stopped" else signal.SIGKILL)
-    finally:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-
-
-def wait_for_step(process: subprocess.Popen, log: Path, unit: str, step: int, timeout: float = 60) -> None:
-    """Wait until the job writing ``log`` has printed a progress line of ``unit`` ``step`` or later ("round 120/719":
-    a line comes at most every ``--progress-every``, so short steps go unnamed); it must still run then."""
+@contextlib.contextmanager
+def held_at_step(
+    process: subprocess.Popen, log: Path, marker: str, unit: str, step: int, ranks: int = 2, timeout: float = 60
+) -> Iterator[tuple[list[int], int]]:
+    """The job writing ``log`` (``ranks`` ranks whose command lines hold ``marker``) run in slices of 50 ms, its
+    ranks stopped (SIGSTOP) in between while the log is read, until it shows a progress line of ``unit`` ``step``
+    or later ("round 120/719": a line comes at most every ``--progress-every``, so short steps go unnamed). The
+    block runs with the ranks stopped there and gets (their pids, the last step the log shows); then they go on.
+    However short the steps and however late mpirun passes the ranks' lines on, the job cannot end, or run on far,
+    before the block's signals."""
     deadline, pattern = time.monotonic() + timeout, re.compile(rf"^{unit} (\d+)/", re.MULTILINE)
-    while time.monotonic() < deadline and process.poll() is None:
-        if any(int(found) >= step for found in pattern.findall(log.read_text())):
-            break
+    pids: list[int] = []
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        pids = pids if len(pids) == ranks else cli_rank_pids(marker)
+        if len(pids) == ranks:
+            _signal_each(pids, "hold")
+            shown = max(map(int, pattern.findall(_settled(log))), default=0)
+            if shown >= step:
+                break
+            _signal_each(pids, "go on")
+        time.sleep(0.05)
+    try:
+        yield pids, shown
+    finally:
+        _signal_each(pids, "go on")
+
+
+def _signal_each(pids: list[int], what: str) -> None:
+    """Stop ("hold") or continue ("go on") each rank: a warm start's stand-in has its worker stopped (it cannot
+    forward SIGSTOP: ``warm_start.HOLD``); a cold rank is stopped itself."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            stand_in = str(WARM_START).encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            os.kill(pid, signal.SIGCONT if what == "go on" else signal.SIGTSTP if stand_in else signal.SIGSTOP)
+
+
+def _settled(log: Path) -> str:
+    """The text of ``log`` once it has not grown for 20 ms."""
+    text = log.read_text()
+    while True:
         time.sleep(0.02)
-    assert process.poll() is None, log.read_text()[-3000:]
+        again = log.read_text()
+        if again == text:
+            return text
+        text = again
+
+
+def interrupt(pids: list[int], way: str) -> None:
+    """``way`` "stopped": SIGTERM to every rank of ``pids``, as ``scancel`` sends it; "killed": SIGKILL to one."""
+    for pid in pids if way == "stopped" else [max(pids)]:
+        os.kill(pid, signal.SIGTERM if way == "stopped" else signal.SIGKILL)
 
 
 def flip_a_bit(path, name: str, chunk: int) -> None:

@@ -12,7 +12,8 @@ Two roles, one file:
   (an initialised MPI cannot be forked) nor HDF5, then forks a *keeper* per request. The keeper forks the *worker* (the
   rank itself: it sets the environment, the directory and the streams it was sent, then runs the program, whose
   first ``mpi4py`` import initialises MPI from the launcher's environment as a cold rank does) and relays between
-  it and the stand-in: signals one way, the exit status the other; it kills the worker when the stand-in dies.
+  it and the stand-in: signals one way (``HOLD`` as SIGSTOP), the exit status the other; it kills the worker when
+  the stand-in dies.
 - ``SOCKET python-arguments...`` is the *stand-in*, the process mpirun (or a test) starts: stdlib only, about
   30 ms of CPU. It sends its arguments, environment, directory, streams 0-2 and namespaces, forwards the signals it
   gets, and exits as the worker did (its exit status, or the same signal).
@@ -42,7 +43,8 @@ import sys
 import types
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
-             signal.SIGCONT, signal.SIGALRM)  # fmt: skip
+             signal.SIGCONT, signal.SIGALRM, signal.SIGTSTP)  # fmt: skip
+HOLD = signal.SIGTSTP  # to a stand-in: its worker is stopped (SIGSTOP, which no process can catch to forward)
 LIMITS = ("RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_CPU", "RLIMIT_NPROC")
 # Variables the preloaded libraries read as they load (Numba's settings, OpenMP's and BLAS's threads, the
 # interpreter's own): a request whose values differ from the preloaded process's starts cold, in the worker's place.
@@ -180,7 +182,8 @@ def _keep(connection: socket.socket) -> None:
             os.kill(worker, signal.SIGKILL)
             os.waitpid(worker, 0)
             os._exit(0)
-        os.kill(worker, _EVENT.unpack(data)[1])
+        forwarded = _EVENT.unpack(data)[1]
+        os.kill(worker, signal.SIGSTOP if forwarded == HOLD else forwarded)
 
 
 def _become(request: dict, streams: list[int], namespaces: list[int]) -> None:

@@ -2,9 +2,7 @@
 similar over the ranks, and `circuits run --all-features` checked against the models run in this process."""
 
 import json
-import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -14,16 +12,16 @@ import pytest
 import torch
 from helpers import (
     assert_ok,
-    cli_rank_pids,
     finish,
     flip_a_bit,
     gpu_ranks,
+    held_at_step,
+    interrupt,
     launch,
     on_a_gpu,
     real_torch_gpu,
     run_alone,
     run_cli,
-    wait_for_step,
 )
 
 from mpiscale.circuits.store import ModelRef, NewCircuits, add_circuits, file_sha256
@@ -400,8 +398,8 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        wait_for_step(process, log, "step", 3)
-        process.send_signal(signal.SIGTERM)
+        with held_at_step(process, log, str(out), "step", 3) as (ranks, _):
+            interrupt(ranks, "stopped")
         stopped = finish(process, "circuits run after SIGTERM", 60)
     assert "SIGTERM received, stopping after the current step" in stopped.stderr, stopped.stderr[-3000:]
     assert partial.exists() and not out.exists() and not Path(f"{out}.tmp").exists()
@@ -429,8 +427,8 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     with open(log, "w") as stdout:
         process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out), "--progress-every",
                              "0.001"], stdout=stdout)  # fmt: skip
-        wait_for_step(process, log, "step", 3)
-        os.kill(max(cli_rank_pids(str(out))), signal.SIGKILL)
+        with held_at_step(process, log, str(out), "step", 3) as (ranks, _):
+            interrupt(ranks, "killed")
         killed = finish(process, "circuits run with a rank killed", 60)
     assert killed.returncode != 0
     kept = Path(f"{out}.tmp")

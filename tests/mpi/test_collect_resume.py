@@ -6,7 +6,7 @@ import shutil
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_ok, finish, interrupt_ranks, launch, run_alone, wait_for_step
+from helpers import assert_ok, finish, held_at_step, interrupt, launch, run_alone
 from test_train import MPISCALE, mpiscale
 
 
@@ -47,8 +47,8 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         with open(log, "w") as stdout:
             process = launch(2, [*MPISCALE, *common, "--out", str(out), "--batch-size", "1", "--progress-every",
                                  "0.001"], stdout=stdout)  # fmt: skip
-            wait_for_step(process, log, "round", 100)  # (the first round is marked, then every quarter second)
-            interrupt_ranks(str(out), way)
+            with held_at_step(process, log, str(out), "round", 100) as (ranks, _):  # (the first round is marked)
+                interrupt(ranks, way)
             ended = finish(process, f"collect {way}", 60)
         kept = tmp_path / (f"{way}.h5.partial" if way == "stopped" else f"{way}.h5.tmp")
         assert ended.returncode != 0 and kept.exists() and not out.exists(), ended.output[-3000:]

@@ -9,7 +9,7 @@ import time
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_ok, finish, interrupt_ranks, launch, run_alone, run_cli, run_mpi, wait_for_step
+from helpers import assert_ok, finish, held_at_step, interrupt, launch, run_alone, run_cli, run_mpi
 
 from mpiscale.dictlearn import lasso_encode, load_codes, load_results, omp_encode
 from mpiscale.dictlearn.synthetic import planted_dictionary
@@ -109,7 +109,7 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
     shutil.copyfile(folder / "dictionary.h5", dictionary)
     shutil.copyfile(folder / "signals.h5", data)
     common = ["encode", "--dictionary", str(dictionary), "--data", f"{data}:/X",
-              "--batch-size", "5", "--progress-every", "0.001"]  # fmt: skip
+              "--batch-size", "10", "--progress-every", "0.001"]  # fmt: skip
     whole = tmp_path / "whole.h5"
     assert_ok(run_cli(1, *common, "--out", whole))
     expected = load_codes(str(whole))
@@ -117,8 +117,8 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         out, log = tmp_path / f"{way}.h5", tmp_path / f"{way}.log"
         with open(log, "w") as stdout:
             process = launch(2, [sys.executable, "-m", "mpiscale.cli", *common, "--out", str(out)], stdout=stdout)
-            wait_for_step(process, log, "round", 5)
-            interrupt_ranks(str(out), way)
+            with held_at_step(process, log, str(out), "round", 5) as (ranks, _):
+                interrupt(ranks, way)
             ended = finish(process, f"encode {way}", 60)
         assert ended.returncode != 0 and not out.exists(), ended.output[-3000:]
         kept = tmp_path / (f"{way}.h5.partial" if way == "stopped" else f"{way}.h5.tmp")
