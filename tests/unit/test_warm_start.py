@@ -8,10 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import h5py
 import pytest
 from helpers import WARM_ENVIRONMENT, Preloaded, ended_within, finish, launch
+from warm_start import HOLD
 
 PROBE = """
 import os, signal, sys, time
@@ -122,6 +125,31 @@ def test_signals_reach_the_program_and_a_killed_stand_in_takes_it_along(tmp_path
     process.kill()
     process.communicate(timeout=60)
     assert ended_within(worker, 10), "the program outlived its killed stand-in"
+
+
+def test_a_hold_sent_to_the_stand_in_stops_the_program_until_it_is_continued(tmp_path):
+    """SIGSTOP cannot be caught, so a stand-in cannot forward it: ``warm_start.HOLD`` stops the worker in its place
+    (the tests hold a job's ranks while they signal them), SIGCONT lets it go on, and a signal sent while it is held
+    is taken after."""
+    process = start(tmp_path, "wait")
+    worker = int(process.stdout.readline().split()[3])
+    process.send_signal(HOLD)
+    assert _state_becomes(worker, "T"), "the held program runs"
+    assert process.poll() is None  # the stand-in itself is not stopped
+    process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGCONT)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 7 and "SIGTERM handled" in stdout
+
+
+def _state_becomes(pid: int, state: str, within: float = 10) -> bool:
+    """Whether process ``pid``'s state (``/proc/PID/stat``'s third field) becomes ``state`` within ``within`` s."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == state:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_a_setting_the_preloaded_libraries_read_as_they_load_starts_the_program_cold(tmp_path):
