@@ -1,5 +1,5 @@
-"""How messages count things ("1 rank", "4 ranks") and name ranks ("ranks 0-3"). The lowest layer, beside
-``mpiscale.errors``: every layer's messages and reports use it."""
+"""How messages count things ("1 rank", "4 ranks"), name ranks ("ranks 0-3") and say how to finish an interrupted
+run. The lowest layer, beside ``mpiscale.errors``: every layer's messages and reports use it."""
 
 from __future__ import annotations
 
@@ -16,3 +16,11 @@ def ranks_named(ranks: list[int]) -> str:
     if ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"ranks {ranks[0]}-{ranks[-1]}"
     return "ranks " + ", ".join(map(str, ranks))
+
+
+def how_to_finish(kept: str, command: str, does: str) -> str:
+    """The command that finishes the run whose file is ``kept`` (a stopped run's ``OUT.partial``, a killed one's
+    ``OUT.tmp``): ``how_to_finish("c.h5.tmp", "encode", "codes")`` is "mpiscale encode --resume --out c.h5, with the
+    settings of the run, codes the others"."""
+    out = kept.removesuffix(".partial").removesuffix(".tmp")
+    return f"mpiscale {command} --resume --out {out}, with the settings of the run, {does} the others"

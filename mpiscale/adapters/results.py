@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import open_file
+from ..words import how_to_finish
 from .layout import READABLE_FORMATS, group_name
 
 
@@ -55,9 +56,7 @@ def summarize(path: str) -> str:
     lines = [f"{path}: {len(names)} LoRA adapters of rank {rank} on base model {base}, {len(modules)} layer groups "
              f"(computed on {device})"]  # fmt: skip
     if done < len(modules):
-        out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
-        lines.append(f"layer groups: {done} of {len(modules)} done; mpiscale compress-adapters --resume --out {out}, "
-                     "with the settings of the run, does the others")  # fmt: skip
+        lines.append(f"layer groups: {done} of {len(modules)} done; {how_to_finish(path, 'compress-adapters', 'does')}")
     if kept:
         ks = np.array([k for k in kept for k in k[:2]])
         explained = np.array([share for k in kept for share in k[2:]])

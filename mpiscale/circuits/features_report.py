@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import leading_rows, open_file
-from ..words import counted
+from ..words import counted, how_to_finish
 from .job import FEATURES_FORMAT
 
 SHOWN = 5  # circuits named as the most active
@@ -44,9 +44,8 @@ def _written(path: str, done: np.ndarray, batch_size: int) -> str:
     written = int(done.sum())
     if written == len(done):
         return f"batches: all {len(done):,} written (--batch-size {batch_size:,})"
-    out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
-    return (f"batches: {written:,} of {len(done):,} written (--batch-size {batch_size:,}); mpiscale circuits run "
-            f"--resume --out {out}, with the settings of the run, writes the others")  # fmt: skip
+    return (f"batches: {written:,} of {len(done):,} written (--batch-size {batch_size:,}); "
+            f"{how_to_finish(path, 'circuits run', 'writes')}")  # fmt: skip
 
 
 def _most_active(features, names: list[str], done: np.ndarray, batch_size: int) -> list[str]:

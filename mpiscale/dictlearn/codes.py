@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import h5py
 import numpy as np
 
-from ..io import open_file
-from ..words import counted
+from ..io import DataFileError, open_file
+from ..words import counted, how_to_finish
 
 CODES_FORMAT = "mpiscale.codes/1"
 
@@ -74,27 +75,45 @@ class SparseCodes:
 
 
 def load_codes(path: str) -> SparseCodes:
-    """The codes of an ``mpiscale encode`` file."""
+    """The codes of an ``mpiscale encode`` file (a stopped or killed run's is refused, saying how to finish it: its
+    rows after the coded ones hold nothing)."""
     with open_file(path, (CODES_FORMAT,)) as file:
-        signals, atoms = (int(n) for n in file.attrs["shape"])
-        return SparseCodes(
-            data=file["codes/data"][()],
-            indices=file["codes/indices"][()],
-            indptr=file["codes/indptr"][()],
-            shape=(signals, atoms),
-            residual_norm=file["residual_norm"][()],
-            mean=file["mean"][()] if "mean" in file else None,
-            dictionary=file["dictionary"][()],
-            config=json.loads(file.attrs["config"]),
-        )
+        signals, done, nonzeros = _coded(file)
+        if done < signals:
+            raise DataFileError(path, f"holds the codes of {done:,} of {signals:,} signals, an unfinished run's: "
+                                      f"{how_to_finish(path, 'encode', 'codes')}")  # fmt: skip
+        return _read(file, done, nonzeros)
+
+
+def _coded(file: h5py.File) -> tuple[int, int, int]:
+    """(signals, signals coded, their non-zeros) of an open codes file: short of the whole in a stopped or killed
+    run's file (``OUT.partial``, ``OUT.tmp``), whose marks say how far it is complete."""
+    signals = int(file.attrs["shape"][0])
+    done = int(file.attrs.get("rows_done", signals))
+    return signals, done, int(file.attrs.get("nnz_done", len(file["codes/data"])))
+
+
+def _read(file: h5py.File, done: int, nonzeros: int) -> SparseCodes:
+    """The codes of the first ``done`` signals (``nonzeros`` values) of an open codes file."""
+    return SparseCodes(
+        data=file["codes/data"][:nonzeros],
+        indices=file["codes/indices"][:nonzeros],
+        indptr=file["codes/indptr"][: done + 1],
+        shape=(done, int(file.attrs["shape"][1])),
+        residual_norm=file["residual_norm"][:done],
+        mean=file["mean"][:done] if "mean" in file else None,
+        dictionary=file["dictionary"][()],
+        config=json.loads(file.attrs["config"]),
+    )
 
 
 def summarize(path: str) -> str:
-    """A short text report of a codes file."""
-    codes = load_codes(path)
+    """A short text report of a codes file; of a stopped or killed run's, the signals it coded and how to finish
+    (its numbers over those signals)."""
     with open_file(path, (CODES_FORMAT,)) as file:
-        attrs = dict(file.attrs)
-    signals, atoms = codes.shape
+        signals, done, nonzeros = _coded(file)
+        codes, attrs = _read(file, done, nonzeros), dict(file.attrs)
+    atoms = codes.shape[1]
     config = codes.config
     per_signal = np.diff(codes.indptr)
     usage = np.bincount(codes.indices, minlength=atoms)
@@ -109,14 +128,19 @@ def summarize(path: str) -> str:
         f"{', each signal less its mean' if codes.mean is not None else ''}), on "
         f"{counted(int(attrs['world_size']), 'rank')}, mpiscale {attrs['mpiscale_version']}, {attrs['created']}",
         f"data: {attrs['data']}; dictionary: {attrs['dictionary_file']}; device {attrs['device']}",
-        f"non-zeros: {len(codes.data):,} ({per_signal.mean():.2f} a signal; fewest {per_signal.min()}, most "
-        f"{per_signal.max()})"
-        if signals
-        else "non-zeros: none (no signals)",
     ]
-    if signals:
+    if done < signals:
+        lines.append(f"signals: {done:,} of {signals:,} coded; {how_to_finish(path, 'encode', 'codes')}")
+    over = "" if done == signals else f" over the {done:,} coded"
+    lines.append(
+        f"non-zeros{over}: {len(codes.data):,} ({per_signal.mean():.2f} a signal; fewest {per_signal.min()}, most "
+        f"{per_signal.max()})"
+        if done
+        else "non-zeros: none (no signals)"
+    )
+    if done:
         quartiles = np.percentile(residual, [50, 90, 100])
-        lines.append(f"residual norm ||x - cD||: median {quartiles[0]:.4g}, 90% {quartiles[1]:.4g}, largest "
+        lines.append(f"residual norm ||x - cD||{over}: median {quartiles[0]:.4g}, 90% {quartiles[1]:.4g}, largest "
                      f"{quartiles[2]:.4g}")  # fmt: skip
         lines.append(
             f"atoms used: {np.count_nonzero(usage)} of {atoms}; the most used: "

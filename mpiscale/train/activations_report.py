@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..io import leading_rows, open_file
-from ..words import counted
+from ..words import counted, how_to_finish
 from .collect import ACTIVATIONS_FORMAT
 
 
@@ -33,9 +33,7 @@ def summarize(path: str) -> str:
             f"inputs: {attrs['inputs']}; labels: {labels}",
         ]
         if done < samples:
-            out = path.removesuffix(".partial").removesuffix(".tmp")  # a stopped run's file, or a killed one's
-            lines.append(f"rows: {done:,} of {samples:,} collected; mpiscale collect --resume --out {out}, with the "
-                         "settings of the run, collects the others")  # fmt: skip
+            lines.append(f"rows: {done:,} of {samples:,} collected; {how_to_finish(path, 'collect', 'collects')}")
         for name in layers:
             lines.append(_layer_line(name, file[name], done))
         if done < samples:

@@ -13,7 +13,7 @@ from helpers import assert_ok, finish, held_at_step, interrupt, launch, run_alon
 
 from mpiscale.dictlearn import lasso_encode, load_codes, load_results, omp_encode
 from mpiscale.dictlearn.synthetic import planted_dictionary
-from mpiscale.io import read_dataset
+from mpiscale.io import DataFileError, read_dataset
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +100,21 @@ def test_an_error_target_and_lasso_with_a_users_own_atoms(learned, tmp_path):
     assert np.abs(codes.to_scipy().toarray() - lasso_encode(signals, atoms, 0.2)).max() < 1e-9
 
 
+def _assert_unfinished(kept, out, done: int) -> None:
+    """``inspect`` of a stopped or killed run's file says how many signals it coded and how to finish, its numbers
+    over those (they counted the empty rows after them in: "0.00 a signal", the fewest negative), and
+    ``load_codes`` refuses it (it gave codes whose rows after those were garbage)."""
+    shown = run_alone("inspect", kept)
+    assert_ok(shown)
+    assert (
+        f"signals: {done:,} of 2,003 coded; mpiscale encode --resume --out {out}, with the settings of the run, "
+        "codes the others" in shown.stdout
+    ), shown.stdout
+    assert f"non-zeros over the {done:,} coded: " in shown.stdout and "fewest -" not in shown.stdout, shown.stdout
+    with pytest.raises(DataFileError, match=f"holds the codes of {done:,} of 2,003 signals, an unfinished run's"):
+        load_codes(str(kept))
+
+
 def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_counts(learned, tmp_path):
     """Each resumed run's codes equal one process's; a resume after the dictionary was learned again, or the data
     written again, under the same name is refused (it went on without a word, coding the rest with other atoms than
@@ -125,6 +140,11 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         with h5py.File(kept, "r") as file:
             done = int(file.attrs["rows_done"])
         assert 0 < done < 2003, done
+        _assert_unfinished(kept, out, done)
+        if way == "killed":  # (the rows after the mark hold what the killed run began of them)
+            learn = run_alone("dictlearn", "--data", f"{kept}:/codes", "--atoms", "4", "--out", tmp_path / "d.h5")
+            refusal = f"holds the codes of {done:,} of 2,003 signals, an unfinished run's: mpiscale encode --resume"
+            assert learn.returncode == 2 and refusal in learn.stderr, learn.stderr
         plain = run_cli(2, *common, "--out", out)
         said = plain.stderr.splitlines()
         assert plain.returncode == 2 and "pass --resume" in said[-1], plain.stderr
