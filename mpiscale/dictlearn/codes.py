@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from ..io import DataFileError, open_file
+from ..io import DataFileError, open_file, unfinished_run
 from ..words import counted, how_to_finish
 
 CODES_FORMAT = "mpiscale.codes/1"
@@ -78,11 +78,10 @@ def load_codes(path: str) -> SparseCodes:
     """The codes of an ``mpiscale encode`` file (a stopped or killed run's is refused, saying how to finish it: its
     rows after the coded ones hold nothing)."""
     with open_file(path, (CODES_FORMAT,)) as file:
-        signals, done, nonzeros = _coded(file)
-        if done < signals:
-            raise DataFileError(path, f"holds the codes of {done:,} of {signals:,} signals, an unfinished run's: "
-                                      f"{how_to_finish(path, 'encode', 'codes')}")  # fmt: skip
-        return _read(file, done, nonzeros)
+        unfinished = unfinished_run(file)
+        if unfinished:
+            raise DataFileError(path, unfinished)
+        return _read(file, *_coded(file)[1:])
 
 
 def _coded(file: h5py.File) -> tuple[int, int, int]:

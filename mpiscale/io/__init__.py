@@ -38,6 +38,7 @@ from .sample_random import SampleRandom
 from .sample_reader import ReaderStats, SampleBatch, SampleReader, open_arrays
 from .sharded import ShardedDataset, read_dataset, write_dataset, write_index
 from .sources import is_list_file, listed_paths, natural_key, resolve_files, same_file, split_spec
+from .unfinished import unfinished_run
 from .wal import ReplayReport, WriteAheadLog, encode_record, replay
 from .writer import RowWriter
 
@@ -99,6 +100,7 @@ __all__ = [
     "resolve_files",
     "same_file",
     "split_spec",
+    "unfinished_run",
     "stamp",
     "utc_timestamp",
     "write_dataset",

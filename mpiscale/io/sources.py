@@ -25,6 +25,7 @@ from .errors import DataFileError, not_found, unreadable_rows
 from .h5file import datasets_in, describe_datasets
 from .rows import read_rows, rounds_of
 from .sparse_rows import sparse_groups
+from .unfinished import unfinished_run
 
 LIST_SUFFIXES = (".txt", ".lst", ".list")
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -133,7 +134,7 @@ class H5Source:
                 "holds variable-length rows (samples of varying length), and this reads rows of one size: ragged "
                 "samples are read by RaggedDataset, and taken by mpiscale train and collect (sequences of tokens)"
             ), dataset.name)  # fmt: skip
-        unwritten = _unwritten(dataset)
+        unwritten = unfinished_run(file) or _unwritten(dataset)
         if unwritten:
             raise DataFileError(self.path, unwritten, dataset.name)
         element, inner = dataset.dtype.subdtype or (dataset.dtype, ())  # values of an HDF5 array type: more dims

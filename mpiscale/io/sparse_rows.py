@@ -15,8 +15,8 @@ import h5py
 import numpy as np
 
 from ..ranks import Comm
-from ..words import how_to_finish
 from .errors import DataFileError, unreadable_rows
+from .unfinished import unfinished_run
 
 _PARTS = ("data", "indices", "indptr")
 
@@ -40,6 +40,9 @@ class CsrSource:
 
     def __init__(self, file: h5py.File, group: h5py.Group) -> None:
         self.file, self.path, self.name = file, file.filename, group.name
+        unfinished = unfinished_run(file)
+        if unfinished:
+            raise DataFileError(self.path, unfinished, self.name)
         encoding = _text(group.attrs.get("encoding-type") or group.attrs.get("h5sparse_format") or "csr_matrix")
         if encoding.startswith("csc"):
             raise DataFileError(self.path, (
@@ -61,10 +64,6 @@ class CsrSource:
                 f"(rows + 1 = {rows + 1}) and whose data and indices hold {len(self._data)} and {len(self._indices)}: "
                 "its parts disagree (written by halves?)"
             ), self.name)  # fmt: skip
-        coded = int(file.attrs.get("rows_done", rows)) if codes else rows
-        if coded < rows:  # (the rows after them hold nothing yet)
-            raise DataFileError(self.path, f"holds the codes of {coded:,} of {rows:,} signals, an unfinished run's: "
-                                           f"{how_to_finish(self.path, 'encode', 'codes')}", self.name)  # fmt: skip
         if self._data.dtype.kind not in "biuf":
             raise DataFileError(self.path, f"is a sparse matrix of {self._data.dtype} values, not numbers", self.name)
         self.shape: tuple[int, ...] = (rows, self._columns)

@@ -59,6 +59,13 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         assert_ok(shown)
         assert f"rows: {done:,} of {rows:,} collected; mpiscale collect --resume --out {out}," in shown.stdout, (
             shown.stdout)  # fmt: skip
+        if way == "killed":  # learning from its layer took the rows after the mark (zeros) for activations
+            learn = run_alone("dictlearn", "--data", f"{kept}:/relu1", "--atoms", "4", "--out", tmp_path / "d.h5")
+            refusal = (
+                f"holds {done:,} of its 1,437 rows, an unfinished run's (the others hold nothing yet): "
+                f"mpiscale collect --resume --out {out},"
+            )
+            assert learn.returncode == 2 and refusal in learn.stderr, learn.stderr
         before = kept.read_bytes()
         plain = mpiscale(2, *common, "--out", out)
         said = plain.stderr.splitlines()

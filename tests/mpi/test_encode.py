@@ -111,7 +111,7 @@ def _assert_unfinished(kept, out, done: int) -> None:
         "codes the others" in shown.stdout
     ), shown.stdout
     assert f"non-zeros over the {done:,} coded: " in shown.stdout and "fewest -" not in shown.stdout, shown.stdout
-    with pytest.raises(DataFileError, match=f"holds the codes of {done:,} of 2,003 signals, an unfinished run's"):
+    with pytest.raises(DataFileError, match=rf"holds {done:,} of its 2,003 signals, an unfinished run's \(the "):
         load_codes(str(kept))
 
 
@@ -143,7 +143,10 @@ def test_a_stopped_and_a_killed_run_go_on_from_their_last_round_on_other_rank_co
         _assert_unfinished(kept, out, done)
         if way == "killed":  # (the rows after the mark hold what the killed run began of them)
             learn = run_alone("dictlearn", "--data", f"{kept}:/codes", "--atoms", "4", "--out", tmp_path / "d.h5")
-            refusal = f"holds the codes of {done:,} of 2,003 signals, an unfinished run's: mpiscale encode --resume"
+            refusal = (
+                f"holds {done:,} of its 2,003 signals, an unfinished run's (the others hold nothing yet): "
+                f"mpiscale encode --resume --out {out},"
+            )
             assert learn.returncode == 2 and refusal in learn.stderr, learn.stderr
         plain = run_cli(2, *common, "--out", out)
         said = plain.stderr.splitlines()
