@@ -409,6 +409,10 @@ def test_a_stopped_and_a_killed_run_resume_at_their_last_written_batch(pipeline,
     shown = run_alone("inspect", partial)
     assert f"batches: {done} of 30 written (--batch-size 20); mpiscale circuits run --resume --out {out}," in (
         shown.stdout), shown.output  # fmt: skip
+    learn = run_alone("dictlearn", "--data", f"{partial}:/features", "--atoms", "4", "--sparsity", "2",
+                      "--out", tmp_path / "d.h5")  # fmt: skip
+    refusal = f"holds {done} of its 30 batches, an unfinished run's (the others hold nothing yet): mpiscale circuits"
+    assert learn.returncode == 2 and refusal in learn.stderr, learn.stderr  # (it learned from their zeros)
     before = partial.read_bytes()
     plain = run_cli(2, *common, "--out", out)  # decided on rank 0, said by every rank: one line, not an abort
     assert plain.returncode == 2 and "pass --resume" in plain.stderr, plain.output[-3000:]
