@@ -363,15 +363,16 @@ def _signal_each(pids: list[int], what: str) -> None:
             os.kill(pid, signal.SIGCONT if what == "go on" else signal.SIGTSTP if stand_in else signal.SIGSTOP)
 
 
-def _settled(log: Path) -> str:
-    """The text of ``log`` once it has not grown for 20 ms."""
-    text = log.read_text()
-    while True:
+def _settled(log: Path, within: float = 5) -> str:
+    """The text of ``log`` once it has not grown for 20 ms (or after ``within`` s: ranks that were not held)."""
+    text, deadline = log.read_text(), time.monotonic() + within
+    while time.monotonic() < deadline:
         time.sleep(0.02)
         again = log.read_text()
         if again == text:
-            return text
+            break
         text = again
+    return text
 
 
 def interrupt(pids: list[int], way: str) -> None:
