@@ -6,8 +6,8 @@ followed the last mark. A mark takes two flushes, each a sync of the file,
 which cost more than a small round, so a round is marked only where rank 0's
 last mark is ``MARK_EVERY_S`` old (its word travels in the round's own
 allgather, so that every rank marks the same rounds), and always at a stop, at
-a failure every rank raised, and at the end: a kill loses at most the rows of
-the last quarter second.
+a failure every rank raised, and at the end: a kill loses the rounds of the
+last quarter second at most, and the round in flight.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ class _Batched(Protocol):
 
 
 class MarkedRounds(OutputAsState):
-    """``OutputAsState`` for a job that writes rounds of ``config.batch_size`` rows a rank: ``rounds_written``
-    after each round, ``mark`` where a failure every rank raised ends the rounds; a save and ``mark_at_end``
-    mark what was written."""
+    """``OutputAsState`` for a job that writes rounds of ``config.batch_size`` rows a rank: it calls
+    ``rounds_written`` after each round, and ``mark`` where a failure every rank raised ends the rounds and in
+    ``finish`` before the file is closed; a save (a stop) marks what was written."""
 
     system: ActorSystem
     config: _Batched
