@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io import DataFileError, OutputLock, RowWriter, WriteError, fixed_strings, open_file
+from ..io import DataFileError, OutputLock, RowWriter, fixed_strings, open_file
 from ..jobs import (
     Ended,
     OutputAsState,
@@ -55,7 +55,7 @@ from ..jobs import (
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, on_rank_0, rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .algebra import Algebra, HostAlgebra, TorchAlgebra
 from .config import AdaptersConfig
 from .earlier import Earlier, update_norm2
@@ -128,10 +128,7 @@ class _Compression(OutputAsState):
             problem = self._already_joined(table) or (_not_resumable(kept, self.config, table) if kept else None)
         await self.system.agree(ValueError(f"mpiscale compress-adapters: {problem}") if problem else None,
                                 "the adapters and the stopped run")  # fmt: skip
-        try:
-            return self._reopen(kept) if kept is not None else self._create(table)
-        except WriteError as error:
-            raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+        return self._reopen(kept) if kept is not None else self._create(table)
 
     def _reopen(self, kept: str) -> int:
         """Go on writing an earlier run's file, without what a killed run began of its next group; the groups done."""
@@ -147,12 +144,9 @@ class _Compression(OutputAsState):
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
         for index in range(start, len(self.groups)):
-            try:
-                text = self._compress_group(index)
-                self._writer.mark(groups_done=index + 1)
-                self._writer.flush()  # a killed run's OUT.tmp holds every group it marked
-            except WriteError as error:
-                raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+            text = self._compress_group(index)
+            self._writer.mark(groups_done=index + 1)
+            self._writer.flush()  # a killed run's OUT.tmp holds every group it marked
             await asyncio.sleep(0)  # a group computes without awaiting: let the loop take signals and commands now
             yield Step(text, self.count)
 
@@ -160,16 +154,13 @@ class _Compression(OutputAsState):
         pass  # every completed group is in the file, flushed
 
     async def finish(self, ended: Ended) -> dict:
-        try:
-            if ended.done < len(self.groups):
-                return self._keep(ended.done)
-            overall = self._overall_errors()
-            kept = [(self._writer.file[f"{group_name(i)}/A/components"].shape[0],  # type: ignore[index]
-                     self._writer.file[f"{group_name(i)}/B/components"].shape[0])  # type: ignore[index]
-                    for i in range(len(self.groups))]  # fmt: skip
-            self._writer.close()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale compress-adapters: {error}", status=1) from None
+        if ended.done < len(self.groups):
+            return self._keep(ended.done)
+        overall = self._overall_errors()
+        kept = [(self._writer.file[f"{group_name(i)}/A/components"].shape[0],  # type: ignore[index]
+                 self._writer.file[f"{group_name(i)}/B/components"].shape[0])  # type: ignore[index]
+                for i in range(len(self.groups))]  # fmt: skip
+        self._writer.close()
         return self._summary(kept, overall)
 
     def _table(self) -> dict[str, np.ndarray]:

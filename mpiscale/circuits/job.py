@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 
-from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, WriteError, split_spec
+from ..io import DataFileError, OutputLock, RowWriter, ShardedDataset, split_spec
 from ..jobs import (
     Ended,
     OutputAsState,
@@ -45,7 +45,7 @@ from ..jobs import (
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, on_rank_0, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .config import RESULT_SETTINGS, CircuitsRunConfig
 from .data_digests import DIGESTS, DigestingReader, first_changed_batch
 from .work import Inputs, Work
@@ -82,10 +82,7 @@ class _Run(OutputAsState):
             self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
             self.writer.mark(device=self.devices)  # this run's, for the batches it writes
             placed = {name: array for name, array in self.work.replicated().items() if not self.work.what_changed(name)}
-            try:
-                self.writer.write_replicated(placed)  # where this run places the work (batches are global)
-            except WriteError as error:
-                raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+            self.writer.write_replicated(placed)  # where this run places the work (batches are global)
             done = len(self.done) - len(self.pending)
             if self.system.rank == 0:
                 print(f"mpiscale circuits run: resumed from {self.kept}: {done} of {len(self.done)} batches were "
@@ -101,14 +98,11 @@ class _Run(OutputAsState):
         attrs = {"catalogue": os.path.abspath(self.config.catalogue), "plan_sha256": self.work.sha256,
                  "data": f"{self.inputs.path}:/{self.inputs.name}", "batch_size": self.config.batch_size,
                  "device": self.devices}  # fmt: skip
-        try:
-            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT,
-                                    resumable=True)  # fmt: skip
-            assert self.digests is not None, "a new file keeps the digests"
-            self.writer.write_replicated(replicated | {"done": self.done, DIGESTS: self.digests})
-            self.writer.flush()  # every data set's metadata is on disk: a kill from now on loses no more than a step
-        except WriteError as error:
-            raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+        self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs, FEATURES_FORMAT,
+                                resumable=True)  # fmt: skip
+        assert self.digests is not None, "a new file keeps the digests"
+        self.writer.write_replicated(replicated | {"done": self.done, DIGESTS: self.digests})
+        self.writer.flush()  # every data set's metadata is on disk: a kill from now on loses no more than a step
         return 0
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -121,19 +115,16 @@ class _Run(OutputAsState):
                 problem = DataFileError(self.inputs.path, failure, self.inputs.name) if failure else None
                 await self.system.agree(problem, f"step {step + 1}")
                 digests = reader.gather(self.comm)  # (rank 0 writes them)
-                try:
-                    for name, first, rows in writes:
-                        self._writer.write(first, {name: rows})
-                    self._writer.flush()
-                    self.done[batches] = 1
-                    flags = {"done": self.done}
-                    if self.digests is not None:
-                        self.digests[list(digests)] = list(digests.values())
-                        flags = {DIGESTS: self.digests} | flags  # written first: a flag without its digest is unchecked
-                    self._writer.write_replicated(flags)
-                    self._writer.flush()
-                except WriteError as error:
-                    raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+                for name, first, rows in writes:
+                    self._writer.write(first, {name: rows})
+                self._writer.flush()
+                self.done[batches] = 1
+                flags = {"done": self.done}
+                if self.digests is not None:
+                    self.digests[list(digests)] = list(digests.values())
+                    flags = {DIGESTS: self.digests} | flags  # written first: a flag without its digest is unchecked
+                self._writer.write_replicated(flags)
+                self._writer.flush()
                 await asyncio.sleep(0)  # a step may compute without awaiting: let the loop take signals now
                 samples = sum(hi - lo for lo, hi in map(self.inputs.bounds, batches))
                 finished = min(len(self.pending), (step + 1) * per_step)
@@ -141,17 +132,14 @@ class _Run(OutputAsState):
 
     async def finish(self, ended: Ended) -> dict:
         out = self.config.out
-        try:
-            if ended.done < self.plan.total:
-                kept = kept_name(out)
-                self._writer.close(kept)
-                if self.system.rank == 0:
-                    print(f"mpiscale circuits run: kept the batches written in {kept}; run the same command with "
-                          "--resume (on any number of ranks) to finish", flush=True)  # fmt: skip
-                return {"samples": self.inputs.samples, "stopped": True}
-            self._writer.close()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale circuits run: {error}", status=1) from None
+        if ended.done < self.plan.total:
+            kept = kept_name(out)
+            self._writer.close(kept)
+            if self.system.rank == 0:
+                print(f"mpiscale circuits run: kept the batches written in {kept}; run the same command with "
+                      "--resume (on any number of ranks) to finish", flush=True)  # fmt: skip
+            return {"samples": self.inputs.samples, "stopped": True}
+        self._writer.close()
         if self.system.rank == 0:
             print(f"wrote {out}: {self.work.describe()} on {self.inputs.samples} inputs", flush=True)
         return {"samples": self.inputs.samples, "stopped": False}

@@ -27,7 +27,6 @@ from ..io import (
     OutputLock,
     RowWriter,
     ShardedDataset,
-    WriteError,
     close_after,
     read_dataset,
     recorded,
@@ -50,7 +49,7 @@ from ..jobs import (
 )
 from ..kernels.threads import share_cores
 from ..ranks import Comm, on_rank_0, rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from ..words import counted
 from .codes import CODES_FORMAT, csr_rows
 from .coding import correlations_of, gram_matrix, lasso_encode_gram, omp_rows
@@ -97,35 +96,32 @@ class _Encoding(MarkedRounds):
 
     async def restore(self) -> int:
         config, samples, atoms = self.config, self.info.samples, len(self.atoms)
-        try:
-            if self.kept is not None:
-                self.writer = RowWriter.reopen(config.out, self.kept, self.comm)
-                self.writer.grow({"codes/data": self.nonzeros, "codes/indices": self.nonzeros})  # drop the unmarked
-                if self.system.rank == 0:
-                    print(f"mpiscale encode: resumed from {self.kept}: {self.first_row:,} of {samples:,} signals "
-                          "were coded", flush=True)  # fmt: skip
-                announce("resumed", f"from {self.kept} after {self.first_row} signals")
-                return 0
-            layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-                "codes/data": ((0,), np.dtype(np.float64)),
-                "codes/indices": ((0,), np.dtype(np.int32)),
-                "codes/indptr": ((samples + 1,), np.dtype(np.int64)),
-                "residual_norm": ((samples,), np.dtype(np.float64)),
-                "dictionary": (self.atoms.shape, np.dtype(np.float64)),
-            }
-            if self.remove_mean:
-                layout["mean"] = ((samples,), np.dtype(np.float64))
-            attrs: dict = recorded("data", self.info.spec, config.out)
-            attrs |= recorded("dictionary_file", config.dictionary, config.out)
-            attrs |= {"shape": [samples, atoms], "sparsity": self.sparsity, "remove_mean": int(self.remove_mean),
-                      "device": self.device, "rows_done": 0, "nnz_done": 0,
-                      "data_fingerprint": self.info.fingerprint}  # fmt: skip
-            self.writer = RowWriter(config.out, layout, self.comm, config.to_dict(), attrs, CODES_FORMAT,
-                                    growing=("codes/data", "codes/indices"), resumable=True)  # fmt: skip
-            self.writer.write_replicated({"dictionary": self.atoms, "codes/indptr": np.zeros(1, np.int64)})
-            self.writer.flush()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale encode: {error}", status=1) from None
+        if self.kept is not None:
+            self.writer = RowWriter.reopen(config.out, self.kept, self.comm)
+            self.writer.grow({"codes/data": self.nonzeros, "codes/indices": self.nonzeros})  # drop the unmarked
+            if self.system.rank == 0:
+                print(f"mpiscale encode: resumed from {self.kept}: {self.first_row:,} of {samples:,} signals "
+                      "were coded", flush=True)  # fmt: skip
+            announce("resumed", f"from {self.kept} after {self.first_row} signals")
+            return 0
+        layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            "codes/data": ((0,), np.dtype(np.float64)),
+            "codes/indices": ((0,), np.dtype(np.int32)),
+            "codes/indptr": ((samples + 1,), np.dtype(np.int64)),
+            "residual_norm": ((samples,), np.dtype(np.float64)),
+            "dictionary": (self.atoms.shape, np.dtype(np.float64)),
+        }
+        if self.remove_mean:
+            layout["mean"] = ((samples,), np.dtype(np.float64))
+        attrs: dict = recorded("data", self.info.spec, config.out)
+        attrs |= recorded("dictionary_file", config.dictionary, config.out)
+        attrs |= {"shape": [samples, atoms], "sparsity": self.sparsity, "remove_mean": int(self.remove_mean),
+                  "device": self.device, "rows_done": 0, "nnz_done": 0,
+                  "data_fingerprint": self.info.fingerprint}  # fmt: skip
+        self.writer = RowWriter(config.out, layout, self.comm, config.to_dict(), attrs, CODES_FORMAT,
+                                growing=("codes/data", "codes/indices"), resumable=True)  # fmt: skip
+        self.writer.write_replicated({"dictionary": self.atoms, "codes/indptr": np.zeros(1, np.int64)})
+        self.writer.flush()
         return 0
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -177,13 +173,10 @@ class _Encoding(MarkedRounds):
         before = self.nonzeros + sum(count for count, _ in counts[: self.system.rank])
         total = self.nonzeros + sum(count for count, _ in counts)
         writer = self._writer
-        try:
-            writer.grow({"codes/data": total, "codes/indices": total})
-            writer.write(before, {"codes/data": values, "codes/indices": indices})
-            writer.write(lo + 1, {"codes/indptr": before + ends})
-            writer.write(lo, {"residual_norm": residual} | ({"mean": means} if means is not None else {}))
-        except WriteError as error:
-            raise JobRefused(f"mpiscale encode: {error}", status=1) from None
+        writer.grow({"codes/data": total, "codes/indices": total})
+        writer.write(before, {"codes/data": values, "codes/indices": indices})
+        writer.write(lo + 1, {"codes/indptr": before + ends})
+        writer.write(lo, {"residual_norm": residual} | ({"mean": means} if means is not None else {}))
         self.nonzeros = total
         self.rounds_written(counts[0][1], rows_done=rows_done, nnz_done=total)
 
@@ -191,17 +184,14 @@ class _Encoding(MarkedRounds):
         config, samples = self.config, self.info.samples
         summary = {"signals": samples, "nonzeros": self.nonzeros, "stopped": ended.done < self.plan.total}
         self.mark()
-        try:
-            if summary["stopped"]:
-                kept = kept_name(config.out)
-                self._writer.close(kept)
-                if self.system.rank == 0:
-                    print(f"mpiscale encode: kept the coded signals in {kept}; run the same command with --resume (on "
-                          "any number of ranks) to finish", flush=True)  # fmt: skip
-                return summary
-            self._writer.close()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale encode: {error}", status=1) from None
+        if summary["stopped"]:
+            kept = kept_name(config.out)
+            self._writer.close(kept)
+            if self.system.rank == 0:
+                print(f"mpiscale encode: kept the coded signals in {kept}; run the same command with --resume (on "
+                      "any number of ranks) to finish", flush=True)  # fmt: skip
+            return summary
+        self._writer.close()
         if self.system.rank == 0:
             print(f"wrote {config.out}: codes of {samples:,} signals over {len(self.atoms)} atoms, "
                   f"{self.nonzeros / max(samples, 1):.2f} non-zeros a signal, on {counted(self.system.size, 'rank')}",

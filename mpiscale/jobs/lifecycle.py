@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, TypeVar
 
-from ..io import Checkpointer, CheckpointError, OutputLock, RowWriter
+from ..io import Checkpointer, CheckpointError, OutputLock, RowWriter, WriteError
 from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
 from .outputs import close_checkpointer, start_agreed
@@ -136,9 +136,10 @@ async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[],
     """Run the job ``prepare()`` builds on every rank, through every phase (collective); its summary.
 
     Bad input ends every rank before the first step with one message and
-    status 2 (see ``start_agreed``); a checkpoint that cannot be written ends
-    it with status 1 after the checkpoints closed, and so does a results file
-    that cannot be written.
+    status 2 (see ``start_agreed``). A checkpoint or output file that cannot be
+    written (``CheckpointError``, ``WriteError``: raised alike on every rank, by
+    their contract) ends it with status 1, in one message, after the
+    checkpoints closed; so does a results file that cannot be written.
     """
     job = await start_agreed(system, command, prepare, _give_up)
     try:
@@ -147,17 +148,20 @@ async def run_lifecycle(system: ActorSystem, command: str, prepare: Callable[[],
             if failure is not None:
                 raise JobRefused(f"mpiscale {command}: {failure}", status=1) from None
             return {"stopped": True, "steps": 0}
-        failure = None
+        failed: CheckpointError | WriteError | None = None
         try:
             ended = await _run_steps(system, job, await job.restore())
-        except CheckpointError as error:  # raised alike on every rank: the checkpointer agrees on its failures
-            failure = error
+        except (CheckpointError, WriteError) as error:
+            failed = error
         finally:
             closing = job.close_checkpoints()  # always: it releases the directory's lock
-            failure = failure or closing
-        if failure is not None:
-            raise JobRefused(f"mpiscale {command}: {failure}", status=1) from None
-        return await job.finish(ended)
+            failed = failed or closing
+        if failed is not None:
+            raise JobRefused(f"mpiscale {command}: {failed}", status=1) from None
+        try:
+            return await job.finish(ended)
+        except WriteError as error:
+            raise JobRefused(f"mpiscale {command}: {error}", status=1) from None
     finally:
         job.release()
 

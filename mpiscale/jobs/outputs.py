@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import h5py
 
@@ -66,41 +66,6 @@ async def start_agreed(
     if session is not None:
         session.accept()
     return job  # type: ignore[return-value]
-
-
-def _release_lock(job: HoldsLock) -> None:
-    if job.lock is not None:
-        job.lock.release()
-
-
-class HoldsLock(Protocol):
-    """A prepared job without steps: it holds its output's lock (None: not locked) until it ends."""
-
-    lock: OutputLock | None
-
-
-Held = TypeVar("Held", bound=HoldsLock)
-
-
-async def run_without_steps(
-    system: ActorSystem,
-    command: str,
-    prepare: Callable[[], Held],
-    work: Callable[[Held], dict],
-    bad_input: type[Exception],
-) -> dict:
-    """A job with no steps to stop after: ``prepare`` agreed by every rank, then ``work``; a ``WriteError`` ends it
-    with status 1, a ``bad_input`` found while working (agreed by every rank) with status 2; the lock is released."""
-    job = await start_agreed(system, command, prepare, _release_lock)
-    try:
-        return work(job)
-    except WriteError as error:
-        raise JobRefused(f"mpiscale {command}: {error}", status=1) from None
-    except bad_input as error:
-        raise JobRefused(f"mpiscale {command}: {error}", status=2) from None
-    finally:
-        if job.lock is not None:
-            job.lock.release()
 
 
 def claim_outputs(out: str, checkpoints: str | None, inputs: Iterable[str], comm: Comm, kind: str) -> OutputLock | None:

@@ -16,8 +16,7 @@ import math
 import time
 from typing import Any, Protocol
 
-from ..io import WriteError
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from .lifecycle import OutputAsState
 
 MARK_EVERY_S = 0.25  # seconds between marks of the rows done, at most (rows after the last are written again)
@@ -61,12 +60,9 @@ class MarkedRounds(OutputAsState):
         if self._marks == self._marked:
             return
         writer = self._writer
-        try:
-            writer.flush()
-            writer.mark(**self._marks)
-            writer.flush()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale {self.command}: {error}", status=1) from None
+        writer.flush()
+        writer.mark(**self._marks)
+        writer.flush()
         self._marked, self._marked_at = self._marks, time.monotonic()
 
     def save(self, done: int) -> None:

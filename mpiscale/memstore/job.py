@@ -25,7 +25,6 @@ from ..io import (
     DataFileError,
     OutputLock,
     SampleRandom,
-    WriteError,
     open_file,
     stamp,
     write_dataset,
@@ -43,7 +42,7 @@ from ..jobs import (
 )
 from ..kernels.threads import share_cores
 from ..ranks import rank_rows, ranks_sharing_cores
-from ..runtime import ActorSystem, JobRefused
+from ..runtime import ActorSystem
 from ..telemetry import restart_count
 from ..words import counted
 from .config import MemstoreConfig
@@ -155,11 +154,8 @@ class _Memstore:
     async def finish(self, ended: Ended) -> dict:
         system, config, store = self.system, self.config, self.store
         columns = {name: store.partition.column(name) for name in store.columns}
-        try:
-            write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm,
-                          config.to_dict())  # fmt: skip
-        except WriteError as error:  # agreed: raised on every rank
-            raise JobRefused(f"mpiscale memstore: {error}", status=1) from None
+        write_dataset(config.records_path, {"ids": store.partition.ids} | columns, system.world.comm,
+                      config.to_dict())  # fmt: skip
         write = partial(_write_results, config=config, ranks=system.size, history=self.history,
                         nbytes=store.partition.nbytes(), recovery=self.recovery)  # fmt: skip
         done = f"wrote {config.out} and {config.records_path}: {config.records} records, {counted(system.size, 'rank')}"

@@ -39,7 +39,6 @@ from ..io import (
     RaggedDataset,
     RowWriter,
     ShardedDataset,
-    WriteError,
     length_batches,
     recorded,
     split_spec,
@@ -99,24 +98,21 @@ class _Collection(MarkedRounds):
     kept_work = "the rows collected so far"
 
     async def restore(self) -> int:
-        try:
-            if self.kept is not None:
-                self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
-                if self.system.rank == 0:
-                    print(f"mpiscale collect: resumed from {self.kept}: {self.first_row:,} of {self.samples:,} rows "
-                          "were collected", flush=True)  # fmt: skip
-                announce("resumed", f"from {self.kept} after {self.first_row} rows")
-                return 0
-            layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
-                name: ((self.samples, width), np.dtype(np.float32)) for name, width in self.widths.items()
-            }
-            layout["sample_ids"] = ((self.samples,), np.dtype(np.int64))
-            attrs = self.attrs | {"rows_done": 0, "data_sum": np.uint64(0)}  # (numbers: a mark rewrites them in place)
-            self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs,
-                                    ACTIVATIONS_FORMAT, resumable=True)  # fmt: skip
-            self.writer.flush()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+        if self.kept is not None:
+            self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
+            if self.system.rank == 0:
+                print(f"mpiscale collect: resumed from {self.kept}: {self.first_row:,} of {self.samples:,} rows "
+                      "were collected", flush=True)  # fmt: skip
+            announce("resumed", f"from {self.kept} after {self.first_row} rows")
+            return 0
+        layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
+            name: ((self.samples, width), np.dtype(np.float32)) for name, width in self.widths.items()
+        }
+        layout["sample_ids"] = ((self.samples,), np.dtype(np.int64))
+        attrs = self.attrs | {"rows_done": 0, "data_sum": np.uint64(0)}  # (numbers: a mark rewrites them in place)
+        self.writer = RowWriter(self.config.out, layout, self.comm, self.config.to_dict(), attrs,
+                                ACTIVATIONS_FORMAT, resumable=True)  # fmt: skip
+        self.writer.flush()
         return 0
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:
@@ -149,27 +145,21 @@ class _Collection(MarkedRounds):
         of the rows read so far where a mark is due (collective: one allgather carries the sums and rank 0's
         word)."""
         sums = self.comm.allgather((self.data_sum.total, self.mark_due()))
-        try:
-            self._writer.write(lo, arrays)
-        except WriteError as error:
-            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+        self._writer.write(lo, arrays)
         total = sum(part for part, _ in sums) % 2**64
         self.rounds_written(sums[0][1], rows_done=rows_done, data_sum=np.uint64(total))
 
     async def finish(self, ended: Ended) -> dict:
         config, summary = self.config, {"samples": self.samples, "widths": self.widths}
-        try:
-            self.mark()  # (a complete file is marked so too: inspect tells an unfinished one by its mark)
-            if ended.done < self.plan.total:
-                kept = kept_name(config.out)
-                self._writer.close(kept)
-                if self.system.rank == 0:
-                    print(f"mpiscale collect: kept the rows collected in {kept}; run the same command with --resume "
-                          "(on any number of ranks) to finish", flush=True)  # fmt: skip
-                return summary | {"stopped": True}
-            self._writer.close()
-        except WriteError as error:
-            raise JobRefused(f"mpiscale collect: {error}", status=1) from None
+        self.mark()  # (a complete file is marked so too: inspect tells an unfinished one by its mark)
+        if ended.done < self.plan.total:
+            kept = kept_name(config.out)
+            self._writer.close(kept)
+            if self.system.rank == 0:
+                print(f"mpiscale collect: kept the rows collected in {kept}; run the same command with --resume "
+                      "(on any number of ranks) to finish", flush=True)  # fmt: skip
+            return summary | {"stopped": True}
+        self._writer.close()
         if self.system.rank == 0:
             layers = ", ".join(f"/{name} ({self.samples} x {width})" for name, width in self.widths.items())
             print(f"wrote {config.out}: {layers} from {self.attrs['inputs']}", flush=True)

@@ -270,6 +270,28 @@ def test_a_writer_from_python_that_fills_the_disk_ends_the_job_in_one_line(disks
     assert "Segmentation" not in job.output and not os.listdir(small), (job.output[-3000:], os.listdir(small))
 
 
+@pytest.mark.parametrize("phase", ["restore", "step", "finish"])
+def test_a_file_a_job_cannot_make_ends_it_in_one_line_in_any_phase(disks, phase):
+    """A job of a user's own under run_lifecycle, no handler of its own: a file too large for the disk, made in its
+    restore, a step or its finish (``WriteError`` on every rank), ends it with status 1 and one line naming the full
+    disk, its lock released and an output already open kept for --resume. Before, each of the project's jobs caught
+    the error itself (15 handlers), and one made outside them ended the job in a traceback from every rank."""
+    small = disks("small", "size=4m")
+    out = small / "rows.h5"
+    program = Path(__file__).parent / "programs" / "job_full.py"
+    job = finish(launch(2, [sys.executable, str(program), str(out), phase]), f"job_full {phase}", 60)
+    assert job.returncode == 1 and "Traceback" not in job.output, job.output[-6000:]
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
+    failed = [line for line in said if line.startswith(f"mpiscale rows: writing {out}.{phase}.h5 failed: ")]
+    assert len(failed) == 1 and "No space left on device" in failed[0], job.stderr[-6000:]
+    left = sorted(path.name for path in small.iterdir())
+    if phase == "restore":  # before the output was opened: nothing to keep
+        assert said == failed and left == [], (said, left)
+    else:
+        kept = f"mpiscale rows: the rows written so far are kept in {out}.tmp; run the same command with --resume"
+        assert any(line.startswith(kept) for line in said) and left == ["rows.h5.tmp"], (said, left)
+
+
 @pytest.mark.parametrize(("ranks", "victim"), [(2, 0), (4, 3)])
 def test_a_quota_hit_by_one_rank_inside_collective_io_ends_the_job(tmp_path, ranks, victim):
     """The other ranks would wait in MPI-IO forever: the save's deadline ends the job, step 1 stays loadable."""
