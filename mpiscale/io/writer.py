@@ -45,6 +45,8 @@ class RowWriter:
     resumed run reopens (``reopen``'s writers are).
     """
 
+    _kept = False  # left open for a resumed run by ``keep``, which said so
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -299,6 +301,12 @@ class RowWriter:
         if self.size > 1:
             keep_open(self, self._close_at_exit)
 
+    def keep(self) -> None:
+        """Leave the file open under its temporary name for a resumed run, after a failure mid-run (not
+        collective): closing it is collective, and could wait for a dead rank for ever. The program's end closes it
+        as every rank comes; the caller has said where it stays, so that close says nothing more."""
+        self._kept = True
+
     def _close_at_exit(self) -> None:
         """At the process's end, a writer never closed (nor aborted): its file closed as every rank comes, kept under
         the temporary name with what was written (said by rank 0); never put in place unfinished."""
@@ -308,7 +316,7 @@ class RowWriter:
         self.file.close()
         self.file = None
         self._open.clear()
-        if self.rank == 0:
+        if self.rank == 0 and not self._kept:
             print(f"mpiscale: RowWriter({self.path}) was never closed: what was written stays in {self.temporary} "
                   "(close() puts the file in place)", file=sys.stderr, flush=True)  # fmt: skip
 

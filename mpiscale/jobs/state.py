@@ -148,7 +148,10 @@ def keep_for_resume(writer: RowWriter | None, rank: int, job: str, what: str) ->
     """After a failure mid-run, maybe a dead rank's: the output stays open under its temporary name for
     ``--resume`` (closing it is collective, and could wait for the dead rank for ever), and rank 0 says where.
     ``what``: the work it holds, complete as far as it is marked ("the signals coded so far")."""
-    if writer is not None and writer.file is not None and rank == 0:
+    if writer is None or writer.file is None:
+        return
+    writer.keep()
+    if rank == 0:
         print(f"mpiscale {job}: {what} are kept in {writer.temporary}; run the same command with --resume to finish",
               file=sys.stderr, flush=True)  # fmt: skip
 
