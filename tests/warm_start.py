@@ -198,7 +198,8 @@ def _become(request: dict, streams: list[int], namespaces: list[int]) -> None:
             except (OSError, ValueError):
                 pass
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # (the three a fresh interpreter sets: past a file size limit, a
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write fails with EFBIG instead of the signal ending the process)
     for target, descriptor in enumerate(streams):
         os.dup2(descriptor, target)
         os.close(descriptor)

@@ -9,6 +9,7 @@ the checkpointer's deadline stays the backstop for those.
 from __future__ import annotations
 
 import os
+import resource
 
 MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
 SLACK = 1 << 20
@@ -33,13 +34,22 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str) -> str |
     )
 
 
-def full_disk_note(directory: str | os.PathLike) -> str:
-    """What to add to a failed write's error where ``directory``'s file system is (nearly) full: HDF5 says only that a
-    write failed. Empty where it has room (or a quota, which ``statvfs`` does not see, is what is full)."""
+def write_failure_note(directory: str | os.PathLike, failure: str) -> str:
+    """What to add to ``failure``, a file call's error in ``directory``: HDF5 says only "file write failed", never
+    why. Where the file system is (nearly) full, that; where it has room and a write failed, what else stops one: the
+    process's file size limit (``ulimit -f``), or a quota, which ``statvfs`` does not see. Otherwise empty."""
     try:
         free = free_bytes(directory)
     except OSError:
         return ""
-    if free >= NEARLY_FULL:
+    where = os.fspath(directory)
+    if free < NEARLY_FULL:
+        return f" ({where} has {free / 2**20:.1f} MiB free: No space left on device, it seems)"
+    if "write failed" not in failure:
         return ""
-    return f" ({os.fspath(directory)} has {free / 2**20:.1f} MiB free: No space left on device, it seems)"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        return (f" ({where} has room, but this process may write files of at most {limit / 2**20:.1f} MiB: its file "
+                "size limit, ulimit -f, stopped the write, it seems)")  # fmt: skip
+    return (f" ({where} has {free / 2**30:.1f} GiB free, so a quota is full, it seems, or the disk failed: `quota -s`, "
+            f"or `lfs quota -h -u $USER {where}` on Lustre, shows your quotas)")  # fmt: skip

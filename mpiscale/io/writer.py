@@ -29,7 +29,7 @@ from .errors import WriteError
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import rounds_of, write_rows
 from .same_calls import NO_ROWS_WRITTEN, on_files
-from .space import full_disk_note, space_problem
+from .space import space_problem, write_failure_note
 
 
 class RowWriter:
@@ -334,7 +334,7 @@ class RowWriter:
 
     def _agree(self, failure: BaseException | None) -> None:
         if isinstance(failure, (OSError, RuntimeError)):  # (a full disk: HDF5 says only that a write failed)
-            note = full_disk_note(os.path.dirname(os.path.abspath(self.path)))
+            note = write_failure_note(os.path.dirname(os.path.abspath(self.path)), str(failure))
             if self.resumable:  # (said in the line that ends the job, whichever rank says it)
                 note += (f"; what was marked done is kept in {self.temporary}: free space (or mend what failed), then "
                          "run the same command with --resume")  # fmt: skip

@@ -270,6 +270,18 @@ def test_a_writer_from_python_that_fills_the_disk_ends_the_job_in_one_line(disks
     assert "Segmentation" not in job.output and not os.listdir(small), (job.output[-3000:], os.listdir(small))
 
 
+def test_a_write_stopped_by_the_file_size_limit_on_a_disk_with_room_is_said_so(tmp_path):
+    """HDF5 says only "file write failed": the line names the limit (``ulimit -f``), where it said nothing more."""
+    program = Path(__file__).parent / "programs" / "rows_full.py"
+    job = finish(launch(2, [sys.executable, str(program), str(tmp_path / "x.h5"), str(3 << 20)]), "rows_full", 60)
+    assert job.returncode == 1, job.output[-6000:]
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
+    assert len(said) == 1 and "write failed" in said[0], job.stderr[-6000:]
+    assert f"({tmp_path} has room, but this process may write files of at most 3.0 MiB: its file size limit, ulimit " \
+           "-f, stopped the write, it seems)" in said[0], said[0]  # fmt: skip
+    assert not os.listdir(tmp_path), os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("phase", ["restore", "step", "finish"])
 def test_a_file_a_job_cannot_make_ends_it_in_one_line_in_any_phase(disks, phase):
     """A job of a user's own under run_lifecycle, no handler of its own: a file too large for the disk, made in its
