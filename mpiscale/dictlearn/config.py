@@ -11,7 +11,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..io import split_spec
-from ..jobs import DEVICES, checkpoint_level_problems, load_settings, local_dir_option, option, shared_every_option
+from ..jobs import (
+    DEVICES,
+    checkpoint_level_problems,
+    load_settings,
+    local_dir_option,
+    mark_every_option,
+    mark_every_problems,
+    option,
+    shared_every_option,
+)
 
 METHODS = ("online", "mod")
 CODERS = ("omp", "lasso")
@@ -193,10 +202,12 @@ class EncodeConfig:
     device: str = option("auto", "OMP on cpu, cuda, or auto (a CUDA GPU when present; error targets run on the CPU)")
     out: str = option("codes.h5", "the codes (CSR, readable by h5py and scipy), visible once complete")
     resume: bool = option(False, "go on from the rounds a stopped (OUT.partial) or killed (OUT.tmp) run wrote")
+    mark_every: float = mark_every_option()
     progress_every: float = option(2.0, "seconds between progress lines on rank 0 (0 = only the last)")
 
     def __post_init__(self) -> None:
         problems = coder_problems(self.coder, self.alpha, self.max_residual, self.device)
+        problems += mark_every_problems(self.mark_every)
         if self.sparsity < 0 or self.batch_size < 1:
             problems.append(f"sparsity must be 0 or more and batch_size at least 1, got {self.sparsity}, "
                             f"{self.batch_size}")  # fmt: skip

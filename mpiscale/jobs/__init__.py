@@ -28,7 +28,7 @@ from .outputs import (
 )
 from .progress import ProgressLine, duration
 from .registry import JOBS, JobEntry, job_of_results, jobs_table, jobs_with
-from .rounds import MarkedRounds
+from .rounds import MARK_EVERY_S, MarkedRounds, mark_every_option, mark_every_problems
 from .settings import add_options, load_settings, option, option_fields, run_job
 from .state import (
     Stateful,
@@ -51,7 +51,10 @@ __all__ = [
     "DEVICES",
     "DEVICE_RULE",
     "JOBS",
+    "MARK_EVERY_S",
     "MarkedRounds",
+    "mark_every_option",
+    "mark_every_problems",
     "SHARE_GPUS",
     "agreed_cuda_aware",
     "choose_numba_device",

@@ -4,10 +4,10 @@ Each round writes the next ``batch_size`` rows of every rank. The file's
 attributes mark the rows done (and what a resume checks); a resume drops what
 followed the last mark. A mark takes two flushes, each a sync of the file,
 which cost more than a small round, so a round is marked only where rank 0's
-last mark is ``MARK_EVERY_S`` old (its word travels in the round's own
-allgather, so that every rank marks the same rounds), and always at a stop, at
-a failure every rank raised, and at the end: a kill loses the rounds of the
-last quarter second at most, and the round in flight.
+last mark is ``--mark-every`` seconds old (``MARK_EVERY_S`` by default; its
+word travels in the round's own allgather, so that every rank marks the same
+rounds), and always at a stop, at a failure every rank raised, and at the end:
+a kill loses the rounds of the last interval at most, and the round in flight.
 """
 
 from __future__ import annotations
@@ -18,13 +18,33 @@ from typing import Any, Protocol
 
 from ..runtime import ActorSystem
 from .lifecycle import OutputAsState
+from .settings import option
 
 MARK_EVERY_S = 0.25  # seconds between marks of the rows done, at most (rows after the last are written again)
+
+
+def mark_every_option() -> float:
+    """The ``--mark-every`` setting of a job that writes marked rounds (one help text for every job)."""
+    return option(
+        MARK_EVERY_S,
+        "seconds between marks of the rows done, at most: a mark syncs the output twice, and a killed run resumes "
+        "from the last one (raise it where a sync is slow, as on some parallel file systems; 0: every round)",
+    )
+
+
+def mark_every_problems(mark_every: float) -> list[str]:
+    """What is wrong with a job's ``--mark-every`` (nothing: an empty list)."""
+    if not 0 <= mark_every < math.inf:
+        return [f"mark_every must be a number of seconds, 0 or more, got {mark_every}"]
+    return []
 
 
 class _Batched(Protocol):
     @property
     def batch_size(self) -> int: ...
+
+    @property
+    def mark_every(self) -> float: ...
 
 
 class MarkedRounds(OutputAsState):
@@ -44,8 +64,9 @@ class MarkedRounds(OutputAsState):
         return self.config.batch_size * self.system.size
 
     def mark_due(self) -> bool:
-        """Whether this rank's last mark is ``MARK_EVERY_S`` old: rank 0's answer, gathered in the round, decides."""
-        return time.monotonic() - self._marked_at >= MARK_EVERY_S
+        """Whether this rank's last mark is ``config.mark_every`` seconds old: rank 0's answer, gathered in the
+        round, decides."""
+        return time.monotonic() - self._marked_at >= self.config.mark_every
 
     def rounds_written(self, due: bool, **marks: Any) -> None:
         """The rounds written so far come to ``marks`` (the same on every rank); marked now where ``due``

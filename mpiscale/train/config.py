@@ -11,7 +11,16 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..jobs import DEVICE_RULE, DEVICES, checkpoint_level_problems, local_dir_option, option, shared_every_option
+from ..jobs import (
+    DEVICE_RULE,
+    DEVICES,
+    checkpoint_level_problems,
+    local_dir_option,
+    mark_every_option,
+    mark_every_problems,
+    option,
+    shared_every_option,
+)
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 INTRA_NODE = ("mpi", "nccl", "gloo")
@@ -229,9 +238,10 @@ class CollectConfig:
         f"where the model runs: cpu, {DEVICE_RULE}",
     )
     resume: bool = option(False, "go on from the rows a stopped (OUT.partial) or killed (OUT.tmp) run collected")
+    mark_every: float = mark_every_option()
 
     def __post_init__(self) -> None:
-        problems: list[str] = []
+        problems = mark_every_problems(self.mark_every)
         if self.device not in DEVICES:
             problems.append(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.batch_size < 1:

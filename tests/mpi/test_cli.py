@@ -312,6 +312,21 @@ def test_bench_encode_compares_codes_first_then_speed(tmp_path):
     assert job.stdout.index("image patches (4,000 signals, K=256, L=8) measured") < job.stdout.index("ours/sklearn")
 
 
+def test_bench_marks_writes_json(tmp_path):
+    out, scratch = tmp_path / "marks.json", tmp_path / "scratch"
+    job = mpiscale(2, "bench", "marks", "--quick", "--dir", str(scratch), "--json", str(out), timeout=180)
+    assert_ok(job)
+    record = json.loads(out.read_text())
+    assert record["world_size"] == 2 and record["signals"] == 40_000 and record["rounds"] == 79, record
+    runs = record["signals_per_second"]
+    assert list(runs) == ["first and last", "every 0.25 s (default)", "every round"], runs
+    assert all(len(each) == record["turns"] == 2 and min(each) > 0 for each in runs.values()), runs
+    floor = statistics.median(runs["first and last"])
+    for name, each in runs.items():
+        assert record["time_vs_floor"][name] == pytest.approx(floor / statistics.median(each), rel=1e-12), name
+    assert "time / floor" in job.stdout and not scratch.exists(), "the scratch directory is left behind"
+
+
 def test_bench_rounds_writes_json(tmp_path):  # the command, on one world size (the calls' checks: test_sharded_io)
     out, scratch = tmp_path / "rounds.json", tmp_path / "scratch"
     job = mpiscale(2, "bench", "rounds", "--quick", "--dir", str(scratch), "--json", str(out), timeout=180)

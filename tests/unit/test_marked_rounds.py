@@ -9,7 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpiscale.io import RowWriter
-from mpiscale.jobs import MarkedRounds, rounds
+from mpiscale.jobs import MarkedRounds
 
 
 @dataclass
@@ -25,10 +25,10 @@ def _rows_done(path) -> int:
         return int(file.attrs["rows_done"])
 
 
-def test_the_first_round_is_marked_then_one_each_interval_and_a_save_marks_the_rest(tmp_path, monkeypatch):
-    monkeypatch.setattr(rounds, "MARK_EVERY_S", 3600.0)  # (no round comes due by the clock of a loaded machine)
+def test_the_first_round_is_marked_then_one_each_interval_and_a_save_marks_the_rest(tmp_path):
     out = tmp_path / "rows.h5.tmp"  # (the writer's name until it closes)
-    job = _Rows(SimpleNamespace(size=1, rank=0), SimpleNamespace(batch_size=4))
+    # --mark-every 3600 s: no round comes due by the clock of a loaded machine, until the test asks for one
+    job = _Rows(SimpleNamespace(size=1, rank=0), SimpleNamespace(batch_size=4, mark_every=3600.0))
     assert job.round_rows == 4
     layout = {"x": ((40,), np.dtype(np.float64))}
     job.writer = RowWriter(tmp_path / "rows.h5", layout, MPI.COMM_SELF, attrs={"rows_done": 0})
@@ -42,10 +42,10 @@ def test_the_first_round_is_marked_then_one_each_interval_and_a_save_marks_the_r
             round_written(done, job.mark_due())
         assert _rows_done(out) == 4  # the first round; the next two came within the interval
         assert not job.mark_due()
-        monkeypatch.setattr(rounds, "MARK_EVERY_S", 0.05)
+        job.config.mark_every = 0.05
         time.sleep(0.05)
         round_written(16, job.mark_due())
-        monkeypatch.setattr(rounds, "MARK_EVERY_S", 3600.0)
+        job.config.mark_every = 3600.0
         assert _rows_done(out) == 16 and not job.mark_due()  # due after the interval, and the clock started again
         round_written(20, False)
         job.save(5)  # a stop: every round written is marked

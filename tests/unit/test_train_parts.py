@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mpiscale.dictlearn import format_top_inputs, top_inputs
+from mpiscale.dictlearn.config import EncodeConfig
 from mpiscale.jobs import add_options, load_settings
 from mpiscale.train import bundled
 from mpiscale.train.config import CollectConfig, TrainConfig
@@ -28,6 +29,12 @@ def test_train_settings_from_a_table_and_the_command_line(tmp_path):
         TrainConfig(validation="held-out.h5")
     with pytest.raises(ValueError, match="layers must name at least one module"):
         CollectConfig(layers=(" ",))
+    for absurd in (-1.0, float("nan"), float("inf")):  # (as --mark-every parses them)
+        with pytest.raises(ValueError, match=f"mark_every must be a number of seconds, 0 or more, got {absurd}"):
+            CollectConfig(mark_every=absurd)
+        with pytest.raises(ValueError, match=f"mark_every must be a number of seconds, 0 or more, got {absurd}"):
+            EncodeConfig(mark_every=absurd)
+    assert CollectConfig(mark_every=0).mark_every == 0 and EncodeConfig().mark_every == 0.25
 
 
 def test_labels_name_a_file_by_its_ending_or_as_a_path_and_a_bare_name_is_a_data_set(tmp_path, monkeypatch):
