@@ -43,7 +43,6 @@ from ..jobs import (
     Plan,
     Step,
     agreed_cuda_aware,
-    announce,
     choose_torch_device,
     claim_outputs,
     earlier_output,
@@ -136,10 +135,7 @@ class _Compression(OutputAsState):
         done = int(self.writer.file.attrs["groups_done"])  # type: ignore[union-attr]
         self.writer.remove([group_name(index) for index in range(done, len(self.groups))])
         self.writer.mark(device=recorded_devices(self.algebra.device, self.comm))  # this run's, for its groups
-        if self.system.rank == 0:
-            print(f"mpiscale compress-adapters: resumed from {kept}: {done} of {len(self.groups)} layer groups were "
-                  "done", flush=True)  # fmt: skip
-        announce("resumed", f"from {kept} after group {done}")
+        self.say_resumed(kept, done, len(self.groups), "layer groups were done")
         return done
 
     async def steps(self, start: int) -> AsyncGenerator[Step, None]:

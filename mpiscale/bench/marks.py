@@ -17,11 +17,9 @@ import argparse
 import contextlib
 import io
 import os
-import shutil
 import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +29,7 @@ from ..io import write_dataset
 from ..jobs import MARK_EVERY_S
 from ..runtime import ActorSystem, run
 from .encode import planted_problem
-from .report import Progress, table, write_json
+from .report import Progress, scratch_folder, table, write_json
 
 ATOMS, FEATURES, NONZERO = 128, 64, 3
 BATCH = 256  # signals a rank codes per round: small rounds, where a mark's syncs weigh most
@@ -60,31 +58,23 @@ async def run_marks(system: ActorSystem, json_path: str, scratch: str, quick: bo
     """Rank 0 prints the table and writes JSON; returns the record there."""
     comm = system.world.comm
     size = "quick" if quick else "full"
-    folder = Path(scratch) / "marks"
     signals = SIGNALS[size] * system.size
-    if system.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        dictionary, data, _ = planted_problem(ATOMS, FEATURES, NONZERO, signals)
-        np.save(folder / "atoms.npy", dictionary)
-        write_dataset(str(folder / "signals.h5"), {"X": data})
-    comm.Barrier()
     progress = Progress(system.rank == 0)
     measured: dict[str, list[float]] = {name: [] for name, _ in WAYS}
-    settings = EncodeConfig(dictionary=str(folder / "atoms.npy"), data=f"{folder / 'signals.h5'}:/X", sparsity=NONZERO,
-                            batch_size=BATCH, device="cpu", out=str(folder / "codes.h5"), progress_every=0)  # fmt: skip
-    try:
+    with scratch_folder(comm, scratch, "marks") as folder:
+        if system.rank == 0:
+            dictionary, data, _ = planted_problem(ATOMS, FEATURES, NONZERO, signals)
+            np.save(folder / "atoms.npy", dictionary)
+            write_dataset(str(folder / "signals.h5"), {"X": data})
+        comm.Barrier()
+        settings = EncodeConfig(dictionary=str(folder / "atoms.npy"), data=f"{folder / 'signals.h5'}:/X",
+                                sparsity=NONZERO, batch_size=BATCH, device="cpu", out=str(folder / "codes.h5"),
+                                progress_every=0)  # fmt: skip
         await _signals_per_second(system, settings)  # (a first run loads what every run needs)
         for turn in range(TURNS[size]):
             for name, every in WAYS[:: 1 if turn % 2 == 0 else -1]:
-                config = replace(settings, mark_every=every)
-                measured[name].append(await _signals_per_second(system, config))
+                measured[name].append(await _signals_per_second(system, replace(settings, mark_every=every)))
             progress(f"turn {turn + 1} of {TURNS[size]}: each way coded {signals:,} signals")
-    finally:
-        comm.Barrier()
-        if system.rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-            if not os.listdir(scratch):
-                os.rmdir(scratch)
     if system.rank != 0:
         return None
     median = {name: statistics.median(each) for name, each in measured.items()}

@@ -10,7 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..io import utc_timestamp
@@ -142,3 +143,21 @@ def drop_page_cache() -> bool:
 def cold_cache(comm: Comm) -> bool:
     """Drop the page cache on rank 0 (one host: it is shared) and tell every rank whether that worked."""
     return bool(comm.bcast(drop_page_cache() if comm.rank == 0 else None, 0))
+
+
+@contextmanager
+def scratch_folder(comm: Comm, scratch: str, name: str) -> Iterator[Path]:
+    """``scratch/name``, made by rank 0 for the bench's files and removed when it ends (collective), with ``scratch``
+    itself where that leaves it empty (the bench's ``--dir``, made for it)."""
+    folder = Path(scratch) / name
+    if comm.Get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    comm.Barrier()
+    try:
+        yield folder
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+            if not os.listdir(scratch):
+                os.rmdir(scratch)

@@ -23,8 +23,6 @@ reader`` measure that).
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +34,7 @@ import numpy as np
 from ..io import RowWriter, ShardedDataset
 from ..ranks import Comm
 from ..runtime import ActorSystem, run
-from .report import Progress, table, write_json
+from .report import Progress, scratch_folder, table, write_json
 
 ROW_FLOATS = 128  # rows of 1 KiB
 SIZES_KIB = (4, 64, 1024, 16384)  # a rank's rows in a round
@@ -145,23 +143,13 @@ def _measure(comm: Comm, folder: Path, size_kib: int, rounds: int) -> dict[str, 
 async def run_rounds(system: ActorSystem, json_path: str, scratch: str, quick: bool = False) -> dict | None:
     """Rank 0 prints the table and writes JSON; returns the record there."""
     comm = system.world.comm
-    folder = Path(scratch) / "rounds"
-    if system.rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    comm.Barrier()
     progress = Progress(system.rank == 0)
     measured = {}
-    try:
+    with scratch_folder(comm, scratch, "rounds") as folder:
         for size_kib in SIZES_KIB[:3] if quick else SIZES_KIB:
             rounds = _rounds(size_kib, quick)
             measured[size_kib] = _measure(comm, folder, size_kib, rounds)
             progress(f"{size_kib} KiB a rank: {TURNS} x {rounds} rounds each way")
-    finally:
-        comm.Barrier()
-        if system.rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-            if not os.listdir(scratch):
-                os.rmdir(scratch)
     if system.rank != 0:
         return None
     rows = []

@@ -33,7 +33,6 @@ from ..jobs import (
     OutputAsState,
     Plan,
     Step,
-    announce,
     choose_torch_device,
     claim_outputs,
     earlier_output,
@@ -83,11 +82,7 @@ class _Run(OutputAsState):
             self.writer.mark(device=self.devices)  # this run's, for the batches it writes
             placed = {name: array for name, array in self.work.replicated().items() if not self.work.what_changed(name)}
             self.writer.write_replicated(placed)  # where this run places the work (batches are global)
-            done = len(self.done) - len(self.pending)
-            if self.system.rank == 0:
-                print(f"mpiscale circuits run: resumed from {self.kept}: {done} of {len(self.done)} batches were "
-                      "written", flush=True)  # fmt: skip
-            announce("resumed", f"from {self.kept} after {done} batches")
+            self.say_resumed(self.kept, len(self.done) - len(self.pending), len(self.done), "batches were written")
             return 0
         layout = self.work.layout(self.inputs.samples)
         batches = (len(self.done),)

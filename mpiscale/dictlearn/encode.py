@@ -37,7 +37,6 @@ from ..jobs import (
     MarkedRounds,
     Plan,
     Step,
-    announce,
     choose_numba_device,
     claim_outputs,
     earlier_output,
@@ -99,10 +98,7 @@ class _Encoding(MarkedRounds):
         if self.kept is not None:
             self.writer = RowWriter.reopen(config.out, self.kept, self.comm)
             self.writer.grow({"codes/data": self.nonzeros, "codes/indices": self.nonzeros})  # drop the unmarked
-            if self.system.rank == 0:
-                print(f"mpiscale encode: resumed from {self.kept}: {self.first_row:,} of {samples:,} signals "
-                      "were coded", flush=True)  # fmt: skip
-            announce("resumed", f"from {self.kept} after {self.first_row} signals")
+            self.say_resumed(self.kept, self.first_row, samples, "signals were coded")
             return 0
         layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
             "codes/data": ((0,), np.dtype(np.float64)),

@@ -21,7 +21,7 @@ from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
 from .outputs import close_checkpointer, start_agreed
 from .progress import ProgressLine
-from .state import keep_for_resume, steer, stopped_at_start
+from .state import announce, keep_for_resume, steer, stopped_at_start
 
 Result = TypeVar("Result")
 
@@ -115,6 +115,14 @@ class OutputAsState(HeldOutputs):
 
     def save(self, done: int) -> None:
         self._writer.flush()  # every step's output is in the file, marked
+
+    def say_resumed(self, kept: str, done: int, total: int, what: str) -> None:
+        """That this run goes on from ``kept``, an earlier run's file holding ``done`` of ``total`` ``what`` ("signals
+        were coded"): on rank 0's output and in the job's telemetry."""
+        said = f"{done:,} of {total:,} {what}"
+        if self.system.rank == 0:
+            print(f"mpiscale {self.command}: resumed from {kept}: {said}", flush=True)
+        announce("resumed", f"from {kept}: {said}")
 
     def release(self) -> None:
         super().release()

@@ -48,7 +48,6 @@ from ..jobs import (
     MarkedRounds,
     Plan,
     Step,
-    announce,
     choose_torch_device,
     claim_outputs,
     give_back,
@@ -100,10 +99,7 @@ class _Collection(MarkedRounds):
     async def restore(self) -> int:
         if self.kept is not None:
             self.writer = RowWriter.reopen(self.config.out, self.kept, self.comm)
-            if self.system.rank == 0:
-                print(f"mpiscale collect: resumed from {self.kept}: {self.first_row:,} of {self.samples:,} rows "
-                      "were collected", flush=True)  # fmt: skip
-            announce("resumed", f"from {self.kept} after {self.first_row} rows")
+            self.say_resumed(self.kept, self.first_row, self.samples, "rows were collected")
             return 0
         layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {
             name: ((self.samples, width), np.dtype(np.float32)) for name, width in self.widths.items()
