@@ -73,6 +73,17 @@ class WriteError(MpiscaleError, OSError):
     """A file could not be written (full disk, quota, read-only file system); raised on every rank alike."""
 
 
+def plain_write_error(error: BaseException) -> BaseException:
+    """``error``, or where it is h5py's for a write the system refused (the sec2 driver: one process's file), the
+    system's reason in HDF5's words: that error holds HDF5's whole record of the call (time, descriptor, buffer
+    address, "bytes actually written = 18446744073709551615") on two lines."""
+    text = str(error)
+    if not isinstance(error, OSError) or not error.errno or "(file write failed: time = " not in text:
+        return error
+    call = text.split("(file write failed", 1)[0].split("] ", 1)[-1].strip()
+    return OSError(error.errno, f"{os.strerror(error.errno)} (HDF5: {call}, file write failed)")
+
+
 class CheckpointError(MpiscaleError, RuntimeError):
     """A save failed (raised on every rank), or no checkpoint could be restored."""
 

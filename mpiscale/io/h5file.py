@@ -293,12 +293,20 @@ def write_file(path: str | os.PathLike, write: Callable[[h5py.File], None]) -> N
     """Write the HDF5 file ``path`` (one process) through ``write(file)``, under a temporary name first.
 
     Readers see the old file or the whole new one; a failure (a full disk, a
-    quota) leaves nothing behind, and the error goes on to the caller.
+    quota, the file size limit) leaves nothing behind, and the system's error
+    (``OSError``, its reason in one line) goes on to the caller. The file is
+    made in memory (HDF5's core driver) and its image written to the disk:
+    HDF5 1.10.8, left a file whose write had failed, raised a ``RuntimeError``
+    closing it, and crashed (SIGSEGV) at the process's end.
     """
     temporary = f"{os.fspath(path)}.tmp"
+    with h5py.File(temporary, "w", driver="core", backing_store=False) as file:  # (nothing on the disk)
+        write(file)
+        file.flush()
+        image = file.id.get_file_image()
     try:
-        with h5py.File(temporary, "w") as file:
-            write(file)
+        with open(temporary, "wb") as out:
+            out.write(image)
         publish(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -25,7 +25,7 @@ import numpy as np
 from ..ranks import AgreedError, AnyComm, Comm, agree, as_mpi, size_and_rank
 from ..runtime import CollectiveMismatch, end_job
 from .abandon import ONE_WRITER, closed, entered_by_all, keep_open
-from .errors import WriteError
+from .errors import WriteError, plain_write_error
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import rounds_of, write_rows
 from .same_calls import NO_ROWS_WRITTEN, on_files
@@ -334,6 +334,7 @@ class RowWriter:
 
     def _agree(self, failure: BaseException | None) -> None:
         if isinstance(failure, (OSError, RuntimeError)):  # (a full disk: HDF5 says only that a write failed)
+            failure = plain_write_error(failure)
             note = write_failure_note(os.path.dirname(os.path.abspath(self.path)), str(failure))
             if self.resumable:  # (said in the line that ends the job, whichever rank says it)
                 note += (f"; what was marked done is kept in {self.temporary}: free space (or mend what failed), then "

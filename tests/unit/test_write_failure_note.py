@@ -1,9 +1,15 @@
-"""io.space.write_failure_note: what a failed write's line adds to HDF5's "file write failed", which never says why."""
+"""What a failed write says: io.space.write_failure_note, added to HDF5's "file write failed", which never says why,
+and a results file the system refused (io.write_file, one process's): the system's error, nothing left behind."""
 
+import errno
+import os
 import resource
 
+import h5py
+import numpy as np
 import pytest
 
+from mpiscale.io import write_file
 from mpiscale.io.space import write_failure_note
 
 FAILED = "Unable to set dataset extent (file write failed)"
@@ -41,3 +47,23 @@ def test_a_failed_write_under_a_file_size_limit_names_the_limit(tmp_path, file_s
 def test_an_error_that_is_no_failed_write_gets_nothing_on_a_disk_with_room(tmp_path):
     assert write_failure_note(tmp_path, "Unable to create dataset (name already exists)") == ""
     assert write_failure_note(tmp_path / "gone", FAILED) == ""  # (its directory cannot be asked: nothing to add)
+
+
+def test_a_results_file_past_the_file_size_limit_is_the_systems_error_and_leaves_nothing(tmp_path, file_size_limit):
+    """h5py's error held HDF5's whole record of the call on two lines ("time = ...", "buf = 0x...", "bytes actually
+    written = 18446744073709551615"); closing the file then raised a RuntimeError in its place, and the process
+    crashed (SIGSEGV) at its end, in HDF5's close of that file. The file is made in memory now: this test's process
+    would not outlive it otherwise."""
+    out = tmp_path / "results.h5"
+    file_size_limit(1 << 20)
+    with pytest.raises(OSError) as raised:
+        write_file(out, lambda file: file.create_dataset("x", data=np.ones(1 << 18)))
+    file_size_limit(resource.RLIM_INFINITY)
+    assert raised.value.errno == errno.EFBIG and str(raised.value) == "[Errno 27] File too large", raised.value
+    assert os.listdir(tmp_path) == []  # (its temporary file removed)
+    with pytest.raises(ZeroDivisionError):  # the caller's own error: nothing reached the disk
+        write_file(out, lambda file: file.create_dataset("x", data=np.ones(8)) and 1 / 0)
+    assert os.listdir(tmp_path) == []
+    write_file(out, lambda file: file.create_dataset("x", data=np.arange(1 << 18)))
+    with h5py.File(out, "r") as file:  # (a file of the disk, as any reader opens it)
+        assert file.driver == "sec2" and file["x"][-1] == (1 << 18) - 1
