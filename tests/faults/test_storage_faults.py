@@ -282,6 +282,20 @@ def test_a_write_stopped_by_the_file_size_limit_on_a_disk_with_room_is_said_so(t
     assert not os.listdir(tmp_path), os.listdir(tmp_path)
 
 
+def test_a_one_process_write_past_the_file_size_limit_says_the_systems_reason_in_one_line(tmp_path):
+    """write_dataset without a communicator (HDF5's sec2 driver): h5py's error held HDF5's record of the call on two
+    lines ("time = ...", "buf = 0x...", "bytes actually written = 18446744073709551615")."""
+    program = ("import resource, sys, numpy as np; from mpi4py import MPI; from mpiscale.io import write_dataset; "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY)); "
+               "write_dataset(sys.argv[1], {'x': np.ones(1 << 18)})")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "x.h5")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    said = [line for line in done.stderr.splitlines() if line.startswith("mpiscale")]
+    assert done.returncode != 0 and len(said) == 1, done.stderr[-3000:]
+    assert "OSError: [Errno 27] File too large (HDF5: Can't write data, file write failed) (" in said[0], said[0]
+    assert "buf = " not in done.stderr and not os.listdir(tmp_path), (done.stderr[-3000:], os.listdir(tmp_path))
+
+
 @pytest.mark.parametrize("phase", ["restore", "step", "finish"])
 def test_a_file_a_job_cannot_make_ends_it_in_one_line_in_any_phase(disks, phase):
     """A job of a user's own under run_lifecycle, no handler of its own: a file too large for the disk, made in its
