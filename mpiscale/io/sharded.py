@@ -31,9 +31,9 @@ from .h5file import (
     datasets_in,
     file_format,
     open_file,
-    publish,
     settle_background_io,
     stamp,
+    write_file,
 )
 from .numpy_files import NpySource, is_numpy_file
 from .same_calls import NO_ROWS_READ, on_files
@@ -166,8 +166,8 @@ def write_index(
     for entry, layout in zip(entries, layouts):
         entry["rows"] = {name: int(shape[0]) for name, (shape, _) in layout.items()}
     shapes = {}
-    temporary = f"{path}.tmp"
-    with h5py.File(temporary, "w") as file:
+
+    def write(file: h5py.File) -> None:
         stamp(file, INDEX_FORMAT, 1, {"shards": len(entries)})
         file.attrs["shards"] = json.dumps(entries)
         for name in sorted(first):
@@ -182,7 +182,8 @@ def write_index(
                 start += rows
             file.create_virtual_dataset(name, virtual)
             shapes[name] = shape
-    publish(temporary, path)
+
+    write_file(path, write)
     return shapes
 
 
