@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prepare this machine for mpiscale: Debian packages (Open MPI, parallel HDF5,
-# mosquitto and its tools; openssl, tmux and Slurm for the tests), a virtual
+# mosquitto and its tools; openssl, tmux, Slurm and btrfs-progs for the tests), a virtual
 # environment in .venv, h5py built against parallel HDF5, and mpiscale itself
 # in editable mode. Idempotent: a second run only checks.
 set -euo pipefail
@@ -8,7 +8,8 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MPISCALE_VENV:-$REPO/.venv}"
 APT_PACKAGES=(openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config mosquitto openssl tmux
-              slurmctld slurmd slurm-client munge)  # the tests' single-node Slurm (no daemon is started here)
+              slurmctld slurmd slurm-client munge  # the tests' single-node Slurm (no daemon is started here)
+              btrfs-progs)  # the tests' quota: a btrfs image whose subvolume has a limit (this kernel has no user quotas)
 
 say() { printf '[setup] %s\n' "$*"; }
 

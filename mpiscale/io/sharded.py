@@ -124,10 +124,9 @@ def write_index(
 ) -> dict[str, tuple[int, ...]]:
     """Write an index that presents the shard files, in order, as one dataset file (one process).
 
-    Shards are any HDF5 files (mpiscale's own or a user's); ``names`` picks the
-    data sets (paths such as ``/run/X``), by default every data set of the
-    first shard. Shard paths are stored relative to the index, so the
-    directory can move. Returns the global shape of every array.
+    Shards are any HDF5 files (mpiscale's own or a user's); ``names`` picks the data sets (paths such as
+    ``/run/X``), by default every data set of the first shard. Shard paths are stored relative to the index, so
+    the directory can move. Returns the global shape of every array.
     """
     path = os.fspath(path)
     refuse_a_str(shards, "shards", "files")

@@ -2,17 +2,23 @@
 
 Running out of space in the middle of collective I/O is what hangs or kills
 MPI jobs (one rank fails, another waits inside the collective, or HDF5 cannot
-close a file it could not flush). ``statvfs`` does not see user quotas, so
-the checkpointer's deadline stays the backstop for those.
+close a file it could not flush). ``statvfs`` does not see user quotas: one
+process per directory also asks the file system to set the room aside
+(``fallocate``), which meets them; where it cannot (no ``fallocate``), the
+checkpointer's deadline stays the backstop.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import resource
+import tempfile
 
 MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
 SLACK = 1 << 20
+_LIBC = ctypes.CDLL(None, use_errno=True)  # (fallocate(2) itself: os.posix_fallocate writes zeros where it lacks)
 NEARLY_FULL = 64 << 20  # free bytes under which a failed write is said to have met a full disk (HDF5's chunks: 1 MiB)
 
 
@@ -22,16 +28,47 @@ def free_bytes(directory: str | os.PathLike) -> int:
     return status.f_bavail * status.f_frsize
 
 
-def space_problem(directory: str | os.PathLike, nbytes: int, what: str) -> str | None:
-    """Why ``nbytes`` of arrays cannot be written into ``directory`` (with room for metadata), or None."""
+def space_problem(directory: str | os.PathLike, nbytes: int, what: str, reserve: bool = False) -> str | None:
+    """Why ``nbytes`` of arrays cannot be written into ``directory`` (with room for metadata), or None.
+
+    ``reserve``: where the free space suffices, ask the file system for the
+    room too (``reserve_refused``), which meets the user's quota; one process
+    per directory and save, since the room several ask for at once adds up.
+    """
     needed = int(nbytes * MARGIN) + SLACK
     free = free_bytes(directory)
-    if free >= needed:
+    where = f"{what} needs {needed / 2**20:.1f} MiB in {os.fspath(directory)}"
+    if free < needed:
+        return (f"{where}, which has {free / 2**20:.1f} MiB free (No space left on device): free space or give another "
+                "directory")  # fmt: skip
+    refused = reserve_refused(directory, needed) if reserve else None
+    if refused is None:
         return None
-    return (
-        f"{what} needs {needed / 2**20:.1f} MiB in {os.fspath(directory)}, which has {free / 2**20:.1f} MiB free "
-        "(No space left on device): free space or give another directory"
-    )
+    quota = f"your quota is full, it seems (`quota -s`, or `lfs quota -h -u $USER {os.fspath(directory)}` on Lustre)"
+    why = quota if refused.errno == errno.EDQUOT else "the disk filled meanwhile, it seems"
+    return (f"{where}, and the file system refused to set it aside ({refused.strerror}): {why}; free space or give "
+            "another directory")  # fmt: skip
+
+
+def reserve_refused(directory: str | os.PathLike, nbytes: int) -> OSError | None:
+    """The file system's refusal to set ``nbytes`` aside in ``directory`` now (``fallocate`` of a nameless file,
+    freed at once): what ``statvfs`` does not see, the user's quota (EDQUOT). None where it fits, and where the file
+    system cannot set room aside (no ``fallocate``) or the probe cannot be made: the free space is all that is known.
+    At most the process's file size limit is asked for (the files are each below it, or their write says so)."""
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    size = nbytes if limit == resource.RLIM_INFINITY else min(nbytes, limit)
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=".mpiscale-room-", dir=directory)
+    except OSError:
+        return None
+    try:
+        os.unlink(name)  # (nothing stays behind, even if this process is killed now)
+        if _LIBC.fallocate(descriptor, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:
+            return None
+        code = ctypes.get_errno()
+    finally:
+        os.close(descriptor)
+    return OSError(code, os.strerror(code)) if code in (errno.EDQUOT, errno.ENOSPC) else None
 
 
 def write_failure_note(directory: str | os.PathLike, failure: str) -> str:

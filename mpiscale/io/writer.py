@@ -73,7 +73,7 @@ class RowWriter:
             if problem is not None:
                 raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
         total = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
-        room = space_problem(directory, total, "the file") if self.rank == 0 else None
+        room = space_problem(directory, total, "the file", reserve=True) if self.rank == 0 else None
         agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
         settle_background_io()
         self.file: h5py.File | None = None

@@ -54,6 +54,31 @@ def disks(tmp_path):
 
 
 @pytest.fixture
+def quota(tmp_path):
+    """quota(limit) -> a directory whose quota is ``limit`` ("1M"), on a disk with room: a subvolume of a btrfs image
+    with a qgroup limit, whose writes past it fail with EDQUOT as a user's quota does (this kernel has no user quotas;
+    the limit binds root too). Unmounted afterwards."""
+    image, mounted = tmp_path / "quota.img", tmp_path / "quota"
+
+    def make(limit: str) -> Path:
+        mounted.mkdir()
+        subprocess.run(["truncate", "-s", "256M", str(image)], check=True)
+        steps = [["mkfs.btrfs", "-q", str(image)], ["mount", "-o", "loop", str(image), str(mounted)],
+                 ["btrfs", "quota", "enable", str(mounted)], ["btrfs", "subvolume", "create", str(mounted / "home")],
+                 ["btrfs", "qgroup", "limit", limit, str(mounted / "home")]]  # fmt: skip
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(
+                    f"cannot make a btrfs disk with a quota (needs root and btrfs-progs): {done.stderr.strip()}"
+                )
+        return mounted / "home"
+
+    yield make
+    subprocess.run(["umount", "-l", str(mounted)], capture_output=True)
+
+
+@pytest.fixture
 def user_data(tmp_path) -> str:
     """The signals, written as a user would: plain h5py, on the big disk."""
     path = tmp_path / "signals.h5"
@@ -97,6 +122,33 @@ def test_a_full_disk_at_a_checkpoint_ends_the_job_cleanly(disks, user_data, rank
     assert time.monotonic() - started < 120
     leftovers = [p.name for p in small.rglob("*") if p.suffix == ".tmp" or p.name.endswith(".lock") or p.name == "lock"]
     assert not leftovers, leftovers
+
+
+def test_a_quota_too_small_for_a_checkpoint_is_said_before_the_save(quota, user_data):
+    """The disk has room, the user's quota not: the save is refused before it begins, its level named, the quota
+    said, exit 1. Before, free space was all that was asked, and the collective save met the quota midway."""
+    home = quota("1M")
+    job = dictlearn(2, "--data", user_data, "--iterations", "40", "--checkpoint-every", "10",
+                    "--out", str(home / "r.h5"))  # fmt: skip
+    one_message(job, 1, "checkpoint step 10", "level 3 needs", f"in {home / 'r.checkpoints'}", "Disk quota exceeded",
+                "your quota is full, it seems")  # fmt: skip
+    leftovers = [p.name for p in home.rglob("*") if p.suffix == ".tmp" or p.name.endswith(".lock") or p.name == "lock"]
+    assert not leftovers, leftovers
+
+
+def test_a_file_past_the_quota_is_refused_before_its_first_row(quota):
+    """A RowWriter whose file does not fit the quota (one process, a data set of 8 MiB): refused as it is made, the
+    quota said, nothing left; before, HDF5 met the quota in the write, and its error said only "file write failed"."""
+    home = quota("2M")
+    program = ("import sys, numpy as np; from mpiscale.io import write_dataset; "
+               "write_dataset(sys.argv[1], {'x': np.ones(1 << 20)})")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", program, str(home / "x.h5")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0 and "Traceback" in done.stderr, done.stderr[-3000:]  # (the WriteError, uncaught)
+    said = done.stderr.strip().splitlines()[-1]
+    assert said.startswith("mpiscale.io.errors.WriteError: ") and "the file needs 9.4 MiB in" in said, said
+    assert "refused to set it aside (Disk quota exceeded): your quota is full, it seems" in said, said
+    assert not list(home.iterdir()), list(home.iterdir())
 
 
 def test_a_full_disk_while_writing_the_planted_data_set(disks):

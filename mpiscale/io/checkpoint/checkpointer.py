@@ -257,7 +257,8 @@ class Checkpointer:
         """Why the save cannot fit on this rank's file systems, or None."""
         node = self.layout.node_dir(self.node) if self.layout.local is not None else None
         wanted = space_needed(levels, self.layout.shared, node, mine, sizes, len(self._senders), self._ranks_on_node)
-        problems = [space_problem(directory, needed, level) for directory, needed, level in wanted]
+        asks = {"level 3": self.rank == 0, "levels 1-2": self._node_leader}  # (one rank a directory sets room aside)
+        problems = [space_problem(directory, needed, level, asks[level]) for directory, needed, level in wanted]
         return next((problem for problem in problems if problem), None)
 
     def _budget(self, nbytes: int) -> float:
