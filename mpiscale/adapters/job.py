@@ -47,7 +47,6 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
-    kept_name,
     recorded_devices,
     run_lifecycle,
     setting_differences,
@@ -265,11 +264,7 @@ class _Compression(OutputAsState):
 
     def _keep(self, done: int) -> dict:
         """Stopped after ``done`` groups: the file goes to ``OUT.partial`` for a resumed run (collective)."""
-        kept = kept_name(self.config.out)
-        self._writer.close(kept)
-        if self.system.rank == 0:
-            print(f"mpiscale compress-adapters: kept the {done} of {len(self.groups)} layer groups done in {kept}; "
-                  "run the same command with --resume (on any number of ranks) to finish", flush=True)  # fmt: skip
+        self.keep_stopped(f"the {done} of {len(self.groups)} layer groups done")
         return {"adapters": self.count, "groups": len(self.groups), "groups_done": done, "stopped": True}
 
     def _summary(self, kept: list[tuple[int, int]], overall: np.ndarray) -> dict:

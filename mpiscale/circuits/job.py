@@ -37,7 +37,6 @@ from ..jobs import (
     claim_outputs,
     earlier_output,
     give_back,
-    kept_name,
     recorded_devices,
     run_lifecycle,
     setting_differences,
@@ -128,11 +127,7 @@ class _Run(OutputAsState):
     async def finish(self, ended: Ended) -> dict:
         out = self.config.out
         if ended.done < self.plan.total:
-            kept = kept_name(out)
-            self._writer.close(kept)
-            if self.system.rank == 0:
-                print(f"mpiscale circuits run: kept the batches written in {kept}; run the same command with "
-                      "--resume (on any number of ranks) to finish", flush=True)  # fmt: skip
+            self.keep_stopped("the batches written")
             return {"samples": self.inputs.samples, "stopped": True}
         self._writer.close()
         if self.system.rank == 0:

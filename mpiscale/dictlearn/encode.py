@@ -42,7 +42,6 @@ from ..jobs import (
     earlier_output,
     give_back,
     kept_file,
-    kept_name,
     run_lifecycle,
     setting_differences,
 )
@@ -181,11 +180,7 @@ class _Encoding(MarkedRounds):
         summary = {"signals": samples, "nonzeros": self.nonzeros, "stopped": ended.done < self.plan.total}
         self.mark()
         if summary["stopped"]:
-            kept = kept_name(config.out)
-            self._writer.close(kept)
-            if self.system.rank == 0:
-                print(f"mpiscale encode: kept the coded signals in {kept}; run the same command with --resume (on "
-                      "any number of ranks) to finish", flush=True)  # fmt: skip
+            self.keep_stopped("the coded signals")
             return summary
         self._writer.close()
         if self.system.rank == 0:

@@ -44,7 +44,7 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str, reserve:
     refused = reserve_refused(directory, needed) if reserve else None
     if refused is None:
         return None
-    quota = f"your quota is full, it seems (`quota -s`, or `lfs quota -h -u $USER {os.fspath(directory)}` on Lustre)"
+    quota = f"your quota is full, it seems ({_quota_commands(directory)})"
     why = quota if refused.errno == errno.EDQUOT else "the disk filled meanwhile, it seems"
     return (f"{where}, and the file system refused to set it aside ({refused.strerror}): {why}; free space or give "
             "another directory")  # fmt: skip
@@ -88,5 +88,10 @@ def write_failure_note(directory: str | os.PathLike, failure: str) -> str:
     if limit != resource.RLIM_INFINITY:
         return (f" ({where} has room, but this process may write files of at most {limit / 2**20:.1f} MiB: its file "
                 "size limit, ulimit -f, stopped the write, it seems)")  # fmt: skip
-    return (f" ({where} has {free / 2**30:.1f} GiB free, so a quota is full, it seems, or the disk failed: `quota -s`, "
-            f"or `lfs quota -h -u $USER {where}` on Lustre, shows your quotas)")  # fmt: skip
+    return (f" ({where} has {free / 2**30:.1f} GiB free, so a quota is full, it seems, or the disk failed: "
+            f"{_quota_commands(directory)}, shows your quotas)")  # fmt: skip
+
+
+def _quota_commands(directory: str | os.PathLike) -> str:
+    """The commands that show a user's quota on ``directory``'s file system, in words."""
+    return f"`quota -s`, or `lfs quota -h -u $USER {os.fspath(directory)}` on Lustre"

@@ -21,7 +21,7 @@ from ..runtime import ActorSystem, JobRefused
 from ..telemetry import Telemetry, set_current
 from .outputs import close_checkpointer, start_agreed
 from .progress import ProgressLine
-from .state import announce, keep_for_resume, steer, stopped_at_start
+from .state import announce, keep_for_resume, kept_name, steer, stopped_at_start
 
 Result = TypeVar("Result")
 
@@ -115,6 +115,15 @@ class OutputAsState(HeldOutputs):
 
     def save(self, done: int) -> None:
         self._writer.flush()  # every step's output is in the file, marked
+
+    def keep_stopped(self, what: str) -> None:
+        """A stopped run's output closed as ``OUT.partial`` for ``--resume`` (collective), and where said on rank 0:
+        ``what`` it holds ("the coded signals")."""
+        kept = kept_name(self._writer.path)
+        self._writer.close(kept)
+        if self.system.rank == 0:
+            print(f"mpiscale {self.command}: kept {what} in {kept}; run the same command with --resume (on any number "
+                  "of ranks) to finish", flush=True)  # fmt: skip
 
     def say_resumed(self, kept: str, done: int, total: int, what: str) -> None:
         """That this run goes on from ``kept``, an earlier run's file holding ``done`` of ``total`` ``what`` ("signals

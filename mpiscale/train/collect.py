@@ -51,7 +51,6 @@ from ..jobs import (
     choose_torch_device,
     claim_outputs,
     give_back,
-    kept_name,
     recorded_devices,
     run_lifecycle,
 )
@@ -149,11 +148,7 @@ class _Collection(MarkedRounds):
         config, summary = self.config, {"samples": self.samples, "widths": self.widths}
         self.mark()  # (a complete file is marked so too: inspect tells an unfinished one by its mark)
         if ended.done < self.plan.total:
-            kept = kept_name(config.out)
-            self._writer.close(kept)
-            if self.system.rank == 0:
-                print(f"mpiscale collect: kept the rows collected in {kept}; run the same command with --resume "
-                      "(on any number of ranks) to finish", flush=True)  # fmt: skip
+            self.keep_stopped("the rows collected")
             return summary | {"stopped": True}
         self._writer.close()
         if self.system.rank == 0:
