@@ -1,26 +1,26 @@
 """Adding circuits to a catalogue: one process, the whole batch or nothing, never two writers at once.
 
-``add_circuits`` copies the catalogue to a temporary name, appends the batch
-there and renames it into place (``publish``): a reader sees the old file or
-the new one, and a full disk or a refused batch leaves the old one as it was.
+``add_circuits`` reads the catalogue into memory, appends the batch there and
+writes the new file under a temporary name, then renames it into place
+(``io.write_file``): a reader sees the old file or the new one, and a full
+disk, a quota or a refused batch leaves the old one as it was.
 A lock beside the catalogue refuses a second writer (another job) while one
 is adding. Everything about the batch is checked before a byte is written.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
+from functools import partial
 
 import h5py
 import numpy as np
 
 from .._version import __version__
-from ..io import DataFileError, OutputLock, open_file, publish, stamp
+from ..io import DataFileError, OutputLock, open_file, stamp, write_file
 from .layout import CATALOGUE_FORMAT, MODEL_KINDS, model_group, prefix_group, space_group
 
 _FIELD_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -91,29 +91,24 @@ def add_circuits(path: str, batch: NewCircuits) -> int:
     check_batch(batch)
     lock = OutputLock(f"{path}.lock", f"the catalogue {path}")
     lock.acquire()
-    temporary = f"{path}.tmp"
     try:
-        if os.path.exists(path):
+        earlier = path if os.path.exists(path) else None
+        if earlier:
             with open_file(path, (CATALOGUE_FORMAT,)):
-                pass  # a file that is not a catalogue is refused before it is copied
-            shutil.copyfile(path, temporary)
-            mode = "r+"
-        else:
-            mode = "w"
-        with h5py.File(temporary, mode) as file:
-            if mode == "w":
-                stamp(file, CATALOGUE_FORMAT, 1)
-                file.attrs["circuits"] = 0
-            _check_against(file, path, batch)
-            total = _append(file, batch)
-            file.attrs["mpiscale_version"] = __version__
-        publish(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+                pass  # a file that is not a catalogue is refused before it is read
+        return write_file(path, partial(_add, batch=batch, path=path, new=earlier is None), start_from=earlier)
     finally:
         lock.release()
+
+
+def _add(file: h5py.File, batch: NewCircuits, path: str, new: bool) -> int:
+    """Add ``batch`` to the catalogue (a new one, or the earlier one's copy): the circuits it holds after."""
+    if new:
+        stamp(file, CATALOGUE_FORMAT, 1)
+        file.attrs["circuits"] = 0
+    _check_against(file, path, batch)
+    total = _append(file, batch)
+    file.attrs["mpiscale_version"] = __version__
     return total
 
 

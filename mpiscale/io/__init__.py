@@ -27,6 +27,7 @@ from .h5file import (
     publish,
     stamp,
     utc_timestamp,
+    write_atomically,
     write_file,
 )
 from .lock import OutputLock
@@ -104,6 +105,7 @@ __all__ = [
     "stamp",
     "utc_timestamp",
     "write_dataset",
+    "write_atomically",
     "write_file",
     "write_index",
 ]

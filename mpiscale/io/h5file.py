@@ -12,9 +12,10 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import h5py
 import numpy as np
@@ -26,11 +27,16 @@ from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
 from .other_formats import other_directory, other_format
+from .space import give_back_room, set_room_aside
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
 CHECKPOINT_FORMAT = "mpiscale.checkpoint/1"
 SHARD_FORMAT = "mpiscale.checkpoint-shard/1"
+T = TypeVar("T")
+# HDF5's metadata in a file of contiguous data sets, set aside with their bytes (measured: 6 KiB, and 0.4 KiB a data
+# set). On btrfs, room set aside and left unused stays taken while the file lasts (an extent is freed whole).
+METADATA_ROOM, DATASET_ROOM = 64 << 10, 4 << 10
 
 
 _background: set[Future] = set()
@@ -289,26 +295,73 @@ def publish(temporary: str | os.PathLike, path: str | os.PathLike) -> None:
     fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def write_file(path: str | os.PathLike, write: Callable[[h5py.File], None]) -> None:
-    """Write the HDF5 file ``path`` (one process) through ``write(file)``, under a temporary name first.
+@contextlib.contextmanager
+def published(path: str | os.PathLike) -> Iterator[str]:
+    """The temporary name to write the file ``path`` under: published as ``path`` when the block ends (``publish``),
+    removed if it raised. Readers see the old file or the whole new one, and a failed write leaves nothing."""
+    temporary = f"{os.fspath(path)}.tmp"
+    try:
+        yield temporary
+        publish(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def write_atomically(path: str | os.PathLike, data: bytes | bytearray | memoryview) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    with published(path) as temporary, open(temporary, "wb") as file:
+        file.write(data)
+
+
+def write_file(
+    path: str | os.PathLike, write: Callable[[h5py.File], T], start_from: str | os.PathLike | None = None
+) -> T:
+    """Write the HDF5 file ``path`` (one process) through ``write(file)``, under a temporary name first; what
+    ``write`` returns.
 
     Readers see the old file or the whole new one; a failure (a full disk, a
     quota, the file size limit) leaves nothing behind, and the system's error
     (``OSError``, its reason in one line) goes on to the caller. The file is
     made in memory (HDF5's core driver) and its image written to the disk:
     HDF5 1.10.8, left a file whose write had failed, raised a ``RuntimeError``
-    closing it, and crashed (SIGSEGV) at the process's end.
+    closing it, and crashed (SIGSEGV) at the process's end. ``start_from``: an
+    HDF5 file the new one begins as a copy of (read whole; itself untouched),
+    for an append that replaces it.
     """
-    temporary = f"{os.fspath(path)}.tmp"
-    with h5py.File(temporary, "w", driver="core", backing_store=False) as file:  # (nothing on the disk)
-        write(file)
+    with _in_memory(f"{os.fspath(path)}.tmp", start_from) as file:  # (nothing on the disk)
+        result = write(file)
         file.flush()
         image = file.id.get_file_image()
+    write_atomically(path, image)
+    return result
+
+
+def _in_memory(name: str, start_from: str | os.PathLike | None) -> h5py.File:
+    """A writable HDF5 file held in memory alone (HDF5's core driver): new, or a copy of the file ``start_from``."""
+    if start_from is None:
+        return h5py.File(name, "w", driver="core", backing_store=False)
+    access = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    access.set_fapl_core(backing_store=False)
+    with open(start_from, "rb") as source:
+        access.set_file_image(source.read())
+    return h5py.File(h5py.h5f.open(os.fsencode(name), h5py.h5f.ACC_RDWR, fapl=access))
+
+
+@contextlib.contextmanager
+def file_with_room(path: str | os.PathLike, nbytes: int, datasets: int) -> Iterator[h5py.File]:
+    """A new HDF5 file ``path`` (one process, on the disk) for ``nbytes`` of data in ``datasets`` data sets, whose
+    writes cannot fail for want of room: it is set aside as the file is made, HDF5's metadata with it
+    (``space.set_room_aside``: a full disk or quota raises ``OSError`` there, before any data is written), and what
+    stays unused is freed as it is closed. For files too large to be made in memory as ``write_file``'s are, whose
+    failed write HDF5 would turn into a crash."""
+    file = h5py.File(path, "w")
     try:
-        with open(temporary, "wb") as out:
-            out.write(image)
-        publish(temporary, path)
+        set_room_aside(path, nbytes + METADATA_ROOM + DATASET_ROOM * datasets)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+        file.close()
         raise
+    with file:
+        yield file
+    give_back_room(path)

@@ -5,7 +5,9 @@ MPI jobs (one rank fails, another waits inside the collective, or HDF5 cannot
 close a file it could not flush). ``statvfs`` does not see user quotas: one
 process per directory also asks the file system to set the room aside
 (``fallocate``), which meets them; where it cannot (no ``fallocate``), the
-checkpointer's deadline stays the backstop.
+checkpointer's deadline stays the backstop. A file one process writes through
+HDF5 has its room set aside as it is made (``set_room_aside``): HDF5 1.10.8,
+a write of its refused, raised from the file's close and crashed the process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
 SLACK = 1 << 20
 _LIBC = ctypes.CDLL(None, use_errno=True)  # (fallocate(2) itself: os.posix_fallocate writes zeros where it lacks)
+_KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE: the blocks are allocated past the file's end, its size stays
 NEARLY_FULL = 64 << 20  # free bytes under which a failed write is said to have met a full disk (HDF5's chunks: 1 MiB)
 
 
@@ -35,7 +38,7 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str, reserve:
     room too (``reserve_refused``), which meets the user's quota; one process
     per directory and save, since the room several ask for at once adds up.
     """
-    needed = int(nbytes * MARGIN) + SLACK
+    needed = room_for(nbytes)
     free = free_bytes(directory)
     where = f"{what} needs {needed / 2**20:.1f} MiB in {os.fspath(directory)}"
     if free < needed:
@@ -44,10 +47,49 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str, reserve:
     refused = reserve_refused(directory, needed) if reserve else None
     if refused is None:
         return None
-    quota = f"your quota is full, it seems ({_quota_commands(directory)})"
-    why = quota if refused.errno == errno.EDQUOT else "the disk filled meanwhile, it seems"
-    return (f"{where}, and the file system refused to set it aside ({refused.strerror}): {why}; free space or give "
-            "another directory")  # fmt: skip
+    return f"{where}, and the file system refused to set it aside {_refusal_words(directory, refused.errno)}"
+
+
+def room_for(nbytes: int) -> int:
+    """The bytes an HDF5 file of ``nbytes`` of arrays may take: its metadata and alignment on top."""
+    return int(nbytes * MARGIN) + SLACK
+
+
+def set_room_aside(path: str | os.PathLike, nbytes: int) -> None:
+    """Have the file system allocate ``nbytes`` past the end of the file ``path`` now, its size kept (``fallocate``,
+    FALLOC_FL_KEEP_SIZE): writes within them then meet no full disk and no quota, which raise here instead
+    (``OSError``), before a byte of them is written; so does a file past the process's file size limit (EFBIG). A
+    file system that cannot set room aside is asked nothing. ``give_back_room`` frees what stays unused."""
+    size = os.stat(path).st_size
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and size + nbytes > limit:
+        raise OSError(errno.EFBIG, f"{os.strerror(errno.EFBIG)}: {os.fspath(path)} would need "
+                      f"{(size + nbytes) / 2**20:.1f} MiB, and this process may write files of at most "
+                      f"{limit / 2**20:.1f} MiB (its file size limit, ulimit -f)")  # fmt: skip
+    descriptor = os.open(path, os.O_WRONLY)
+    try:
+        if _LIBC.fallocate(descriptor, _KEEP_SIZE, ctypes.c_int64(size), ctypes.c_int64(nbytes)) == 0:
+            return
+        code = ctypes.get_errno()
+    finally:
+        os.close(descriptor)
+    if code in (errno.EDQUOT, errno.ENOSPC):
+        directory = os.path.dirname(os.path.abspath(path))
+        raise OSError(code, f"{os.fspath(path)} needs {nbytes / 2**20:.1f} MiB more, which the file system refused "
+                      f"to set aside {_refusal_words(directory, code)}")  # fmt: skip
+
+
+def give_back_room(path: str | os.PathLike) -> None:
+    """Free the blocks ``set_room_aside`` allocated past the end of ``path`` that its writes left unused (a
+    truncation to the size it has)."""
+    os.truncate(path, os.stat(path).st_size)
+
+
+def _refusal_words(directory: str | os.PathLike, code: int | None) -> str:
+    """Why the file system refused room in ``directory`` (errno ``code``), and what to do."""
+    why = f"your quota is full, it seems ({_quota_commands(directory)})" if code == errno.EDQUOT else (
+        "the disk filled meanwhile, it seems")  # fmt: skip
+    return f"({os.strerror(code or errno.ENOSPC)}): {why}; free space or give another directory"
 
 
 def reserve_refused(directory: str | os.PathLike, nbytes: int) -> OSError | None:

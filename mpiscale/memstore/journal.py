@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import Checkpointer, CheckpointError, ReplayReport, WriteAheadLog, encode_record, publish, replay
+from ..io import Checkpointer, CheckpointError, ReplayReport, WriteAheadLog, encode_record, replay, write_atomically
 from ..ranks import as_mpi
 from ..runtime import ActorSystem
 
@@ -149,9 +149,8 @@ class Journal:
         """Start a new run's logs after checkpoint ``start``; other runs' logs on this node go (collective)."""
         run = self.comm.bcast(secrets.token_hex(6) if self.system.rank == 0 else None, 0)
         if self.system.rank == 0:
-            temporary = self.record_file.with_name("journal.json.tmp")
-            temporary.write_text(json.dumps({"run": run, "start": start, "ranks": self.system.size, "meta": meta}))
-            publish(temporary, self.record_file)
+            record = {"run": run, "start": start, "ranks": self.system.size, "meta": meta}
+            write_atomically(self.record_file, json.dumps(record).encode())
         self.comm.Barrier()
         self.run, self.start = run, start
         if self.system.rank == self.nodes_of.index(self.node):  # the node's first rank tidies its disk's logs

@@ -151,6 +151,24 @@ def test_a_file_past_the_quota_is_refused_before_its_first_row(quota):
     assert not list(home.iterdir()), list(home.iterdir())
 
 
+@pytest.mark.parametrize("kind", ["shard", "catalogue"])
+def test_a_file_one_process_writes_past_its_quota_is_refused_and_the_process_lives(quota, kind):
+    """A level-1 checkpoint shard, or circuits added to a catalogue, too large for the quota with no check before
+    (one that filled since, or a file system that cannot set room aside): the system's error, the process goes on,
+    the first file whole, nothing else left. Before, HDF5 met the quota inside the write, raised from the close,
+    and the process crashed at its end (SIGSEGV), its temporary file left."""
+    home = quota("4M")
+    program = Path(__file__).parent / "programs" / "past_quota.py"
+    done = subprocess.run([sys.executable, str(program), kind, str(home)], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stdout, done.stderr[-3000:])
+    assert "refused: [Errno 122] " in done.stdout and "Disk quota exceeded" in done.stdout, done.stdout
+    if kind == "shard":  # the room is asked before the arrays are written
+        assert "MiB more, which the file system refused to set aside (Disk quota exceeded): your quota is full" in (
+            done.stdout), done.stdout  # fmt: skip
+    assert done.stdout.strip().endswith(f"left: {kind}.h5"), done.stdout
+
+
 def test_a_full_disk_while_writing_the_planted_data_set(disks):
     """The synthetic data set does not fit: one message with the errno, exit 1, its temporary file removed."""
     small = disks("small", "size=256k")

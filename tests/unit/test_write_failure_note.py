@@ -1,5 +1,6 @@
-"""What a failed write says: io.space.write_failure_note, added to HDF5's "file write failed", which never says why,
-and a results file the system refused (io.write_file, one process's): the system's error, nothing left behind."""
+"""What a failed write says: io.space.write_failure_note, added to HDF5's "file write failed", which never says why;
+a results file or an append the system refused (io.write_file, one process's) and a checkpoint shard past the file
+size limit: the system's error, nothing left behind, the process alive."""
 
 import errno
 import os
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from mpiscale.io import write_file
+from mpiscale.io.checkpoint.files import read_shard, write_shard
 from mpiscale.io.space import write_failure_note
 
 FAILED = "Unable to set dataset extent (file write failed)"
@@ -67,3 +69,43 @@ def test_a_results_file_past_the_file_size_limit_is_the_systems_error_and_leaves
     write_file(out, lambda file: file.create_dataset("x", data=np.arange(1 << 18)))
     with h5py.File(out, "r") as file:  # (a file of the disk, as any reader opens it)
         assert file.driver == "sec2" and file["x"][-1] == (1 << 18) - 1
+
+
+def test_a_shard_past_the_file_size_limit_is_refused_before_its_arrays_and_leaves_nothing(tmp_path, file_size_limit):
+    """A level-1 shard is written by HDF5 on the disk (too large to be made in memory): its room is set aside as the
+    file is made, and a file past the limit is refused there, naming it. Before, HDF5's refused write crashed the
+    process at its end. The room a written shard left unused is given back."""
+    path = tmp_path / "shard.h5"
+    file_size_limit(1 << 20)
+    with pytest.raises(OSError) as raised:
+        write_shard(path, 1, 0, 1, {"x": np.ones(1 << 18)})
+    file_size_limit(resource.RLIM_INFINITY)
+    assert raised.value.errno == errno.EFBIG, raised.value
+    assert "this process may write files of at most 1.0 MiB (its file size limit, ulimit -f)" in str(raised.value)
+    assert os.listdir(tmp_path) == []
+    write_shard(path, 1, 0, 1, {"x": np.arange(1 << 18), "y": np.ones((3, 2))})
+    assert (read_shard(str(path), ["x"])["x"] == np.arange(1 << 18)).all()
+    written = os.stat(path)
+    assert written.st_blocks * 512 < written.st_size + (64 << 10), written  # (not the room set aside)
+
+
+def test_an_append_that_fails_leaves_the_file_it_started_from_as_it_was(tmp_path, file_size_limit):
+    """write_file(..., start_from=): the new file begins as the old one's copy, in memory; a refused write of it
+    leaves the old one alone, and what ``write`` returns comes back."""
+    path = tmp_path / "grows.h5"
+    write_file(path, lambda file: file.create_dataset("x", data=np.arange(10), maxshape=(None,)))
+    before = path.read_bytes()
+
+    def append(file: h5py.File, rows: int) -> int:
+        file["x"].resize((10 + rows,))
+        file["x"][10:] = 7
+        return file["x"].shape[0]
+
+    file_size_limit(1 << 20)
+    with pytest.raises(OSError, match="File too large"):
+        write_file(path, lambda file: append(file, 1 << 18), start_from=path)
+    file_size_limit(resource.RLIM_INFINITY)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["grows.h5"]
+    assert write_file(path, lambda file: append(file, 5), start_from=path) == 15
+    with h5py.File(path, "r") as file:
+        assert list(file["x"][()]) == [*range(10), *[7] * 5]

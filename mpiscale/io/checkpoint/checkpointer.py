@@ -23,10 +23,10 @@ from ...ranks import AnyComm, agree, as_mpi, by_ranks, on_rank_0, run_agreed, sp
 from ...runtime import RuntimeConfig
 from ..abandon import entered_by_all
 from ..errors import CheckpointError, LockedError
-from ..h5file import settle_background_io, track_background_io
+from ..h5file import settle_background_io, track_background_io, write_atomically
 from ..lock import OutputLock
 from ..space import space_problem
-from .files import Layout, array_problem, write_atomically, write_shard, write_shared
+from .files import Layout, array_problem, write_shard, write_shared
 from .levels import save_levels, space_needed
 from .manifest import SaveJob, build_manifest, nbytes
 from .partners import choose_partners, copy_to_partner

@@ -28,7 +28,18 @@ import h5py
 import numpy as np
 
 from ...ranks import Comm
-from ..h5file import CHECKPOINT_FORMAT, SHARD_FORMAT, dataset, file_access, open_file, publish, stamp, unstorable
+from ..h5file import (
+    CHECKPOINT_FORMAT,
+    SHARD_FORMAT,
+    dataset,
+    file_access,
+    file_with_room,
+    open_file,
+    publish,
+    published,
+    stamp,
+    unstorable,
+)
 from ..rows import read_rows, write_rows
 
 #: Data sets of the level-3 file start on 1 MiB boundaries, and each rank writes its own contiguous
@@ -67,14 +78,6 @@ def array_problem(name: object, array: object, rows: bool) -> str | None:
 def checksum(array: np.ndarray, algorithm: str = CHECKSUM) -> int:
     """Checksum of an array's bytes in C order (CRC-32C by default)."""
     return CHECKSUMS[algorithm](memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-
-
-def write_atomically(path: Path, data: bytes | bytearray | memoryview) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        file.write(data)
-    publish(temporary, path)
 
 
 @dataclass(frozen=True)
@@ -140,14 +143,14 @@ def _shards_in(directory: Path) -> list[tuple[int, bool, str]]:
 
 
 def write_shard(path: Path, step: int, rank: int, world_size: int, arrays: dict[str, np.ndarray]) -> None:
-    """Write one rank's shard (serial HDF5) atomically."""
+    """Write one rank's shard (serial HDF5) atomically, its room set aside first: a full disk or quota raises
+    ``OSError`` before the arrays are written, and leaves nothing behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with h5py.File(temporary, "w") as file:
+    nbytes = sum(array.nbytes for array in arrays.values())
+    with published(path) as temporary, file_with_room(temporary, nbytes, len(arrays)) as file:
         stamp(file, SHARD_FORMAT, world_size, {"step": step, "rank": rank})
         for name, array in arrays.items():
             file.create_dataset(name, data=array)
-    publish(temporary, path)
 
 
 def read_shard(path: str, names: list[str]) -> dict[str, np.ndarray]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ...ranks import MAX_MESSAGE_BYTES, Comm, chunks
-from .files import Layout, write_atomically
+from ..h5file import write_atomically
+from .files import Layout
 
 _PARTNER_TAG = 29
 
