@@ -27,16 +27,13 @@ from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
 from .other_formats import other_directory, other_format
-from .space import give_back_room, set_room_aside
+from .space import file_bytes, give_back_room, set_room_aside
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
 CHECKPOINT_FORMAT = "mpiscale.checkpoint/1"
 SHARD_FORMAT = "mpiscale.checkpoint-shard/1"
 T = TypeVar("T")
-# HDF5's metadata in a file of contiguous data sets, set aside with their bytes (measured: 6 KiB, and 0.4 KiB a data
-# set). On btrfs, room set aside and left unused stays taken while the file lasts (an extent is freed whole).
-METADATA_ROOM, DATASET_ROOM = 64 << 10, 4 << 10
 
 
 _background: set[Future] = set()
@@ -358,7 +355,7 @@ def file_with_room(path: str | os.PathLike, nbytes: int, datasets: int) -> Itera
     failed write HDF5 would turn into a crash."""
     file = h5py.File(path, "w")
     try:
-        set_room_aside(path, nbytes + METADATA_ROOM + DATASET_ROOM * datasets)
+        set_room_aside(path, file_bytes(nbytes, datasets))
     except BaseException:
         file.close()
         raise

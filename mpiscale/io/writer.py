@@ -29,7 +29,13 @@ from .errors import WriteError, plain_write_error
 from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, stamp, unstorable
 from .rows import rounds_of, write_rows
 from .same_calls import NO_ROWS_WRITTEN, on_files
-from .space import space_problem, write_failure_note
+from .space import (
+    file_bytes,
+    give_back_room,
+    set_room_aside,
+    space_problem,
+    write_failure_note,
+)
 
 
 class RowWriter:
@@ -42,7 +48,10 @@ class RowWriter:
     A write that fails on every rank once the file is open (a full disk) ends
     the job (see ``_failed``), its temporary file removed, or kept where
     ``resumable``: the file is a job's only state, marked as it goes, which a
-    resumed run reopens (``reopen``'s writers are).
+    resumed run reopens (``reopen``'s writers are). The room of the data sets
+    made with a shape is set aside as the file is made (``set_room_aside``):
+    a quota another job fills while this one runs for hours meets that job's
+    writes, not these; what stays unused is given back at the close.
     """
 
     _kept = False  # left open for a resumed run by ``keep``, which said so
@@ -73,6 +82,7 @@ class RowWriter:
             if problem is not None:
                 raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
         total = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        self._data, self._sets = total, len(layout)  # (what the room set aside holds: the data sets' bytes)
         room = space_problem(directory, total, "the file", reserve=True) if self.rank == 0 else None
         agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
         settle_background_io()
@@ -93,6 +103,11 @@ class RowWriter:
             failure = error
         self._agree(failure)
         self._opened()
+        try:
+            self._agree_room(f"writing {self.path}")
+        except WriteError:
+            self.abort()
+            raise
         self.resumable = resumable
 
     @classmethod
@@ -116,6 +131,9 @@ class RowWriter:
         settle_background_io()
         try:
             writer.file = h5py.File(writer.temporary, "r+", **file_access(writer.comm))
+            writer._data, writer._sets = _contents(writer.file) if writer.rank == 0 else (0, 0)
+            if writer.rank == 0:  # (the rows not yet written are holes of the file, or past its end)
+                writer._set_room_aside()
         except (OSError, RuntimeError) as error:
             failure = error
         try:
@@ -167,6 +185,9 @@ class RowWriter:
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)
+        self._data += sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        self._sets += len(layout)
+        self._agree_room(f"adding {', '.join(layout)} to {self.path}")
 
     def grow(self, rows: dict[str, int]) -> None:
         """Set the first dimension of growing data sets (collective: the same ``rows`` on every rank); smaller
@@ -256,6 +277,7 @@ class RowWriter:
                 self.file = None
                 self._open.clear()
             if self.rank == 0:
+                give_back_room(self.temporary)
                 publish(self.temporary, self.path if name is None else name)
         except (OSError, RuntimeError) as error:
             failure = error
@@ -292,6 +314,21 @@ class RowWriter:
         if found is None:
             found = self._open[name] = self.file[name]
         return found
+
+    def _set_room_aside(self) -> None:
+        """Have the file system allocate the file's room (rank 0's call: the blocks are the file's, for every rank)."""
+        set_room_aside(self.temporary, file_bytes(self._data, self._sets))
+
+    def _agree_room(self, what: str) -> None:
+        """Rank 0 sets the file's room aside (collective); a refusal (a full disk, a quota) raises ``WriteError`` on
+        every rank, before a row of the new room is written, so that the file stays whole and can be closed."""
+        failure = None
+        if self.rank == 0:
+            try:
+                self._set_room_aside()
+            except OSError as error:
+                failure = error
+        agree(self.comm, failure, what, WriteError, entered=True)
 
     def _opened(self) -> None:
         """The file made or reopened: whether it uses MPI-IO, asked once (25-45 µs a round); over several ranks,
@@ -377,3 +414,12 @@ class RowWriter:
         elif self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
+
+
+def _contents(file: h5py.File) -> tuple[int, int]:
+    """The bytes of the data sets of ``file`` at their present shapes, and how many there are."""
+    sizes: list[int] = []
+    file.visititems(
+        lambda _, item: sizes.append(item.size * item.dtype.itemsize) if isinstance(item, h5py.Dataset) else None
+    )
+    return sum(sizes), len(sizes)

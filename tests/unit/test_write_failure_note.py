@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpiscale.io import write_file
+from mpiscale.io import WriteError, write_dataset, write_file
 from mpiscale.io.checkpoint.files import read_shard, write_shard
 from mpiscale.io.space import write_failure_note
 
@@ -109,3 +109,15 @@ def test_an_append_that_fails_leaves_the_file_it_started_from_as_it_was(tmp_path
     assert write_file(path, lambda file: append(file, 5), start_from=path) == 15
     with h5py.File(path, "r") as file:
         assert list(file["x"][()]) == [*range(10), *[7] * 5]
+
+
+def test_a_data_set_past_the_file_size_limit_is_refused_before_its_first_row(tmp_path, file_size_limit):
+    """A RowWriter's data sets made with their shape have their room set aside as the file is made: one past the
+    limit is refused there, naming it, before any row is written (their write failed in HDF5)."""
+    file_size_limit(1 << 20)
+    with pytest.raises(WriteError) as raised:
+        write_dataset(tmp_path / "x.h5", {"x": np.ones(1 << 18)})
+    file_size_limit(resource.RLIM_INFINITY)
+    assert "File too large: " in str(raised.value) and "would need 2.1 MiB, and this process may write files of " \
+        "at most 1.0 MiB (its file size limit, ulimit -f)" in str(raised.value), raised.value  # fmt: skip
+    assert os.listdir(tmp_path) == []
