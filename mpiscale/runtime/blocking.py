@@ -251,10 +251,11 @@ def blocking_collective(comm: AnyComm, start: Callable[[Any], Any], operation: s
         while not request.Test() and time.monotonic() - began < _SPIN_S:  # ranks that come together: no sleep
             pass  # (no sched_yield: with the kernels' threads busy on the cores, it made fit 20% slower)
         while not request.Test():
-            if check_s and overdue is not None and not said and time.monotonic() - began >= check_s:
+            now = time.monotonic()  # (one reading for both: a look due at the check comes after the wait is said)
+            if check_s and overdue is not None and not said and now - began >= check_s:
                 print(overdue, file=sys.stderr, flush=True)
                 said = True
-            if look_at is not None and time.monotonic() >= look_at:
+            if look_at is not None and now >= look_at:
                 _end_if_one_ended(raw, request, operation)
                 look_at = time.monotonic() + _LOOK_EVERY_S
             if watch is not None and log is not None:
