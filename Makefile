@@ -34,27 +34,28 @@ api: setup
 	$(PY) docs/build_api.py docs/api
 
 # The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
-# periods, sleeps, Slurm's scheduling), which the other worker fills. Two keep this 2-core machine's cores busy: three
-# were slower (17:48 against 15:16-16:32 for two in the development tree, on 2026-11-26, the CPU saturated) and made
-# two timing tests miss; a clean clone's run took 17:25 of pytest that day. Most of the CPU is the ranks' start-up
-# (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other), so a rank the tests
-# launch starts warm, forked from a process of its worker that has imported them already (tests/warm_start.py;
-# docs/architecture.md, "How the tests run"; MPISCALE_TESTS_COLD=1 starts every rank cold, as a user's job does: 19-20
-# minutes that day). Set-up compiles the Numba kernels once, and the library-level checks of a module share one MPI
-# world per layout (tests/helpers.py, Worlds). A file's tests stay on one worker: they share fixtures (a trained
-# model, the Slurm cluster, which a second one on the host would fight). TEST_WORKERS=0 runs them in this process, one
-# after another. On 2026-12-02 a clean clone's pytest took 24:09 (2,866 s of the workers' time for 1,450 s of wall: they
-# ran side by side to the end); process accounting over the dictlearn and circuits files found the two cores 87% busy,
-# 84% of it in warm-started ranks' own work, and the runtime's spins cost nothing there (all spins off: 204 s, 207 on).
-# On 2026-12-03, with the project's bytecode and more preloaded in the warm ranks, a clean clone's pytest took 21:41
-# on a fast hour of the VM and 33:08 on a slow one (2,621 s of the workers' time in the fast run; the cores 85% busy
-# over its whole .ci/run); the cold-started cluster file was the largest, 371 s. On 2026-12-04, its ranks warm too,
-# a clean clone's pytest took 20:00 (2,416 s of the workers' time; the cluster file 303 s; other files ran 5-20%
-# faster too that hour, so part of it is the VM's speed). On 2026-12-06 a warm rank's end left out the interpreter's
-# teardown of the preloaded modules (about 0.3 s a rank, tests/warm_start.py): the user-data and circuits files took
-# 107-112 s against 122-125 s, old and new alternating; a clean clone's pytest took 19:36 (2,388 s of the workers'
-# time) against 24:16 (2,877 s) an hour before, the rest of it the VM's pace.
-TEST_WORKERS ?= 2
+# periods, sleeps, Slurm's scheduling), which the other workers fill. On 2026-11-26 three were slower than two on this
+# 2-core machine (17:48 against 15:16-16:32, the CPU saturated) and made two timing tests miss. Since then the ranks
+# start warm and the tests wait less in CPU; on 2026-12-07 (a slower VM) two workers left the cores 8-18% idle, and
+# clean clones an hour apart took 26:22 of pytest on two workers and 22:33 on three, every test passing. Most of the CPU
+# is the ranks' start-up (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other),
+# so a rank the tests launch starts warm, forked from a process of its worker that has imported them already
+# (tests/warm_start.py; docs/architecture.md, "How the tests run"; MPISCALE_TESTS_COLD=1 starts every rank cold, as a
+# user's job does: 19-20 minutes that day). Set-up compiles the Numba kernels once, and the library-level checks of a
+# module share one MPI world per layout (tests/helpers.py, Worlds). A file's tests stay on one worker: they share
+# fixtures (a trained model, the Slurm cluster, which a second one on the host would fight). TEST_WORKERS=0 runs them in
+# this process, one after another. On 2026-12-02 a clean clone's pytest took 24:09 (2,866 s of the workers' time for
+# 1,450 s of wall: they ran side by side to the end); process accounting over the dictlearn and circuits files found the
+# two cores 87% busy, 84% of it in warm-started ranks' own work, and the runtime's spins cost nothing there (all spins
+# off: 204 s, 207 on). On 2026-12-03, with the project's bytecode and more preloaded in the warm ranks, a clean clone's
+# pytest took 21:41 on a fast hour of the VM and 33:08 on a slow one (2,621 s of the workers' time in the fast run; the
+# cores 85% busy over its whole .ci/run); the cold-started cluster file was the largest, 371 s. On 2026-12-04, its ranks
+# warm too, a clean clone's pytest took 20:00 (2,416 s of the workers' time; the cluster file 303 s; other files ran
+# 5-20% faster too that hour, so part of it is the VM's speed). On 2026-12-06 a warm rank's end left out the
+# interpreter's teardown of the preloaded modules (about 0.3 s a rank, tests/warm_start.py): the user-data and circuits
+# files took 107-112 s against 122-125 s, old and new alternating; a clean clone's pytest took 19:36 (2,388 s of the
+# workers' time) against 24:16 (2,877 s) an hour before, the rest of it the VM's pace.
+TEST_WORKERS ?= 3
 
 # The suite runs on the compiled message path (launch/setup.sh builds it; tests/unit/test_wire.py fails where it is
 # missing or stale); the runtime's message tests then run again on the pure-Python reference (MPISCALE_PURE_PYTHON=1).

@@ -29,7 +29,9 @@ def _run(*command: object, timeout: float = INSTALL_TIMEOUT, env: dict | None = 
 
 
 def _pip(venv: Path, *args: object, env: dict | None = None) -> None:
-    done = _run(venv / "bin" / "pip", "install", "--disable-pip-version-check", "-q", *args, env=env)
+    """``pip install ARGS`` into ``venv``, its byte-compiling of every module installed left out (about 10 s of
+    CPU for scipy's and numba's; what the tests import is compiled as it is imported)."""
+    done = _run(venv / "bin" / "pip", "install", "--disable-pip-version-check", "-q", "--no-compile", *args, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
