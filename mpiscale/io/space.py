@@ -5,9 +5,11 @@ MPI jobs (one rank fails, another waits inside the collective, or HDF5 cannot
 close a file it could not flush). ``statvfs`` does not see user quotas: one
 process per directory also asks the file system to set the room aside
 (``fallocate``), which meets them; where it cannot (no ``fallocate``), the
-checkpointer's deadline stays the backstop. A file one process writes through
-HDF5 has its room set aside as it is made (``set_room_aside``): HDF5 1.10.8,
-a write of its refused, raised from the file's close and crashed the process.
+checkpointer's deadline stays the backstop. A file HDF5 writes on the disk has
+its room set aside in it as it is made (``set_room_aside``), so that no write of
+its data meets a full disk later: HDF5 1.10.8, a one-process file's write
+refused, raised from the close and crashed the process; a parallel one's left
+the other ranks waiting in MPI-IO.
 """
 
 from __future__ import annotations

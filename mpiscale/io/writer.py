@@ -50,8 +50,9 @@ class RowWriter:
     ``resumable``: the file is a job's only state, marked as it goes, which a
     resumed run reopens (``reopen``'s writers are). The room of the data sets
     made with a shape is set aside as the file is made (``set_room_aside``):
-    a quota another job fills while this one runs for hours meets that job's
-    writes, not these; what stays unused is given back at the close.
+    a disk (or an ext4 or XFS quota) another job fills while this one runs for
+    hours meets that job's writes, not these; what stays unused is given back
+    at the close.
     """
 
     _kept = False  # left open for a resumed run by ``keep``, which said so
