@@ -36,10 +36,11 @@ api: setup
 # The tests run on TEST_WORKERS pytest-xdist workers: one by one, half of the suite's time is waiting (mpirun's grace
 # periods, sleeps, Slurm's scheduling), which the other workers fill. On 2026-11-26 three were slower than two on this
 # 2-core machine (17:48 against 15:16-16:32, the CPU saturated) and made two timing tests miss. Since then the ranks
-# start warm and the tests wait less in CPU; on 2026-12-07 (a slower VM) two workers left the cores 8-18% idle, and
-# clean clones an hour apart took 26:22 of pytest on two workers and 22:33 on three, every test passing. Most of the CPU
-# is the ranks' start-up (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other),
-# so a rank the tests launch starts warm, forked from a process of its worker that has imported them already
+# start warm and the tests wait less in CPU; on 2026-12-07 (a slower VM) two workers left the cores 8% idle over a run
+# (18% in parts), three 7%, and clean clones took 26:22 of pytest on two workers, 22:33 and 26:06 on three, every test
+# passing (the VM's pace varies by 15% between runs of the same code: a small gain, not a sure one). Most of the CPU is
+# the ranks' start-up (torch's import: 1.2-1.9 s of a training rank; Numba's import and target: 0.8 s of any other), so
+# a rank the tests launch starts warm, forked from a process of its worker that has imported them already
 # (tests/warm_start.py; docs/architecture.md, "How the tests run"; MPISCALE_TESTS_COLD=1 starts every rank cold, as a
 # user's job does: 19-20 minutes that day). Set-up compiles the Numba kernels once, and the library-level checks of a
 # module share one MPI world per layout (tests/helpers.py, Worlds). A file's tests stay on one worker: they share
