@@ -27,12 +27,13 @@ import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
 from ..io import Checkpointer, CheckpointError, ReplayReport, WriteAheadLog, encode_record, replay, write_atomically
 from ..ranks import as_mpi
-from ..runtime import ActorSystem
+from ..runtime import ActorSystem, end_job
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class Journal:
                     if not path.name.startswith(f"run-{run}."):
                         path.unlink(missing_ok=True)
         self.comm.Barrier()
-        self._own = WriteAheadLog(self._path(False, self.system.rank, start))
+        self._own = _opened(self._path(False, self.system.rank, start))
 
     # ------------------------------------------------------------------ writing
     async def write(self, number: int, ops: list[Op], notes: dict[str, np.ndarray]) -> None:
@@ -168,7 +169,7 @@ class Journal:
         if self._own is None:
             raise RuntimeError("the journal is not open: call MemoryStore.recover() first")
         data = encode_record(number, encode_commit(ops, notes))
-        self._own.append_encoded(data)  # (fsyncs in threads, overlapping the exchange, were slower here)
+        _append(self._own, data)  # (fsyncs in threads, overlapping the exchange, were slower here)
         partner, copied = self.checkpoints.partner, 0
         if partner is not None:
             counts = np.zeros(self.system.size, np.int64)
@@ -178,15 +179,15 @@ class Journal:
             for source in np.flatnonzero(sources):
                 copy = self._copies.get(int(source))
                 if copy is None:
-                    copy = self._copies[int(source)] = WriteAheadLog(self._path(True, int(source), self.start))
-                copy.append_encoded(memoryview(received[offsets[source] : offsets[source + 1]]))
+                    copy = self._copies[int(source)] = _opened(self._path(True, int(source), self.start))
+                _append(copy, memoryview(received[offsets[source] : offsets[source + 1]]))
         self.bytes_written += len(data) + copied
 
     def rotate(self, start: int, keep_from: int) -> None:
         """New segments after checkpoint ``start``; this rank's segments before checkpoint ``keep_from`` go."""
         self.close()
         self.start = start
-        self._own = WriteAheadLog(self._path(False, self.system.rank, start))
+        self._own = _opened(self._path(False, self.system.rank, start))
         senders = set(self.checkpoints.senders)
         for path in self.wal_dir(self.node).glob(f"run-{self.run}.*.wal"):
             segment = _parse(self.node, self.node, path.name)
@@ -267,3 +268,28 @@ def lost_logs(found: list[Segment], ranks: int | None) -> list[int]:
     logs found name (records of older versions do not say)."""
     world = ranks if ranks is not None else (found[0].world if found else 0)
     return sorted(set(range(world)) - {segment.rank for segment in found})
+
+
+def _opened(path: Path) -> WriteAheadLog:
+    """The log segment ``path``, opened to append (made if missing); a disk that refuses it ends the job as
+    ``_append`` does."""
+    try:
+        return WriteAheadLog(path)
+    except OSError as error:
+        _refused(str(path), error)
+
+
+def _append(log: WriteAheadLog, record: bytes | bytearray | memoryview) -> None:
+    """Append ``record`` to ``log``, durable; a write the disk refuses (full, a quota) ends the job in one line."""
+    try:
+        log.append_encoded(record)
+    except OSError as error:
+        _refused(log.path, error)
+
+
+def _refused(path: str, error: OSError) -> NoReturn:
+    """End the job over the log ``path`` its disk refused (this rank alone may see it: a node's own disk). What was
+    logged before and the checkpoints stay whole (a torn last record is cut off as the log is read back)."""
+    end_job(f"the memory store's log {path} could not be written ({error.strerror or error}): the checkpoints and "
+            "the commits logged before are intact; free space there and run the same command, which goes on from "
+            "them")  # fmt: skip

@@ -183,6 +183,26 @@ def test_a_disk_another_job_fills_while_a_file_is_written_stops_that_jobs_write(
     assert sorted(path.name for path in small.iterdir()) == ["other.bin", "x.h5"]
 
 
+def test_a_full_node_disk_under_the_memory_stores_log_ends_the_job_in_one_line_and_the_same_command_goes_on(
+    disks, tmp_path
+):
+    """The memory store's write-ahead log on a node-local disk that fills: each rank whose log the disk refuses says
+    so in one line naming it, status 1. Before, the OSError ended the job in a traceback (the runtime's report of an
+    uncaught error). With room made, the same command runs to its end."""
+    local = disks("local", "size=2m")
+    command = ["memstore", "--records", "200000", "--iterations", "200", "--checkpoint-every", "50",
+               "--checkpoint-dir", tmp_path / "checkpoints", "--local-dir", local, "--out", tmp_path / "store.h5",
+               "--progress-every", "0"]  # fmt: skip
+    job = run_cli(2, *command)
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
+    assert job.returncode == 1 and "Traceback" not in job.stderr and said, job.output[-6000:]
+    assert all(f"the memory store's log {local}/" in line and "could not be written (No space left on device): the "
+               "checkpoints and the commits logged before are intact" in line for line in said), said  # fmt: skip
+    subprocess.run(["mount", "-o", "remount,size=64m", str(local)], check=True)  # the user makes room
+    again = run_cli(2, *command)
+    assert again.returncode == 0 and f"wrote {tmp_path / 'store.h5'}" in again.stdout, again.output[-6000:]
+
+
 def test_a_full_disk_while_writing_the_planted_data_set(disks):
     """The synthetic data set does not fit: one message with the errno, exit 1, its temporary file removed."""
     small = disks("small", "size=256k")
