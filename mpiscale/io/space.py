@@ -52,7 +52,7 @@ def space_problem(directory: str | os.PathLike, nbytes: int, what: str, reserve:
     refused = reserve_refused(directory, needed) if reserve else None
     if refused is None:
         return None
-    return f"{where}, and the file system refused to set it aside {_refusal_words(directory, refused.errno)}"
+    return f"{where}, and the file system refused to set it aside {_refusal_words(directory, refused)}"
 
 
 def file_bytes(nbytes: int, datasets: int) -> int:
@@ -74,12 +74,10 @@ def set_room_aside(path: str | os.PathLike, nbytes: int) -> None:
                       "limit, ulimit -f)")  # fmt: skip
     descriptor = os.open(path, os.O_WRONLY)
     try:
-        if _LIBC.fallocate(descriptor, _KEEP_SIZE, ctypes.c_int64(0), ctypes.c_int64(nbytes)) == 0:
-            return
-        code = ctypes.get_errno()
+        code = _refused(descriptor, _KEEP_SIZE, nbytes)
     finally:
         os.close(descriptor)
-    if code in (errno.EDQUOT, errno.ENOSPC):
+    if code is not None:
         directory = os.path.dirname(os.path.abspath(path))
         raise OSError(code, f"{os.fspath(path)} needs {nbytes / 2**20:.1f} MiB, which the file system refused to "
                       f"set aside {_refusal_words(directory, code)}")  # fmt: skip
@@ -91,18 +89,29 @@ def give_back_room(path: str | os.PathLike) -> None:
     os.truncate(path, os.stat(path).st_size)
 
 
-def _refusal_words(directory: str | os.PathLike, code: int | None) -> str:
+def _refused(descriptor: int, mode: int, nbytes: int) -> int | None:
+    """The errno of the file system's refusal (EDQUOT, ENOSPC) to allocate the first ``nbytes`` of the open file
+    ``descriptor`` (``fallocate`` with ``mode``), or None: allocated, or a file system that cannot (no room is known
+    to be missing)."""
+    if _LIBC.fallocate(descriptor, mode, ctypes.c_int64(0), ctypes.c_int64(nbytes)) == 0:
+        return None
+    code = ctypes.get_errno()
+    return code if code in (errno.EDQUOT, errno.ENOSPC) else None
+
+
+def _refusal_words(directory: str | os.PathLike, code: int) -> str:
     """Why the file system refused room in ``directory`` (errno ``code``), and what to do."""
     why = f"your quota is full, it seems ({_quota_commands(directory)})" if code == errno.EDQUOT else (
         "the disk filled meanwhile, it seems")  # fmt: skip
-    return f"({os.strerror(code or errno.ENOSPC)}): {why}; free space or give another directory"
+    return f"({os.strerror(code)}): {why}; free space or give another directory"
 
 
-def reserve_refused(directory: str | os.PathLike, nbytes: int) -> OSError | None:
-    """The file system's refusal to set ``nbytes`` aside in ``directory`` now (``fallocate`` of a nameless file,
-    freed at once): what ``statvfs`` does not see, the user's quota (EDQUOT). None where it fits, and where the file
-    system cannot set room aside (no ``fallocate``) or the probe cannot be made: the free space is all that is known.
-    At most the process's file size limit is asked for (the files are each below it, or their write says so)."""
+def reserve_refused(directory: str | os.PathLike, nbytes: int) -> int | None:
+    """The errno of the file system's refusal to set ``nbytes`` aside in ``directory`` now (``fallocate`` of a
+    nameless file, freed at once): what ``statvfs`` does not see, the user's quota (EDQUOT). None where it fits, and
+    where the file system cannot set room aside (no ``fallocate``) or the probe cannot be made: the free space is all
+    that is known. At most the process's file size limit is asked for (the files are each below it, or their write
+    says so)."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     size = nbytes if limit == resource.RLIM_INFINITY else min(nbytes, limit)
     try:
@@ -111,12 +120,9 @@ def reserve_refused(directory: str | os.PathLike, nbytes: int) -> OSError | None
         return None
     try:
         os.unlink(name)  # (nothing stays behind, even if this process is killed now)
-        if _LIBC.fallocate(descriptor, 0, ctypes.c_int64(0), ctypes.c_int64(size)) == 0:
-            return None
-        code = ctypes.get_errno()
+        return _refused(descriptor, 0, size)
     finally:
         os.close(descriptor)
-    return OSError(code, os.strerror(code)) if code in (errno.EDQUOT, errno.ENOSPC) else None
 
 
 def write_failure_note(directory: str | os.PathLike, failure: str) -> str:

@@ -82,7 +82,7 @@ class RowWriter:
             problem = unstorable(np.dtype(dtype))
             if problem is not None:
                 raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
-        total = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        total = _layout_bytes(layout)
         self._data, self._sets = total, len(layout)  # (what the room set aside holds: the data sets' bytes)
         room = space_problem(directory, total, "the file", reserve=True) if self.rank == 0 else None
         agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
@@ -186,7 +186,7 @@ class RowWriter:
         except (OSError, RuntimeError, ValueError) as error:
             failure = error
         self._agree(failure)
-        self._data += sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
+        self._data += _layout_bytes(layout)
         self._sets += len(layout)
         self._agree_room(f"adding {', '.join(layout)} to {self.path}")
 
@@ -415,6 +415,11 @@ class RowWriter:
         elif self.rank == 0:
             with contextlib.suppress(OSError):
                 os.unlink(self.temporary)
+
+
+def _layout_bytes(layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    """The bytes of the data sets of ``layout`` ({name: (shape, dtype)}) at their shapes."""
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in layout.values())
 
 
 def _contents(file: h5py.File) -> tuple[int, int]:
