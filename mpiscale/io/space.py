@@ -26,6 +26,7 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # (fallocate(2) itself: os.posix_fall
 # HDF5's metadata in a file of unaligned data sets, set aside with their bytes (measured: 6 KiB, and 0.4 KiB a data
 # set). On btrfs, room set aside and left unused stays taken while the file lasts (an extent is freed whole).
 METADATA_ROOM, DATASET_ROOM = 64 << 10, 4 << 10
+CHUNK_ROOM = 256  # a chunk's entry in its data set's chunk index (measured: 48 bytes, 400 for the first few)
 _KEEP_SIZE = 1  # FALLOC_FL_KEEP_SIZE: the blocks are allocated past the file's end, its size stays
 NEARLY_FULL = 64 << 20  # free bytes under which a failed write is said to have met a full disk (HDF5's chunks: 1 MiB)
 
@@ -102,7 +103,7 @@ def _refused(descriptor: int, mode: int, nbytes: int) -> int | None:
 def _refusal_words(directory: str | os.PathLike, code: int) -> str:
     """Why the file system refused room in ``directory`` (errno ``code``), and what to do."""
     why = f"your quota is full, it seems ({_quota_commands(directory)})" if code == errno.EDQUOT else (
-        "the disk filled meanwhile, it seems")  # fmt: skip
+        "the disk is full, it seems")  # fmt: skip
     return f"({os.strerror(code)}): {why}; free space or give another directory"
 
 

@@ -30,6 +30,7 @@ from .h5file import DATASET_FORMAT, file_access, publish, settle_background_io, 
 from .rows import rounds_of, write_rows
 from .same_calls import NO_ROWS_WRITTEN, on_files
 from .space import (
+    CHUNK_ROOM,
     file_bytes,
     give_back_room,
     set_room_aside,
@@ -48,11 +49,11 @@ class RowWriter:
     A write that fails on every rank once the file is open (a full disk) ends
     the job (see ``_failed``), its temporary file removed, or kept where
     ``resumable``: the file is a job's only state, marked as it goes, which a
-    resumed run reopens (``reopen``'s writers are). The room of the data sets
-    made with a shape is set aside as the file is made (``set_room_aside``):
-    a disk (or an ext4 or XFS quota) another job fills while this one runs for
-    hours meets that job's writes, not these; what stays unused is given back
-    at the close.
+    resumed run reopens (``reopen``'s writers are). The data sets' room is set
+    aside as the file is made, and as they grow (``set_room_aside``): a disk
+    (or an ext4 or XFS quota) another job fills while this one runs for hours
+    meets that job's writes, not these; what stays unused is given back at the
+    close.
     """
 
     _kept = False  # left open for a resumed run by ``keep``, which said so
@@ -82,12 +83,11 @@ class RowWriter:
             problem = unstorable(np.dtype(dtype))
             if problem is not None:
                 raise TypeError(f"writing {self.path}: {name} is {np.dtype(dtype)}, {problem}")
-        total = _layout_bytes(layout)
-        self._data, self._sets = total, len(layout)  # (what the room set aside holds: the data sets' bytes)
-        room = space_problem(directory, total, "the file", reserve=True) if self.rank == 0 else None
+        room = space_problem(directory, _layout_bytes(layout), "the file", reserve=True) if self.rank == 0 else None
         agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
         settle_background_io()
         self.file: h5py.File | None = None
+        self._counted: dict[str, int] = {}  # (see grow)
         failure = None
         try:
             self.file = h5py.File(self.temporary, "w", **file_access(self.comm))
@@ -95,11 +95,12 @@ class RowWriter:
             for key, value in (attrs or {}).items():
                 self.file.attrs[key] = value
             for name, (shape, dtype) in layout.items():
+                growth = {}  # (every row is written: none is filled first, nor a grown one, where MPI-IO filled it)
                 if name in growing:
-                    chunk = (max(1, (1 << 20) // max(np.dtype(dtype).itemsize * math.prod(shape[1:]), 1)), *shape[1:])
-                    self.file.create_dataset(name, shape, np.dtype(dtype), maxshape=(None, *shape[1:]), chunks=chunk)
-                else:
-                    self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never")  # every row is written
+                    rows = max(1, (1 << 20) // max(np.dtype(dtype).itemsize * math.prod(shape[1:]), 1))
+                    growth = {"maxshape": (None, *shape[1:]), "chunks": (rows, *shape[1:])}
+                self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never", **growth)
+            self._data, self._sets = _contents(self.file)  # (growing data sets: their chunks whole)
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
@@ -120,7 +121,7 @@ class RowWriter:
         writer.size, writer.rank = size_and_rank(writer.comm)
         writer._calls = on_files(writer.comm, "RowWriter", writer.path, NO_ROWS_WRITTEN)
         entered_by_all(writer.comm, f"RowWriter.reopen({kept})", "reopen it", ONE_WRITER, kept)
-        writer.temporary, writer.file, writer._open = f"{writer.path}.tmp", None, {}
+        writer.temporary, writer.file, writer._open, writer._counted = f"{writer.path}.tmp", None, {}, {}
         writer.resumable = True
         failure: BaseException | None = None
         try:
@@ -197,7 +198,10 @@ class RowWriter:
         A data set made smaller is flushed and closed (opened again by its next call): with MPI-IO, HDF5 (1.10.8)
         keeps the chunk the cut falls in, filled past the cut, in the data set's chunk cache, dirty, while later
         writes go past the cache to the file, and the next flush wrote that stale chunk over them (a resumed encode
-        lost its first round's codes: zeros where they belonged)."""
+        lost its first round's codes: zeros where they belonged).
+
+        The room of the rows grown is set aside (rank 0, before any rank writes them): a disk or quota that cannot
+        hold them ends the job in one line here, where HDF5 met it inside a write (a one-process file's crashed)."""
         assert self.file is not None, "grow after close"
         self._begin(f"grow({', '.join(rows)})")
         for name, count in rows.items():  # (the same on every rank: refused before the file changes)
@@ -209,13 +213,20 @@ class RowWriter:
                 )
         failure = None
         try:
-            shrunk = []
+            shrunk, grown = [], 0
             for name, count in rows.items():
                 dataset = self._dataset(name)
                 extent = dataset.id.shape  # (one call into HDF5: h5py's resize makes two more around set_extent)
                 dataset.id.set_extent((count, *extent[1:]))
                 if count < extent[0]:
                     shrunk.append(name)
+                counted = self._counted.get(name, extent[0])  # (the most rows whose room is counted in _data)
+                if count > counted:
+                    grown += _stored_bytes(dataset, count) - _stored_bytes(dataset, counted)
+                    self._counted[name] = count
+            self._data += grown
+            if grown and self.rank == 0:
+                self._set_room_aside()
             if shrunk:
                 self.file.flush()
                 for name in shrunk:
@@ -423,9 +434,17 @@ def _layout_bytes(layout: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
 
 
 def _contents(file: h5py.File) -> tuple[int, int]:
-    """The bytes of the data sets of ``file`` at their present shapes, and how many there are."""
+    """The bytes the data sets of ``file`` take at their present shapes, and how many there are."""
     sizes: list[int] = []
-    file.visititems(
-        lambda _, item: sizes.append(item.size * item.dtype.itemsize) if isinstance(item, h5py.Dataset) else None
-    )
+    file.visititems(lambda _, item: sizes.append(_stored_bytes(item)) if isinstance(item, h5py.Dataset) else None)
     return sum(sizes), len(sizes)
+
+
+def _stored_bytes(dataset: h5py.Dataset, rows: int | None = None) -> int:
+    """The bytes ``dataset`` takes in its file (at ``rows`` rows where given): a chunked one's chunks each whole
+    (HDF5 writes them so), with their entries in its chunk index."""
+    shape = dataset.shape if rows is None else (rows, *dataset.shape[1:])
+    if dataset.chunks is None:
+        return math.prod(shape) * dataset.dtype.itemsize
+    chunks = math.prod(-(-extent // side) for extent, side in zip(shape, dataset.chunks))
+    return chunks * (math.prod(dataset.chunks) * dataset.dtype.itemsize + CHUNK_ROOM)

@@ -5,6 +5,8 @@ size limit: the system's error, nothing left behind, the process alive."""
 import errno
 import os
 import resource
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -49,6 +51,25 @@ def test_a_failed_write_under_a_file_size_limit_names_the_limit(tmp_path, file_s
 def test_an_error_that_is_no_failed_write_gets_nothing_on_a_disk_with_room(tmp_path):
     assert write_failure_note(tmp_path, "Unable to create dataset (name already exists)") == ""
     assert write_failure_note(tmp_path / "gone", FAILED) == ""  # (its directory cannot be asked: nothing to add)
+
+
+def test_hdf5s_record_of_a_refused_write_comes_back_as_the_systems_reason(tmp_path):
+    """h5py's error for a write the system refused (the sec2 driver: a file on a file system that cannot set room
+    aside, where HDF5 meets a quota itself) holds HDF5's whole record of the call on two lines (time, descriptor,
+    buffer address, "bytes actually written = 18446744073709551615"); what a job says is the system's reason. A
+    process of its own: HDF5 crashes at the end of a process whose file it could not write."""
+    program = ("import os, resource, sys, numpy as np, h5py; from mpiscale.io.errors import plain_write_error\n"
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))\n"
+               "file = h5py.File(sys.argv[1], 'w')\n"
+               "try:\n    file.create_dataset('x', data=np.ones((256, 1024)))\n    file.flush()\n"
+               "except OSError as error:\n    print(repr(str(error)))\n"
+               "    print(plain_write_error(error), flush=True)\n"
+               "os._exit(0)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "x.h5")], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    record, plain = done.stdout.splitlines()
+    assert "file write failed: time = " in record and "buf = 0x" in record, done.stdout
+    assert plain == "[Errno 27] File too large (HDF5: Can't write data, file write failed)", done.stdout
 
 
 def test_a_results_file_past_the_file_size_limit_is_the_systems_error_and_leaves_nothing(tmp_path, file_size_limit):

@@ -1,9 +1,10 @@
 """A RowWriter's file of 2 MiB, made on a small disk that another job (here rank 0, as another process would) then
 fills, before the rows are written: the rows must all be written and the file put in place, the other job's write
 meeting the full disk. Before, the file's room was only asked as it was made and given back at once: the rows'
-write met the full disk, and the job ended there.
+write met the full disk, and the job ended there. With ``growing``, the data set is made empty and grown to its
+rows before the disk fills (its room, before, was never set aside).
 
-usage: filled_meanwhile.py OUT.h5 FILLER
+usage: filled_meanwhile.py OUT.h5 FILLER [growing]
 """
 
 import sys
@@ -16,7 +17,11 @@ from mpiscale.io import RowWriter, read_dataset
 comm = MPI.COMM_WORLD
 rank, half = comm.Get_rank(), 256 // comm.Get_size()
 out, filler = sys.argv[1], sys.argv[2]
-writer = RowWriter(out, {"x": ((256, 1024), np.float64)}, comm)
+if sys.argv[3:] == ["growing"]:
+    writer = RowWriter(out, {"x": ((0, 1024), np.float64)}, comm, growing=("x",))
+    writer.grow({"x": 256})
+else:
+    writer = RowWriter(out, {"x": ((256, 1024), np.float64)}, comm)
 comm.Barrier()
 if rank == 0:
     with open(filler, "wb", buffering=0) as other:  # (unbuffered: nothing left for the close to write)
