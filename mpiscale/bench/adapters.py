@@ -87,9 +87,7 @@ def run_adapters_bench(
     print(table(headers, [[r["d"], r["adapters"], r["method"], r["ranks"], r["seconds"], r["speedup_vs_covariance"],
                            r["peak_rss_mib"], f"{r['captured_vs_exact']:.6f}", f"{r['planted_cosine']:.5f}"]
                           for r in results]))  # fmt: skip
-    path = write_json(json_path, "adapters", 1, {"rank": RANK, "components": SHARED, "noise": NOISE,
-                                                  "rows": results})  # fmt: skip
-    print(f"wrote {path}")
+    write_json(json_path, "adapters", 1, {"rank": RANK, "components": SHARED, "noise": NOISE, "rows": results})
     return {"rows": results}
 
 

@@ -104,7 +104,7 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     print(f"ratios: the median over {turns} rounds, the columns in turns in each, of the round's ratio of medians")
     print(table(headers, rows))
     results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "rounds": turns, "sizes": records}
-    print(f"wrote {write_json(json_path, 'allreduce', ranks, results)}")
+    write_json(json_path, "allreduce", ranks, results)
     return results
 
 

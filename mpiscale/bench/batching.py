@@ -308,8 +308,7 @@ def _report(json_path: str, data: dict, budget: int, disk: float, rate: float, c
         "baseline": {"what": "np.fromfile of the whole file, one process (the disk)", "bytes_per_s": disk},
         "runs": runs, "targets": targets,
     }  # fmt: skip
-    path = write_json(json_path, "batching", 1, results)
-    print(f"wrote {path}")
+    write_json(json_path, "batching", 1, results)
     return results
 
 

@@ -179,8 +179,7 @@ def _report(
         "disk_write_seconds_around_saves": paired["disk_write_seconds"],
         "torch_save_vs_disk": write / baselines["torch_save"],
     }
-    path = write_json(json_path, "checkpoint", size, results)
-    print(f"wrote {path}")
+    write_json(json_path, "checkpoint", size, results)
     return results
 
 

@@ -53,7 +53,6 @@ def run_circuits_bench(json_path: str, quick: bool = False) -> dict:
     many = _many_circuits(100, 8192, 1 if quick else 3)
     results = {"similar": search, "many_circuits": many}
     write_json(json_path, "circuits", 1, results)
-    print(f"wrote {json_path}")
     return results
 
 

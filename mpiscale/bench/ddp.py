@@ -242,7 +242,7 @@ def _report(
         "allreduce_during_backward_share": during,
         "gradient_bytes": int(np.float32().itemsize * parameters),
     }
-    print(f"wrote {write_json(json_path, 'ddp', system.size, results)}")
+    write_json(json_path, "ddp", system.size, results)
     return results
 
 

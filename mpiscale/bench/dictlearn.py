@@ -338,8 +338,7 @@ def _report(json_path, ranks, setting, omp, baselines, runs, wall) -> dict:
         "baselines": {name: {"what": what[name]} | b if isinstance(b, dict) else None for name, b in baselines.items()},
         "ours": ours,
     }
-    path = write_json(json_path, "dictlearn", ranks, results)
-    print(f"wrote {path}")
+    write_json(json_path, "dictlearn", ranks, results)
     for leftover in (config.out, config.data_path[0]):
         os.remove(leftover)
     return results

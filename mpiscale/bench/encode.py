@@ -148,5 +148,5 @@ def command(args: argparse.Namespace) -> int:
         print("SPAMS: not installed (pip install spams-bin), so not measured")
     baselines = {"sklearn": "sklearn.decomposition.sparse_encode(algorithm='omp', n_jobs=cores)",
                  "spams": "spams.omp(L=..., eps=eps**2, numThreads=cores)"}  # fmt: skip
-    print(f"wrote {write_json(args.json, 'encode', 1, {'baselines': baselines, 'settings': records})}")
+    write_json(args.json, "encode", 1, {"baselines": baselines, "settings": records})
     return 0

@@ -227,7 +227,6 @@ async def run_graph_bench(system: ActorSystem, json_path: str, quick: bool = Fal
               f"a node costs {r['naive_overhead_per_node_s'] * 1e6:.1f} us more as a remote call")  # fmt: skip
     record = {"nodes": NODES, "tensor_bytes": ROWS * WIDTH * 4, "results": results}
     write_json(json_path, "graph", system.size, record)
-    print(f"wrote {json_path}")
     return record
 
 

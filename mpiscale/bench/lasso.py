@@ -137,5 +137,5 @@ def command(args: argparse.Namespace) -> int:
     baselines = {"spams": "spams.lasso(mode=2, lambda1=alpha, numThreads=1)",
                  "sklearn": f"sklearn.decomposition.sparse_encode(algorithm='lasso_lars', n_jobs=1), the first "
                             f"{sampled} signals"}  # fmt: skip
-    print(f"wrote {write_json(args.json, 'lasso', 1, {'baselines': baselines, 'settings': records})}")
+    write_json(args.json, "lasso", 1, {"baselines": baselines, "settings": records})
     return 0

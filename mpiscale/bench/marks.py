@@ -95,8 +95,7 @@ async def run_marks(system: ActorSystem, json_path: str, scratch: str, quick: bo
         "signals_per_second": measured,
         "time_vs_floor": {name: floor / median[name] for name, _ in WAYS},
     }
-    path = write_json(json_path, "marks", system.size, results)
-    print(f"wrote {path}")
+    write_json(json_path, "marks", system.size, results)
     return results
 
 

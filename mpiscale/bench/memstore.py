@@ -413,7 +413,7 @@ async def run_memstore_bench(system: ActorSystem, json_path: str, quick: bool = 
         "numpy_ms_per_iteration": baseline,
         "design_target_ms_1m": TARGET_MS,
     }
-    print(f"wrote {write_json(json_path, 'memstore', system.size, results)}")
+    write_json(json_path, "memstore", system.size, results)
     return results
 
 

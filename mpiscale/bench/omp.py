@@ -107,13 +107,12 @@ def run_omp_bench(json_path: str, quick: bool = False) -> dict:
         for name, atoms, features, nonzero, signals in SETTINGS
     ]
     print(table(OMP_HEADERS, [omp_row(r) for r in records]))
-    path = write_json(
+    write_json(
         json_path,
         "omp",
         1,
         {"baseline": "sklearn.linear_model.orthogonal_mp_gram, one BLAS thread", "settings": records},
     )
-    print(f"wrote {path}")
     return {"settings": records}
 
 

@@ -409,8 +409,7 @@ async def run_pingpong(system: ActorSystem, json_path: str, quick: bool = False)
         },
         "targets": targets,
     }
-    path = write_json(json_path, "pingpong", system.size, results)
-    print(f"wrote {path}")
+    write_json(json_path, "pingpong", system.size, results)
     return results
 
 

@@ -259,8 +259,7 @@ def _report(system: ActorSystem, json_path: str, records: list[dict], steps: int
         print(f"target {name}: {'met' if met else 'MISSED'}")
     result = {"stages": stages, "width": WIDTH, "rows_per_micro_batch": ROWS, "steps": steps, "records": records,
               "targets": targets}  # fmt: skip
-    path = write_json(json_path, "pipeline", system.size, result)
-    print(f"wrote {path}")
+    write_json(json_path, "pipeline", system.size, result)
     return result
 
 

@@ -155,8 +155,7 @@ def _report(json_path, ranks, setting, nbytes, disk, load, stream, jobs, cold) -
         "load_vs_disk": disk / load,
         "stream_vs_disk": disk / stream,
     }
-    path = write_json(json_path, "reader", ranks, results)
-    print(f"wrote {path}")
+    write_json(json_path, "reader", ranks, results)
     return results
 
 

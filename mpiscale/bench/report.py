@@ -70,8 +70,8 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def write_json(path: str | Path, name: str, world_size: int, results: dict) -> Path:
-    """Write one benchmark record with the command, world size and machine."""
+def write_json(path: str | Path, name: str, world_size: int, results: dict) -> None:
+    """Write one benchmark record with the command, world size and machine, and say where."""
     record = {
         "benchmark": name,
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
@@ -81,9 +81,8 @@ def write_json(path: str | Path, name: str, world_size: int, results: dict) -> P
         "date": utc_timestamp(),
         **results,
     }
-    path = Path(path)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    return path
+    Path(path).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def best_of(action: Callable[[], object], repeats: int, before: Callable[[], object] | None = None) -> float:

@@ -174,8 +174,7 @@ async def run_rounds(system: ActorSystem, json_path: str, scratch: str, quick: b
             str(row[0]): {"write": row[3], "read": row[6], "independent": row[9], "grow": row[12]} for row in rows
         },  # fmt: skip
     }
-    path = write_json(json_path, "rounds", system.size, results)
-    print(f"wrote {path}")
+    write_json(json_path, "rounds", system.size, results)
     return results
 
 

@@ -75,8 +75,7 @@ async def run_sample_random(system: ActorSystem, json_path: str, samples: int, q
         "ours_samples_per_s": ours_rate,
         "ratio": ours_rate / baseline_rate,
     }
-    path = write_json(json_path, "sample_random", system.size, results)
-    print(f"wrote {path}")
+    write_json(json_path, "sample_random", system.size, results)
     return results
 
 

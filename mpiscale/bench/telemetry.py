@@ -141,7 +141,7 @@ async def run_telemetry_bench(system: ActorSystem, json_path: str, workdir: str,
         "empty_step_s": per_step,
         "added_per_iteration": added / iteration,
     }
-    print(f"wrote {write_json(json_path, 'telemetry', system.size, results)}")
+    write_json(json_path, "telemetry", system.size, results)
     return results
 
 
