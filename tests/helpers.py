@@ -301,6 +301,13 @@ def run_cli(
     return finish(launch(ranks, command, env=env, options=options), f"mpiscale {' '.join(map(str, args))}", timeout)
 
 
+def run_python(program: str, *args: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The Python ``program`` (source text) with ``args`` in a process of its own to its end (not checked), its
+    output captured, with a hard timeout: for what may crash or change the process's limits."""
+    return subprocess.run([sys.executable, "-c", program, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
 def run_alone(*args: object, timeout: float = 120, cwd: Path | None = None) -> Job:
     """``mpiscale ARGS`` as one plain process (no launcher: a singleton rank, a second faster; a warm start), with a
     hard timeout."""

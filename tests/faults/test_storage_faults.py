@@ -19,7 +19,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from helpers import Job, finish, launch, run_cli
+from helpers import Job, finish, launch, run_cli, run_python
 
 from mpiscale.adapters.planted import write_planted
 from mpiscale.dictlearn import load_codes
@@ -142,8 +142,7 @@ def test_a_file_past_the_quota_is_refused_before_its_first_row(quota):
     home = quota("2M")
     program = ("import sys, numpy as np; from mpiscale.io import write_dataset; "
                "write_dataset(sys.argv[1], {'x': np.ones(1 << 20)})")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", program, str(home / "x.h5")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = run_python(program, home / "x.h5")
     assert done.returncode != 0 and "Traceback" in done.stderr, done.stderr[-3000:]  # (the WriteError, uncaught)
     said = done.stderr.strip().splitlines()[-1]
     assert said.startswith("mpiscale.io.errors.WriteError: ") and "the file needs 9.4 MiB in" in said, said
@@ -399,8 +398,7 @@ def test_a_one_process_data_set_grown_past_the_file_size_limit_ends_it_in_one_li
                "writer = RowWriter(sys.argv[1], {'x': ((0, 1024), np.float64)}, growing=('x',)); "
                "[(writer.grow({'x': 64 * step}), writer.write(64 * (step - 1), {'x': np.ones((64, 1024))})) "
                "for step in range(1, 100)]")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "x.h5")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = run_python(program, tmp_path / "x.h5")
     said = [line for line in done.stderr.splitlines() if line.startswith("mpiscale")]
     assert done.returncode != 0 and len(said) == 1, done.stderr[-3000:]
     assert "OSError: [Errno 27] File too large: " in said[0] and "x.h5.tmp would need 1.1 MiB, and this process " \

@@ -5,12 +5,11 @@ size limit: the system's error, nothing left behind, the process alive."""
 import errno
 import os
 import resource
-import subprocess
-import sys
 
 import h5py
 import numpy as np
 import pytest
+from helpers import run_python
 
 from mpiscale.io import WriteError, write_dataset, write_file
 from mpiscale.io.checkpoint.files import read_shard, write_shard
@@ -65,8 +64,7 @@ def test_hdf5s_record_of_a_refused_write_comes_back_as_the_systems_reason(tmp_pa
                "except OSError as error:\n    print(repr(str(error)))\n"
                "    print(plain_write_error(error), flush=True)\n"
                "os._exit(0)")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "x.h5")], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = run_python(program, tmp_path / "x.h5")
     record, plain = done.stdout.splitlines()
     assert "file write failed: time = " in record and "buf = 0x" in record, done.stdout
     assert plain == "[Errno 27] File too large (HDF5: Can't write data, file write failed)", done.stdout
