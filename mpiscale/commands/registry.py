@@ -295,8 +295,9 @@ _BENCHMARKS = [
     _bench("rounds", "rounds of rows written and read collectively (RowWriter, ShardedDataset), and a growing data "
            "set's rounds, vs h5py's own collective transfer of the same rows, 4 KiB to 16 MiB a rank (any ranks)",
            _SCRATCH),
-    _bench("marks", "what a job's marks of its rows done cost: mpiscale encode in small rounds, marked at most every "
-           "quarter second (the default) and every round, vs marking the first round and the last only (any ranks)",
+    _bench("marks", "what a job's marks of its rows done cost: mpiscale encode and collect in small rounds, marked at "
+           "most every quarter second (the default) and every round, vs marking the first round and the last only "
+           "(any ranks)",
            _SCRATCH),
     _bench("checkpoint", "level-1/level-3/background saves and loads vs the disk and torch.save (any ranks)",
            arg("--size-mib", type=int, help="total state in MiB (default: 1024; 128 with --quick)"), _SCRATCH),

@@ -317,13 +317,15 @@ def test_bench_marks_writes_json(tmp_path):
     job = mpiscale(2, "bench", "marks", "--quick", "--dir", str(scratch), "--json", str(out), timeout=180)
     assert_ok(job)
     record = json.loads(out.read_text())
-    assert record["world_size"] == 2 and record["signals"] == 40_000 and record["rounds"] == 79, record
-    runs = record["signals_per_second"]
-    assert list(runs) == ["first and last", "every 0.25 s (default)", "every round"], runs
-    assert all(len(each) == record["turns"] == 2 and min(each) > 0 for each in runs.values()), runs
-    floor = statistics.median(runs["first and last"])
-    for name, each in runs.items():
-        assert record["time_vs_floor"][name] == pytest.approx(floor / statistics.median(each), rel=1e-12), name
+    assert record["world_size"] == 2 and record["rows"] == 40_000 and record["rounds"] == 79, record
+    assert list(record["jobs"]) == ["encode", "collect"], record
+    for measured in record["jobs"].values():
+        runs = measured["rows_per_second"]
+        assert list(runs) == ["first and last", "every 0.25 s (default)", "every round"], runs
+        assert all(len(each) == record["turns"] == 2 and min(each) > 0 for each in runs.values()), runs
+        floor = statistics.median(runs["first and last"])
+        for name, each in runs.items():
+            assert measured["time_vs_floor"][name] == pytest.approx(floor / statistics.median(each), rel=1e-12), name
     assert "time / floor" in job.stdout and not scratch.exists(), "the scratch directory is left behind"
 
 
