@@ -69,6 +69,11 @@ def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) 
         raise min(found, key=lambda each: each[0])[1]
 
 
+class RoomRefused(OSError):
+    """The file system would not set a file's room aside (a full disk or quota), or the file would pass the
+    process's file size limit: the words say which, and what to do (HDF5's say only that a write failed)."""
+
+
 class WriteError(MpiscaleError, OSError):
     """A file could not be written (full disk, quota, read-only file system); raised on every rank alike."""
 

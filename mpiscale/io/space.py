@@ -20,6 +20,8 @@ import os
 import resource
 import tempfile
 
+from .errors import RoomRefused
+
 MARGIN = 1.05  # HDF5's metadata and alignment on top of the arrays' bytes
 SLACK = 1 << 20
 _LIBC = ctypes.CDLL(None, use_errno=True)  # (fallocate(2) itself: os.posix_fallocate writes zeros where it lacks)
@@ -65,14 +67,14 @@ def file_bytes(nbytes: int, datasets: int) -> int:
 def set_room_aside(path: str | os.PathLike, nbytes: int) -> None:
     """Have the file system allocate the blocks of the file ``path``'s first ``nbytes`` that it lacks now, its size
     kept (``fallocate``, FALLOC_FL_KEEP_SIZE): writes within them then meet no full disk and no quota, which raise
-    here instead (``OSError``), before a byte of them is written; so does a file past the process's file size limit
-    (EFBIG). A file system that cannot set room aside is asked nothing. ``give_back_room`` frees what stays unused
-    past the file's end."""
+    here instead (``RoomRefused``, an ``OSError``), before a byte of them is written; so does a file past the
+    process's file size limit (EFBIG). A file system that cannot set room aside is asked nothing. ``give_back_room``
+    frees what stays unused past the file's end."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and nbytes > limit:
-        raise OSError(errno.EFBIG, f"{os.strerror(errno.EFBIG)}: {os.fspath(path)} would need {nbytes / 2**20:.1f} "
-                      f"MiB, and this process may write files of at most {limit / 2**20:.1f} MiB (its file size "
-                      "limit, ulimit -f)")  # fmt: skip
+        raise RoomRefused(errno.EFBIG, f"{os.strerror(errno.EFBIG)}: {os.fspath(path)} would need "
+                          f"{nbytes / 2**20:.1f} MiB, and this process may write files of at most "
+                          f"{limit / 2**20:.1f} MiB (its file size limit, ulimit -f)")  # fmt: skip
     descriptor = os.open(path, os.O_WRONLY)
     try:
         code = _refused(descriptor, _KEEP_SIZE, nbytes)
@@ -80,8 +82,8 @@ def set_room_aside(path: str | os.PathLike, nbytes: int) -> None:
         os.close(descriptor)
     if code is not None:
         directory = os.path.dirname(os.path.abspath(path))
-        raise OSError(code, f"{os.fspath(path)} needs {nbytes / 2**20:.1f} MiB, which the file system refused to "
-                      f"set aside {_refusal_words(directory, code)}")  # fmt: skip
+        raise RoomRefused(code, f"{os.fspath(path)} needs {nbytes / 2**20:.1f} MiB, which the file system refused "
+                          f"to set aside {_refusal_words(directory, code)}")  # fmt: skip
 
 
 def give_back_room(path: str | os.PathLike) -> None:
@@ -103,7 +105,7 @@ def _refused(descriptor: int, mode: int, nbytes: int) -> int | None:
 def _refusal_words(directory: str | os.PathLike, code: int) -> str:
     """Why the file system refused room in ``directory`` (errno ``code``), and what to do."""
     why = f"your quota is full, it seems ({_quota_commands(directory)})" if code == errno.EDQUOT else (
-        "the disk is full, it seems")  # fmt: skip
+        f"the disk is full, it seems ({_free_words(directory)})")  # fmt: skip
     return f"({os.strerror(code)}): {why}; free space or give another directory"
 
 
@@ -126,10 +128,22 @@ def reserve_refused(directory: str | os.PathLike, nbytes: int) -> int | None:
         os.close(descriptor)
 
 
-def write_failure_note(directory: str | os.PathLike, failure: str) -> str:
-    """What to add to ``failure``, a file call's error in ``directory``: HDF5 says only "file write failed", never
-    why. Where the file system is (nearly) full, that; where it has room and a write failed, what else stops one: the
-    process's file size limit (``ulimit -f``), or a quota, which ``statvfs`` does not see. Otherwise empty."""
+def _free_words(directory: str | os.PathLike) -> str:
+    """How much ``directory``'s file system has free, in words."""
+    try:
+        return f"{free_bytes(directory) / 2**20:.1f} MiB free"
+    except OSError as error:
+        return f"its free space unknown: {error.strerror}"
+
+
+def write_failure_note(directory: str | os.PathLike, failure: BaseException | str) -> str:
+    """What to add to ``failure``, a file call's error (or its words) in ``directory``: HDF5 says only "file write
+    failed", never why. Where the file system is (nearly) full, that; where it has room and a write failed, what else
+    stops one: the process's file size limit (``ulimit -f``), or a quota, which ``statvfs`` does not see. Otherwise,
+    and after a room refused (whose words say why), empty."""
+    if isinstance(failure, RoomRefused):
+        return ""
+    failure = str(failure)
     try:
         free = free_bytes(directory)
     except OSError:

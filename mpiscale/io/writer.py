@@ -384,7 +384,7 @@ class RowWriter:
     def _agree(self, failure: BaseException | None) -> None:
         if isinstance(failure, (OSError, RuntimeError)):  # (a full disk: HDF5 says only that a write failed)
             failure = plain_write_error(failure)
-            note = write_failure_note(os.path.dirname(os.path.abspath(self.path)), str(failure))
+            note = write_failure_note(os.path.dirname(os.path.abspath(self.path)), failure)
             if self.resumable:  # (said in the line that ends the job, whichever rank says it)
                 note += (f"; what was marked done is kept in {self.temporary}: free space (or mend what failed), then "
                          "run the same command with --resume")  # fmt: skip

@@ -365,14 +365,18 @@ def test_the_checkpointer_from_python_refuses_a_save_that_cannot_fit(disks):
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_a_writer_from_python_that_fills_the_disk_ends_the_job_in_one_line(disks, ranks):
-    """A write every rank saw fail ends the job, status 1, the full disk said, the temporary file removed: the
-    writer closed the file HDF5 could not write, and HDF5 crashed there (SIGSEGV), the file left behind."""
+    """A data set grown past the disk ends the job, status 1, the full disk said once with what the file needs and
+    the disk has, the temporary file removed. Before, the writer closed the file HDF5 could not write, and HDF5
+    crashed there (SIGSEGV), the file left behind; then the rows' write failed, "file write failed" in HDF5's words."""
     small = disks("small", "size=3m")
     program = Path(__file__).parent / "programs" / "rows_full.py"
     job = finish(launch(ranks, [sys.executable, str(program), str(small / "x.h5")]), "rows_full", 60)
     assert job.returncode == 1, job.output[-6000:]
     said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
-    assert len(said) == 1 and "No space left on device" in said[0], job.stderr[-6000:]
+    assert len(said) == 1 and "RoomRefused: [Errno 28] " in said[0], job.stderr[-6000:]
+    assert "x.h5.tmp needs 4.1 MiB, which the file system refused to set aside (No space left on device): the disk " \
+        "is full, it seems (" in said[0] and said[0].endswith(" MiB free); free space or give another directory"), (
+        said[0])  # fmt: skip
     assert "Segmentation" not in job.output and not os.listdir(small), (job.output[-3000:], os.listdir(small))
 
 
@@ -383,7 +387,7 @@ def test_a_data_set_grown_past_the_file_size_limit_on_a_disk_with_room_is_refuse
     job = finish(launch(2, [sys.executable, str(program), str(tmp_path / "x.h5"), str(3 << 20)]), "rows_full", 60)
     assert job.returncode == 1, job.output[-6000:]
     said = [line for line in job.stderr.splitlines() if line.startswith("mpiscale")]
-    assert len(said) == 1 and "OSError: [Errno 27] File too large: " in said[0], job.stderr[-6000:]
+    assert len(said) == 1 and "RoomRefused: [Errno 27] File too large: " in said[0], job.stderr[-6000:]
     assert "x.h5.tmp would need 4.1 MiB, and this process may write files of at most 3.0 MiB (its file size limit, " \
            "ulimit -f)" in said[0], said[0]  # fmt: skip
     assert not os.listdir(tmp_path), os.listdir(tmp_path)
@@ -401,7 +405,7 @@ def test_a_one_process_data_set_grown_past_the_file_size_limit_ends_it_in_one_li
     done = run_python(program, tmp_path / "x.h5")
     said = [line for line in done.stderr.splitlines() if line.startswith("mpiscale")]
     assert done.returncode != 0 and len(said) == 1, done.stderr[-3000:]
-    assert "OSError: [Errno 27] File too large: " in said[0] and "x.h5.tmp would need 1.1 MiB, and this process " \
+    assert "RoomRefused: [Errno 27] File too large: " in said[0] and "x.h5.tmp would need 1.1 MiB, and this process " \
         "may write files of at most 1.0 MiB (its file size limit, ulimit -f)" in said[0], said[0]  # fmt: skip
     assert done.returncode == 1 and "buf = " not in done.stderr, done.stderr[-3000:]
     assert not os.listdir(tmp_path), os.listdir(tmp_path)
