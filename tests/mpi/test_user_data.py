@@ -6,12 +6,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
-from helpers import assert_ok, finish, launch
+from helpers import REPO, assert_ok, finish, launch
 from test_dictlearn import learned
 
 SETTINGS = ["--atoms", "24", "--sparsity", "3", "--iterations", "40", "--batch-size", "128", "--progress-every", "0"]
@@ -388,11 +387,11 @@ def test_rows_kept_in_raw_files_beside_are_found_where_hdf5_is_told_to_look_or_r
     than the data ended in a traceback saying the file was damaged; it is refused with the two ways to run it, and
     with HDF5_EXTFILE_PREFIX='${ORIGIN}' learns what it learns from the plain file. A raw file cut short was read
     with zeros for its missing rows, without a word; it is refused naming the first of them."""
-    assert not (Path.cwd() / "raw.bin").exists()
+    assert not (REPO / "raw.bin").exists()
     job = dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/raw.h5:/X")
     assert job.returncode == 2 and job.stderr.count("mpiscale dictlearn:") == 1, job.output[-3000:]
     assert f"keeps its rows in the raw file raw.bin (external storage), which HDF5 looks for from the current " \
-        f"directory, {Path.cwd()} and does not find there; it is beside the HDF5 file: start the job in " \
+        f"directory, {REPO} and does not find there; it is beside the HDF5 file: start the job in " \
         f"{user_files}, or set HDF5_EXTFILE_PREFIX='${{ORIGIN}}'" in job.stderr, job.stderr  # fmt: skip
     beside = {"HDF5_EXTFILE_PREFIX": "${ORIGIN}"}
     assert_ok(dictlearn(2, tmp_path / "results.h5", "--data", f"{user_files}/raw.h5:/X", env=beside))
