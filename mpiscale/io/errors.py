@@ -69,7 +69,7 @@ def refuse_unreadable(comm: Comm, unreadable: tuple[int, DataFileError] | None) 
         raise min(found, key=lambda each: each[0])[1]
 
 
-class RoomRefused(OSError):
+class RoomRefused(MpiscaleError, OSError):
     """The file system would not set a file's room aside (a full disk or quota), or the file would pass the
     process's file size limit: the words say which, and what to do (HDF5's say only that a write failed)."""
 
