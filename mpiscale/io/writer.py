@@ -201,7 +201,7 @@ class RowWriter:
         lost its first round's codes: zeros where they belonged).
 
         The room of the rows grown is set aside (rank 0, before any rank writes them): a disk or quota that cannot
-        hold them ends the job in one line here, where HDF5 met it inside a write (a one-process file's crashed)."""
+        hold them ends the job in one line here, where HDF5 met it inside the rows' write ("file write failed")."""
         assert self.file is not None, "grow after close"
         self._begin(f"grow({', '.join(rows)})")
         for name, count in rows.items():  # (the same on every rank: refused before the file changes)
