@@ -87,7 +87,7 @@ class RowWriter:
         agree(self.comm, room, f"writing {self.path}", WriteError, entered=True)
         settle_background_io()
         self.file: h5py.File | None = None
-        self._counted: dict[str, int] = {}  # (see grow)
+        self._counted: dict[str, int] = {}  # rank 0's: the most rows of a growing data set whose room is in _data
         failure = None
         try:
             self.file = h5py.File(self.temporary, "w", **file_access(self.comm))
@@ -100,7 +100,7 @@ class RowWriter:
                     rows = max(1, (1 << 20) // max(np.dtype(dtype).itemsize * math.prod(shape[1:]), 1))
                     growth = {"maxshape": (None, *shape[1:]), "chunks": (rows, *shape[1:])}
                 self.file.create_dataset(name, shape, np.dtype(dtype), fill_time="never", **growth)
-            self._data, self._sets = _contents(self.file)  # (growing data sets: their chunks whole)
+            self._data, self._sets = _contents(self.file) if self.rank == 0 else (0, 0)  # (rank 0 sets it aside)
         except (OSError, RuntimeError) as error:
             failure = error
         self._agree(failure)
@@ -220,12 +220,12 @@ class RowWriter:
                 dataset.id.set_extent((count, *extent[1:]))
                 if count < extent[0]:
                     shrunk.append(name)
-                counted = self._counted.get(name, extent[0])  # (the most rows whose room is counted in _data)
-                if count > counted:
-                    grown += _stored_bytes(dataset, count) - _stored_bytes(dataset, counted)
+                if self.rank == 0 and count > (counted := self._counted.get(name, extent[0])):
+                    grown -= _stored_bytes(dataset, (counted, *extent[1:]))
+                    grown += _stored_bytes(dataset, (count, *extent[1:]))
                     self._counted[name] = count
-            self._data += grown
-            if grown and self.rank == 0:
+            if grown:
+                self._data += grown
                 self._set_room_aside()
             if shrunk:
                 self.file.flush()
@@ -440,10 +440,10 @@ def _contents(file: h5py.File) -> tuple[int, int]:
     return sum(sizes), len(sizes)
 
 
-def _stored_bytes(dataset: h5py.Dataset, rows: int | None = None) -> int:
-    """The bytes ``dataset`` takes in its file (at ``rows`` rows where given): a chunked one's chunks each whole
-    (HDF5 writes them so), with their entries in its chunk index."""
-    shape = dataset.shape if rows is None else (rows, *dataset.shape[1:])
+def _stored_bytes(dataset: h5py.Dataset, shape: tuple[int, ...] | None = None) -> int:
+    """The bytes ``dataset`` takes in its file (at ``shape`` where given: asking HDF5 for its own costs 4 µs): a
+    chunked one's chunks each whole (HDF5 writes them so), with their entries in its chunk index."""
+    shape = dataset.shape if shape is None else shape
     if dataset.chunks is None:
         return math.prod(shape) * dataset.dtype.itemsize
     chunks = math.prod(-(-extent // side) for extent, side in zip(shape, dataset.chunks))
