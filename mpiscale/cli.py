@@ -12,7 +12,8 @@ from . import run_dir
 from ._version import __version__
 from .commands import COMMANDS, GROUPS, Command, children
 from .jobs import add_options
-from .ranks import launch_refused, launched_rank
+from .ranks import launched_rank
+from .srun_tasks import launch_refused
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite

@@ -65,47 +65,9 @@ def launched_rank() -> int:
     return 0
 
 
-def launch_problem() -> str | None:
-    """Why this process, one of several tasks of an srun step, cannot join them in one MPI job; None when it can
-    (or has started MPI already: it is then one job, or MPI has said otherwise).
-
-    srun with no MPI plugin (``--mpi=none``, which many sites make the default) starts tasks that know nothing of
-    each other: Open MPI ends each in ``MPI_Init`` with a banner that blames how it was built, and other MPIs run
-    every task as a job of its own, all writing the same results. Read from the environment, before MPI starts.
-    """
-    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "")
-    if "mpi4py.MPI" in sys.modules or "SLURM_STEP_ID" not in os.environ or not tasks.isdigit() or int(tasks) < 2:
-        return None
-    if any(variable in os.environ for variable in RANK_VARIABLES if variable != "SLURM_PROCID"):
-        return None  # a launcher or an srun MPI plugin (pmix, pmi2) told MPI where the others are
-    return (f"srun started {tasks} tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault), so they "
-            "cannot form one MPI job: run srun --mpi=pmix (what Open MPI speaks; srun --mpi=list shows the site's "
-            "plugins), or launch/mpiscale-run, which chooses it")  # fmt: skip
-
-
 class LaunchError(MpiscaleError, RuntimeError):
-    """The tasks of this job cannot form one MPI job (``launch_problem`` says why): raised before MPI starts."""
-
-
-def refuse_unjoinable_launch() -> None:
-    """Raise :class:`LaunchError` on every task where ``launch_problem`` finds one. For library calls (the
-    estimator); a program's entry says it once instead (``launch_refused``)."""
-    problem = launch_problem()
-    if problem:
-        raise LaunchError(problem)
-
-
-def launch_refused() -> int | None:
-    """For a program's entry (the command line, ``mpiscale.run``), before MPI starts: None where the tasks can form
-    one job; else the status this task ends with, the problem said once, by rank 0 (status 2, which becomes the
-    step's; the others leave with 0 and no words, so that one line, not one per task, says it)."""
-    problem = launch_problem()
-    if not problem:
-        return None
-    if launched_rank() != 0:
-        return 0
-    print(f"mpiscale: {problem}", file=sys.stderr)
-    return 2
+    """The tasks of this job cannot form one MPI job (``srun_tasks.launch_problem`` says why): raised before MPI
+    starts."""
 
 
 def end_job_on_uncaught() -> None:

@@ -32,7 +32,8 @@ except ModuleNotFoundError as missing:  # an optional dependency: the jobs run w
 
 from ..io import entered_by_all, epoch_plan, not_numbers
 from ..kernels.threads import blas_beside_numba
-from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi, refuse_unjoinable_launch
+from ..ranks import RANK_VARIABLES, AnyComm, Comm, agree, as_mpi
+from ..srun_tasks import refuse_unjoinable_launch
 from .coding import lasso_encode, omp_encode
 from .config import CODERS, METHODS
 from .data import initial_ids, scale_problem, unit_atoms

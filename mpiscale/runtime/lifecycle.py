@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from .. import early_stop, run_dir
 from ..errors import MpiscaleError
-from ..ranks import launch_refused
+from ..srun_tasks import launch_refused
 from .actor import set_current_system
 from .config import RuntimeConfig, load_mpi
 from .death_watch import ENDED, DeathWatch, Noted

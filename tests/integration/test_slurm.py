@@ -326,18 +326,27 @@ def test_an_oversized_request_is_refused_with_slurms_reason(slurm, tmp_path):
         dictlearn(slurm, tmp_path / "run", "--ntasks=64")
 
 
-@pytest.mark.parametrize("plugin", ["none", "pmix"])
-def test_srun_without_an_mpi_plugin_is_refused_in_one_line_before_mpi_starts(slurm, tmp_path, plugin):
-    """srun --mpi=none (many sites' MpiDefault) started tasks that could not find each other: Open MPI ended each in
-    MPI_Init with a banner per task, blaming how it was built ("OMPI was not built with SLURM's PMI support")."""
+#: What rank 0 says, once, of an srun whose tasks cannot form one MPI job, by its MPI plugin.
+UNJOINABLE = {
+    "none": "srun started 2 tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault)",
+    "pmi2": "srun started 2 tasks with Slurm's PMI-2 plugin (srun --mpi=pmi2, or the site's MpiDefault), and Open MPI",
+}
+
+
+@pytest.mark.parametrize("plugin", ["none", "pmi2", "pmix"])
+def test_srun_without_an_mpi_plugin_open_mpi_speaks_is_refused_in_one_line_before_mpi_starts(slurm, tmp_path,
+                                                                                              plugin):  # fmt: skip
+    """srun --mpi=none (many sites' MpiDefault) started tasks that could not find each other, and --mpi=pmi2 tasks
+    that this Open MPI (PMIx alone, as Debian builds it) cannot start with: Open MPI ended each in MPI_Init with a
+    banner per task, blaming how it was built ("OMPI was not built with SLURM's PMI support")."""
     command = ["srun", "--ntasks=2", f"--mpi={plugin}", sys.executable, "-m", "mpiscale.cli", "dictlearn",
                "--atoms", "8", "--samples", "400", "--iterations", "5", "--out", str(tmp_path / "d.h5")]  # fmt: skip
     ran = slurm.run(command, check=False, timeout=120, cwd=tmp_path)
     if plugin == "pmix":
         assert ran.returncode == 0 and "on 2 ranks" in ran.stdout, ran.stdout + ran.stderr
         return
-    said = "srun started 2 tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault)"
-    assert ran.returncode == 2 and ran.stderr.count(said) == 1, ran.stderr
+    assert ran.returncode == 2 and ran.stderr.count(UNJOINABLE[plugin]) == 1, ran.stderr
+    assert "run srun --mpi=pmix (what Open MPI speaks" in ran.stderr
     assert "MPI_Init" not in ran.stderr and not (tmp_path / "d.h5").exists()
 
 
@@ -352,7 +361,7 @@ USER_PROGRAMS = {
 
 
 @pytest.mark.parametrize("program", sorted(USER_PROGRAMS))
-@pytest.mark.parametrize("plugin", ["none", "pmix"])
+@pytest.mark.parametrize("plugin", ["none", "pmi2", "pmix"])
 def test_a_python_program_under_srun_without_an_mpi_plugin_says_so_before_mpi_starts(slurm, tmp_path, plugin,
                                                                                        program):  # fmt: skip
     """The command line's refusal, for users' own programs: mpiscale.run says it once (status 2, as the command
@@ -365,7 +374,7 @@ def test_a_python_program_under_srun_without_an_mpi_plugin_says_so_before_mpi_st
         expected = "rank 1 of 2" if program == "run" else "learned (4, 8)"
         assert ran.returncode == 0 and expected in ran.stdout, ran.stdout + ran.stderr
         return
-    said = "srun started 2 tasks without an MPI plugin (srun --mpi=none, or the site's MpiDefault)"
+    said = UNJOINABLE[plugin]
     assert ran.returncode != 0 and "MPI_Init" not in ran.stderr, ran.stderr
     if program == "run":
         assert ran.returncode == 2 and ran.stderr.count(said) == 1 and "Traceback" not in ran.stderr, ran.stderr
