@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
 _AT_LEAST_ONE = ("tokens", "laps", "samples", "top_inputs", "atoms")
+_AT_LEAST_ZERO = ("compute_ms",)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -110,6 +111,9 @@ def _command(argv: list[str] | None) -> int:
     for name in _AT_LEAST_ONE:
         if (getattr(args, name, 1) or 1) < 1:
             top.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in _AT_LEAST_ZERO:
+        if not getattr(args, name, 0) >= 0:  # (NaN too)
+            top.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     _check_written_files(top, args)
     refused = launch_refused()
     if refused is not None:  # said once, by rank 0, whose status becomes the step's (see _Parser)

@@ -15,6 +15,10 @@ the messages ours sends: on two ranks the same exchange (``pair_reduce.rounds``)
 elsewhere ``Iallreduce``, each tested in a bare loop, with no check, log or event
 loop around it. ``ours/floor`` is then the runtime's own cost, and ``floor/MPI``
 what no Python caller of non-blocking MPI can gain on MPI's blocking call.
+
+Calls back to back keep the buffers in cache and the event loop turning; a job's iterations do neither (dictlearn
+reduces its statistics after a millisecond or two of coding). ``--compute-ms MS`` times each call, one a sample, after
+``MS`` of work through 16 MiB of memory on every rank (after the barrier, untimed): what a call costs in such a job.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import inspect
 import os
 import statistics
+import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -61,18 +66,21 @@ def init_torch_group(comm: Comm, backend: str = "gloo"):
 ROUNDS, QUICK_ROUNDS = 5, 3
 
 
-async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False) -> dict | None:
-    """Run every size through the allreduces, in turns; rank 0 prints the table and writes the JSON record."""
+async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool = False,
+                              compute_ms: float = 0.0) -> dict | None:  # fmt: skip
+    """Run every size through the allreduces, in turns (each call after ``compute_ms`` of work, where that is not
+    0); rank 0 prints the table and writes the JSON record."""
     comm, ranks = system.world.comm.Dup(), system.size
     gloo = init_torch_group(comm)
     bus = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
     sizes, turns = (QUICK_SIZES, QUICK_ROUNDS) if quick else (SIZES, ROUNDS)
     said = Progress(system.rank == 0)
+    before = working(compute_ms * 1e-3) if compute_ms else None
     records = []
     for nbytes in sizes:
         data = np.random.default_rng(system.rank).standard_normal(nbytes // 4).astype(np.float32)
         out = np.empty_like(data)
-        calls = _calls_per_sample(nbytes)
+        calls = 1 if before is not None else _calls_per_sample(nbytes)
         columns: dict[str, Callable[[], object]] = {
             "mpi": _calls(calls, comm.Allreduce, data, out),
             "floor": _calls(calls, _nonblocking_floor(comm, data, out)),
@@ -83,7 +91,7 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
             torch, dist = gloo
             columns["gloo"] = _calls(calls, dist.all_reduce, torch.from_numpy(data.copy()))
         samples = -(-_repeats(nbytes, quick) // turns)  # each column's samples a round
-        rounds = [await _one_round(system, comm, columns, samples, warm_up=turn == 0, per=calls)
+        rounds = [await _one_round(system, comm, columns, samples, warm_up=turn == 0, per=calls, before=before)
                   for turn in range(turns)]  # fmt: skip
         records.append(_record(nbytes, rounds, bus, samples, calls))
         said(f"{_size(nbytes)}: ours/MPI {records[-1]['ours_vs_mpi']:.3g} ({len(records)} of {len(sizes)} sizes)")
@@ -102,22 +110,25 @@ async def run_allreduce_bench(system: ActorSystem, json_path: str, quick: bool =
     nodes = system.hierarchy.node_count
     print(f"allreduce of float32, {ranks} ranks on {nodes} node(s); bus bandwidth = algbw * 2(p-1)/p")
     print(f"ratios: the median over {turns} rounds, the columns in turns in each, of the round's ratio of medians")
+    if compute_ms:
+        print(f"each call after {compute_ms:g} ms of work through 16 MiB of memory on every rank (untimed)")
     print(table(headers, rows))
-    results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "rounds": turns, "sizes": records}
+    results = {"ranks": ranks, "nodes": nodes, "dtype": "float32", "rounds": turns, "compute_ms": compute_ms,
+               "sizes": records}  # fmt: skip
     write_json(json_path, "allreduce", ranks, results)
     return results
 
 
 async def _one_round(system: ActorSystem, comm: Comm, columns: dict[str, Callable[[], object]], samples: int,
-                     warm_up: bool, per: int) -> dict[str, list[float]]:  # fmt: skip
+                     warm_up: bool, per: int, before: Callable[[], None] | None) -> dict[str, list[float]]:  # fmt: skip
     """``samples`` timed runs of each column, one column after the other (collective): seconds a call, the slowest
-    rank's. The first round runs each column once untimed first."""
+    rank's, each after ``before()`` (untimed; None: nothing). The first round runs each column once untimed first."""
     measured = {}
     for name, action in columns.items():
         if inspect.iscoroutinefunction(action):
-            times = [await timed_async(system, action) for _ in range(samples + warm_up)]
+            times = [await timed_async(system, action, before) for _ in range(samples + warm_up)]
         else:
-            times = [timed(comm, action) for _ in range(samples + warm_up)]
+            times = [timed(comm, action, before) for _ in range(samples + warm_up)]
         measured[name] = [seconds / per for seconds in times[warm_up:]]
     return measured
 
@@ -174,6 +185,22 @@ def _awaited_calls(
     return action
 
 
+def working(seconds: float) -> Callable[[], None]:
+    """Work through 16 MiB of memory, 256 KiB at a time, for ``seconds``: a job's iteration between its collectives
+    (the caches then hold other data, and the event loop has had no turn)."""
+    scratch = np.ones(2 << 20)
+    step = 32 << 10
+
+    def work() -> None:
+        end, offset = time.perf_counter() + seconds, 0
+        while time.perf_counter() < end:
+            block = scratch[offset : offset + step]
+            np.multiply(block, 1.0, out=block)
+            offset = (offset + step) % scratch.size
+
+    return work
+
+
 def _nonblocking_floor(comm: Comm, data: np.ndarray, out: np.ndarray) -> Callable[[], None]:
     """One call of the floor column: the allreduce of ``data`` into ``out`` by the messages ours sends, tested in
     a bare loop. Its choice of messages and its buffer for the other rank's values are made here, once (ours keeps
@@ -201,7 +228,7 @@ def _size(nbytes: int) -> str:
 
 def command(args: argparse.Namespace) -> int:
     """``mpiscale bench ...``: the options parsed, the benchmark run, its table printed and its JSON written."""
-    result = run(lambda system: run_allreduce_bench(system, args.json, quick=args.quick))
+    result = run(lambda system: run_allreduce_bench(system, args.json, quick=args.quick, compute_ms=args.compute_ms))
     if args.plot and result is not None:  # rank 0
         plots.bus_bandwidth(result, args.plot)
     return 0

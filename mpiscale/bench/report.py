@@ -97,11 +97,13 @@ def best_of(action: Callable[[], object], repeats: int, before: Callable[[], obj
     return best
 
 
-def timed(comm: Comm, action: Callable[[], object]) -> float:
-    """Seconds from a barrier until the slowest rank of ``comm`` finished ``action``."""
+def timed(comm: Comm, action: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """Seconds from a barrier (and ``before()``, untimed) until the slowest rank of ``comm`` finished ``action``."""
     from mpi4py import MPI
 
     comm.Barrier()
+    if before is not None:
+        before()
     start = time.perf_counter()
     action()
     return comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
@@ -114,11 +116,14 @@ def median_ratio(rounds: Sequence[Mapping[str, Sequence[float]]], numerator: str
     return statistics.median(statistics.median(one[numerator]) / statistics.median(one[denominator]) for one in rounds)
 
 
-async def timed_async(system: ActorSystem, action: Callable[[], Awaitable[object]]) -> float:
+async def timed_async(system: ActorSystem, action: Callable[[], Awaitable[object]],
+                      before: Callable[[], object] | None = None) -> float:  # fmt: skip
     """``timed`` for an awaitable action, with the event loop running (an awaitable barrier)."""
     from mpi4py import MPI
 
     await system.world.barrier()
+    if before is not None:
+        before()
     start = time.perf_counter()
     await action()
     return system.world.comm.allreduce(time.perf_counter() - start, op=MPI.MAX)

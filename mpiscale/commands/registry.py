@@ -280,7 +280,9 @@ _BENCHMARKS = [
     _bench("pingpong", "actor ask/tell vs raw mpi4py (2 ranks)", _PLOT),
     _bench("allreduce", "the hierarchical allreduce's bus bandwidth vs MPI.Allreduce, the same messages in a bare "
            "non-blocking loop (the floor of a Python caller), and torch.distributed gloo (any ranks)",
-           _PLOT),  # fmt: skip
+           _PLOT, arg("--compute-ms", type=float, default=0.0,
+                      help="work through memory for this long before each call, as a job's iterations do "
+                           "(default: 0, calls back to back)")),  # fmt: skip
     _bench("ddp", "a training step of mpiscale.train.DataParallel vs torch DDP with gloo, or NCCL with --device cuda "
            "(any ranks)", arg("--device", choices=("cpu", "cuda"), default="cpu",
                               help="where the models train (default: cpu; cuda: one rank per GPU)")),  # fmt: skip

@@ -162,12 +162,18 @@ def test_bad_settings_are_said_once_per_job_and_name_the_config_file(tmp_path, r
     assert job.returncode == 2 and job.stderr.count("atoms must be at least 1") == 1, job.stderr
 
 
-def test_bench_allreduce_writes_json(tmp_path):
+@pytest.mark.parametrize("compute_ms", [None, "0.5"])
+def test_bench_allreduce_writes_json(tmp_path, compute_ms):
+    """Calls back to back, and each after half a millisecond of work through memory (``--compute-ms``)."""
     out = tmp_path / "allreduce.json"
-    job = mpiscale(2, "bench", "allreduce", "--quick", "--json", str(out), timeout=300)
+    work = ["--compute-ms", compute_ms] if compute_ms else []
+    job = mpiscale(2, "bench", "allreduce", "--quick", *work, "--json", str(out), timeout=300)
     assert_ok(job)
     record = json.loads(out.read_text())
     assert record["benchmark"] == "allreduce" and record["ranks"] == 2 and record["nodes"] == 1
+    assert record["compute_ms"] == float(compute_ms or 0)
+    assert ("ms of work through 16 MiB of memory" in job.stdout) == bool(compute_ms)
+    assert all(size["calls_per_sample"] == 1 for size in record["sizes"]) == bool(compute_ms)
     assert [size["bytes"] for size in record["sizes"]] == [4 << 10, 64 << 10, 1 << 20, 16 << 20]
     assert record["rounds"] == 3  # the columns take turns; a ratio is the median of the rounds' ratios
     for size in record["sizes"]:
@@ -181,6 +187,13 @@ def test_bench_allreduce_writes_json(tmp_path):
             assert size[key] == statistics.median(p / o for p, o in zip(rounds[peer], rounds[ours])), key
     assert "ours/MPI" in job.stdout and "world/MPI" in job.stdout and "ours/gloo" in job.stdout
     assert "floor/MPI" in job.stdout and "ours/floor" in job.stdout
+
+
+@pytest.mark.parametrize("work, said", [("-1", "-1.0"), ("nan", "nan")])
+def test_bench_allreduce_refuses_work_of_no_length_before_it_starts(tmp_path, work, said):
+    job = mpiscale(2, "bench", "allreduce", "--compute-ms", work, "--json", str(tmp_path / "a.json"))
+    assert job.returncode == 2 and job.stderr.count(f"--compute-ms must be 0 or more, got {said}") == 1, job.stderr
+    assert not (tmp_path / "a.json").exists()
 
 
 def test_bench_pipeline_writes_json_with_the_hand_written_peer(tmp_path):
