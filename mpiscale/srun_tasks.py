@@ -10,6 +10,7 @@ library call raises :class:`LaunchError` (``refuse_unjoinable_launch``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -62,11 +63,13 @@ def launch_problem() -> str | None:
     return None
 
 
+@functools.cache
 def open_mpi_without_pmi2() -> str | None:
     """The Open MPI that mpi4py loads ("Open MPI 4.1.4 (/usr/lib/.../libmpi.so.40.30.4)") where its ``pmix``
     components, as its ``ompi_info`` of the same version lists them, hold no PMI-2 client; None where they do, where
     the library is another MPI, or where that cannot be told (no mpi4py, no ``ompi_info``, Open MPI 5, which has
-    no such components). The library is named by a child process, so that MPI does not start here."""
+    no such components). The library is named by a child process, so that MPI does not start here; asked once a
+    process (a command's entry and the runtime's start both check before MPI starts)."""
     version, *libraries = _output([sys.executable, "-c", _LIBRARY_PROBE]).splitlines() or [""]
     if not version.startswith("Open MPI v") or not libraries:
         return None
