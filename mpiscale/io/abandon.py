@@ -6,15 +6,19 @@ wait in the close for ranks that went on to a collective of their own, and
 the error would never be said. So what holds the files is abandoned (left
 open) after such an error, and the job ends: the runtime aborts every rank.
 Where every rank raised the error and the process ends normally, what was
-left open is closed as it exits, before MPI is finalized.
+left open is closed as it exits, before MPI is finalized; so is every file
+still open with MPI-IO over one rank, whatever holds it.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 from collections.abc import Callable
 from typing import Protocol
+
+import h5py
 
 from ..ranks import EACH_RANK, AnyComm, report_and_abort
 from ..runtime import blocking_entry
@@ -64,6 +68,34 @@ def _close_left_open() -> None:
             close()
     except Exception as error:
         report_and_abort(type(error), error, error.__traceback__)
+
+
+def _close_one_rank_files() -> None:
+    """Close every HDF5 file still open with MPI-IO over a communicator of one rank (at a normal exit, after what
+    ``keep_open`` kept). What the interpreter's end does not free (a daemon thread's arguments, say: a thread left
+    running with the job's writer) is closed by HDF5 only as the process exits, after MPI is finalized, and Open MPI
+    then ends the process in its abort ("MPI_Barrier ... called after MPI_FINALIZE"): a refusal's status 2 became 1.
+    Files over several ranks are left as they are: their close is collective, and another rank may hold none."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or not h5py.get_config().mpi:
+        return
+    try:
+        for file in h5py.h5f.get_obj_ids(types=h5py.h5f.OBJ_FILE):
+            access = file.get_access_plist()
+            if access.get_driver() != h5py.h5fd.MPIO:
+                continue
+            comm, info = access.get_fapl_mpio()  # (HDF5's own copies: freed here)
+            alone = comm.Get_size() == 1
+            comm.Free()
+            if info != MPI.INFO_NULL:
+                info.Free()
+            if alone and file.valid:
+                h5py.File(file).close()  # (the file's data sets and groups with it)
+    except Exception as error:
+        report_and_abort(type(error), error, error.__traceback__)
+
+
+atexit.register(_close_one_rank_files)  # (handlers run last registered first: after _close_left_open)
 
 
 class Closable(Protocol):

@@ -204,6 +204,24 @@ def test_a_rank_that_returns_from_main_with_its_writer_unclosed_ends_the_job_wit
     assert "the last: RowWriter.write #2, called at skipped_call.py:" in job.stderr, job.stderr[-3000:]
 
 
+@pytest.mark.parametrize(("ranks", "how"), [(1, "run"), (1, "plain"), (2, "run")])
+def test_files_a_left_running_thread_holds_are_closed_before_mpi_ends_and_the_refusal_keeps_its_status(
+    tmp_path, ranks, how
+):
+    """The program refuses its job with a kept writer and a user's data set held by a daemon thread, which outlives
+    the interpreter's end: a one-rank job's files were closed by HDF5 after MPI was finalized, and Open MPI's abort
+    ("MPI_Barrier ... called after MPI_FINALIZE") turned status 2 into 1. Now every rank ends 2, and the rows stay in
+    the temporary file for a resumed run."""
+    with h5py.File(tmp_path / "in.h5", "w") as file:  # (plain h5py, as a user writes one)
+        file["X"] = np.arange(8.0).reshape(4, 2)
+    job = run_mpi("held_at_end.py", ranks, str(tmp_path), how, timeout=60)
+    assert job.returncode == 2 and "MPI_FINALIZE" not in job.output, job.output[-3000:]
+    assert job.stdout.count("refused with a thread holding the files") == ranks, job.output[-3000:]
+    with h5py.File(tmp_path / "out.h5.tmp", "r") as kept:
+        np.testing.assert_array_equal(kept["X"][()], np.arange(2.0 * ranks).reshape(ranks, 2))
+    assert not (tmp_path / "out.h5").exists()
+
+
 @pytest.mark.parametrize("how", ["plain", "run"])
 def test_writers_every_rank_leaves_unclosed_are_closed_at_the_end_with_their_rows_kept(tmp_path, how):
     """Every rank leaves two writers unclosed, one over a communicator it freed: kept from the garbage collector, they
