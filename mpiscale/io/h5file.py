@@ -22,12 +22,13 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from .._version import __version__
-from ..ranks import Comm
+from ..ranks import Comm, on_rank_0
 from .errors import DataFileError, not_found
 from .external_raw import check_raw_files
 from .filters import undecodable
 from .other_formats import other_directory, other_format
 from .space import file_bytes, give_back_room, set_room_aside
+from .write_lock import held_for_writing
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -131,6 +132,7 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
         what = other_format(path)
         raise DataFileError(path, f"not an HDF5 file but {what}" if what else
                             "not an HDF5 file (no HDF5 signature: truncated, or another format?)")  # fmt: skip
+    on_rank_0(comm, lambda: refuse_held_for_writing(path), (DataFileError,))
     try:
         if comm is not None:
             settle_background_io()
@@ -146,6 +148,16 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
         what = f"format attribute {found!r}" if found is not None else "no format attribute"
         raise DataFileError(path, f"not an mpiscale file of format {expected} ({what})")
     return file
+
+
+def refuse_held_for_writing(path: str) -> None:
+    """A DataFileError where another program holds ``path`` open for writing (``write_lock``): read through MPI-IO,
+    which takes no lock, its rows could be missing or half written; h5py alone refuses it ("unable to lock file")."""
+    holder = held_for_writing(path)
+    if holder is not None:
+        raise DataFileError(path, f"is open for writing by {holder} (HDF5's lock on it is held): its rows may be "
+                            "missing or half written; read it once that program has closed it (HDF5_USE_FILE_LOCKING"
+                            "=FALSE reads it anyway)")  # fmt: skip
 
 
 def file_format(file: h5py.File) -> str | None:

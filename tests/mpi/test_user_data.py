@@ -382,6 +382,50 @@ def test_a_damaged_chunk_ends_the_job_naming_the_file_and_its_rows(tmp_path, use
     assert not (tmp_path / "results.h5").exists()
 
 
+# A user's program still writing its file: half its rows written and flushed, the file held open until told to go on.
+STILL_WRITING = textwrap.dedent(
+    """
+    import sys
+    import h5py, numpy as np
+    X = np.random.default_rng(4).standard_normal((1200, 16))
+    with h5py.File(sys.argv[1], "w") as f:
+        d = f.create_dataset("X", shape=X.shape, dtype=X.dtype)
+        d[:600] = X[:600]
+        f.flush()
+        print("half written", flush=True)
+        sys.stdin.readline()
+        d[600:] = X[600:]
+    print("closed", flush=True)
+    """
+)
+
+
+def test_a_file_another_program_still_writes_is_refused_naming_it_and_read_once_closed(tmp_path):
+    """A user's h5py program holds its file open for writing (HDF5's lock), half its rows written: MPI-IO takes no
+    lock, and the job learned from the 600 rows and 600 of the fill value without a word. Every rank now refuses it
+    with one line naming the file and the writer's process; with HDF5's locking turned off (``HDF5_USE_FILE_LOCKING``)
+    it reads it, and once the writer has closed it, the job runs as it is."""
+    held = tmp_path / "held.h5"
+    writer = subprocess.Popen([sys.executable, "-c", STILL_WRITING, str(held)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout.readline() == "half written\n"
+        job = dictlearn(2, tmp_path / "results.h5", "--data", f"{held}:/X")
+        said = f"{held}: is open for writing by process {writer.pid} (python"
+        assert job.returncode == 2 and said in job.stderr, job.output[-3000:]
+        assert job.stderr.count("mpiscale dictlearn:") == 1 and "Traceback" not in job.output, job.output[-3000:]
+        assert not (tmp_path / "results.h5").exists()
+        anyway = dictlearn(2, tmp_path / "anyway.h5", "--data", f"{held}:/X", env={"HDF5_USE_FILE_LOCKING": "FALSE"})
+        assert_ok(anyway)  # (HDF5's own setting turns its locks off: the user's choice, the check goes with them)
+        writer.stdin.write("go on\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline() == "closed\n"
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert_ok(dictlearn(2, tmp_path / "results.h5", "--data", f"{held}:/X"))
+
+
 def test_rows_kept_in_raw_files_beside_are_found_where_hdf5_is_told_to_look_or_refused(tmp_path, user_files, reference):
     """HDF5 looks for a data set's raw files (external storage) from the current directory. A job started elsewhere
     than the data ended in a traceback saying the file was damaged; it is refused with the two ways to run it, and

@@ -461,3 +461,32 @@ def test_a_report_reads_the_first_rows_within_its_budget(tmp_path):
         np.testing.assert_array_equal(leading_rows(file["X"], 100), np.arange(12.0).reshape(3, 4))
         assert len(leading_rows(file["X"], 1)) == 1 and len(leading_rows(file["X"])) == 10
         assert leading_rows(file["empty"]).shape == (0, 4)
+
+
+def test_a_file_this_program_still_holds_open_for_writing_is_refused_naming_it(tmp_path):
+    """HDF5 locks a file it writes; reading it meanwhile (through MPI-IO, which takes no lock) could see rows half
+    written, so the open is refused, naming the holder; once closed, it reads."""
+    with h5py.File(tmp_path / "held.h5", "w") as file:
+        file["X"] = X
+        file.flush()
+        with pytest.raises(DataFileError, match=r"held.h5: is open for writing by this process \(\d+\) \(HDF5's lock"):
+            ShardedDataset(tmp_path / "held.h5", "X")
+    with ShardedDataset(tmp_path / "held.h5", "X") as data:
+        assert np.array_equal(data.read(0, len(X)), X)
+
+
+def test_a_file_another_program_holds_open_for_writing_is_refused_naming_its_process(tmp_path):
+    """The holder named by its process id and name (the kernel's list of locks), as a user finds it in ``ps``."""
+    import subprocess
+    import sys
+
+    holding = "import h5py, sys; f = h5py.File(sys.argv[1], 'w'); f['X'] = [[1.0]]; print(1, flush=True); input()"
+    writer = subprocess.Popen([sys.executable, "-c", holding, str(tmp_path / "held.h5")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout.readline() == "1\n"
+        with pytest.raises(DataFileError, match=rf"is open for writing by process {writer.pid} \(python"):
+            ShardedDataset(tmp_path / "held.h5", "X")
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)

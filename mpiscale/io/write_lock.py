@@ -1,0 +1,62 @@
+"""Whether another program holds an HDF5 file open for writing, by HDF5's own file lock.
+
+HDF5 (1.10 on) takes an exclusive ``flock`` on a file it opens for writing
+and a shared one on a file it opens for reading, so that a reader never sees
+a file half written: a second h5py program reading it is refused ("unable to
+lock file"). A file opened through MPI-IO takes no lock, so a job's ranks
+read a file that another program (h5py, a C tool) is still writing, rows
+missing or half written, without a word. The check asks for the shared lock
+a reader would take, and lets it go at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+#: ``HDF5_USE_FILE_LOCKING`` values that turn HDF5's locks off (the user's choice: no check then).
+_LOCKING_OFF = ("FALSE", "0")
+
+
+def held_for_writing(path: str) -> str | None:
+    """Who holds ``path`` open for writing (``"process 4242 (python3)"``, or ``"another process"`` where this host
+    cannot say: one on another node), or None: nobody, the file system has no ``flock``, the file cannot be opened
+    (the open that follows says why), or ``HDF5_USE_FILE_LOCKING`` turns HDF5's locks off."""
+    if os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper() in _LOCKING_OFF:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(os.fstat(fd))
+    except OSError:  # no flock on this file system (ENOLCK, EOPNOTSUPP, ENOSYS): HDF5 cannot lock it either
+        return None
+    finally:
+        os.close(fd)  # (and with it the shared lock just taken)
+    return None
+
+
+def _holder(stat: os.stat_result) -> str:
+    """The process of this host whose exclusive ``flock`` is on the file of ``stat`` (the kernel's ``/proc/locks``:
+    ``1: FLOCK  ADVISORY  WRITE 4242 08:01:1234 0 EOF``), or ``"another process"``."""
+    device = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        return "another process"
+    for line in lines:
+        fields = line.split()
+        if "->" not in fields and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and fields[5] == device:
+            pid = int(fields[4])
+            if pid == os.getpid():
+                return f"this process ({pid})"
+            try:
+                with open(f"/proc/{pid}/comm") as name:
+                    return f"process {pid} ({name.read().strip()})"
+            except OSError:
+                return f"process {pid}"
+    return "another process"
