@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+from . import mpi_library
 from .ranks import RANK_VARIABLES, LaunchError, launched_rank
 
 #: What srun's PMI-2 plugin gives every task (and the PMIx one does not).
@@ -24,16 +25,6 @@ PMI2_VARIABLE = "PMI_FD"
 
 #: Open MPI 2-4's clients of Slurm's PMI-1 and PMI-2 (components of its ``pmix`` framework).
 OPEN_MPI_PMI_CLIENTS = ("s1", "s2")
-
-#: Run in a child process: the MPI library mpi4py loads, named without starting MPI (its version line, its files).
-_LIBRARY_PROBE = """
-import mpi4py
-mpi4py.rc.initialize = False
-from mpi4py import MPI
-print(MPI.Get_library_version().splitlines()[0])
-with open("/proc/self/maps") as maps:
-    print(*sorted({line.split()[-1] for line in maps if "/libmpi.so" in line}), sep="\\n")
-"""
 
 _PLUGINS = ("run srun --mpi=pmix (what Open MPI speaks; srun --mpi=list shows the site's plugins), or "
             "launch/mpiscale-run, which chooses it")  # fmt: skip
@@ -70,7 +61,7 @@ def open_mpi_without_pmi2() -> str | None:
     the library is another MPI, or where that cannot be told (no mpi4py, no ``ompi_info``, Open MPI 5, which has
     no such components). The library is named by a child process, so that MPI does not start here; asked once a
     process (a command's entry and the runtime's start both check before MPI starts)."""
-    version, *libraries = _output([sys.executable, "-c", _LIBRARY_PROBE]).splitlines() or [""]
+    version, *libraries = _output([sys.executable, "-P", mpi_library.__file__]).splitlines() or [""]
     if not version.startswith("Open MPI v") or not libraries:
         return None
     number = version.split(",")[0].removeprefix("Open MPI v").strip()

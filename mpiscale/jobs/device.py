@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..gpus import SHARE_GPUS, GpuChoice, place_on_gpus
 from ..kernels.devices import DEVICES
+from ..mpi_library import mapped_mpi_libraries
 from ..ranks import agree
 from .state import announce
 
@@ -149,7 +150,7 @@ def mpi_cuda_aware() -> bool | None:
 
     from mpi4py import MPI  # noqa: F401 (loads the library asked)
 
-    for path in _loaded_mpi_libraries():
+    for path in mapped_mpi_libraries():
         try:
             query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
         except OSError:
@@ -189,13 +190,3 @@ def _device_allreduce_works(comm: Comm, device: str) -> bool:
     comm.Allreduce(MPI.IN_PLACE, value, op=MPI.SUM)
     size = comm.Get_size()
     return float(value.item()) == size * (size + 1) / 2
-
-
-def _loaded_mpi_libraries() -> list[str]:
-    """The paths of the MPI libraries mapped into this process (the ones mpi4py loaded), from /proc/self/maps."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libmpi" in line and ".so" in line}
-    except OSError:
-        return []
-    return sorted(path for path in paths if path.startswith("/"))

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ..mpi_library import library_line
 from . import channel_receive, channel_send, compact, dispatch, outbox, pair_reduce, polling, transport
 from .channel_format import channel_header
 from .errors import MessageRefused, TransportError
@@ -146,11 +147,6 @@ def stale_build(module: Any, source: Path, library_version: str) -> str | None:
     if running != module.BUILT_AGAINST:
         return f"the compiled module was built against {module.BUILT_AGAINST}, not {running}"
     return None
-
-
-def library_line(version: str) -> str:
-    """The first line of ``MPI.Get_library_version()``, without the NUL that Open MPI leaves in it."""
-    return version.replace("\0", "").splitlines()[0].strip()
 
 
 def message_path() -> tuple[str, bool]:
