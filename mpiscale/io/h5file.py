@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 from datetime import UTC, datetime
@@ -28,7 +29,7 @@ from .external_raw import check_raw_files
 from .filters import undecodable
 from .other_formats import other_directory, other_format
 from .space import file_bytes, give_back_room, set_room_aside
-from .write_lock import held_for_writing
+from .write_lock import read_lock
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -132,13 +133,16 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
         what = other_format(path)
         raise DataFileError(path, f"not an HDF5 file but {what}" if what else
                             "not an HDF5 file (no HDF5 signature: truncated, or another format?)")  # fmt: skip
-    on_rank_0(comm, lambda: refuse_held_for_writing(path), (DataFileError,))
+    lock = _read_lock(path, comm)
     try:
         if comm is not None:
             settle_background_io()
-        file = h5py.File(path, "r", **file_access(comm))
+        file = ReadLockedFile(path, "r", **file_access(comm))
     except OSError as error:
+        if lock is not None:
+            os.close(lock)
         raise DataFileError(path, f"not a readable HDF5 file (truncated or corrupt?): {error}") from error
+    file.hold(lock)
     if formats is None:
         return file
     found = file_format(file)
@@ -150,14 +154,42 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
     return file
 
 
-def refuse_held_for_writing(path: str) -> None:
-    """A DataFileError where another program holds ``path`` open for writing (``write_lock``): read through MPI-IO,
-    which takes no lock, its rows could be missing or half written; h5py alone refuses it ("unable to lock file")."""
-    holder = held_for_writing(path)
-    if holder is not None:
-        raise DataFileError(path, f"is open for writing by {holder} (HDF5's lock on it is held): its rows may be "
-                            "missing or half written; read it once that program has closed it (HDF5_USE_FILE_LOCKING"
-                            "=FALSE reads it anyway)")  # fmt: skip
+class ReadLockedFile(h5py.File):
+    """An HDF5 file opened for reading that holds the shared lock HDF5's readers hold (``write_lock``) until it is
+    closed (or freed unclosed), so that a program opening it for writing meanwhile is refused, as HDF5 refuses it
+    beside any reader: the MPI-IO driver takes no lock of its own."""
+
+    _release: weakref.finalize | None = None
+
+    def hold(self, lock: int | None) -> None:
+        """Keep ``lock`` (a descriptor holding the shared lock; None: no lock) until the file is closed."""
+        if lock is not None:
+            self._release = weakref.finalize(self, os.close, lock)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._release is not None:
+                self._release()
+
+
+def _read_lock(path: str, comm: Comm | None) -> int | None:
+    """Rank 0's shared lock on ``path`` (one rank holds it for the job), or None (another rank; no lock taken); a
+    DataFileError on every rank where another program holds the file open for writing: read through MPI-IO, which
+    takes no lock, its rows could be missing or half written, where h5py alone refuses it ("unable to lock file")."""
+    taken: list[int] = []
+
+    def lock() -> None:
+        fd, holder = read_lock(path)
+        if holder is not None:
+            raise DataFileError(path, f"is open for writing by {holder} (HDF5's lock on it is held): its rows may "
+                                "be missing or half written; read it once that program has closed it "
+                                "(HDF5_USE_FILE_LOCKING=FALSE reads it anyway)")  # fmt: skip
+        taken.extend([] if fd is None else [fd])
+
+    on_rank_0(comm, lock, (DataFileError,))
+    return taken[0] if taken else None
 
 
 def file_format(file: h5py.File) -> str | None:

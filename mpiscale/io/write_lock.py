@@ -5,8 +5,10 @@ and a shared one on a file it opens for reading, so that a reader never sees
 a file half written: a second h5py program reading it is refused ("unable to
 lock file"). A file opened through MPI-IO takes no lock, so a job's ranks
 read a file that another program (h5py, a C tool) is still writing, rows
-missing or half written, without a word. The check asks for the shared lock
-a reader would take, and lets it go at once.
+missing or half written, without a word. So the job takes the shared lock
+an HDF5 reader holds (one rank for the job), and keeps it while the file is
+open: a program that then opens the file for writing is refused by HDF5, as
+another reader's lock refuses it.
 """
 
 from __future__ import annotations
@@ -18,25 +20,28 @@ import os
 _LOCKING_OFF = ("FALSE", "0")
 
 
-def held_for_writing(path: str) -> str | None:
-    """Who holds ``path`` open for writing (``"process 4242 (python3)"``, or ``"another process"`` where this host
-    cannot say: one on another node), or None: nobody, the file system has no ``flock``, the file cannot be opened
-    (the open that follows says why), or ``HDF5_USE_FILE_LOCKING`` turns HDF5's locks off."""
+def read_lock(path: str) -> tuple[int | None, str | None]:
+    """The shared lock HDF5's readers hold on ``path``: (the descriptor holding it, for the caller to close once it
+    has closed the file; None), or (None, who holds the file open for writing: ``"process 4242 (python3)"``, or
+    ``"another process"`` where this host cannot say, one on another node). (None, None) where no lock is taken:
+    ``HDF5_USE_FILE_LOCKING`` turns HDF5's locks off, the file system has no ``flock``, or the file cannot be opened
+    (the open that follows says why)."""
     if os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper() in _LOCKING_OFF:
-        return None
+        return None, None
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return None
+        return None, None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _holder(os.fstat(fd))
+        holder = _holder(os.fstat(fd))
+        os.close(fd)
+        return None, holder
     except OSError:  # no flock on this file system (ENOLCK, EOPNOTSUPP, ENOSYS): HDF5 cannot lock it either
-        return None
-    finally:
-        os.close(fd)  # (and with it the shared lock just taken)
-    return None
+        os.close(fd)
+        return None, None
+    return fd, None
 
 
 def _holder(stat: os.stat_result) -> str:

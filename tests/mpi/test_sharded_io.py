@@ -204,6 +204,20 @@ def test_a_rank_that_returns_from_main_with_its_writer_unclosed_ends_the_job_wit
     assert "the last: RowWriter.write #2, called at skipped_call.py:" in job.stderr, job.stderr[-3000:]
 
 
+def test_a_data_set_being_read_keeps_a_users_writer_out_of_its_file_until_closed(tmp_path):
+    """HDF5 refuses to open a file for writing while a reader holds it open; the job's MPI-IO reads took no lock, so
+    a user's h5py program wrote into the file the ranks were reading. Now it is refused while they read ("unable
+    to lock file"), and writes once they have closed it."""
+    with h5py.File(tmp_path / "in.h5", "w") as file:  # (plain h5py, as a user writes one)
+        file["X"] = np.arange(8.0).reshape(4, 2)
+    job = run_mpi("held_input.py", 2, str(tmp_path / "in.h5"), timeout=90)
+    assert_ok(job)
+    assert "while read: the write was refused (locked)" in job.stdout, job.output[-3000:]
+    assert "once closed: the write ended 0" in job.stdout and "rank 1 read 5" in job.stdout, job.output[-3000:]
+    with h5py.File(tmp_path / "in.h5", "r") as file:
+        assert file["Y"][()].tolist() == [1.0]
+
+
 @pytest.mark.parametrize(("ranks", "how"), [(1, "run"), (1, "plain"), (2, "run")])
 def test_files_a_left_running_thread_holds_are_closed_before_mpi_ends_and_the_refusal_keeps_its_status(
     tmp_path, ranks, how
