@@ -1,4 +1,4 @@
-"""Whether another program holds an HDF5 file open for writing, by HDF5's own file lock.
+"""HDF5's file lock for a job's reads: who holds an input open for writing, and the shared lock a reader holds.
 
 HDF5 (1.10 on) takes an exclusive ``flock`` on a file it opens for writing
 and a shared one on a file it opens for reading, so that a reader never sees
