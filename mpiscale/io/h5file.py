@@ -29,7 +29,7 @@ from .external_raw import check_raw_files
 from .filters import undecodable
 from .other_formats import other_directory, other_format
 from .space import file_bytes, give_back_room, set_room_aside
-from .write_lock import read_lock
+from .write_lock import read_lock, release
 
 DATASET_FORMAT = "mpiscale.dataset/1"
 INDEX_FORMAT = "mpiscale.dataset-index/1"
@@ -140,7 +140,7 @@ def open_file(path: str | os.PathLike, formats: tuple[str, ...] | None = None, c
         file = ReadLockedFile(path, "r", **file_access(comm))
     except OSError as error:
         if lock is not None:
-            os.close(lock)
+            release(lock)
         raise DataFileError(path, f"not a readable HDF5 file (truncated or corrupt?): {error}") from error
     file.hold(lock)
     if formats is None:
@@ -164,7 +164,7 @@ class ReadLockedFile(h5py.File):
     def hold(self, lock: int | None) -> None:
         """Keep ``lock`` (a descriptor holding the shared lock; None: no lock) until the file is closed."""
         if lock is not None:
-            self._release = weakref.finalize(self, os.close, lock)
+            self._release = weakref.finalize(self, release, lock)
 
     def close(self) -> None:
         try:

@@ -8,24 +8,33 @@ read a file that another program (h5py, a C tool) is still writing, rows
 missing or half written, without a word. So the job takes the shared lock
 an HDF5 reader holds (one rank for the job), and keeps it while the file is
 open: a program that then opens the file for writing is refused by HDF5, as
-another reader's lock refuses it.
+another reader's lock refuses it. Each lock held is a file descriptor beside
+MPI-IO's own, so at most ``MOST_HELD`` are held at once: past them a file is
+checked as it opens, not held (a data set of many files would otherwise halve
+the files a process may open under its ``ulimit -n``).
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import threading
 
 #: ``HDF5_USE_FILE_LOCKING`` values that turn HDF5's locks off (the user's choice: no check then).
 _LOCKING_OFF = ("FALSE", "0")
 
+#: The most locks a process holds at once (``read_lock``).
+MOST_HELD = 256
+_held = 0
+_counting = threading.Lock()
+
 
 def read_lock(path: str) -> tuple[int | None, str | None]:
-    """The shared lock HDF5's readers hold on ``path``: (the descriptor holding it, for the caller to close once it
-    has closed the file; None), or (None, who holds the file open for writing: ``"process 4242 (python3)"``, or
+    """The shared lock HDF5's readers hold on ``path``: (the descriptor holding it, for the caller to ``release`` once
+    it has closed the file; None), or (None, who holds the file open for writing: ``"process 4242 (python3)"``, or
     ``"another process"`` where this host cannot say, one on another node). (None, None) where no lock is taken:
-    ``HDF5_USE_FILE_LOCKING`` turns HDF5's locks off, the file system has no ``flock``, or the file cannot be opened
-    (the open that follows says why)."""
+    ``HDF5_USE_FILE_LOCKING`` turns HDF5's locks off, the file system has no ``flock``, the file cannot be opened
+    (the open that follows says why), or ``MOST_HELD`` locks are held (the file is checked, not held)."""
     if os.environ.get("HDF5_USE_FILE_LOCKING", "").strip().upper() in _LOCKING_OFF:
         return None, None
     try:
@@ -41,7 +50,22 @@ def read_lock(path: str) -> tuple[int | None, str | None]:
     except OSError:  # no flock on this file system (ENOLCK, EOPNOTSUPP, ENOSYS): HDF5 cannot lock it either
         os.close(fd)
         return None, None
+    global _held
+    with _counting:
+        kept = _held < MOST_HELD
+        _held += kept
+    if not kept:
+        os.close(fd)  # (checked, not held: MOST_HELD are)
+        return None, None
     return fd, None
+
+
+def release(fd: int) -> None:
+    """Let go of a lock ``read_lock`` gave."""
+    global _held
+    os.close(fd)
+    with _counting:
+        _held -= 1
 
 
 def _holder(stat: os.stat_result) -> str:

@@ -490,3 +490,34 @@ def test_a_file_another_program_holds_open_for_writing_is_refused_naming_its_pro
     finally:
         writer.kill()
         writer.wait(timeout=30)
+
+
+def test_locks_held_at_once_are_capped_and_every_file_is_still_checked(tmp_path, monkeypatch):
+    """Each lock held is a descriptor beside the file's own: past ``MOST_HELD`` a file is checked as it opens but not
+    held, so that a data set of many files does not halve the files a process may open; all let go at the close."""
+    import os
+    import subprocess
+    import sys
+
+    from mpiscale.io import write_lock
+
+    monkeypatch.setattr(write_lock, "MOST_HELD", 2)
+    for index in range(4):
+        with h5py.File(tmp_path / f"run-{index}.h5", "w") as file:
+            file["X"] = np.full((3, 2), float(index))
+    before = len(os.listdir("/proc/self/fd"))
+    with ShardedDataset(f"{tmp_path}/run-*.h5", "X") as data:
+        assert len(os.listdir("/proc/self/fd")) - before == 4 + 2  # (HDF5's descriptor of each file, 2 locks)
+        assert data.read(0, 12)[:, 0].tolist() == [0.0] * 3 + [1.0] * 3 + [2.0] * 3 + [3.0] * 3
+    assert len(os.listdir("/proc/self/fd")) == before and write_lock._held == 0
+    holding = "import h5py, sys; f = h5py.File(sys.argv[1], 'a'); print(1, flush=True); input()"
+    writer = subprocess.Popen([sys.executable, "-c", holding, str(tmp_path / "run-3.h5")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert writer.stdout.readline() == "1\n"
+        with pytest.raises(DataFileError, match=rf"run-3.h5: is open for writing by process {writer.pid}"):
+            ShardedDataset(f"{tmp_path}/run-*.h5", "X")  # (the fourth file, past the locks held: checked all the same)
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert write_lock._held == 0
