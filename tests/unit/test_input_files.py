@@ -1,6 +1,11 @@
 """Data as users bring it: HDF5 written by plain h5py in many layouts, globs, lists, .npy (one process)."""
 
+import contextlib
+import os
 import re
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -475,30 +480,32 @@ def test_a_file_this_program_still_holds_open_for_writing_is_refused_naming_it(t
         assert np.array_equal(data.read(0, len(X)), X)
 
 
-def test_a_file_another_program_holds_open_for_writing_is_refused_naming_its_process(tmp_path):
-    """The holder named by its process id and name (the kernel's list of locks), as a user finds it in ``ps``."""
-    import subprocess
-    import sys
-
-    holding = "import h5py, sys; f = h5py.File(sys.argv[1], 'w'); f['X'] = [[1.0]]; print(1, flush=True); input()"
-    writer = subprocess.Popen([sys.executable, "-c", holding, str(tmp_path / "held.h5")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+@contextlib.contextmanager
+def held_by_another_program(path: Path, making: bool) -> Iterator[subprocess.Popen]:
+    """A user's h5py program in another process holding ``path`` open for writing (``making``: it makes the file,
+    a data set X in it) until the block ends."""
+    opening = "f = h5py.File(sys.argv[1], 'w'); f['X'] = [[1.0]]" if making else "f = h5py.File(sys.argv[1], 'a')"
+    code = f"import h5py, sys; {opening}; print(1, flush=True); input()"
+    writer = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
     try:
         assert writer.stdout.readline() == "1\n"
-        with pytest.raises(DataFileError, match=rf"is open for writing by process {writer.pid} \(python"):
-            ShardedDataset(tmp_path / "held.h5", "X")
+        yield writer
     finally:
         writer.kill()
         writer.wait(timeout=30)
 
 
+def test_a_file_another_program_holds_open_for_writing_is_refused_naming_its_process(tmp_path):
+    """The holder named by its process id and name (the kernel's list of locks), as a user finds it in ``ps``."""
+    with held_by_another_program(tmp_path / "held.h5", making=True) as writer:
+        with pytest.raises(DataFileError, match=rf"is open for writing by process {writer.pid} \(python"):
+            ShardedDataset(tmp_path / "held.h5", "X")
+
+
 def test_locks_held_at_once_are_capped_and_every_file_is_still_checked(tmp_path, monkeypatch):
     """Each lock held is a descriptor beside the file's own: past ``MOST_HELD`` a file is checked as it opens but not
     held, so that a data set of many files does not halve the files a process may open; all let go at the close."""
-    import os
-    import subprocess
-    import sys
-
     from mpiscale.io import write_lock
 
     monkeypatch.setattr(write_lock, "MOST_HELD", 2)
@@ -510,14 +517,7 @@ def test_locks_held_at_once_are_capped_and_every_file_is_still_checked(tmp_path,
         assert len(os.listdir("/proc/self/fd")) - before == 4 + 2  # (HDF5's descriptor of each file, 2 locks)
         assert data.read(0, 12)[:, 0].tolist() == [0.0] * 3 + [1.0] * 3 + [2.0] * 3 + [3.0] * 3
     assert len(os.listdir("/proc/self/fd")) == before and write_lock._held == 0
-    holding = "import h5py, sys; f = h5py.File(sys.argv[1], 'a'); print(1, flush=True); input()"
-    writer = subprocess.Popen([sys.executable, "-c", holding, str(tmp_path / "run-3.h5")], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        assert writer.stdout.readline() == "1\n"
+    with held_by_another_program(tmp_path / "run-3.h5", making=False) as writer:
         with pytest.raises(DataFileError, match=rf"run-3.h5: is open for writing by process {writer.pid}"):
             ShardedDataset(f"{tmp_path}/run-*.h5", "X")  # (the fourth file, past the locks held: checked all the same)
-    finally:
-        writer.kill()
-        writer.wait(timeout=30)
     assert write_lock._held == 0
