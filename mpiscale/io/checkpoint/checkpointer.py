@@ -254,11 +254,16 @@ class Checkpointer:
         return self._last_step
 
     def _space_problem(self, levels: list[str], mine: int, sizes: list[int]) -> str | None:
-        """Why the save cannot fit on this rank's file systems, or None."""
+        """Why the save cannot fit on the file systems this rank judges (rank 0 the shared one, a node's leader its
+        node's), or None; the ranks agree on it."""
         node = self.layout.node_dir(self.node) if self.layout.local is not None else None
         wanted = space_needed(levels, self.layout.shared, node, mine, sizes, len(self._senders), self._ranks_on_node)
-        asks = {"level 3": self.rank == 0, "levels 1-2": self._node_leader}  # (one rank a directory sets room aside)
-        problems = [space_problem(directory, needed, level, asks[level]) for directory, needed, level in wanted]
+        # One rank a directory judges its room, and sets it aside a moment (the room several ask for at once adds
+        # up): another rank's look at the free space meanwhile saw that room taken, and refused a save that fits.
+        judges = {"level 3": self.rank == 0, "levels 1-2": self._node_leader}
+        problems = [
+            space_problem(where, needed, level, reserve=True) for where, needed, level in wanted if judges[level]
+        ]
         return next((problem for problem in problems if problem), None)
 
     def _budget(self, nbytes: int) -> float:
