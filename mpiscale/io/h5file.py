@@ -186,7 +186,8 @@ def _read_lock(path: str, comm: Comm | None) -> int | None:
             raise DataFileError(path, f"is open for writing by {holder} (HDF5's lock on it is held): its rows may "
                                 "be missing or half written; read it once that program has closed it "
                                 "(HDF5_USE_FILE_LOCKING=FALSE reads it anyway)")  # fmt: skip
-        taken.extend([] if fd is None else [fd])
+        if fd is not None:
+            taken.append(fd)
 
     on_rank_0(comm, lock, (DataFileError,))
     return taken[0] if taken else None
